@@ -1,0 +1,18 @@
+"""mmjax: a JAX serving kernel for vision-language models."""
+from mmjax.errors import (  # noqa: F401
+    CheckpointError, ContextLengthError, ImageError, ImageTooLargeError, InvalidRequestError,
+    MMJaxError, PromptError, QueueFullError, UnsupportedModelError,
+)
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy so `import mmjax` stays cheap for the CLI and for tests that only need errors.
+    if name in ("load", "VLM"):
+        from mmjax import api
+        return getattr(api, name)
+    if name in ("SamplingParams",):
+        from mmjax.sampling import SamplingParams
+        return SamplingParams
+    raise AttributeError(name)

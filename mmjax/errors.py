@@ -1,0 +1,66 @@
+"""Typed errors. Every error a user can cause maps to an OpenAI-style HTTP error on the server.
+
+`status`, `type` and `code` follow the OpenAI error body
+`{"error": {"message", "type", "param", "code"}}`; `param` names the offending field.
+"""
+from __future__ import annotations
+
+
+class MMJaxError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_openai(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequestError(MMJaxError):
+    """The request itself is wrong (400)."""
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ImageError(InvalidRequestError):
+    """Image bytes that cannot be decoded, are empty, or are of an unsupported kind."""
+    code = "invalid_image"
+
+
+class ImageTooLargeError(ImageError):
+    """Image over the byte or pixel limit (413)."""
+    status = 413
+    code = "image_too_large"
+
+
+class PromptError(InvalidRequestError):
+    """Prompt and images do not fit together (placeholder count, injection, too many images)."""
+    code = "invalid_prompt"
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt (text + image tokens) longer than the model's context, or over an image-token budget."""
+    code = "context_length_exceeded"
+
+
+class CheckpointError(MMJaxError):
+    """A checkpoint that cannot be loaded: missing/unexpected/mis-shaped tensors, bad config."""
+    type = "checkpoint_error"
+    code = "invalid_checkpoint"
+
+
+class UnsupportedModelError(CheckpointError):
+    code = "unsupported_model"
+
+
+class QueueFullError(MMJaxError):
+    status = 503
+    type = "server_busy"
+    code = "queue_full"
