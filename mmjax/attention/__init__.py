@@ -1,0 +1,86 @@
+"""One attention API, several implementations.
+
+    attention(q, k, v, *, causal=False, segment_ids=None, lengths=None, window=None,
+              scale=None, impl="auto") -> [batch, seq_q, heads, head_dim] in q.dtype
+
+q [B, Sq, H, D]; k, v [B, Sk, Hkv, D] with H % Hkv == 0 (GQA: query head h uses kv head
+h // (H // Hkv), the order of Hugging Face's repeat_kv). Masking semantics (bottom-right causal
+alignment, window=(left, right), negative segment ids = padding, lengths = valid keys per row,
+zeros for rows that see no key) are defined once in `mmjax.attention.common`.
+
+impl:
+  "reference"  plain jnp, O(N^2) scores (the oracle)
+  "chunked"    blockwise XLA with online softmax, O(N * block) temporaries
+  "flash"      Pallas tiled flash-attention kernel (GPU; interpret mode elsewhere)
+  "cudnn"      jax.nn.dot_product_attention(implementation="cudnn") (GPU only)
+  "auto"       flash on GPU; on other backends chunked when the reference's score matrix
+               would exceed AUTO_REFERENCE_MAX_SCORE_BYTES, reference otherwise.
+All options are static Python values, so `attention` traces inside jax.jit.
+"""
+from __future__ import annotations
+
+import jax
+
+from mmjax.attention.chunked import chunked_attention
+from mmjax.attention.common import SegmentIds, Window, check_shapes, normalize_window
+from mmjax.attention.reference import reference_attention
+
+__all__ = ["attention", "reference_attention", "chunked_attention", "flash_attention",
+           "IMPLS", "AUTO_REFERENCE_MAX_SCORE_BYTES"]
+
+IMPLS = ("auto", "reference", "chunked", "flash", "cudnn")
+
+# Above this many bytes of float32 scores (B * H * Sq * Sk * 4) "auto" leaves the reference.
+# 64 MiB is e.g. 1 image x 16 heads x 1024^2 tokens; beyond it the chunked path is both
+# leaner and (on CPU, measured in benchmarks/attention.py) no slower.
+AUTO_REFERENCE_MAX_SCORE_BYTES = 64 * 2**20
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def _cudnn_attention(q, k, v, *, causal, segment_ids, lengths, window, scale):
+    """Pass-through to cuDNN fused attention; it has no segment ids (would need an N x N mask)."""
+    if segment_ids is not None:
+        raise ValueError("impl='cudnn' does not support segment_ids; use impl='flash' or 'chunked'")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError("impl='cudnn' supports causal only with seq_q == seq_k")
+    win = normalize_window(window)
+    if win is not None:
+        win = tuple(-1 if w is None else w for w in win)  # jax uses -1 for "unbounded"
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=lengths,
+        local_window_size=win, implementation="cudnn")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+              segment_ids: SegmentIds = None, lengths: jax.Array | None = None,
+              window: Window = None, scale: float | None = None, impl: str = "auto") -> jax.Array:
+    """Multi-head attention; q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> [B, Sq, H, D] (q.dtype)."""
+    b, sq, h, d, sk, hkv = check_shapes(q, k, v)
+    kw = dict(causal=causal, segment_ids=segment_ids, lengths=lengths, window=window, scale=scale)
+    if impl == "auto":
+        if _on_gpu():
+            impl = "flash"
+        elif b * h * sq * sk * 4 > AUTO_REFERENCE_MAX_SCORE_BYTES:
+            impl = "chunked"
+        else:
+            impl = "reference"
+    if impl == "reference":
+        return reference_attention(q, k, v, **kw)
+    if impl == "chunked":
+        return chunked_attention(q, k, v, **kw)
+    if impl == "flash":
+        from mmjax.attention.flash import flash_attention  # lazy: Pallas import is not free
+        return flash_attention(q, k, v, **kw)
+    if impl == "cudnn":
+        return _cudnn_attention(q, k, v, **kw)
+    raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+
+
+def __getattr__(name):
+    if name == "flash_attention":
+        from mmjax.attention.flash import flash_attention
+        return flash_attention
+    raise AttributeError(name)

@@ -1,0 +1,128 @@
+"""Blockwise attention in plain XLA: online softmax over key blocks, query blocks in a loop.
+
+Temporary memory is O(B * H * block_q * block_k) for the scores of one tile plus O(N) for the
+operands and output, never the O(N^2) score matrix of the reference. This is the default on
+CPU for long sequences (a 42k-patch image would need ~114 GB of scores with the reference).
+
+Structure: `lax.map` over query blocks; for each, a `fori_loop` over only the key blocks that
+causal/window masking can reach (dynamic bounds, so a causal pass does about half the work),
+carrying the running max m, normalizer l and un-normalized output acc in float32.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mmjax.attention.common import (
+    SegmentIds, Window, check_lengths, check_shapes, default_scale, normalize_window,
+    split_segment_ids, visible,
+)
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 1024
+
+
+def _pad_to(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _key_block_range(q_start: jax.Array, block_q: int, block_k: int, num_k_blocks: int,
+                     offset: int, causal: bool, window) -> tuple[jax.Array, jax.Array]:
+    """[lo, hi) key blocks that may hold a visible key for queries q_start .. q_start+block_q-1."""
+    first_pos = q_start + offset
+    last_pos = q_start + block_q - 1 + offset
+    lo = jnp.int32(0)
+    hi = jnp.int32(num_k_blocks)
+    right = None
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = jnp.maximum(lo, (first_pos - left) // block_k)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if right is not None:
+        hi = jnp.minimum(hi, (last_pos + right) // block_k + 1)
+    lo = jnp.clip(lo, 0, num_k_blocks)
+    hi = jnp.clip(hi, lo, num_k_blocks)
+    return lo, hi
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                      segment_ids: SegmentIds = None, lengths: jax.Array | None = None,
+                      window: Window = None, scale: float | None = None,
+                      block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
+    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> [B, Sq, H, D] in q.dtype (semantics: common.py)."""
+    b, sq, h, d, sk, hkv = check_shapes(q, k, v)
+    g = h // hkv
+    scale = default_scale(d, scale)
+    window = normalize_window(window)
+    q_seg, kv_seg = split_segment_ids(segment_ids, b, sq, sk)
+    lengths = check_lengths(lengths, b)
+    offset = sk - sq
+
+    # Small inputs: one block covers everything (no padding waste).
+    block_q = min(block_q, sq)
+    block_k = min(block_k, sk)
+    nq = -(-sq // block_q)
+    nk = -(-sk // block_k)
+    sq_pad, sk_pad = nq * block_q, nk * block_k
+
+    # Padded keys are masked by kv_len (static seq_k unless `lengths` is tighter).
+    kv_len = jnp.full((b,), sk, jnp.int32) if lengths is None else jnp.minimum(lengths, sk)
+    acc_t = jnp.promote_types(q.dtype, jnp.float32)
+    prec = jax.lax.Precision.HIGHEST if acc_t == q.dtype else None
+
+    qp = _pad_to(q, 1, sq_pad).reshape(b, nq, block_q, hkv, g, d)
+    qp = jnp.moveaxis(qp, 1, 0)  # [nq, B, bq, Hkv, G, D]: lax.map iterates the leading axis
+    kp = _pad_to(k, 1, sk_pad)
+    vp = _pad_to(v, 1, sk_pad)
+    q_seg_blocks = None
+    if q_seg is not None:
+        q_seg_blocks = jnp.moveaxis(_pad_to(q_seg, 1, sq_pad, -1).reshape(b, nq, block_q), 1, 0)
+        kv_seg = _pad_to(kv_seg, 1, sk_pad, -1)
+
+    def one_query_block(args):
+        qi, q_blk, qs_blk = args
+        q_start = qi * block_q
+        q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
+        lo, hi = _key_block_range(q_start, block_q, block_k, nk, offset, causal, window)
+
+        def body(j, carry):
+            m, l, acc = carry
+            k_start = j * block_k
+            k_blk = jax.lax.dynamic_slice_in_dim(kp, k_start, block_k, axis=1)
+            v_blk = jax.lax.dynamic_slice_in_dim(vp, k_start, block_k, axis=1)
+            k_idx = k_start + jnp.arange(block_k, dtype=jnp.int32)
+            mask = visible(
+                q_idx[:, None], k_idx[None, :], offset=offset, causal=causal, window=window,
+                q_seg=None if qs_blk is None else qs_blk[:, :, None],
+                kv_seg=None if kv_seg is None else
+                jax.lax.dynamic_slice_in_dim(kv_seg, k_start, block_k, axis=1)[:, None, :],
+                kv_len=kv_len[:, None, None])                       # [B, bq, bk]
+            s = jnp.einsum("bqhgd,bkhd->bhgqk", q_blk, k_blk, precision=prec,
+                           preferred_element_type=acc_t) * scale
+            s = jnp.where(mask[:, None, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)     # rows with nothing seen yet
+            alpha = jnp.exp(m - m_safe)
+            p = jnp.exp(s - m_safe[..., None])
+            l = alpha * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype) if v.dtype != acc_t else p,
+                            v_blk, precision=prec, preferred_element_type=acc_t)
+            return m_new, l, alpha[..., None] * acc + pv
+
+        init = (jnp.full((b, hkv, g, block_q), -jnp.inf, acc_t),
+                jnp.zeros((b, hkv, g, block_q), acc_t),
+                jnp.zeros((b, hkv, g, block_q, d), acc_t))
+        _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+        out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]           # no visible key -> zeros
+        return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(q.dtype)   # [B, bq, Hkv, G, D]
+
+    out = jax.lax.map(one_query_block, (jnp.arange(nq, dtype=jnp.int32), qp, q_seg_blocks))
+    out = jnp.moveaxis(out, 0, 1).reshape(b, sq_pad, h, d)
+    return out[:, :sq]
