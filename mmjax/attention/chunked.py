@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from mmjax.attention.common import (
     SegmentIds, Window, check_lengths, check_shapes, default_scale, normalize_window,
-    split_segment_ids, visible,
+    key_block_range, split_segment_ids, visible,
 )
 
 DEFAULT_BLOCK_Q = 512
@@ -29,27 +29,6 @@ def _pad_to(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
     return jnp.pad(x, widths, constant_values=value)
-
-
-def _key_block_range(q_start: jax.Array, block_q: int, block_k: int, num_k_blocks: int,
-                     offset: int, causal: bool, window) -> tuple[jax.Array, jax.Array]:
-    """[lo, hi) key blocks that may hold a visible key for queries q_start .. q_start+block_q-1."""
-    first_pos = q_start + offset
-    last_pos = q_start + block_q - 1 + offset
-    lo = jnp.int32(0)
-    hi = jnp.int32(num_k_blocks)
-    right = None
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = jnp.maximum(lo, (first_pos - left) // block_k)
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    if right is not None:
-        hi = jnp.minimum(hi, (last_pos + right) // block_k + 1)
-    lo = jnp.clip(lo, 0, num_k_blocks)
-    hi = jnp.clip(hi, lo, num_k_blocks)
-    return lo, hi
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -90,7 +69,7 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
         qi, q_blk, qs_blk = args
         q_start = qi * block_q
         q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
-        lo, hi = _key_block_range(q_start, block_q, block_k, nk, offset, causal, window)
+        lo, hi = key_block_range(q_start, block_q, block_k, nk, offset, causal, window)
 
         def body(j, carry):
             m, l, acc = carry

@@ -117,3 +117,30 @@ def visible(q_idx: jax.Array, k_idx: jax.Array, *, offset: int, causal: bool,
     if kv_len is not None:
         mask = mask & (k_idx < kv_len)
     return mask
+
+
+def key_block_range(q_start: jax.Array, block_q: int, block_k: int, num_k_blocks: int,
+                    offset: int, causal: bool, window: tuple[int | None, int | None] | None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """[lo, hi) key blocks that can hold a visible key for queries q_start .. q_start+block_q-1.
+
+    Only causal/window bound the range (segments are data-dependent). Uses `lax.div`
+    (truncating) and min/max only, so it lowers inside Pallas GPU kernels too; truncation can
+    only widen the range for negative positions, and the clamps make that harmless.
+    """
+    first_pos = q_start + offset
+    last_pos = q_start + (block_q - 1 + offset)
+    lo = jnp.int32(0)
+    hi = jnp.int32(num_k_blocks)
+    right = None
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = jnp.maximum(lo, jax.lax.div(first_pos - left, jnp.int32(block_k)))
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if right is not None:
+        hi = jnp.minimum(hi, jax.lax.div(last_pos + right, jnp.int32(block_k)) + 1)
+    lo = jnp.minimum(jnp.maximum(lo, 0), num_k_blocks)
+    hi = jnp.minimum(jnp.maximum(hi, lo), num_k_blocks)
+    return lo, hi
