@@ -53,7 +53,15 @@ _PARAM = "image_url"  # the OpenAI request field every image error points at
 
 # Raster formats a chat client plausibly sends. Everything else Pillow can open (EPS, which shells
 # out to Ghostscript, PSD, ICNS, fonts, ...) is refused: more decoders = more attack surface.
-DEFAULT_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "MPO", "AVIF")
+# (MPO, the multi-picture JPEG of phone cameras, is opened by the JPEG plugin.)
+DEFAULT_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF")
+
+# Leading bytes of the accepted formats: lets a corrupt header be reported as corrupt rather than
+# as an unsupported format (Pillow raises the same UnidentifiedImageError for both).
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+    (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,6 +218,18 @@ def _allowed_formats(limits: ImageLimits) -> list[str]:
     return [f for f in limits.formats if f.upper() in Image.OPEN]
 
 
+def _sniff(data: bytes) -> str | None:
+    """Format name from the file signature, or None (RIFF/WEBP and ISO-BMFF/AVIF checked by tag)."""
+    for magic, name in _SIGNATURES:
+        if data.startswith(magic):
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[4:8] == b"ftyp" and data[8:12] in (b"avif", b"avis"):
+        return "AVIF"
+    return None
+
+
 def _open(data: bytes, limits: ImageLimits) -> Image.Image:
     """Parse only the header (Pillow opens lazily) so limits are checked before pixels are decoded."""
     formats = _allowed_formats(limits)
@@ -217,12 +237,15 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image:
         with _pillow_bomb_guard():
             return Image.open(io.BytesIO(data), formats=formats)
     except UnidentifiedImageError:
+        kind = _sniff(data)
+        if kind is not None:
+            raise ImageError(f"corrupt {kind} image: its header cannot be parsed", param=_PARAM) from None
         raise ImageError(f"unrecognised or unsupported image format (accepted: {', '.join(formats)})",
                          param=_PARAM) from None
     except (ImageError, MemoryError):
         raise
     except Exception as e:  # any parser failure on untrusted bytes is a bad image, not a server error
-        raise ImageError(f"cannot read image header: {e}", param=_PARAM) from None
+        raise ImageError(f"cannot read image header (corrupt or truncated): {e}", param=_PARAM) from None
 
 
 def _load_frame0(img: Image.Image) -> None:
