@@ -1,0 +1,1 @@
+"""Model building blocks and families; everything here is a pure function of (params, arrays)."""

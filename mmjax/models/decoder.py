@@ -1,0 +1,165 @@
+"""Llama-style decoder (Llama / Mistral / Qwen2) over an explicit slot KV cache.
+
+KV cache: a list with one {"k", "v"} dict per layer, each `[slots, max_len, kv_heads, head_dim]`.
+One array per layer (not one stacked array) because slicing a layer out of a stacked array inside
+the decode step copied every layer's weights each step on XLA CPU (see facts.md).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmjax.checkpoint import TensorSource, fused_linear, linear
+from mmjax.config import TextConfig
+from mmjax.models.layers import dense, rms_norm
+
+KVCache = list  # [{"k": [slots, max_len, kv_heads, head_dim], "v": ...}] * layers
+
+
+def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head_name: str) -> dict:
+    """HF LlamaForCausalLM-style weights -> params with fused qkv and gate_up matmuls."""
+    d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layers = []
+    for n in range(cfg.num_layers):
+        lp = f"{prefix}layers.{n}."
+        layers.append({
+            "ln1": src.take(lp + "input_layernorm.weight", (d,)),
+            "qkv": fused_linear(src, [lp + f"self_attn.{x}_proj" for x in "qkv"], d,
+                                [q_out, kv_out, kv_out], cfg.attention_bias),
+            "o": linear(src, lp + "self_attn.o_proj", q_out, d, False),
+            "ln2": src.take(lp + "post_attention_layernorm.weight", (d,)),
+            "gate_up": fused_linear(src, [lp + "mlp.gate_proj", lp + "mlp.up_proj"], d, [i, i], cfg.mlp_bias),
+            "down": linear(src, lp + "mlp.down_proj", i, d, cfg.mlp_bias),
+        })
+    embed = src.take(prefix + "embed_tokens.weight", (cfg.vocab_size, d))
+    if cfg.tie_word_embeddings and not src.has(lm_head_name):
+        lm_head = np.ascontiguousarray(embed.T)
+    else:
+        lm_head = np.ascontiguousarray(src.take(lm_head_name, (cfg.vocab_size, d)).T)
+    return {"embed": embed, "layers": layers, "norm": src.take(prefix + "norm.weight", (d,)),
+            "lm_head": lm_head}
+
+
+def init_kv_cache(cfg: TextConfig, num_slots: int, max_len: int, dtype) -> KVCache:
+    shape = (num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)]
+
+
+def rope_inv_freq(cfg: TextConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] (float32), with the config's rope scaling applied."""
+    r, dim = cfg.rope, cfg.head_dim
+    inv = 1.0 / (r.theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv = inv.astype(np.float32)
+    if r.rope_type == "linear":
+        inv = inv / r.factor
+    elif r.rope_type == "llama3":
+        low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
+        high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / r.factor, inv)
+        smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (
+            r.high_freq_factor - r.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(inv_freq: jax.Array, positions: jax.Array, mrope_section=None):
+    """positions [b, t] (or [3, b, t] for M-RoPE) -> cos, sin [b, t, head_dim] in float32.
+
+    M-RoPE: frequency band i of `mrope_section` takes its angle from the temporal, height or
+    width position row (Qwen2-VL), each section repeated for both rotated halves.
+    """
+    pos = positions.astype(jnp.float32)
+    freqs = pos[..., None] * inv_freq  # [..., b, t, hd/2]
+    if mrope_section is not None:
+        bands, start = [], 0
+        for axis, width in enumerate(mrope_section):
+            bands.append(freqs[axis, ..., start:start + width])
+            start += width
+        freqs = jnp.concatenate(bands, axis=-1)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [b, t, heads, hd]; HF's rotate_half convention (halves, not interleaved pairs)."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return (x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array) -> jax.Array:
+    """Causal attention of new queries over a cache window.
+
+    q [b, t, heads, hd]; k, v [b, window, kv_heads, hd]; q_index [b, t] = cache index of each
+    query. Key j is visible to a query at index i iff j <= i (so stale entries past a sequence's
+    end are never read). Returns [b, t, heads, hd].
+    """
+    b, t, h, hd = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    qg = q.reshape(b, t, kvh, g, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(hd)
+    visible = jnp.arange(k.shape[1])[None, None, :] <= q_index[:, :, None]  # [b, t, window]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
+def forward(params: dict, cfg: TextConfig, embeds: jax.Array, positions: jax.Array, cache: KVCache,
+            starts: jax.Array, *, window: int, slots: jax.Array | None = None,
+            inv_freq: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Run the decoder on new tokens and write their K/V into the cache.
+
+    embeds [b, t, hidden]; positions [b, t] rope positions ([3, b, t] for M-RoPE); starts [b]:
+    cache index of each row's first new token; slots [b]: cache row of each batch row (None means
+    batch row i is slot i, the decode step's layout, read with a slice instead of a gather);
+    window (static): cache prefix attended to, >= max(starts) + t.
+    Returns (final-normed hidden [b, t, hidden], updated cache).
+    """
+    b, t, _ = embeds.shape
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if inv_freq is None:
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    cos, sin = rope_cos_sin(inv_freq, positions, cfg.rope.mrope_section)
+    q_index = starts[:, None] + jnp.arange(t)[None, :]
+    rows = jnp.arange(b) if slots is None else slots
+    x = embeds
+    new_cache = []
+    for layer, kv in zip(params["layers"], cache):
+        hn = rms_norm(layer["ln1"], x, cfg.rms_norm_eps)
+        qkv = dense(layer["qkv"], hn)
+        q = qkv[..., : h * hd].reshape(b, t, h, hd)
+        k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
+        v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # mode="drop": padded tail tokens of a bucketed chunk past max_len are simply not written.
+        ck = kv["k"].at[rows[:, None], q_index].set(k.astype(kv["k"].dtype), mode="drop")
+        cv = kv["v"].at[rows[:, None], q_index].set(v.astype(kv["v"].dtype), mode="drop")
+        new_cache.append({"k": ck, "v": cv})
+        if slots is None:
+            kw, vw = ck[:, :window], cv[:, :window]
+        else:
+            kw, vw = ck[slots, :window], cv[slots, :window]
+        attn = cache_attention(q, kw, vw, q_index)
+        x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
+        hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
+        gu = dense(layer["gate_up"], hn)
+        gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+        x = x + dense(layer["down"], jax.nn.silu(gate) * up)
+    return rms_norm(params["norm"], x, cfg.rms_norm_eps), new_cache
+
+
+def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
+    """hidden [..., hidden] -> logits [..., vocab] in float32."""
+    return (hidden @ params["lm_head"]).astype(jnp.float32)
+
+
+def embed_tokens(params: dict, token_ids: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], token_ids, axis=0, mode="clip")

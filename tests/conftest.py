@@ -1,0 +1,34 @@
+import os
+import sys
+
+# Tests run on CPU, offline, with a private compilation cache.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MMJAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "mmjax-test-jax-cache"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llava_dirs(tmp_path_factory):
+    """Two tiny LLaVA checkpoints: {"gqa": path, "mha": path} (see tiny_checkpoints.build_llava)."""
+    from tiny_checkpoints import build_llava
+    root = tmp_path_factory.mktemp("llava")
+    return {v: build_llava(root / v, variant=v, seed=i) for i, v in enumerate(("gqa", "mha"))}
+
+
+def noise_image(seed: int, width: int, height: int):
+    """Random RGB noise (never constant) as a PIL image."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|: the relative error used throughout the parity tests."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
