@@ -82,6 +82,11 @@ class ImageLimits:
     max_pixels: int = 40_000_000
     formats: tuple[str, ...] = DEFAULT_FORMATS
 
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0 or self.max_pixels <= 0:
+            raise ValueError(f"ImageLimits must be positive, got max_bytes={self.max_bytes}, "
+                             f"max_pixels={self.max_pixels}")
+
 
 _WHITESPACE = re.compile(r"\s+")
 
@@ -271,14 +276,26 @@ def _decode_first_frame(img: Image.Image) -> Image.Image:
     return img
 
 
-def _apply_exif_orientation(img: Image.Image) -> Image.Image:
-    """Rotate/flip per the EXIF Orientation tag, like transformers' `load_image` and browsers."""
+def _apply_exif_orientation(img: Image.Image, *, owned: bool) -> Image.Image:
+    """Rotate/flip per the EXIF Orientation tag, like transformers' `load_image` and browsers.
+
+    owned: the image was decoded here, so it may be transposed in place (saves a full copy);
+    a caller's PIL image is never mutated.
+    """
     try:
+        if owned:
+            ImageOps.exif_transpose(img, in_place=True)
+            return img
         return ImageOps.exif_transpose(img)
     except Exception:
         # Broken EXIF is common in the wild and the pixels are fine: show them unrotated
         # (what browsers do) rather than refusing the image.
         return img
+
+
+def _is_plain_rgb(img: Image.Image) -> bool:
+    """Already what to_rgb would return (an RGB image with a tRNS colour key is not)."""
+    return img.mode == "RGB" and img.info.get("transparency") is None
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -294,17 +311,17 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def _finish(img: Image.Image, limits: ImageLimits) -> Image.Image:
+def _finish(img: Image.Image, limits: ImageLimits, *, owned: bool) -> Image.Image:
+    """Limits -> frame 0 -> EXIF orientation -> RGB (always a new, detached image)."""
     _check_dimensions(img.size, limits)
     img = _decode_first_frame(img)
-    img = _apply_exif_orientation(img)
+    img = _apply_exif_orientation(img, owned=owned)
     try:
         rgb = to_rgb(img)
     except (MemoryError, ImageError):
         raise
     except Exception as e:  # modes Pillow cannot convert (e.g. exotic TIFF sample formats)
         raise ImageError(f"cannot convert image of mode {img.mode!r} to RGB: {e}", param=_PARAM) from None
-    rgb.info.pop("transparency", None)  # composited away; keep pixel_hash/policies mode-only
     return rgb
 
 
@@ -317,13 +334,13 @@ def load_image(source: ImageSource, limits: ImageLimits = ImageLimits()) -> Imag
     ImageTooLargeError (over limits.max_bytes or limits.max_pixels, or Pillow's bomb guard).
     """
     if isinstance(source, Image.Image):
-        return _finish(source, limits)
-    return _finish(_open(_source_bytes(source, limits), limits), limits)
+        return _finish(source, limits, owned=False)
+    return _finish(_open(_source_bytes(source, limits), limits), limits, owned=True)
 
 
 def pixel_hash(img: Image.Image) -> str:
     """sha256 hex of (width, height, RGB bytes): same decoded pixels -> same hash, whatever the file."""
-    rgb = img if img.mode == "RGB" else to_rgb(img)
+    rgb = img if _is_plain_rgb(img) else to_rgb(img)
     h = hashlib.sha256(b"mmjax.rgb8\0")  # domain tag: never collides with a hash of raw file bytes
     h.update(struct.pack("<II", rgb.width, rgb.height))
     h.update(rgb.tobytes())
@@ -380,14 +397,21 @@ def _pil_resize(img: Image.Image, height: int, width: int, resample: int) -> np.
 
 
 def _as_rgb(img: Image.Image) -> Image.Image:
+    """Policy input check: a non-empty PIL image, converted like load_image if it is not RGB yet."""
     if not isinstance(img, Image.Image):
         raise ImageError(f"expected a PIL image, got {type(img).__name__}", param=_PARAM)
-    return img if img.mode == "RGB" else to_rgb(img)
+    if img.width <= 0 or img.height <= 0:
+        raise ImageError(f"image has zero size ({img.width}x{img.height})", param=_PARAM)
+    return img if _is_plain_rgb(img) else to_rgb(img)
 
 
 # --------------------------------------------------------------------------------------------
 # CLIP (LLaVA-1.5): resize, optional center crop, rescale, normalize -> fixed [H, W, 3]
 # --------------------------------------------------------------------------------------------
+
+# A 1x10000 image resized to shortest_edge=336 would need a 336x3.36M intermediate (HF allocates
+# it). Refuse intermediates above this many pixels instead of exhausting host memory.
+MAX_RESIZE_PIXELS = 40_000_000
 
 SizeSpec = tuple[tuple[str, int], ...]  # a hashable size dict, items sorted by key
 _SIZE_KEY_SETS = ({"height", "width"}, {"shortest_edge"}, {"shortest_edge", "longest_edge"})
@@ -469,7 +493,7 @@ class ClipImagePolicy:
     do_normalize: bool = True
     image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
     image_std: tuple[float, float, float] = OPENAI_CLIP_STD
-    do_convert_rgb: bool = True
+    do_convert_rgb: bool = True  # informational: inputs are always converted to RGB like load_image
 
     def __post_init__(self) -> None:
         # An encoder with fixed position embeddings needs one output size; refuse configs that
@@ -529,7 +553,11 @@ class ClipImagePolicy:
         """RGB PIL image -> float32 [H, W, 3] (channels-last) == HF pixel_values[0].transpose(1, 2, 0)."""
         img = _as_rgb(img)
         if self.do_resize:
-            pixels = _pil_resize(img, *self.resized_size(img.height, img.width), self.resample)
+            rh, rw = self.resized_size(img.height, img.width)
+            if rh * rw > MAX_RESIZE_PIXELS:
+                raise ImageError(f"image aspect ratio {img.width}x{img.height} is too extreme: resizing it to "
+                                 f"{rw}x{rh} would exceed {MAX_RESIZE_PIXELS} pixels", param=_PARAM)
+            pixels = _pil_resize(img, rh, rw, self.resample)
         else:
             pixels = np.asarray(img)
         if self.do_center_crop:
@@ -576,8 +604,12 @@ def _qwen_pixel_bounds(cfg: dict) -> tuple[int | None, int | None]:
     (some older hub configs) and top-level min_pixels/max_pixels (original Qwen releases).
     """
     size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
-    lo = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels")))
-    hi = cfg.get("max_pixels", size.get("longest_edge", size.get("max_pixels")))
+
+    def first(*values: Any) -> Any:
+        return next((v for v in values if v is not None), None)
+
+    lo = first(cfg.get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels"))
+    hi = first(cfg.get("max_pixels"), size.get("longest_edge"), size.get("max_pixels"))
     return lo, hi
 
 

@@ -104,6 +104,27 @@ def test_clip_exact_hw_keeps_whole_canvas():
     assert out[:, 0].max() < out[:, 256].min() and out[:, -1].max() < out[:, 256].min()
 
 
+def test_clip_extreme_aspect_ratio_refused_not_oom():
+    policy = ClipImagePolicy.from_config(CLIP_CONFIGS["llava15_shortest_edge_crop"])
+    with pytest.raises(ImageError, match="aspect ratio"):
+        policy(Image.new("RGB", (1, 200_000), (9, 9, 9)))
+    with pytest.raises(ImageError, match="zero size"):
+        policy(Image.new("RGB", (0, 3)))
+
+
+def test_policies_composite_rgb_colour_key_like_hf():
+    # An RGB PNG with a tRNS colour key: HF's convert_to_rgb composites the keyed colour on white.
+    arr = np.asarray(noise_image(40, 30)).copy()
+    arr[:5, :5] = (10, 20, 30)
+    img = Image.open(io.BytesIO(encode(Image.fromarray(arr), "PNG", transparency=(10, 20, 30))))
+    img.load()
+    assert img.mode == "RGB" and img.info.get("transparency") is not None
+    cfg = CLIP_CONFIGS["demo_exact_hw_no_crop"]
+    ref = CLIPImageProcessorPil(**cfg)(img, return_tensors="np")["pixel_values"][0].transpose(1, 2, 0)
+    assert max_abs(ClipImagePolicy.from_config(cfg)(img), ref) <= TOL
+    assert pixel_hash(img) == pixel_hash(load_image(encode(img))) != pixel_hash(Image.fromarray(arr))
+
+
 def test_clip_variable_size_config_rejected():
     with pytest.raises(UnsupportedModelError) as e:
         ClipImagePolicy.from_config({"size": {"shortest_edge": 224}, "do_center_crop": False})
@@ -188,6 +209,9 @@ def test_qwen2vl_config_styles():
     v5 = Qwen2VLImagePolicy.from_config({"size": {"shortest_edge": 3136, "longest_edge": 12845056}})
     old = Qwen2VLImagePolicy.from_config({"size": {"min_pixels": 3136, "max_pixels": 12845056}})
     assert top == v5 == old and (top.min_pixels, top.max_pixels) == (3136, 12845056)
+    explicit_none = Qwen2VLImagePolicy.from_config(
+        {"min_pixels": None, "max_pixels": None, "size": {"shortest_edge": 100, "longest_edge": 9000}})
+    assert (explicit_none.min_pixels, explicit_none.max_pixels) == (100, 9000)
     both = Qwen2VLImagePolicy.from_config({"size": {"shortest_edge": 1, "longest_edge": 2}, "max_pixels": 5000})
     hf = Qwen2VLImageProcessorPil(size={"shortest_edge": 1, "longest_edge": 2}, max_pixels=5000)
     assert (both.min_pixels, both.max_pixels) == (hf.size.shortest_edge, hf.size.longest_edge)
@@ -360,6 +384,10 @@ def test_exif_orientation_6_rotates():
     assert img.size == (20, 40)  # (W, H) after rotation
     expected = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
     assert np.array_equal(np.asarray(img), np.asarray(expected))
+    # a caller's PIL image is rotated in the result but never mutated
+    theirs = Image.open(io.BytesIO(data))
+    assert np.array_equal(np.asarray(load_image(theirs)), np.asarray(expected))
+    assert theirs.size == (40, 20)
 
 
 def test_pixel_hash_format_independent():
