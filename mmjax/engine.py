@@ -143,6 +143,11 @@ class Engine:
                     sampling: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request. `prompt` holds one image placeholder per image (or is already ids
         with placeholders). Raises typed errors for requests that can never run."""
+        return self.submit(self.make_request(prompt, images, sampling, request_id))
+
+    def make_request(self, prompt: str | list[int], images: list[ImageInput] = (),
+                     sampling: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
         sampling = sampling or SamplingParams()
         images = list(images)
         if len(images) > self.max_images_per_request:
@@ -164,16 +169,19 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
         key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise InvalidRequestError(f"duplicate request id {rid!r}", param="request_id")
         req = Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                       rope_delta=rope_delta, sampling=sampling, key=key,
                       detok=IncrementalDetokenizer(self.tokenizer),
                       logprobs=[] if sampling.logprobs is not None else None)
         req.feats = [None] * len(images)
-        self.requests[rid] = req
+        return req
+
+    def submit(self, req: Request) -> str:
+        if req.id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {req.id!r}", param="request_id")
+        self.requests[req.id] = req
         self.waiting.append(req)
-        return rid
+        return req.id
 
     def image_starts(self, ids: np.ndarray, counts: list[int]) -> list[int]:
         """Prompt index of each image's first token. Adjacent images form one run of image
@@ -200,6 +208,15 @@ class Engine:
         self._finish(req, "abort")
         self.counters["requests_aborted"] += 1
         return True
+
+    def reset_device_state(self) -> None:
+        """Fresh KV cache and decode state (after a failed step may have consumed donated buffers)."""
+        from mmjax.models import decoder
+        from mmjax.runner import init_decode_state
+
+        r = self.runner
+        r.cache = decoder.init_kv_cache(r.text_cfg, r.num_slots, r.max_model_len, r.dtype)
+        r.state = init_decode_state(r.num_slots)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -368,3 +385,122 @@ class Engine:
                 "compiled_shapes": self.runner.compiled_counts(),
                 "compiled_shapes_bound": self.runner.buckets.max_compilations(),
                 "compile_seconds": round(self.runner.compile_seconds, 3)}
+
+
+class AsyncEngine:
+    """The engine loop in a background thread, driven from asyncio (the server's face).
+
+    Validation and image preprocessing run in the caller's executor; only the loop thread touches
+    engine state. A failure inside one step fails the requests involved, never the loop.
+    """
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 256):
+        import threading
+
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: deque = deque()          # ("add", req, queue, loop) | ("abort", rid)
+        self._streams: dict[str, tuple[Any, Any]] = {}  # rid -> (asyncio.Queue, loop)
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="mmjax-engine", daemon=True)
+        self.step_log: deque = deque(maxlen=1)  # last step summary (for the server's log line)
+        self._thread.start()
+
+    # ---- called from asyncio ---------------------------------------------------------------
+    def submit(self, req: Request):
+        """Queue a validated request; returns an asyncio.Queue of Deltas for it."""
+        import asyncio
+
+        from mmjax.errors import QueueFullError
+
+        if len(self.engine.waiting) + len(self._inbox) >= self.max_waiting:
+            raise QueueFullError(f"server is at capacity ({self.max_waiting} queued requests); retry later")
+        q: asyncio.Queue = asyncio.Queue()
+        self._inbox.append(("add", req, q, asyncio.get_running_loop()))
+        self._wake.set()
+        return q
+
+    async def stream(self, req: Request):
+        """Async iterator of Deltas for one request; aborts it if the consumer goes away."""
+        q = self.submit(req)
+        finished = False
+        try:
+            while True:
+                d = await q.get()
+                yield d
+                if d.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(req.id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop after finishing running work (bounded by `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    # ---- loop thread -------------------------------------------------------------------------
+    def _emit(self, rid: str, delta: Delta) -> None:
+        target = self._streams.get(rid)
+        if target is None:
+            return
+        q, loop = target
+        loop.call_soon_threadsafe(q.put_nowait, delta)
+        if delta.finished:
+            self._streams.pop(rid, None)
+            self.engine.release(rid)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if item[0] == "add":
+                _, req, q, loop = item
+                self._streams[req.id] = (q, loop)
+                try:
+                    self.engine.submit(req)
+                except MMJaxError as e:
+                    self._emit(req.id, Delta(req.id, [], "", None, True, "error", error=e))
+            else:
+                rid = item[1]
+                if self.engine.abort(rid):
+                    self._emit(rid, Delta(rid, [], "", None, True, "abort"))
+                self.engine.release(rid)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                deltas = self.engine.step()
+            except Exception as e:  # a bug or device failure: fail what was in flight, keep serving
+                log.exception("engine step failed")
+                deltas = self._fail_active(e)
+            for d in deltas:
+                self._emit(d.request_id, d)
+            self.step_log.append((time.monotonic() - t0, len(deltas)))
+
+    def _fail_active(self, exc: Exception) -> list[Delta]:
+        err = MMJaxError(f"internal error while running the request: {type(exc).__name__}: {exc}")
+        out = []
+        for r in [s for s in self.engine.slots if s is not None]:
+            self.engine._finish(r, "error")
+            out.append(Delta(r.id, [], "", None, True, "error", error=err))
+        self.engine.reset_device_state()
+        return out
