@@ -394,7 +394,8 @@ def test_pixel_hash_format_independent():
     src = noise_image(31, 17)
     png, bmp = load_image(encode(src, "PNG")), load_image(encode(src, "BMP"))
     webp = load_image(encode(src, "WEBP", lossless=True))
-    assert pixel_hash(png) == pixel_hash(bmp) == pixel_hash(webp) == pixel_hash(src)
+    tiff = load_image(encode(src, "TIFF", compression="tiff_deflate"))
+    assert pixel_hash(png) == pixel_hash(bmp) == pixel_hash(webp) == pixel_hash(tiff) == pixel_hash(src)
     changed = np.asarray(src).copy()
     changed[5, 7, 1] ^= 1
     assert pixel_hash(Image.fromarray(changed)) != pixel_hash(png)
@@ -513,4 +514,24 @@ def test_pillow_bomb_warning_becomes_error_not_warning():
             load_image(crafted_png(10000, 10000), ImageLimits(max_pixels=200_000_000))
     assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
     # the guard restores the warning filters it changed
+    assert not any(f[2] is Image.DecompressionBombWarning for f in warnings.filters)
+
+
+def test_concurrent_loads_are_isolated():
+    # Bad and good images decoded from several threads: each gets its own result or typed error,
+    # and the bomb guard leaves no warning filter behind.
+    from concurrent.futures import ThreadPoolExecutor
+    good = encode(noise_image(64, 48))
+    jobs = [good, crafted_png(20000, 20000), b"junk", good[:100]] * 4
+
+    def run(data):
+        try:
+            return pixel_hash(load_image(data))
+        except ImageError as e:
+            return type(e).__name__
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, jobs))
+    expected = [pixel_hash(noise_image(64, 48)), "ImageTooLargeError", "ImageError", "ImageError"] * 4
+    assert results == expected
     assert not any(f[2] is Image.DecompressionBombWarning for f in warnings.filters)
