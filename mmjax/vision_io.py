@@ -368,7 +368,10 @@ def _channel_triple(value: Any, default: tuple[float, ...], name: str) -> tuple[
         value = default
     if isinstance(value, (int, float)):
         value = (value,) * 3
-    value = tuple(float(v) for v in value)
+    try:
+        value = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        raise UnsupportedModelError(f"image processor {name}={value!r} is not a list of numbers", param=name) from None
     if len(value) != 3:
         raise UnsupportedModelError(f"image processor {name} must have 3 values, got {len(value)}", param=name)
     return value  # type: ignore[return-value]
