@@ -61,7 +61,10 @@ class LoadedModel:
     hf_config: dict = field(repr=False, default_factory=dict)
 
 
-def load_model(model: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
+def load_model(model: str | os.PathLike, dtype: str = "float32", params_dir: str | os.PathLike | None = None
+               ) -> LoadedModel:
+    """Resolve, parse and convert a checkpoint. `params_dir`: orbax params written by
+    `save_params` / `mmjax convert`, restored instead of converting the safetensors again."""
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
     path = hub.resolve(model)
@@ -69,6 +72,9 @@ def load_model(model: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
     fam_mod = _family_for(hf_cfg.get("model_type"))
     family, np_params = fam_mod.load(path, hf_cfg)
     params = cast_params(np_params, DTYPES[dtype])
+    if params_dir is not None:
+        from mmjax.checkpoint import restore_params
+        params = restore_params(params_dir, like=params)
     tokenizer = Tokenizer(path, image_token=fam_mod.image_token(path, hf_cfg))
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -98,6 +104,11 @@ class VLM:
             from mmjax.engine import Engine
             self._engine = Engine(self.model, **self._engine_kw)
         return self._engine
+
+    def save_params(self, directory: str | os.PathLike) -> Path:
+        """Write the converted params with orbax; reload with `mmjax.load(path, params_dir=...)`."""
+        from mmjax.checkpoint import save_params
+        return save_params(self.params, directory)
 
     # ---- images ------------------------------------------------------------------------------
     def prepare_images(self, images: Iterable[Any], **opts):
@@ -182,10 +193,12 @@ class VLM:
 
 
 def load(model: str | os.PathLike, dtype: str = "float32", *, image_limits: ImageLimits = ImageLimits(),
-         **engine_kw) -> VLM:
+         params_dir: str | os.PathLike | None = None, **engine_kw) -> VLM:
     """Load a Hugging Face-layout VLM checkpoint (local dir or hub id) into a VLM.
 
-    engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes.
+    params_dir: converted params saved with `VLM.save_params` (orbax) for a fast reload.
+    engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
+    max_images_per_request.
     """
     enable_compilation_cache()
-    return VLM(load_model(model, dtype), image_limits=image_limits, **engine_kw)
+    return VLM(load_model(model, dtype, params_dir), image_limits=image_limits, **engine_kw)

@@ -1,0 +1,109 @@
+"""`mmjax` command line: generate, serve, convert, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def default_model() -> str | None:
+    """The checkpoint shipped with the package (mmjax-shapes), if present."""
+    try:
+        from mmjax.demo import default_model_path
+    except ImportError:
+        return None
+    p = default_model_path()
+    return str(p) if p is not None else None
+
+
+def _model_arg(args) -> str:
+    model = args.model or default_model()
+    if model is None:
+        sys.exit("mmjax: no --model given and no shipped default model is installed")
+    return model
+
+
+def cmd_generate(args) -> int:
+    import mmjax
+    from mmjax.errors import MMJaxError
+
+    t0 = time.perf_counter()
+    vlm = mmjax.load(_model_arg(args), args.dtype, max_num_seqs=1)
+    sp = mmjax.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    try:
+        if vlm.tokenizer.chat_template and not args.raw:
+            content = [{"type": "image", "image": im} for im in args.image] + [{"type": "text", "text": args.prompt}]
+            prompt, images = vlm.render_chat([{"role": "user", "content": content}])
+        else:
+            prompt, images = args.prompt, args.image
+        eng = vlm.engine
+        rid = eng.add_request(prompt, vlm.prepare_images(images), sp)
+        while eng.has_work():
+            for d in eng.step():
+                if d.request_id == rid and d.text:
+                    sys.stdout.write(d.text)
+                    sys.stdout.flush()
+    except MMJaxError as e:
+        print(f"mmjax: error: {e.message}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    if args.verbose:
+        st = eng.stats()
+        print(f"[{time.perf_counter() - t0:.2f}s total, compile {st['compile_seconds']:.2f}s, "
+              f"compiled shapes {st['compiled_shapes']}]", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    import mmjax
+
+    vlm = mmjax.load(args.model, args.dtype)
+    out = vlm.save_params(args.out)
+    print(f"saved converted params to {out}; load with mmjax.load({args.model!r}, params_dir={str(out)!r})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmjax", description="JAX serving kernel for vision-language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="answer one prompt about images, streaming to the terminal")
+    g.add_argument("--model", default=None, help="local HF-layout dir or hub id (default: shipped mmjax-shapes)")
+    g.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--raw", action="store_true", help="send --prompt as is (with <image> placeholders), no chat template")
+    g.add_argument("-v", "--verbose", action="store_true", help="print timing and compile figures to stderr")
+    g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a HF checkpoint's weights to orbax params for fast reloads")
+    c.add_argument("--model", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.set_defaults(fn=cmd_convert)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server", add_help=False)
+    s.set_defaults(fn=lambda a: _delegate("serve", a.rest))
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+
+    b = sub.add_parser("bench", help="benchmarks: kernel | serve | attention", add_help=False)
+    b.add_argument("which", choices=["kernel", "serve", "attention"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=lambda a: _delegate(f"benchmarks.{a.which}", a.rest))
+
+    args = parser.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+def _delegate(module: str, rest: list[str]) -> int:
+    import importlib
+
+    mod = importlib.import_module(module)
+    return int(mod.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
