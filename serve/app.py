@@ -1,0 +1,652 @@
+"""The aiohttp application: OpenAI routes around an `AsyncEngine`.
+
+    app = create_app(vlm, ServerConfig(served_model_name="tiny"))
+    runner, port = await start_server(app, "127.0.0.1", 0)
+
+Request path: auth -> JSON -> schema (serve.schema) -> images fetched/decoded/resized in a thread
+pool (serve.media) -> chat template + tokenization + validation in the pool
+(`Engine.make_request`) -> `AsyncEngine.stream` -> JSON or SSE. The first delta is awaited before
+any byte of a streaming response is sent, so every error that happens before the first token
+(queue full, engine failure) still gets its proper HTTP status; later failures arrive as an SSE
+`error` event. A client that goes away cancels its handler (handler_cancellation) or fails a
+write; either way the stream generator's `finally` aborts the request and frees its slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError
+from mmjax.sampling import SamplingParams
+from mmjax.vision_io import ImageLimits
+from serve import schema
+from serve.media import MediaConfig, MediaFetcher
+from serve.metrics import ServerMetrics
+from serve.schema import AuthError, NotFoundError, UnavailableError
+
+log = logging.getLogger("mmjax.serve")
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str = "mmjax"
+    api_key: str | None = None
+    limit_images: int = 8                      # images per request
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 40_000_000
+    image_max_tokens: int | None = None        # per-image token budget
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    allow_private_media_urls: bool = False
+    media_fetch_timeout: float = 10.0
+    media_max_redirects: int = 3
+    max_queue: int = 256                       # engine waiting queue -> 503 beyond
+    media_workers: int = 4
+    log_stats_interval: float = 1.0            # seconds; 0 = no step log lines
+    drain_timeout: float = 30.0
+    chat_template: str | None = None           # template text (overrides the checkpoint's)
+    max_body_bytes: int | None = None          # default: enough for limit_images base64 images
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class State:
+    vlm: Any
+    engine: Any
+    aengine: Any
+    config: ServerConfig
+    fetcher: MediaFetcher
+    metrics: ServerMetrics
+    executor: ThreadPoolExecutor
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    active: set = field(default_factory=set)     # request ids being served
+    logger_task: Any = None
+    token_cache: dict = field(default_factory=dict)   # token id -> (text, bytes) for logprobs
+
+
+STATE = web.AppKey("mmjax_state", State)
+
+
+def _as_vlm(obj):
+    from mmjax.api import VLM
+    from mmjax.engine import Engine
+
+    if isinstance(obj, Engine):
+        vlm = VLM(obj.model)
+        vlm._engine = obj
+        return vlm
+    if hasattr(obj, "engine") and hasattr(obj, "render_chat"):
+        return obj
+    raise TypeError(f"create_app needs an mmjax VLM or Engine, got {type(obj).__name__}")
+
+
+def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Application:
+    """Build the app. Starts the engine loop thread (an `AsyncEngine`) immediately; it stops in
+    the app's cleanup. The engine must not be driven by anyone else while the app lives."""
+    from mmjax.engine import AsyncEngine
+
+    cfg = config or ServerConfig()
+    vlm = _as_vlm(vlm_or_engine)
+    engine = vlm.engine
+    if cfg.chat_template:
+        vlm.tokenizer.chat_template = cfg.chat_template
+    cfg.limit_images = min(cfg.limit_images, engine.max_images_per_request)
+    aengine = AsyncEngine(engine, max_waiting=cfg.max_queue)
+    executor = ThreadPoolExecutor(max_workers=cfg.media_workers, thread_name_prefix="mmjax-media")
+    media_cfg = MediaConfig(limits=ImageLimits(max_bytes=cfg.max_image_bytes, max_pixels=cfg.max_image_pixels),
+                            allowed_local_path=cfg.allowed_local_media_path,
+                            allowed_domains=tuple(d.lower() for d in cfg.allowed_media_domains),
+                            allow_private_urls=cfg.allow_private_media_urls,
+                            fetch_timeout=cfg.media_fetch_timeout, max_redirects=cfg.media_max_redirects,
+                            image_max_tokens=cfg.image_max_tokens)
+    fetcher = MediaFetcher(media_cfg, vlm.family, executor)
+    metrics = ServerMetrics(engine.stats, lambda: len(engine.waiting) + len(aengine._inbox))
+    st = State(vlm, engine, aengine, cfg, fetcher, metrics, executor)
+
+    body_cap = cfg.max_body_bytes or (cfg.max_image_bytes * 4 // 3 + 4096) * max(cfg.limit_images, 1) + 2**20
+    app = web.Application(middlewares=[_error_middleware, _auth_middleware], client_max_size=body_cap)
+    app[STATE] = st
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_route)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+async def _on_startup(app: web.Application) -> None:
+    st = app[STATE]
+    if st.config.log_stats_interval > 0:
+        st.logger_task = asyncio.create_task(_stats_logger(st))
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    st = app[STATE]
+    if st.logger_task is not None:
+        st.logger_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await st.logger_task
+    await st.fetcher.close()
+    await asyncio.get_running_loop().run_in_executor(None, st.aengine.shutdown, 5.0)
+    st.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0):
+    """Serve `app` (client disconnects cancel their handler). Returns (runner, site, bound port)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else port
+    return runner, site, bound
+
+
+# ---- middlewares ----------------------------------------------------------------------------------
+
+def json_error(status: int, body: dict) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+def _route_name(request: web.Request) -> str:
+    info = request.match_info.route.resource
+    return info.canonical if info is not None else "unmatched"
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    st = request.app[STATE]
+    t0 = time.monotonic()
+    route = _route_name(request)
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except MMJaxError as e:
+        status = e.status
+        if status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.path, status, e.message)
+        return json_error(status, e.to_openai())
+    except web.HTTPException as e:
+        status = e.status
+        if e.status == 413:
+            msg = (f"request body is larger than {request.app._client_max_size} bytes "
+                   "(images count against it; see --max-image-bytes and --limit-images)")
+            return json_error(413, schema.error_body(msg, "invalid_request_error", "body", "request_too_large"))
+        if e.status == 404:
+            return json_error(404, schema.error_body(f"no route {request.method} {request.path}",
+                                                     "invalid_request_error", None, "not_found"))
+        if e.status == 405:
+            return json_error(405, schema.error_body(f"method {request.method} not allowed on {request.path}",
+                                                     "invalid_request_error", None, "method_not_allowed"))
+        return json_error(e.status, schema.error_body(e.reason or str(e), "invalid_request_error", None, None))
+    except asyncio.CancelledError:
+        status = 499  # client closed the connection
+        raise
+    except (ConnectionResetError, BrokenPipeError):
+        status = 499
+        raise
+    except Exception as e:  # a bug: this request only
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_error(500, schema.error_body(f"internal error: {type(e).__name__}: {e}", "internal_error",
+                                                 None, "internal_error"))
+    finally:
+        if route != "/metrics":
+            st.metrics.requests.labels(route, str(status)).inc()
+            st.metrics.latency.labels(route).observe(time.monotonic() - t0)
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler):
+    key = request.app[STATE].config.api_key
+    if key and request.path.startswith("/v1"):
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not given:
+            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise AuthError("incorrect API key provided")
+    return await handler(request)
+
+
+# ---- simple routes ----------------------------------------------------------------------------------
+
+def _model_card(st: State) -> dict:
+    return {"id": st.config.served_model_name, "object": "model", "created": st.created, "owned_by": "mmjax",
+            "root": str(getattr(st.vlm.model, "path", "")), "max_model_len": st.engine.max_model_len,
+            "image_token": st.vlm.tokenizer.image_token}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    _check_model(st, request.match_info["model"])
+    return web.json_response(_model_card(st))
+
+
+async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not st.aengine._thread.is_alive():
+        return web.json_response({"status": "engine loop stopped"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# ---- generation ---------------------------------------------------------------------------------------
+
+def _check_model(st: State, model: str | None) -> None:
+    if model is not None and model != st.config.served_model_name:
+        raise NotFoundError(f"the model {model!r} does not exist; this server serves "
+                            f"{st.config.served_model_name!r}", param="model")
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        raise InvalidRequestError("request body is empty; expected a JSON object", param=None,
+                                  code="invalid_json")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"request body is not valid JSON: {e}", param=None, code="invalid_json") from None
+
+
+async def _load_images(st: State, refs) -> list:
+    """Fetch + decode all images concurrently; the first failure cancels the rest."""
+    if not refs:
+        return []
+    tasks = [asyncio.ensure_future(st.fetcher.load(r)) for r in refs]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+
+
+def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: str):
+    """Runs in the thread pool: template, tokenize, validate, size the completion."""
+    eng = st.engine
+    if parsed.kind == "chat":
+        prompt = st.vlm.tokenizer.render_chat(parsed.messages, add_generation_prompt=True)
+    else:
+        prompt = parsed.prompt
+        tok = st.vlm.tokenizer
+        if isinstance(prompt, list):
+            if images:
+                raise InvalidRequestError("'images' needs a string prompt (token-id prompts cannot carry "
+                                          "image placeholders)", param="images")
+            bad = [t for t in prompt if t >= tok.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary (size {tok.vocab_size})",
+                                          param="prompt")
+        elif images and tok.image_token and tok.image_token not in prompt:
+            prompt = (tok.image_token + "\n") * len(images) + prompt
+    sp = SamplingParams(max_tokens=1, temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
+                        min_p=parsed.min_p, seed=parsed.seed, stop=list(parsed.stop),
+                        stop_token_ids=list(parsed.stop_token_ids), logprobs=parsed.logprobs,
+                        ignore_eos=parsed.ignore_eos)
+    try:
+        req = eng.make_request(prompt, images, sp, request_id=rid)
+    except ContextLengthError as e:
+        if parsed.kind == "completion" and e.param == "messages":
+            e.param = "prompt"
+        raise
+    except PromptError as e:
+        if parsed.kind == "completion" and e.param == "messages":
+            e.param = "prompt"
+        raise
+    room = eng.max_model_len - req.prompt_len
+    if parsed.max_tokens is None:
+        req.sampling.max_tokens = room
+    elif parsed.max_tokens > room:
+        field_ = "max_completion_tokens" if parsed.kind == "chat" else "max_tokens"
+        raise ContextLengthError(
+            f"this model's maximum context length is {eng.max_model_len} tokens; you requested "
+            f"{req.prompt_len + parsed.max_tokens} tokens ({req.prompt_len} in the prompt, including "
+            f"{sum(im.num_tokens for im in images)} image tokens, and {parsed.max_tokens} for the completion)",
+            param=field_ if parsed.kind == "completion" else "max_tokens")
+    else:
+        req.sampling.max_tokens = parsed.max_tokens
+    return req
+
+
+class _Acc:
+    """What a request produced so far."""
+
+    def __init__(self):
+        self.text = []
+        self.n_tokens = 0
+        self.logprobs: list = []
+        self.finish_reason = None
+        self.first_token_at = None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: printable stand-in character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _token_info(st: State, tid: int) -> tuple[str, list[int]]:
+    """(text, raw bytes) of one token; a token holding part of a UTF-8 character has text with
+    U+FFFD but its true bytes (as in the OpenAI API's `bytes`)."""
+    cache = st.token_cache
+    hit = cache.get(tid)
+    if hit is not None:
+        return hit
+    tok = st.vlm.tokenizer
+    text = tok.decode([tid], skip_special_tokens=False)
+    piece = tok.id_to_token(tid) or ""
+    if piece and all(ch in _BYTE_DECODER for ch in piece) and "\ufffd" in text:
+        raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+    elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        raw = bytes([int(piece[3:5], 16)])
+    else:
+        raw = text.encode("utf-8")
+    if len(cache) < 200_000:
+        cache[tid] = (text, list(raw))
+    return text, list(raw)
+
+
+def _token_str(st: State, tid: int) -> str:
+    return _token_info(st, tid)[0]
+
+
+def _chat_lp(st: State, d, n: int) -> list[dict]:
+    """Delta logprobs -> OpenAI chat entries. The engine's per-token dict holds the top-n
+    alternatives plus the chosen token (which may or may not be among them)."""
+    out = []
+    for tid, lp in zip(d.token_ids, d.logprobs or []):
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:n]
+        tok, raw = _token_info(st, tid)
+        alts = []
+        for i, v in top:
+            t, b = _token_info(st, i)
+            alts.append({"token": t, "logprob": v, "bytes": b})
+        out.append({"token": tok, "logprob": lp[tid], "bytes": raw, "top_logprobs": alts})
+    return out
+
+
+class Generation:
+    """One request through the engine: shared by both routes, both modes."""
+
+    def __init__(self, st: State, parsed: schema.ParsedRequest, req, route: str, t0: float, rid: str):
+        self.st, self.parsed, self.req, self.route, self.t0, self.rid = st, parsed, req, route, t0, rid
+        self.acc = _Acc()
+        self.gen = st.aengine.stream(req)
+        self.n_images = len(req.images)
+        self.image_tokens = sum(im.num_tokens for im in req.images)
+
+    async def next(self):
+        try:
+            d = await self.gen.__anext__()
+        except StopAsyncIteration:
+            return None
+        a = self.acc
+        if d.error is not None:
+            raise d.error
+        if d.finish_reason == "abort":
+            raise UnavailableError("the request was aborted because the server is shutting down")
+        if d.token_ids and a.first_token_at is None:
+            a.first_token_at = time.monotonic()
+            self.st.metrics.ttft.labels(self.route).observe(a.first_token_at - self.t0)
+        a.n_tokens += len(d.token_ids)
+        a.text.append(d.text)
+        if d.finished:
+            a.finish_reason = d.finish_reason
+            self._account()
+        return d
+
+    def _account(self) -> None:
+        m, a = self.st.metrics, self.acc
+        m.prompt_tokens.inc(self.req.prompt_len)
+        m.image_tokens.inc(self.image_tokens)
+        m.cached_tokens.inc(self.req.cached_tokens)
+        m.completion_tokens.inc(a.n_tokens)
+
+    def usage(self) -> dict:
+        return schema.usage(self.req.prompt_len, self.acc.n_tokens, int(self.req.cached_tokens), self.image_tokens)
+
+    async def close(self) -> None:
+        await self.gen.aclose()
+
+    def logprob_entries(self, d) -> list:
+        return _chat_lp(self.st, d, self.parsed.logprobs or 0) if d.logprobs is not None else []
+
+
+def _completion_lp(entries: list[dict], offset: int) -> tuple[dict, int]:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        out["text_offset"].append(offset)
+        offset += len(e["token"])
+    return out, offset
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    st = request.app[STATE]
+    t0 = time.monotonic()
+    if st.draining:
+        raise UnavailableError("the server is shutting down and accepts no new requests")
+    body = await _read_json(request)
+    lim = st.config.limit_images
+    parsed = schema.parse_chat(body, limit_images=lim) if kind == "chat" else \
+        schema.parse_completion(body, limit_images=lim)
+    _check_model(st, parsed.model)
+    st.metrics.images.inc(len(parsed.images))
+    images = await _load_images(st, parsed.images)
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    loop = asyncio.get_running_loop()
+    req = await loop.run_in_executor(st.executor, _build_request, st, parsed, images, rid)
+    if st.draining:
+        raise UnavailableError("the server is shutting down and accepts no new requests")
+    g = Generation(st, parsed, req, _route_name(request), t0, rid)
+    st.active.add(rid)
+    st.metrics.in_flight.inc()
+    try:
+        first = await g.next()   # QueueFullError / engine failure surface here, before any header
+        if parsed.stream:
+            return await _stream(request, g, first, kind)
+        return await _collect(g, first, kind)
+    except asyncio.CancelledError:
+        st.metrics.disconnects.inc()
+        raise
+    finally:
+        st.active.discard(rid)
+        st.metrics.in_flight.dec()
+        await g.close()
+
+
+async def _collect(g: Generation, d, kind: str) -> web.Response:
+    entries = []
+    while d is not None:
+        entries.extend(g.logprob_entries(d))
+        if d.finished:
+            break
+        d = await g.next()
+    a, st = g.acc, g.st
+    text = "".join(a.text)
+    lp = None
+    if g.parsed.logprobs is not None:
+        lp = schema.chat_logprobs(entries) if kind == "chat" else _completion_lp(entries, 0)[0]
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                  "finish_reason": a.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": a.finish_reason}
+        obj = "text_completion"
+    return web.json_response({"id": g.rid, "object": obj, "created": schema.now(),
+                              "model": st.config.served_model_name, "choices": [choice], "usage": g.usage()})
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream(request: web.Request, g: Generation, d, kind: str) -> web.StreamResponse:
+    st = g.st
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                                   "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    created = schema.now()
+    model = st.config.served_model_name
+    include_usage = g.parsed.include_usage
+    want_lp = g.parsed.logprobs is not None
+    offset = 0
+
+    def chunk(choice: dict | None) -> dict:
+        obj = {"id": g.rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+               "created": created, "model": model, "choices": [choice] if choice is not None else []}
+        if include_usage:
+            obj["usage"] = None
+        return obj
+
+    try:
+        if kind == "chat":
+            await resp.write(_sse(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None})))
+        while d is not None:
+            lp = None
+            if want_lp:
+                entries = g.logprob_entries(d)
+                if kind == "chat":
+                    lp = schema.chat_logprobs(entries)
+                else:
+                    lp, offset = _completion_lp(entries, offset)
+            if d.text or lp is not None or d.finished:
+                fr = d.finish_reason if d.finished else None
+                if kind == "chat":
+                    delta = {"content": d.text} if d.text else {}
+                    c = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}
+                else:
+                    c = {"index": 0, "text": d.text, "logprobs": lp, "finish_reason": fr}
+                await resp.write(_sse(chunk(c)))
+            if d.finished:
+                break
+            try:
+                d = await g.next()
+            except MMJaxError as e:  # after the headers: report in-band
+                log.warning("request %s failed mid-stream: %s", g.rid, e.message)
+                await resp.write(_sse(e.to_openai()))
+                break
+        if include_usage and g.acc.finish_reason is not None:
+            u = chunk(None)
+            u["usage"] = g.usage()
+            await resp.write(_sse(u))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, BrokenPipeError, RuntimeError) as e:
+        # client went away mid-stream (aiohttp raises ConnectionResetError / ClientConnectionResetError)
+        if isinstance(e, RuntimeError) and "closing" not in str(e).lower():
+            raise
+        st.metrics.disconnects.inc()
+        log.info("client disconnected from %s; request aborted", g.rid)
+    return resp
+
+
+# ---- step log --------------------------------------------------------------------------------------
+
+async def _stats_logger(st: State) -> None:
+    """SGLang-style lines, one per interval in which the engine did work:
+    `Prefill batch. #new-seq, #new-token, #cached-token, cache hit rate, #running-req, #queue-req`
+    `Decode batch. #running-req, #token, gen throughput (token/s), #queue-req, steps`."""
+    interval = st.config.log_stats_interval
+    prev = st.engine.stats()
+    t_prev = time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        s = st.engine.stats()
+        now = time.monotonic()
+        dt, t_prev = now - t_prev, now
+        d = {k: s[k] - prev[k] for k in ("tokens_prefilled", "tokens_cached", "tokens_decoded", "decode_steps",
+                                         "prefill_calls", "requests_finished", "requests_aborted")}
+        queued = s["requests_waiting"] + len(st.aengine._inbox)
+        if d["prefill_calls"]:
+            total = d["tokens_prefilled"] + d["tokens_cached"]
+            hit = d["tokens_cached"] / total if total else 0.0
+            log.info("Prefill batch. #chunks: %d, #new-token: %d, #cached-token: %d, cache hit rate: %.2f%%, "
+                     "#running-req: %d, #queue-req: %d", d["prefill_calls"], d["tokens_prefilled"],
+                     d["tokens_cached"], 100 * hit, s["requests_running"], queued)
+        if d["decode_steps"]:
+            log.info("Decode batch. #running-req: %d, #gen-token: %d, gen throughput (token/s): %.2f, "
+                     "#queue-req: %d, #steps: %d, #finished: %d, #aborted: %d", s["requests_running"],
+                     d["tokens_decoded"], d["tokens_decoded"] / dt, queued, d["decode_steps"],
+                     d["requests_finished"], d["requests_aborted"])
+        prev = s
+
+
+# ---- drain ---------------------------------------------------------------------------------------
+
+async def drain(app: web.Application, site=None, timeout: float | None = None) -> None:
+    """Stop accepting (listener closed, new requests 503), let running requests finish for up to
+    `timeout` seconds, then abort the rest (their clients get a 503 / an SSE error event)."""
+    st = app[STATE]
+    st.draining = True
+    if site is not None:
+        await site.stop()
+    timeout = st.config.drain_timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    while st.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if st.active:
+        log.warning("drain timeout: aborting %d running request(s)", len(st.active))
+        for rid in list(st.active):
+            st.aengine.abort(rid)
+        end = time.monotonic() + 5
+        while st.active and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+
+__all__ = ["ServerConfig", "create_app", "start_server", "drain", "STATE"]

@@ -1,0 +1,148 @@
+"""`mmjax serve` / `python -m serve`: argument parsing, model loading, serving, SIGTERM drain."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+log = logging.getLogger("mmjax.serve")
+
+
+def default_model_path() -> str | None:
+    """HOOK for the lead: the shipped default checkpoint (mmjax.demo), used when --model is omitted.
+    Returns None while mmjax.demo has no `default_model_path()`."""
+    try:
+        from mmjax import demo
+        fn = getattr(demo, "default_model_path", None)
+        return str(fn()) if fn is not None else None
+    except Exception:  # not built yet / not installed
+        return None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = default_model_path()
+    p.add_argument("--model", default=d, required=d is None,
+                   help="model directory or hub id" + (f" (default: the shipped demo model {d})" if d else ""))
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=os.environ.get("MMJAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MMJAX_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=8, help="decode slots = max concurrently running requests")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503")
+    p.add_argument("--limit-images", type=int, default=8, help="images per request")
+    p.add_argument("--max-image-bytes", type=int, default=20 * 2**20, help="encoded bytes per image")
+    p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="decoded width*height per image")
+    p.add_argument("--image-max-tokens", type=int, default=None,
+                   help="per-image token budget (dynamic-resolution families resize to fit; others: 400)")
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="allow file:// image URLs under this directory (default: refused)")
+    p.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="only fetch http(s) images from these hosts ('*.example.com' for subdomains)")
+    p.add_argument("--allow-private-media-urls", action="store_true",
+                   help="allow image URLs resolving to loopback/private/link-local addresses (refused by default)")
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
+    p.add_argument("--media-max-redirects", type=int, default=3)
+    p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the checkpoint's)")
+    p.add_argument("--warmup", action="store_true", help="compile the common shapes before listening")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish before aborting them")
+    p.add_argument("--log-stats-interval", type=float, default=1.0,
+                   help="seconds between engine step log lines (0 = off)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(
+        prog="mmjax serve", description="OpenAI-compatible server for an mmjax vision-language model"))
+
+
+def _default_name(model: str) -> str:
+    """A local directory is served under its base name, a hub id under the id (vLLM's convention)."""
+    p = Path(str(model)).expanduser()
+    return (p.resolve().name if p.is_dir() else str(model)) or "mmjax"
+
+
+def config_from_args(args, model_path: str):
+    from serve.app import ServerConfig
+
+    tpl = Path(args.chat_template).read_text() if args.chat_template else None
+    return ServerConfig(
+        served_model_name=args.served_model_name or _default_name(model_path),
+        api_key=args.api_key or None, limit_images=args.limit_images, max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels, image_max_tokens=args.image_max_tokens,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(args.allowed_media_domains or ()),
+        allow_private_media_urls=args.allow_private_media_urls, media_fetch_timeout=args.media_fetch_timeout,
+        media_max_redirects=args.media_max_redirects, max_queue=args.max_queue,
+        log_stats_interval=args.log_stats_interval, drain_timeout=args.drain_timeout, chat_template=tpl)
+
+
+def warmup(vlm) -> float:
+    """One image request and one text request through the engine (compiles encode/prefill/decode)."""
+    import time
+
+    import numpy as np
+    from PIL import Image
+
+    from mmjax.sampling import SamplingParams
+
+    t = time.monotonic()
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    if vlm.tokenizer.image_token:
+        vlm.chat([{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "hi"}]}], sp)
+    vlm.generate("hello", sp)
+    return time.monotonic() - t
+
+
+async def serve_forever(vlm, cfg, host: str, port: int) -> int:
+    from serve.app import create_app, drain, start_server
+
+    app = create_app(vlm, cfg)
+    runner, site, bound = await start_server(app, host, port)
+    print(f"mmjax serve: model {cfg.served_model_name!r} listening on http://{host}:{bound} "
+          f"(OpenAI API at http://{host}:{bound}/v1)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining running requests (up to %.0fs)", cfg.drain_timeout)
+    await drain(app, site)
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
+def run(args) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import mmjax
+    from mmjax.vision_io import ImageLimits
+
+    if not args.model:
+        raise SystemExit("mmjax serve: --model is required")
+    vlm = mmjax.load(args.model, dtype=args.dtype, image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
+                     max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                     prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1))
+    cfg = config_from_args(args, args.model)
+    if args.warmup:
+        log.info("warmup done in %.1fs", warmup(vlm))
+    return asyncio.run(serve_forever(vlm, cfg, args.host, args.port))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
