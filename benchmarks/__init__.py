@@ -1,0 +1,1 @@
+"""Benchmarks: kernel (mmjax vs transformers vs roofline), serve (OpenAI load generator), attention."""

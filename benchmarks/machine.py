@@ -1,0 +1,109 @@
+"""The machine's own limits, measured in the same run as the benchmark it normalises:
+float32 GEMM FLOP/s (numpy, torch, jax; peak = the best) and memory bandwidth (read-only
+reduction over a buffer far larger than the caches; peak = the best of torch and jax; plus a
+copy figure for orientation).
+
+Roofline use: compute-bound work (encode, prefill) is reported as FLOPs / time / gemm peak;
+memory-bound work (decode) as bytes read / time / read bandwidth.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+
+def _median_time(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _best_time(fn, repeats: int, warmup: int = 1) -> float:
+    """Limits are best-achievable figures: take the fastest repeat (the machine is shared)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def gemm_flops(n: int = 4096, repeats: int = 3) -> dict[str, float]:
+    """f32 [n, n] @ [n, n] FLOP/s per library; `peak` is the best of them."""
+    import numpy as np
+
+    flops = 2.0 * n ** 3
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    out: dict[str, float] = {}
+    out["numpy"] = flops / _best_time(lambda: a @ b, repeats)
+    try:
+        import torch
+
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        with torch.no_grad():
+            out["torch"] = flops / _best_time(lambda: torch.mm(ta, tb), repeats)
+    except ImportError:
+        pass
+    import jax
+    import jax.numpy as jnp
+
+    ja, jb = jnp.asarray(a), jnp.asarray(b)
+    mm = jax.jit(jnp.matmul)
+    out["jax"] = flops / _best_time(lambda: mm(ja, jb).block_until_ready(), repeats)
+    out["peak"] = max(out.values())
+    return out
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """Read-only bandwidth (bytes/s) of a full reduction over `nbytes` of float32, per library;
+    `read` is the best; `copy` (torch, bytes read + written) for orientation."""
+    import numpy as np
+
+    n = nbytes // 4
+    x = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
+    out: dict[str, float] = {}
+    try:
+        import torch
+
+        tx = torch.from_numpy(x)
+        ty = torch.empty_like(tx)
+        with torch.no_grad():
+            out["torch_read"] = nbytes / _best_time(lambda: tx.sum(), repeats)
+            out["torch_copy"] = 2 * nbytes / _best_time(lambda: ty.copy_(tx), repeats)
+    except ImportError:
+        pass
+    import jax
+    import jax.numpy as jnp
+
+    jx = jnp.asarray(x)
+    red = jax.jit(jnp.sum)
+    out["jax_read"] = nbytes / _best_time(lambda: red(jx).block_until_ready(), repeats)
+    out["numpy_read"] = nbytes / _best_time(lambda: x.sum(), max(2, repeats // 2))
+    out["read"] = max(v for k, v in out.items() if k.endswith("_read"))
+    if "torch_copy" in out:
+        out["copy"] = out["torch_copy"]
+    return out
+
+
+def measure(smoke: bool = False) -> dict:
+    """Everything the roofline needs, in one dict (FLOP/s and bytes/s)."""
+    g = gemm_flops(512 if smoke else 4096, 2 if smoke else 3)
+    m = memory_bandwidth(64 << 20 if smoke else 1 << 30, 2 if smoke else 5)
+    return {"cores": os.cpu_count(), "gemm_flops": g, "bandwidth": m,
+            "peak_flops": g["peak"], "read_bw": m["read"]}
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(measure()))
