@@ -1,0 +1,243 @@
+"""The benchmark commands at CI size: they run end to end and their JSON line parses with every
+field present. No timing assertions (speed targets live in the benchmarks themselves)."""
+import asyncio
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KERNEL_FIELDS = [
+    "encode_b1_mmjax_img_s", "encode_b1_hf_img_s", "encode_b8_mmjax_img_s", "encode_b8_hf_img_s",
+    "encode_b1_mmjax_first_call_s", "encode_b8_mmjax_first_call_s",
+    "ttft_mmjax_s", "ttft_hf_s", "ttft_mmjax_first_call_s",
+    "decode_b1_mmjax_tok_s", "decode_b1_hf_tok_s", "decode_b8_mmjax_tok_s", "decode_b8_hf_tok_s",
+    "compile_total_s", "compile_encode_s", "compile_prefill_s", "compile_decode_s",
+    "peak_gemm_flops", "read_bw_bytes_s", "copy_bw_bytes_s",
+    "encode_flops_per_image", "ttft_flops", "decode_b1_bytes_per_step", "decode_b8_bytes_per_step",
+    "encode_b1_mmjax_roofline", "encode_b8_mmjax_roofline", "ttft_mmjax_roofline",
+    "decode_b1_mmjax_roofline", "decode_b8_mmjax_roofline", "decode_b1_roofline_tok_s", "decode_b8_roofline_tok_s",
+    "encode_b1_hf_roofline", "encode_b8_hf_roofline", "ttft_hf_roofline", "decode_b1_hf_roofline",
+    "decode_b8_hf_roofline", "encode_b1_vs_hf", "encode_b8_vs_hf", "ttft_vs_hf", "decode_b1_vs_hf",
+    "decode_b8_vs_hf", "prompt_tokens", "image_tokens", "greedy_tokens_agree_b1",
+]
+
+SERVE_FIELDS = [
+    "requests", "completed", "errors", "duration_s", "request_throughput_rps", "output_tokens",
+    "output_tokens_per_s", "error_kinds",
+] + [f"{m}_p{p}_ms" for m in ("ttft", "itl", "tpot", "e2e") for p in (50, 90, 99)]
+
+
+def _env(tmp_path):
+    env = dict(os.environ, MMJAX_BENCH_DIR=str(tmp_path / "bench"), JAX_PLATFORMS="cpu",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _last_json(stdout: str) -> dict:
+    line = [l for l in stdout.strip().splitlines() if l.startswith("{")][-1]
+    return json.loads(line)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_kernel_bench_smoke(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kernel", "--smoke", "--quiet"], cwd=ROOT,
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = _last_json(out.stdout)
+    missing = [k for k in KERNEL_FIELDS if not _finite(r.get(k))]
+    assert not missing, missing
+    assert r["compile"] and all({"kind", "shape", "seconds"} <= set(c) for c in r["compile"])
+    assert set(r["goals"]) >= {"encode_vs_hf>=1.3", "ttft_vs_hf<=0.75", "decode_b8_vs_hf>=2.5"}
+    assert "decode b8 (tok/s)" in out.stdout and "roofline" in out.stdout
+
+
+def test_arch_arithmetic_matches_default_checkpoint():
+    """FLOP and byte counts of the default checkpoint, by hand (342M params, ~886 MB/step)."""
+    from benchmarks.kernel import Arch
+
+    a = Arch(v_hidden=768, v_inter=3072, v_layers_run=11, v_tokens=197, patch_dim=768, img_tokens=196,
+             proj_in=768, hidden=1024, inter=2816, layers=16, heads=16, kv_heads=8, head_dim=64, vocab=32000)
+    assert a.layer_params() == 1024 * 2048 + 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024
+    weights = 16 * a.layer_params() + 1024 * 32000 + 1024
+    assert a.decode_bytes(1, 0) == 4 * (weights + 1024)
+    assert a.decode_bytes(8, 100) - a.decode_bytes(8, 0) == 4 * 8 * 100 * 16 * 2 * 8 * 64
+    assert 30e9 < a.encode_flops() < 36e9
+
+
+# ---- serve bench ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeOpenAI:
+    """A minimal OpenAI-compatible streaming chat server (aiohttp) in a background thread.
+    Every `fail_every`-th request gets a 400; `stream_error_every`-th errors mid-stream."""
+
+    def __init__(self, tokens: int = 5, delay: float = 0.002, fail_every: int = 0, stream_error_every: int = 0,
+                 usage: bool = True):
+        self.tokens, self.delay, self.usage = tokens, delay, usage
+        self.fail_every, self.stream_error_every = fail_every, stream_error_every
+        self.count = 0
+        self.bodies = []
+        self.port = _free_port()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    async def _models(self, request):
+        from aiohttp import web
+        return web.json_response({"object": "list", "data": [{"id": "fake-vlm", "object": "model"}]})
+
+    async def _chat(self, request):
+        from aiohttp import web
+        body = await request.json()
+        self.bodies.append(body)
+        self.count += 1
+        n = self.count
+        if self.fail_every and n % self.fail_every == 0:
+            return web.json_response({"error": {"message": "image too large", "type": "invalid_request_error",
+                                                "param": "messages", "code": None}}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        k = min(self.tokens, body.get("max_tokens", self.tokens))
+        for i in range(k):
+            await asyncio.sleep(self.delay)
+            if self.stream_error_every and n % self.stream_error_every == 0 and i == 1:
+                await resp.write(b'data: {"error": {"message": "engine failed"}}\n\n')
+                break
+            ev = {"id": f"c{n}", "object": "chat.completion.chunk", "model": "fake-vlm",
+                  "choices": [{"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+        ev = {"id": f"c{n}", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+        await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+        if self.usage:
+            ev = {"id": f"c{n}", "choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": k,
+                                                          "total_tokens": 20 + k}}
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def _run(self):
+        from aiohttp import web
+
+        async def main():
+            app = web.Application(client_max_size=64 * 2**20)
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/v1/chat/completions", self._chat)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self._ready.set()
+            while True:
+                await asyncio.sleep(3600)
+
+        asyncio.run(main())
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *a):
+        pass  # daemon thread dies with the test process
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _run_serve_bench(argv, capsys) -> dict:
+    from benchmarks import serve as bench_serve
+
+    rc = bench_serve.main(argv)
+    out = capsys.readouterr().out
+    r = _last_json(out)
+    assert "TTFT" in out and "inter-token" in out
+    return rc, r
+
+
+def test_serve_bench_against_fake_server(capsys):
+    with FakeOpenAI(tokens=6) as srv:
+        rc, r = _run_serve_bench(["--url", srv.url, "--concurrency", "3", "--requests", "7",
+                                  "--image-sizes", "32x32,40x24", "--max-tokens", "6", "--ignore-eos",
+                                  "--warmup", "0"], capsys)
+    assert rc == 0
+    missing = [k for k in SERVE_FIELDS if k not in r]
+    assert not missing, missing
+    assert r["completed"] == 7 and r["errors"] == 0 and r["output_tokens"] == 42 and r["usage_reported"]
+    assert all(_finite(r[k]) for k in SERVE_FIELDS if k.endswith("_ms"))
+    assert r["model"] == "fake-vlm"
+    body = srv.bodies[0]
+    assert body["stream"] is True and body["ignore_eos"] is True
+    part = body["messages"][0]["content"][0]
+    assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
+    # distinct images per request (no cache can help), cycled sizes
+    urls = [b["messages"][0]["content"][0]["image_url"]["url"] for b in srv.bodies]
+    assert len(set(urls)) == len(urls)
+
+
+def test_serve_bench_counts_errors(capsys):
+    with FakeOpenAI(tokens=4, fail_every=3, stream_error_every=5, usage=False) as srv:
+        rc, r = _run_serve_bench(["--url", srv.url + "/v1", "--concurrency", "2", "--requests", "10",
+                                  "--image-sizes", "16x16", "--max-tokens", "4", "--warmup", "0"], capsys)
+    # requests 3, 6, 9 -> HTTP 400; request 5 and 10 -> error mid-stream
+    assert r["errors"] == 5 and r["completed"] == 5
+    assert any(k.startswith("HTTP 400: image too large") for k in r["error_kinds"])
+    assert any(k.startswith("stream error: engine failed") for k in r["error_kinds"])
+    assert r["output_tokens"] == 20 and not r["usage_reported"]  # counted from chunks
+
+
+def test_serve_bench_connection_refused(capsys):
+    port = _free_port()
+    rc, r = _run_serve_bench(["--url", f"http://127.0.0.1:{port}", "--model", "x", "--requests", "2",
+                              "--warmup", "0", "--image-sizes", ""], capsys)
+    assert rc == 1 and r["errors"] == 2 and r["completed"] == 0 and r["ttft_p50_ms"] is None
+
+
+@pytest.mark.slow
+def test_serve_bench_against_mmjax_server(tmp_path, llava_dirs, capsys):
+    """The real thing: `python -m serve` on a tiny LLaVA, driven by the load generator."""
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(llava_dirs["gqa"]), "--port", "0",
+                             "--max-model-len", "256", "--max-num-seqs", "2", "--log-stats-interval", "0"],
+                            cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        url, seen, deadline = None, [], time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(r"listening on (http://[\d.]+:\d+)", line)
+            if m:
+                url = m.group(1)
+        assert url, "server did not start:\n" + "".join(seen[-30:])
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+        rc, r = _run_serve_bench(["--url", url, "--smoke", "--ignore-eos"], capsys)
+        assert rc == 0
+        missing = [k for k in SERVE_FIELDS if k not in r]
+        assert not missing, missing
+        assert r["completed"] == 4 and r["errors"] == 0, r["error_kinds"]
+        assert r["output_tokens"] == 4 * 8 and r["usage_reported"]
+        assert all(_finite(r[k]) for k in SERVE_FIELDS if k.endswith("_ms"))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
