@@ -73,6 +73,7 @@ class State:
     active: set = field(default_factory=set)     # request ids being served
     logger_task: Any = None
     token_cache: dict = field(default_factory=dict)   # token id -> (text, bytes) for logprobs
+    stats_prev: Any = None                             # (engine stats, time) of the last log line
 
 
 STATE = web.AppKey("mmjax_state", State)
@@ -131,6 +132,7 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
 async def _on_startup(app: web.Application) -> None:
     st = app[STATE]
     if st.config.log_stats_interval > 0:
+        log_stats(st)  # baseline
         st.logger_task = asyncio.create_task(_stats_logger(st))
 
 
@@ -140,7 +142,7 @@ async def _on_cleanup(app: web.Application) -> None:
         st.logger_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await st.logger_task
-    await st.fetcher.close()
+        log_stats(st)  # what happened since the last line    await st.fetcher.close()
     await asyncio.get_running_loop().run_in_executor(None, st.aengine.shutdown, 5.0)
     st.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -599,32 +601,34 @@ async def _stream(request: web.Request, g: Generation, d, kind: str) -> web.Stre
 # ---- step log --------------------------------------------------------------------------------------
 
 async def _stats_logger(st: State) -> None:
-    """SGLang-style lines, one per interval in which the engine did work:
-    `Prefill batch. #new-seq, #new-token, #cached-token, cache hit rate, #running-req, #queue-req`
-    `Decode batch. #running-req, #token, gen throughput (token/s), #queue-req, steps`."""
-    interval = st.config.log_stats_interval
-    prev = st.engine.stats()
-    t_prev = time.monotonic()
     while True:
-        await asyncio.sleep(interval)
-        s = st.engine.stats()
-        now = time.monotonic()
-        dt, t_prev = now - t_prev, now
-        d = {k: s[k] - prev[k] for k in ("tokens_prefilled", "tokens_cached", "tokens_decoded", "decode_steps",
-                                         "prefill_calls", "requests_finished", "requests_aborted")}
-        queued = s["requests_waiting"] + len(st.aengine._inbox)
-        if d["prefill_calls"]:
-            total = d["tokens_prefilled"] + d["tokens_cached"]
-            hit = d["tokens_cached"] / total if total else 0.0
-            log.info("Prefill batch. #chunks: %d, #new-token: %d, #cached-token: %d, cache hit rate: %.2f%%, "
-                     "#running-req: %d, #queue-req: %d", d["prefill_calls"], d["tokens_prefilled"],
-                     d["tokens_cached"], 100 * hit, s["requests_running"], queued)
-        if d["decode_steps"]:
-            log.info("Decode batch. #running-req: %d, #gen-token: %d, gen throughput (token/s): %.2f, "
-                     "#queue-req: %d, #steps: %d, #finished: %d, #aborted: %d", s["requests_running"],
-                     d["tokens_decoded"], d["tokens_decoded"] / dt, queued, d["decode_steps"],
-                     d["requests_finished"], d["requests_aborted"])
-        prev = s
+        await asyncio.sleep(st.config.log_stats_interval)
+        log_stats(st)
+
+
+def log_stats(st: State) -> None:
+    """SGLang-style lines, one pair per interval in which the engine did work:
+    `Prefill batch. #chunks, #new-token, #cached-token, cache hit rate, #running-req, #queue-req`
+    `Decode batch. #running-req, #gen-token, gen throughput (token/s), #queue-req, #steps, ...`."""
+    s = st.engine.stats()
+    now = time.monotonic()
+    prev, t_prev = st.stats_prev or (s, now)
+    st.stats_prev = (s, now)
+    dt = max(now - t_prev, 1e-9)
+    d = {k: s[k] - prev[k] for k in ("tokens_prefilled", "tokens_cached", "tokens_decoded", "decode_steps",
+                                     "prefill_calls", "requests_finished", "requests_aborted")}
+    queued = s["requests_waiting"] + len(st.aengine._inbox)
+    if d["prefill_calls"]:
+        total = d["tokens_prefilled"] + d["tokens_cached"]
+        hit = d["tokens_cached"] / total if total else 0.0
+        log.info("Prefill batch. #chunks: %d, #new-token: %d, #cached-token: %d, cache hit rate: %.2f%%, "
+                 "#running-req: %d, #queue-req: %d", d["prefill_calls"], d["tokens_prefilled"],
+                 d["tokens_cached"], 100 * hit, s["requests_running"], queued)
+    if d["decode_steps"]:
+        log.info("Decode batch. #running-req: %d, #gen-token: %d, gen throughput (token/s): %.2f, "
+                 "#queue-req: %d, #steps: %d, #finished: %d, #aborted: %d", s["requests_running"],
+                 d["tokens_decoded"], d["tokens_decoded"] / dt, queued, d["decode_steps"],
+                 d["requests_finished"], d["requests_aborted"])
 
 
 # ---- drain ---------------------------------------------------------------------------------------
