@@ -73,6 +73,7 @@ class State:
     active: set = field(default_factory=set)     # request ids being served
     logger_task: Any = None
     token_cache: dict = field(default_factory=dict)   # token id -> (text, bytes) for logprobs
+    body_cap: int = 0
     stats_prev: Any = None                             # (engine stats, time) of the last log line
 
 
@@ -115,9 +116,12 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     metrics = ServerMetrics(engine.stats, lambda: len(engine.waiting) + len(aengine._inbox))
     st = State(vlm, engine, aengine, cfg, fetcher, metrics, executor)
 
-    body_cap = cfg.max_body_bytes or (cfg.max_image_bytes * 4 // 3 + 4096) * max(cfg.limit_images, 1) + 2**20
+    # Enough for limit_images base64 images of max_image_bytes (capped at 128 MiB unless set).
+    body_cap = cfg.max_body_bytes or min((cfg.max_image_bytes * 4 // 3 + 4096) * max(cfg.limit_images, 1) + 2**20,
+                                         128 * 2**20)
     app = web.Application(middlewares=[_error_middleware, _auth_middleware], client_max_size=body_cap)
     app[STATE] = st
+    st.body_cap = body_cap
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
@@ -186,7 +190,7 @@ async def _error_middleware(request: web.Request, handler):
     except web.HTTPException as e:
         status = e.status
         if e.status == 413:
-            msg = (f"request body is larger than {request.app._client_max_size} bytes "
+            msg = (f"request body is larger than {request.app[STATE].body_cap} bytes "
                    "(images count against it; see --max-image-bytes and --limit-images)")
             return json_error(413, schema.error_body(msg, "invalid_request_error", "body", "request_too_large"))
         if e.status == 404:
@@ -276,6 +280,8 @@ async def _read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"request body is not valid JSON: {e}", param=None, code="invalid_json") from None
+    except RecursionError:
+        raise InvalidRequestError("request body is nested too deeply", param=None, code="invalid_json") from None
 
 
 async def _load_images(st: State, refs) -> list:

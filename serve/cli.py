@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503")
     p.add_argument("--limit-images", type=int, default=8, help="images per request")
     p.add_argument("--max-image-bytes", type=int, default=20 * 2**20, help="encoded bytes per image")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="HTTP body cap (default: room for --limit-images base64 images, at most 128 MiB)")
     p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="decoded width*height per image")
     p.add_argument("--image-max-tokens", type=int, default=None,
                    help="per-image token budget (dynamic-resolution families resize to fit; others: 400)")
@@ -83,7 +85,7 @@ def config_from_args(args, model_path: str):
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
         allow_private_media_urls=args.allow_private_media_urls, media_fetch_timeout=args.media_fetch_timeout,
         media_max_redirects=args.media_max_redirects, max_queue=args.max_queue,
-        log_stats_interval=args.log_stats_interval, drain_timeout=args.drain_timeout, chat_template=tpl)
+        log_stats_interval=args.log_stats_interval, max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout, chat_template=tpl)
 
 
 def warmup(vlm) -> float:

@@ -404,6 +404,8 @@ def bad_requests():
     return [
         ("malformed json", b'{"messages": [', 400, "invalid_json", None),
         ("empty body", b"", 400, "invalid_json", None),
+        ("deep nesting", b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json", None),
+        ("invalid utf-8", b'{"messages": "\xff\xfe"}', 400, "invalid_json", None),
         ("not an object", [1, 2], 400, "invalid_request", None),
         ("no messages", {"model": "tiny"}, 400, "invalid_request", "messages"),
         ("bad role", {"messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_request", "messages[0].role"),
@@ -462,7 +464,7 @@ def test_every_error_class_gets_an_openai_error(server):
     r = http_get(server.url + "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     # a body over the server's size cap
-    r = server.post("/v1/chat/completions", raw=b'{"x": "' + b"a" * (server.app._client_max_size + 10) + b'"}')
+    r = server.post("/v1/chat/completions", raw=b'{"x": "' + b"a" * (server.state.body_cap + 10) + b'"}')
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     # the openai client maps them to its exception classes
     with pytest.raises(openai.NotFoundError):
@@ -583,6 +585,53 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     assert server.metric("mmjax_http_requests_in_flight") == 0
     assert server.metric("mmjax_engine_requests_aborted_total") == aborted0 + 1
     assert server.metric("mmjax_engine_decode_tokens_total") > 0
+
+
+def test_disconnect_non_streaming_aborts(server):
+    aborted0 = server.metric("mmjax_engine_requests_aborted_total")
+    body = _chat("another long story", max_tokens=220, ignore_eos=True)
+    u = urllib.parse.urlsplit(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 20
+    while server.metric("mmjax_num_requests_running") == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conn.sock.shutdown(2)
+    conn.close()
+    while time.monotonic() < deadline:
+        if server.metric("mmjax_num_requests_running") == 0 and server.metric("mmjax_http_requests_in_flight") == 0:
+            break
+        time.sleep(0.05)
+    assert server.metric("mmjax_num_requests_running") == 0
+    assert server.metric("mmjax_engine_requests_aborted_total") == aborted0 + 1
+    assert server.metric("mmjax_client_disconnects_total") >= 1
+
+
+def test_failure_mid_stream_is_an_sse_error_event(open_server):
+    st = open_server.state
+    eng = st.engine
+    orig = eng.runner.decode
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated decode failure")
+        return orig(*a, **kw)
+    eng.runner.decode = flaky
+    try:
+        body = _chat("stream then fail", max_tokens=20, stream=True, ignore_eos=True)
+        r = open_server.post("/v1/chat/completions", body, headers={"Authorization": "Bearer sekret"})
+    finally:
+        del eng.runner.decode
+    assert r.status_code == 200
+    events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "internal_error" and "simulated decode failure" in err["message"]
+    assert sum(1 for e in events if '"content"' in e) >= 1
+    ok = open_server.post("/v1/chat/completions", _chat("fine again"), headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200
 
 
 def test_metrics_exposition(server):
