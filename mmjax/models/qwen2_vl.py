@@ -388,16 +388,19 @@ def unpack_features(packed: PackedImages, feats: np.ndarray) -> list[np.ndarray]
     return out
 
 
-def patch_ladder(top: int, *, lo: int = 256, ratio: float = 1.25, multiple: int = 64) -> tuple[int, ...]:
+def patch_ladder(top: int, *, lo: int = 256, ratio: float = 1.25, multiple: int = 64,
+                 extra: tuple[int, ...] = ()) -> tuple[int, ...]:
     """Packed-patch buckets: `lo`, then x`ratio` steps rounded up to `multiple`, ending at `top`
-    (rounded up to `multiple`). Padding waste per call < (ratio - 1) above `lo` patches."""
+    (rounded up to `multiple`), plus `extra` rungs (the family adds the largest single image,
+    image_max_tokens * merge**2, because images resized to max_pixels sit just below it).
+    Padding waste per call < 1 - 1/ratio above `lo` patches (benchmarks/qwen_buckets.py)."""
     top = -(-top // multiple) * multiple
     out, x = [], lo
     while x < top:
         out.append(x)
         x = -(-int(math.ceil(x * ratio)) // multiple) * multiple
     out.append(top)
-    return tuple(out)
+    return tuple(sorted(set(out) | {int(e) for e in extra if 0 < e <= top}))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -470,8 +473,8 @@ class QwenVLFamily:
 
     @property
     def encode_ladder(self) -> tuple[int, ...]:
-        m2 = self.cfg.vision.merge_size ** 2
-        return patch_ladder(max(self.limits.max_encode_patches, self.image_max_tokens * m2))
+        cap = self.image_max_tokens * self.cfg.vision.merge_size ** 2
+        return patch_ladder(max(self.limits.max_encode_patches, cap), extra=(cap,))
 
     # ---- host-side hooks used by the engine ---------------------------------------------------
     def num_tokens(self, height: int, width: int, **opts) -> int:
