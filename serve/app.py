@@ -621,18 +621,19 @@ def log_stats(st: State) -> None:
     prev, t_prev = st.stats_prev or (s, now)
     st.stats_prev = (s, now)
     dt = max(now - t_prev, 1e-9)
-    d = {k: s[k] - prev[k] for k in ("tokens_prefilled", "tokens_cached", "tokens_decoded", "decode_steps",
-                                     "prefill_calls", "requests_finished", "requests_aborted")}
-    queued = s["requests_waiting"] + len(st.aengine._inbox)
+    d = {k: s.get(k, 0) - prev.get(k, 0) for k in ("tokens_prefilled", "tokens_cached", "tokens_decoded",
+                                                   "decode_steps", "prefill_calls", "requests_finished",
+                                                   "requests_aborted")}
+    queued = s.get("requests_waiting", 0) + len(st.aengine._inbox)
     if d["prefill_calls"]:
         total = d["tokens_prefilled"] + d["tokens_cached"]
         hit = d["tokens_cached"] / total if total else 0.0
         log.info("Prefill batch. #chunks: %d, #new-token: %d, #cached-token: %d, cache hit rate: %.2f%%, "
                  "#running-req: %d, #queue-req: %d", d["prefill_calls"], d["tokens_prefilled"],
-                 d["tokens_cached"], 100 * hit, s["requests_running"], queued)
+                 d["tokens_cached"], 100 * hit, s.get("requests_running", 0), queued)
     if d["decode_steps"]:
         log.info("Decode batch. #running-req: %d, #gen-token: %d, gen throughput (token/s): %.2f, "
-                 "#queue-req: %d, #steps: %d, #finished: %d, #aborted: %d", s["requests_running"],
+                 "#queue-req: %d, #steps: %d, #finished: %d, #aborted: %d", s.get("requests_running", 0),
                  d["tokens_decoded"], d["tokens_decoded"] / dt, queued, d["decode_steps"],
                  d["requests_finished"], d["requests_aborted"])
 

@@ -89,8 +89,16 @@ def config_from_args(args, model_path: str):
 
 
 def warmup(vlm) -> float:
-    """One image request and one text request through the engine (compiles encode/prefill/decode)."""
+    """Compile before listening: every bucket via `Engine.warmup()` when the engine has it, else one
+    image request and one text request (the common shapes)."""
     import time
+
+    fn = getattr(vlm.engine, "warmup", None)
+    if fn is not None:
+        t = time.monotonic()
+        counts = fn()
+        log.info("compiled shapes after warmup: %s", counts)
+        return time.monotonic() - t
 
     import numpy as np
     from PIL import Image

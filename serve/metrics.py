@@ -18,39 +18,47 @@ class EngineCollector:
     def describe(self):
         return []
 
+    GAUGES = (("num_requests_running", "requests_running", "Requests holding a decode slot."),
+              ("num_requests_waiting", "requests_waiting", "Requests queued in the engine for a slot."),
+              ("slots_total", "slots_total", "Decode slots (--max-num-seqs)."),
+              ("slots_used", "slots_used", "Decode slots in use."),
+              ("encoder_cache_entries", "encoder_cache_entries", "Images in the encoder cache."),
+              ("encoder_cache_bytes", "encoder_cache_bytes", "Bytes held by the encoder cache."),
+              ("compile_seconds", "compile_seconds", "Seconds spent compiling."))
+    COUNTERS = (("engine_requests_finished", "requests_finished", "Requests finished by the engine."),
+                ("engine_requests_aborted", "requests_aborted", "Requests aborted (client gone, drain)."),
+                ("engine_prefill_tokens", "tokens_prefilled", "Prompt tokens prefilled."),
+                ("engine_decode_tokens", "tokens_decoded", "Tokens generated."),
+                ("engine_cached_tokens", "tokens_cached", "Prompt tokens served from the prefix cache."),
+                ("engine_decode_steps", "decode_steps", "Compiled decode steps run."),
+                ("engine_prefill_calls", "prefill_calls", "Compiled prefill chunks run."),
+                ("engine_encoder_calls", "encoder_calls", "Compiled encoder calls."),
+                ("engine_images_encoded", "images_encoded", "Images run through the vision tower."),
+                ("encoder_cache_hits", "encoder_cache_hits", "Encoder-cache hits (image already encoded)."),
+                ("encoder_cache_misses", "encoder_cache_misses", "Encoder-cache misses."))
+
     def collect(self):
         s = self.stats_fn()
-        g = lambda name, doc, v: GaugeMetricFamily(f"mmjax_{name}", doc, value=v)  # noqa: E731
-        c = lambda name, doc, v: CounterMetricFamily(f"mmjax_{name}", doc, value=v)  # noqa: E731
-        yield g("num_requests_running", "Requests holding a decode slot.", s["requests_running"])
-        yield g("num_requests_waiting", "Requests queued in the engine for a slot.", s["requests_waiting"])
-        yield g("slots_total", "Decode slots (--max-num-seqs).", s["slots_total"])
-        yield g("slots_used", "Decode slots in use.", s["slots_used"])
-        yield g("slot_utilization", "slots_used / slots_total.", s["slots_used"] / max(s["slots_total"], 1))
-        yield c("engine_requests_finished", "Requests finished by the engine.", s["requests_finished"])
-        yield c("engine_requests_aborted", "Requests aborted (client gone, drain).", s["requests_aborted"])
-        yield c("engine_prefill_tokens", "Prompt tokens prefilled.", s["tokens_prefilled"])
-        yield c("engine_decode_tokens", "Tokens generated.", s["tokens_decoded"])
-        yield c("engine_cached_tokens", "Prompt tokens served from the prefix cache.", s["tokens_cached"])
-        yield c("engine_decode_steps", "Compiled decode steps run.", s["decode_steps"])
-        yield c("engine_prefill_calls", "Compiled prefill chunks run.", s["prefill_calls"])
-        yield c("engine_encoder_calls", "Compiled encoder calls.", s["encoder_calls"])
-        yield c("engine_images_encoded", "Images run through the vision tower.", s["images_encoded"])
-        yield c("encoder_cache_hits", "Encoder-cache hits (image already encoded).", s["encoder_cache_hits"])
-        yield c("encoder_cache_misses", "Encoder-cache misses.", s["encoder_cache_misses"])
-        yield g("encoder_cache_entries", "Images in the encoder cache.", s["encoder_cache_entries"])
-        yield g("encoder_cache_bytes", "Bytes held by the encoder cache.", s["encoder_cache_bytes"])
+        # Keys the engine does not (or no longer) report are skipped, never a scrape failure.
+        for name, key, doc in self.GAUGES:
+            if isinstance(s.get(key), (int, float)):
+                yield GaugeMetricFamily(f"mmjax_{name}", doc, value=s[key])
+        if s.get("slots_total"):
+            yield GaugeMetricFamily("mmjax_slot_utilization", "slots_used / slots_total.",
+                                    value=s.get("slots_used", 0) / s["slots_total"])
+        for name, key, doc in self.COUNTERS:
+            if isinstance(s.get(key), (int, float)):
+                yield CounterMetricFamily(f"mmjax_{name}", doc, value=s[key])
         shapes = GaugeMetricFamily("mmjax_compiled_shapes", "Distinct compiled shapes per step kind.",
                                    labels=["kind"])
-        for k, v in sorted(s["compiled_shapes"].items()):
+        for k, v in sorted((s.get("compiled_shapes") or {}).items()):
             shapes.add_metric([k], v)
         yield shapes
         bound = GaugeMetricFamily("mmjax_compiled_shapes_bound", "Upper bound on compiled shapes per kind.",
                                   labels=["kind"])
-        for k, v in sorted(s["compiled_shapes_bound"].items()):
+        for k, v in sorted((s.get("compiled_shapes_bound") or {}).items()):
             bound.add_metric([k], v)
         yield bound
-        yield g("compile_seconds", "Seconds spent compiling.", s["compile_seconds"])
 
 
 class ServerMetrics:
