@@ -45,6 +45,7 @@ class ServerConfig:
     max_image_bytes: int = 20 * 2**20
     max_image_pixels: int = 40_000_000
     image_max_tokens: int | None = None        # per-image token budget
+    low_detail_image_tokens: int = 256         # budget of image_url.detail="low" (dynamic-res families)
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     allow_private_media_urls: bool = False
@@ -93,6 +94,14 @@ def _as_vlm(obj):
     raise TypeError(f"create_app needs an mmjax VLM or Engine, got {type(obj).__name__}")
 
 
+def configure_family(vlm, cfg: ServerConfig) -> None:
+    """Server-wide image limits for families that take them (Qwen2-VL: the token cap shapes the
+    encode bucket ladder, so this runs before the engine exists where possible)."""
+    fam = vlm.family
+    if cfg.image_max_tokens is not None and hasattr(fam, "configure"):
+        fam.configure(image_max_tokens=cfg.image_max_tokens)
+
+
 def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Application:
     """Build the app. Starts the engine loop thread (an `AsyncEngine`) immediately; it stops in
     the app's cleanup. The engine must not be driven by anyone else while the app lives."""
@@ -100,6 +109,7 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
 
     cfg = config or ServerConfig()
     vlm = _as_vlm(vlm_or_engine)
+    configure_family(vlm, cfg)
     engine = vlm.engine
     if cfg.chat_template:
         vlm.tokenizer.chat_template = cfg.chat_template
@@ -111,7 +121,8 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
                             allowed_domains=tuple(d.lower() for d in cfg.allowed_media_domains),
                             allow_private_urls=cfg.allow_private_media_urls,
                             fetch_timeout=cfg.media_fetch_timeout, max_redirects=cfg.media_max_redirects,
-                            image_max_tokens=cfg.image_max_tokens)
+                            image_max_tokens=cfg.image_max_tokens,
+                            low_detail_tokens=cfg.low_detail_image_tokens)
     fetcher = MediaFetcher(media_cfg, vlm.family, executor)
     metrics = ServerMetrics(engine.stats, lambda: len(engine.waiting) + len(aengine._inbox))
     st = State(vlm, engine, aengine, cfg, fetcher, metrics, executor)

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="decoded width*height per image")
     p.add_argument("--image-max-tokens", type=int, default=None,
                    help="per-image token budget (dynamic-resolution families resize to fit; others: 400)")
+    p.add_argument("--low-detail-image-tokens", type=int, default=256,
+                   help="token budget of image_url detail='low' (dynamic-resolution families)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="allow file:// image URLs under this directory (default: refused)")
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
@@ -81,6 +83,7 @@ def config_from_args(args, model_path: str):
         served_model_name=args.served_model_name or _default_name(model_path),
         api_key=args.api_key or None, limit_images=args.limit_images, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, image_max_tokens=args.image_max_tokens,
+        low_detail_image_tokens=args.low_detail_image_tokens,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
         allow_private_media_urls=args.allow_private_media_urls, media_fetch_timeout=args.media_fetch_timeout,
@@ -145,6 +148,8 @@ def run(args) -> int:
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1))
     cfg = config_from_args(args, args.model)
+    from serve.app import configure_family
+    configure_family(vlm, cfg)
     if args.warmup:
         log.info("warmup done in %.1fs", warmup(vlm))
     return asyncio.run(serve_forever(vlm, cfg, args.host, args.port))

@@ -134,7 +134,10 @@ class MediaFetcher:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self.executor, self._prepare, source, ref.detail)
         except InvalidRequestError as e:
-            e.param = ref.param if e.param in (None, "image_url", "images") else e.param
+            if e.param == "image_max_tokens" and isinstance(e, ContextLengthError):
+                e.code = "image_token_budget_exceeded"
+            if e.param in (None, "image_url", "images", "image_max_tokens"):
+                e.param = ref.param
             raise
 
     def _prepare(self, source: Any, detail: str):
@@ -160,7 +163,14 @@ class MediaFetcher:
         tokens = self.cfg.image_max_tokens
         if detail == "low":
             tokens = min(tokens or self.cfg.low_detail_tokens, self.cfg.low_detail_tokens)
-        return {"max_pixels": tokens * factor * factor} if tokens else {}
+        if not tokens:
+            return {}
+        max_pixels = tokens * factor * factor
+        bounds = getattr(self.family, "pixel_bounds", None)
+        if bounds is not None:
+            lo, hi = bounds()
+            max_pixels = max(lo, min(hi, max_pixels))
+        return {"max_pixels": max_pixels}
 
     def local_path(self, url: str) -> str:
         root = self.cfg.allowed_local_path

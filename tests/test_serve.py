@@ -645,6 +645,39 @@ def test_metrics_exposition(server):
     assert re.search(r'mmjax_http_requests_total\{route="/v1/chat/completions",status="200"\} [1-9]', text)
 
 
+def test_qwen2_vl_detail_maps_to_a_resolution_budget(tmp_path):
+    """Dynamic-resolution family: detail=low caps the image tokens, high/auto use the full budget;
+    streamed == non-streamed == offline."""
+    pytest.importorskip("transformers")
+    from tiny_qwen import build_qwen
+
+    import mmjax
+    path = build_qwen(tmp_path / "qwen", family="qwen2_vl", seed=0)
+    s = Server(mmjax.load(path, max_num_seqs=2, max_model_len=512),
+               ServerConfig(served_model_name="qwen", low_detail_image_tokens=16, log_stats_interval=0))
+    try:
+        c = s.client()
+        uri = data_uri(21, "PNG", 260, 190)
+        usage = {}
+        for detail in ("low", "high"):
+            msgs = [{"role": "user", "content": [img_part(uri, detail), {"type": "text", "text": "what?"}]}]
+            r = c.chat.completions.create(model="qwen", messages=msgs, max_tokens=4, temperature=0)
+            usage[detail] = r.usage
+            chunks = list(c.chat.completions.create(model="qwen", messages=msgs, max_tokens=4, temperature=0,
+                                                    stream=True))
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+        assert usage["low"].prompt_tokens_details.image_tokens <= 16
+        assert usage["high"].prompt_tokens_details.image_tokens == 63  # 260x190 -> 252x196 -> 9x7 merged
+        assert usage["high"].prompt_tokens - usage["low"].prompt_tokens == \
+            usage["high"].prompt_tokens_details.image_tokens - usage["low"].prompt_tokens_details.image_tokens
+        ref = mmjax.load(path, max_num_seqs=2, max_model_len=512)
+        msgs = [{"role": "user", "content": [img_part(uri), {"type": "text", "text": "what?"}]}]
+        r = c.chat.completions.create(model="qwen", messages=msgs, max_tokens=4, temperature=0)
+        assert r.choices[0].message.content == offline_chat(ref, msgs, max_tokens=4).text
+    finally:
+        s.close()
+
+
 def test_media_guards_unit():
     from serve.media import MediaConfig, MediaFetcher, ip_forbidden
 
