@@ -73,6 +73,7 @@ class State:
     draining: bool = False
     active: set = field(default_factory=set)     # request ids being served
     logger_task: Any = None
+    watchdog_task: Any = None
     token_cache: dict = field(default_factory=dict)   # token id -> (text, bytes) for logprobs
     body_cap: int = 0
     stats_prev: Any = None                             # (engine stats, time) of the last log line
@@ -144,8 +145,26 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     return app
 
 
+async def _watchdog(st: State) -> None:
+    """If the engine thread ever dies, fail its waiting streams instead of leaving them hanging
+    (new requests get 503 from `_generate`, /health turns 503)."""
+    from mmjax.engine import Delta
+
+    while st.aengine._thread.is_alive():
+        await asyncio.sleep(1.0)
+    if st.aengine._stop:
+        return
+    log.critical("the engine loop thread stopped; failing %d open request(s)", len(st.aengine._streams))
+    err = UnavailableError("the engine loop stopped; the server must be restarted")
+    targets = list(st.aengine._streams.items())
+    targets += [(item[1].id, (item[2], item[3])) for item in list(st.aengine._inbox) if item[0] == "add"]
+    for rid, (q, loop) in targets:
+        loop.call_soon_threadsafe(q.put_nowait, Delta(rid, [], "", None, True, "error", error=err))
+
+
 async def _on_startup(app: web.Application) -> None:
     st = app[STATE]
+    st.watchdog_task = asyncio.create_task(_watchdog(st))
     if st.config.log_stats_interval > 0:
         log_stats(st)  # baseline
         st.logger_task = asyncio.create_task(_stats_logger(st))
@@ -153,6 +172,8 @@ async def _on_startup(app: web.Application) -> None:
 
 async def _on_cleanup(app: web.Application) -> None:
     st = app[STATE]
+    if st.watchdog_task is not None:
+        st.watchdog_task.cancel()
     if st.logger_task is not None:
         st.logger_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -498,6 +519,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     t0 = time.monotonic()
     if st.draining:
         raise UnavailableError("the server is shutting down and accepts no new requests")
+    if not st.aengine._thread.is_alive():
+        raise UnavailableError("the engine loop stopped; the server must be restarted")
     body = await _read_json(request)
     lim = st.config.limit_images
     parsed = schema.parse_chat(body, limit_images=lim) if kind == "chat" else \

@@ -678,6 +678,27 @@ def test_qwen2_vl_detail_maps_to_a_resolution_budget(tmp_path):
         s.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_dead_engine_thread_fails_requests_instead_of_hanging(ckpt):
+    import mmjax
+    s = Server(mmjax.load(ckpt, **ENGINE_KW), ServerConfig(served_model_name="tiny", log_stats_interval=0))
+    try:
+        ae = s.state.aengine
+
+        def broken():
+            raise SystemError("simulated loop crash")
+        ae._drain_inbox = broken
+        t0 = time.monotonic()
+        r = s.post("/v1/chat/completions", _chat("hi"))
+        assert r.status_code == 503 and "engine loop stopped" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        assert http_get(s.url + "/health").status_code == 503
+        r = s.post("/v1/chat/completions", _chat("hi"))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_unavailable"
+    finally:
+        s.close()
+
+
 def test_media_guards_unit():
     from serve.media import MediaConfig, MediaFetcher, ip_forbidden
 
