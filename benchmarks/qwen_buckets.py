@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from mmjax.models.qwen2_vl import patch_ladder
+from mmjax.models.qwen2_vl import make_encode_fn, patch_ladder
 from mmjax.vision_io import Qwen2VLImagePolicy
 
 SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080), (1080, 1920), (2048, 1536),
@@ -140,9 +140,8 @@ def time_4k() -> dict:
                 ps = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), vlm.params)
                 mem = {}
                 for impl in ("auto", "reference"):
-                    f.attn_impl = impl
-                    mem[impl] = jax.jit(f.encode).lower(ps, pk).compile().memory_analysis().temp_size_in_bytes
-                f.attn_impl = "auto"
+                    fn = jax.jit(make_encode_fn(f.cfg.vision, impl))
+                    mem[impl] = fn.lower(ps, pk).compile().memory_analysis().temp_size_in_bytes
                 row = {"patches": n, "tokens": im.num_tokens, "bucket": bucket_n, "preprocess_s": round(prep, 3),
                        "first_call_s": round(times[0], 3), "cached_median_s": round(float(np.median(times[1:])), 3),
                        "temp_bytes": mem["auto"], "temp_bytes_naive": mem["reference"]}

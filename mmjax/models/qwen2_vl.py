@@ -293,6 +293,16 @@ def vision_forward(params: dict, cfg: QwenVisionConfig, patches: jax.Array, pos_
     return x if out_dtype is None else x.astype(out_dtype)
 
 
+def make_encode_fn(cfg: QwenVisionConfig, impl: str = "auto"):
+    """A fresh jittable (params, packed) -> merged tokens, e.g. to compare attention impls with
+    `jax.jit(fn).lower(...).compile().memory_analysis()`."""
+    def encode_fn(params: dict, packed: tuple) -> jax.Array:
+        patches, pos_hw, image_seg, window_seg = packed
+        return vision_forward(params["vision"], cfg, patches, pos_hw, image_seg, window_seg, impl=impl,
+                              out_dtype=params["text"]["embed"].dtype)
+    return encode_fn
+
+
 # ------------------------------------------------------------------------------------------------
 # Host-side packing
 # ------------------------------------------------------------------------------------------------
@@ -391,8 +401,8 @@ def unpack_features(packed: PackedImages, feats: np.ndarray) -> list[np.ndarray]
 def patch_ladder(top: int, *, lo: int = 256, ratio: float = 1.25, multiple: int = 64,
                  extra: tuple[int, ...] = ()) -> tuple[int, ...]:
     """Packed-patch buckets: `lo`, then x`ratio` steps rounded up to `multiple`, ending at `top`
-    (rounded up to `multiple`), plus `extra` rungs (the family adds the largest single image,
-    image_max_tokens * merge**2, because images resized to max_pixels sit just below it).
+    (rounded up to `multiple`), plus `extra` rungs (the family adds the largest default-resized
+    image, because photos resized to max_pixels sit just below it, and the token cap).
     Padding waste per call < 1 - 1/ratio above `lo` patches (benchmarks/qwen_buckets.py)."""
     top = -(-top // multiple) * multiple
     out, x = [], lo
@@ -409,14 +419,18 @@ def patch_ladder(top: int, *, lo: int = 256, ratio: float = 1.25, multiple: int 
 
 @dataclass
 class QwenLimits:
-    """Server-wide image controls (per-request options may tighten image_max_tokens and move the
-    pixel bounds, but an image is always checked against the effective token budget).
+    """Server-wide image controls. Per-request options (prepare_image) may move the pixel bounds
+    and lower the token budget; every image is checked against the effective budget before any
+    resize or encode.
 
-    min_pixels / max_pixels: smart_resize bounds (None: the checkpoint's preprocessor config).
-    image_max_tokens: most LLM tokens one image may take (like llama.cpp --image-max-tokens);
-        None: what an image can reach at the server's max_pixels (max_pixels // (patch*merge)**2).
-    max_encode_patches: patches packed into one encode call (images are never split; a single
-        image above this goes alone in a bucket sized for it).
+    min_pixels / max_pixels: default smart_resize bounds (None: the checkpoint's preprocessor
+        config, HF's 56*56 .. 28*28*1280 = 1280 tokens).
+    image_max_tokens: hard cap on the LLM tokens of one image (like llama.cpp --image-max-tokens);
+        None: max(max_encode_patches / merge**2, max_pixels / (patch*merge)**2), i.e. 4096 tokens
+        (3.2 Mpixel) with the defaults, so per-request max_pixels up to that size work and larger
+        ones (native 4K is 10549 tokens) need the operator to raise it.
+    max_encode_patches: patches packed into one encode call (images are never split; the top
+        bucket also covers one image at the token cap).
     """
     min_pixels: int | None = None
     max_pixels: int | None = None
@@ -465,16 +479,24 @@ class QwenVLFamily:
         return self.policy._bounds(lo, hi)
 
     @property
-    def image_max_tokens(self) -> int:
-        if self.limits.image_max_tokens is not None:
-            return int(self.limits.image_max_tokens)
+    def default_image_tokens(self) -> int:
+        """Most tokens an image resized with the default bounds can take."""
         _, hi = self.pixel_bounds()
         return max(1, hi // self.policy.factor ** 2)
 
     @property
+    def image_max_tokens(self) -> int:
+        if self.limits.image_max_tokens is not None:
+            return int(self.limits.image_max_tokens)
+        return max(self.limits.max_encode_patches // self.cfg.vision.merge_size ** 2, self.default_image_tokens)
+
+    @property
     def encode_ladder(self) -> tuple[int, ...]:
-        cap = self.image_max_tokens * self.cfg.vision.merge_size ** 2
-        return patch_ladder(max(self.limits.max_encode_patches, cap), extra=(cap,))
+        """Patch buckets: x1.25 steps, plus one rung at the largest default-resized image (most
+        real photos land just under it) and one at the token cap."""
+        m2 = self.cfg.vision.merge_size ** 2
+        cap = self.image_max_tokens * m2
+        return patch_ladder(max(self.limits.max_encode_patches, cap), extra=(self.default_image_tokens * m2, cap))
 
     # ---- host-side hooks used by the engine ---------------------------------------------------
     def num_tokens(self, height: int, width: int, **opts) -> int:
@@ -512,9 +534,7 @@ class QwenVLFamily:
     def encode(self, params: dict, packed: tuple) -> jax.Array:
         """The compiled encode step: packed (patches, pos_hw, image_seg, window_seg) -> merged
         tokens [n_pad / merge**2, lm_hidden] (window order for Qwen2.5-VL)."""
-        patches, pos_hw, image_seg, window_seg = packed
-        return vision_forward(params["vision"], self.cfg.vision, patches, pos_hw, image_seg, window_seg,
-                              impl=self.attn_impl, out_dtype=params["text"]["embed"].dtype)
+        return make_encode_fn(self.cfg.vision, self.attn_impl)(params, packed)
 
     def encode_batch(self, runner, images: list) -> list[np.ndarray]:
         """Pack images (in order) into as few bucketed calls as the per-call patch budget allows;
