@@ -142,6 +142,17 @@ def test_jit_with_segment_ids_and_auto():
     assert rel_err(out, _oracle(q, k, v, segment_ids=seg)) <= TOL[jnp.float32]
 
 
+def test_auto_picks_chunked_for_long_sequences_on_cpu():
+    """impl='auto' off GPU: reference for tiny score matrices, the O(N) chunked loop beyond."""
+    from mmjax.attention import AUTO_REFERENCE_MAX_SCORE_BYTES
+    def has_loop(n: int, h: int) -> bool:
+        s = jax.ShapeDtypeStruct((1, n, h, 64), jnp.float32)
+        return "while" in str(jax.make_jaxpr(attention)(s, s, s))
+    assert 16 * 128 * 128 * 4 <= AUTO_REFERENCE_MAX_SCORE_BYTES
+    assert not has_loop(128, 16)
+    assert has_loop(1024, 16)
+
+
 def test_bad_arguments_raise():
     q, k, v = _qkv(1, 1, 8, 8, 3, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="multiple of kv heads"):
@@ -159,7 +170,8 @@ def test_chunked_memory_is_linear_at_16k():
     """Compile-only: chunked temp bytes < 1/50 of the reference's at N=16384, 16 heads, D=80.
 
     Measured (jax 0.10.2 CPU): reference 34,443,624,448 B (~34.4 GB: the 16 x 16384^2 f32
-    scores and their exp) vs chunked 161,579,384 B (~162 MB), a ratio of ~213.
+    scores and their exp) vs chunked 275,087,672 B (~275 MB: head-major copies of q, k, v at
+    84 MB each plus the output buffer and one 512 x 256 tile), a ratio of ~125.
     """
     s = jax.ShapeDtypeStruct((1, 16384, 16, 80), jnp.float32)
 

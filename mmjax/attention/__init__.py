@@ -20,20 +20,23 @@ All options are static Python values, so `attention` traces inside jax.jit.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from mmjax.attention.chunked import chunked_attention
 from mmjax.attention.common import SegmentIds, Window, check_shapes, normalize_window
 from mmjax.attention.reference import reference_attention
 
 __all__ = ["attention", "reference_attention", "chunked_attention", "flash_attention",
-           "IMPLS", "AUTO_REFERENCE_MAX_SCORE_BYTES"]
+           "FlashBlockSizes", "IMPLS", "AUTO_REFERENCE_MAX_SCORE_BYTES"]
 
 IMPLS = ("auto", "reference", "chunked", "flash", "cudnn")
 
 # Above this many bytes of float32 scores (B * H * Sq * Sk * 4) "auto" leaves the reference.
-# 64 MiB is e.g. 1 image x 16 heads x 1024^2 tokens; beyond it the chunked path is both
-# leaner and (on CPU, measured in benchmarks/attention.py) no slower.
-AUTO_REFERENCE_MAX_SCORE_BYTES = 64 * 2**20
+# Measured on the 2-core CPU (benchmarks/attention.py, 4 heads, d=80): chunked ran 2x faster
+# than the reference already at N=256 and 5-10x at N=1024 (the reference streams several
+# N x N f32 arrays through memory), but compiles ~3x slower (lax.map + while loop), so only
+# tiny problems (<= 1 MiB of scores, e.g. 16 heads x 128^2) stay on the reference.
+AUTO_REFERENCE_MAX_SCORE_BYTES = 2**20
 
 
 def _on_gpu() -> bool:
@@ -47,8 +50,12 @@ def _cudnn_attention(q, k, v, *, causal, segment_ids, lengths, window, scale):
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError("impl='cudnn' supports causal only with seq_q == seq_k")
     win = normalize_window(window)
-    if win is not None:
-        win = tuple(-1 if w is None else w for w in win)  # jax uses -1 for "unbounded"
+    if win is not None:  # jax has no "unbounded" side: seq_k reaches every key
+        left, right = (k.shape[1] if w is None else w for w in win)
+        # Under causal masking the right side is 0 whatever was asked; cuDNN wants it said.
+        win = (left, 0 if causal else right)
+    if lengths is not None:
+        lengths = jnp.asarray(lengths).astype(jnp.int32)
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=lengths,
         local_window_size=win, implementation="cudnn")
@@ -72,7 +79,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     if impl == "chunked":
         return chunked_attention(q, k, v, **kw)
     if impl == "flash":
-        from mmjax.attention.flash import flash_attention  # lazy: Pallas import is not free
+        from mmjax.attention.flash import flash_attention  # lazy: importing Pallas costs ~0.7 s
         return flash_attention(q, k, v, **kw)
     if impl == "cudnn":
         return _cudnn_attention(q, k, v, **kw)
@@ -80,7 +87,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
 
 
 def __getattr__(name):
-    if name == "flash_attention":
-        from mmjax.attention.flash import flash_attention
-        return flash_attention
+    if name in ("flash_attention", "FlashBlockSizes"):
+        from mmjax.attention import flash
+        return getattr(flash, name)
     raise AttributeError(name)

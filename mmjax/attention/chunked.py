@@ -4,9 +4,15 @@ Temporary memory is O(B * H * block_q * block_k) for the scores of one tile plus
 operands and output, never the O(N^2) score matrix of the reference. This is the default on
 CPU for long sequences (a 42k-patch image would need ~114 GB of scores with the reference).
 
-Structure: `lax.map` over query blocks; for each, a `fori_loop` over only the key blocks that
-causal/window masking can reach (dynamic bounds, so a causal pass does about half the work),
-carrying the running max m, normalizer l and un-normalized output acc in float32.
+Structure: an outer `fori_loop` over query blocks writes each block into a head-major output
+buffer in place; an inner `fori_loop` walks only the key blocks that causal/window masking can
+reach (dynamic bounds, so a causal pass does about half the work), carrying the running max m,
+normalizer l and un-normalized output acc in float32.
+
+Ragged lengths need no padding copies: the last query/key block is clamped to end at the
+sequence end (so it overlaps the previous block). Overlapping query rows are recomputed with
+identical results and rewritten; overlapping keys are masked out (`k_idx >= nominal start`)
+so no key is counted twice.
 """
 from __future__ import annotations
 
@@ -14,23 +20,14 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.attention.common import (
-    SegmentIds, Window, check_lengths, check_shapes, default_scale, normalize_window,
-    key_block_range, split_segment_ids, visible,
+    SegmentIds, Window, check_lengths, check_shapes, default_scale, key_block_range,
+    normalize_window, split_segment_ids, visible,
 )
 
 # On the 2-core CPU (N=4096, H=16, D=80) tiles from 256x512 to 2048x128 all ran within the
 # machine's noise (0.65-1.2 s); 512 x 256 keeps one f32 score tile at 8 MB for 16 heads.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 256
-
-
-def _pad_to(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
-    pad = size - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -46,21 +43,16 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     lengths = check_lengths(lengths, b)
     offset = sk - sq
 
-    # Small inputs: one block covers everything (no padding waste).
     block_q = min(block_q, sq)
     block_k = min(block_k, sk)
     nq = -(-sq // block_q)
     nk = -(-sk // block_k)
-    sq_pad, sk_pad = nq * block_q, nk * block_k
+    ragged_k = sk % block_k != 0  # last key block overlaps its predecessor
 
-    # Padded keys are masked by kv_len (static seq_k unless `lengths` is tighter). With no
-    # masking at all the where/guard passes over every score tile are skipped.
-    kv_len = None
-    if lengths is not None:
-        kv_len = jnp.minimum(lengths, sk)[:, None, None]
-    elif sk_pad != sk:
-        kv_len = sk
-    needs_mask = causal or window is not None or q_seg is not None or kv_len is not None
+    kv_len = None if lengths is None else lengths[:, None, None]
+    # With no masking at all the where/guard passes over every score tile are skipped.
+    needs_mask = (causal or window is not None or q_seg is not None or kv_len is not None
+                  or ragged_k)
     acc_t = jnp.promote_types(q.dtype, jnp.float32)
     prec = jax.lax.Precision.HIGHEST if acc_t == q.dtype else None
     if acc_t == q.dtype:
@@ -68,26 +60,24 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
 
     # Head-major layout once, outside the loops (O(N) copies), so every tile product is a
     # plain batched matmul; the G query heads sharing a kv head form one [G*bq, D] operand.
-    qp = jnp.transpose(_pad_to(q, 1, sq_pad).reshape(b, nq, block_q, hkv, g, d),
-                       (1, 0, 3, 4, 2, 5))                          # [nq, B, Hkv, G, bq, D]
-    kp = jnp.transpose(_pad_to(k, 1, sk_pad), (0, 2, 1, 3))         # [B, Hkv, Sk_pad, D]
-    vp = jnp.transpose(_pad_to(v, 1, sk_pad), (0, 2, 1, 3))
-    q_seg_blocks = None
-    if q_seg is not None:
-        q_seg_blocks = jnp.moveaxis(_pad_to(q_seg, 1, sq_pad, -1).reshape(b, nq, block_q), 1, 0)
-        kv_seg = _pad_to(kv_seg, 1, sk_pad, -1)
+    qh = jnp.transpose(q, (0, 2, 1, 3)).reshape(b, hkv, g, sq, d)   # [B, Hkv, G, Sq, D]
+    kh = jnp.transpose(k, (0, 2, 1, 3))                              # [B, Hkv, Sk, D]
+    vh = jnp.transpose(v, (0, 2, 1, 3))
 
-    def one_query_block(args):
-        qi, q_blk, qs_blk = args
-        q_start = qi * block_q
+    def query_block(i, out):
+        q_start = jnp.minimum(i * block_q, sq - block_q)  # clamp: last block ends at sq
+        q_blk = jax.lax.dynamic_slice_in_dim(qh, q_start, block_q, axis=3)
         q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
+        qs_blk = (None if q_seg is None else
+                  jax.lax.dynamic_slice_in_dim(q_seg, q_start, block_q, axis=1)[:, :, None])
         lo, hi = key_block_range(q_start, block_q, block_k, nk, offset, causal, window)
 
-        def body(j, carry):
+        def key_block(j, carry):
             m, l, acc = carry
-            k_start = j * block_k
-            k_blk = jax.lax.dynamic_slice_in_dim(kp, k_start, block_k, axis=2)
-            v_blk = jax.lax.dynamic_slice_in_dim(vp, k_start, block_k, axis=2)
+            k_nominal = j * block_k
+            k_start = jnp.minimum(k_nominal, sk - block_k)
+            k_blk = jax.lax.dynamic_slice_in_dim(kh, k_start, block_k, axis=2)
+            v_blk = jax.lax.dynamic_slice_in_dim(vh, k_start, block_k, axis=2)
             s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, precision=prec,
                            preferred_element_type=acc_t)
             if scale != 1.0:
@@ -96,10 +86,12 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
                 k_idx = k_start + jnp.arange(block_k, dtype=jnp.int32)
                 mask = visible(
                     q_idx[:, None], k_idx[None, :], offset=offset, causal=causal, window=window,
-                    q_seg=None if qs_blk is None else qs_blk[:, :, None],
+                    q_seg=qs_blk,
                     kv_seg=None if kv_seg is None else
                     jax.lax.dynamic_slice_in_dim(kv_seg, k_start, block_k, axis=1)[:, None, :],
                     kv_len=kv_len)                         # [bq, bk] or [B, bq, bk]
+                if ragged_k:
+                    mask = mask & (k_idx >= k_nominal)     # keys the previous block already saw
                 mask = mask.reshape((-1, 1, 1) + mask.shape[-2:])  # -> [B or 1, 1, 1, bq, bk]
                 s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -115,10 +107,9 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
         init = (jnp.full((b, hkv, g, block_q), -jnp.inf, acc_t),
                 jnp.zeros((b, hkv, g, block_q), acc_t),
                 jnp.zeros((b, hkv, g, block_q, d), acc_t))
-        _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
-        out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]           # no visible key -> zeros
-        return out.astype(q.dtype)                                   # [B, Hkv, G, bq, D]
+        _, l, acc = jax.lax.fori_loop(lo, hi, key_block, init)
+        res = acc / jnp.where(l == 0.0, 1.0, l)[..., None]           # no visible key -> zeros
+        return jax.lax.dynamic_update_slice_in_dim(out, res.astype(out.dtype), q_start, axis=3)
 
-    out = jax.lax.map(one_query_block, (jnp.arange(nq, dtype=jnp.int32), qp, q_seg_blocks))
-    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, sq_pad, h, d)
-    return out[:, :sq]
+    out = jax.lax.fori_loop(0, nq, query_block, jnp.zeros((b, hkv, g, sq, d), q.dtype))
+    return jnp.transpose(out.reshape(b, h, sq, d), (0, 2, 1, 3))
