@@ -44,5 +44,8 @@ class Buckets:
 
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind."""
-        return {"encode": len(self.encode), "prefill": len(self.prefill) * len(self.window),
-                "decode": len(self.window)}
+        return {"encode": len(self.encode), "prefill": len(self.prefill_pairs()), "decode": len(self.window)}
+
+    def prefill_pairs(self) -> list[tuple[int, int]]:
+        """Every (chunk, window) a prefill call can use: the window covers the chunk."""
+        return [(c, w) for w in self.window for c in self.prefill if c <= w]

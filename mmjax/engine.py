@@ -79,10 +79,33 @@ class Request:
     finish_reason: str | None = None
     first_token_time: float | None = None
     feats: list = field(default_factory=list)  # per image: np.ndarray [tokens, hidden] once encoded
+    keys: np.ndarray | None = None   # [prompt_len] int64 prefix-cache key of each prompt token
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+
+IMAGE_KEY_BIT = np.int64(1) << np.int64(62)
+
+
+def token_keys(ids: np.ndarray, images: list[ImageInput], starts: list[int]) -> np.ndarray:
+    """Prefix-cache key per prompt token [prompt_len] int64: text tokens are their id; image
+    token j of an image is (content hash of that image + preprocessing) + j with bit 62 set, so
+    two different images of the same size never share KV (vllm#20261, sglang#6583)."""
+    import hashlib
+
+    keys = ids.astype(np.int64)
+    for im, s in zip(images, starts):
+        h = int.from_bytes(hashlib.sha256(im.key.encode()).digest()[:7], "little")  # 56 bits
+        keys[s:s + im.num_tokens] = IMAGE_KEY_BIT | np.int64(h << 5) + np.arange(im.num_tokens, dtype=np.int64)
+    return keys
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
 
 
 class EncoderCache:
@@ -116,26 +139,32 @@ class EncoderCache:
 
 class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 prefill_chunk: int = 256, max_encode_batch: int = 8,
-                 encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16):
+                 prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
+                 encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
+                 enable_prefix_cache: bool = True):
         self.model = model
         self.tokenizer = model.tokenizer
         self.family = model.family
         max_model_len = max_model_len or min(model.family.text.max_position_embeddings, 4096)
         self.max_model_len = max_model_len
         self.prefill_chunk = prefill_chunk
+        self.max_encode_tokens = max_encode_tokens
         self.max_images_per_request = max_images_per_request
+        self.enable_prefix_cache = enable_prefix_cache
         self.runner = ModelRunner(model.family, model.params, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                   max_encode_batch=max_encode_batch)
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_num_seqs
+        # Prefix cache: the token keys of the KV each free slot still holds (see token_keys).
+        self.slot_keys: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(max_num_seqs)]
+        self.slot_last_used: list[float] = [0.0] * max_num_seqs
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "tokens_prefilled": 0,
-                         "tokens_decoded": 0, "tokens_cached": 0, "encoder_calls": 0,
+                         "tokens_decoded": 0, "tokens_cached": 0,
                          "images_encoded": 0, "decode_steps": 0, "prefill_calls": 0}
 
     # ---- requests ---------------------------------------------------------------------------
@@ -174,6 +203,7 @@ class Engine:
                       detok=IncrementalDetokenizer(self.tokenizer),
                       logprobs=[] if sampling.logprobs is not None else None)
         req.feats = [None] * len(images)
+        req.keys = token_keys(ids, images, starts)
         return req
 
     def submit(self, req: Request) -> str:
@@ -209,6 +239,21 @@ class Engine:
         self.counters["requests_aborted"] += 1
         return True
 
+    def warmup(self) -> dict[str, int]:
+        """Compile every bucket of every step up front (no request may be in flight)."""
+        if self.has_work():
+            raise RuntimeError("warmup() needs an idle engine")
+        r = self.runner
+        self.family.warmup_encode(r)
+        for c, w in r.buckets.prefill_pairs():
+            pos = np.zeros((3, c) if r.mrope else (c,), np.int32)
+            r.prefill(0, w - c, np.zeros(c, np.int32), None, np.zeros(c, bool), pos, 0, (0.0, 0, 1.0, 0.0),
+                      np.zeros(2, np.uint32))
+        for w in r.buckets.window:
+            r.decode(w)
+        self.reset_device_state()
+        return r.compiled_counts()
+
     def reset_device_state(self) -> None:
         """Fresh KV cache and decode state (after a failed step may have consumed donated buffers)."""
         from mmjax.models import decoder
@@ -217,6 +262,7 @@ class Engine:
         r = self.runner
         r.cache = decoder.init_kv_cache(r.text_cfg, r.num_slots, r.max_model_len, r.dtype)
         r.state = init_decode_state(r.num_slots)
+        self.slot_keys = [np.zeros(0, np.int64) for _ in self.slots]
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -243,11 +289,23 @@ class Engine:
         return deltas
 
     def _admit(self) -> None:
-        for i, s in enumerate(self.slots):
-            if s is None and self.waiting:
-                req = self.waiting.popleft()
-                req.slot = i
-                self.slots[i] = req
+        """Move waiting requests into free slots. With the prefix cache, each goes to the free
+        slot whose retained KV shares the longest prefix with it (ties: least recently used) and
+        prefill starts after that prefix; at least one prompt token is always recomputed to get
+        the first token's logits."""
+        while self.waiting:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if not free:
+                return
+            req = self.waiting.popleft()
+            match = {i: common_prefix(self.slot_keys[i], req.keys) if self.enable_prefix_cache else 0
+                     for i in free}
+            slot = max(free, key=lambda i: (match[i], -self.slot_last_used[i]))
+            cached = min(match[slot], req.prompt_len - 1)
+            req.slot, req.prefilled, req.cached_tokens = slot, cached, cached
+            self.counters["tokens_cached"] += cached
+            self.slots[slot] = req
+            self.slot_keys[slot] = self.slot_keys[slot][:cached]
 
     def _encode_missing(self, reqs: list[Request]) -> None:
         """Give every prefilling request its image features: from the encoder cache, or by
@@ -255,7 +313,7 @@ class Engine:
         todo: dict[str, ImageInput] = {}
         for r in reqs:
             for i, im in enumerate(r.images):
-                if r.feats[i] is not None or im.key in todo:
+                if r.feats[i] is not None or im.key in todo or r.image_starts[i] + im.num_tokens <= r.prefilled:
                     continue
                 cached = self.encoder_cache.get(im.key)
                 if cached is not None:
@@ -266,16 +324,28 @@ class Engine:
                     todo[im.key] = im
         if not todo:
             return
-        ims = list(todo.values())
-        feats = dict(zip(todo, self.family.encode_batch(self.runner, ims)))
-        self.counters["encoder_calls"] += 1
-        self.counters["images_encoded"] += len(ims)
+        feats: dict[str, np.ndarray] = {}
+        for group in self._encode_groups(list(todo.values())):
+            feats.update(zip((im.key for im in group), self.family.encode_batch(self.runner, group)))
+            self.counters["images_encoded"] += len(group)
         for key, f in feats.items():
             self.encoder_cache.put(key, f)
         for r in reqs:
             for i, im in enumerate(r.images):
-                if r.feats[i] is None:
+                if r.feats[i] is None and im.key in feats:
                     r.feats[i] = feats[im.key]
+
+    def _encode_groups(self, images: list[ImageInput]) -> list[list[ImageInput]]:
+        """Split images into encode calls of at most `max_encode_tokens` image tokens each (an
+        image larger than the budget goes alone)."""
+        groups, cur, n = [], [], 0
+        for im in images:
+            if cur and n + im.num_tokens > self.max_encode_tokens:
+                groups.append(cur)
+                cur, n = [], 0
+            cur.append(im)
+            n += im.num_tokens
+        return groups + ([cur] if cur else [])
 
     def _image_embeds(self, req: Request, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray]:
         """Rows [lo, hi) of the prompt's image embeddings [hi - lo, hidden] and mask [hi - lo]."""
@@ -283,8 +353,8 @@ class Engine:
         if not mask.any():
             return None, mask
         emb = np.zeros((hi - lo, self.family.text.hidden_size), np.float32)
-        for feats, s in zip(req.feats, req.image_starts):
-            a, b = max(s, lo), min(s + len(feats), hi)
+        for feats, im, s in zip(req.feats, req.images, req.image_starts):
+            a, b = max(s, lo), min(s + im.num_tokens, hi)
             if a < b:
                 emb[a - lo:b - lo] = feats[a - s:b - s]
         return emb, mask
@@ -349,6 +419,13 @@ class Engine:
         req.finish_reason = reason
         if req.slot is not None and self.slots[req.slot] is req:
             self.slots[req.slot] = None
+            # The cache row holds the prompt (as far as prefilled) and every output token but the
+            # last (sampled, never fed back).
+            held = req.keys[:req.prefilled]
+            if req.prefilled == req.prompt_len and len(req.output_ids) > 1:
+                held = np.concatenate([held, np.asarray(req.output_ids[:-1], np.int64)])
+            self.slot_keys[req.slot] = held
+            self.slot_last_used[req.slot] = time.monotonic()
         elif req in self.waiting:
             self.waiting.remove(req)
         if reason != "abort":
@@ -377,7 +454,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         running = sum(1 for s in self.slots if s is not None)
-        return {**self.counters,
+        return {**self.counters, "encoder_calls": self.runner.calls["encode"],
                 "requests_running": running, "requests_waiting": len(self.waiting),
                 "slots_total": len(self.slots), "slots_used": running,
                 "encoder_cache_hits": self.encoder_cache.hits, "encoder_cache_misses": self.encoder_cache.misses,
@@ -426,12 +503,10 @@ class AsyncEngine:
         q = self.submit(req)
         finished = False
         try:
-            while True:
+            while not finished:
                 d = await q.get()
+                finished = d.finished  # before yielding: a consumer may stop at the final delta
                 yield d
-                if d.finished:
-                    finished = True
-                    return
         finally:
             if not finished:
                 self.abort(req.id)
@@ -468,6 +543,11 @@ class AsyncEngine:
             item = self._inbox.popleft()
             if item[0] == "add":
                 _, req, q, loop = item
+                if req.id in self._streams or req.id in self.engine.requests:
+                    # Never touch the stream of the request that owns this id.
+                    err = InvalidRequestError(f"duplicate request id {req.id!r}", param="request_id")
+                    loop.call_soon_threadsafe(q.put_nowait, Delta(req.id, [], "", None, True, "error", error=err))
+                    continue
                 self._streams[req.id] = (q, loop)
                 try:
                     self.engine.submit(req)

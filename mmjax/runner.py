@@ -62,6 +62,7 @@ class ModelRunner:
         self.mrope = self.text_cfg.rope.mrope_section is not None
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set()}
         self.compile_seconds = 0.0
+        self.calls = {"encode": 0, "prefill": 0, "decode": 0}  # compiled-step invocations
         self._encode = jax.jit(family.encode)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("window",), donate_argnums=(1, 2))
         self._decode = jax.jit(self._decode_impl, static_argnames=("window",), donate_argnums=(1, 2))
@@ -108,6 +109,7 @@ class ModelRunner:
 
     # ---- host entry points -----------------------------------------------------------------
     def _track(self, kind: str, shape, fn, *args, **kw):
+        self.calls[kind] += 1
         first = shape not in self.compiled[kind]
         t0 = time.perf_counter()
         result = fn(*args, **kw)

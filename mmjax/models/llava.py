@@ -104,6 +104,12 @@ class LlavaFamily:
         feats = runner.encode(np.stack([im.pixels for im in images]))
         return [f for f in feats]
 
+    def warmup_encode(self, runner) -> None:
+        """Compile the encode step for every batch bucket."""
+        size = self.cfg.vision.image_size
+        for b in runner.buckets.encode:
+            runner.encode(np.zeros((b, size, size, 3), np.float32))
+
     def positions(self, ids: np.ndarray, images: list, image_starts: list[int]) -> tuple[np.ndarray, int]:
         """1-D RoPE positions [prompt_len] and no offset for decode."""
         return np.arange(len(ids), dtype=np.int32), 0

@@ -1,0 +1,209 @@
+"""Engine: continuous batching equals one-at-a-time, caches, aborts, compile bounds, streaming
+details (stop strings, UTF-8-safe incremental detokenisation), failure isolation."""
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+import mmjax
+from conftest import noise_image
+from mmjax.engine import AsyncEngine
+from tiny_checkpoints import WORDS
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def make_prompt(rng, n_words: int, n_images: int) -> str:
+    words = " ".join(rng.choice(WORDS[:60], n_words))
+    return "USER: " + "<image>\n" * n_images + words + " ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def path(llava_dirs):
+    return llava_dirs["gqa"]
+
+
+def run_with_arrivals(engine, reqs, arrivals):
+    """Add request i at engine step arrivals[i]; step until all finish."""
+    ids = [None] * len(reqs)
+    step = 0
+    while any(i is None for i in ids) or any(engine.requests[r].finish_reason is None for r in ids):
+        for i, (r, a) in enumerate(zip(reqs, arrivals)):
+            if ids[i] is None and a <= step:
+                ids[i] = engine.add_request(r["prompt"], r["images"], r["sampling"])
+        engine.step()
+        step += 1
+    return [engine.output(r) for r in ids]
+
+
+def test_concurrent_random_arrivals_equal_one_at_a_time(path):
+    rng = np.random.default_rng(0)
+    base = mmjax.load(path, max_num_seqs=6, max_model_len=1024, prefill_chunk=128)
+    reqs = []
+    for i in range(16):
+        n_img = [0, 2][i] if i < 2 else int(rng.integers(0, 3))
+        n_words = [1, 260][i] if i < 2 else int(rng.choice([3, 20, 80, 250]))
+        imgs = base.prepare_images([noise_image(1000 + 10 * i + j, int(rng.integers(20, 90)), int(rng.integers(20, 90)))
+                                    for j in range(n_img)])
+        reqs.append({"prompt": make_prompt(rng, n_words, n_img), "images": imgs,
+                     "sampling": mmjax.SamplingParams(max_tokens=int(rng.integers(1, 65)), **GREEDY)})
+    lens = [len(base.tokenizer.encode_prompt(r["prompt"], [im.num_tokens for im in r["images"]])) for r in reqs]
+    assert min(lens) <= 12 and max(lens) >= 500  # prompt lengths span ~5..600 tokens
+    together = run_with_arrivals(base.engine, reqs, rng.integers(0, 40, len(reqs)))
+    alone_vlm = mmjax.load(path, max_num_seqs=1, max_model_len=1024, prefill_chunk=128, enable_prefix_cache=False)
+    alone = [alone_vlm.engine.run_until_done([alone_vlm.engine.add_request(r["prompt"], r["images"], r["sampling"])])[0]
+             for r in reqs]
+    for t, a, r in zip(together, alone, reqs):
+        assert t.token_ids == a.token_ids
+        assert len(t.token_ids) == r["sampling"].max_tokens
+
+
+def test_alternating_long_and_short_rounds(path):
+    vlm = mmjax.load(path, max_num_seqs=2, max_model_len=1024, prefill_chunk=64)
+    rng = np.random.default_rng(1)
+    for rnd in range(4):
+        n = 300 if rnd % 2 == 0 else 2
+        reqs = [{"prompt": make_prompt(rng, n, 1), "images": [noise_image(rnd * 7 + k, 40, 40)]} for k in range(3)]
+        outs = vlm.generate(reqs, mmjax.SamplingParams(max_tokens=5, **GREEDY))
+        assert [len(o.token_ids) for o in outs] == [5, 5, 5]
+    assert vlm.engine.stats()["requests_running"] == 0
+
+
+def test_twelve_images_in_one_request_match_transformers(path):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    imgs = [noise_image(300 + i, 30 + 5 * i, 60 - 2 * i) for i in range(12)]
+    prompt = "USER: " + "".join(f"image {i}: <image>\n" for i in range(12)) + "compare them ASSISTANT:"
+    vlm = mmjax.load(path, max_num_seqs=2, max_model_len=512, prefill_chunk=64)
+    ours = vlm.generate([{"prompt": prompt, "images": imgs}], mmjax.SamplingParams(max_tokens=8, **GREEDY))[0]
+    hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(path)
+    inputs = proc(text=prompt, images=imgs, return_tensors="pt")
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        seq = hf.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=3)
+    assert ours.token_ids == seq[0, inputs["input_ids"].shape[1]:].tolist()
+    assert ours.num_image_tokens == 12 * 16
+    assert vlm.engine.stats()["encoder_calls"] == 2  # 12 images in bucketed batches of <= 8
+
+
+def test_encoder_cache_and_prefix_cache(path):
+    vlm = mmjax.load(path, max_num_seqs=2, max_model_len=256)
+    img, other = noise_image(42, 64, 48), noise_image(43, 64, 48)  # same size, different pixels
+    sp = mmjax.SamplingParams(max_tokens=6, **GREEDY)
+    first = vlm.generate([{"prompt": f"USER: <image>\nquestion {i} ASSISTANT:", "images": [img]} for i in range(5)], sp)
+    assert vlm.engine.stats()["images_encoded"] == 1
+    # Without the prefix cache the embeddings come from the encoder cache instead.
+    nopc = mmjax.load(path, max_num_seqs=2, max_model_len=256, enable_prefix_cache=False)
+    again = nopc.generate([{"prompt": f"USER: <image>\nquestion {i} ASSISTANT:", "images": [img]} for i in range(5)], sp)
+    st = nopc.engine.stats()
+    assert st["images_encoded"] == 1 and st["encoder_cache_hits"] >= 3
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    # A different image of the same size is encoded, never served from the cache.
+    vlm.generate([{"prompt": "USER: <image>\nquestion 0 ASSISTANT:", "images": [other]}], sp)
+    assert vlm.engine.stats()["images_encoded"] == 2
+
+    # Same image, different question: KV reused up to the question, same output as no caching.
+    cold = mmjax.load(path, max_num_seqs=2, max_model_len=256, enable_prefix_cache=False)
+    q2 = {"prompt": "USER: <image>\nwhat color is the sky ASSISTANT:", "images": [img]}
+    warm = vlm.generate([q2], sp)[0]
+    ref = cold.generate([q2], sp)[0]
+    n_prefix = len(vlm.tokenizer.encode_prompt("USER: <image>\n", [16]))
+    assert warm.cached_tokens >= n_prefix - 1 > 0
+    assert warm.token_ids == ref.token_ids and ref.cached_tokens == 0
+    # A new image of the same size with the same question: the cache stops before the image.
+    q3 = {"prompt": "USER: <image>\nwhat color is the sky ASSISTANT:", "images": [noise_image(44, 64, 48)]}
+    warm3, ref3 = vlm.generate([q3], sp)[0], cold.generate([q3], sp)[0]
+    image_start = vlm.tokenizer.encode_prompt("USER: <image>", [16]).index(vlm.family.image_token_id)
+    assert warm3.cached_tokens <= image_start
+    assert warm3.token_ids == ref3.token_ids
+
+
+def test_abort_frees_slot_and_many_requests_finish(path):
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256)
+    eng = vlm.engine
+    rid = eng.add_request("USER: tell me a long story ASSISTANT:", [], mmjax.SamplingParams(max_tokens=60, **GREEDY))
+    for _ in range(5):
+        eng.step()
+    assert eng.stats()["slots_used"] == 1
+    assert eng.abort(rid)
+    assert eng.stats()["slots_used"] == 0 and eng.output(rid).finish_reason == "abort"
+    rng = np.random.default_rng(5)
+    ids = [eng.add_request(make_prompt(rng, int(rng.integers(1, 30)), 0), [],
+                           mmjax.SamplingParams(max_tokens=int(rng.integers(1, 6)), **GREEDY)) for _ in range(100)]
+    outs = eng.run_until_done(ids)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert eng.stats()["requests_finished"] == 100 and eng.stats()["slots_used"] == 0
+
+
+def test_compiled_shapes_bounded_after_random_requests(path):
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=512, prefill_chunk=64, max_encode_batch=4)
+    rng = np.random.default_rng(7)
+    reqs = []
+    for i in range(50):
+        n_img = int(rng.integers(0, 4))
+        reqs.append({"prompt": make_prompt(rng, int(rng.integers(1, 150)), n_img),
+                     "images": [noise_image(2000 + 5 * i + j, 30, 30) for j in range(n_img)],
+                     "sampling": mmjax.SamplingParams(max_tokens=int(rng.integers(1, 20)), **GREEDY)})
+    vlm.generate(reqs)
+    st = vlm.engine.stats()
+    for kind, n in st["compiled_shapes"].items():
+        assert 1 <= n <= st["compiled_shapes_bound"][kind], (kind, n, st["compiled_shapes_bound"])
+    assert vlm.engine.warmup() == st["compiled_shapes_bound"]
+
+
+def test_stop_strings_and_streamed_text(path):
+    vlm = mmjax.load(path, max_num_seqs=2, max_model_len=256)
+    img = noise_image(50, 40, 40)
+    prompt = {"prompt": "USER: <image>\nsay something ASSISTANT:", "images": [img]}
+    full = vlm.generate([prompt], mmjax.SamplingParams(max_tokens=24, **GREEDY))[0]
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
+    assert len(stop) == 2 and "\ufffd" not in stop
+    eng = vlm.engine
+    rid = eng.add_request(prompt["prompt"], vlm.prepare_images([img]), mmjax.SamplingParams(max_tokens=24, stop=[stop], **GREEDY))
+    streamed = ""
+    while eng.has_work():
+        for d in eng.step():
+            streamed += d.text
+    out = eng.output(rid)
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.find(stop)]
+    assert streamed == out.text
+
+
+def test_incremental_detokenizer_never_splits_utf8(path):
+    from mmjax.tokenizer import IncrementalDetokenizer
+    vlm = mmjax.load(path)
+    text = "café naïve 東京 😀 ok"
+    ids = vlm.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # multi-byte characters span several byte-level tokens
+    det = IncrementalDetokenizer(vlm.tokenizer)
+    deltas = [det.add(i) for i in ids] + [det.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_async_engine_isolates_bad_requests(path):
+    vlm = mmjax.load(path, max_num_seqs=2, max_model_len=256)
+    ae = AsyncEngine(vlm.engine)
+
+    async def run(req):
+        toks = []
+        async for d in ae.stream(req):
+            if d.error is not None:
+                return d.error
+            toks += d.token_ids
+        return toks
+
+    async def main():
+        good = [vlm.engine.make_request("USER: hi there ASSISTANT:", [], mmjax.SamplingParams(max_tokens=4, **GREEDY))
+                for _ in range(3)]
+        dup = vlm.engine.make_request("USER: hi ASSISTANT:", [], mmjax.SamplingParams(max_tokens=4), request_id=good[0].id)
+        return await asyncio.gather(*(run(r) for r in good), run(dup))
+
+    try:
+        *goods, bad = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert all(len(g) == 4 for g in goods)
+    assert isinstance(bad, mmjax.InvalidRequestError)
