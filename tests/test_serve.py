@@ -402,6 +402,10 @@ def bad_requests():
     """(name, body or raw bytes, status, code, param-substring)."""
     big = base64.b64encode(png_bytes(9, 400, 400)).decode()  # ~480 KB PNG of noise > 300 KB cap
     undecodable = base64.b64encode(b"\x89PNG\r\n\x1a\nnot really a png").decode()
+    from PIL import Image
+    b = io.BytesIO()
+    Image.new("1", (8000, 6000)).save(b, "PNG")  # 6 KB file, 48 MP > the 40 MP default
+    bomb = base64.b64encode(b.getvalue()).decode()
     return [
         ("malformed json", b'{"messages": [', 400, "invalid_json", None),
         ("empty body", b"", 400, "invalid_json", None),
@@ -424,6 +428,8 @@ def bad_requests():
         ("undecodable", _chat([{"type": "text", "text": "x"}, img_part("data:image/png;base64," + undecodable)]),
          400, "invalid_image", "messages[0].content[1].image_url"),
         ("oversized", _chat([img_part("data:image/png;base64," + big)]), 413, "image_too_large",
+         "messages[0].content[0].image_url"),
+        ("pixel bomb", _chat([img_part("data:image/png;base64," + bomb)]), 413, "image_too_large",
          "messages[0].content[0].image_url"),
         ("too many images", _chat([img_part(data_uri(i)) for i in range(5)]), 400, "too_many_images", "messages"),
         ("bad scheme", _chat([img_part("ftp://example.com/a.png")]), 400, "invalid_image", "image_url"),
