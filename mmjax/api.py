@@ -40,14 +40,10 @@ def _family_for(model_type: str):
         from mmjax.models import llava
         return llava
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
-        try:
-            from mmjax.models import qwen2_vl
-        except ImportError:
-            qwen2_vl = None
-        if qwen2_vl is not None:
-            return qwen2_vl
-    raise UnsupportedModelError(f"config.json: model_type={model_type!r} is not supported (supported: llava)",
-                                param="model_type")
+        from mmjax.models import qwen2_vl
+        return qwen2_vl
+    raise UnsupportedModelError(f"config.json: model_type={model_type!r} is not supported "
+                                "(supported: llava, qwen2_vl, qwen2_5_vl)", param="model_type")
 
 
 @dataclass
