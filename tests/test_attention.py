@@ -72,6 +72,8 @@ CASES = {
     "sliding_window_causal_d96": (1, 257, 257, 4, 2, 96, dict(causal=True, window=(40, 0))),
     "window_symmetric_d64": (1, 200, 200, 2, 2, 64, dict(window=17)),
     "prefill_chunk_sq_lt_sk": (1, 70, 230, 4, 2, 64, dict(causal=True)),
+    # Bottom-right alignment with seq_q > seq_k: the first 60 query rows see no key (zeros).
+    "causal_sq_gt_sk": (1, 100, 40, 2, 1, 64, dict(causal=True)),
 }
 
 

@@ -93,10 +93,22 @@ def _flash_kernel(*refs, scale_log2: float, causal: bool, window, offset: int, b
     q = q_ref[...]
     q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)[:, None]
     q_seg = qs_ref[...][:, None] if has_seg else None
-    needs_mask = causal or window is not None or has_seg or mask_tail
     lo, hi = key_block_range(q_start, block_q, block_k, num_k_blocks, offset, causal, window)
+    # Split [lo, hi) into key blocks every row of this query block sees whole ([lo, mid): no
+    # mask work at all) and blocks that need the per-element mask ([mid, hi)): for causal only
+    # the diagonal blocks, for ragged seq_k only the last block. Ids/windows mask everywhere.
+    if has_seg or window is not None:
+        mid = lo
+    else:
+        mid = hi
+        if causal:  # block jb is fully visible iff its last key <= first query's position
+            full = jax.lax.div(q_start + offset + 1, jnp.int32(block_k))
+            mid = jnp.minimum(mid, jnp.maximum(lo, full))
+        if mask_tail:
+            mid = jnp.minimum(mid, num_k_blocks - 1)
+        mid = jnp.maximum(mid, lo)
 
-    def body(j, carry):
+    def body(j, carry, masked: bool):
         acc, m, l = carry
         k_start = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(k_start, block_k), :]
@@ -104,7 +116,7 @@ def _flash_kernel(*refs, scale_log2: float, causal: bool, window, offset: int, b
         # Scores in the log2 domain (exp2 is the native GPU instruction).
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale_log2
-        if needs_mask:
+        if masked:
             k_idx = k_start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
             mask = visible(q_idx, k_idx, offset=offset, causal=causal, window=window,
                            q_seg=q_seg,
@@ -113,7 +125,7 @@ def _flash_kernel(*refs, scale_log2: float, causal: bool, window, offset: int, b
             s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # A row that has seen no visible key keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if needs_mask else m_new
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
@@ -121,10 +133,11 @@ def _flash_kernel(*refs, scale_log2: float, causal: bool, window, offset: int, b
                                  preferred_element_type=jnp.float32)
         return alpha[:, None] * acc + pv, m_new, l
 
-    init = (jnp.zeros((block_q, q.shape[-1]), jnp.float32),
-            jnp.full((block_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(lo, hi, body, init)
+    carry = (jnp.zeros((block_q, q.shape[-1]), jnp.float32),
+             jnp.full((block_q,), -jnp.inf, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    carry = jax.lax.fori_loop(lo, mid, functools.partial(body, masked=False), carry)
+    acc, _, l = jax.lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
