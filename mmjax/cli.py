@@ -63,7 +63,15 @@ def cmd_convert(args) -> int:
     return 0
 
 
+_BENCHES = {"kernel", "engine", "serve", "attention"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        return _delegate("serve", argv[1:])
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in _BENCHES:
+        return _delegate(f"benchmarks.{argv[1]}", argv[2:])
     parser = argparse.ArgumentParser(prog="mmjax", description="JAX serving kernel for vision-language models")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -85,14 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.set_defaults(fn=cmd_convert)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible server", add_help=False)
-    s.set_defaults(fn=lambda a: _delegate("serve", a.rest))
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-
-    b = sub.add_parser("bench", help="benchmarks: kernel | serve | attention", add_help=False)
-    b.add_argument("which", choices=["kernel", "serve", "attention"])
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=lambda a: _delegate(f"benchmarks.{a.which}", a.rest))
+    # serve and bench own their flags: dispatched before parsing (see _DELEGATES).
+    sub.add_parser("serve", help="OpenAI-compatible server (mmjax serve --help)", add_help=False)
+    b = sub.add_parser("bench", help="benchmarks: kernel | engine | serve | attention", add_help=False)
+    b.add_argument("which", choices=sorted(_BENCHES))
 
     args = parser.parse_args(argv)
     return int(args.fn(args) or 0)

@@ -1,0 +1,182 @@
+"""`mmjax bench engine` / `python -m benchmarks.engine`: serving throughput of the engine.
+
+On one random-weight LLaVA-architecture checkpoint (default ~342M params: CLIP ViT-B/16 224 px +
+16-layer Llama hidden 1024; `--smoke` for a toy one), the same requests (a distinct 224x224 image
++ ~32-token question each, 64 new tokens, greedy, EOS ignored) are run:
+  - by mmjax's AsyncEngine with 1, 4 and 16 concurrent closed-loop clients (continuous batching),
+  - one at a time through transformers `generate` (the sequential peer), in the same run.
+Reports output tokens/s, TTFT p50/p99 (submit -> first token, preprocessing included), and the
+ratio to transformers; plus the decode-window effect: one full-batch decode step attending over
+the smallest window rung vs the whole max_model_len. Compile time (warmup) is reported apart.
+Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def percentile(xs, q):
+    return float(np.percentile(np.asarray(xs, np.float64), q)) if xs else float("nan")
+
+
+def make_requests(n: int, size: int, seed: int = 0):
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    qs = ["What is in this picture? Describe the colors and the objects you can see in it please.",
+          "Describe the image in detail, including the background and any text that might appear.",
+          "How many objects are there in the image, and what are their shapes and their colors?"]
+    return [(Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)), qs[i % len(qs)])
+            for i in range(n)]
+
+
+async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
+    import mmjax
+    sp = mmjax.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    queue = list(requests)
+    ttfts, tokens = [], 0
+
+    async def client():
+        nonlocal tokens
+        while queue:
+            img, q = queue.pop()
+            t0 = time.perf_counter()
+            prompt, images = vlm.render_chat([{"role": "user", "content": [{"type": "image", "image": img},
+                                                                           {"type": "text", "text": q}]}])
+            req = vlm.engine.make_request(prompt, vlm.prepare_images(images), sp)
+            first = True
+            async for d in ae.stream(req):
+                if first and d.token_ids:
+                    ttfts.append(time.perf_counter() - t0)
+                    first = False
+                tokens += len(d.token_ids)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts}
+
+
+def run_hf(path, requests, new_tokens: int, threads: int):
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    torch.set_num_threads(threads)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    proc = AutoProcessor.from_pretrained(path)
+    ttfts, tokens = [], 0
+    t0 = time.perf_counter()
+    for img, q in requests:
+        t1 = time.perf_counter()
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
+        inputs = proc(text=proc.apply_chat_template(msgs, add_generation_prompt=True), images=img,
+                      return_tensors="pt")
+        stamps = []
+
+        class Streamer:
+            def put(self, value):
+                stamps.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=3,
+                                 streamer=Streamer())
+        ttfts.append(stamps[1] - t1)  # stamps[0] is the prompt
+        tokens += out.shape[1] - inputs["input_ids"].shape[1]
+    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts}
+
+
+def decode_window_effect(vlm, repeats: int = 5) -> dict:
+    """Median full-batch decode step time at the smallest window rung vs at max_model_len."""
+    r = vlm.engine.runner
+    out = {}
+    for w in (r.buckets.window[0], r.buckets.window[-1]):
+        r.decode(w)  # compile / warm
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            r.decode(w)
+            times.append(time.perf_counter() - t0)
+        out[w] = statistics.median(times)
+    vlm.engine.reset_device_state()
+    return {"window_small": r.buckets.window[0], "step_s_small": out[r.buckets.window[0]],
+            "window_full": r.buckets.window[-1], "step_s_full": out[r.buckets.window[-1]]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="mmjax bench engine", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="LLaVA checkpoint dir (default: build a random one)")
+    ap.add_argument("--smoke", action="store_true", help="toy checkpoint and few requests (CI)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.requests, args.new_tokens, args.concurrency, args.max_model_len = 4, 8, [1, 4], 256
+
+    import os
+
+    import mmjax
+    from benchmarks.checkpoints import build_llava
+    from mmjax.engine import AsyncEngine
+
+    path = args.model or str(build_llava("smoke" if args.smoke else "default"))
+    threads = args.threads or os.cpu_count()
+    vlm = mmjax.load(path, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
+                     prefill_chunk=64 if args.smoke else 256, max_encode_batch=8)
+    size = vlm.family.cfg.vision.image_size
+    t0 = time.perf_counter()
+    compiled = vlm.engine.warmup()
+    compile_s = time.perf_counter() - t0
+    window = decode_window_effect(vlm)
+
+    results = {}
+    ae = AsyncEngine(vlm.engine, max_waiting=10_000)
+    try:
+        for c in args.concurrency:
+            reqs = make_requests(args.requests, size, seed=c)
+            results[c] = asyncio.run(run_mmjax(vlm, ae, reqs, c, args.new_tokens))
+    finally:
+        ae.shutdown()
+    hf = None if args.no_hf else run_hf(path, make_requests(args.requests, size, seed=99), args.new_tokens, threads)
+
+    hf_tps = hf["tokens"] / hf["wall_s"] if hf else None
+    rows = []
+    for c, r in results.items():
+        tps = r["tokens"] / r["wall_s"]
+        rows.append({"concurrency": c, "requests": args.requests, "output_tok_s": tps,
+                     "ttft_p50_s": percentile(r["ttft"], 50), "ttft_p99_s": percentile(r["ttft"], 99),
+                     "vs_hf_sequential": tps / hf_tps if hf_tps else None})
+    print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, float32, {threads} threads)")
+    print(f"warmup: {sum(compiled.values())} compiled shapes {compiled} in {compile_s:.1f}s (excluded below)")
+    print(f"{'who':<22}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'vs HF seq':>11}")
+    for row in rows:
+        ratio = f"{row['vs_hf_sequential']:.2f}x" if row["vs_hf_sequential"] else "-"
+        print(f"{'mmjax engine':<22}{row['concurrency']:>5}{row['output_tok_s']:>10.1f}"
+              f"{row['ttft_p50_s'] * 1e3:>9.0f}ms{row['ttft_p99_s'] * 1e3:>9.0f}ms{ratio:>11}")
+    if hf:
+        print(f"{'transformers (seq.)':<22}{1:>5}{hf_tps:>10.1f}{percentile(hf['ttft'], 50) * 1e3:>9.0f}ms"
+              f"{percentile(hf['ttft'], 99) * 1e3:>9.0f}ms{'1.00x':>11}")
+    print(f"decode step, batch {max(args.concurrency)}: window {window['window_small']} -> "
+          f"{window['step_s_small'] * 1e3:.1f} ms, window {window['window_full']} -> {window['step_s_full'] * 1e3:.1f} ms")
+    summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads,
+               "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,
+               "mmjax": rows, "decode_window": window,
+               "hf_sequential": None if not hf else {"output_tok_s": hf_tps, "ttft_p50_s": percentile(hf["ttft"], 50),
+                                                     "ttft_p99_s": percentile(hf["ttft"], 99)}}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
