@@ -254,7 +254,7 @@ def test_4k_image_end_to_end(pair):
 
 def test_window_order_and_positions_match_hf():
     from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
-    for grid in [(1, 14, 18), (1, 24, 10), (1, 8, 8), (1, 16, 34), (1, 2, 2)]:
+    for grid in [(1, 14, 18), (1, 24, 10), (1, 8, 8), (1, 16, 34), (1, 2, 2), (1, 2, 100), (1, 100, 2), (2, 10, 12)]:
         g = torch.tensor([grid])
         order, sizes = Q.window_order(grid, 2, 4)
         win_idx, cu = get_vision_window_index(g, spatial_merge_size=2, window_size=112, patch_size=14)
