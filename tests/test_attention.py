@@ -68,6 +68,9 @@ CASES = {
     "len1000_causal_d128": (1, 1000, 1000, 2, 2, 128, dict(causal=True)),
     "packed3_pad_d80": (2, 300, 300, 4, 2, 80,
                         dict(segment_ids=_packed_segments(2, [137, 51, 90], 22))),
+    # Ids in no order at all: block skipping must still be exact (a superset of needed blocks).
+    "unsorted_segments_d64": (1, 150, 150, 2, 1, 64, dict(segment_ids=jnp.asarray(
+        np.random.default_rng(5).integers(-1, 3, (1, 150)), jnp.int32))),
     "lengths_d72": (2, 200, 200, 2, 1, 72, dict(lengths=jnp.array([37, 200]))),
     "sliding_window_causal_d96": (1, 257, 257, 4, 2, 96, dict(causal=True, window=(40, 0))),
     "window_symmetric_d64": (1, 200, 200, 2, 2, 64, dict(window=17)),
@@ -153,6 +156,16 @@ def test_auto_picks_chunked_for_long_sequences_on_cpu():
     assert 16 * 128 * 128 * 4 <= AUTO_REFERENCE_MAX_SCORE_BYTES
     assert not has_loop(128, 16)
     assert has_loop(1024, 16)
+
+
+def test_segment_block_bounds_skip_other_images():
+    """Packed images: a query block visits only key blocks of its own images."""
+    from mmjax.attention.common import segment_block_bounds
+    seg = _packed_segments(1, [64, 32, 96], 32).reshape(1, 7, 32)  # 7 blocks of 32 tokens
+    lo, hi = segment_block_bounds(seg, seg)
+    # blocks: 0,1 = image 0; 2 = image 1; 3,4,5 = image 2; 6 = padding (visits nothing)
+    assert lo.tolist() == [[0, 0, 2, 3, 3, 3, 0]]
+    assert hi.tolist() == [[2, 2, 3, 6, 6, 6, 0]]
 
 
 def test_bad_arguments_raise():

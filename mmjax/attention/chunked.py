@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from mmjax.attention.common import (
     SegmentIds, Window, check_lengths, check_shapes, default_scale, key_block_range,
-    normalize_window, split_segment_ids, visible,
+    normalize_window, segment_block_bounds, split_segment_ids, visible,
 )
 
 # On the 2-core CPU (N=4096, H=16, D=80) tiles from 256x512 to 2048x128 all ran within the
@@ -64,13 +64,28 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     kh = jnp.transpose(k, (0, 2, 1, 3))                              # [B, Hkv, Sk, D]
     vh = jnp.transpose(v, (0, 2, 1, 3))
 
+    q_starts = jnp.minimum(jnp.arange(nq, dtype=jnp.int32) * block_q, sq - block_q)
+    seg_lo = seg_hi = None
+    if q_seg is not None:  # packed images: per query block, the key blocks ids can match
+        rows = q_starts[:, None] + jnp.arange(block_q, dtype=jnp.int32)
+        kv_blocks = jnp.pad(kv_seg, ((0, 0), (0, nk * block_k - sk)), constant_values=-1)
+        seg_lo, seg_hi = segment_block_bounds(q_seg[:, rows], kv_blocks.reshape(b, nk, block_k))
+        seg_lo, seg_hi = jnp.min(seg_lo, axis=0), jnp.max(seg_hi, axis=0)  # one loop per batch
+    if lengths is not None:  # keys past the longest row are never visible
+        len_hi = jnp.minimum(-(-jnp.max(lengths) // block_k), nk).astype(jnp.int32)
+        seg_hi = len_hi if seg_hi is None else jnp.minimum(seg_hi, len_hi)
+
     def query_block(i, out):
-        q_start = jnp.minimum(i * block_q, sq - block_q)  # clamp: last block ends at sq
+        q_start = q_starts[i]  # clamped: the last block ends at sq
         q_blk = jax.lax.dynamic_slice_in_dim(qh, q_start, block_q, axis=3)
         q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
         qs_blk = (None if q_seg is None else
                   jax.lax.dynamic_slice_in_dim(q_seg, q_start, block_q, axis=1)[:, :, None])
         lo, hi = key_block_range(q_start, block_q, block_k, nk, offset, causal, window)
+        if seg_lo is not None:
+            lo = jnp.maximum(lo, seg_lo[i])
+        if seg_hi is not None:
+            hi = jnp.maximum(lo, jnp.minimum(hi, seg_hi if seg_hi.ndim == 0 else seg_hi[i]))
 
         def key_block(j, carry):
             m, l, acc = carry

@@ -144,3 +144,33 @@ def key_block_range(q_start: jax.Array, block_q: int, block_k: int, num_k_blocks
     lo = jnp.minimum(jnp.maximum(lo, 0), num_k_blocks)
     hi = jnp.minimum(jnp.maximum(hi, lo), num_k_blocks)
     return lo, hi
+
+
+def segment_block_bounds(q_seg_blocks: jax.Array, kv_seg_blocks: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+    """Per query block, the [lo, hi) key blocks whose segment ids can match: skip the rest.
+
+    q_seg_blocks [B, nq, bq] and kv_seg_blocks [B, nk, bk] are blocked segment ids (negative =
+    padding, never matches). A key block is kept if its id range [min, max] over valid ids
+    intersects the query block's; lo/hi span the first..last kept block. That is exact for
+    packed sequences (ids non-decreasing: a query block only visits its own images' keys)
+    and a correct superset for any ids (skipped blocks provably hold no equal id; blocks
+    inside [lo, hi) are still masked per element). Returns int32 lo, hi [B, nq]; lo == hi
+    when nothing can match. Cost O(B * nq * nk) on ids only.
+    """
+    big = jnp.iinfo(jnp.int32).max
+
+    def id_range(blocks):
+        valid = blocks >= 0
+        return (jnp.min(jnp.where(valid, blocks, big), axis=-1),
+                jnp.max(jnp.where(valid, blocks, -1), axis=-1))
+
+    q_min, q_max = id_range(q_seg_blocks)                            # [B, nq]
+    k_min, k_max = id_range(kv_seg_blocks)                           # [B, nk]
+    hit = ((k_min[:, None, :] <= q_max[:, :, None])
+           & (k_max[:, None, :] >= q_min[:, :, None]))               # [B, nq, nk]
+    nk = hit.shape[-1]
+    any_hit = jnp.any(hit, axis=-1)
+    lo = jnp.argmax(hit, axis=-1).astype(jnp.int32)
+    hi = (nk - jnp.argmax(hit[..., ::-1], axis=-1)).astype(jnp.int32)
+    return jnp.where(any_hit, lo, 0), jnp.where(any_hit, hi, 0)

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from mmjax.attention.common import (
     SegmentIds, Window, check_lengths, check_shapes, default_scale, key_block_range,
-    normalize_window, split_segment_ids, visible,
+    normalize_window, segment_block_bounds, split_segment_ids, visible,
 )
 
 _LOG2E = math.log2(math.e)
@@ -84,9 +84,10 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
 
 def _flash_kernel(*refs, scale_log2: float, causal: bool, window, offset: int, block_q: int,
                   block_k: int, num_k_blocks: int, seq_k: int, mask_tail: bool, has_seg: bool):
-    """refs: q [bq, Dp], k/v [Sk_pad, Dp], (q_seg [bq], kv_seg [Sk_pad]), out o [bq, Dp]."""
+    """refs: q [bq, Dp], k/v [Sk_pad, Dp], (q_seg [bq], kv_seg [Sk_pad], seg_lo, seg_hi scalars),
+    out o [bq, Dp]."""
     if has_seg:
-        q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref = refs
+        q_ref, k_ref, v_ref, qs_ref, ks_ref, seg_lo_ref, seg_hi_ref, o_ref = refs
     else:
         q_ref, k_ref, v_ref, o_ref = refs
     q_start = pl.program_id(0) * block_q
@@ -94,6 +95,9 @@ def _flash_kernel(*refs, scale_log2: float, causal: bool, window, offset: int, b
     q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)[:, None]
     q_seg = qs_ref[...][:, None] if has_seg else None
     lo, hi = key_block_range(q_start, block_q, block_k, num_k_blocks, offset, causal, window)
+    if has_seg:  # packed images: visit only key blocks whose segment ids can match
+        lo = jnp.maximum(lo, seg_lo_ref[...])
+        hi = jnp.maximum(lo, jnp.minimum(hi, seg_hi_ref[...]))
     # Split [lo, hi) into key blocks every row of this query block sees whole ([lo, mid): no
     # mask work at all) and blocks that need the per-element mask ([mid, hi)): for causal only
     # the diagonal blocks, for ragged seq_k only the last block. Ids/windows mask everywhere.
@@ -195,9 +199,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     ]
     args = [qp, kp, vp]
     if has_seg:
+        seg_lo, seg_hi = segment_block_bounds(q_seg.reshape(b, nq, block_q),
+                                              kv_seg.reshape(b, nk, block_k))
         in_specs += [pl.BlockSpec((None, block_q), lambda i, bi, hi: (bi, i)),
-                     pl.BlockSpec((None, sk_pad), lambda i, bi, hi: (bi, 0))]
-        args += [q_seg, kv_seg]
+                     pl.BlockSpec((None, sk_pad), lambda i, bi, hi: (bi, 0)),
+                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, i)),
+                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, i))]
+        args += [q_seg, kv_seg, seg_lo, seg_hi]
     out = pl.pallas_call(
         kernel,
         grid=(nq, b, h),
