@@ -540,7 +540,7 @@ class QwenVLFamily:
         """Pack images (in order) into as few bucketed calls as the per-call patch budget allows;
         one compiled call per pack; split and un-window-order the result per image."""
         ladder = self.encode_ladder
-        cap = max(self.limits.max_encode_patches, ladder[-1])
+        cap = self.limits.max_encode_patches
         groups, cur, n = [], [], 0
         for im in images:
             k = int(np.prod(im.grid_thw))
