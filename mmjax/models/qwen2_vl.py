@@ -253,18 +253,18 @@ def _norm(p: dict, x: jax.Array, cfg: QwenVisionConfig) -> jax.Array:
 
 
 def vision_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
-                 cfg: QwenVisionConfig, band: int | None, impl: str) -> jax.Array:
-    """One pre-norm block over the packed sequence x [N, width]; segment_ids [N] (-1 = padding)."""
+                 cfg: QwenVisionConfig, impl: str) -> jax.Array:
+    """One pre-norm block over the packed sequence x [N, width]; segment_ids [N] (-1 = padding).
+
+    Segment ids are non-decreasing along the packed sequence (images, and windows after the
+    window reordering, are contiguous), so the blockwise kernels' segment block bounds visit
+    only each query block's own image / window: packed attention costs sum(n_i^2), not N^2."""
     n, w = x.shape
     heads, hd = cfg.num_heads, cfg.head_dim
     h = _norm(p["norm1"], x, cfg)
     qkv = dense(p["qkv"], h).reshape(n, 3, heads, hd)
     q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-    # `band`: windowed blocks see only their own window, whose patches are contiguous after the
-    # window reordering and at most `window_patches` long, so a (band, band) window around each
-    # query changes nothing but lets blockwise kernels skip key blocks that cannot be visible.
-    attn = attention(q[None], k[None], v[None], segment_ids=segment_ids[None],
-                     window=None if band is None else (band, band), impl=impl)
+    attn = attention(q[None], k[None], v[None], segment_ids=segment_ids[None], impl=impl)
     x = x + dense(p["proj"], attn.reshape(n, w))
     h = _norm(p["norm2"], x, cfg)
     act = activation(cfg.hidden_act)
@@ -284,9 +284,7 @@ def vision_forward(params: dict, cfg: QwenVisionConfig, patches: jax.Array, pos_
     x = patches.astype(params["patch_embed"].dtype) @ params["patch_embed"]
     cos, sin = vision_rope(cfg, pos_hw)
     for i, blk in enumerate(params["blocks"]):
-        windowed = cfg.block_is_windowed(i)
-        x = vision_block(blk, x, cos, sin, window_seg if windowed else image_seg, cfg,
-                         cfg.window_patches - 1 if windowed else None, impl)
+        x = vision_block(blk, x, cos, sin, window_seg if cfg.block_is_windowed(i) else image_seg, cfg, impl)
     mp = params["merger"]
     x = _norm(mp["ln_q"], x, cfg).reshape(-1, cfg.merge_size ** 2 * cfg.hidden_size)
     x = dense(mp["fc2"], jax.nn.gelu(dense(mp["fc1"], x), approximate=False))
