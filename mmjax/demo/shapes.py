@@ -315,6 +315,19 @@ def make_example(rng: np.random.Generator, qtype: str | None = None, *,
     return {"image": img, "scene": scene, "question": q, "answer": a, "qtype": qtype}
 
 
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def preprocess(img: Image.Image, image_size: int = 128) -> np.ndarray:
+    """Pixels as the shipped CLIPImageProcessor makes them: squash (no crop) to
+    image_size x image_size with PIL bicubic, /255, CLIP mean/std. float32 [3, H, W]."""
+    x = img.convert("RGB").resize((image_size, image_size), Image.Resampling.BICUBIC)
+    x = np.asarray(x, dtype=np.float32) / 255.0
+    x = (x - np.asarray(CLIP_MEAN, np.float32)) / np.asarray(CLIP_STD, np.float32)
+    return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+
 def sample_qtype(rng: np.random.Generator) -> str:
     """Uniform over the five question types."""
     return QUESTION_TYPES[int(rng.integers(len(QUESTION_TYPES)))]

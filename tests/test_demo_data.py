@@ -1,0 +1,397 @@
+"""mmjax-shapes (issue 7) data contract: scenes, questions, tokenizer, HF-layout export."""
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmjax.demo import config as C
+from mmjax.demo import export as E
+from mmjax.demo import shapes as S
+from mmjax.demo import tokenizer as T
+
+N_SCENES = 400
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    rng = np.random.default_rng(1234)
+    out = [S.draw_scene(rng) for _ in range(N_SCENES)]
+    # the extremes of the canvas range, both orientations
+    for w, h in [(96, 96), (512, 512), (96, 512), (512, 96)]:
+        for n in (1, 2, 3):
+            out.append(S.draw_scene(rng, n_shapes=n, width=w, height=h))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return T.train_tokenizer()
+
+
+# ----------------------------------------------------------------------------- scenes
+
+def test_scene_contract(scenes):
+    counts = collections.Counter()
+    kinds, colors = collections.Counter(), collections.Counter()
+    for img, sc in scenes:
+        assert img.mode == "RGB" and img.size == (sc.width, sc.height)
+        assert S.MIN_SIDE <= sc.width <= S.MAX_SIDE and S.MIN_SIDE <= sc.height <= S.MAX_SIDE
+        assert 1 <= sc.count <= 3
+        counts[sc.count] += 1
+        short = min(sc.width, sc.height)
+        for s in sc.shapes:
+            kinds[s.kind] += 1
+            colors[s.color] += 1
+            assert s.kind in S.SHAPES and s.color in S.COLORS
+            assert 0.15 * short - 1e-6 <= s.size <= 0.35 * short + 1e-6
+            x0, y0, x1, y1 = s.bbox
+            assert x0 >= -1e-6 and y0 >= -1e-6 and x1 <= sc.width + 1e-6 and y1 <= sc.height + 1e-6
+        for i, a in enumerate(sc.shapes):        # non-overlapping (bounding boxes disjoint)
+            for b in sc.shapes[i + 1:]:
+                assert S._boxes_disjoint(a.bbox, b.bbox, 0.0), (a, b)
+    assert set(counts) == {1, 2, 3} and min(counts.values()) > 0.25 * N_SCENES
+    assert set(kinds) == set(S.SHAPES) and set(colors) == set(S.COLORS)
+    assert max(kinds.values()) < 1.3 * min(kinds.values())
+    assert max(colors.values()) < 1.4 * min(colors.values())
+    sides = np.array([[sc.width, sc.height] for _, sc in scenes[:N_SCENES]])
+    assert (sides[:, 0] != sides[:, 1]).mean() > 0.9          # mostly not square
+    assert sides.min() < 130 and sides.max() > 480               # covers the range
+
+
+def test_scene_pixels(scenes):
+    """White background outside the shapes; each shape painted in its own color."""
+    for img, sc in scenes[:150]:
+        a = np.asarray(img).astype(int)
+        outside = np.ones(a.shape[:2], bool)
+        for s in sc.shapes:
+            x0, y0, x1, y1 = s.bbox
+            outside[max(0, int(y0) - 1):int(np.ceil(y1)) + 1,
+                    max(0, int(x0) - 1):int(np.ceil(x1)) + 1] = False
+            # center of the bounding box is inside all three shapes (triangle: mid-height)
+            px = a[int(s.cy), int(s.cx)]
+            assert np.abs(px - np.array(s.rgb)).max() <= 2, (s, px)
+            # color class is recoverable from the painted pixel
+            assert _nearest_color(px) == s.color
+        assert (a[outside] == 255).all()
+
+
+def _nearest_color(px):
+    r, g, b = px
+    if r > 150 and g > 150:
+        return "yellow"
+    return {0: "red", 1: "green", 2: "blue"}[int(np.argmax(px))]
+
+
+def test_shape_area_matches_kind():
+    """Filled fraction of the bounding box: square ~1, circle ~pi/4, triangle ~1/2."""
+    rng = np.random.default_rng(7)
+    want = {"square": 1.0, "circle": np.pi / 4, "triangle": 0.5}
+    for _ in range(60):
+        img, sc = S.draw_scene(rng, n_shapes=1, antialias=False)
+        s = sc.shapes[0]
+        ink = (np.asarray(img).astype(int).min(-1) < 250).sum()
+        assert abs(ink / s.size ** 2 - want[s.kind]) < 0.12 + 4 / s.size, (s, ink / s.size ** 2)
+
+
+def test_min_center_gap_makes_order_well_defined(scenes):
+    for _, sc in scenes:
+        xs = sorted(s.cx for s in sc.shapes)
+        assert all(b - a >= 0.04 * sc.width - 1e-6 for a, b in zip(xs, xs[1:]))
+
+
+def test_describe_format_and_order(scenes):
+    pat = re.compile(r"^a (red|green|blue|yellow) (circle|square|triangle)"
+                     r"((, a \w+ \w+)? and a (red|green|blue|yellow) (circle|square|triangle))?$")
+    for _, sc in scenes:
+        d = S.describe(sc)
+        assert pat.match(d), d
+        assert d.count(" a ") + 1 == sc.count if sc.count > 1 else d.startswith("a ")
+        ordered = sorted(sc.shapes, key=lambda s: s.cx)
+        assert d == S.describe(S.Scene(sc.width, sc.height, tuple(ordered[::-1])))
+        phrases = re.split(r", | and ", d)
+        assert phrases == [f"a {s.color} {s.kind}" for s in ordered]
+    one = S.Scene(100, 100, (S.Shape("circle", "red", 50, 50, 20),))
+    two = S.Scene(100, 100, (S.Shape("square", "blue", 80, 50, 20), S.Shape("circle", "red", 20, 50, 20)))
+    three = S.Scene(100, 100, two.shapes + (S.Shape("triangle", "green", 95, 10, 15),))
+    assert S.describe(one) == "a red circle"
+    assert S.describe(two) == "a red circle and a blue square"
+    assert S.describe(three) == "a red circle, a blue square and a green triangle"
+
+
+# ----------------------------------------------------------------------------- questions
+
+ALLOWED = {
+    "shape": set(S.SHAPES), "color": set(S.COLORS), "count": {"1", "2", "3"},
+    "exists": {"yes", "no"},
+}
+
+
+def test_questions_answers_are_correct(scenes):
+    rng = np.random.default_rng(5)
+    for _, sc in scenes:
+        for qt in S.QUESTION_TYPES:
+            if qt in ("shape", "color") and sc.count != 1:
+                with pytest.raises(ValueError):
+                    S.make_question(rng, sc, qt)
+                continue
+            q, a = S.make_question(rng, sc, qt)
+            assert S.question_type(q) == qt
+            assert a == a.strip().lower() and not a.endswith(".")
+            if qt in ALLOWED:
+                assert a in ALLOWED[qt]
+            if qt == "shape":
+                assert q == "What shape is this?" and a == sc.shapes[0].kind
+            elif qt == "color":
+                assert q == "What color is the shape?" and a == sc.shapes[0].color
+            elif qt == "count":
+                assert q == "How many shapes are there?" and a == str(sc.count)
+            elif qt == "describe":
+                assert q == "Describe the image." and a == S.describe(sc)
+            else:
+                m = re.match(r"^Is there a (\w+) (\w+)\?$", q)
+                assert m and m.group(1) in S.COLORS and m.group(2) in S.SHAPES
+                assert a == ("yes" if sc.has(m.group(1), m.group(2)) else "no")
+
+
+def test_exists_balance_and_hard_negatives():
+    rng = np.random.default_rng(11)
+    yes = hard = no = 0
+    for _ in range(2000):
+        _, sc = S.draw_scene(rng, n_shapes=int(rng.integers(1, 4)))
+        q, a = S.make_question(rng, sc, "exists")
+        if a == "yes":
+            yes += 1
+            continue
+        no += 1
+        c, k = re.match(r"^Is there a (\w+) (\w+)\?$", q).groups()
+        hard += any(s.color == c or s.kind == k for s in sc.shapes)
+    assert 0.45 < yes / 2000 < 0.55
+    assert hard / no > 0.75
+
+
+def test_question_type_mix():
+    rng = np.random.default_rng(3)
+    exs = [S.make_example(rng, client_roundtrip=False) for _ in range(1000)]
+    c = collections.Counter(e["qtype"] for e in exs)
+    assert set(c) == set(S.QUESTION_TYPES)
+    assert min(c.values()) > 150
+    for e in exs:
+        assert S.make_question(np.random.default_rng(0), e["scene"], e["qtype"])[0] == e["question"] \
+            or e["qtype"] == "exists"
+        if e["qtype"] in ("shape", "color"):
+            assert e["scene"].count == 1
+    counts = collections.Counter(e["answer"] for e in exs if e["qtype"] == "count")
+    assert set(counts) == {"1", "2", "3"}
+
+
+def test_encode_like_client():
+    rng = np.random.default_rng(0)
+    img, _ = S.draw_scene(rng)
+    data, fmt = S.encode_bytes(img, rng, "PNG")
+    assert fmt == "PNG" and data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert np.array_equal(np.asarray(S.encode_like_client(img, rng, "PNG")), np.asarray(img))
+    data, fmt = S.encode_bytes(img, rng, "JPEG")
+    assert data[:2] == b"\xff\xd8"
+    back = S.encode_like_client(img, rng, "JPEG")
+    assert back.mode == "RGB" and back.size == img.size
+    err = np.abs(np.asarray(back).astype(int) - np.asarray(img).astype(int))
+    assert 0 < err.mean() < 3                       # quality >= 85: small, nonzero error
+    fmts = collections.Counter(S.encode_bytes(img, rng)[1] for _ in range(200))
+    assert 60 < fmts["PNG"] < 140 and fmts["PNG"] + fmts["JPEG"] == 200
+    with Image.open(io.BytesIO(S.encode_bytes(img, rng, "JPEG")[0])) as im:
+        assert im.format == "JPEG"
+
+
+def test_answer_matches():
+    assert S.answer_matches("circle", "circle")
+    assert S.answer_matches("  Circle.\n", "circle")
+    assert S.answer_matches("A red circle and a blue square.", "a red circle and a blue square")
+    assert S.answer_matches("a red  circle", "a red circle")
+    assert not S.answer_matches("circles", "circle")
+    assert not S.answer_matches("a blue square and a red circle", "a red circle and a blue square")
+    assert not S.answer_matches("yes, there is", "yes")
+    assert not S.answer_matches("", "no")
+
+
+def test_preprocess_matches_hf_clip_processor():
+    pytest.importorskip("transformers")
+    from transformers import CLIPImageProcessor
+
+    cfg = C.shipped_config()
+    kw = {k: v for k, v in C.preprocessor_config(cfg).items()
+          if k not in ("image_processor_type", "processor_class")}
+    ip = CLIPImageProcessor(**kw)
+    rng = np.random.default_rng(2)
+    for w, h in [(96, 512), (512, 96), (300, 200)]:
+        img, _ = S.draw_scene(rng, width=w, height=h)
+        img = S.encode_like_client(img, rng)
+        ref = ip(images=img, return_tensors="np")["pixel_values"][0]
+        ours = S.preprocess(img, cfg["vision_config"]["image_size"])
+        assert ours.shape == ref.shape == (3, 128, 128)
+        np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_specials_and_vocab(tok):
+    assert [tok.token_to_id(t) for t in T.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    assert tok.get_vocab_size() == T.DEFAULT_VOCAB_SIZE
+    assert tok.encode("hi").ids[0] == T.BOS_ID                  # post-processor adds BOS
+    assert T.train_tokenizer().to_str() == tok.to_str()         # deterministic
+
+
+def test_answer_words_are_single_tokens(tok):
+    words = list(S.SHAPES) + list(S.COLORS) + ["1", "2", "3", "yes", "no"]
+    for w in words:
+        assert len(tok.encode(w, add_special_tokens=False).ids) == 1, w
+    # inside descriptions every word is one token (with its trailing space) and commas are one
+    d = "a red circle, a blue square and a green triangle"
+    toks = tok.encode(d, add_special_tokens=False).tokens
+    assert len(toks) == 11, toks
+
+
+def test_tokenizer_round_trip_any_text(tok):
+    texts = ["What shape is this?", "Héllo wörld 🙂 \u4e2d\u6587 123!", "", "  a  b\n\tc\r\n",
+             "\x00\x7f~`|\\", "Is there a yellow triangle?"]
+    for t in texts:
+        e = tok.encode(t, add_special_tokens=False)
+        assert T.UNK_ID not in e.ids
+        assert tok.decode(e.ids, skip_special_tokens=False) == t
+
+
+def test_chat_template_prefix_property(tok):
+    """The generation prompt's ids are a prefix of prompt+answer ids, for every answer."""
+    rng = np.random.default_rng(9)
+    for _ in range(200):
+        ex = S.make_example(rng, client_roundtrip=False)
+        p = T.encode_chat(tok, T.vqa_messages(ex["question"]), add_generation_prompt=True)
+        full = T.encode_chat(tok, T.vqa_messages(ex["question"], ex["answer"]))
+        assert full[:len(p)] == p and full[-1] == T.EOS_ID
+        assert p[0] == T.BOS_ID and p.count(T.IMAGE_ID) == 1
+        assert tok.decode(full[len(p):-1]) == ex["answer"]     # no leading space to strip
+
+
+def test_chat_template_format():
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What shape is this?"}]},
+            {"role": "assistant", "content": "circle"},
+            {"role": "user", "content": [{"type": "text", "text": "Compare."}, {"type": "image"},
+                                         {"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert T.render_chat(msgs, add_generation_prompt=True) == (
+        "<s>Be brief. USER: <image>\nWhat shape is this? ASSISTANT: circle</s>"
+        "USER: <image>\n<image>\nCompare. ASSISTANT: ")
+    assert T.render_chat([{"role": "user", "content": "hi"}]) == "<s>USER: hi "
+
+
+def test_tokenizer_hf_and_tokenizers_agree(tok, tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    T.save_tokenizer(tok, str(tmp_path))
+    ht = AutoTokenizer.from_pretrained(str(tmp_path))
+    rt = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert (ht.bos_token_id, ht.eos_token_id, ht.pad_token_id, ht.unk_token_id) == (1, 2, 3, 0)
+    assert len(ht) == tok.get_vocab_size()
+    assert ht.convert_tokens_to_ids("<image>") == T.IMAGE_ID
+    rng = np.random.default_rng(4)
+    texts = ["Héllo wörld 🙂 123!", "  a  b\n\tc", "Is there a red square?"]
+    texts += [S.make_example(rng, client_roundtrip=False)["answer"] for _ in range(30)]
+    for t in texts:
+        assert ht(t)["input_ids"] == rt.encode(t).ids, t
+        assert ht.decode(ht(t)["input_ids"], skip_special_tokens=True) == t
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "a red circle"}]},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many shapes are there?"}]}]
+    for gen in (False, True):
+        assert ht.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) == \
+            T.render_chat(msgs, gen)
+        ids = ht.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        assert list(ids) == T.encode_chat(rt, msgs, gen)
+
+
+# ----------------------------------------------------------------------------- config/export
+
+def test_config_budget_and_resolution(tok):
+    for cfg in (C.shipped_config(), C.notebook_config()):
+        assert cfg["text_config"]["vocab_size"] == tok.get_vocab_size()
+        assert cfg["image_token_index"] == tok.token_to_id("<image>")
+        assert C.num_image_tokens(cfg) == cfg["image_seq_length"] == 64
+        assert C.param_count(cfg)["float32_bytes"] <= 25_000_000
+    small = C.smallest_shape_model_px(C.shipped_config())
+    assert small["short_side_px"] >= 16 and small["long_side_px"] >= 3
+
+
+def test_export_loads_in_transformers(tok, tmp_path):
+    """write_hf_checkpoint (numpy only) -> transformers loads every tensor, processes an image
+    into 64 <image> tokens and generates."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
+
+    cfg = C.notebook_config()
+    state = E.random_state(cfg, seed=1)
+    files = E.write_hf_checkpoint(str(tmp_path), cfg, tok, state)
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+              "tokenizer_config.json", "preprocessor_config.json", "processor_config.json",
+              "chat_template.jinja"):
+        assert f in files
+    assert "chat_template" in json.load(open(tmp_path / "tokenizer_config.json"))
+
+    # our names/shapes are exactly what transformers itself writes
+    torch.manual_seed(0)
+    ref = LlavaForConditionalGeneration(LlavaConfig(**cfg))
+    ref.save_pretrained(str(tmp_path / "ref"))
+    from safetensors.numpy import load_file
+    hf = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    assert {k: v.shape for k, v in hf.items()} == {k: v.shape for k, v in state.items()}
+    assert sum(v.size for v in hf.values()) == C.param_count(cfg)["total"]
+
+    model, info = LlavaForConditionalGeneration.from_pretrained(
+        str(tmp_path), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    for name, arr in state.items():                 # every tensor arrives unchanged
+        np.testing.assert_array_equal(sd[_hf_module_name(name)], arr, err_msg=name)
+
+    proc = AutoProcessor.from_pretrained(str(tmp_path))
+    rng = np.random.default_rng(0)
+    img, _ = S.draw_scene(rng, width=500, height=120)
+    prompt = proc.apply_chat_template(T.vqa_messages("Describe the image."), add_generation_prompt=True)
+    assert prompt == T.render_chat(T.vqa_messages("Describe the image."), True)
+    inp = proc(images=img, text=prompt, return_tensors="pt")
+    assert int((inp["input_ids"] == T.IMAGE_ID).sum()) == 64
+    assert inp["pixel_values"].shape == (1, 3, 128, 128)
+    np.testing.assert_allclose(inp["pixel_values"][0].numpy(), S.preprocess(img), atol=1e-5)
+    out = model.generate(**inp, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == inp["input_ids"].shape[1] + 4 or int(out[0, -1]) == T.EOS_ID
+
+
+def _hf_module_name(saved: str) -> str:
+    """Saved LLaVA name -> transformers 5 in-memory module name."""
+    if saved == "language_model.lm_head.weight":
+        return "lm_head.weight"
+    if saved.startswith("language_model.model."):
+        return "model.language_model." + saved[len("language_model.model."):]
+    return "model." + saved
+
+
+def test_export_rejects_bad_state(tok, tmp_path):
+    cfg = C.notebook_config()
+    state = E.random_state(cfg)
+    del state["language_model.lm_head.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        E.write_hf_checkpoint(str(tmp_path), cfg, tok, state)
+    state = E.random_state(cfg)
+    state["multi_modal_projector.linear_1.bias"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="bad shapes"):
+        E.write_hf_checkpoint(str(tmp_path), cfg, tok, state)
