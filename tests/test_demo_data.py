@@ -164,7 +164,7 @@ def test_exists_balance_and_hard_negatives():
     rng = np.random.default_rng(11)
     yes = hard = no = 0
     for _ in range(2000):
-        _, sc = S.draw_scene(rng, n_shapes=int(rng.integers(1, 4)))
+        sc = S.sample_scene(rng)
         q, a = S.make_question(rng, sc, "exists")
         if a == "yes":
             yes += 1

@@ -173,16 +173,10 @@ def _draw_shape(draw: ImageDraw.ImageDraw, s: Shape, scale: int) -> None:
         raise ValueError(f"unknown shape {s.kind!r}")
 
 
-def draw_scene(rng: np.random.Generator, *, n_shapes: int | None = None,
-               width: int | None = None, height: int | None = None,
-               color_jitter: bool = True, antialias: bool | None = None,
-               ) -> tuple[Image.Image, Scene]:
-    """Draw one random scene following the contract. Returns (RGB PIL image, Scene).
-
-    n_shapes / width / height pin those choices (tests, evaluation slices); color_jitter
-    varies each color's RGB inside its class range; antialias (None = random) renders at 4x
-    and downsamples, so the model sees both hard and soft edges.
-    """
+def sample_scene(rng: np.random.Generator, *, n_shapes: int | None = None,
+                 width: int | None = None, height: int | None = None,
+                 color_jitter: bool = True) -> Scene:
+    """A random Scene (no pixels): canvas size, 1-3 shapes, kinds, colors, layout, RGB."""
     while True:
         w = int(width if width is not None else rng.integers(MIN_SIDE, MAX_SIDE + 1))
         h = int(height if height is not None else rng.integers(MIN_SIDE, MAX_SIDE + 1))
@@ -195,16 +189,35 @@ def draw_scene(rng: np.random.Generator, *, n_shapes: int | None = None,
         kind = SHAPES[int(rng.integers(len(SHAPES)))]
         color = COLORS[int(rng.integers(len(COLORS)))]
         shapes.append(Shape(kind, color, cx, cy, size, _sample_rgb(rng, color, color_jitter)))
-    scene = Scene(w, h, tuple(shapes))
-    aa = bool(rng.integers(2)) if antialias is None else antialias
-    scale = 4 if aa else 1
-    img = Image.new("RGB", (w * scale, h * scale), (255, 255, 255))
+    return Scene(w, h, tuple(shapes))
+
+
+def render_scene(scene: Scene, *, antialias: bool = False) -> Image.Image:
+    """Paint a Scene on a white canvas. antialias renders at 4x and box-downsamples."""
+    scale = 4 if antialias else 1
+    img = Image.new("RGB", (scene.width * scale, scene.height * scale), (255, 255, 255))
     draw = ImageDraw.Draw(img)
-    for s in shapes:
+    for s in scene.shapes:
         _draw_shape(draw, s, scale)
     if scale > 1:
-        img = img.resize((w, h), Image.Resampling.BOX)
-    return img, scene
+        img = img.resize((scene.width, scene.height), Image.Resampling.BOX)
+    return img
+
+
+def draw_scene(rng: np.random.Generator, *, n_shapes: int | None = None,
+               width: int | None = None, height: int | None = None,
+               color_jitter: bool = True, antialias: bool | None = None,
+               ) -> tuple[Image.Image, Scene]:
+    """Draw one random scene following the contract. Returns (RGB PIL image, Scene).
+
+    n_shapes / width / height pin those choices (tests, evaluation slices); color_jitter
+    varies each color's RGB inside its class range; antialias (None = random) renders at 4x
+    and downsamples, so the model sees both hard and soft edges.
+    """
+    scene = sample_scene(rng, n_shapes=n_shapes, width=width, height=height,
+                         color_jitter=color_jitter)
+    aa = bool(rng.integers(2)) if antialias is None else antialias
+    return render_scene(scene, antialias=aa), scene
 
 
 def _article(word: str) -> str:
