@@ -215,20 +215,31 @@ def test_chunked_memory_is_linear_at_16k():
     assert chunk * 50 < ref, (ref, chunk)
 
 
+FLASH_EXPORT_OPTIONS = {
+    "causal_segments": lambda seg, n: dict(causal=True, segment_ids=seg),
+    "plain": lambda seg, n: {},
+    "lengths_sliding_window": lambda seg, n: dict(causal=True, window=(128, 0),
+                                                  lengths=jnp.full((1,), n - 5, jnp.int32)),
+}
+
+
+@pytest.mark.parametrize("options", list(FLASH_EXPORT_OPTIONS))
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_flash_lowers_for_cuda(head_dim, dtype):
+def test_flash_lowers_for_cuda(head_dim, dtype, options):
     """Interpret mode does not check GPU constraints; exporting for CUDA runs the Triton lowering.
 
     The module must contain the Triton custom call, proving the tile shapes (padded head_dim,
-    ragged sequence, segment ids, causal loop bounds) are accepted by the GPU lowering.
+    ragged sequence, segment ids and block bounds, causal/window loop bounds, the unmasked and
+    masked loops) are accepted by the GPU lowering.
     """
     from jax import export
     sds = jax.ShapeDtypeStruct
     b, n, h, hkv = 1, 1000, 4, 2
 
     def f(q, k, v, seg):
-        return flash_attention(q, k, v, causal=True, segment_ids=seg, interpret=False)
+        kw = FLASH_EXPORT_OPTIONS[options](seg, n)
+        return flash_attention(q, k, v, interpret=False, **kw)
 
     exp = export.export(
         jax.jit(f), platforms=("cuda",),
