@@ -7,10 +7,13 @@ Choices (measured in the issue-7 note, see `smallest_shape_model_px`):
 
 * Image: CLIPImageProcessor resize to 128x128, do_center_crop False. A canvas is squashed to
   the square, never cropped, so no shape is cut off. The smallest shape (15% of the shorter
-  side) is 0.15 * 128 = 19.2 model px along the canvas' short side and 19.2 * short/long
-  >= 3.6 px along the long side (512x96 canvas). PIL's bicubic downscale is antialiased, so
-  the squashed shape's profile survives as intensity; a linear probe on such worst-case crops
-  tells circle/square/triangle apart >= 99% (square 96x96 canvases ~97% with that crude probe).
+  side) is 0.15 * 128 = 19.2 model px along the canvas' short side and 19.2 * 96/512 = 3.6 px
+  along the long side of the most elongated canvas (512x96 / 96x512). PIL's bicubic downscale
+  is antialiased, so a squashed shape's profile survives as intensity. Measured with a linear
+  probe on the shape's crop (1 shape at the minimum size, JPEG q85-95, 200 held-out each):
+  circle/square/triangle accuracy at 64 px: 100% (96x96, 512x512, 512x96 canvases) but 98%
+  on 96x512 (1.8 px tall); at 96 and 128 px: 100% everywhere. So >= 96 px; 128 px costs the
+  same as 96 once the patch grows with it (next point).
 * ViT patch 16 -> 8x8 = 64 patch tokens: the same token count (and the same ViT/LLM cost) as
   64 px / patch 8, but every shape covers >= 1.2 patches across instead of ~1.2 px per 1/8 of
   a patch; the larger patch only grows the patch embedding (768 -> 192, +110k params).
