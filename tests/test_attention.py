@@ -196,23 +196,41 @@ def test_bad_arguments_raise():
         attention(q, k, v, window=(-1, 2))
 
 
+def _temp_bytes(fn, n: int, heads: int = 16, head_dim: int = 80) -> int:
+    s = jax.ShapeDtypeStruct((1, n, heads, head_dim), jnp.float32)
+    return jax.jit(fn).lower(s, s, s).compile().memory_analysis().temp_size_in_bytes
+
+
 def test_chunked_memory_is_linear_at_16k():
     """Compile-only: chunked temp bytes < 1/50 of the reference's at N=16384, 16 heads, D=80.
 
     Measured (jax 0.10.2 CPU): reference 34,443,624,448 B (~34.4 GB: the 16 x 16384^2 f32
     scores and their exp) vs chunked 275,087,672 B (~275 MB: head-major copies of q, k, v at
-    84 MB each plus the output buffer and one 512 x 256 tile), a ratio of ~125.
+    84 MB each plus the output buffer and one 512 x 256 tile), a ratio of ~125. Doubling N
+    from 8192 doubles the chunked figure (149 MB -> 275 MB: linear), while the reference's
+    quadruples.
     """
-    s = jax.ShapeDtypeStruct((1, 16384, 16, 80), jnp.float32)
-
-    def temp_bytes(impl: str) -> int:
-        fn = jax.jit(functools.partial(attention, impl=impl))
-        return fn.lower(s, s, s).compile().memory_analysis().temp_size_in_bytes
-
-    ref, chunk = temp_bytes("reference"), temp_bytes("chunked")
-    print(f"temp bytes at N=16384, H=16, D=80, f32: reference {ref:,} chunked {chunk:,}")
+    ref = _temp_bytes(functools.partial(attention, impl="reference"), 16384)
+    chunk = _temp_bytes(functools.partial(attention, impl="chunked"), 16384)
+    chunk_half = _temp_bytes(functools.partial(attention, impl="chunked"), 8192)
+    print(f"temp bytes at N=16384, H=16, D=80, f32: reference {ref:,} chunked {chunk:,} "
+          f"(chunked at N=8192: {chunk_half:,})")
     assert ref >= 16 * 16384**2 * 4  # the reference really materializes the scores
     assert chunk * 50 < ref, (ref, chunk)
+    assert chunk < 2.2 * chunk_half, (chunk_half, chunk)  # O(N), not O(N^2)
+
+
+def test_flash_memory_is_linear():
+    """The flash wrapper + kernel (interpret lowering on CPU) also grows linearly in N.
+
+    Measured: ~940 MB at N=16384 (padded q/k/v/out at head_dim 128 are 134 MB each, plus the
+    interpreter's per-block buffers); on GPU only the padded operands remain.
+    """
+    fn = functools.partial(flash_attention, interpret=True)
+    full, half = _temp_bytes(fn, 16384), _temp_bytes(fn, 8192)
+    print(f"flash (interpret) temp bytes: N=8192 {half:,} N=16384 {full:,}")
+    assert full < 2.2 * half, (half, full)
+    assert full * 15 < 16 * 16384**2 * 4  # vs the f32 score matrix alone (17.2 GB)
 
 
 FLASH_EXPORT_OPTIONS = {
