@@ -1,8 +1,11 @@
 """Pallas tiled flash-attention forward kernel (FlashAttention-2 style online softmax).
 
 One program per (query block, batch, head): the [block_q, D] query tile stays in registers /
-shared memory while a loop walks the key/value tiles [block_k, D] that causal/window masking
-can reach, keeping the running max m, normalizer l and un-normalized output acc in float32.
+shared memory while a loop walks the key/value tiles [block_k, D] that can hold a visible key,
+keeping the running max m, normalizer l and un-normalized output acc in float32. The key range
+is bounded by causal/window positions and, for segment ids / `lengths`, by per-query-block
+segment bounds computed outside the kernel (packed images cost sum(n_i^2), not N^2). Interior
+blocks run a loop without any mask arithmetic; only diagonal/ragged/segment blocks are masked.
 Segment ids, `lengths` and sequence padding are applied per tile from index vectors — an
 N x N mask is never built, so memory is O(N) (inputs, output and two int32 id vectors).
 
@@ -10,7 +13,7 @@ GPU lowering is Pallas' Triton backend (selected by `triton.CompilerParams`). Tr
 have power-of-two sizes, so the wrapper pads:
   * head_dim up to the next power of two (>= 16): 64 -> 64, 72/80/96 -> 128, 128 -> 128. The
     zero columns add nothing to q.k and produce zero output columns, which are sliced off
-    (cost: head_dim 80 does 128/80 = 1.6x the MXU work of an ideal kernel);
+    (cost: head_dim 80 does 128/80 = 1.6x the tensor-core work of an ideal kernel);
   * seq_q / seq_k up to multiples of block_q / block_k; padded keys are masked in-kernel,
     padded query rows are sliced off.
 On other backends the same kernel runs with `interpret=True` (slow; for tests).
