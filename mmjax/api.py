@@ -119,15 +119,17 @@ class VLM:
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, requests, sampling: SamplingParams | None = None) -> list:
         """requests: a prompt string, or a list of {"prompt": str, "images": [...]} (one image
-        placeholder in the prompt per image). Returns RequestOutputs in order."""
+        placeholder in the prompt per image; optional "image_options" such as min_pixels /
+        max_pixels / image_max_tokens for dynamic-resolution families, and "sampling").
+        Returns RequestOutputs in order."""
         if isinstance(requests, (str, dict)):
             requests = [requests]
         sampling = sampling or SamplingParams()
         ids = []
         for r in requests:
             r = {"prompt": r} if isinstance(r, str) else r
-            ids.append(self.engine.add_request(r["prompt"], self.prepare_images(r.get("images", ())),
-                                               r.get("sampling", sampling)))
+            images = self.prepare_images(r.get("images", ()), **r.get("image_options", {}))
+            ids.append(self.engine.add_request(r["prompt"], images, r.get("sampling", sampling)))
         return self.engine.run_until_done(ids)
 
     def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **template_kw):
