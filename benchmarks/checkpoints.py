@@ -14,18 +14,7 @@ import json
 import os
 from pathlib import Path
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
-    "{% else %}{{ message['role'].upper() }}: "
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
-)
+from mmjax.models.llava import LLAVA_CHAT_TEMPLATE as CHAT_TEMPLATE  # noqa: E402
 
 SIZES = {
     "default": {

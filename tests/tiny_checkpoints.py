@@ -13,18 +13,7 @@ WORDS = (
     "please answer question 0 1 2 3 4 5 6 7 8 9 . , ? ! : ; ( ) ' \" - hello world café naïve 東京 😀"
 ).split()
 
-LLAVA_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
-    "{% else %}{{ message['role'].upper() }}: "
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
-)
+from mmjax.models.llava import LLAVA_CHAT_TEMPLATE  # noqa: E402  (the LLaVA-1.5 conversation format)
 
 
 def train_tokenizer(extra_special: list[str], vocab_size: int = 400):

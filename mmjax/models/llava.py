@@ -13,6 +13,21 @@ from mmjax.models.decoder import load_decoder_params
 from mmjax.models.projector import load_projector_params, project
 from mmjax.models.vit import clip_hidden_states, load_clip_params
 
+# LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT:") as a jinja chat template, for
+# checkpoints and fixtures that need one.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
+    "{% else %}{{ message['role'].upper() }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
 
 def normalize_name(name: str) -> str:
     """Map every LLaVA weight naming seen on the hub to one scheme (`language_model.model.*`,
