@@ -15,7 +15,8 @@ impl:
   "cudnn"      jax.nn.dot_product_attention(implementation="cudnn") (GPU only)
   "auto"       flash on GPU; on other backends chunked when the reference's score matrix
                would exceed AUTO_REFERENCE_MAX_SCORE_BYTES, reference otherwise.
-All options are static Python values, so `attention` traces inside jax.jit.
+causal, window, scale and impl are static Python values and segment_ids / lengths may be traced
+arrays, so `attention` works inside jax.jit.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ IMPLS = ("auto", "reference", "chunked", "flash", "cudnn")
 # Above this many bytes of float32 scores (B * H * Sq * Sk * 4) "auto" leaves the reference.
 # Measured on the 2-core CPU (benchmarks/attention.py, 4 heads, d=80): chunked ran 2x faster
 # than the reference already at N=256 and 5-10x at N=1024 (the reference streams several
-# N x N f32 arrays through memory), but compiles ~3x slower (lax.map + while loop), so only
+# N x N f32 arrays through memory), but compiles ~3x slower (nested while loops), so only
 # tiny problems (<= 1 MiB of scores, e.g. 16 heads x 128^2) stay on the reference.
 AUTO_REFERENCE_MAX_SCORE_BYTES = 2**20
 
