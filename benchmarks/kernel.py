@@ -10,7 +10,8 @@ One run, one checkpoint (a random-weight LLaVA of realistic size, built offline 
             transformers: gaps between streamer callbacks)
   compile   mmjax's first call per compiled shape, reported apart (persistent cache off unless
             --compilation-cache)
-  machine   f32 GEMM FLOP/s and read bandwidth, measured before and after (best of both)
+  machine   f32 GEMM FLOP/s and read bandwidth, probed (~2 s) before and after every section; each
+            section is normalised by the best of its two neighbouring probes (the machine is shared)
 
 Roofline: encode and TTFT as FLOPs / time / GEMM peak (FLOPs counted from the config, the work
 mmjax does); decode as (weights + KV bytes read per step) / step time / read bandwidth.
@@ -239,6 +240,124 @@ class HFSide:
         return steps, [row[n:].tolist() for row in out]
 
 
+# ---- where decode time goes ---------------------------------------------------------------------
+def _categorize(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> category, from the compiled (optimized) HLO module text."""
+    import re
+
+    comps: dict[str, str] = {}
+    cur = None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if m and "=" not in line.split("{")[0]:
+            cur = m.group(1)
+            comps[cur] = ""
+        elif cur is not None:
+            comps[cur] += line + "\n"
+    cats = {}
+    for body in comps.values():
+        for line in body.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(", line)
+            if not m:
+                continue
+            name, shape, op = m.groups()
+            called = re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line)
+            inner = " ".join(comps.get(c, "") for c in called)
+            text = op + " " + inner
+            if "dot(" in text or op in ("dot", "convolution") or "custom-call" in op and "matmul" in line:
+                cat = "matmul"
+            elif "scatter" in text or "dynamic-update-slice" in text:
+                cat = "kv-cache write"
+            elif "sort" in text or "topk" in line.lower():
+                cat = "sampling (top-k/sort)"
+            elif op in ("copy", "copy-start", "slice", "dynamic-slice") or "gather" in text:
+                cat = "copy/slice/gather"
+            else:
+                cat = "elementwise/reduce"
+            cats[name] = f"{cat}|{op}|{shape}"
+    return cats
+
+
+def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt_tokens: int,
+                   trace_dir: str) -> dict:
+    """Trace `steps` full-batch decode steps with jax.profiler and attribute device time to the
+    compiled decode step's HLO instructions (XLA CPU records one event per thunk)."""
+    import glob
+    import gzip
+
+    import jax
+
+    import mmjax
+
+    vlm = mmjax.load(path, "float32", max_num_seqs=batch, max_model_len=max_model_len, prefill_chunk=256)
+    arch = Arch.from_family(vlm.family)
+    prompt = make_prompt(vlm.tokenizer, arch.img_tokens, prompt_tokens)
+    eng = vlm.engine
+    sp = mmjax.SamplingParams(max_tokens=10 ** 6, temperature=0.0, ignore_eos=True)
+    ids = [eng.add_request(prompt, vlm.prepare_images([im]), sp) for im in make_images(batch, 224, seed=7)]
+    while any(eng.requests[i].prefilled < eng.requests[i].prompt_len for i in ids):
+        eng.step()
+    for _ in range(3):
+        eng.step()  # compile / warm the decode window
+    r = eng.runner
+    ctx = max(eng.requests[i].prompt_len + len(eng.requests[i].output_ids) for i in ids) + 1
+    window = r.window_for(ctx + steps)
+    hlo = r._decode.lower(r.params, r.cache, r.state, window=window).compile().as_text()
+    cats = _categorize(hlo)
+    wall = []
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        wall.append(time.perf_counter() - t0)
+    jax.profiler.stop_trace()
+    for i in ids:
+        eng.abort(i)
+    f = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)[-1]
+    data = json.load(gzip.open(f))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    by_op: dict[str, float] = {}
+    execute = 0.0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        n = e["name"]
+        if n == "CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice":
+            execute += e.get("dur", 0) / 1e6
+        key = n if n in cats else n.split(":")[0]
+        if key in cats:
+            by_op[key] = by_op.get(key, 0.0) + e.get("dur", 0) / 1e6
+    by_cat: dict[str, float] = {}
+    for n, t in by_op.items():
+        c = cats[n].split("|")[0]
+        by_cat[c] = by_cat.get(c, 0.0) + t
+    total_ops = sum(by_op.values())
+    step_s = median(wall)
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:25]
+    return {"batch": batch, "steps": steps, "window": window, "context": ctx, "step_ms": 1e3 * step_s,
+            "tok_s": batch / step_s, "ops_ms_per_step": 1e3 * total_ops / steps,
+            "host_ms_per_step": max(0.0, 1e3 * step_s - 1e3 * total_ops / steps),
+            "bytes_per_step": arch.decode_bytes(batch, ctx),
+            "categories_ms_per_step": {k: 1e3 * v / steps for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            "top_ops": [{"name": n, "ms_per_step": 1e3 * t / steps, "hlo": cats[n]} for n, t in top],
+            "trace": f}
+
+
+def format_profile(p: dict, bw: float | None) -> str:
+    lines = [f"decode profile: batch {p['batch']}, window {p['window']}, context {p['context']}, "
+             f"{p['step_ms']:.1f} ms/step ({p['tok_s']:.1f} tok/s); sum of traced XLA ops {p['ops_ms_per_step']:.1f} ms/step "
+             f"(the rest, {max(0.0, p['step_ms'] - p['ops_ms_per_step']):.1f} ms, is host: python engine, dispatch, transfers)"]
+    if bw:
+        lines.append(f"  roofline: {p['bytes_per_step'] / 1e6:.0f} MB/step at {bw / 1e9:.1f} GB/s = "
+                     f"{1e3 * p['bytes_per_step'] / bw:.1f} ms/step")
+    for c, ms in p["categories_ms_per_step"].items():
+        lines.append(f"  {c:24s} {ms:7.2f} ms/step")
+    lines.append("  top ops:")
+    for o in p["top_ops"]:
+        lines.append(f"    {o['ms_per_step']:7.3f} ms  {o['name']:28s} {o['hlo']}")
+    return "\n".join(lines)
+
+
 # ---- the run ------------------------------------------------------------------------------------
 def common_prefix(a, b) -> int:
     n = 0
@@ -262,9 +381,17 @@ def run(args) -> dict:
     res: dict = {"model": path, "size": None if args.model else args.size, "repeats": reps,
                  "cores": os.cpu_count(), "torch_threads": threads, "new_tokens": args.new_tokens}
 
-    log("measuring the machine (before) ...")
-    m_before = machine.measure(smoke=args.smoke)
+    probes: list[dict] = []
 
+    def probe(tag: str) -> dict:
+        """The machine's limits right now (sections are normalised by the probes around them)."""
+        log(f"probing the machine ({tag}) ...")
+        m = machine.measure(smoke=args.smoke, quick=True)
+        m["tag"] = tag
+        probes.append(m)
+        return m
+
+    probe("start")
     log("loading mmjax ...")
     mx = MMJaxSide(path, args.max_model_len, args.prefill_chunk)
     hf = HFSide(path, threads) if not args.no_hf else None
@@ -296,6 +423,8 @@ def run(args) -> dict:
         res[f"encode_b{b}_hf_img_s"] = b / median(hf_t) if hf else None
         res[f"encode_b{b}_mmjax_first_call_s"] = first
 
+    probe("after encode")
+
     # -- TTFT ------------------------------------------------------------------------------------
     log("time to first token ...")
     first = mx.ttft(prompt, next(fresh))
@@ -307,6 +436,7 @@ def run(args) -> dict:
             hf_t.append(hf.ttft(prompt, next(fresh)))
     res.update(ttft_mmjax_s=median(mx_t), ttft_hf_s=median(hf_t) if hf else None, ttft_mmjax_first_call_s=first,
                ttft_hf_first_call_s=hf_first)
+    probe("after ttft")
 
     # -- decode ----------------------------------------------------------------------------------
     tokens = {}
@@ -328,6 +458,7 @@ def run(args) -> dict:
         res[f"decode_b{b}_mmjax_tok_s"] = median(mx_r)
         res[f"decode_b{b}_hf_tok_s"] = median(hf_r) if hf else None
         res[f"decode_b{b}_mmjax_warmup_run_s"] = warm
+        probe(f"after decode b{b}")
     if hf:
         res["greedy_tokens_agree_b1"] = common_prefix(tokens[("mmjax", 1)][0], tokens[("hf", 1)][0])
 
@@ -338,28 +469,36 @@ def run(args) -> dict:
     for kind in ("encode", "prefill", "decode"):
         res[f"compile_{kind}_s"] = sum(t for k, _, t in ev if k == kind)
 
-    log("measuring the machine (after) ...")
-    m_after = machine.measure(smoke=args.smoke)
-    peak = max(m_before["peak_flops"], m_after["peak_flops"])
-    bw = max(m_before["read_bw"], m_after["read_bw"])
-    res["machine"] = {"before": m_before, "after": m_after}
-    res.update(peak_gemm_flops=peak, read_bw_bytes_s=bw, copy_bw_bytes_s=max(
-        m_before["bandwidth"].get("copy", 0), m_after["bandwidth"].get("copy", 0)))
+    # Limits: each section is normalised by the best of the probes just before and after it
+    # (the machine is shared; a probe taken minutes away says little about that section).
+    def limits(i: int) -> tuple[float, float]:
+        pair = probes[i:i + 2]
+        return max(p["peak_flops"] for p in pair), max(p["read_bw"] for p in pair)
+
+    section = {"encode": limits(0), "ttft": limits(1), "decode_b1": limits(2), "decode_b8": limits(3)}
+    res["machine_probes"] = probes
+    res["section_limits"] = {k: {"peak_gemm_flops": f, "read_bw_bytes_s": b} for k, (f, b) in section.items()}
+    res["loadavg_1m"] = [round(p["loadavg_1m"], 2) for p in probes]
+    res.update(peak_gemm_flops=max(p["peak_flops"] for p in probes), read_bw_bytes_s=max(p["read_bw"] for p in probes),
+               copy_bw_bytes_s=max(p["bandwidth"].get("copy", 0) for p in probes))
 
     # -- roofline --------------------------------------------------------------------------------
     ef = arch.encode_flops()
     tf = ef + arch.prefill_flops(prompt_len)
     res.update(encode_flops_per_image=ef, ttft_flops=tf)
+    peak = section["encode"][0]
     for b in (1, 8):
         res[f"encode_b{b}_mmjax_roofline"] = res[f"encode_b{b}_mmjax_img_s"] * ef / peak
         if hf:
             res[f"encode_b{b}_hf_roofline"] = res[f"encode_b{b}_hf_img_s"] * ef / peak
+    peak = section["ttft"][0]
     res["ttft_roofline_s"] = tf / peak
     res["ttft_mmjax_roofline"] = tf / res["ttft_mmjax_s"] / peak
     if hf:
         res["ttft_hf_roofline"] = tf / res["ttft_hf_s"] / peak
     ctx = prompt_len + args.new_tokens / 2
     for b in (1, 8):
+        bw = section[f"decode_b{b}"][1]
         by = arch.decode_bytes(b, ctx)
         res[f"decode_b{b}_bytes_per_step"] = by
         res[f"decode_b{b}_roofline_tok_s"] = b * bw / by
@@ -411,8 +550,12 @@ def format_table(r: dict) -> str:
     lines = ["  ".join(str(c).ljust(w[i]) for i, c in enumerate(row)) for row in rows]
     lines.insert(1, "  ".join("-" * x for x in w))
     lines.append("")
-    lines.append(f"roofline: GEMM peak {r['peak_gemm_flops'] / 1e9:.0f} GFLOP/s, read {r['read_bw_bytes_s'] / 1e9:.1f} GB/s "
-                 f"(copy {r['copy_bw_bytes_s'] / 1e9:.1f} GB/s), {r['cores']} cores, torch threads {r['torch_threads']}")
+    sl = r["section_limits"]
+    lines.append(f"roofline (machine probed around each section; best probe: GEMM {r['peak_gemm_flops'] / 1e9:.0f} GFLOP/s, "
+                 f"read {r['read_bw_bytes_s'] / 1e9:.1f} GB/s, copy {r['copy_bw_bytes_s'] / 1e9:.1f} GB/s; "
+                 f"{r['cores']} cores, torch threads {r['torch_threads']}, load avg {r['loadavg_1m']})")
+    lines.append("  limits used: " + ", ".join(
+        f"{k} {v['peak_gemm_flops'] / 1e9:.0f} GFLOP/s / {v['read_bw_bytes_s'] / 1e9:.1f} GB/s" for k, v in sl.items()))
     lines.append(f"  encode {r['encode_flops_per_image'] / 1e9:.1f} GFLOP/img; TTFT {r['ttft_flops'] / 1e9:.1f} GFLOP "
                  f"(floor {1e3 * r['ttft_roofline_s']:.0f} ms); decode {r['decode_b1_bytes_per_step'] / 1e6:.0f} MB/step b1 "
                  f"(ceiling {r['decode_b1_roofline_tok_s']:.1f} tok/s), {r['decode_b8_bytes_per_step'] / 1e6:.0f} MB/step b8 "
@@ -426,6 +569,23 @@ def format_table(r: dict) -> str:
     if "goals" in r:
         lines.append("goals: " + ", ".join(f"{k} {'MET' if v else 'MISSED'}" for k, v in r["goals"].items()))
     return "\n".join(lines)
+
+
+def decode_profiles(args, bw: float | None) -> list[dict]:
+    import tempfile
+
+    from benchmarks.checkpoints import build_llava
+
+    if not args.compilation_cache:
+        os.environ["MMJAX_COMPILATION_CACHE"] = "0"
+    path = args.model or str(build_llava(args.size))
+    out = []
+    for b in (1, 8):
+        d = args.trace_dir or tempfile.mkdtemp(prefix="mmjax-decode-trace-")
+        p = profile_decode(path, b, args.profile_steps, args.max_model_len, args.prompt_tokens, os.path.join(d, f"b{b}"))
+        print(format_profile(p, bw), flush=True)
+        out.append(p)
+    return out
 
 
 def parse_args(argv):
@@ -443,6 +603,11 @@ def parse_args(argv):
     ap.add_argument("--compilation-cache", action="store_true",
                     help="keep JAX's persistent compilation cache on (compile times are then cache loads)")
     ap.add_argument("--json-out", default=None, help="also write the JSON to this file")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="also trace mmjax decode (jax.profiler) at batch 1 and 8 and attribute time to HLO ops")
+    ap.add_argument("--profile-only", action="store_true", help="only the decode profile (no side-by-side)")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--trace-dir", default=None, help="where jax.profiler writes (default: a temp dir)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -457,8 +622,13 @@ def parse_args(argv):
 def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    r = run(args)
-    print(format_table(r))
+    if args.profile_only:
+        r = {"decode_profile": decode_profiles(args, None)}
+    else:
+        r = run(args)
+        print(format_table(r))
+        if args.profile_decode:
+            r["decode_profile"] = decode_profiles(args, r["read_bw_bytes_s"])
     line = json.dumps(r, default=float)
     print(line, flush=True)
     if args.json_out:

@@ -95,11 +95,18 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
     return out
 
 
-def measure(smoke: bool = False) -> dict:
-    """Everything the roofline needs, in one dict (FLOP/s and bytes/s)."""
-    g = gemm_flops(512 if smoke else 4096, 2 if smoke else 3)
-    m = memory_bandwidth(64 << 20 if smoke else 1 << 30, 2 if smoke else 5)
-    return {"cores": os.cpu_count(), "gemm_flops": g, "bandwidth": m,
+def measure(smoke: bool = False, quick: bool = False) -> dict:
+    """Everything the roofline needs, in one dict (FLOP/s and bytes/s). `quick`: a ~2 s probe
+    (3072 GEMM, 512 MiB reads) to take between benchmark sections on a shared machine."""
+    if smoke:
+        n, reps, nbytes, breps = 512, 2, 64 << 20, 2
+    elif quick:
+        n, reps, nbytes, breps = 3072, 2, 512 << 20, 3
+    else:
+        n, reps, nbytes, breps = 4096, 3, 1 << 30, 5
+    g = gemm_flops(n, reps)
+    m = memory_bandwidth(nbytes, breps)
+    return {"cores": os.cpu_count(), "loadavg_1m": os.getloadavg()[0], "gemm_flops": g, "bandwidth": m,
             "peak_flops": g["peak"], "read_bw": m["read"]}
 
 
