@@ -20,6 +20,10 @@ from mmjax.sampling import sample
 
 log = logging.getLogger("mmjax.runner")
 
+# XLA CPU: keep the decode step's skinny [slots, in] @ [in, out] matmuls off YNNPACK library
+# fusions (measured slower for M=8 than XLA's own dot; benchmarks/README.md). Prefill/encode keep them.
+DECODE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
 
 def init_decode_state(num_slots: int) -> dict:
     """Per-slot decode state [slots]: the last sampled token, tokens in cache, M-RoPE offset,
@@ -65,7 +69,8 @@ class ModelRunner:
         self.calls = {"encode": 0, "prefill": 0, "decode": 0}  # compiled-step invocations
         self._encode = jax.jit(family.encode)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("window",), donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("window",), donate_argnums=(1, 2))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("window",), donate_argnums=(1, 2),
+                               compiler_options=DECODE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
 
     # ---- pure step bodies ------------------------------------------------------------------
     def _prefill_impl(self, params, cache, state, token_ids, image_embeds, image_mask, positions,
