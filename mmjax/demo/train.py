@@ -1,0 +1,505 @@
+"""Train mmjax-shapes from scratch on CPU (JAX + optax) and write it as a HF LLaVA checkpoint.
+
+    python -m mmjax.demo.train --out mmjax/demo/checkpoint --config shipped --minutes 30
+
+One source of truth: the forward pass is mmjax's own serving code (`models.llava.encode_images`,
+`models.decoder.embed_tokens / forward / lm_logits`) over the params pytree that
+`models.llava.load_params` builds from a HF checkpoint, so what is trained is exactly what is
+served. The initial params are a random HF state (`export.random_state`) written and loaded
+through mmjax's loader; at the end the params are mapped back to HF names/shapes
+(`params_to_hf_state`, the inverse of the loader's layout) and written by
+`export.write_hf_checkpoint`.
+
+Data: a pool of scenes is drawn once (`make_pool`: client-like PNG/JPEG round trip, then the
+CLIP processor's bicubic squash to image_size, kept as uint8 [N, R, R, 3]; /255 and mean/std run
+inside the jitted step, so pixels equal `shapes.preprocess` / mmjax's ClipImagePolicy). Every
+step draws fresh (scene, question) pairs from the pool: the question type first (weights in
+`QTYPE_WEIGHTS`), then a scene it applies to, then the question and exact answer from the
+scene's metadata. Loss: cross entropy on the answer tokens and the closing </s> only.
+
+Schedule: AdamW with a time-based warmup + cosine decay (`--minutes` is the budget; the LR is a
+function of elapsed wall time, so a busy machine only costs steps, not the decay shape).
+
+Held-out accuracy during training is teacher-forced greedy exact match (an answer counts when
+the argmax at every answer position, </s> included, is the gold token, which is exactly when
+greedy decoding reproduces the gold answer), per question type, on freshly drawn scenes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from mmjax.demo import config as C
+from mmjax.demo import export as E
+from mmjax.demo import shapes as S
+from mmjax.demo import tokenizer as T
+
+QTYPE_WEIGHTS = {"shape": 0.15, "color": 0.15, "count": 0.2, "exists": 0.25, "describe": 0.25}
+
+
+# ----------------------------------------------------------------------------- data
+
+def _pool_chunk(args):
+    seed, n, image_size, client_roundtrip = args
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    imgs = np.empty((n, image_size, image_size, 3), np.uint8)
+    scenes = []
+    for i in range(n):
+        # a third of the pool is one-shape scenes (shape/color questions need them)
+        n_shapes = 1 if rng.random() < 1 / 3 else None
+        img, sc = S.draw_scene(rng, n_shapes=n_shapes)
+        if client_roundtrip:
+            img = S.encode_like_client(img, rng)
+        imgs[i] = np.asarray(img.resize((image_size, image_size), Image.Resampling.BICUBIC))
+        scenes.append(sc)
+    return imgs, scenes
+
+
+def make_pool(n: int, image_size: int, seed: int, workers: int = 2,
+              client_roundtrip: bool = True, cache_dir: str | None = None,
+              ) -> tuple[np.ndarray, list]:
+    """n scenes -> (uint8 [n, R, R, 3] pixels after the squash resize, [Scene]).
+
+    cache_dir: reuse a pool drawn before with the same (n, R, seed, roundtrip) (pickle)."""
+    if cache_dir:
+        import pickle
+        path = Path(cache_dir) / f"pool_{n}_{image_size}_{seed}_{int(client_roundtrip)}.pkl"
+        if path.is_file():
+            with open(path, "rb") as f:
+                return pickle.load(f)
+        out = make_pool(n, image_size, seed, workers, client_roundtrip)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(str(path) + ".tmp", "wb") as f:
+            pickle.dump(out, f, protocol=4)
+        os.replace(str(path) + ".tmp", path)
+        return out
+    chunk = 250
+    jobs = [(seed * 1_000_003 + i, min(chunk, n - s), image_size, client_roundtrip)
+            for i, s in enumerate(range(0, n, chunk))]
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+        with mp.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_pool_chunk, jobs)
+    else:
+        parts = [_pool_chunk(j) for j in jobs]
+    return (np.concatenate([p[0] for p in parts]), [s for p in parts for s in p[1]])
+
+
+class Encoder:
+    """(question, answer) -> (token ids with the image placeholder expanded, index of the first
+    answer token). Cached: there are only a few thousand distinct pairs."""
+
+    def __init__(self, tok, n_image_tokens: int):
+        self.tok, self.n_img, self.cache = tok, n_image_tokens, {}
+
+    def expand(self, ids):
+        out = []
+        for t in ids:
+            out.extend([T.IMAGE_ID] * self.n_img if t == T.IMAGE_ID else [t])
+        return out
+
+    def __call__(self, q: str, a: str):
+        key = (q, a)
+        if key not in self.cache:
+            full = self.expand(T.encode_chat(self.tok, T.vqa_messages(q, a)))
+            prompt = self.expand(T.encode_chat(self.tok, T.vqa_messages(q), True))
+            assert full[:len(prompt)] == prompt, (q, a)
+            self.cache[key] = (np.asarray(full, np.int32), len(prompt))
+        return self.cache[key]
+
+
+def max_seq_len(enc: Encoder) -> int:
+    """Longest training sequence (3-shape description with the longest words), rounded to 8."""
+    longest = 0
+    for q in [S.Q_SHAPE, S.Q_COLOR, S.Q_COUNT, S.Q_DESCRIBE, S.exists_question("yellow", "triangle")]:
+        a = "a yellow triangle, a yellow triangle and a yellow triangle"
+        longest = max(longest, len(enc(q, a)[0]))
+    return int(math.ceil(longest / 8) * 8)
+
+
+class Sampler:
+    """Draws training/eval batches from a scene pool."""
+
+    def __init__(self, imgs, scenes, enc: Encoder, seq_len: int, weights=None):
+        self.imgs, self.scenes, self.enc, self.T = imgs, scenes, enc, seq_len
+        self.one = np.asarray([i for i, s in enumerate(scenes) if s.count == 1])
+        self.types = list(QUESTION_TYPES)
+        w = weights or QTYPE_WEIGHTS
+        self.p = np.asarray([w[t] for t in self.types], np.float64)
+        self.p /= self.p.sum()
+
+    def example(self, rng, qtype=None):
+        qtype = qtype or self.types[int(rng.choice(len(self.types), p=self.p))]
+        if qtype in ("shape", "color"):
+            i = int(self.one[rng.integers(len(self.one))])
+        else:
+            i = int(rng.integers(len(self.scenes)))
+        q, a = S.make_question(rng, self.scenes[i], qtype)
+        return i, q, a, qtype
+
+    def batch(self, rng, b: int, examples=None):
+        examples = examples or [self.example(rng) for _ in range(b)]
+        ids = np.full((b, self.T), T.PAD_ID, np.int32)
+        mask = np.zeros((b, self.T), np.float32)      # 1 where the NEXT token is an answer token
+        for r, (i, q, a, _) in enumerate(examples):
+            full, p = self.enc(q, a)
+            ids[r, :len(full)] = full
+            mask[r, p - 1:len(full) - 1] = 1.0
+        pix = self.imgs[[e[0] for e in examples]]
+        return pix, ids, mask, [e[3] for e in examples]
+
+
+QUESTION_TYPES = S.QUESTION_TYPES
+
+
+# ----------------------------------------------------------------------------- model
+
+def init_params(cfg_dict: dict, tok, seed: int):
+    """Random HF state -> temp HF checkpoint -> mmjax's own loader (the serving layout)."""
+    from mmjax.checkpoint import TensorSource
+    from mmjax.config import LlavaConfig
+    from mmjax.models.llava import load_params, normalize_name
+
+    state = E.random_state(cfg_dict, seed=seed)
+    cfg = LlavaConfig.from_hf(cfg_dict)
+    with tempfile.TemporaryDirectory() as d:
+        E.write_hf_checkpoint(d, cfg_dict, tok, state)
+        params = load_params(TensorSource(d, normalize_name), cfg)
+        params = _np_tree(params)
+    return cfg, params
+
+
+def _np_tree(t):
+    import jax
+    return jax.tree.map(lambda x: np.array(x, np.float32), t)
+
+
+def params_to_hf_state(params: dict, cfg_dict: dict) -> dict:
+    """Inverse of mmjax's LLaVA loader layout: HF names, [out, in] linears, split q/k/v and
+    gate/up, conv patch embedding [out, c, p, p]. CLIP's post_layernorm (unused by LLaVA) is
+    written as the identity."""
+    v, t = cfg_dict["vision_config"], cfg_dict["text_config"]
+    p, c, vh = v["patch_size"], v["num_channels"], v["hidden_size"]
+    a = lambda x: np.asarray(x, np.float32)
+    s = {}
+
+    def lin(name, d, bias=True):
+        s[name + ".weight"] = a(d["w"]).T
+        if bias:
+            s[name + ".bias"] = a(d["b"])
+
+    def ln(name, d):
+        s[name + ".weight"], s[name + ".bias"] = a(d["scale"]), a(d["bias"])
+
+    pv = params["vision"]
+    s["vision_tower.embeddings.patch_embedding.weight"] = (
+        a(pv["patch_embed"]).reshape(p, p, c, vh).transpose(3, 2, 0, 1))
+    s["vision_tower.embeddings.class_embedding"] = a(pv["class_embed"])
+    s["vision_tower.embeddings.position_embedding.weight"] = a(pv["pos_embed"])
+    ln("vision_tower.pre_layrnorm", pv["pre_ln"])
+    s["vision_tower.post_layernorm.weight"] = np.ones((vh,), np.float32)
+    s["vision_tower.post_layernorm.bias"] = np.zeros((vh,), np.float32)
+    if len(pv["layers"]) != v["num_hidden_layers"]:
+        raise ValueError("export needs every vision layer (vision_feature_layer -1)")
+    for i, L in enumerate(pv["layers"]):
+        b = f"vision_tower.encoder.layers.{i}."
+        ln(b + "layer_norm1", L["ln1"])
+        ln(b + "layer_norm2", L["ln2"])
+        for src, dst in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj")):
+            lin(b + "self_attn." + dst, L[src])
+        lin(b + "mlp.fc1", L["fc1"])
+        lin(b + "mlp.fc2", L["fc2"])
+    bias = cfg_dict.get("multimodal_projector_bias", True)
+    lin("multi_modal_projector.linear_1", params["projector"]["fc1"], bias)
+    lin("multi_modal_projector.linear_2", params["projector"]["fc2"], bias)
+    pt = params["text"]
+    th, ti = t["hidden_size"], t["intermediate_size"]
+    hd = t.get("head_dim") or th // t["num_attention_heads"]
+    q_out, kv_out = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
+    s["language_model.model.embed_tokens.weight"] = a(pt["embed"])
+    for i, L in enumerate(pt["layers"]):
+        b = f"language_model.model.layers.{i}."
+        s[b + "input_layernorm.weight"] = a(L["ln1"])
+        s[b + "post_attention_layernorm.weight"] = a(L["ln2"])
+        w = a(L["qkv"]["w"])
+        s[b + "self_attn.q_proj.weight"] = w[:, :q_out].T
+        s[b + "self_attn.k_proj.weight"] = w[:, q_out:q_out + kv_out].T
+        s[b + "self_attn.v_proj.weight"] = w[:, q_out + kv_out:].T
+        s[b + "self_attn.o_proj.weight"] = a(L["o"]["w"]).T
+        w = a(L["gate_up"]["w"])
+        s[b + "mlp.gate_proj.weight"] = w[:, :ti].T
+        s[b + "mlp.up_proj.weight"] = w[:, ti:].T
+        s[b + "mlp.down_proj.weight"] = a(L["down"]["w"]).T
+    s["language_model.model.norm.weight"] = a(pt["norm"])
+    s["language_model.lm_head.weight"] = a(pt["lm_head"]).T
+    return {k: np.ascontiguousarray(x) for k, x in s.items()}
+
+
+def make_logits_fn(cfg):
+    """(params, uint8 pixels [B,R,R,3], ids [B,T]) -> logits [B,T,V] with mmjax's forward."""
+    import jax
+    import jax.numpy as jnp
+
+    import mmjax.attention as A
+    from mmjax.models import decoder
+    from mmjax.models.llava import encode_images
+
+    # Training traces the vision attention at batch sizes where "auto" would pick the blockwise
+    # kernel; the plain one is the same math (the oracle) and cheaper to differentiate here.
+    A.AUTO_REFERENCE_MAX_SCORE_BYTES = max(A.AUTO_REFERENCE_MAX_SCORE_BYTES, 1 << 34)
+    mean = jnp.asarray(C.CLIP_MEAN, jnp.float32)
+    std = jnp.asarray(C.CLIP_STD, jnp.float32)
+    inv_freq = jnp.asarray(decoder.rope_inv_freq(cfg.text))
+    image_id = cfg.image_token_id
+
+    def logits_fn(params, pix_u8, ids):
+        b, t = ids.shape
+        pixels = (pix_u8.astype(jnp.float32) / 255.0 - mean) / std
+        feats = encode_images(params, pixels, cfg)                       # [B, n_img, D]
+        emb = decoder.embed_tokens(params["text"], ids)
+        is_img = ids == image_id
+        idx = jnp.clip(jnp.cumsum(is_img, axis=1) - 1, 0, feats.shape[1] - 1)
+        img_emb = jnp.take_along_axis(feats, idx[..., None], axis=1)
+        emb = jnp.where(is_img[..., None], img_emb, emb)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cache = decoder.init_kv_cache(cfg.text, b, t, emb.dtype)
+        hidden, _ = decoder.forward(params["text"], cfg.text, emb, positions, cache,
+                                    jnp.zeros((b,), jnp.int32), window=t, inv_freq=inv_freq)
+        return decoder.lm_logits(params["text"], hidden)
+
+    return logits_fn
+
+
+def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0.98):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    logits_fn = make_logits_fn(cfg)
+
+    def loss_fn(params, pix, ids, mask):
+        logits = logits_fn(params, pix, ids)[:, :-1]
+        tgt = ids[:, 1:]
+        m = mask[:, :-1]
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
+        loss = (nll * m).sum() / jnp.maximum(m.sum(), 1.0)
+        return loss
+
+    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    tx = optax.chain(optax.clip_by_global_norm(clip),
+                     optax.scale_by_adam(b1=0.9, b2=b2, eps=1e-8),
+                     optax.add_decayed_weights(weight_decay, decay_mask))
+
+    @jax.jit
+    def train_step(params, opt_state, pix, ids, mask, lr):
+        loss, grads = jax.value_and_grad(loss_fn)(params, pix, ids, mask)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, loss
+
+    @jax.jit
+    def eval_step(params, pix, ids, mask):
+        logits = logits_fn(params, pix, ids)[:, :-1]
+        pred = jnp.argmax(logits, -1)
+        m = mask[:, :-1] > 0
+        ok = jnp.all((pred == ids[:, 1:]) | ~m, axis=1)
+        return ok
+
+    return tx, train_step, eval_step
+
+
+def lr_at(frac: float, peak: float, warmup_frac: float, final_frac: float = 0.02) -> float:
+    if frac < warmup_frac:
+        return peak * frac / warmup_frac
+    x = min(1.0, (frac - warmup_frac) / max(1e-9, 1 - warmup_frac))
+    return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * x)))
+
+
+def evaluate(eval_step, params, sampler: Sampler, examples, batch: int = 64) -> dict:
+    """Teacher-forced greedy exact match per question type over fixed examples."""
+    hits, tot = defaultdict(int), defaultdict(int)
+    for s in range(0, len(examples), batch):
+        ex = examples[s:s + batch]
+        n = len(ex)
+        ex = ex + [ex[-1]] * (batch - n)
+        pix, ids, mask, qt = sampler.batch(None, batch, ex)
+        ok = np.asarray(eval_step(params, pix, ids, mask))[:n]
+        for o, q in zip(ok, qt[:n]):
+            hits[q] += int(o)
+            tot[q] += 1
+    out = {q: hits[q] / tot[q] for q in tot}
+    out["all"] = sum(hits.values()) / max(1, sum(tot.values()))
+    return out
+
+
+def fixed_eval_examples(sampler: Sampler, n: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    types = list(QUESTION_TYPES)
+    return [sampler.example(rng, types[i % len(types)]) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _p32():
+    return C._llava(image_size=128, patch_size=32, v_hidden=128, v_inter=512, v_layers=3,
+                    v_heads=4, t_hidden=160, t_inter=480, t_layers=3, t_heads=5, t_kv_heads=1,
+                    vocab_size=T.DEFAULT_VOCAB_SIZE, image_token_index=T.IMAGE_ID,
+                    max_positions=1024)
+
+
+CONFIGS = {"shipped": C.shipped_config, "notebook": C.notebook_config,
+           "proposal": C.proposal_config, "p32": _p32}
+
+
+def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, batch: int = 64,
+          lr: float = 2e-3, warmup_frac: float = 0.05, seed: int = 0, pool_size: int = 20000,
+          eval_size: int = 500, eval_every: float = 120.0, log=print, pool=None,
+          eval_pool=None, weight_decay: float = 0.05, pool_cache: str | None = None,
+          ) -> tuple[dict, dict]:
+    """Train; returns (params, info). Stops at `steps` if given, else after `minutes`."""
+    import jax
+
+    tok = T.train_tokenizer(cfg_dict["text_config"]["vocab_size"])
+    cfg, params = init_params(cfg_dict, tok, seed)
+    r = cfg_dict["vision_config"]["image_size"]
+    enc = Encoder(tok, C.num_image_tokens(cfg_dict))
+    seq = max_seq_len(enc)
+    t0 = time.perf_counter()
+    if pool is None:
+        pool = make_pool(pool_size, r, seed, cache_dir=pool_cache)
+    if eval_pool is None:
+        eval_pool = make_pool(max(200, eval_size // 2), r, seed + 10_000, cache_dir=pool_cache)
+    t_data = time.perf_counter() - t0
+    log(f"data: {len(pool[1])} train scenes + {len(eval_pool[1])} held-out scenes at {r}px "
+        f"in {t_data:.0f}s; seq_len {seq}; params {C.param_count(cfg_dict)['total']:,}")
+    sampler = Sampler(pool[0], pool[1], enc, seq)
+    ev_sampler = Sampler(eval_pool[0], eval_pool[1], enc, seq)
+    ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000)
+
+    tx, train_step, eval_step = make_steps(cfg, weight_decay=weight_decay)
+    params = jax.tree.map(jax.numpy.asarray, params)
+    opt_state = tx.init(params)
+    rng = np.random.default_rng(seed + 1)
+
+    # batches are assembled on a background thread (numpy gather + python tokens)
+    import queue
+    q: queue.Queue = queue.Queue(maxsize=4)
+    stop = threading.Event()
+
+    def producer():
+        r2 = np.random.default_rng(seed + 2)
+        while not stop.is_set():
+            item = sampler.batch(r2, batch)
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.5)
+                    break
+                except queue.Full:
+                    pass
+
+    th = threading.Thread(target=producer, daemon=True)
+    th.start()
+    budget = minutes * 60.0
+    step, t_start, t_last_eval = 0, None, 0.0
+    losses, history = [], []
+    compile_s = 0.0
+    try:
+        while True:
+            pix, ids, mask, _ = q.get()
+            if t_start is None:
+                tc = time.perf_counter()
+                step_fn = train_step.lower(params, opt_state, pix, ids, mask,
+                                           np.float32(0.0)).compile()
+                compile_s = time.perf_counter() - tc
+                t_start = time.perf_counter()
+                log(f"compiled train step in {compile_s:.1f}s")
+            elapsed = time.perf_counter() - t_start
+            frac = step / steps if steps else elapsed / budget
+            if frac >= 1.0:
+                break
+            cur_lr = lr_at(frac, lr, warmup_frac)
+            params, opt_state, loss = step_fn(params, opt_state, pix, ids, mask,
+                                              np.float32(cur_lr))
+            step += 1
+            losses.append(float(loss))
+            if step % 25 == 0:
+                log(f"step {step:5d}  t {elapsed:6.0f}s  lr {cur_lr:.2e}  "
+                    f"loss {np.mean(losses[-25:]):.4f}")
+            if eval_every and elapsed - t_last_eval >= eval_every:
+                t_last_eval = elapsed
+                acc = evaluate(eval_step, params, ev_sampler, ev_examples[:200])
+                history.append({"step": step, "t": elapsed, **acc})
+                log("  eval " + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+    finally:
+        stop.set()
+    train_s = time.perf_counter() - t_start
+    acc = evaluate(eval_step, params, ev_sampler, ev_examples)
+    log(f"done: {step} steps in {train_s:.0f}s ({train_s / max(step, 1):.3f}s/step), "
+        f"final held-out (teacher-forced greedy, {len(ev_examples)}): "
+        + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+    info = {"steps": step, "train_seconds": round(train_s, 1), "data_seconds": round(t_data, 1),
+            "compile_seconds": round(compile_s, 1), "batch": batch, "peak_lr": lr,
+            "pool_size": len(pool[1]), "seq_len": seq, "final_loss": float(np.mean(losses[-50:])),
+            "heldout": acc, "history": history}
+    return _np_tree(params), info
+
+
+def export(out_dir, cfg_dict: dict, params: dict, info: dict | None = None) -> list[str]:
+    tok = T.train_tokenizer(cfg_dict["text_config"]["vocab_size"])
+    files = E.write_hf_checkpoint(str(out_dir), cfg_dict, tok, params_to_hf_state(params, cfg_dict))
+    return files
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mmjax.demo.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="checkpoint directory to write (HF layout)")
+    ap.add_argument("--config", default="shipped", choices=sorted(CONFIGS))
+    ap.add_argument("--minutes", type=float, default=25.0, help="training time budget")
+    ap.add_argument("--steps", type=int, default=None, help="fixed step count instead of --minutes")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--pool", type=int, default=20000, help="training scenes drawn up front")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pool-cache", default=os.path.join(tempfile.gettempdir(), "mmjax_shapes_pool"),
+                    help="directory caching drawn scene pools ('' = off)")
+    ap.add_argument("--eval-every", type=float, default=180.0, help="seconds between evals")
+    ap.add_argument("--cfg-override", default=None,
+                    help="JSON merged into vision_config/text_config, e.g. "
+                         "'{\"text_config\": {\"num_hidden_layers\": 3}}'")
+    args = ap.parse_args(argv)
+    cfg_dict = CONFIGS[args.config]()
+    if args.cfg_override:
+        for k, v in json.loads(args.cfg_override).items():
+            if isinstance(v, dict):
+                cfg_dict[k].update(v)
+            else:
+                cfg_dict[k] = v
+    t0 = time.perf_counter()
+    params, info = train(cfg_dict, minutes=args.minutes, steps=args.steps, batch=args.batch,
+                         lr=args.lr, seed=args.seed, pool_size=args.pool,
+                         eval_every=args.eval_every, pool_cache=args.pool_cache or None, log=lambda s: print(s, flush=True))
+    files = export(args.out, cfg_dict, params)
+    info["total_seconds"] = round(time.perf_counter() - t0, 1)
+    size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
+    info["checkpoint_bytes"] = size
+    print(f"wrote {args.out}: {len(files)} files, {size / 1e6:.2f} MB; total {info['total_seconds']:.0f}s",
+          flush=True)
+    print("INFO " + json.dumps({k: v for k, v in info.items() if k != "history"}), flush=True)
+    with open(os.path.join(tempfile.gettempdir(), "mmjax_shapes_train_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

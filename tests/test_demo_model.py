@@ -1,0 +1,220 @@
+"""mmjax-shapes (issue 7): the shipped trained checkpoint, end to end.
+
+* held-out accuracy through `vlm.chat` on 300 freshly generated questions (a new random seed
+  each run, printed so a failure can be replayed with MMJAX_SHAPES_SEED): >= 95% exact match
+  overall and >= 90% on every question type;
+* the same first 50 questions through the OpenAI server (in-process aiohttp app, official
+  `openai` client, images as PNG/JPEG data URIs) give the same answers as `vlm.chat`;
+* transformers loads the shipped directory; prompt ids (apply_chat_template), pixels and
+  logits agree with mmjax (rel. err max|a-b|/max|b| <= 1e-4);
+* `mmjax generate` (no --model: the embedded default) prints `circle` for a red circle;
+* the notebook runs top to bottom (nbclient) in its reduced setting.
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mmjax
+from conftest import rel_err
+from mmjax.demo import default_model_path
+from mmjax.demo import shapes as S
+from mmjax.demo import tokenizer as T
+
+REPO = Path(__file__).resolve().parents[1]
+N_QUESTIONS = 300
+N_SERVER = 50
+SP = dict(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Path:
+    p = default_model_path()
+    assert p is not None, "the shipped checkpoint mmjax/demo/checkpoint/ is missing"
+    return p
+
+
+@pytest.fixture(scope="module")
+def vlm(shipped):
+    return mmjax.load(shipped, max_num_seqs=4, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def questions():
+    """300 fresh (image bytes, question, answer, type), 60 per type, scenes of random size."""
+    seed = int(os.environ.get("MMJAX_SHAPES_SEED") or np.random.SeedSequence().entropy % 2**32)
+    print(f"\nmmjax-shapes held-out seed: {seed} (replay with MMJAX_SHAPES_SEED={seed})")
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(N_QUESTIONS):
+        qtype = S.QUESTION_TYPES[i % len(S.QUESTION_TYPES)]
+        ex = S.make_example(rng, qtype, client_roundtrip=False)
+        data, fmt = S.encode_bytes(ex["image"], rng)          # PNG or JPEG q85-95, like a client
+        out.append({"bytes": data, "fmt": fmt, "question": ex["question"],
+                    "answer": ex["answer"], "qtype": qtype, "scene": ex["scene"]})
+    return out
+
+
+def _messages(image, question):
+    return [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": question}]}]
+
+
+@pytest.fixture(scope="module")
+def chat_answers(vlm, questions):
+    sp = mmjax.SamplingParams(**SP)
+    return [vlm.chat(_messages(q["bytes"], q["question"]), sp).text for q in questions]
+
+
+def test_shipped_checkpoint_files(shipped):
+    names = {p.name for p in shipped.iterdir()}
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "preprocessor_config.json", "processor_config.json", "generation_config.json",
+              "chat_template.jinja"):
+        assert f in names, f
+    size = sum(p.stat().st_size for p in shipped.iterdir() if p.is_file())
+    assert size <= 25 * 2**20, f"checkpoint is {size / 2**20:.1f} MiB"
+
+
+def test_heldout_accuracy_through_chat(questions, chat_answers):
+    hits, tot = collections.Counter(), collections.Counter()
+    wrong = []
+    for q, pred in zip(questions, chat_answers):
+        ok = S.answer_matches(pred, q["answer"])
+        hits[q["qtype"]] += ok
+        tot[q["qtype"]] += 1
+        if not ok:
+            wrong.append((q["qtype"], q["question"], q["answer"], pred, q["fmt"],
+                          (q["scene"].width, q["scene"].height)))
+    acc = {t: hits[t] / tot[t] for t in tot}
+    overall = sum(hits.values()) / len(questions)
+    report = "  ".join(f"{t} {acc[t]:.3f}" for t in S.QUESTION_TYPES)
+    print(f"\nmmjax-shapes accuracy: overall {overall:.3f}  {report}")
+    for w in wrong[:20]:
+        print("  wrong:", w)
+    assert set(tot) == set(S.QUESTION_TYPES)
+    assert overall >= 0.95, (overall, acc, wrong[:10])
+    for t in S.QUESTION_TYPES:
+        assert acc[t] >= 0.90, (t, acc, wrong[:10])
+
+
+def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
+    pytest.importorskip("openai")
+    from test_serve import Server
+    from serve.app import ServerConfig
+
+    vlm = mmjax.load(shipped, max_num_seqs=4, max_model_len=256)
+    srv = Server(vlm, ServerConfig(served_model_name="mmjax-shapes", log_stats_interval=0))
+    try:
+        client = srv.client()
+        assert [m.id for m in client.models.list().data] == ["mmjax-shapes"]
+        hits = 0
+        for q, offline in zip(questions[:N_SERVER], chat_answers[:N_SERVER]):
+            mime = "image/png" if q["fmt"] == "PNG" else "image/jpeg"
+            url = f"data:{mime};base64," + base64.b64encode(q["bytes"]).decode()
+            r = client.chat.completions.create(
+                model="mmjax-shapes", temperature=0.0, max_tokens=SP["max_tokens"],
+                messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": q["question"]}]}])
+            text = r.choices[0].message.content
+            assert text == offline, (q["question"], text, offline)
+            assert r.choices[0].finish_reason == "stop"
+            hits += S.answer_matches(text, q["answer"])
+        print(f"\nserver: {hits}/{N_SERVER} exact")
+        assert hits >= 0.9 * N_SERVER
+    finally:
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def hf_pair(shipped):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
+
+    hf = LlavaForConditionalGeneration.from_pretrained(shipped, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(shipped)
+    tok = AutoTokenizer.from_pretrained(shipped)
+    return hf, proc, tok
+
+
+def test_transformers_prompt_ids_pixels_and_logits(vlm, hf_pair, questions):
+    import torch
+
+    hf, proc, tok = hf_pair
+    n_img = vlm.family.cfg.image_tokens_per_image
+    for q in questions[:5]:
+        from PIL import Image
+        img = Image.open(io.BytesIO(q["bytes"])).convert("RGB")
+        msgs = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": q["question"]}]}]
+        text = proc.apply_chat_template(msgs, add_generation_prompt=True)
+        ours_text, _ = vlm.render_chat(_messages(img, q["question"]))
+        assert ours_text == text == T.render_chat(T.vqa_messages(q["question"]), True)
+        # ids: transformers' tokenizer chat template (one <image>) expanded == mmjax's ids
+        hf_ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        hf_ids = hf_ids["input_ids"] if isinstance(hf_ids, dict) or hasattr(hf_ids, "keys") else hf_ids
+        ids = vlm.tokenizer.encode_prompt(text, [n_img])
+        expanded = [t for x in hf_ids for t in ([x] * n_img if x == T.IMAGE_ID else [x])]
+        assert ids == expanded
+        inputs = proc(text=text, images=img, return_tensors="pt")
+        assert ids == inputs["input_ids"][0].tolist()
+        assert ids[0] == T.BOS_ID and ids.count(T.BOS_ID) == 1
+        pix = inputs["pixel_values"][0].numpy().transpose(1, 2, 0)
+        assert np.abs(vlm.family.policy(img) - pix).max() <= 1e-5
+        with torch.no_grad():
+            theirs = hf(**inputs).logits[0].numpy()
+        ours = vlm.logits(text, [img])
+        assert ours.shape == theirs.shape
+        assert rel_err(ours, theirs) <= 1e-4
+        # and both models answer the same thing greedily
+        with torch.no_grad():
+            gen = hf.generate(**inputs, max_new_tokens=SP["max_tokens"], do_sample=False,
+                              pad_token_id=T.PAD_ID)
+        hf_text = tok.decode(gen[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = vlm.chat(_messages(img, q["question"]), mmjax.SamplingParams(**SP)).text
+        assert hf_text == out
+
+
+def test_generate_cli_red_circle(tmp_path):
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (200, 160), "white")
+    ImageDraw.Draw(img).ellipse((60, 40, 120, 100), fill=(220, 30, 30))
+    path = tmp_path / "red_circle.png"
+    img.save(path)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "mmjax.cli", "generate", "--image", str(path),
+                        "--prompt", "What shape is this?"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "circle", (r.stdout, r.stderr[-2000:])
+
+
+def test_notebook_runs_top_to_bottom():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    path = REPO / "notebooks" / "shapes_ablation.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    env_before = os.environ.get("MMJAX_NOTEBOOK_FAST")
+    os.environ["MMJAX_NOTEBOOK_FAST"] = "1"      # reduced setting (inherited by the kernel)
+    try:
+        client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                         resources={"metadata": {"path": str(REPO / "notebooks")}})
+        client.execute()
+    finally:
+        if env_before is None:
+            os.environ.pop("MMJAX_NOTEBOOK_FAST", None)
+        else:
+            os.environ["MMJAX_NOTEBOOK_FAST"] = env_before
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the ablation plot is missing"
