@@ -128,11 +128,37 @@ def max_seq_len(enc: Encoder) -> int:
     return int(math.ceil(longest / 8) * 8)
 
 
+N_PATCH_CLASSES = 1 + len(S.COLORS) * len(S.SHAPES)
+
+
+def patch_labels(scene, grid: int, min_cover: float = 0.08) -> np.ndarray:
+    """Auxiliary target per ViT patch (row-major grid x grid over the squashed canvas):
+    0 = background, else 1 + color * 3 + kind of the shape whose bounding box covers the most of
+    the patch (at least `min_cover` of it)."""
+    out = np.zeros((grid * grid,), np.int32)
+    pw, ph = scene.width / grid, scene.height / grid
+    for i in range(grid):
+        y0, y1 = i * ph, (i + 1) * ph
+        for j in range(grid):
+            x0, x1 = j * pw, (j + 1) * pw
+            best, lab = min_cover * pw * ph, 0
+            for sh in scene.shapes:
+                bx0, by0, bx1, by1 = sh.bbox
+                a = max(0.0, min(x1, bx1) - max(x0, bx0)) * max(0.0, min(y1, by1) - max(y0, by0))
+                if a > best:
+                    best = a
+                    lab = 1 + S.COLORS.index(sh.color) * len(S.SHAPES) + S.SHAPES.index(sh.kind)
+            out[i * grid + j] = lab
+    return out
+
+
 class Sampler:
     """Draws training/eval batches from a scene pool."""
 
-    def __init__(self, imgs, scenes, enc: Encoder, seq_len: int, weights=None):
+    def __init__(self, imgs, scenes, enc: Encoder, seq_len: int, weights=None, grid: int = 0):
         self.imgs, self.scenes, self.enc, self.T = imgs, scenes, enc, seq_len
+        self.labels = (np.stack([patch_labels(sc, grid) for sc in scenes]) if grid
+                       else np.zeros((len(scenes), 1), np.int32))
         self.one = np.asarray([i for i, s in enumerate(scenes) if s.count == 1])
         self.types = list(QUESTION_TYPES)
         w = weights or QTYPE_WEIGHTS
@@ -156,8 +182,8 @@ class Sampler:
             full, p = self.enc(q, a)
             ids[r, :len(full)] = full
             mask[r, p - 1:len(full) - 1] = 1.0
-        pix = self.imgs[[e[0] for e in examples]]
-        return pix, ids, mask, [e[3] for e in examples]
+        sel = [e[0] for e in examples]
+        return self.imgs[sel], ids, mask, self.labels[sel], [e[3] for e in examples]
 
 
 QUESTION_TYPES = S.QUESTION_TYPES
@@ -247,7 +273,8 @@ def params_to_hf_state(params: dict, cfg_dict: dict) -> dict:
 
 
 def make_logits_fn(cfg):
-    """(params, uint8 pixels [B,R,R,3], ids [B,T]) -> logits [B,T,V] with mmjax's forward."""
+    """(params, uint8 pixels [B,R,R,3], ids [B,T]) -> (logits [B,T,V], image token embeddings
+    [B,n,D]) with mmjax's forward."""
     import jax
     import jax.numpy as jnp
 
@@ -276,24 +303,43 @@ def make_logits_fn(cfg):
         cache = decoder.init_kv_cache(cfg.text, b, t, emb.dtype)
         hidden, _ = decoder.forward(params["text"], cfg.text, emb, positions, cache,
                                     jnp.zeros((b,), jnp.int32), window=t, inv_freq=inv_freq)
-        return decoder.lm_logits(params["text"], hidden)
+        return decoder.lm_logits(params["text"], hidden), feats
 
     return logits_fn
 
 
-def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0.98):
+def init_aux(cfg, seed: int) -> dict:
+    """Training-only linear head on the image token embeddings (not exported)."""
+    rng = np.random.default_rng(seed + 7)
+    d = cfg.text.hidden_size
+    return {"w": (0.02 * rng.standard_normal((d, N_PATCH_CLASSES))).astype(np.float32),
+            "b": np.zeros((N_PATCH_CLASSES,), np.float32)}
+
+
+def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0.98,
+               aux_weight: float = 0.5):
+    """train_step over {"model": mmjax params, "aux": patch head}. Loss: answer-token cross
+    entropy + aux_weight * per-patch cross entropy of the image token embeddings (which shape
+    and color covers each patch): a dense signal that gets the from-scratch ViT + projector
+    discriminative long before the answer loss alone would (without it the answer loss sat on
+    the language-prior plateau for 600+ steps)."""
     import jax
     import jax.numpy as jnp
     import optax
 
     logits_fn = make_logits_fn(cfg)
 
-    def loss_fn(params, pix, ids, mask):
-        logits = logits_fn(params, pix, ids)[:, :-1]
+    def loss_fn(tp, pix, ids, mask, plabels):
+        logits, feats = logits_fn(tp["model"], pix, ids)
+        logits = logits[:, :-1]
         tgt = ids[:, 1:]
         m = mask[:, :-1]
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
         loss = (nll * m).sum() / jnp.maximum(m.sum(), 1.0)
+        if aux_weight:
+            pl = feats @ tp["aux"]["w"] + tp["aux"]["b"]
+            aux = optax.softmax_cross_entropy_with_integer_labels(pl, plabels).mean()
+            loss = loss + aux_weight * aux
         return loss
 
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
@@ -302,15 +348,15 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
                      optax.add_decayed_weights(weight_decay, decay_mask))
 
     @jax.jit
-    def train_step(params, opt_state, pix, ids, mask, lr):
-        loss, grads = jax.value_and_grad(loss_fn)(params, pix, ids, mask)
+    def train_step(params, opt_state, pix, ids, mask, plabels, lr):
+        loss, grads = jax.value_and_grad(loss_fn)(params, pix, ids, mask, plabels)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         return params, opt_state, loss
 
     @jax.jit
     def eval_step(params, pix, ids, mask):
-        logits = logits_fn(params, pix, ids)[:, :-1]
+        logits = logits_fn(params, pix, ids)[0][:, :-1]
         pred = jnp.argmax(logits, -1)
         m = mask[:, :-1] > 0
         ok = jnp.all((pred == ids[:, 1:]) | ~m, axis=1)
@@ -333,7 +379,7 @@ def evaluate(eval_step, params, sampler: Sampler, examples, batch: int = 64) -> 
         ex = examples[s:s + batch]
         n = len(ex)
         ex = ex + [ex[-1]] * (batch - n)
-        pix, ids, mask, qt = sampler.batch(None, batch, ex)
+        pix, ids, mask, _, qt = sampler.batch(None, batch, ex)
         ok = np.asarray(eval_step(params, pix, ids, mask))[:n]
         for o, q in zip(ok, qt[:n]):
             hits[q] += int(o)
@@ -366,7 +412,7 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
           lr: float = 2e-3, warmup_frac: float = 0.05, seed: int = 0, pool_size: int = 20000,
           eval_size: int = 500, eval_every: float = 120.0, log=print, pool=None,
           eval_pool=None, weight_decay: float = 0.05, pool_cache: str | None = None,
-          ) -> tuple[dict, dict]:
+          aux_weight: float = 0.5) -> tuple[dict, dict]:
     """Train; returns (params, info). Stops at `steps` if given, else after `minutes`."""
     import jax
 
@@ -383,12 +429,13 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     t_data = time.perf_counter() - t0
     log(f"data: {len(pool[1])} train scenes + {len(eval_pool[1])} held-out scenes at {r}px "
         f"in {t_data:.0f}s; seq_len {seq}; params {C.param_count(cfg_dict)['total']:,}")
-    sampler = Sampler(pool[0], pool[1], enc, seq)
+    grid = r // cfg_dict["vision_config"]["patch_size"]
+    sampler = Sampler(pool[0], pool[1], enc, seq, grid=grid if aux_weight else 0)
     ev_sampler = Sampler(eval_pool[0], eval_pool[1], enc, seq)
     ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000)
 
-    tx, train_step, eval_step = make_steps(cfg, weight_decay=weight_decay)
-    params = jax.tree.map(jax.numpy.asarray, params)
+    tx, train_step, eval_step = make_steps(cfg, weight_decay=weight_decay, aux_weight=aux_weight)
+    params = jax.tree.map(jax.numpy.asarray, {"model": params, "aux": init_aux(cfg, seed)})
     opt_state = tx.init(params)
     rng = np.random.default_rng(seed + 1)
 
@@ -416,10 +463,10 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     compile_s = 0.0
     try:
         while True:
-            pix, ids, mask, _ = q.get()
+            pix, ids, mask, plab, _ = q.get()
             if t_start is None:
                 tc = time.perf_counter()
-                step_fn = train_step.lower(params, opt_state, pix, ids, mask,
+                step_fn = train_step.lower(params, opt_state, pix, ids, mask, plab,
                                            np.float32(0.0)).compile()
                 compile_s = time.perf_counter() - tc
                 t_start = time.perf_counter()
@@ -429,7 +476,7 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
             if frac >= 1.0:
                 break
             cur_lr = lr_at(frac, lr, warmup_frac)
-            params, opt_state, loss = step_fn(params, opt_state, pix, ids, mask,
+            params, opt_state, loss = step_fn(params, opt_state, pix, ids, mask, plab,
                                               np.float32(cur_lr))
             step += 1
             losses.append(float(loss))
@@ -438,19 +485,20 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
                     f"loss {np.mean(losses[-25:]):.4f}")
             if eval_every and elapsed - t_last_eval >= eval_every:
                 t_last_eval = elapsed
-                acc = evaluate(eval_step, params, ev_sampler, ev_examples[:200])
+                acc = evaluate(eval_step, params["model"], ev_sampler, ev_examples[:200])
                 history.append({"step": step, "t": elapsed, **acc})
                 log("  eval " + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()))
     finally:
         stop.set()
     train_s = time.perf_counter() - t_start
+    params = params["model"]
     acc = evaluate(eval_step, params, ev_sampler, ev_examples)
     log(f"done: {step} steps in {train_s:.0f}s ({train_s / max(step, 1):.3f}s/step), "
         f"final held-out (teacher-forced greedy, {len(ev_examples)}): "
         + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()))
     info = {"steps": step, "train_seconds": round(train_s, 1), "data_seconds": round(t_data, 1),
             "compile_seconds": round(compile_s, 1), "batch": batch, "peak_lr": lr,
-            "pool_size": len(pool[1]), "seq_len": seq, "final_loss": float(np.mean(losses[-50:])),
+            "pool_size": len(pool[1]), "aux_weight": aux_weight, "seq_len": seq, "final_loss": float(np.mean(losses[-50:])),
             "heldout": acc, "history": history}
     return _np_tree(params), info
 
@@ -471,6 +519,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--pool", type=int, default=20000, help="training scenes drawn up front")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--aux", type=float, default=0.5,
+                    help="weight of the training-only per-patch loss (0 = answer loss only)")
     ap.add_argument("--pool-cache", default=os.path.join(tempfile.gettempdir(), "mmjax_shapes_pool"),
                     help="directory caching drawn scene pools ('' = off)")
     ap.add_argument("--eval-every", type=float, default=180.0, help="seconds between evals")
@@ -488,7 +538,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     params, info = train(cfg_dict, minutes=args.minutes, steps=args.steps, batch=args.batch,
                          lr=args.lr, seed=args.seed, pool_size=args.pool,
-                         eval_every=args.eval_every, pool_cache=args.pool_cache or None, log=lambda s: print(s, flush=True))
+                         eval_every=args.eval_every, aux_weight=args.aux, pool_cache=args.pool_cache or None, log=lambda s: print(s, flush=True))
     files = export(args.out, cfg_dict, params)
     info["total_seconds"] = round(time.perf_counter() - t0, 1)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
