@@ -152,12 +152,22 @@ def patch_labels(scene, grid: int, min_cover: float = 0.08) -> np.ndarray:
     return out
 
 
+def slot_labels(scene) -> np.ndarray:
+    """Auxiliary per-image target: the shapes left to right as 3 slots of
+    1 + color * 3 + kind, 0 for an empty slot (what "Describe the image." says)."""
+    out = np.zeros((S.MAX_SHAPES,), np.int32)
+    for i, sh in enumerate(scene.left_to_right()):
+        out[i] = 1 + S.COLORS.index(sh.color) * len(S.SHAPES) + S.SHAPES.index(sh.kind)
+    return out
+
+
 class Sampler:
     """Draws training/eval batches from a scene pool."""
 
     def __init__(self, imgs, scenes, enc: Encoder, seq_len: int, weights=None, grid: int = 0):
         self.imgs, self.scenes, self.enc, self.T = imgs, scenes, enc, seq_len
-        self.labels = (np.stack([patch_labels(sc, grid) for sc in scenes]) if grid
+        self.labels = (np.stack([np.concatenate([patch_labels(sc, grid), slot_labels(sc)])
+                                 for sc in scenes]) if grid
                        else np.zeros((len(scenes), 1), np.int32))
         self.one = np.asarray([i for i, s in enumerate(scenes) if s.count == 1])
         self.types = list(QUESTION_TYPES)
@@ -191,14 +201,17 @@ QUESTION_TYPES = S.QUESTION_TYPES
 
 # ----------------------------------------------------------------------------- model
 
-def init_params(cfg_dict: dict, tok, seed: int):
-    """Random HF state -> temp HF checkpoint -> mmjax's own loader (the serving layout)."""
+def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
+    """Random HF state -> temp HF checkpoint -> mmjax's own loader (the serving layout).
+    init_from: an HF checkpoint dir of the same config to continue from instead."""
     from mmjax.checkpoint import TensorSource
     from mmjax.config import LlavaConfig
     from mmjax.models.llava import load_params, normalize_name
 
-    state = E.random_state(cfg_dict, seed=seed)
     cfg = LlavaConfig.from_hf(cfg_dict)
+    if init_from:
+        return cfg, _np_tree(load_params(TensorSource(init_from, normalize_name), cfg))
+    state = E.random_state(cfg_dict, seed=seed)
     with tempfile.TemporaryDirectory() as d:
         E.write_hf_checkpoint(d, cfg_dict, tok, state)
         params = load_params(TensorSource(d, normalize_name), cfg)
@@ -309,11 +322,16 @@ def make_logits_fn(cfg):
 
 
 def init_aux(cfg, seed: int) -> dict:
-    """Training-only linear head on the image token embeddings (not exported)."""
+    """Training-only linear heads on the image token embeddings (not exported): per patch
+    ("w", "b") and per image over all tokens flattened -> 3 left-to-right slots ("sw", "sb")."""
     rng = np.random.default_rng(seed + 7)
-    d = cfg.text.hidden_size
-    return {"w": (0.02 * rng.standard_normal((d, N_PATCH_CLASSES))).astype(np.float32),
-            "b": np.zeros((N_PATCH_CLASSES,), np.float32)}
+    d, n = cfg.text.hidden_size, cfg.image_tokens_per_image
+    k = N_PATCH_CLASSES
+    return {"w": (0.02 * rng.standard_normal((d, k))).astype(np.float32),
+            "b": np.zeros((k,), np.float32),
+            "sw": (0.02 / np.sqrt(n) * rng.standard_normal((n * d, S.MAX_SHAPES * k))
+                   ).astype(np.float32),
+            "sb": np.zeros((S.MAX_SHAPES * k,), np.float32)}
 
 
 def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0.98,
@@ -336,11 +354,16 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
         m = mask[:, :-1]
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
         loss = (nll * m).sum() / jnp.maximum(m.sum(), 1.0)
+        aux = jnp.zeros(())
         if aux_weight:
+            n = feats.shape[1]
             pl = feats @ tp["aux"]["w"] + tp["aux"]["b"]
-            aux = optax.softmax_cross_entropy_with_integer_labels(pl, plabels).mean()
-            loss = loss + aux_weight * aux
-        return loss
+            aux = optax.softmax_cross_entropy_with_integer_labels(pl, plabels[:, :n]).mean()
+            sl = (feats.reshape(feats.shape[0], -1) @ tp["aux"]["sw"] + tp["aux"]["sb"])
+            sl = sl.reshape(feats.shape[0], S.MAX_SHAPES, N_PATCH_CLASSES)
+            aux = aux + optax.softmax_cross_entropy_with_integer_labels(
+                sl, plabels[:, n:]).mean()
+        return loss + aux_weight * aux, (loss, aux)
 
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
     tx = optax.chain(optax.clip_by_global_norm(clip),
@@ -349,7 +372,8 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
 
     @jax.jit
     def train_step(params, opt_state, pix, ids, mask, plabels, lr):
-        loss, grads = jax.value_and_grad(loss_fn)(params, pix, ids, mask, plabels)
+        (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, pix, ids, mask,
+                                                                      plabels)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         return params, opt_state, loss
@@ -412,12 +436,12 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
           lr: float = 2e-3, warmup_frac: float = 0.05, seed: int = 0, pool_size: int = 20000,
           eval_size: int = 500, eval_every: float = 120.0, log=print, pool=None,
           eval_pool=None, weight_decay: float = 0.05, pool_cache: str | None = None,
-          aux_weight: float = 0.5) -> tuple[dict, dict]:
+          aux_weight: float = 0.5, init_from: str | None = None) -> tuple[dict, dict]:
     """Train; returns (params, info). Stops at `steps` if given, else after `minutes`."""
     import jax
 
     tok = T.train_tokenizer(cfg_dict["text_config"]["vocab_size"])
-    cfg, params = init_params(cfg_dict, tok, seed)
+    cfg, params = init_params(cfg_dict, tok, seed, init_from)
     r = cfg_dict["vision_config"]["image_size"]
     enc = Encoder(tok, C.num_image_tokens(cfg_dict))
     seq = max_seq_len(enc)
@@ -479,10 +503,11 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
             params, opt_state, loss = step_fn(params, opt_state, pix, ids, mask, plab,
                                               np.float32(cur_lr))
             step += 1
-            losses.append(float(loss))
+            losses.append([float(x) for x in loss])
             if step % 25 == 0:
+                la, lx = np.mean(losses[-25:], axis=0)
                 log(f"step {step:5d}  t {elapsed:6.0f}s  lr {cur_lr:.2e}  "
-                    f"loss {np.mean(losses[-25:]):.4f}")
+                    f"answer loss {la:.4f}  patch loss {lx:.4f}")
             if eval_every and elapsed - t_last_eval >= eval_every:
                 t_last_eval = elapsed
                 acc = evaluate(eval_step, params["model"], ev_sampler, ev_examples[:200])
@@ -498,7 +523,7 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
         + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()))
     info = {"steps": step, "train_seconds": round(train_s, 1), "data_seconds": round(t_data, 1),
             "compile_seconds": round(compile_s, 1), "batch": batch, "peak_lr": lr,
-            "pool_size": len(pool[1]), "aux_weight": aux_weight, "seq_len": seq, "final_loss": float(np.mean(losses[-50:])),
+            "pool_size": len(pool[1]), "aux_weight": aux_weight, "seq_len": seq, "final_loss": float(np.mean(losses[-50:], axis=0)[0]),
             "heldout": acc, "history": history}
     return _np_tree(params), info
 
@@ -519,6 +544,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--pool", type=int, default=20000, help="training scenes drawn up front")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", default=None, help="continue from this HF checkpoint dir")
     ap.add_argument("--aux", type=float, default=0.5,
                     help="weight of the training-only per-patch loss (0 = answer loss only)")
     ap.add_argument("--pool-cache", default=os.path.join(tempfile.gettempdir(), "mmjax_shapes_pool"),
@@ -538,7 +564,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     params, info = train(cfg_dict, minutes=args.minutes, steps=args.steps, batch=args.batch,
                          lr=args.lr, seed=args.seed, pool_size=args.pool,
-                         eval_every=args.eval_every, aux_weight=args.aux, pool_cache=args.pool_cache or None, log=lambda s: print(s, flush=True))
+                         eval_every=args.eval_every, aux_weight=args.aux, init_from=args.init, pool_cache=args.pool_cache or None, log=lambda s: print(s, flush=True))
     files = export(args.out, cfg_dict, params)
     info["total_seconds"] = round(time.perf_counter() - t0, 1)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
