@@ -482,6 +482,9 @@ def run(args) -> dict:
     res["machine_probes"] = probes
     res["section_limits"] = {k: {"peak_gemm_flops": f, "read_bw_bytes_s": b} for k, (f, b) in section.items()}
     res["loadavg_1m"] = [round(p["loadavg_1m"], 2) for p in probes]
+    # Other processes were competing for the cores: torch's OpenMP pool degrades far more than
+    # XLA's under oversubscription, so mmjax/hf ratios then overstate mmjax (README.md).
+    res["contended"] = max(res["loadavg_1m"]) > 0.75 * (os.cpu_count() or 1)
     res.update(peak_gemm_flops=max(p["peak_flops"] for p in probes), read_bw_bytes_s=max(p["read_bw"] for p in probes),
                copy_bw_bytes_s=max(p["bandwidth"].get("copy", 0) for p in probes))
 
@@ -571,6 +574,10 @@ def format_table(r: dict) -> str:
         lines.append(f"greedy tokens identical to transformers for the first {r['greedy_tokens_agree_b1']} of {r['new_tokens']}")
     if "goals" in r:
         lines.append("goals: " + ", ".join(f"{k} {'MET' if v else 'MISSED'}" for k, v in r["goals"].items()))
+    if r.get("contended"):
+        lines.append(f"WARNING: the machine was shared during this run (load avg {r['loadavg_1m']} on {r['cores']} cores): "
+                     "torch degrades more than XLA under oversubscription, so the mmjax/hf ratios (and the goal "
+                     "verdicts built on them) overstate mmjax; the roofline fractions use probes taken under the same load")
     return "\n".join(lines)
 
 
