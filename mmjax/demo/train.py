@@ -436,7 +436,8 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
           lr: float = 2e-3, warmup_frac: float = 0.05, seed: int = 0, pool_size: int = 20000,
           eval_size: int = 500, eval_every: float = 120.0, log=print, pool=None,
           eval_pool=None, weight_decay: float = 0.05, pool_cache: str | None = None,
-          aux_weight: float = 0.5, init_from: str | None = None) -> tuple[dict, dict]:
+          aux_weight: float = 0.5, init_from: str | None = None,
+          qtype_weights: dict | None = None) -> tuple[dict, dict]:
     """Train; returns (params, info). Stops at `steps` if given, else after `minutes`."""
     import jax
 
@@ -454,7 +455,8 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     log(f"data: {len(pool[1])} train scenes + {len(eval_pool[1])} held-out scenes at {r}px "
         f"in {t_data:.0f}s; seq_len {seq}; params {C.param_count(cfg_dict)['total']:,}")
     grid = r // cfg_dict["vision_config"]["patch_size"]
-    sampler = Sampler(pool[0], pool[1], enc, seq, grid=grid if aux_weight else 0)
+    sampler = Sampler(pool[0], pool[1], enc, seq, weights=qtype_weights,
+                      grid=grid if aux_weight else 0)
     ev_sampler = Sampler(eval_pool[0], eval_pool[1], enc, seq)
     ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000)
 
@@ -469,7 +471,7 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     stop = threading.Event()
 
     def producer():
-        r2 = np.random.default_rng(seed + 2)
+        r2 = np.random.default_rng([seed + 2, int(bool(init_from))])
         while not stop.is_set():
             item = sampler.batch(r2, batch)
             while not stop.is_set():
@@ -523,7 +525,8 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
         + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()))
     info = {"steps": step, "train_seconds": round(train_s, 1), "data_seconds": round(t_data, 1),
             "compile_seconds": round(compile_s, 1), "batch": batch, "peak_lr": lr,
-            "pool_size": len(pool[1]), "aux_weight": aux_weight, "seq_len": seq, "final_loss": float(np.mean(losses[-50:], axis=0)[0]),
+            "pool_size": len(pool[1]), "aux_weight": aux_weight, "init_from": init_from,
+            "qtype_weights": qtype_weights or QTYPE_WEIGHTS, "seq_len": seq, "final_loss": float(np.mean(losses[-50:], axis=0)[0]),
             "heldout": acc, "history": history}
     return _np_tree(params), info
 
@@ -544,6 +547,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--pool", type=int, default=20000, help="training scenes drawn up front")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--qtypes", default=None,
+                    help="question-type sampling weights, e.g. shape=.25,color=.05,count=.2,"
+                         "exists=.25,describe=.25 (default: QTYPE_WEIGHTS)")
     ap.add_argument("--init", default=None, help="continue from this HF checkpoint dir")
     ap.add_argument("--aux", type=float, default=0.5,
                     help="weight of the training-only per-patch loss (0 = answer loss only)")
@@ -564,7 +570,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     params, info = train(cfg_dict, minutes=args.minutes, steps=args.steps, batch=args.batch,
                          lr=args.lr, seed=args.seed, pool_size=args.pool,
-                         eval_every=args.eval_every, aux_weight=args.aux, init_from=args.init, pool_cache=args.pool_cache or None, log=lambda s: print(s, flush=True))
+                         eval_every=args.eval_every, aux_weight=args.aux, init_from=args.init,
+                         qtype_weights=({k: float(v) for k, v in
+                                         (kv.split("=") for kv in args.qtypes.split(","))}
+                                        if args.qtypes else None), pool_cache=args.pool_cache or None, log=lambda s: print(s, flush=True))
     files = export(args.out, cfg_dict, params)
     info["total_seconds"] = round(time.perf_counter() - t0, 1)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
