@@ -165,7 +165,13 @@ def test_transformers_prompt_ids_pixels_and_logits(vlm, hf_pair, questions):
         ids = vlm.tokenizer.encode_prompt(text, [n_img])
         expanded = [t for x in hf_ids for t in ([x] * n_img if x == T.IMAGE_ID else [x])]
         assert ids == expanded
-        inputs = proc(text=text, images=img, return_tensors="pt")
+        # the processor's own chat path (renders with the template's BOS, adds no second one)
+        inputs = proc.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image", "image": img},
+                                          {"type": "text", "text": q["question"]}]}],
+            add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
+        inputs = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask",
+                                                          "pixel_values")}
         assert ids == inputs["input_ids"][0].tolist()
         assert ids[0] == T.BOS_ID and ids.count(T.BOS_ID) == 1
         pix = inputs["pixel_values"][0].numpy().transpose(1, 2, 0)
