@@ -15,7 +15,11 @@ CLIP processor's bicubic squash to image_size, kept as uint8 [N, R, R, 3]; /255 
 inside the jitted step, so pixels equal `shapes.preprocess` / mmjax's ClipImagePolicy). Every
 step draws fresh (scene, question) pairs from the pool: the question type first (weights in
 `QTYPE_WEIGHTS`), then a scene it applies to, then the question and exact answer from the
-scene's metadata. Loss: cross entropy on the answer tokens and the closing </s> only.
+scene's metadata. Loss: cross entropy on the answer tokens and the closing </s> only, plus
+(weight `--aux`) two training-only linear heads on the image token embeddings that are NOT part
+of the exported model: per patch, which (color, shape) covers it; per image, the shapes left to
+right (3 slots). Without them the answer loss sat on the language-prior plateau (chance
+accuracy on everything but color) for 600+ steps.
 
 Schedule: AdamW with a time-based warmup + cosine decay (`--minutes` is the budget; the LR is a
 function of elapsed wall time, so a busy machine only costs steps, not the decay shape).
