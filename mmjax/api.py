@@ -12,11 +12,11 @@ import jax
 import numpy as np
 
 from mmjax import hub
-from mmjax.checkpoint import TensorSource, cast_params
+from mmjax.checkpoint import cast_params
 from mmjax.errors import InvalidRequestError, PromptError, UnsupportedModelError
 from mmjax.sampling import SamplingParams
 from mmjax.tokenizer import Tokenizer
-from mmjax.vision_io import ImageLimits, find_image_processor_config, load_image, load_policy
+from mmjax.vision_io import ImageLimits, load_image
 
 log = logging.getLogger("mmjax")
 

@@ -6,7 +6,7 @@ the field, so a bad checkpoint fails at load time, not inside a compiled step.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mmjax.errors import CheckpointError, UnsupportedModelError

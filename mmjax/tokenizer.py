@@ -15,7 +15,6 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-import numpy as np
 
 from mmjax.errors import CheckpointError, PromptError
 

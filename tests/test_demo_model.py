@@ -111,7 +111,6 @@ def test_heldout_accuracy_through_chat(questions, chat_answers):
 
 
 def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
-    pytest.importorskip("openai")
     from test_serve import Server
     from serve.app import ServerConfig
 
@@ -141,7 +140,7 @@ def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
 
 @pytest.fixture(scope="module")
 def hf_pair(shipped):
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
     hf = LlavaForConditionalGeneration.from_pretrained(shipped, dtype=torch.float32).eval()
@@ -210,8 +209,8 @@ def test_generate_cli_red_circle(tmp_path):
 
 
 def test_notebook_runs_top_to_bottom():
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbformat
+    import nbclient
     path = REPO / "notebooks" / "shapes_ablation.ipynb"
     nb = nbformat.read(path, as_version=4)
     env_before = os.environ.get("MMJAX_NOTEBOOK_FAST")

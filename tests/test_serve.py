@@ -28,7 +28,6 @@ import pytest
 
 from conftest import noise_image
 
-pytest.importorskip("openai")
 import openai  # noqa: E402
 
 from mmjax.sampling import SamplingParams  # noqa: E402
@@ -655,7 +654,6 @@ def test_metrics_exposition(server):
 def test_qwen2_vl_detail_maps_to_a_resolution_budget(tmp_path):
     """Dynamic-resolution family: detail=low caps the image tokens, high/auto use the full budget;
     streamed == non-streamed == offline."""
-    pytest.importorskip("transformers")
     from tiny_qwen import build_qwen
 
     import mmjax

@@ -27,7 +27,6 @@ from mmjax.vision_io import (
     load_image, load_policy, pixel_hash,
 )
 
-transformers = pytest.importorskip("transformers")  # test-only dependency, installed with [test]
 from transformers import CLIPImageProcessorPil, Qwen2VLImageProcessorPil  # noqa: E402
 from transformers.image_transforms import convert_to_rgb as hf_convert_to_rgb  # noqa: E402
 
