@@ -13,7 +13,8 @@ import statistics
 import time
 
 
-def _median_time(fn, repeats: int, warmup: int = 1) -> float:
+def _times(fn, repeats: int, warmup: int = 1) -> list[float]:
+    """Wall time of each of `repeats` calls after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -21,19 +22,16 @@ def _median_time(fn, repeats: int, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return ts
+
+
+def _median_time(fn, repeats: int, warmup: int = 1) -> float:
+    return statistics.median(_times(fn, repeats, warmup))
 
 
 def _best_time(fn, repeats: int, warmup: int = 1) -> float:
     """Limits are best-achievable figures: take the fastest repeat (the machine is shared)."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
+    return min(_times(fn, repeats, warmup))
 
 
 def gemm_flops(n: int = 4096, repeats: int = 3) -> dict[str, float]:
