@@ -6,8 +6,8 @@ On one random-weight LLaVA-architecture checkpoint (default ~342M params: CLIP V
   - by mmjax's AsyncEngine with 1, 4 and 16 concurrent closed-loop clients (continuous batching),
   - one at a time through transformers `generate` (the sequential peer), in the same run.
 Reports output tokens/s, TTFT p50/p99 (submit -> first token, preprocessing included), and the
-ratio to transformers; plus the decode-window effect: one full-batch decode step attending over
-the smallest window rung vs the whole max_model_len. Compile time (warmup) is reported apart.
+ratio to transformers; plus what the decode ladders buy: one decode step of 1 row vs every slot,
+attending over the smallest window rung vs the whole max_model_len. Compile time (warmup) is reported apart.
 Prints a table, then one JSON line.
 """
 from __future__ import annotations
@@ -93,21 +93,22 @@ def run_hf(path, requests, new_tokens: int, threads: int):
     return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts}
 
 
-def decode_window_effect(vlm, repeats: int = 5) -> dict:
-    """Median full-batch decode step time at the smallest window rung vs at max_model_len."""
+def decode_step_times(vlm, repeats: int = 5) -> list[dict]:
+    """Median decode step time for 1 row and for every slot, at the smallest window rung and at
+    max_model_len: what the decode-rows and decode-window ladders save."""
     r = vlm.engine.runner
-    out = {}
-    for w in (r.buckets.window[0], r.buckets.window[-1]):
-        r.decode(w)  # compile / warm
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            r.decode(w)
-            times.append(time.perf_counter() - t0)
-        out[w] = statistics.median(times)
+    out = []
+    for rows in sorted({1, r.num_slots}):
+        for w in (r.buckets.window[0], r.buckets.window[-1]):
+            r.decode(w, rows)  # compile / warm
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                r.decode(w, rows)
+                times.append(time.perf_counter() - t0)
+            out.append({"rows": rows, "window": w, "step_s": statistics.median(times)})
     vlm.engine.reset_device_state()
-    return {"window_small": r.buckets.window[0], "step_s_small": out[r.buckets.window[0]],
-            "window_full": r.buckets.window[-1], "step_s_full": out[r.buckets.window[-1]]}
+    return out
 
 
 def main(argv=None) -> int:
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     compiled = vlm.engine.warmup()
     compile_s = time.perf_counter() - t0
-    window = decode_window_effect(vlm)
+    decode_steps = decode_step_times(vlm)
 
     results = {}
     ae = AsyncEngine(vlm.engine, max_waiting=10_000)
@@ -167,11 +168,11 @@ def main(argv=None) -> int:
     if hf:
         print(f"{'transformers (seq.)':<22}{1:>5}{hf_tps:>10.1f}{percentile(hf['ttft'], 50) * 1e3:>9.0f}ms"
               f"{percentile(hf['ttft'], 99) * 1e3:>9.0f}ms{'1.00x':>11}")
-    print(f"decode step, batch {max(args.concurrency)}: window {window['window_small']} -> "
-          f"{window['step_s_small'] * 1e3:.1f} ms, window {window['window_full']} -> {window['step_s_full'] * 1e3:.1f} ms")
+    print("decode step: " + ", ".join(f"{d['rows']} rows x window {d['window']} -> {d['step_s'] * 1e3:.1f} ms"
+                                      for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads,
                "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,
-               "mmjax": rows, "decode_window": window,
+               "mmjax": rows, "decode_steps": decode_steps,
                "hf_sequential": None if not hf else {"output_tok_s": hf_tps, "ttft_p50_s": percentile(hf["ttft"], 50),
                                                      "ttft_p99_s": percentile(hf["ttft"], 99)}}
     print(json.dumps(summary))

@@ -3,7 +3,8 @@
 Each `step()`: admit waiting requests into free slots; encode every image that is not in the
 encoder cache (batched across requests); prefill chunks up to `prefill_chunk` tokens in total (so
 a long image prompt is spread over several steps and never freezes running streams); one decode
-step for all running slots. Host-only work (tokenize, stop strings, detokenize) stays here.
+step over the lowest slots that cover every running one (the decode ladder's rows). Host-only
+work (tokenize, stop strings, detokenize) stays here.
 """
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from mmjax.buckets import bucket_for
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
 from mmjax.runner import ModelRunner, StepOutput
 from mmjax.sampling import SamplingParams
 from mmjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("mmjax.engine")
+
+# Shorter shared prefixes are not worth steering slot choice for (see Engine._admit).
+MIN_PREFIX_HIT = 16
 
 
 @dataclass
@@ -249,8 +254,8 @@ class Engine:
             pos = np.zeros((3, c) if r.mrope else (c,), np.int32)
             r.prefill(0, w - c, np.zeros(c, np.int32), None, np.zeros(c, bool), pos, 0, (0.0, 0, 1.0, 0.0),
                       np.zeros(2, np.uint32))
-        for w in r.buckets.window:
-            r.decode(w)
+        for rows, w in r.buckets.decode_pairs():
+            r.decode(w, rows)
         self.reset_device_state()
         return r.compiled_counts()
 
@@ -282,7 +287,7 @@ class Engine:
                    and r.finish_reason is None]
         if running:
             max_len = max(r.prompt_len + len(r.output_ids) for r in running)
-            out = self.runner.decode(max_len)
+            out = self.runner.decode(max_len, max(r.slot for r in running) + 1)
             self.counters["decode_steps"] += 1
             for r in running:
                 self._append_token(r, out, r.slot, deltas)
@@ -290,17 +295,24 @@ class Engine:
 
     def _admit(self) -> None:
         """Move waiting requests into free slots. With the prefix cache, each goes to the free
-        slot whose retained KV shares the longest prefix with it (ties: least recently used) and
-        prefill starts after that prefix; at least one prompt token is always recomputed to get
-        the first token's logits."""
+        slot whose retained KV shares the longest prefix with it and prefill starts after that
+        prefix; at least one prompt token is always recomputed to get the first token's logits.
+        Without a worthwhile match (< MIN_PREFIX_HIT tokens: the chat template's opening alone
+        matches every slot) the request takes the free slot that keeps the decode step's row
+        count (highest busy slot + 1, rounded up the decode ladder) smallest, then the least
+        recently used one, so retained prefixes survive as long as possible."""
+        ladder = self.runner.buckets.decode
         while self.waiting:
             free = [i for i, s in enumerate(self.slots) if s is None]
             if not free:
                 return
             req = self.waiting.popleft()
+            busy_rows = max((i + 1 for i, s in enumerate(self.slots) if s is not None), default=0)
             match = {i: common_prefix(self.slot_keys[i], req.keys) if self.enable_prefix_cache else 0
                      for i in free}
-            slot = max(free, key=lambda i: (match[i], -self.slot_last_used[i]))
+            slot = max(free, key=lambda i: (match[i] if match[i] >= MIN_PREFIX_HIT else 0,
+                                            -bucket_for(max(busy_rows, i + 1), ladder),
+                                            -self.slot_last_used[i]))
             cached = min(match[slot], req.prompt_len - 1)
             req.slot, req.prefilled, req.cached_tokens = slot, cached, cached
             self.counters["tokens_cached"] += cached

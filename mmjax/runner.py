@@ -58,7 +58,7 @@ class ModelRunner:
         self.num_slots = max_num_seqs
         self.max_model_len = max_model_len
         self.buckets = Buckets.make(max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                                    max_encode_batch=max_encode_batch)
+                                    max_encode_batch=max_encode_batch, max_num_seqs=max_num_seqs)
         self.dtype = params["text"]["embed"].dtype
         self.cache = decoder.init_kv_cache(self.text_cfg, max_num_seqs, max_model_len, self.dtype)
         self.state = init_decode_state(max_num_seqs)
@@ -69,7 +69,7 @@ class ModelRunner:
         self.calls = {"encode": 0, "prefill": 0, "decode": 0}  # compiled-step invocations
         self._encode = jax.jit(family.encode)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("window",), donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("window",), donate_argnums=(1, 2),
+        self._decode = jax.jit(self._decode_impl, static_argnames=("rows", "window"), donate_argnums=(1, 2),
                                compiler_options=DECODE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
 
     # ---- pure step bodies ------------------------------------------------------------------
@@ -97,19 +97,23 @@ class ModelRunner:
         state = {k: state[k].at[slot].set(row[k]) for k in state}
         return cache, state, out
 
-    def _decode_impl(self, params, cache, state, *, window):
-        """One token for every slot. Inactive slots compute garbage in their own cache row only."""
+    def _decode_impl(self, params, cache, state, *, rows, window):
+        """One token for each of the first `rows` slots (static); the other slots' cache and
+        state rows are untouched. Inactive slots below `rows` compute garbage in their own cache
+        row only."""
         text = params["text"]
-        embeds = decoder.embed_tokens(text, state["tokens"])[:, None]
-        pos = (state["lengths"] + state["rope_delta"])[:, None]
+        st = {k: v[:rows] for k, v in state.items()}
+        embeds = decoder.embed_tokens(text, st["tokens"])[:, None]
+        pos = (st["lengths"] + st["rope_delta"])[:, None]
         if self.mrope:
             pos = jnp.broadcast_to(pos[None], (3,) + pos.shape)
-        hidden, cache = decoder.forward(text, self.text_cfg, embeds, pos, cache, state["lengths"],
+        hidden, cache = decoder.forward(text, self.text_cfg, embeds, pos, cache, st["lengths"],
                                         window=window, inv_freq=self.inv_freq)
         logits = decoder.lm_logits(text, hidden[:, 0])
-        split = jax.vmap(jax.random.split)(state["keys"])
-        out = sample(logits, split[:, 1], state["temperature"], state["top_k"], state["top_p"], state["min_p"])
-        state = dict(state, tokens=out[0], lengths=state["lengths"] + 1, keys=split[:, 0])
+        split = jax.vmap(jax.random.split)(st["keys"])
+        out = sample(logits, split[:, 1], st["temperature"], st["top_k"], st["top_p"], st["min_p"])
+        st = dict(st, tokens=out[0], lengths=st["lengths"] + 1, keys=split[:, 0])
+        state = {k: state[k].at[:rows].set(st[k]) for k in state}
         return cache, state, out
 
     # ---- host entry points -----------------------------------------------------------------
@@ -164,11 +168,15 @@ class ModelRunner:
             (np.float32(t), np.int32(k), np.float32(p), np.float32(m)), np.asarray(key, np.uint32), window=window)
         return StepOutput(*(np.asarray(x) for x in out))
 
-    def decode(self, max_length: int) -> StepOutput:
-        """Advance every slot by one token; `max_length` = longest active sequence after the step."""
+    def decode(self, max_length: int, active_rows: int | None = None) -> StepOutput:
+        """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
+        by one token; `max_length` = longest active sequence after the step. Outputs have one
+        row per advanced slot."""
         window = self.window_for(max_length)
-        self.cache, self.state, out = self._track("decode", (self.num_slots, window), self._decode,
-                                                  self.params, self.cache, self.state, window=window)
+        rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
+        self.cache, self.state, out = self._track("decode", (rows, window), self._decode,
+                                                  self.params, self.cache, self.state,
+                                                  rows=rows, window=window)
         return StepOutput(*(np.asarray(x) for x in out))
 
     def compiled_counts(self) -> dict[str, int]:

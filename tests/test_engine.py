@@ -152,6 +152,32 @@ def test_compiled_shapes_bounded_after_random_requests(path):
     assert vlm.engine.warmup() == st["compiled_shapes_bound"]
 
 
+def test_decode_rows_follow_busy_slots(path):
+    """One running request decodes a 1-row step, not max_num_seqs rows; with three running the
+    step covers the lowest 4 slots; a request admitted while others run takes a free slot that
+    does not grow the step (slot 1 or 3 of 0..3, never 4..7); results equal the same requests run
+    one at a time."""
+    vlm = mmjax.load(path, max_num_seqs=8, max_model_len=256, prefill_chunk=64,
+                     enable_prefix_cache=False)
+    eng = vlm.engine
+    rng = np.random.default_rng(11)
+    prompts = [make_prompt(rng, int(rng.integers(3, 30)), 0) for _ in range(4)]
+    sp = mmjax.SamplingParams(max_tokens=12, **GREEDY)
+    alone = [eng.run_until_done([eng.add_request(p, [], sp)])[0].token_ids for p in prompts]
+    assert {rows for rows, _ in eng.runner.compiled["decode"]} == {1}
+    rids = [eng.add_request(p, [], sp) for p in prompts[:3]]
+    for _ in range(3):
+        eng.step()
+    assert sorted(eng.requests[r].slot for r in rids) == [0, 1, 2]
+    eng.abort(rids[1])
+    late = eng.add_request(prompts[3], [], sp)
+    eng.step()
+    assert eng.requests[late].slot in (1, 3)
+    outs = eng.run_until_done([rids[0], rids[2], late])
+    assert [o.token_ids for o in outs] == [alone[0], alone[2], alone[3]]
+    assert {rows for rows, _ in eng.runner.compiled["decode"]} == {1, 2, 4}
+
+
 def test_stop_strings_and_streamed_text(path):
     vlm = mmjax.load(path, max_num_seqs=2, max_model_len=256)
     img = noise_image(50, 40, 40)

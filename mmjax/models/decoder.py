@@ -119,41 +119,56 @@ def forward(params: dict, cfg: TextConfig, embeds: jax.Array, positions: jax.Arr
 
     embeds [b, t, hidden]; positions [b, t] rope positions ([3, b, t] for M-RoPE); starts [b]:
     cache index of each row's first new token; slots [b]: cache row of each batch row (None means
-    batch row i is slot i, the decode step's layout, read with a slice instead of a gather);
+    batch row i is slot i, the decode step's layout: rows [0, b) read with a slice, no gather);
     window (static): cache prefix attended to, >= max(starts) + t.
     Returns (final-normed hidden [b, t, hidden], updated cache).
     """
-    b, t, _ = embeds.shape
-    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = embeds
+    rope = rope_for(cfg, positions, starts, embeds.shape[1], inv_freq)
+    new_cache = []
+    for layer, kv in zip(params["layers"], cache):
+        x, kv = layer_forward(layer, cfg, x, kv, rope, window=window, slots=slots)
+        new_cache.append(kv)
+    return rms_norm(params["norm"], x, cfg.rms_norm_eps), new_cache
+
+
+def rope_for(cfg: TextConfig, positions: jax.Array, starts: jax.Array, t: int,
+             inv_freq: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(cos, sin [b, t, head_dim], q_index [b, t] = cache index of each new token)."""
     if inv_freq is None:
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
     cos, sin = rope_cos_sin(inv_freq, positions, cfg.rope.mrope_section)
-    q_index = starts[:, None] + jnp.arange(t)[None, :]
+    return cos, sin, starts[:, None] + jnp.arange(t)[None, :]
+
+
+def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tuple, *,
+                  window: int, slots: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """One decoder layer: x [b, t, hidden] (residual stream) -> (x, updated {"k", "v"} cache of
+    this layer). rope = rope_for(...); window / slots as in `forward`."""
+    b, t, _ = x.shape
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin, q_index = rope
     rows = jnp.arange(b) if slots is None else slots
-    x = embeds
-    new_cache = []
-    for layer, kv in zip(params["layers"], cache):
-        hn = rms_norm(layer["ln1"], x, cfg.rms_norm_eps)
-        qkv = dense(layer["qkv"], hn)
-        q = qkv[..., : h * hd].reshape(b, t, h, hd)
-        k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
-        v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # mode="drop": padded tail tokens of a bucketed chunk past max_len are simply not written.
-        ck = kv["k"].at[rows[:, None], q_index].set(k.astype(kv["k"].dtype), mode="drop")
-        cv = kv["v"].at[rows[:, None], q_index].set(v.astype(kv["v"].dtype), mode="drop")
-        new_cache.append({"k": ck, "v": cv})
-        if slots is None:
-            kw, vw = ck[:, :window], cv[:, :window]
-        else:
-            kw, vw = ck[slots, :window], cv[slots, :window]
-        attn = cache_attention(q, kw, vw, q_index)
-        x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
-        hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
-        gu = dense(layer["gate_up"], hn)
-        gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
-        x = x + dense(layer["down"], jax.nn.silu(gate) * up)
-    return rms_norm(params["norm"], x, cfg.rms_norm_eps), new_cache
+    hn = rms_norm(layer["ln1"], x, cfg.rms_norm_eps)
+    qkv = dense(layer["qkv"], hn)
+    q = qkv[..., : h * hd].reshape(b, t, h, hd)
+    k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
+    v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # mode="drop": padded tail tokens of a bucketed chunk past max_len are simply not written.
+    ck = kv["k"].at[rows[:, None], q_index].set(k.astype(kv["k"].dtype), mode="drop")
+    cv = kv["v"].at[rows[:, None], q_index].set(v.astype(kv["v"].dtype), mode="drop")
+    if slots is None:
+        kw, vw = ck[:b, :window], cv[:b, :window]
+    else:
+        kw, vw = ck[slots, :window], cv[slots, :window]
+    attn = cache_attention(q, kw, vw, q_index)
+    x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
+    hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
+    gu = dense(layer["gate_up"], hn)
+    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    x = x + dense(layer["down"], jax.nn.silu(gate) * up)
+    return x, {"k": ck, "v": cv}
 
 
 def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
