@@ -57,9 +57,12 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
                     first = False
                 tokens += len(d.token_ids)
 
+    before = dict(vlm.engine.runner.step_seconds)
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts}
+    wall = time.perf_counter() - t0
+    steps = {k: v - before[k] for k, v in vlm.engine.runner.step_seconds.items()}
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttfts, "step_s": steps}
 
 
 def run_hf(path, requests, new_tokens: int, threads: int):
@@ -157,7 +160,8 @@ def main(argv=None) -> int:
         tps = r["tokens"] / r["wall_s"]
         rows.append({"concurrency": c, "requests": args.requests, "output_tok_s": tps,
                      "ttft_p50_s": percentile(r["ttft"], 50), "ttft_p99_s": percentile(r["ttft"], 99),
-                     "vs_hf_sequential": tps / hf_tps if hf_tps else None})
+                     "vs_hf_sequential": tps / hf_tps if hf_tps else None,
+                     "wall_s": r["wall_s"], "step_s": r["step_s"]})
     print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, float32, {threads} threads)")
     print(f"warmup: {sum(compiled.values())} compiled shapes {compiled} in {compile_s:.1f}s (excluded below)")
     print(f"{'who':<22}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'vs HF seq':>11}")
@@ -168,6 +172,11 @@ def main(argv=None) -> int:
     if hf:
         print(f"{'transformers (seq.)':<22}{1:>5}{hf_tps:>10.1f}{percentile(hf['ttft'], 50) * 1e3:>9.0f}ms"
               f"{percentile(hf['ttft'], 99) * 1e3:>9.0f}ms{'1.00x':>11}")
+    for row in rows:
+        busy = sum(row["step_s"].values())
+        print(f"mmjax time at concurrency {row['concurrency']}: wall {row["wall_s"]:.2f}s = "
+              + " + ".join(f"{k} {v:.2f}s" for k, v in row["step_s"].items())
+              + f" + host/idle {row["wall_s"] - busy:.2f}s")
     print("decode step: " + ", ".join(f"{d['rows']} rows x window {d['window']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads,

@@ -473,7 +473,8 @@ class Engine:
                 "encoder_cache_entries": len(self.encoder_cache), "encoder_cache_bytes": self.encoder_cache.bytes,
                 "compiled_shapes": self.runner.compiled_counts(),
                 "compiled_shapes_bound": self.runner.buckets.max_compilations(),
-                "compile_seconds": round(self.runner.compile_seconds, 3)}
+                "compile_seconds": round(self.runner.compile_seconds, 3),
+                "step_seconds": {k: round(v, 3) for k, v in self.runner.step_seconds.items()}}
 
 
 class AsyncEngine:

@@ -557,14 +557,14 @@ class QwenVLFamily:
         for group in groups:
             total = sum(int(np.prod(im.grid_thw)) for im in group)
             packed = pack_images(group, self.cfg.vision, bucket_for(total, ladder))
-            feats = runner._track("encode", (packed.n_pad,), runner._encode, runner.params, packed.arrays())
-            out.extend(unpack_features(packed, np.asarray(feats)))
+            feats = runner.encode_call((packed.n_pad,), packed.arrays())
+            out.extend(unpack_features(packed, feats))
         return out
 
     def warmup_encode(self, runner) -> None:
         """Compile the encode step for every patch bucket."""
         for n in self.encode_ladder:
-            runner._track("encode", (n,), runner._encode, runner.params, self.dummy_packed(n))
+            runner.encode_call((n,), self.dummy_packed(n))
 
     def dummy_packed(self, n_pad: int) -> tuple:
         v = self.cfg.vision
