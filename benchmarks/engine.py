@@ -174,9 +174,9 @@ def main(argv=None) -> int:
               f"{percentile(hf['ttft'], 99) * 1e3:>9.0f}ms{'1.00x':>11}")
     for row in rows:
         busy = sum(row["step_s"].values())
-        print(f"mmjax time at concurrency {row['concurrency']}: wall {row["wall_s"]:.2f}s = "
+        print(f"mmjax time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
               + " + ".join(f"{k} {v:.2f}s" for k, v in row["step_s"].items())
-              + f" + host/idle {row["wall_s"] - busy:.2f}s")
+              + f" + host/idle {row['wall_s'] - busy:.2f}s")
     print("decode step: " + ", ".join(f"{d['rows']} rows x window {d['window']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads,

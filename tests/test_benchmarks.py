@@ -67,6 +67,21 @@ def test_kernel_bench_smoke(tmp_path):
     assert "decode b8 (tok/s)" in out.stdout and "roofline" in out.stdout
 
 
+def test_engine_bench_smoke(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "benchmarks.engine", "--smoke"], cwd=ROOT,
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = _last_json(out.stdout)
+    assert [row["concurrency"] for row in r["mmjax"]] == [1, 4]
+    for row in r["mmjax"]:
+        assert all(_finite(row[k]) and row[k] > 0 for k in
+                   ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "vs_hf_sequential", "wall_s"))
+        assert set(row["step_s"]) == {"encode", "prefill", "decode"} and row["step_s"]["decode"] > 0
+    assert _finite(r["hf_sequential"]["output_tok_s"]) and r["hf_sequential"]["output_tok_s"] > 0
+    assert {(d["rows"], d["window"]) for d in r["decode_steps"]} == {(1, 128), (1, 256), (4, 128), (4, 256)}
+    assert r["compiled_shapes"]["decode"] == 6 and "transformers (seq.)" in out.stdout
+
+
 def test_arch_arithmetic_matches_default_checkpoint():
     """FLOP and byte counts of the default checkpoint, by hand (342M params, ~886 MB/step)."""
     from benchmarks.kernel import Arch
