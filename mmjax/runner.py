@@ -67,7 +67,7 @@ class ModelRunner:
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set()}
         self.compile_seconds = 0.0
         self.calls = {"encode": 0, "prefill": 0, "decode": 0}  # compiled-step invocations
-        # wall seconds inside each step kind, host copies of the outputs included, compiles not
+        # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
         self.step_seconds = {"encode": 0.0, "prefill": 0.0, "decode": 0.0}
         self._encode = jax.jit(family.encode)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("window",), donate_argnums=(1, 2))
@@ -120,19 +120,20 @@ class ModelRunner:
 
     # ---- host entry points -----------------------------------------------------------------
     def _track(self, kind: str, shape, fn, *args, **kw):
-        """Run one compiled step; returns (result, seconds spent compiling it, 0 if cached)."""
+        """Run one compiled step and wait for it (its outputs are read on the host right after
+        anyway); the time goes to compile_seconds on a shape's first call, else step_seconds."""
         self.calls[kind] += 1
         first = shape not in self.compiled[kind]
         t0 = time.perf_counter()
-        result = fn(*args, **kw)
-        dt = 0.0
+        result = jax.block_until_ready(fn(*args, **kw))
+        dt = time.perf_counter() - t0
         if first:
-            jax.block_until_ready(result)
-            dt = time.perf_counter() - t0
             self.compile_seconds += dt
             self.compiled[kind].add(shape)
             log.info("compiled %s %s in %.2fs", kind, shape, dt)
-        return result, dt
+        else:
+            self.step_seconds[kind] += dt
+        return result
 
     def encode(self, pixels: np.ndarray) -> np.ndarray:
         """pixels [n, ...] (one family-specific input per image) -> features [n, tokens, hidden].
@@ -149,11 +150,7 @@ class ModelRunner:
     def encode_call(self, shape: tuple, *inputs) -> np.ndarray:
         """One compiled encode call on bucketed `inputs` (`shape` names its bucket) -> host
         features. Families with their own packing (Qwen2-VL) call this directly."""
-        t0 = time.perf_counter()
-        feats, compile_s = self._track("encode", shape, self._encode, self.params, *inputs)
-        feats = np.asarray(feats)
-        self.step_seconds["encode"] += time.perf_counter() - t0 - compile_s
-        return feats
+        return np.asarray(self._track("encode", shape, self._encode, self.params, *inputs))
 
     def window_for(self, needed: int) -> int:
         return bucket_for(needed, self.buckets.window)
@@ -174,14 +171,11 @@ class ModelRunner:
         pos = np.asarray(positions, np.int32)
         pos = np.pad(pos, ((0, 0), (0, pad)) if pos.ndim == 2 else (0, pad), mode="edge")
         t, k, p, m = sampling
-        t0 = time.perf_counter()
-        (self.cache, self.state, out), compile_s = self._track(
+        self.cache, self.state, out = self._track(
             "prefill", (c, window), self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
             np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta),
             (np.float32(t), np.int32(k), np.float32(p), np.float32(m)), np.asarray(key, np.uint32), window=window)
-        result = StepOutput(*(np.asarray(x) for x in out))
-        self.step_seconds["prefill"] += time.perf_counter() - t0 - compile_s
-        return result
+        return StepOutput(*(np.asarray(x) for x in out))
 
     def decode(self, max_length: int, active_rows: int | None = None) -> StepOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
@@ -189,13 +183,10 @@ class ModelRunner:
         row per advanced slot."""
         window = self.window_for(max_length)
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
-        t0 = time.perf_counter()
-        (self.cache, self.state, out), compile_s = self._track("decode", (rows, window), self._decode,
-                                                               self.params, self.cache, self.state,
-                                                               rows=rows, window=window)
-        result = StepOutput(*(np.asarray(x) for x in out))
-        self.step_seconds["decode"] += time.perf_counter() - t0 - compile_s
-        return result
+        self.cache, self.state, out = self._track("decode", (rows, window), self._decode,
+                                                  self.params, self.cache, self.state,
+                                                  rows=rows, window=window)
+        return StepOutput(*(np.asarray(x) for x in out))
 
     def compiled_counts(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.compiled.items()}
