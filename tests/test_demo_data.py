@@ -285,8 +285,8 @@ def test_chat_template_format():
             {"role": "user", "content": [{"type": "text", "text": "Compare."}, {"type": "image"},
                                          {"type": "image_url", "image_url": {"url": "x"}}]}]
     assert T.render_chat(msgs, add_generation_prompt=True) == (
-        "<s>Be brief. USER: <image>\nWhat shape is this? ASSISTANT: circle</s>"
-        "USER: <image>\n<image>\nCompare. ASSISTANT: ")
+        "<s>Be brief. USER: What shape is this? <image>\nASSISTANT: circle</s>"
+        "USER: Compare. <image>\n<image>\nASSISTANT: ")
     assert T.render_chat([{"role": "user", "content": "hi"}]) == "<s>USER: hi "
 
 

@@ -1,8 +1,9 @@
 """mmjax-shapes (issue 7): the shipped trained checkpoint, end to end.
 
 * held-out accuracy through `vlm.chat` on 300 freshly generated questions (a new random seed
-  each run, printed so a failure can be replayed with MMJAX_SHAPES_SEED): >= 95% exact match
-  overall and >= 90% on every question type;
+  each run, printed so a failure can be replayed with MMJAX_SHAPES_SEED): >= 90% on shape,
+  color, count and exists (the issue's per-type target); describe and overall assert regression
+  floors (the issue's 90% / 95% are not met yet, see test_heldout_accuracy_through_chat);
 * the same first 50 questions through the OpenAI server (in-process aiohttp app, official
   `openai` client, images as PNG/JPEG data URIs) give the same answers as `vlm.chat`;
 * transformers loads the shipped directory; prompt ids (apply_chat_template), pixels and
@@ -101,13 +102,15 @@ def test_heldout_accuracy_through_chat(questions, chat_answers):
     for w in wrong[:20]:
         print("  wrong:", w)
     assert set(tot) == set(S.QUESTION_TYPES)
-    # Regression floors for the checkpoint AS SHIPPED (measured: overall 0.72, shape 0.87-0.90,
-    # color 1.00, count 0.77-0.80, exists 0.53-0.58, describe 0.37-0.38 on 300 fresh questions).
-    # They catch a broken load/export/preprocessing path (which drops every type to chance).
-    # Issue 7's targets (>= 0.95 overall, >= 0.90 per type) are NOT met yet: the issue stays
-    # open until a longer-trained checkpoint ships (mmjax/demo/README.md).
-    assert overall >= 0.60, (overall, acc, wrong[:10])
-    assert acc["color"] >= 0.95 and acc["shape"] >= 0.70 and acc["count"] >= 0.60, (acc, wrong[:10])
+    # Issue 7's per-type target (>= 0.90) holds for shape, color, count and exists. NOT met
+    # (issue stays open): "describe" (measured 0.75 and 0.63 via chat at two seeds; ordering
+    # mistakes) and therefore overall >= 0.95 (measured 0.947, 0.917). Those two assert labelled
+    # regression floors, ~4 standard deviations below the measured rates at n = 60, which a
+    # broken load / export / preprocessing path (chance on every type) cannot pass.
+    for t in ("shape", "color", "count", "exists"):
+        assert acc[t] >= 0.90, (t, acc, wrong[:10])
+    assert acc["describe"] >= 0.45, (acc, wrong[:10])
+    assert overall >= 0.86, (overall, acc, wrong[:10])
 
 
 def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
@@ -133,7 +136,7 @@ def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
             assert r.choices[0].finish_reason == "stop"
             hits += S.answer_matches(text, q["answer"])
         print(f"\nserver: {hits}/{N_SERVER} exact")
-        assert hits >= 0.5 * N_SERVER  # regression floor (measured 35/50); see the accuracy test
+        assert hits >= 0.8 * N_SERVER  # floor (expected ~47/50 at 0.947); see the accuracy test
     finally:
         srv.close()
 
@@ -178,7 +181,12 @@ def test_transformers_prompt_ids_pixels_and_logits(vlm, hf_pair, questions):
         assert ids == inputs["input_ids"][0].tolist()
         assert ids[0] == T.BOS_ID and ids.count(T.BOS_ID) == 1
         pix = inputs["pixel_values"][0].numpy().transpose(1, 2, 0)
-        assert np.abs(vlm.family.policy(img) - pix).max() <= 1e-5
+        ours_pix = vlm.family.policy(img)
+        assert np.abs(ours_pix - pix).max() <= 1e-5
+        # Model parity on identical pixels: the trained ViT amplifies the processors' <= 1e-5
+        # resize differences to ~1.6e-4 relative in the logits (measured), which is
+        # preprocessing, asserted just above, not the model.
+        inputs["pixel_values"] = torch.from_numpy(ours_pix.transpose(2, 0, 1)[None].copy())
         with torch.no_grad():
             theirs = hf(**inputs).logits[0].numpy()
         ours = vlm.logits(text, [img])

@@ -20,11 +20,14 @@ Design
 
 Chat format (Vicuna v1 / LLaVA-1.5):
 
-    <s>[system text ]USER: <image>\\nWhat shape is this? ASSISTANT: circle</s>USER: ... ASSISTANT: 
+    <s>[system text ]USER: What shape is this? <image>\\nASSISTANT: circle</s>USER: ... ASSISTANT: 
 
 * system: its text followed by one space, no role prefix (LLaVA-1.5's conv_vicuna_v1).
-* user: "USER: ", then every image part as "<image>\\n" (all images first, in order, like
-  llava-hf's template), then each text part followed by one space.
+* user: "USER: ", then each text part followed by one space, then every image part as
+  "<image>\\n" (in order). Question BEFORE image, unlike llava-hf's template: the decoder is
+  causal, so only image tokens that come after the question can look for what it asks about
+  ("Is there a red circle?"); with the image first, "exists" sat at chance for 5,500 steps.
+  Whatever order a client sends the parts in, the rendered prompt is the same.
 * assistant: "ASSISTANT: " + text + "</s>".
 * add_generation_prompt: "ASSISTANT: " (trailing space; see pre-tokenization above).
 * content may be a string or an OpenAI-style list of parts: {"type": "text", "text": ...},
@@ -52,9 +55,9 @@ CHAT_TEMPLATE = (
     "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] + ' ' }}{% endif %}{% endfor %}"
     "{% elif message['role'] == 'user' %}"
     "{{ 'USER: ' }}"
+    "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] + ' ' }}{% endif %}{% endfor %}"
     "{% for p in parts %}{% if p['type'] in ['image', 'image_url', 'input_image'] %}"
     "{{ '<image>\\n' }}{% endif %}{% endfor %}"
-    "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] + ' ' }}{% endif %}{% endfor %}"
     "{% elif message['role'] == 'assistant' %}"
     "{{ 'ASSISTANT: ' }}"
     "{% for p in parts %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
@@ -78,7 +81,7 @@ def training_corpus() -> list[str]:
     questions += [S.exists_question(c, k) for c in S.COLORS for k in S.SHAPES]
     corpus = []
     for q, a in itertools.product(questions, answers[:40]):
-        corpus.append(f"USER: {IMAGE}\n{q} ASSISTANT: {a}{EOS}")
+        corpus.append(f"USER: {q} {IMAGE}\nASSISTANT: {a}{EOS}")
     corpus += [f"ASSISTANT: {a}{EOS}" for a in answers] * 4
     corpus += ["A chat between a curious user and an artificial intelligence assistant. "
                "The assistant gives helpful, detailed, and polite answers to the user's "
@@ -154,7 +157,8 @@ def encode_chat(tok, messages: list, add_generation_prompt: bool = False) -> lis
 
 
 def vqa_messages(question: str, answer: str | None = None) -> list:
-    """The single-turn conversation the demo trains on (image first, then the question)."""
+    """The single-turn conversation the demo trains on (the template renders the question
+    before the image)."""
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     if answer is not None:
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})

@@ -136,24 +136,29 @@ N_PATCH_CLASSES = 1 + len(S.COLORS) * len(S.SHAPES)
 
 
 def patch_labels(scene, grid: int, min_cover: float = 0.08) -> np.ndarray:
-    """Auxiliary target per ViT patch (row-major grid x grid over the squashed canvas):
-    0 = background, else 1 + color * 3 + kind of the shape whose bounding box covers the most of
-    the patch (at least `min_cover` of it)."""
+    """Auxiliary targets per ViT patch (row-major grid x grid over the squashed canvas), of the
+    shape whose bounding box covers the most of the patch (at least `min_cover` of it):
+    [grid^2] class, 0 = background, else 1 + color * 3 + kind; then [grid^2] rank, 0 =
+    background, else 1 + the shape's place left to right (what "Describe the image." orders by)."""
     out = np.zeros((grid * grid,), np.int32)
+    rank = np.zeros((grid * grid,), np.int32)
+    order = {id(sh): r for r, sh in enumerate(scene.left_to_right())}
     pw, ph = scene.width / grid, scene.height / grid
     for i in range(grid):
         y0, y1 = i * ph, (i + 1) * ph
         for j in range(grid):
             x0, x1 = j * pw, (j + 1) * pw
-            best, lab = min_cover * pw * ph, 0
+            best, lab, r = min_cover * pw * ph, 0, 0
             for sh in scene.shapes:
                 bx0, by0, bx1, by1 = sh.bbox
                 a = max(0.0, min(x1, bx1) - max(x0, bx0)) * max(0.0, min(y1, by1) - max(y0, by0))
                 if a > best:
                     best = a
                     lab = 1 + S.COLORS.index(sh.color) * len(S.SHAPES) + S.SHAPES.index(sh.kind)
+                    r = 1 + order[id(sh)]
             out[i * grid + j] = lab
-    return out
+            rank[i * grid + j] = r
+    return np.concatenate([out, rank])
 
 
 def slot_labels(scene) -> np.ndarray:
@@ -165,6 +170,12 @@ def slot_labels(scene) -> np.ndarray:
     return out
 
 
+def exists_class(question: str) -> int:
+    """The patch class (1 + color * 3 + kind) an "Is there a <color> <shape>?" question asks for."""
+    color, kind = question.rstrip("?").split()[-2:]
+    return 1 + S.COLORS.index(color) * len(S.SHAPES) + S.SHAPES.index(kind)
+
+
 class Sampler:
     """Draws training/eval batches from a scene pool."""
 
@@ -173,7 +184,11 @@ class Sampler:
         self.labels = (np.stack([np.concatenate([patch_labels(sc, grid), slot_labels(sc)])
                                  for sc in scenes]) if grid
                        else np.zeros((len(scenes), 1), np.int32))
-        self.one = np.asarray([i for i, s in enumerate(scenes) if s.count == 1])
+        # count / exists / describe draw the shape count uniformly (as the contract's evaluation
+        # does), not the pool's mix, which is 55% one-shape (a third of it is pinned to one)
+        self.by_count = [np.asarray([i for i, s in enumerate(scenes) if s.count == n])
+                         for n in range(1, S.MAX_SHAPES + 1)]
+        self.one = self.by_count[0]
         self.types = list(QUESTION_TYPES)
         w = weights or QTYPE_WEIGHTS
         self.p = np.asarray([w[t] for t in self.types], np.float64)
@@ -184,7 +199,8 @@ class Sampler:
         if qtype in ("shape", "color"):
             i = int(self.one[rng.integers(len(self.one))])
         else:
-            i = int(rng.integers(len(self.scenes)))
+            group = self.by_count[int(rng.integers(len(self.by_count)))]
+            i = int(group[rng.integers(len(group))])
         q, a = S.make_question(rng, self.scenes[i], qtype)
         return i, q, a, qtype
 
@@ -197,7 +213,10 @@ class Sampler:
             ids[r, :len(full)] = full
             mask[r, p - 1:len(full) - 1] = 1.0
         sel = [e[0] for e in examples]
-        return self.imgs[sel], ids, mask, self.labels[sel], [e[3] for e in examples]
+        query = np.asarray([[exists_class(q) if t == "exists" else 0] for _, q, _, t in examples],
+                           np.int32)
+        return (self.imgs[sel], ids, mask, np.concatenate([self.labels[sel], query], axis=1),
+                [e[3] for e in examples])
 
 
 QUESTION_TYPES = S.QUESTION_TYPES
@@ -214,7 +233,22 @@ def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
 
     cfg = LlavaConfig.from_hf(cfg_dict)
     if init_from:
-        return cfg, _np_tree(load_params(TensorSource(init_from, normalize_name), cfg))
+        with open(os.path.join(init_from, "config.json")) as f:
+            old = json.load(f)
+        params = _np_tree(load_params(TensorSource(init_from, normalize_name),
+                                      LlavaConfig.from_hf(old)))
+        grow = cfg.text.num_layers - len(params["text"]["layers"])
+        if grow < 0:
+            raise ValueError(f"{init_from} has more decoder layers than the config")
+        # Deeper than the checkpoint: new top layers are copies of its last layer with zero
+        # output projections, so the grown model starts as exactly the old function.
+        for _ in range(grow):
+            layer = {k: dict(v) if isinstance(v, dict) else v
+                     for k, v in params["text"]["layers"][-1].items()}
+            for name in ("o", "down"):
+                layer[name] = {k: np.zeros_like(v) for k, v in layer[name].items()}
+            params["text"]["layers"].append(layer)
+        return cfg, params
     state = E.random_state(cfg_dict, seed=seed)
     with tempfile.TemporaryDirectory() as d:
         E.write_hf_checkpoint(d, cfg_dict, tok, state)
@@ -297,6 +331,7 @@ def make_logits_fn(cfg):
 
     import mmjax.attention as A
     from mmjax.models import decoder
+    from mmjax.models.layers import rms_norm
     from mmjax.models.llava import encode_images
 
     # Training traces the vision attention at batch sizes where "auto" would pick the blockwise
@@ -308,6 +343,8 @@ def make_logits_fn(cfg):
     image_id = cfg.image_token_id
 
     def logits_fn(params, pix_u8, ids):
+        """-> (logits, image features [B, n, D], residual stream entering the last decoder
+        layer [B, T, D] (what the last layer's attention reads))."""
         b, t = ids.shape
         pixels = (pix_u8.astype(jnp.float32) / 255.0 - mean) / std
         feats = encode_images(params, pixels, cfg)                       # [B, n_img, D]
@@ -318,16 +355,24 @@ def make_logits_fn(cfg):
         emb = jnp.where(is_img[..., None], img_emb, emb)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cache = decoder.init_kv_cache(cfg.text, b, t, emb.dtype)
-        hidden, _ = decoder.forward(params["text"], cfg.text, emb, positions, cache,
-                                    jnp.zeros((b,), jnp.int32), window=t, inv_freq=inv_freq)
-        return decoder.lm_logits(params["text"], hidden), feats
+        rope = decoder.rope_for(cfg.text, positions, jnp.zeros((b,), jnp.int32), t, inv_freq)
+        x, layers = emb, params["text"]["layers"]
+        for i, (layer, kv) in enumerate(zip(layers, cache)):
+            if i == len(layers) - 1:
+                last_in = x
+            x, _ = decoder.layer_forward(layer, cfg.text, x, kv, rope, window=t)
+        hidden = rms_norm(params["text"]["norm"], x, cfg.text.rms_norm_eps)
+        return decoder.lm_logits(params["text"], hidden), feats, last_in
 
     return logits_fn
 
 
 def init_aux(cfg, seed: int) -> dict:
-    """Training-only linear heads on the image token embeddings (not exported): per patch
-    ("w", "b") and per image over all tokens flattened -> 3 left-to-right slots ("sw", "sb")."""
+    """Training-only linear heads (not exported). On the image token embeddings: per patch
+    ("w", "b") and per image over all tokens flattened -> 3 left-to-right slots ("sw", "sb").
+    Per patch, its shape's rank left to right ("rw", "rb").
+    On the decoder's image-token states entering the last layer, for "exists" questions: does
+    this patch show the asked (color, shape) ("mw", "mb")."""
     rng = np.random.default_rng(seed + 7)
     d, n = cfg.text.hidden_size, cfg.image_tokens_per_image
     k = N_PATCH_CLASSES
@@ -335,7 +380,11 @@ def init_aux(cfg, seed: int) -> dict:
             "b": np.zeros((k,), np.float32),
             "sw": (0.02 / np.sqrt(n) * rng.standard_normal((n * d, S.MAX_SHAPES * k))
                    ).astype(np.float32),
-            "sb": np.zeros((S.MAX_SHAPES * k,), np.float32)}
+            "sb": np.zeros((S.MAX_SHAPES * k,), np.float32),
+            "rw": (0.02 * rng.standard_normal((d, 1 + S.MAX_SHAPES))).astype(np.float32),
+            "rb": np.zeros((1 + S.MAX_SHAPES,), np.float32),
+            "mw": (0.02 * rng.standard_normal((d,))).astype(np.float32),
+            "mb": np.zeros((), np.float32)}
 
 
 def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0.98,
@@ -352,7 +401,7 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     logits_fn = make_logits_fn(cfg)
 
     def loss_fn(tp, pix, ids, mask, plabels):
-        logits, feats = logits_fn(tp["model"], pix, ids)
+        logits, feats, last_in = logits_fn(tp["model"], pix, ids)
         logits = logits[:, :-1]
         tgt = ids[:, 1:]
         m = mask[:, :-1]
@@ -366,7 +415,24 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
             sl = (feats.reshape(feats.shape[0], -1) @ tp["aux"]["sw"] + tp["aux"]["sb"])
             sl = sl.reshape(feats.shape[0], S.MAX_SHAPES, N_PATCH_CLASSES)
             aux = aux + optax.softmax_cross_entropy_with_integer_labels(
-                sl, plabels[:, n:]).mean()
+                sl, plabels[:, 2 * n:2 * n + S.MAX_SHAPES]).mean()
+            # per patch: its shape's place left to right (the ViT sees the whole image; the
+            # causal decoder's image tokens cannot look right/down for themselves)
+            rl = feats @ tp["aux"]["rw"] + tp["aux"]["rb"]
+            aux = aux + optax.softmax_cross_entropy_with_integer_labels(
+                rl, plabels[:, n:2 * n]).mean()
+            # "exists": every image token, one layer before the answer reads it, says whether
+            # its patch shows the asked (color, shape); the answer then only ORs over them.
+            query = plabels[:, -1]
+            is_img = ids == cfg.image_token_id
+            idx = jnp.clip(jnp.cumsum(is_img, axis=1) - 1, 0, n - 1)
+            target = jnp.take_along_axis(plabels[:, :n] == query[:, None], idx, axis=1)
+            z = last_in * jax.lax.rsqrt(jnp.mean(last_in * last_in, -1, keepdims=True) + 1e-6)
+            ml = z @ tp["aux"]["mw"] + tp["aux"]["mb"]
+            # positives are the few patches of one shape: weigh them up (x4)
+            w = (is_img & (query[:, None] > 0)).astype(jnp.float32) * (1.0 + 3.0 * target)
+            bce = optax.sigmoid_binary_cross_entropy(ml, target.astype(jnp.float32))
+            aux = aux + (bce * w).sum() / jnp.maximum(w.sum(), 1.0)
         return loss + aux_weight * aux, (loss, aux)
 
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
