@@ -135,6 +135,20 @@ def max_seq_len(enc: Encoder) -> int:
 N_PATCH_CLASSES = 1 + len(S.COLORS) * len(S.SHAPES)
 
 
+def shape_class(color: str, kind: str) -> int:
+    """Aux class of a (color, shape) pair: 1 + color * 3 + kind (0 is background / empty)."""
+    return 1 + S.COLORS.index(color) * len(S.SHAPES) + S.SHAPES.index(kind)
+
+
+def image_token_index(ids, image_id: int, n_image_tokens: int):
+    """[B, T] token ids -> (is-image mask [B, T], index of each position's image feature [B, T],
+    clipped to [0, n_image_tokens))."""
+    import jax.numpy as jnp
+
+    is_img = ids == image_id
+    return is_img, jnp.clip(jnp.cumsum(is_img, axis=1) - 1, 0, n_image_tokens - 1)
+
+
 def patch_labels(scene, grid: int, min_cover: float = 0.08) -> np.ndarray:
     """Auxiliary targets per ViT patch (row-major grid x grid over the squashed canvas), of the
     shape whose bounding box covers the most of the patch (at least `min_cover` of it):
@@ -154,7 +168,7 @@ def patch_labels(scene, grid: int, min_cover: float = 0.08) -> np.ndarray:
                 a = max(0.0, min(x1, bx1) - max(x0, bx0)) * max(0.0, min(y1, by1) - max(y0, by0))
                 if a > best:
                     best = a
-                    lab = 1 + S.COLORS.index(sh.color) * len(S.SHAPES) + S.SHAPES.index(sh.kind)
+                    lab = shape_class(sh.color, sh.kind)
                     r = 1 + order[id(sh)]
             out[i * grid + j] = lab
             rank[i * grid + j] = r
@@ -166,14 +180,13 @@ def slot_labels(scene) -> np.ndarray:
     1 + color * 3 + kind, 0 for an empty slot (what "Describe the image." says)."""
     out = np.zeros((S.MAX_SHAPES,), np.int32)
     for i, sh in enumerate(scene.left_to_right()):
-        out[i] = 1 + S.COLORS.index(sh.color) * len(S.SHAPES) + S.SHAPES.index(sh.kind)
+        out[i] = shape_class(sh.color, sh.kind)
     return out
 
 
 def exists_class(question: str) -> int:
     """The patch class (1 + color * 3 + kind) an "Is there a <color> <shape>?" question asks for."""
-    color, kind = question.rstrip("?").split()[-2:]
-    return 1 + S.COLORS.index(color) * len(S.SHAPES) + S.SHAPES.index(kind)
+    return shape_class(*question.rstrip("?").split()[-2:])
 
 
 class Sampler:
@@ -349,8 +362,7 @@ def make_logits_fn(cfg):
         pixels = (pix_u8.astype(jnp.float32) / 255.0 - mean) / std
         feats = encode_images(params, pixels, cfg)                       # [B, n_img, D]
         emb = decoder.embed_tokens(params["text"], ids)
-        is_img = ids == image_id
-        idx = jnp.clip(jnp.cumsum(is_img, axis=1) - 1, 0, feats.shape[1] - 1)
+        is_img, idx = image_token_index(ids, image_id, feats.shape[1])
         img_emb = jnp.take_along_axis(feats, idx[..., None], axis=1)
         emb = jnp.where(is_img[..., None], img_emb, emb)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -398,6 +410,8 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     import jax.numpy as jnp
     import optax
 
+    from mmjax.models.layers import rms_norm
+
     logits_fn = make_logits_fn(cfg)
 
     def loss_fn(tp, pix, ids, mask, plabels):
@@ -424,10 +438,9 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
             # "exists": every image token, one layer before the answer reads it, says whether
             # its patch shows the asked (color, shape); the answer then only ORs over them.
             query = plabels[:, -1]
-            is_img = ids == cfg.image_token_id
-            idx = jnp.clip(jnp.cumsum(is_img, axis=1) - 1, 0, n - 1)
+            is_img, idx = image_token_index(ids, cfg.image_token_id, n)
             target = jnp.take_along_axis(plabels[:, :n] == query[:, None], idx, axis=1)
-            z = last_in * jax.lax.rsqrt(jnp.mean(last_in * last_in, -1, keepdims=True) + 1e-6)
+            z = rms_norm(jnp.ones(last_in.shape[-1:], last_in.dtype), last_in, 1e-6)
             ml = z @ tp["aux"]["mw"] + tp["aux"]["mb"]
             # positives are the few patches of one shape: weigh them up (x4)
             w = (is_img & (query[:, None] > 0)).astype(jnp.float32) * (1.0 + 3.0 * target)
