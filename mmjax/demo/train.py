@@ -237,6 +237,29 @@ QUESTION_TYPES = S.QUESTION_TYPES
 
 # ----------------------------------------------------------------------------- model
 
+def _grow_kv_heads(layers: list, old, new) -> None:
+    """More KV heads than the checkpoint (GQA -> fewer query heads per KV head): each old KV
+    head's k/v projection is repeated for the new heads its query heads now map to, so the
+    grown model computes exactly the old function; training then lets the copies differ.
+    The fused qkv weight is [d, (heads + 2 * kv_heads) * head_dim]."""
+    if new.num_kv_heads == old.num_kv_heads:
+        return
+    r, rem = divmod(new.num_kv_heads, old.num_kv_heads)
+    if rem or new.num_heads != old.num_heads or new.head_dim != old.head_dim:
+        raise ValueError(f"cannot grow {old.num_kv_heads} KV heads to {new.num_kv_heads} "
+                         f"(must be a multiple, same query heads and head_dim)")
+    q_out, kv_out, hd = old.num_heads * old.head_dim, old.num_kv_heads * old.head_dim, old.head_dim
+    for layer in layers:
+        qkv = dict(layer["qkv"])
+        for name, x in qkv.items():
+            q, k, v = np.split(x, [q_out, q_out + kv_out], axis=-1)
+            # query head h reads KV head h // (heads / kv_heads): repeat, do not tile
+            rep = lambda t: np.repeat(t.reshape(*t.shape[:-1], -1, hd), r, axis=-2
+                                      ).reshape(*t.shape[:-1], -1)
+            qkv[name] = np.concatenate([q, rep(k), rep(v)], axis=-1)
+        layer["qkv"] = qkv
+
+
 def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
     """Random HF state -> temp HF checkpoint -> mmjax's own loader (the serving layout).
     init_from: an HF checkpoint dir of the same config to continue from instead."""
@@ -250,6 +273,7 @@ def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
             old = json.load(f)
         params = _np_tree(load_params(TensorSource(init_from, normalize_name),
                                       LlavaConfig.from_hf(old)))
+        _grow_kv_heads(params["text"]["layers"], LlavaConfig.from_hf(old).text, cfg.text)
         grow = cfg.text.num_layers - len(params["text"]["layers"])
         if grow < 0:
             raise ValueError(f"{init_from} has more decoder layers than the config")

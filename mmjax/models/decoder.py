@@ -1,6 +1,8 @@
 """Llama-style decoder (Llama / Mistral / Qwen2) over an explicit slot KV cache.
 
-KV cache: a list with one {"k", "v"} dict per layer, each `[slots, max_len, kv_heads, head_dim]`.
+KV cache: a list with one {"k", "v"} dict per layer, each `[slots, kv_heads, max_len, head_dim]`
+(head-major: a slot's window of one KV head is one contiguous [window, head_dim] block, so
+attention reads it without a transpose; see `cache_attention`).
 One array per layer (not one stacked array) because slicing a layer out of a stacked array inside
 the decode step copied every layer's weights each step on XLA CPU (see facts.md).
 """
@@ -14,7 +16,7 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.config import TextConfig
 from mmjax.models.layers import dense, rms_norm
 
-KVCache = list  # [{"k": [slots, max_len, kv_heads, head_dim], "v": ...}] * layers
+KVCache = list  # [{"k": [slots, kv_heads, max_len, head_dim], "v": ...}] * layers
 
 
 def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head_name: str) -> dict:
@@ -43,7 +45,7 @@ def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head
 
 
 def init_kv_cache(cfg: TextConfig, num_slots: int, max_len: int, dtype) -> KVCache:
-    shape = (num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)]
 
 
@@ -96,19 +98,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array) -> jax.Array:
     """Causal attention of new queries over a cache window.
 
-    q [b, t, heads, hd]; k, v [b, window, kv_heads, hd]; q_index [b, t] = cache index of each
+    q [b, t, heads, hd]; k, v [b, kv_heads, window, hd]; q_index [b, t] = cache index of each
     query. Key j is visible to a query at index i iff j <= i (so stale entries past a sequence's
     end are never read). Returns [b, t, heads, hd].
+
+    Scores are laid out [b, kv_heads, window, t, group]: the cache block is the tall left operand
+    of each (b, kv_head) matmul. On XLA:CPU that is what keeps a decode step's attention near
+    memory speed (16 rows x window 1024, 16 layers: 740 -> 160 ms against the [t, window] score
+    orientation over a [slots, max_len, kv_heads, hd] cache; benchmarks/README.md).
     """
     b, t, h, hd = q.shape
-    kvh = k.shape[2]
+    kvh = k.shape[1]
     g = h // kvh
     qg = q.reshape(b, t, kvh, g, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(hd)
-    visible = jnp.arange(k.shape[1])[None, None, :] <= q_index[:, :, None]  # [b, t, window]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bksd,btkgd->bkstg", k, qg, preferred_element_type=jnp.float32) / np.sqrt(hd)
+    visible = jnp.arange(k.shape[2])[None, :, None] <= q_index[:, None, :]  # [b, window, t]
+    scores = jnp.where(visible[:, None, :, :, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype)
+    out = jnp.einsum("bkstg,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
@@ -156,12 +163,13 @@ def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tu
     v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # mode="drop": padded tail tokens of a bucketed chunk past max_len are simply not written.
-    ck = kv["k"].at[rows[:, None], q_index].set(k.astype(kv["k"].dtype), mode="drop")
-    cv = kv["v"].at[rows[:, None], q_index].set(v.astype(kv["v"].dtype), mode="drop")
+    # (rows [b, 1], :, q_index [b, t]) indexes [b, t, kv_heads, hd]: the new k/v as they are.
+    ck = kv["k"].at[rows[:, None], :, q_index].set(k.astype(kv["k"].dtype), mode="drop")
+    cv = kv["v"].at[rows[:, None], :, q_index].set(v.astype(kv["v"].dtype), mode="drop")
     if slots is None:
-        kw, vw = ck[:b, :window], cv[:b, :window]
+        kw, vw = ck[:b, :, :window], cv[:b, :, :window]
     else:
-        kw, vw = ck[slots, :window], cv[slots, :window]
+        kw, vw = ck[slots, :, :window], cv[slots, :, :window]
     attn = cache_attention(q, kw, vw, q_index)
     x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
     hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
