@@ -235,3 +235,38 @@ def test_notebook_runs_top_to_bottom():
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the ablation plot is missing"
+
+
+def test_growth_preserves_the_function(shipped):
+    """train.py's warm-start growth (more decoder layers: copies with zero o/down; more KV
+    heads: each repeated for its GQA group) starts from exactly the checkpoint's function."""
+    import copy
+    import json
+
+    import jax.numpy as jnp
+
+    from mmjax.demo import train as TR
+
+    old = json.loads((shipped / "config.json").read_text())
+    new = copy.deepcopy(old)
+    t = new["text_config"]
+    t["num_hidden_layers"] += 1
+    t["num_key_value_heads"] = t["num_attention_heads"]
+    cfg0, p0 = TR.init_params(old, None, 0, str(shipped))
+    cfg1, p1 = TR.init_params(new, None, 0, str(shipped))
+    assert len(p1["text"]["layers"]) == len(p0["text"]["layers"]) + 1
+    rng = np.random.default_rng(5)
+    n = cfg0.image_tokens_per_image
+    pix = jnp.asarray(rng.integers(0, 256, (2, 64, 64, 3)), jnp.uint8)
+    ids = np.concatenate([np.ones((2, 1)), rng.integers(5, 300, (2, 7)),
+                          np.full((2, n), cfg0.image_token_id), rng.integers(5, 300, (2, 9))], 1)
+    ids = jnp.asarray(ids.astype(np.int32))
+    l0 = np.asarray(TR.make_logits_fn(cfg0)(p0, pix, ids)[0])
+    l1 = np.asarray(TR.make_logits_fn(cfg1)(p1, pix, ids)[0])
+    assert np.abs(l0).max() > 1.0
+    assert rel_err(l1, l0) <= 1e-5
+    for kvh in (3, 10):   # does not divide the query heads / more KV than query heads
+        bad = copy.deepcopy(old)
+        bad["text_config"]["num_key_value_heads"] = kvh
+        with pytest.raises(ValueError, match="KV heads"):
+            TR.init_params(bad, None, 0, str(shipped))

@@ -245,9 +245,11 @@ def _grow_kv_heads(layers: list, old, new) -> None:
     if new.num_kv_heads == old.num_kv_heads:
         return
     r, rem = divmod(new.num_kv_heads, old.num_kv_heads)
-    if rem or new.num_heads != old.num_heads or new.head_dim != old.head_dim:
+    if (rem or r < 1 or new.num_heads % new.num_kv_heads or new.num_heads != old.num_heads
+            or new.head_dim != old.head_dim):
         raise ValueError(f"cannot grow {old.num_kv_heads} KV heads to {new.num_kv_heads} "
-                         f"(must be a multiple, same query heads and head_dim)")
+                         f"(must be a multiple that divides {new.num_heads} query heads, same "
+                         f"query heads and head_dim)")
     q_out, kv_out, hd = old.num_heads * old.head_dim, old.num_kv_heads * old.head_dim, old.head_dim
     for layer in layers:
         qkv = dict(layer["qkv"])
