@@ -302,7 +302,9 @@ def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt
     r = eng.runner
     ctx = max(eng.requests[i].prompt_len + len(eng.requests[i].output_ids) for i in ids) + 1
     window = r.window_for(ctx + steps)
-    hlo = r._decode.lower(r.params, r.cache, r.state, window=window).compile().as_text()
+    from mmjax.buckets import bucket_for
+    rows = bucket_for(batch, r.buckets.decode)
+    hlo = r._decode.lower(r.params, r.cache, r.state, rows=rows, window=window).compile().as_text()
     cats = _categorize(hlo)
     wall = []
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)

@@ -67,6 +67,21 @@ def test_kernel_bench_smoke(tmp_path):
     assert "decode b8 (tok/s)" in out.stdout and "roofline" in out.stdout
 
 
+def test_kernel_decode_profile_smoke(tmp_path):
+    """--profile-only traces the compiled decode step at batch 1 and 8 and attributes XLA op time
+    to HLO categories (it once broke silently when the decode step grew a static `rows`)."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kernel", "--smoke", "--quiet", "--profile-only",
+                          "--profile-steps", "3"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    profiles = _last_json(out.stdout)["decode_profile"]
+    assert [p["batch"] for p in profiles] == [1, 8]
+    for p in profiles:
+        assert p["step_ms"] > 0 and p["ops_ms_per_step"] > 0
+        assert p["categories_ms_per_step"].get("matmul", 0) > 0, p["categories_ms_per_step"]
+        assert p["top_ops"] and all(o["hlo"] for o in p["top_ops"])
+
+
 def test_engine_bench_smoke(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks.engine", "--smoke"], cwd=ROOT,
                          env=_env(tmp_path), capture_output=True, text=True, timeout=400)
