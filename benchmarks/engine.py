@@ -96,13 +96,15 @@ def run_hf(path, requests, new_tokens: int, threads: int):
     return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts}
 
 
-def decode_step_times(vlm, repeats: int = 5) -> list[dict]:
+def decode_step_times(vlm, repeats: int = 5, grid: bool = False) -> list[dict]:
     """Median decode step time for 1 row and for every slot, at the smallest window rung and at
-    max_model_len: what the decode-rows and decode-window ladders save."""
+    max_model_len: what the decode-rows and decode-window ladders save. grid: every rung pair."""
     r = vlm.engine.runner
     out = []
-    for rows in sorted({1, r.num_slots}):
-        for w in (r.buckets.window[0], r.buckets.window[-1]):
+    rows_ladder = r.buckets.decode if grid else sorted({1, r.num_slots})
+    windows = r.buckets.window if grid else (r.buckets.window[0], r.buckets.window[-1])
+    for rows in rows_ladder:
+        for w in windows:
             r.decode(w, rows)  # compile / warm
             times = []
             for _ in range(repeats):
@@ -124,6 +126,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only time the decode step at every rows x window rung (A/B of decode changes)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.requests, args.new_tokens, args.concurrency, args.max_model_len = 4, 8, [1, 4], 256
@@ -142,7 +146,17 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     compiled = vlm.engine.warmup()
     compile_s = time.perf_counter() - t0
-    decode_steps = decode_step_times(vlm)
+    decode_steps = decode_step_times(vlm, repeats=7 if args.decode_only else 5, grid=args.decode_only)
+    if args.decode_only:
+        windows = sorted({d["window"] for d in decode_steps})
+        print(f"decode step ms (median of 7), rows x window; warmup {compile_s:.1f}s")
+        print(f"{'rows':>5}" + "".join(f"{w:>9}" for w in windows))
+        for rows in sorted({d["rows"] for d in decode_steps}):
+            ms = {d["window"]: d["step_s"] * 1e3 for d in decode_steps if d["rows"] == rows}
+            print(f"{rows:>5}" + "".join(f"{ms[w]:>9.1f}" for w in windows))
+        print(json.dumps({"bench": "engine_decode", "checkpoint": path, "compile_s": compile_s,
+                          "decode_steps": decode_steps}))
+        return 0
 
     results = {}
     ae = AsyncEngine(vlm.engine, max_waiting=10_000)
