@@ -102,21 +102,23 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array
     query. Key j is visible to a query at index i iff j <= i (so stale entries past a sequence's
     end are never read). Returns [b, t, heads, hd].
 
-    Scores are laid out [b, kv_heads, window, t, group]: the cache block is the tall left operand
-    of each (b, kv_head) matmul. On XLA:CPU that is what keeps a decode step's attention near
-    memory speed (16 rows x window 1024, 16 layers: 740 -> 160 ms against the [t, window] score
-    orientation over a [slots, max_len, kv_heads, hd] cache; benchmarks/README.md).
+    Per (b, kv_head) both products read the cache block [window, hd] as a plain row-major
+    operand: scores [window, n] = K q^T and out [n, hd] = P^T V with n = t * group queries.
+    Written any other way (e.g. scores as [n, window]) XLA:CPU makes V the transposed left
+    operand of a [hd, window] x [window, n] product, which ran 2-3x slower at decode
+    (benchmarks/README.md, "KV layout A/B").
     """
     b, t, h, hd = q.shape
     kvh = k.shape[1]
     g = h // kvh
-    qg = q.reshape(b, t, kvh, g, hd)
-    scores = jnp.einsum("bksd,btkgd->bkstg", k, qg, preferred_element_type=jnp.float32) / np.sqrt(hd)
+    n = t * g
+    qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
+    scores = jnp.einsum("bksd,bknd->bksn", k, qn, preferred_element_type=jnp.float32) / np.sqrt(hd)
     visible = jnp.arange(k.shape[2])[None, :, None] <= q_index[:, None, :]  # [b, window, t]
-    scores = jnp.where(visible[:, None, :, :, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype)
-    out = jnp.einsum("bkstg,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, hd).astype(q.dtype)
+    scores = jnp.where(visible[:, None, :, :, None], scores.reshape(b, kvh, -1, t, g), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype).reshape(b, kvh, -1, n)
+    out = jnp.einsum("bksn,bksd->bknd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
 def forward(params: dict, cfg: TextConfig, embeds: jax.Array, positions: jax.Array, cache: KVCache,
