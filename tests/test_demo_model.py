@@ -3,7 +3,8 @@
 * held-out accuracy through `vlm.chat` on 300 freshly generated questions (a new random seed
   each run, printed so a failure can be replayed with MMJAX_SHAPES_SEED): >= 90% on shape,
   color, count and exists (the issue's per-type target); describe and overall assert regression
-  floors (the issue's 90% / 95% are not met yet, see test_heldout_accuracy_through_chat);
+  floors (describe's 90% is not met yet; overall's 95% is met but too close to assert on a
+  fresh sample: see test_heldout_accuracy_through_chat);
 * the same first 50 questions through the OpenAI server (in-process aiohttp app, official
   `openai` client, images as PNG/JPEG data URIs) give the same answers as `vlm.chat`;
 * transformers loads the shipped directory; prompt ids (apply_chat_template), pixels and
@@ -102,15 +103,18 @@ def test_heldout_accuracy_through_chat(questions, chat_answers):
     for w in wrong[:20]:
         print("  wrong:", w)
     assert set(tot) == set(S.QUESTION_TYPES)
-    # Issue 7's per-type target (>= 0.90) holds for shape, color, count and exists. NOT met
-    # (issue stays open): "describe" (measured 0.75 and 0.63 via chat at two seeds; ordering
-    # mistakes) and therefore overall >= 0.95 (measured 0.947, 0.917). Those two assert labelled
-    # regression floors, ~4 standard deviations below the measured rates at n = 60, which a
-    # broken load / export / preprocessing path (chance on every type) cannot pass.
+    # Issue 7's per-type target (>= 0.90) holds for shape, color, count and exists (measured
+    # 1.000 on all four at three seeds). NOT met (issue stays open): "describe" (measured 0.800 /
+    # 0.783 / 0.833 via chat at seeds 2026 / 777 / 31337; shape-kind and ordering mistakes in
+    # 3-shape scenes). Overall >= 0.95 is met at those seeds (0.960 / 0.957 / 0.967) but sits
+    # ~1 standard deviation (0.011 at n = 300) above the target, so a fresh seed each run would
+    # fail ~15% of the time: describe and overall assert labelled regression floors ~3.5
+    # standard deviations below the measured rates instead, which a broken load / export /
+    # preprocessing path (chance on every type) cannot pass.
     for t in ("shape", "color", "count", "exists"):
         assert acc[t] >= 0.90, (t, acc, wrong[:10])
-    assert acc["describe"] >= 0.45, (acc, wrong[:10])
-    assert overall >= 0.86, (overall, acc, wrong[:10])
+    assert acc["describe"] >= 0.60, (acc, wrong[:10])
+    assert overall >= 0.92, (overall, acc, wrong[:10])
 
 
 def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
@@ -136,7 +140,7 @@ def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
             assert r.choices[0].finish_reason == "stop"
             hits += S.answer_matches(text, q["answer"])
         print(f"\nserver: {hits}/{N_SERVER} exact")
-        assert hits >= 0.8 * N_SERVER  # floor (expected ~47/50 at 0.947); see the accuracy test
+        assert hits >= 0.86 * N_SERVER  # floor (expected ~48/50 at 0.96, sd 1.4); see the accuracy test
     finally:
         srv.close()
 

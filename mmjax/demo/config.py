@@ -96,14 +96,15 @@ def _llava(*, image_size, patch_size, v_hidden, v_inter, v_layers, v_heads,
 
 def shipped_config(vocab_size: int = DEFAULT_VOCAB_SIZE, image_token_index: int = IMAGE_ID,
                    ) -> dict:
-    """The shipped mmjax-shapes model (see `param_count`; ~9 MB float32).
+    """The shipped mmjax-shapes model (see `param_count`; ~11 MB float32).
 
     Sized for the training budget (issue 7: from scratch on 2 shared CPU cores in ~30 min): the
     first proposal (`proposal_config`: 128 px, 64 image tokens, ViT 192x4, Llama 256x4, 5.27M
     params) measured ~7 s per batch-64 step on the shared machine, i.e. ~250 steps in 30 min.
-    This one: ViT 128 x 3 layers (4 heads), Llama 160 x 5 layers, 5 heads of 32 with 1 KV head,
-    SwiGLU 480, and 64 px / patch 8 -> 8x8 = 64 image tokens. (The first three training stages
-    ran a 3-layer decoder; stage 4 grew it to 5, function-preserving: mmjax/demo/README.md.)
+    This one: ViT 128 x 3 layers (4 heads), Llama 160 x 6 layers, 5 heads of 32 with 5 KV heads,
+    SwiGLU 480, and 64 px / patch 8 -> 8x8 = 64 image tokens. (Training started with a 3-layer
+    decoder with 1 KV head; later stages grew it to 5 layers, then 5 KV heads, then 6 layers,
+    each function-preserving: mmjax/demo/README.md.)
 
     Why patch 8 (measured): with 96 px / patch 16 (36 tokens) two 25-minute runs learned color
     (100%) and count (~87%) but never shape (chance, 33%) and so not exists/describe either: a
@@ -114,7 +115,7 @@ def shipped_config(vocab_size: int = DEFAULT_VOCAB_SIZE, image_token_index: int 
     shape is 9.6 px along the short side (the linear probe above: 100% at 64 px except 98% on
     96x512 canvases)."""
     return _llava(image_size=64, patch_size=8, v_hidden=128, v_inter=512, v_layers=3,
-                  v_heads=4, t_hidden=160, t_inter=480, t_layers=5, t_heads=5, t_kv_heads=1,
+                  v_heads=4, t_hidden=160, t_inter=480, t_layers=6, t_heads=5, t_kv_heads=5,
                   vocab_size=vocab_size, image_token_index=image_token_index,
                   max_positions=1024)
 
