@@ -396,3 +396,12 @@ def test_export_rejects_bad_state(tok, tmp_path):
     state["multi_modal_projector.linear_1.bias"] = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="bad shapes"):
         E.write_hf_checkpoint(str(tmp_path), cfg, tok, state)
+
+
+def test_describe_mistake_kinds():
+    from mmjax.demo.evaluate import describe_mistake
+    gold = "a red circle, a blue square and a green triangle"
+    assert describe_mistake("a blue square, a red circle and a green triangle", gold) == "order"
+    assert describe_mistake("a red circle, a blue circle and a green triangle", gold) == "naming"
+    assert describe_mistake("a red circle and a blue square", gold) == "count"
+    assert describe_mistake("a red square and a red circle.", "a red circle and a red square") == "order"

@@ -1,6 +1,6 @@
 """Held-out accuracy of an mmjax-shapes checkpoint through the offline chat API.
 
-    python -m mmjax.demo.evaluate [--model DIR] [--n 300] [--seed S]
+    python -m mmjax.demo.evaluate [--model DIR] [--n 300] [--seed S] [--qtype describe]
 
 Fresh scenes (random canvas size, 1-3 shapes), balanced over the five question types, each image
 encoded as PNG or JPEG (q85-95) bytes like a client would send, answered greedily by
@@ -18,11 +18,11 @@ import numpy as np
 from mmjax.demo import shapes as S
 
 
-def make_questions(n: int, seed: int) -> list[dict]:
+def make_questions(n: int, seed: int, qtypes: tuple = S.QUESTION_TYPES) -> list[dict]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        qtype = S.QUESTION_TYPES[i % len(S.QUESTION_TYPES)]
+        qtype = qtypes[i % len(qtypes)]
         ex = S.make_example(rng, qtype, client_roundtrip=False)
         data, fmt = S.encode_bytes(ex["image"], rng)
         out.append({"bytes": data, "fmt": fmt, "question": ex["question"],
@@ -30,11 +30,25 @@ def make_questions(n: int, seed: int) -> list[dict]:
     return out
 
 
+def describe_mistake(pred: str, gold: str) -> str:
+    """'order' (same phrases, wrong left-to-right order), 'count' (wrong number of shapes) or
+    'naming' (a shape's color or kind wrong)."""
+    def phrases(t):
+        return S.normalize_answer(t).replace(", ", " and ").split(" and ")
+    p, g = phrases(pred), phrases(gold)
+    if len(p) != len(g):
+        return "count"
+    return "order" if sorted(p) == sorted(g) else "naming"
+
+
 def evaluate(vlm, questions: list[dict], max_tokens: int = 24) -> dict:
+    """Exact-match accuracy per question type; for "describe" also accuracy by number of shapes
+    and the kinds of mistakes."""
     import mmjax
 
     sp = mmjax.SamplingParams(max_tokens=max_tokens, temperature=0.0)
     hits, tot = collections.Counter(), collections.Counter()
+    by_count, mistakes = collections.defaultdict(lambda: [0, 0]), collections.Counter()
     wrong = []
     for q in questions:
         msgs = [{"role": "user", "content": [{"type": "image", "image": q["bytes"]},
@@ -45,9 +59,16 @@ def evaluate(vlm, questions: list[dict], max_tokens: int = 24) -> dict:
         tot[q["qtype"]] += 1
         if not ok:
             wrong.append((q["qtype"], q["question"], q["answer"], pred))
+        if q["qtype"] == "describe":
+            by_count[q["scene"].count][0] += ok
+            by_count[q["scene"].count][1] += 1
+            if not ok:
+                mistakes[describe_mistake(pred, q["answer"])] += 1
     acc = {t: hits[t] / tot[t] for t in S.QUESTION_TYPES if tot[t]}
     acc["all"] = sum(hits.values()) / max(1, len(questions))
-    return {"accuracy": acc, "n": len(questions), "wrong": wrong}
+    return {"accuracy": acc, "n": len(questions), "wrong": wrong,
+            "describe": {"by_shapes": {k: tuple(v) for k, v in sorted(by_count.items())},
+                         "mistakes": dict(mistakes)}}
 
 
 def main(argv=None) -> int:
@@ -58,14 +79,20 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the shipped one)")
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--qtype", choices=S.QUESTION_TYPES, default=None, help="only this question type")
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
     model = args.model or str(default_model_path())
     vlm = mmjax.load(model, max_num_seqs=4, max_model_len=256)
     t0 = time.perf_counter()
-    res = evaluate(vlm, make_questions(args.n, seed))
+    res = evaluate(vlm, make_questions(args.n, seed, (args.qtype,) if args.qtype else S.QUESTION_TYPES))
     print(f"model {model}  seed {seed}  n {res['n']}  ({time.perf_counter() - t0:.0f}s)")
     print("  ".join(f"{k} {v:.3f}" for k, v in res["accuracy"].items()))
+    d = res["describe"]
+    if d["by_shapes"]:
+        print("describe by number of shapes (right/total): "
+              + "  ".join(f"{k}: {a}/{b}" for k, a, b in ((k, *v) for k, v in d["by_shapes"].items()))
+              + f"; mistakes {d['mistakes']}")
     for w in res["wrong"][:15]:
         print("  wrong:", w)
     print("JSON " + json.dumps({"seed": seed, **res["accuracy"]}))
