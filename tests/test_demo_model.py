@@ -269,6 +269,10 @@ def test_growth_preserves_the_function(shipped):
     l1 = np.asarray(TR.make_logits_fn(cfg1)(p1, pix, ids)[0])
     assert np.abs(l0).max() > 1.0
     assert rel_err(l1, l0) <= 1e-5
+    # training's "reference attention up to 16 GiB of scores" must not leak into later traces
+    # (it once made test_qwen2_vl's linear-memory check compile the O(N^2) path)
+    import mmjax.attention as A
+    assert A.AUTO_REFERENCE_MAX_SCORE_BYTES == 2**20
     for kvh in (3, 10):   # does not divide the query heads / more KV than query heads
         bad = copy.deepcopy(old)
         bad["text_config"]["num_key_value_heads"] = kvh

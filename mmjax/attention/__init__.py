@@ -20,6 +20,8 @@ arrays, so `attention` works inside jax.jit.
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -28,7 +30,8 @@ from mmjax.attention.common import SegmentIds, Window, check_shapes, normalize_w
 from mmjax.attention.reference import reference_attention
 
 __all__ = ["attention", "reference_attention", "chunked_attention", "flash_attention",
-           "FlashBlockSizes", "IMPLS", "AUTO_REFERENCE_MAX_SCORE_BYTES"]
+           "FlashBlockSizes", "IMPLS", "AUTO_REFERENCE_MAX_SCORE_BYTES",
+           "auto_reference_up_to"]
 
 IMPLS = ("auto", "reference", "chunked", "flash", "cudnn")
 
@@ -38,6 +41,20 @@ IMPLS = ("auto", "reference", "chunked", "flash", "cudnn")
 # N x N f32 arrays through memory), but compiles ~3x slower (nested while loops), so only
 # tiny problems (<= 1 MiB of scores, e.g. 16 heads x 128^2) stay on the reference.
 AUTO_REFERENCE_MAX_SCORE_BYTES = 2**20
+
+
+@contextlib.contextmanager
+def auto_reference_up_to(score_bytes: int):
+    """While tracing inside this block, impl="auto" on CPU keeps the plain reference attention
+    up to `score_bytes` of scores (training: same math, cheaper to differentiate). Restores the
+    default on exit, so nothing else traced later in the process is affected."""
+    global AUTO_REFERENCE_MAX_SCORE_BYTES
+    before = AUTO_REFERENCE_MAX_SCORE_BYTES
+    AUTO_REFERENCE_MAX_SCORE_BYTES = max(before, score_bytes)
+    try:
+        yield
+    finally:
+        AUTO_REFERENCE_MAX_SCORE_BYTES = before
 
 
 def _on_gpu() -> bool:

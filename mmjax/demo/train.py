@@ -373,9 +373,6 @@ def make_logits_fn(cfg):
     from mmjax.models.layers import rms_norm
     from mmjax.models.llava import encode_images
 
-    # Training traces the vision attention at batch sizes where "auto" would pick the blockwise
-    # kernel; the plain one is the same math (the oracle) and cheaper to differentiate here.
-    A.AUTO_REFERENCE_MAX_SCORE_BYTES = max(A.AUTO_REFERENCE_MAX_SCORE_BYTES, 1 << 34)
     mean = jnp.asarray(C.CLIP_MEAN, jnp.float32)
     std = jnp.asarray(C.CLIP_STD, jnp.float32)
     inv_freq = jnp.asarray(decoder.rope_inv_freq(cfg.text))
@@ -386,7 +383,11 @@ def make_logits_fn(cfg):
         layer [B, T, D] (what the last layer's attention reads))."""
         b, t = ids.shape
         pixels = (pix_u8.astype(jnp.float32) / 255.0 - mean) / std
-        feats = encode_images(params, pixels, cfg)                       # [B, n_img, D]
+        # Training traces the vision attention at batch sizes where "auto" would pick the
+        # blockwise kernel; the plain one is the same math (the oracle) and cheaper to
+        # differentiate here.
+        with A.auto_reference_up_to(1 << 34):
+            feats = encode_images(params, pixels, cfg)                   # [B, n_img, D]
         emb = decoder.embed_tokens(params["text"], ids)
         is_img, idx = image_token_index(ids, image_id, feats.shape[1])
         img_emb = jnp.take_along_axis(feats, idx[..., None], axis=1)
