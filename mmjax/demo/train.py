@@ -245,20 +245,21 @@ def _grow_kv_heads(layers: list, old, new) -> None:
     if new.num_kv_heads == old.num_kv_heads:
         return
     r, rem = divmod(new.num_kv_heads, old.num_kv_heads)
-    if (rem or r < 1 or new.num_heads % new.num_kv_heads or new.num_heads != old.num_heads
+    if (rem or new.num_heads % new.num_kv_heads or new.num_heads != old.num_heads
             or new.head_dim != old.head_dim):
         raise ValueError(f"cannot grow {old.num_kv_heads} KV heads to {new.num_kv_heads} "
                          f"(must be a multiple that divides {new.num_heads} query heads, same "
                          f"query heads and head_dim)")
     q_out, kv_out, hd = old.num_heads * old.head_dim, old.num_kv_heads * old.head_dim, old.head_dim
+
+    def repeat_heads(t):  # query head h reads KV head h // (heads / kv_heads): repeat, not tile
+        return np.repeat(t.reshape(*t.shape[:-1], -1, hd), r, axis=-2).reshape(*t.shape[:-1], -1)
+
     for layer in layers:
         qkv = dict(layer["qkv"])
         for name, x in qkv.items():
             q, k, v = np.split(x, [q_out, q_out + kv_out], axis=-1)
-            # query head h reads KV head h // (heads / kv_heads): repeat, do not tile
-            rep = lambda t: np.repeat(t.reshape(*t.shape[:-1], -1, hd), r, axis=-2
-                                      ).reshape(*t.shape[:-1], -1)
-            qkv[name] = np.concatenate([q, rep(k), rep(v)], axis=-1)
+            qkv[name] = np.concatenate([q, repeat_heads(k), repeat_heads(v)], axis=-1)
         layer["qkv"] = qkv
 
 
