@@ -241,9 +241,11 @@ def test_notebook_runs_top_to_bottom():
     assert any("image/png" in o.get("data", {}) for o in outputs), "the ablation plot is missing"
 
 
-def test_growth_preserves_the_function(shipped):
+def test_growth_preserves_the_function(shipped, tmp_path):
     """train.py's warm-start growth (more decoder layers: copies with zero o/down; more KV
-    heads: each repeated for its GQA group) starts from exactly the checkpoint's function."""
+    heads: each repeated for its GQA group) starts from exactly the old function. The old model
+    is the shipped config with 4 query heads on 2 KV heads and 2 decoder layers, random weights
+    (so the KV-head growth is exercised, including which copy each query head must read)."""
     import copy
     import json
 
@@ -252,13 +254,16 @@ def test_growth_preserves_the_function(shipped):
     from mmjax.demo import train as TR
 
     old = json.loads((shipped / "config.json").read_text())
+    old["text_config"].update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    _, random_params = TR.init_params(old, T.train_tokenizer(), 3)
+    TR.export(tmp_path, old, random_params)
     new = copy.deepcopy(old)
     t = new["text_config"]
     t["num_hidden_layers"] += 1
     t["num_key_value_heads"] = t["num_attention_heads"]
-    cfg0, p0 = TR.init_params(old, None, 0, str(shipped))
-    cfg1, p1 = TR.init_params(new, None, 0, str(shipped))
-    assert len(p1["text"]["layers"]) == len(p0["text"]["layers"]) + 1
+    cfg0, p0 = TR.init_params(old, None, 0, str(tmp_path))
+    cfg1, p1 = TR.init_params(new, None, 0, str(tmp_path))
+    assert len(p1["text"]["layers"]) == 3 and cfg1.text.num_kv_heads == 4 > cfg0.text.num_kv_heads
     rng = np.random.default_rng(5)
     n = cfg0.image_tokens_per_image
     pix = jnp.asarray(rng.integers(0, 256, (2, 64, 64, 3)), jnp.uint8)
@@ -273,8 +278,8 @@ def test_growth_preserves_the_function(shipped):
     # (it once made test_qwen2_vl's linear-memory check compile the O(N^2) path)
     import mmjax.attention as A
     assert A.AUTO_REFERENCE_MAX_SCORE_BYTES == 2**20
-    for kvh in (3, 10):   # does not divide the query heads / more KV than query heads
+    for kvh in (3, 8):   # does not divide the query heads / more KV than query heads
         bad = copy.deepcopy(old)
         bad["text_config"]["num_key_value_heads"] = kvh
         with pytest.raises(ValueError, match="KV heads"):
-            TR.init_params(bad, None, 0, str(shipped))
+            TR.init_params(bad, None, 0, str(tmp_path))
