@@ -2,7 +2,8 @@
 
 Each `step()`: admit waiting requests into free slots; encode every image that is not in the
 encoder cache (batched across requests); prefill chunks up to `prefill_chunk` tokens in total (so
-a long image prompt is spread over several steps and never freezes running streams); one decode
+a long image prompt is spread over several steps and never freezes running streams; only the
+first prompt in line is ever cut to fit); one decode
 step over the lowest slots that cover every running one (the decode ladder's rows). Host-only
 work (tokenize, stop strings, detokenize) stays here.
 """
@@ -279,8 +280,11 @@ class Engine:
         prefilling = [r for r in self.slots if r is not None and r.prefilled < r.prompt_len]
         self._encode_missing(prefilling)
         budget = self.prefill_chunk
-        for req in prefilling:
-            if budget <= 0:
+        for i, req in enumerate(prefilling):
+            # After the first, a prompt is only started if the rest of it fits: each prefill call
+            # reads every weight, so a small head chunk (the budget's remainder) costs nearly a
+            # full call and splits the prompt into two padded buckets.
+            if budget <= 0 or (i and req.prompt_len - req.prefilled > budget):
                 break
             budget -= self._prefill_chunk(req, budget, deltas)
         running = [r for r in self.slots if r is not None and r.prefilled >= r.prompt_len

@@ -178,6 +178,27 @@ def test_decode_rows_follow_busy_slots(path):
     assert {rows for rows, _ in eng.runner.compiled["decode"]} == {1, 2, 4}
 
 
+def test_prefill_budget_cuts_only_the_first_prompt(path):
+    """Per step at most prefill_chunk prompt tokens; the first prompt in line is cut to fit (a
+    long prompt spreads over steps), a later one only starts if the rest of it fits, so short
+    prompts are never split into a padded head chunk + tail (each call reads every weight)."""
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=512, prefill_chunk=64,
+                     enable_prefix_cache=False)
+    eng = vlm.engine
+    sp = mmjax.SamplingParams(max_tokens=4, **GREEDY)
+    ids = [eng.add_request(list(range(5, 5 + n)), [], sp) for n in (150, 40, 20, 30)]
+    seen = []
+    for _ in range(4):
+        calls = eng.counters["prefill_calls"]
+        eng.step()
+        seen.append(([eng.requests[i].prefilled for i in ids], eng.counters["prefill_calls"] - calls))
+    assert seen == [([64, 0, 0, 0], 1),      # the long prompt takes the whole budget
+                    ([128, 0, 0, 0], 1),
+                    ([150, 40, 0, 0], 2),    # its tail (22) + a whole short one (40); 20 > 2 left
+                    ([150, 40, 20, 30], 2)]  # 20 + 30 <= 64
+    assert all(o.finish_reason == "length" for o in eng.run_until_done(ids))
+
+
 def test_stop_strings_and_streamed_text(path):
     vlm = mmjax.load(path, max_num_seqs=2, max_model_len=256)
     img = noise_image(50, 40, 40)
