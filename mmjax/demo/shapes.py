@@ -266,13 +266,19 @@ def make_question(rng: np.random.Generator, scene: Scene, qtype: str | None = No
     raise ValueError(f"unknown question type {qtype!r}; expected one of {QUESTION_TYPES}")
 
 
+def exists_target(question: str) -> tuple[str, str] | None:
+    """(color, kind) an "Is there a <color> <shape>?" question asks about, else None."""
+    m = _EXISTS_RE.match(question.strip().lower())
+    return (m.group(1), m.group(2)) if m else None
+
+
 def question_type(question: str) -> str:
     """Inverse of make_question's templates (for per-type accuracy)."""
     q = question.strip()
     fixed = {Q_SHAPE: "shape", Q_COLOR: "color", Q_COUNT: "count", Q_DESCRIBE: "describe"}
     if q in fixed:
         return fixed[q]
-    if _EXISTS_RE.match(q.lower()):
+    if exists_target(q):
         return "exists"
     raise ValueError(f"not a shapes question: {question!r}")
 

@@ -186,7 +186,7 @@ def slot_labels(scene) -> np.ndarray:
 
 def exists_class(question: str) -> int:
     """The patch class (1 + color * 3 + kind) an "Is there a <color> <shape>?" question asks for."""
-    return shape_class(*question.rstrip("?").split()[-2:])
+    return shape_class(*S.exists_target(question))
 
 
 class Sampler:
@@ -263,6 +263,18 @@ def _grow_kv_heads(layers: list, old, new) -> None:
         layer["qkv"] = qkv
 
 
+def _grow_layers(layers: list, num_layers: int) -> None:
+    """Deeper than the checkpoint: new top layers are copies of its last layer with zero
+    output projections, so the grown model starts as exactly the old function."""
+    if num_layers < len(layers):
+        raise ValueError(f"the checkpoint has {len(layers)} decoder layers, the config {num_layers}")
+    while len(layers) < num_layers:
+        layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layers[-1].items()}
+        for name in ("o", "down"):
+            layer[name] = {k: np.zeros_like(v) for k, v in layer[name].items()}
+        layers.append(layer)
+
+
 def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
     """Random HF state -> temp HF checkpoint -> mmjax's own loader (the serving layout).
     init_from: an HF checkpoint dir of the same config to continue from instead."""
@@ -273,21 +285,10 @@ def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
     cfg = LlavaConfig.from_hf(cfg_dict)
     if init_from:
         with open(os.path.join(init_from, "config.json")) as f:
-            old = json.load(f)
-        params = _np_tree(load_params(TensorSource(init_from, normalize_name),
-                                      LlavaConfig.from_hf(old)))
-        _grow_kv_heads(params["text"]["layers"], LlavaConfig.from_hf(old).text, cfg.text)
-        grow = cfg.text.num_layers - len(params["text"]["layers"])
-        if grow < 0:
-            raise ValueError(f"{init_from} has more decoder layers than the config")
-        # Deeper than the checkpoint: new top layers are copies of its last layer with zero
-        # output projections, so the grown model starts as exactly the old function.
-        for _ in range(grow):
-            layer = {k: dict(v) if isinstance(v, dict) else v
-                     for k, v in params["text"]["layers"][-1].items()}
-            for name in ("o", "down"):
-                layer[name] = {k: np.zeros_like(v) for k, v in layer[name].items()}
-            params["text"]["layers"].append(layer)
+            old = LlavaConfig.from_hf(json.load(f))
+        params = _np_tree(load_params(TensorSource(init_from, normalize_name), old))
+        _grow_kv_heads(params["text"]["layers"], old.text, cfg.text)
+        _grow_layers(params["text"]["layers"], cfg.text.num_layers)
         return cfg, params
     state = E.random_state(cfg_dict, seed=seed)
     with tempfile.TemporaryDirectory() as d:
@@ -397,10 +398,10 @@ def make_logits_fn(cfg):
         cache = decoder.init_kv_cache(cfg.text, b, t, emb.dtype)
         rope = decoder.rope_for(cfg.text, positions, jnp.zeros((b,), jnp.int32), t, inv_freq)
         x, layers = emb, params["text"]["layers"]
-        for i, (layer, kv) in enumerate(zip(layers, cache)):
-            if i == len(layers) - 1:
-                last_in = x
+        for layer, kv in zip(layers[:-1], cache):
             x, _ = decoder.layer_forward(layer, cfg.text, x, kv, rope, window=t)
+        last_in = x
+        x, _ = decoder.layer_forward(layers[-1], cfg.text, x, cache[-1], rope, window=t)
         hidden = rms_norm(params["text"]["norm"], x, cfg.text.rms_norm_eps)
         return decoder.lm_logits(params["text"], hidden), feats, last_in
 
