@@ -52,6 +52,12 @@ class Buckets:
         return {"encode": len(self.encode), "prefill": len(self.prefill_pairs()),
                 "decode": len(self.decode_pairs())}
 
+    def kv_segments(self) -> tuple[int, ...]:
+        """KV cache pieces along the sequence axis, one per window rung, so that every window
+        is a whole number of pieces (models/decoder.py)."""
+        edges = (0,) + self.window
+        return tuple(hi - lo for lo, hi in zip(edges, edges[1:]))
+
     def decode_pairs(self) -> list[tuple[int, int]]:
         """Every (rows, window) a decode call can use."""
         return [(b, w) for b in self.decode for w in self.window]

@@ -262,11 +262,10 @@ class Engine:
 
     def reset_device_state(self) -> None:
         """Fresh KV cache and decode state (after a failed step may have consumed donated buffers)."""
-        from mmjax.models import decoder
         from mmjax.runner import init_decode_state
 
         r = self.runner
-        r.cache = decoder.init_kv_cache(r.text_cfg, r.num_slots, r.max_model_len, r.dtype)
+        r.cache = r.fresh_cache()
         r.state = init_decode_state(r.num_slots)
         self.slot_keys = [np.zeros(0, np.int64) for _ in self.slots]
 

@@ -60,7 +60,7 @@ class ModelRunner:
         self.buckets = Buckets.make(max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                     max_encode_batch=max_encode_batch, max_num_seqs=max_num_seqs)
         self.dtype = params["text"]["embed"].dtype
-        self.cache = decoder.init_kv_cache(self.text_cfg, max_num_seqs, max_model_len, self.dtype)
+        self.cache = self.fresh_cache()
         self.state = init_decode_state(max_num_seqs)
         self.inv_freq = jnp.asarray(decoder.rope_inv_freq(self.text_cfg))
         self.mrope = self.text_cfg.rope.mrope_section is not None
@@ -73,6 +73,10 @@ class ModelRunner:
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("window",), donate_argnums=(1, 2))
         self._decode = jax.jit(self._decode_impl, static_argnames=("rows", "window"), donate_argnums=(1, 2),
                                compiler_options=DECODE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
+
+    def fresh_cache(self) -> decoder.KVCache:
+        return decoder.init_kv_cache(self.text_cfg, self.num_slots, self.max_model_len, self.dtype,
+                                     self.buckets.kv_segments())
 
     # ---- pure step bodies ------------------------------------------------------------------
     def _prefill_impl(self, params, cache, state, token_ids, image_embeds, image_mask, positions,

@@ -1,8 +1,13 @@
 """Llama-style decoder (Llama / Mistral / Qwen2) over an explicit slot KV cache.
 
-KV cache: a list with one {"k", "v"} dict per layer, each `[slots, kv_heads, max_len, head_dim]`
-(head-major: a slot's window of one KV head is one contiguous [window, head_dim] block, so
-attention reads it without a transpose; see `cache_attention`).
+KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
+segments, `[slots, kv_heads, segment_len, head_dim]` each, whose boundaries are the window
+ladder's rungs (`buckets.Buckets.kv_segments`). Attention over a window rung then reads whole
+segments in place: a window slice of one `[.., max_len, ..]` array was a copy of the window on
+every layer and step (XLA:CPU materialises slices that feed a dot), about a third of the
+16-row decode step at a 512 window (benchmarks/README.md, "KV segments").
+Head-major: a slot's segment of one KV head is one contiguous [segment_len, head_dim] block, so
+attention reads it without a transpose; see `cache_attention`.
 One array per layer (not one stacked array) because slicing a layer out of a stacked array inside
 the decode step copied every layer's weights each step on XLA CPU (see facts.md).
 """
@@ -16,7 +21,7 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.config import TextConfig
 from mmjax.models.layers import dense, rms_norm
 
-KVCache = list  # [{"k": [slots, kv_heads, max_len, head_dim], "v": ...}] * layers
+KVCache = list  # [{"k": [[slots, kv_heads, segment_len, head_dim], ...], "v": ...}] * layers
 
 
 def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head_name: str) -> dict:
@@ -44,9 +49,17 @@ def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head
             "lm_head": lm_head}
 
 
-def init_kv_cache(cfg: TextConfig, num_slots: int, max_len: int, dtype) -> KVCache:
-    shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)]
+def init_kv_cache(cfg: TextConfig, num_slots: int, max_len: int, dtype,
+                  segments: tuple[int, ...] | None = None) -> KVCache:
+    """Zero cache; `segments`: lengths of the sequence-axis pieces (sum max_len; default one).
+    Every window passed to `forward` must be a segment boundary."""
+    segments = tuple(segments or (max_len,))
+    if sum(segments) != max_len or min(segments) < 1:
+        raise ValueError(f"KV segments {segments} do not cut max_len {max_len}")
+
+    def pieces():
+        return [jnp.zeros((num_slots, cfg.num_kv_heads, n, cfg.head_dim), dtype) for n in segments]
+    return [{"k": pieces(), "v": pieces()} for _ in range(cfg.num_layers)]
 
 
 def rope_inv_freq(cfg: TextConfig) -> np.ndarray:
@@ -95,29 +108,42 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
 
 
-def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array) -> jax.Array:
-    """Causal attention of new queries over a cache window.
+def cache_attention(q: jax.Array, ks: list, vs: list, q_index: jax.Array) -> jax.Array:
+    """Causal attention of new queries over a cache window given as consecutive segments.
 
-    q [b, t, heads, hd]; k, v [b, kv_heads, window, hd]; q_index [b, t] = cache index of each
-    query. Key j is visible to a query at index i iff j <= i (so stale entries past a sequence's
-    end are never read). Returns [b, t, heads, hd].
+    q [b, t, heads, hd]; ks, vs: segments [b, kv_heads, len_i, hd] covering cache indexes
+    [0, sum len_i); q_index [b, t] = cache index of each query. Key j is visible to a query at
+    index i iff j <= i (so stale entries past a sequence's end are never read). Returns
+    [b, t, heads, hd]. Softmax across segments: one max over all of them, then the unnormalised
+    exp(s - max) of each segment times its V, summed, divided by the summed weights once.
 
-    Per (b, kv_head) both products read the cache block [window, hd] as a plain row-major
-    operand: scores [window, n] = K q^T and out [n, hd] = P^T V with n = t * group queries.
-    Written any other way (e.g. scores as [n, window]) XLA:CPU makes V the transposed left
-    operand of a [hd, window] x [window, n] product, which ran 2-3x slower at decode
-    (benchmarks/README.md, "KV layout A/B").
+    Per (b, kv_head) both products read a segment [len, hd] as a plain row-major operand:
+    scores [len, n] = K q^T and out [n, hd] = P^T V with n = t * group queries. Written any
+    other way (e.g. scores as [n, len]) XLA:CPU makes V the transposed left operand of a
+    [hd, len] x [len, n] product, which ran 2-3x slower at decode (benchmarks/README.md,
+    "KV layout A/B").
     """
     b, t, h, hd = q.shape
-    kvh = k.shape[1]
+    kvh = ks[0].shape[1]
     g = h // kvh
     n = t * g
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
-    scores = jnp.einsum("bksd,bknd->bksn", k, qn, preferred_element_type=jnp.float32) / np.sqrt(hd)
-    visible = jnp.arange(k.shape[2])[None, :, None] <= q_index[:, None, :]  # [b, window, t]
-    scores = jnp.where(visible[:, None, :, :, None], scores.reshape(b, kvh, -1, t, g), -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype).reshape(b, kvh, -1, n)
-    out = jnp.einsum("bksn,bksd->bknd", probs, v, preferred_element_type=jnp.float32)
+    scores, start = [], 0
+    for k in ks:
+        s = jnp.einsum("bksd,bknd->bksn", k, qn, preferred_element_type=jnp.float32) / np.sqrt(hd)
+        visible = start + jnp.arange(k.shape[2])[None, :, None] <= q_index[:, None, :]  # [b, len, t]
+        s = jnp.where(visible[:, None, :, :, None], s.reshape(b, kvh, -1, t, g), -jnp.inf)
+        scores.append(s.reshape(b, kvh, -1, n))
+        start += k.shape[2]
+    top = scores[0].max(axis=2)
+    for s in scores[1:]:
+        top = jnp.maximum(top, s.max(axis=2))
+    out, total = 0.0, 0.0
+    for s, v in zip(scores, vs):
+        w = jnp.exp(s - top[:, :, None, :])  # [b, kvh, len, n]
+        total = total + w.sum(axis=2)
+        out = out + jnp.einsum("bksn,bksd->bknd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / total[..., None]
     return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
@@ -129,7 +155,7 @@ def forward(params: dict, cfg: TextConfig, embeds: jax.Array, positions: jax.Arr
     embeds [b, t, hidden]; positions [b, t] rope positions ([3, b, t] for M-RoPE); starts [b]:
     cache index of each row's first new token; slots [b]: cache row of each batch row (None means
     batch row i is slot i, the decode step's layout: rows [0, b) read with a slice, no gather);
-    window (static): cache prefix attended to, >= max(starts) + t.
+    window (static): cache prefix attended to, >= max(starts) + t and a segment boundary.
     Returns (final-normed hidden [b, t, hidden], updated cache).
     """
     x = embeds
@@ -164,21 +190,34 @@ def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tu
     k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
     v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    # mode="drop": padded tail tokens of a bucketed chunk past max_len are simply not written.
-    # (rows [b, 1], :, q_index [b, t]) indexes [b, t, kv_heads, hd]: the new k/v as they are.
-    ck = kv["k"].at[rows[:, None], :, q_index].set(k.astype(kv["k"].dtype), mode="drop")
-    cv = kv["v"].at[rows[:, None], :, q_index].set(v.astype(kv["v"].dtype), mode="drop")
-    if slots is None:
-        kw, vw = ck[:b, :, :window], cv[:b, :, :window]
-    else:
-        kw, vw = ck[slots, :, :window], cv[slots, :, :window]
+    # Each new token goes to the segment holding its cache index; indexes outside a segment
+    # (and padded tail tokens of a bucketed chunk past max_len) map past its end and mode="drop"
+    # skips them (a negative index would wrap). Segments past the window are never written:
+    # window >= max(starts) + t. (rows [b, 1], :, idx [b, t]) indexes [b, t, kv_heads, hd].
+    new_k, new_v, kw, vw, start = [], [], [], [], 0
+    for ck, cv in zip(kv["k"], kv["v"]):
+        size = ck.shape[2]
+        if start < window:
+            idx = q_index - start
+            idx = jnp.where((idx >= 0) & (idx < size), idx, size)
+            ck = ck.at[rows[:, None], :, idx].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop")
+            # decode reads rows [0, b) (a no-op slice when b == slots); prefill gathers its slots
+            kw.append(ck[:b] if slots is None else ck[slots])
+            vw.append(cv[:b] if slots is None else cv[slots])
+        new_k.append(ck)
+        new_v.append(cv)
+        start += size
+    if sum(c.shape[2] for c in kw) != window:
+        raise ValueError(f"window {window} is not a KV segment boundary "
+                         f"{[c.shape[2] for c in kv['k']]}")
     attn = cache_attention(q, kw, vw, q_index)
     x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
     hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
     gu = dense(layer["gate_up"], hn)
     gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
     x = x + dense(layer["down"], jax.nn.silu(gate) * up)
-    return x, {"k": ck, "v": cv}
+    return x, {"k": new_k, "v": new_v}
 
 
 def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
