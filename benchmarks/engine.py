@@ -6,8 +6,8 @@ On one random-weight LLaVA-architecture checkpoint (default ~342M params: CLIP V
   - by mmjax's AsyncEngine with 1, 4 and 16 concurrent closed-loop clients (continuous batching),
   - one at a time through transformers `generate` (the sequential peer), in the same run.
 Reports output tokens/s, TTFT p50/p99 (submit -> first token, preprocessing included), and the
-ratio to transformers; plus what the decode ladders buy: one decode step of 1 row vs every slot,
-attending over the smallest window rung vs the whole max_model_len. Compile time (warmup) is reported apart.
+ratio to transformers; plus what the decode step pays for: one decode step of 1 row vs every slot,
+with 128 cache positions in use vs the whole max_model_len. Compile time (warmup) is reported apart.
 Prints a table, then one JSON line.
 """
 from __future__ import annotations
@@ -97,21 +97,23 @@ def run_hf(path, requests, new_tokens: int, threads: int):
 
 
 def decode_step_times(vlm, repeats: int = 5, grid: bool = False) -> list[dict]:
-    """Median decode step time for 1 row and for every slot, at the smallest window rung and at
-    max_model_len: what the decode-rows and decode-window ladders save. grid: every rung pair."""
+    """Median decode step time for 1 row and for every slot, with 128 cache positions in use
+    (kv_len) and with max_model_len: what the decode-rows ladder and the skipped KV segments
+    save. grid: every rows rung x kv_len 128, 256, 384, 512, 1024, max_model_len."""
     r = vlm.engine.runner
     out = []
+    top = r.max_model_len
     rows_ladder = r.buckets.decode if grid else sorted({1, r.num_slots})
-    windows = r.buckets.window if grid else (r.buckets.window[0], r.buckets.window[-1])
+    lengths = sorted({min(n, top) for n in ((128, 256, 384, 512, 1024, top) if grid else (128, top))})
     for rows in rows_ladder:
-        for w in windows:
-            r.decode(w, rows)  # compile / warm
+        for n in lengths:
+            r.decode(n, rows)  # compile / warm
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                r.decode(w, rows)
+                r.decode(n, rows)
                 times.append(time.perf_counter() - t0)
-            out.append({"rows": rows, "window": w, "step_s": statistics.median(times)})
+            out.append({"rows": rows, "kv_len": n, "step_s": statistics.median(times)})
     vlm.engine.reset_device_state()
     return out
 
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     ap.add_argument("--decode-only", action="store_true",
-                    help="only time the decode step at every rows x window rung (A/B of decode changes)")
+                    help="only time the decode step over rows x cache length in use (A/B of decode changes)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.requests, args.new_tokens, args.concurrency, args.max_model_len = 4, 8, [1, 4], 256
@@ -148,12 +150,12 @@ def main(argv=None) -> int:
     compile_s = time.perf_counter() - t0
     decode_steps = decode_step_times(vlm, repeats=7 if args.decode_only else 5, grid=args.decode_only)
     if args.decode_only:
-        windows = sorted({d["window"] for d in decode_steps})
-        print(f"decode step ms (median of 7), rows x window; warmup {compile_s:.1f}s")
-        print(f"{'rows':>5}" + "".join(f"{w:>9}" for w in windows))
+        lengths = sorted({d["kv_len"] for d in decode_steps})
+        print(f"decode step ms (median of 7), rows x kv_len (cache positions in use); warmup {compile_s:.1f}s")
+        print(f"{'rows':>5}" + "".join(f"{n:>9}" for n in lengths))
         for rows in sorted({d["rows"] for d in decode_steps}):
-            ms = {d["window"]: d["step_s"] * 1e3 for d in decode_steps if d["rows"] == rows}
-            print(f"{rows:>5}" + "".join(f"{ms[w]:>9.1f}" for w in windows))
+            ms = {d["kv_len"]: d["step_s"] * 1e3 for d in decode_steps if d["rows"] == rows}
+            print(f"{rows:>5}" + "".join(f"{ms[n]:>9.1f}" for n in lengths))
         print(json.dumps({"bench": "engine_decode", "checkpoint": path, "compile_s": compile_s,
                           "decode_steps": decode_steps}))
         return 0
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
         print(f"mmjax time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
               + " + ".join(f"{k} {v:.2f}s" for k, v in row["step_s"].items())
               + f" + host/idle {row['wall_s'] - busy:.2f}s")
-    print("decode step: " + ", ".join(f"{d['rows']} rows x window {d['window']} -> {d['step_s'] * 1e3:.1f} ms"
+    print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads,
                "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,

@@ -298,13 +298,12 @@ def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt
     while any(eng.requests[i].prefilled < eng.requests[i].prompt_len for i in ids):
         eng.step()
     for _ in range(3):
-        eng.step()  # compile / warm the decode window
+        eng.step()  # compile / warm the decode step
     r = eng.runner
     ctx = max(eng.requests[i].prompt_len + len(eng.requests[i].output_ids) for i in ids) + 1
-    window = r.window_for(ctx + steps)
     from mmjax.buckets import bucket_for
     rows = bucket_for(batch, r.buckets.decode)
-    hlo = r._decode.lower(r.params, r.cache, r.state, rows=rows, window=window).compile().as_text()
+    hlo = r._decode.lower(r.params, r.cache, r.state, np.int32(ctx), rows=rows).compile().as_text()
     cats = _categorize(hlo)
     wall = []
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
@@ -336,7 +335,7 @@ def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt
     total_ops = sum(by_op.values())
     step_s = median(wall)
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:25]
-    return {"batch": batch, "steps": steps, "window": window, "context": ctx, "step_ms": 1e3 * step_s,
+    return {"batch": batch, "steps": steps, "context": ctx, "step_ms": 1e3 * step_s,
             "tok_s": batch / step_s, "ops_ms_per_step": 1e3 * total_ops / steps,
             "executable_ms_per_step": 1e3 * execute / steps,
             "host_ms_per_step": max(0.0, 1e3 * (step_s - execute / steps)),
@@ -348,7 +347,7 @@ def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt
 
 
 def format_profile(p: dict, bw: float | None) -> str:
-    lines = [f"decode profile: batch {p['batch']}, window {p['window']}, context {p['context']}, "
+    lines = [f"decode profile: batch {p['batch']}, context {p['context']}, "
              f"{p['step_ms']:.1f} ms/step ({p['tok_s']:.1f} tok/s): inside the compiled step {p['executable_ms_per_step']:.1f} ms "
              f"(XLA ops {p['ops_ms_per_step']:.1f} ms + gaps between ops {p['gaps_ms_per_step']:.1f} ms: thread-pool waits, "
              f"descheduled threads), host (python engine, dispatch, transfers) {p['host_ms_per_step']:.1f} ms"]
@@ -449,7 +448,7 @@ def run(args) -> dict:
         log(f"decode batch {b} ...")
         imgs = batch8[:b]
         t0 = time.perf_counter()
-        mx.decode(prompt, imgs, args.new_tokens)  # warm-up: compiles every window rung it meets
+        mx.decode(prompt, imgs, args.new_tokens)  # warm-up: compiles the steps it meets
         warm = time.perf_counter() - t0
         mx_r, hf_r = [], []
         for _ in range(reps):

@@ -251,12 +251,12 @@ class Engine:
             raise RuntimeError("warmup() needs an idle engine")
         r = self.runner
         self.family.warmup_encode(r)
-        for c, w in r.buckets.prefill_pairs():
+        for c in r.buckets.prefill:
             pos = np.zeros((3, c) if r.mrope else (c,), np.int32)
-            r.prefill(0, w - c, np.zeros(c, np.int32), None, np.zeros(c, bool), pos, 0, (0.0, 0, 1.0, 0.0),
+            r.prefill(0, 0, np.zeros(c, np.int32), None, np.zeros(c, bool), pos, 0, (0.0, 0, 1.0, 0.0),
                       np.zeros(2, np.uint32))
-        for rows, w in r.buckets.decode_pairs():
-            r.decode(w, rows)
+        for rows in r.buckets.decode:
+            r.decode(1, rows)
         self.reset_device_state()
         return r.compiled_counts()
 

@@ -57,8 +57,8 @@ class ModelRunner:
         self.text_cfg = family.text
         self.num_slots = max_num_seqs
         self.max_model_len = max_model_len
-        self.buckets = Buckets.make(max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                                    max_encode_batch=max_encode_batch, max_num_seqs=max_num_seqs)
+        self.buckets = Buckets.make(prefill_chunk=prefill_chunk, max_encode_batch=max_encode_batch,
+                                    max_num_seqs=max_num_seqs)
         self.dtype = params["text"]["embed"].dtype
         self.cache = self.fresh_cache()
         self.state = init_decode_state(max_num_seqs)
@@ -70,17 +70,16 @@ class ModelRunner:
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
         self.step_seconds = {"encode": 0.0, "prefill": 0.0, "decode": 0.0}
         self._encode = jax.jit(family.encode)
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("window",), donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("rows", "window"), donate_argnums=(1, 2),
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("rows",), donate_argnums=(1, 2),
                                compiler_options=DECODE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
 
     def fresh_cache(self) -> decoder.KVCache:
-        return decoder.init_kv_cache(self.text_cfg, self.num_slots, self.max_model_len, self.dtype,
-                                     self.buckets.kv_segments())
+        return decoder.init_kv_cache(self.text_cfg, self.num_slots, self.max_model_len, self.dtype)
 
     # ---- pure step bodies ------------------------------------------------------------------
     def _prefill_impl(self, params, cache, state, token_ids, image_embeds, image_mask, positions,
-                      slot, start, n_valid, rope_delta, sampling, key, *, window):
+                      slot, start, n_valid, rope_delta, sampling, key):
         """One chunk of one sequence into cache row `slot`.
 
         token_ids [c] int32, image_embeds [c, hidden], image_mask [c] bool, positions [c] (or
@@ -93,7 +92,7 @@ class ModelRunner:
         embeds = jnp.where(image_mask[:, None], image_embeds, decoder.embed_tokens(text, token_ids))
         pos = positions[:, None, :] if self.mrope else positions[None, :]
         hidden, cache = decoder.forward(text, self.text_cfg, embeds[None], pos, cache, start[None],
-                                        window=window, slots=slot[None], inv_freq=self.inv_freq)
+                                        start + token_ids.shape[0], slots=slot[None], inv_freq=self.inv_freq)
         logits = decoder.lm_logits(text, jax.lax.dynamic_index_in_dim(hidden[0], n_valid - 1, keepdims=True))
         key, sub = jax.random.split(key)
         temperature, top_k, top_p, min_p = sampling
@@ -103,18 +102,18 @@ class ModelRunner:
         state = {k: state[k].at[slot].set(row[k]) for k in state}
         return cache, state, out
 
-    def _decode_impl(self, params, cache, state, *, rows, window):
+    def _decode_impl(self, params, cache, state, kv_len, *, rows):
         """One token for each of the first `rows` slots (static); the other slots' cache and
         state rows are untouched. Inactive slots below `rows` compute garbage in their own cache
-        row only."""
+        row only. kv_len (int32 scalar): cache positions the active rows use after the step."""
         text = params["text"]
         st = {k: v[:rows] for k, v in state.items()}
         embeds = decoder.embed_tokens(text, st["tokens"])[:, None]
         pos = (st["lengths"] + st["rope_delta"])[:, None]
         if self.mrope:
             pos = jnp.broadcast_to(pos[None], (3,) + pos.shape)
-        hidden, cache = decoder.forward(text, self.text_cfg, embeds, pos, cache, st["lengths"],
-                                        window=window, inv_freq=self.inv_freq)
+        hidden, cache = decoder.forward(text, self.text_cfg, embeds, pos, cache, st["lengths"], kv_len,
+                                        inv_freq=self.inv_freq)
         logits = decoder.lm_logits(text, hidden[:, 0])
         split = jax.vmap(jax.random.split)(st["keys"])
         out = sample(logits, split[:, 1], st["temperature"], st["top_k"], st["top_p"], st["min_p"])
@@ -156,16 +155,12 @@ class ModelRunner:
         features. Families with their own packing (Qwen2-VL) call this directly."""
         return np.asarray(self._track("encode", shape, self._encode, self.params, *inputs))
 
-    def window_for(self, needed: int) -> int:
-        return bucket_for(needed, self.buckets.window)
-
     def prefill(self, slot: int, start: int, token_ids: np.ndarray, image_embeds: np.ndarray | None,
                 image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: tuple,
                 key: np.ndarray) -> StepOutput:
         """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index `start`."""
         n = len(token_ids)
         c = bucket_for(n, self.buckets.prefill)
-        window = self.window_for(start + n)
         pad = c - n
         ids = np.pad(np.asarray(token_ids, np.int32), (0, pad))
         mask = np.pad(np.asarray(image_mask, bool), (0, pad))
@@ -176,20 +171,18 @@ class ModelRunner:
         pos = np.pad(pos, ((0, 0), (0, pad)) if pos.ndim == 2 else (0, pad), mode="edge")
         t, k, p, m = sampling
         self.cache, self.state, out = self._track(
-            "prefill", (c, window), self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
+            "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
             np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta),
-            (np.float32(t), np.int32(k), np.float32(p), np.float32(m)), np.asarray(key, np.uint32), window=window)
+            (np.float32(t), np.int32(k), np.float32(p), np.float32(m)), np.asarray(key, np.uint32))
         return StepOutput(*(np.asarray(x) for x in out))
 
     def decode(self, max_length: int, active_rows: int | None = None) -> StepOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
         by one token; `max_length` = longest active sequence after the step. Outputs have one
         row per advanced slot."""
-        window = self.window_for(max_length)
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
-        self.cache, self.state, out = self._track("decode", (rows, window), self._decode,
-                                                  self.params, self.cache, self.state,
-                                                  rows=rows, window=window)
+        self.cache, self.state, out = self._track("decode", rows, self._decode, self.params, self.cache,
+                                                  self.state, np.int32(max_length), rows=rows)
         return StepOutput(*(np.asarray(x) for x in out))
 
     def compiled_counts(self) -> dict[str, int]:
@@ -205,7 +198,7 @@ def prompt_logits_fn(text_cfg, inv_freq, mrope: bool):
         embeds = jnp.where(image_mask[:, None], image_embeds, decoder.embed_tokens(text, ids))
         cache = decoder.init_kv_cache(text_cfg, 1, t, text["embed"].dtype)
         pos = positions[:, None, :] if mrope else positions[None, :]
-        hidden, _ = decoder.forward(text, text_cfg, embeds[None], pos, cache, jnp.zeros((1,), jnp.int32),
-                                    window=t, inv_freq=inv_freq)
+        hidden, _ = decoder.forward(text, text_cfg, embeds[None], pos, cache, jnp.zeros((1,), jnp.int32), t,
+                                    inv_freq=inv_freq)
         return decoder.lm_logits(text, hidden[0])
     return fn

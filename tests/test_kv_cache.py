@@ -1,10 +1,11 @@
 """The segmented slot KV cache (models/decoder.py): attention over consecutive segments equals
-plain causal attention, new tokens land in the right segment, windows are segment boundaries."""
+plain causal attention, segments past kv_len are skipped (also when kv_len is traced), new tokens
+land in the right segment."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmjax.buckets import Buckets
 from mmjax.config import RopeConfig, TextConfig
 from mmjax.models import decoder
 
@@ -25,6 +26,10 @@ def naive_attention(q, k, v, q_index):
     return out
 
 
+def split_cache(x, segments):
+    return [jnp.asarray(p, jnp.float32) for p in np.split(x, np.cumsum(segments)[:-1], axis=2)]
+
+
 @pytest.mark.parametrize("segments", [(16,), (3, 5, 8), (1, 15), (8, 8)])
 def test_attention_over_segments_matches_oracle(segments):
     rng = np.random.default_rng(sum(segments) + len(segments))
@@ -33,11 +38,32 @@ def test_attention_over_segments_matches_oracle(segments):
     k = rng.standard_normal((b, kvh, s, hd))
     v = rng.standard_normal((b, kvh, s, hd))
     q_index = np.array([[0, 1], [6, 7], [14, 15]])  # first key only / mid segment / last key
-    cuts = np.cumsum(segments)[:-1]
-    ks = [jnp.asarray(x, jnp.float32) for x in np.split(k, cuts, axis=2)]
-    vs = [jnp.asarray(x, jnp.float32) for x in np.split(v, cuts, axis=2)]
-    out = decoder.cache_attention(jnp.asarray(q, jnp.float32), ks, vs, jnp.asarray(q_index))
+    out = decoder.cache_attention(jnp.asarray(q, jnp.float32), split_cache(k, segments),
+                                  split_cache(v, segments), jnp.asarray(q_index), s)
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, q_index), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_segments_past_kv_len_are_not_read(traced):
+    """NaN keys/values from kv_len on: a segment that were computed would turn the output NaN
+    (0 * NaN); with kv_len covering every query the output equals the oracle on the prefix."""
+    rng = np.random.default_rng(7)
+    b, t, h, kvh, hd, seg = 2, 1, 4, 2, 8, 4
+    q = rng.standard_normal((b, t, h, hd))
+    k = rng.standard_normal((b, kvh, 6 * seg, hd))
+    v = rng.standard_normal((b, kvh, 6 * seg, hd))
+    q_index = np.array([[5], [9]])
+    kv_len = 10                                   # segments 0-2 are read, 3-5 must not be
+    k[:, :, 3 * seg:] = np.nan
+    v[:, :, 3 * seg:] = np.nan
+    ks, vs = split_cache(k, (seg,) * 6), split_cache(v, (seg,) * 6)
+    f = lambda q, n: decoder.cache_attention(q, ks, vs, jnp.asarray(q_index), n)
+    out = jax.jit(f)(jnp.asarray(q, jnp.float32), jnp.int32(kv_len)) if traced else \
+        f(jnp.asarray(q, jnp.float32), kv_len)
+    want = naive_attention(q, k[:, :, :3 * seg], v[:, :, :3 * seg], q_index)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+    out_all = f(jnp.asarray(q, jnp.float32), 6 * seg)   # reading them does poison the output
+    assert np.isnan(np.asarray(out_all)).all()
 
 
 def tiny_text(layers=2):
@@ -60,28 +86,29 @@ def random_params(cfg, rng):
 
 def test_segmented_cache_equals_one_piece_across_boundaries():
     """Prefill 11 tokens of slot 1 in a chunk that crosses segment boundaries, then decode two
-    steps for both slots, attending over a 16-token window (3 of 4 segments): the hidden states
-    and the written K/V equal those of a one-piece cache attended in full (keys past each
-    query are masked either way); nothing is written past the window or into other slots'
-    rows."""
+    steps for both slots with a traced kv_len of 16 (4 of 8 segments of 4): the hidden states
+    and the written K/V equal those of a one-segment cache read in full (keys past each query
+    are masked either way); nothing is written past kv_len or into other slots' rows."""
     cfg = tiny_text()
     rng = np.random.default_rng(0)
     params = random_params(cfg, rng)
-    segments = (4, 4, 8, 16)
-    caches = {"one": decoder.init_kv_cache(cfg, 2, 32, jnp.float32),
-              "seg": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segments)}
+    caches = {"one": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segment=32),
+              "seg": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segment=4)}
+    assert [c.shape[2] for c in caches["seg"][0]["k"]] == [4] * 8
     emb = jnp.asarray(rng.standard_normal((1, 11, cfg.hidden_size)), jnp.float32)
     pos = jnp.arange(11)[None]
+    forward = jax.jit(lambda cache, e, p, starts, n, slots: decoder.forward(params, cfg, e, p, cache, starts, n,
+                                                                          slots=slots))
+    decode = jax.jit(lambda cache, e, p, starts, n: decoder.forward(params, cfg, e, p, cache, starts, n))
     outs = {}
     for name, cache in caches.items():
-        window = 16 if name == "seg" else 32
-        h1, cache = decoder.forward(params, cfg, emb, pos, cache, jnp.array([0]), window=window,
-                                    slots=jnp.array([1]))
+        kv_len = jnp.int32(16 if name == "seg" else 32)
+        h1, cache = forward(cache, emb, pos, jnp.array([0]), kv_len, jnp.array([1]))
         hs = [h1]
         for step in range(2):
             e = jnp.asarray(np.random.default_rng(step).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
             starts = jnp.array([3 + step, 11 + step])  # slot 0 holds stale zeros: still valid keys
-            h, cache = decoder.forward(params, cfg, e, starts[:, None], cache, starts, window=window)
+            h, cache = decode(cache, e, starts[:, None], starts, kv_len)
             hs.append(h)
         outs[name] = (hs, cache)
     for a, b in zip(outs["one"][0], outs["seg"][0]):
@@ -91,23 +118,11 @@ def test_segmented_cache_equals_one_piece_across_boundaries():
             joined = np.concatenate([np.asarray(x) for x in seg[name]], axis=2)
             (whole,) = one[name]
             np.testing.assert_allclose(joined, np.asarray(whole), rtol=1e-5, atol=1e-6)
-            assert np.all(joined[:, :, 16:] == 0)           # past the window: untouched
+            assert np.all(joined[:, :, 16:] == 0)           # past kv_len: untouched
             assert np.all(joined[1, :, :13] != 0) and np.all(joined[1, :, 13:] == 0)
 
 
-def test_window_must_be_a_segment_boundary():
-    cfg = tiny_text(layers=1)
-    params = random_params(cfg, np.random.default_rng(1))
-    cache = decoder.init_kv_cache(cfg, 1, 32, jnp.float32, (8, 8, 16))
-    with pytest.raises(ValueError, match="segment boundary"):
-        decoder.forward(params, cfg, jnp.ones((1, 1, cfg.hidden_size)), jnp.zeros((1, 1), jnp.int32), cache,
-                        jnp.zeros((1,), jnp.int32), window=12)
-    with pytest.raises(ValueError, match="do not cut"):
-        decoder.init_kv_cache(cfg, 1, 32, jnp.float32, (8, 8))
-
-
-def test_kv_segments_follow_the_window_ladder():
-    b = Buckets.make(max_model_len=600, prefill_chunk=256, max_encode_batch=4, max_num_seqs=4)
-    assert b.window == (128, 256, 512, 600)
-    assert b.kv_segments() == (128, 128, 256, 88)
-    assert np.cumsum(b.kv_segments()).tolist() == list(b.window)
+def test_kv_segments_cut_max_len():
+    assert decoder.kv_segments(600) == (128, 128, 128, 128, 88)
+    assert decoder.kv_segments(256) == (128, 128)
+    assert decoder.kv_segments(40) == (40,)

@@ -1,11 +1,12 @@
 """Llama-style decoder (Llama / Mistral / Qwen2) over an explicit slot KV cache.
 
 KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
-segments, `[slots, kv_heads, segment_len, head_dim]` each, whose boundaries are the window
-ladder's rungs (`buckets.Buckets.kv_segments`). Attention over a window rung then reads whole
-segments in place: a window slice of one `[.., max_len, ..]` array was a copy of the window on
-every layer and step (XLA:CPU materialises slices that feed a dot), about a third of the
-16-row decode step at a 512 window (benchmarks/README.md, "KV segments").
+segments of `KV_SEGMENT` positions, `[slots, kv_heads, segment_len, head_dim]` each. Attention
+takes `kv_len`, a traced count of the cache positions in use, and skips (`lax.cond`) every
+segment from kv_len on: one compiled step serves every sequence length and pays for the
+longest one in 128-token steps (a static window ladder compiled one step per rung, and a
+window slice of one `[.., max_len, ..]` array was a copy per layer and step: XLA:CPU
+materialises slices that feed a dot; benchmarks/README.md, "KV segments").
 Head-major: a slot's segment of one KV head is one contiguous [segment_len, head_dim] block, so
 attention reads it without a transpose; see `cache_attention`.
 One array per layer (not one stacked array) because slicing a layer out of a stacked array inside
@@ -22,6 +23,7 @@ from mmjax.config import TextConfig
 from mmjax.models.layers import dense, rms_norm
 
 KVCache = list  # [{"k": [[slots, kv_heads, segment_len, head_dim], ...], "v": ...}] * layers
+KV_SEGMENT = 128
 
 
 def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head_name: str) -> dict:
@@ -49,16 +51,18 @@ def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head
             "lm_head": lm_head}
 
 
-def init_kv_cache(cfg: TextConfig, num_slots: int, max_len: int, dtype,
-                  segments: tuple[int, ...] | None = None) -> KVCache:
-    """Zero cache; `segments`: lengths of the sequence-axis pieces (sum max_len; default one).
-    Every window passed to `forward` must be a segment boundary."""
-    segments = tuple(segments or (max_len,))
-    if sum(segments) != max_len or min(segments) < 1:
-        raise ValueError(f"KV segments {segments} do not cut max_len {max_len}")
+def kv_segments(max_len: int, segment: int = KV_SEGMENT) -> tuple[int, ...]:
+    """Segment lengths cutting [0, max_len): full segments then the remainder."""
+    full, rest = divmod(max_len, segment)
+    return (segment,) * full + ((rest,) if rest else ())
 
+
+def init_kv_cache(cfg: TextConfig, num_slots: int, max_len: int, dtype,
+                  segment: int = KV_SEGMENT) -> KVCache:
+    """Zero cache of `num_slots` rows, `max_len` positions cut into `kv_segments(max_len, segment)`."""
     def pieces():
-        return [jnp.zeros((num_slots, cfg.num_kv_heads, n, cfg.head_dim), dtype) for n in segments]
+        return [jnp.zeros((num_slots, cfg.num_kv_heads, n, cfg.head_dim), dtype)
+                for n in kv_segments(max_len, segment)]
     return [{"k": pieces(), "v": pieces()} for _ in range(cfg.num_layers)]
 
 
@@ -108,61 +112,85 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
 
 
-def cache_attention(q: jax.Array, ks: list, vs: list, q_index: jax.Array) -> jax.Array:
-    """Causal attention of new queries over a cache window given as consecutive segments.
+def _when(pred, fn, skipped, *args):
+    """fn(*args) if pred else `skipped`: a Python branch for a concrete pred, else lax.cond (XLA
+    runs only the taken branch)."""
+    if isinstance(pred, (bool, np.bool_)):
+        return fn(*args) if pred else skipped
+    return jax.lax.cond(pred, fn, lambda *_: skipped, *args)
 
-    q [b, t, heads, hd]; ks, vs: segments [b, kv_heads, len_i, hd] covering cache indexes
-    [0, sum len_i); q_index [b, t] = cache index of each query. Key j is visible to a query at
-    index i iff j <= i (so stale entries past a sequence's end are never read). Returns
-    [b, t, heads, hd]. Softmax across segments: one max over all of them, then the unnormalised
-    exp(s - max) of each segment times its V, summed, divided by the summed weights once.
 
-    Per (b, kv_head) both products read a segment [len, hd] as a plain row-major operand:
-    scores [len, n] = K q^T and out [n, hd] = P^T V with n = t * group queries. Written any
-    other way (e.g. scores as [n, len]) XLA:CPU makes V the transposed left operand of a
-    [hd, len] x [len, n] product, which ran 2-3x slower at decode (benchmarks/README.md,
-    "KV layout A/B").
+def cache_attention(q: jax.Array, ks: list, vs: list, q_index: jax.Array, kv_len,
+                    slots: jax.Array | None = None) -> jax.Array:
+    """Causal attention of new queries over a cache given as consecutive segments.
+
+    q [b, t, heads, hd]; ks, vs: cache segments [slots, kv_heads, len_i, hd] covering cache
+    indexes [0, sum len_i); query row i reads cache row slots[i] (None: row i, the decode
+    layout); q_index [b, t] = cache index of each query; kv_len (int or traced int32 scalar) >
+    every q_index that matters: segments starting at or after it are neither read nor computed.
+    Key j is visible to a query at index i iff j <= i (so stale entries past a sequence's end
+    are never read). Returns [b, t, heads, hd]; a query with no visible key gets zeros.
+
+    Each segment yields (max, sum of exp(s - max), exp(s - max) V) and the segments are merged
+    with the usual rescaling, as flash attention merges key blocks. Per (b, kv_head) both
+    products read a segment [len, hd] as a plain row-major operand: scores [len, n] = K q^T and
+    out [n, hd] = P^T V with n = t * group queries. Written any other way (e.g. scores as
+    [n, len]) XLA:CPU makes V the transposed left operand of a [hd, len] x [len, n] product,
+    which ran 2-3x slower at decode (benchmarks/README.md, "KV layout A/B").
     """
     b, t, h, hd = q.shape
     kvh = ks[0].shape[1]
     g = h // kvh
     n = t * g
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
-    scores, start = [], 0
-    for k in ks:
+
+    def segment(k, v, start):
+        # decode: rows [0, b) (a no-op slice when b == slots); prefill: gather its slots
+        k, v = (k[:b], v[:b]) if slots is None else (k[slots], v[slots])
         s = jnp.einsum("bksd,bknd->bksn", k, qn, preferred_element_type=jnp.float32) / np.sqrt(hd)
         visible = start + jnp.arange(k.shape[2])[None, :, None] <= q_index[:, None, :]  # [b, len, t]
         s = jnp.where(visible[:, None, :, :, None], s.reshape(b, kvh, -1, t, g), -jnp.inf)
-        scores.append(s.reshape(b, kvh, -1, n))
+        s = s.reshape(b, kvh, -1, n)
+        top = s.max(axis=2)                                   # [b, kvh, n]; -inf: nothing visible
+        w = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)[:, :, None, :])
+        pv = jnp.einsum("bksn,bksd->bknd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return top, w.sum(axis=2), pv
+
+    skipped = (jnp.full((b, kvh, n), -jnp.inf), jnp.zeros((b, kvh, n)), jnp.zeros((b, kvh, n, hd)))
+    parts, start = [], 0
+    for k, v in zip(ks, vs):
+        parts.append(_when(start < kv_len, lambda k, v, start=start: segment(k, v, start), skipped, k, v))
         start += k.shape[2]
-    top = scores[0].max(axis=2)
-    for s in scores[1:]:
-        top = jnp.maximum(top, s.max(axis=2))
-    out, total = 0.0, 0.0
-    for s, v in zip(scores, vs):
-        w = jnp.exp(s - top[:, :, None, :])  # [b, kvh, len, n]
-        total = total + w.sum(axis=2)
-        out = out + jnp.einsum("bksn,bksd->bknd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out / total[..., None]
+    top = parts[0][0]
+    for m, _, _ in parts[1:]:
+        top = jnp.maximum(top, m)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    total, out = 0.0, 0.0
+    for m, l, pv in parts:
+        scale = jnp.exp(m - top)
+        total = total + scale * l
+        out = out + scale[..., None] * pv
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
 def forward(params: dict, cfg: TextConfig, embeds: jax.Array, positions: jax.Array, cache: KVCache,
-            starts: jax.Array, *, window: int, slots: jax.Array | None = None,
+            starts: jax.Array, kv_len, *, slots: jax.Array | None = None,
             inv_freq: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Run the decoder on new tokens and write their K/V into the cache.
 
     embeds [b, t, hidden]; positions [b, t] rope positions ([3, b, t] for M-RoPE); starts [b]:
     cache index of each row's first new token; slots [b]: cache row of each batch row (None means
     batch row i is slot i, the decode step's layout: rows [0, b) read with a slice, no gather);
-    window (static): cache prefix attended to, >= max(starts) + t and a segment boundary.
+    kv_len (int or traced int32 scalar): cache positions in use, >= max(starts) + t (segments
+    from kv_len on are neither read nor written).
     Returns (final-normed hidden [b, t, hidden], updated cache).
     """
     x = embeds
     rope = rope_for(cfg, positions, starts, embeds.shape[1], inv_freq)
     new_cache = []
     for layer, kv in zip(params["layers"], cache):
-        x, kv = layer_forward(layer, cfg, x, kv, rope, window=window, slots=slots)
+        x, kv = layer_forward(layer, cfg, x, kv, rope, kv_len, slots=slots)
         new_cache.append(kv)
     return rms_norm(params["norm"], x, cfg.rms_norm_eps), new_cache
 
@@ -176,10 +204,10 @@ def rope_for(cfg: TextConfig, positions: jax.Array, starts: jax.Array, t: int,
     return cos, sin, starts[:, None] + jnp.arange(t)[None, :]
 
 
-def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tuple, *,
-                  window: int, slots: jax.Array | None = None) -> tuple[jax.Array, dict]:
+def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tuple, kv_len, *,
+                  slots: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """One decoder layer: x [b, t, hidden] (residual stream) -> (x, updated {"k", "v"} cache of
-    this layer). rope = rope_for(...); window / slots as in `forward`."""
+    this layer). rope = rope_for(...); kv_len / slots as in `forward`."""
     b, t, _ = x.shape
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin, q_index = rope
@@ -192,26 +220,18 @@ def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tu
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Each new token goes to the segment holding its cache index; indexes outside a segment
     # (and padded tail tokens of a bucketed chunk past max_len) map past its end and mode="drop"
-    # skips them (a negative index would wrap). Segments past the window are never written:
-    # window >= max(starts) + t. (rows [b, 1], :, idx [b, t]) indexes [b, t, kv_heads, hd].
-    new_k, new_v, kw, vw, start = [], [], [], [], 0
+    # skips them (a negative index would wrap), so every segment takes the same scatter (no
+    # lax.cond around it: a cond returning the untouched segment may copy it).
+    # (rows [b, 1], :, idx [b, t]) indexes [b, t, kv_heads, hd]: the new k/v as they are.
+    new_k, new_v, start = [], [], 0
     for ck, cv in zip(kv["k"], kv["v"]):
         size = ck.shape[2]
-        if start < window:
-            idx = q_index - start
-            idx = jnp.where((idx >= 0) & (idx < size), idx, size)
-            ck = ck.at[rows[:, None], :, idx].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop")
-            # decode reads rows [0, b) (a no-op slice when b == slots); prefill gathers its slots
-            kw.append(ck[:b] if slots is None else ck[slots])
-            vw.append(cv[:b] if slots is None else cv[slots])
-        new_k.append(ck)
-        new_v.append(cv)
+        idx = q_index - start
+        idx = jnp.where((idx >= 0) & (idx < size), idx, size)
+        new_k.append(ck.at[rows[:, None], :, idx].set(k.astype(ck.dtype), mode="drop"))
+        new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop"))
         start += size
-    if sum(c.shape[2] for c in kw) != window:
-        raise ValueError(f"window {window} is not a KV segment boundary "
-                         f"{[c.shape[2] for c in kv['k']]}")
-    attn = cache_attention(q, kw, vw, q_index)
+    attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots)
     x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
     hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
     gu = dense(layer["gate_up"], hn)
