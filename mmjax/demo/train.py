@@ -275,6 +275,24 @@ def _grow_layers(layers: list, num_layers: int) -> None:
         layers.append(layer)
 
 
+def _grow_patches(vision: dict, old, new) -> None:
+    """Same patch grid at a higher resolution (e.g. 64 px / patch 8 -> 128 px / patch 16):
+    each old patch-embedding pixel weight is spread over the f x f new pixels it now covers
+    (divided by f * f), so a new patch computes the old one on its f x f box average. The
+    higher-resolution squash is not exactly the box-upsampled lower one, so this is a warm start,
+    not the same function. patch_embed is [p * p * c, d] over (row, col, channel)."""
+    if new.patch_size == old.patch_size:
+        return
+    f, rem = divmod(new.patch_size, old.patch_size)
+    if rem or new.image_size // new.patch_size != old.image_size // old.patch_size:
+        raise ValueError(f"cannot grow patch {old.patch_size} to {new.patch_size}: must be a "
+                         f"multiple with the same patch grid")
+    p, w = old.patch_size, vision["patch_embed"]
+    w = w.reshape(p, p, -1, w.shape[-1])
+    w = np.repeat(np.repeat(w, f, axis=0), f, axis=1) / (f * f)
+    vision["patch_embed"] = np.ascontiguousarray(w.reshape(-1, w.shape[-1]))
+
+
 def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
     """Random HF state -> temp HF checkpoint -> mmjax's own loader (the serving layout).
     init_from: an HF checkpoint dir of the same config to continue from instead."""
@@ -289,6 +307,7 @@ def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
         params = _np_tree(load_params(TensorSource(init_from, normalize_name), old))
         _grow_kv_heads(params["text"]["layers"], old.text, cfg.text)
         _grow_layers(params["text"]["layers"], cfg.text.num_layers)
+        _grow_patches(params["vision"], old.vision, cfg.vision)
         return cfg, params
     state = E.random_state(cfg_dict, seed=seed)
     with tempfile.TemporaryDirectory() as d:
@@ -399,9 +418,9 @@ def make_logits_fn(cfg):
         rope = decoder.rope_for(cfg.text, positions, jnp.zeros((b,), jnp.int32), t, inv_freq)
         x, layers = emb, params["text"]["layers"]
         for layer, kv in zip(layers[:-1], cache):
-            x, _ = decoder.layer_forward(layer, cfg.text, x, kv, rope, window=t)
+            x, _ = decoder.layer_forward(layer, cfg.text, x, kv, rope, t)
         last_in = x
-        x, _ = decoder.layer_forward(layers[-1], cfg.text, x, cache[-1], rope, window=t)
+        x, _ = decoder.layer_forward(layers[-1], cfg.text, x, cache[-1], rope, t)
         hidden = rms_norm(params["text"]["norm"], x, cfg.text.rms_norm_eps)
         return decoder.lm_logits(params["text"], hidden), feats, last_in
 
