@@ -243,9 +243,11 @@ def test_notebook_runs_top_to_bottom():
 
 def test_growth_preserves_the_function(shipped, tmp_path):
     """train.py's warm-start growth (more decoder layers: copies with zero o/down; more KV
-    heads: each repeated for its GQA group) starts from exactly the old function. The old model
-    is the shipped config with 4 query heads on 2 KV heads and 2 decoder layers, random weights
-    (so the KV-head growth is exercised, including which copy each query head must read)."""
+    heads: each repeated for its GQA group; 2x image size and patch: each patch pixel weight
+    spread over its 2x2 new pixels) starts from exactly the old function (for the image growth:
+    on the 2x pixel-replicated image). The old model is the shipped config with 4 query heads
+    on 2 KV heads and 2 decoder layers, random weights (so the KV-head growth is exercised,
+    including which copy each query head must read)."""
     import copy
     import json
 
@@ -266,7 +268,8 @@ def test_growth_preserves_the_function(shipped, tmp_path):
     assert len(p1["text"]["layers"]) == 3 and cfg1.text.num_kv_heads == 4 > cfg0.text.num_kv_heads
     rng = np.random.default_rng(5)
     n = cfg0.image_tokens_per_image
-    pix = jnp.asarray(rng.integers(0, 256, (2, 64, 64, 3)), jnp.uint8)
+    size = old["vision_config"]["image_size"]
+    pix = jnp.asarray(rng.integers(0, 256, (2, size, size, 3)), jnp.uint8)
     ids = np.concatenate([np.ones((2, 1)), rng.integers(5, 300, (2, 7)),
                           np.full((2, n), cfg0.image_token_id), rng.integers(5, 300, (2, 9))], 1)
     ids = jnp.asarray(ids.astype(np.int32))
@@ -274,6 +277,14 @@ def test_growth_preserves_the_function(shipped, tmp_path):
     l1 = np.asarray(TR.make_logits_fn(cfg1)(p1, pix, ids)[0])
     assert np.abs(l0).max() > 1.0
     assert rel_err(l1, l0) <= 1e-5
+    big = copy.deepcopy(old)
+    big["vision_config"].update(image_size=2 * size, patch_size=2 * old["vision_config"]["patch_size"])
+    cfg2, p2 = TR.init_params(big, None, 0, str(tmp_path))
+    l2 = np.asarray(TR.make_logits_fn(cfg2)(p2, jnp.repeat(jnp.repeat(pix, 2, 1), 2, 2), ids)[0])
+    assert rel_err(l2, l0) <= 1e-5
+    big["vision_config"].update(image_size=3 * size // 2, patch_size=3 * old["vision_config"]["patch_size"] // 2)
+    with pytest.raises(ValueError, match="patch"):
+        TR.init_params(big, None, 0, str(tmp_path))
     # training's "reference attention up to 16 GiB of scores" must not leak into later traces
     # (it once made test_qwen2_vl's linear-memory check compile the O(N^2) path)
     import mmjax.attention as A
