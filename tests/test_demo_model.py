@@ -242,7 +242,8 @@ def test_notebook_runs_top_to_bottom():
 
 
 def test_growth_preserves_the_function(shipped, tmp_path):
-    """train.py's warm-start growth (more decoder layers: copies with zero o/down; more KV
+    """train.py's warm-start growth (more decoder / ViT layers: copies with zero o/down or
+    o/fc2; more KV
     heads: each repeated for its GQA group; 2x image size and patch: each patch pixel weight
     spread over its 2x2 new pixels) starts from exactly the old function (for the image growth:
     on the 2x pixel-replicated image). The old model is the shipped config with 4 query heads
@@ -263,9 +264,11 @@ def test_growth_preserves_the_function(shipped, tmp_path):
     t = new["text_config"]
     t["num_hidden_layers"] += 1
     t["num_key_value_heads"] = t["num_attention_heads"]
+    new["vision_config"]["num_hidden_layers"] += 1
     cfg0, p0 = TR.init_params(old, None, 0, str(tmp_path))
     cfg1, p1 = TR.init_params(new, None, 0, str(tmp_path))
     assert len(p1["text"]["layers"]) == 3 and cfg1.text.num_kv_heads == 4 > cfg0.text.num_kv_heads
+    assert len(p1["vision"]["layers"]) == len(p0["vision"]["layers"]) + 1
     rng = np.random.default_rng(5)
     n = cfg0.image_tokens_per_image
     size = old["vision_config"]["image_size"]

@@ -263,14 +263,15 @@ def _grow_kv_heads(layers: list, old, new) -> None:
         layer["qkv"] = qkv
 
 
-def _grow_layers(layers: list, num_layers: int) -> None:
+def _grow_layers(layers: list, num_layers: int, outputs=("o", "down")) -> None:
     """Deeper than the checkpoint: new top layers are copies of its last layer with zero
-    output projections, so the grown model starts as exactly the old function."""
+    output projections (`outputs`: the attention and MLP outputs, weights and biases), so each
+    new residual block adds nothing and the grown model starts as exactly the old function."""
     if num_layers < len(layers):
-        raise ValueError(f"the checkpoint has {len(layers)} decoder layers, the config {num_layers}")
+        raise ValueError(f"the checkpoint has {len(layers)} layers, the config {num_layers}")
     while len(layers) < num_layers:
         layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layers[-1].items()}
-        for name in ("o", "down"):
+        for name in outputs:
             layer[name] = {k: np.zeros_like(v) for k, v in layer[name].items()}
         layers.append(layer)
 
@@ -307,6 +308,7 @@ def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
         params = _np_tree(load_params(TensorSource(init_from, normalize_name), old))
         _grow_kv_heads(params["text"]["layers"], old.text, cfg.text)
         _grow_layers(params["text"]["layers"], cfg.text.num_layers)
+        _grow_layers(params["vision"]["layers"], cfg.vision.num_layers, ("o", "fc2"))
         _grow_patches(params["vision"], old.vision, cfg.vision)
         return cfg, params
     state = E.random_state(cfg_dict, seed=seed)
