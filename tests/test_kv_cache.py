@@ -124,5 +124,8 @@ def test_segmented_cache_equals_one_piece_across_boundaries():
 
 def test_kv_segments_cut_max_len():
     assert decoder.kv_segments(600) == (128, 128, 128, 128, 88)
-    assert decoder.kv_segments(256) == (128, 128)
+    assert decoder.kv_segments(1024) == (128,) * 8
+    assert decoder.kv_segments(2048) == (128,) * 8 + (1024,)
     assert decoder.kv_segments(40) == (40,)
+    big = decoder.kv_segments(32768)
+    assert big == (128,) * 8 + (1024, 2048, 4096, 8192, 16384) and sum(decoder.kv_segments(5000)) == 5000

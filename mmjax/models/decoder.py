@@ -1,12 +1,13 @@
 """Llama-style decoder (Llama / Mistral / Qwen2) over an explicit slot KV cache.
 
 KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
-segments of `KV_SEGMENT` positions, `[slots, kv_heads, segment_len, head_dim]` each. Attention
-takes `kv_len`, a traced count of the cache positions in use, and skips (`lax.cond`) every
-segment from kv_len on: one compiled step serves every sequence length and pays for the
-longest one in 128-token steps (a static window ladder compiled one step per rung, and a
-window slice of one `[.., max_len, ..]` array was a copy per layer and step: XLA:CPU
-materialises slices that feed a dot; benchmarks/README.md, "KV segments").
+segments (`kv_segments`: 128 positions each up to 1024, then doubling),
+`[slots, kv_heads, segment_len, head_dim]` each. Attention takes `kv_len`, a traced count of the
+cache positions in use, and skips (`lax.cond`) every segment from kv_len on: one compiled step
+serves every sequence length and pays for the longest one in 128-position steps (a static
+window ladder compiled one step per rung, and a window slice of one `[.., max_len, ..]` array
+was a copy per layer and step: XLA:CPU materialises slices that feed a dot;
+benchmarks/README.md, "KV segments").
 Head-major: a slot's segment of one KV head is one contiguous [segment_len, head_dim] block, so
 attention reads it without a transpose; see `cache_attention`.
 One array per layer (not one stacked array) because slicing a layer out of a stacked array inside
@@ -51,10 +52,17 @@ def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head
             "lm_head": lm_head}
 
 
-def kv_segments(max_len: int, segment: int = KV_SEGMENT) -> tuple[int, ...]:
-    """Segment lengths cutting [0, max_len): full segments then the remainder."""
-    full, rest = divmod(max_len, segment)
-    return (segment,) * full + ((rest,) if rest else ())
+def kv_segments(max_len: int, segment: int = KV_SEGMENT, fine: int = 8) -> tuple[int, ...]:
+    """Segment lengths cutting [0, max_len): `fine` segments of `segment` positions (the
+    granularity decode pays in up to fine * segment), then each one as long as all before it,
+    the last cut at max_len. The count grows with log(max_len): every segment costs a scatter
+    and a cond per layer and step (32k positions: 13 segments)."""
+    out, total = [], 0
+    while total < max_len:
+        n = min(segment if len(out) < fine else total, max_len - total)
+        out.append(n)
+        total += n
+    return tuple(out)
 
 
 def init_kv_cache(cfg: TextConfig, num_slots: int, max_len: int, dtype,
@@ -227,9 +235,11 @@ def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tu
     for ck, cv in zip(kv["k"], kv["v"]):
         size = ck.shape[2]
         idx = q_index - start
-        idx = jnp.where((idx >= 0) & (idx < size), idx, size)
-        new_k.append(ck.at[rows[:, None], :, idx].set(k.astype(ck.dtype), mode="drop"))
-        new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop"))
+        idx = jnp.where((idx >= 0) & (idx < size), idx, size + jnp.arange(t))
+        new_k.append(ck.at[rows[:, None], :, idx].set(k.astype(ck.dtype), mode="drop",
+                                                      unique_indices=True))
+        new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop",
+                                                      unique_indices=True))
         start += size
     attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots)
     x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
