@@ -192,7 +192,8 @@ def exists_class(question: str) -> int:
 class Sampler:
     """Draws training/eval batches from a scene pool."""
 
-    def __init__(self, imgs, scenes, enc: Encoder, seq_len: int, weights=None, grid: int = 0):
+    def __init__(self, imgs, scenes, enc: Encoder, seq_len: int, weights=None, grid: int = 0,
+                 hard_describe: float = 0.0):
         self.imgs, self.scenes, self.enc, self.T = imgs, scenes, enc, seq_len
         self.labels = (np.stack([np.concatenate([patch_labels(sc, grid), slot_labels(sc)])
                                  for sc in scenes]) if grid
@@ -202,6 +203,11 @@ class Sampler:
         self.by_count = [np.asarray([i for i, s in enumerate(scenes) if s.count == n])
                          for n in range(1, S.MAX_SHAPES + 1)]
         self.one = self.by_count[0]
+        # "describe" mistakes are mostly order mistakes between shapes whose centers are close
+        # in x: this share of describe questions is drawn from scenes with a pair < 15% apart
+        self.hard_describe = hard_describe
+        self.hard = np.asarray([i for i, s in enumerate(scenes) if s.count > 1 and min(
+            abs(a.cx - b.cx) for a, b in zip(s.left_to_right(), s.left_to_right()[1:])) < 0.15 * s.width])
         self.types = list(QUESTION_TYPES)
         w = weights or QTYPE_WEIGHTS
         self.p = np.asarray([w[t] for t in self.types], np.float64)
@@ -211,6 +217,8 @@ class Sampler:
         qtype = qtype or self.types[int(rng.choice(len(self.types), p=self.p))]
         if qtype in ("shape", "color"):
             i = int(self.one[rng.integers(len(self.one))])
+        elif qtype == "describe" and len(self.hard) and rng.random() < self.hard_describe:
+            i = int(self.hard[rng.integers(len(self.hard))])
         else:
             group = self.by_count[int(rng.integers(len(self.by_count)))]
             i = int(group[rng.integers(len(group))])
@@ -570,7 +578,7 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
           eval_size: int = 500, eval_every: float = 120.0, log=print, pool=None,
           eval_pool=None, weight_decay: float = 0.05, pool_cache: str | None = None,
           aux_weight: float = 0.5, init_from: str | None = None,
-          qtype_weights: dict | None = None) -> tuple[dict, dict]:
+          qtype_weights: dict | None = None, hard_describe: float = 0.0) -> tuple[dict, dict]:
     """Train; returns (params, info). Stops at `steps` if given, else after `minutes`."""
     import jax
 
@@ -589,7 +597,9 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
         f"in {t_data:.0f}s; seq_len {seq}; params {C.param_count(cfg_dict)['total']:,}")
     grid = r // cfg_dict["vision_config"]["patch_size"]
     sampler = Sampler(pool[0], pool[1], enc, seq, weights=qtype_weights,
-                      grid=grid if aux_weight else 0)
+                      grid=grid if aux_weight else 0, hard_describe=hard_describe)
+    log(f"describe: {hard_describe:.0%} from the {len(sampler.hard)} scenes with two centers < 15% "
+        f"of the width apart")
     ev_sampler = Sampler(eval_pool[0], eval_pool[1], enc, seq)
     ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000)
 
@@ -659,6 +669,7 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     info = {"steps": step, "train_seconds": round(train_s, 1), "data_seconds": round(t_data, 1),
             "compile_seconds": round(compile_s, 1), "batch": batch, "peak_lr": lr,
             "pool_size": len(pool[1]), "aux_weight": aux_weight, "init_from": init_from,
+            "hard_describe": hard_describe,
             "qtype_weights": qtype_weights or QTYPE_WEIGHTS, "seq_len": seq, "final_loss": float(np.mean(losses[-50:], axis=0)[0]),
             "heldout": acc, "history": history}
     return _np_tree(params), info
@@ -689,6 +700,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-cache", default=os.path.join(tempfile.gettempdir(), "mmjax_shapes_pool"),
                     help="directory caching drawn scene pools ('' = off)")
     ap.add_argument("--eval-every", type=float, default=180.0, help="seconds between evals")
+    ap.add_argument("--hard-describe", type=float, default=0.0,
+                    help="share of describe questions drawn from scenes with two centers < 15%% of "
+                         "the width apart (where the order mistakes are)")
     ap.add_argument("--cfg-override", default=None,
                     help="JSON merged into vision_config/text_config, e.g. "
                          "'{\"text_config\": {\"num_hidden_layers\": 3}}'")
@@ -706,7 +720,8 @@ def main(argv=None) -> int:
                          eval_every=args.eval_every, aux_weight=args.aux, init_from=args.init,
                          qtype_weights=({k: float(v) for k, v in
                                          (kv.split("=") for kv in args.qtypes.split(","))}
-                                        if args.qtypes else None), pool_cache=args.pool_cache or None, log=lambda s: print(s, flush=True))
+                                        if args.qtypes else None), pool_cache=args.pool_cache or None,
+                         hard_describe=args.hard_describe, log=lambda s: print(s, flush=True))
     files = export(args.out, cfg_dict, params)
     info["total_seconds"] = round(time.perf_counter() - t0, 1)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
