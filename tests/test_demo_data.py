@@ -405,3 +405,24 @@ def test_describe_mistake_kinds():
     assert describe_mistake("a red circle, a blue circle and a green triangle", gold) == "naming"
     assert describe_mistake("a red circle and a blue square", gold) == "count"
     assert describe_mistake("a red square and a red circle.", "a red circle and a red square") == "order"
+
+
+def test_hard_describe_draws_close_centers(tok):
+    """--hard-describe 1.0: every describe question comes from a scene whose closest pair of
+    centers is < 15% of the width apart; other question types and 0.0 keep the uniform draw."""
+    from mmjax.demo import train as TR
+
+    rng = np.random.default_rng(3)
+    scenes = [S.sample_scene(rng) for _ in range(300)]
+    imgs = np.zeros((len(scenes), 4, 4, 3), np.uint8)
+    enc = TR.Encoder(tok, 4)
+    close = {i for i, s in enumerate(scenes)
+             if s.count > 1 and min(abs(a.cx - b.cx) for a in s.shapes for b in s.shapes if a is not b)
+             < 0.15 * s.width}
+    assert 0 < len(close) < len(scenes) // 2
+    hard = TR.Sampler(imgs, scenes, enc, 64, hard_describe=1.0)
+    assert set(hard.hard.tolist()) == close
+    assert all(hard.example(rng, "describe")[0] in close for _ in range(100))
+    plain = TR.Sampler(imgs, scenes, enc, 64)
+    drawn = [plain.example(rng, "describe")[0] for _ in range(300)]
+    assert any(i not in close for i in drawn)

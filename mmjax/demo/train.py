@@ -206,8 +206,8 @@ class Sampler:
         # "describe" mistakes are mostly order mistakes between shapes whose centers are close
         # in x: this share of describe questions is drawn from scenes with a pair < 15% apart
         self.hard_describe = hard_describe
-        self.hard = np.asarray([i for i, s in enumerate(scenes) if s.count > 1 and min(
-            abs(a.cx - b.cx) for a, b in zip(s.left_to_right(), s.left_to_right()[1:])) < 0.15 * s.width])
+        self.hard = np.asarray([i for i, s in enumerate(scenes) if s.count > 1
+                                and np.diff([x.cx for x in s.left_to_right()]).min() < 0.15 * s.width])
         self.types = list(QUESTION_TYPES)
         w = weights or QTYPE_WEIGHTS
         self.p = np.asarray([w[t] for t in self.types], np.float64)
