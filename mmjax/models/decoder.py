@@ -191,7 +191,7 @@ def forward(params: dict, cfg: TextConfig, embeds: jax.Array, positions: jax.Arr
     cache index of each row's first new token; slots [b]: cache row of each batch row (None means
     batch row i is slot i, the decode step's layout: rows [0, b) read with a slice, no gather);
     kv_len (int or traced int32 scalar): cache positions in use, >= max(starts) + t (segments
-    from kv_len on are neither read nor written).
+    from kv_len on are not read; no new token lands there either).
     Returns (final-normed hidden [b, t, hidden], updated cache).
     """
     x = embeds
@@ -227,10 +227,12 @@ def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tu
     v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Each new token goes to the segment holding its cache index; indexes outside a segment
-    # (and padded tail tokens of a bucketed chunk past max_len) map past its end and mode="drop"
-    # skips them (a negative index would wrap), so every segment takes the same scatter (no
-    # lax.cond around it: a cond returning the untouched segment may copy it).
-    # (rows [b, 1], :, idx [b, t]) indexes [b, t, kv_heads, hd]: the new k/v as they are.
+    # (and padded tail tokens of a bucketed chunk past max_len) map to distinct positions past
+    # its end, which mode="drop" skips (a negative index would wrap) and which keep the
+    # unique_indices promise true (XLA:CPU's scatter walks every update, dropped ones included;
+    # the promise cut a 256-token prefill chunk into 8 segments from 501 to ~480 ms). Every
+    # segment takes the scatter: a lax.cond around it measured +5% prefill (benchmarks/README.md,
+    # "KV segments"). (rows [b, 1], :, idx [b, t]) indexes [b, t, kv_heads, hd].
     new_k, new_v, start = [], [], 0
     for ck, cv in zip(kv["k"], kv["v"]):
         size = ck.shape[2]
