@@ -21,8 +21,10 @@ from mmjax.sampling import sample
 log = logging.getLogger("mmjax.runner")
 
 # XLA CPU: keep the decode step's skinny [slots, in] @ [in, out] matmuls off YNNPACK library
-# fusions (measured slower for M=8 than XLA's own dot; benchmarks/README.md). Prefill/encode keep them.
-DECODE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# fusions (measured slower for M=8 than XLA's own dot), but give YNN the reductions: decode
+# attention's broadcast-multiply-reduce over a K^T segment ran 2.2x faster there than in XLA's
+# own reduction loop (benchmarks/README.md). Prefill/encode keep the default library fusions.
+DECODE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 
 
 def init_decode_state(num_slots: int) -> dict:

@@ -9,6 +9,7 @@ import torch
 import mmjax
 from conftest import noise_image
 from mmjax.engine import AsyncEngine
+from mmjax.models import decoder
 from tiny_checkpoints import WORDS
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -37,7 +38,10 @@ def run_with_arrivals(engine, reqs, arrivals):
     return [engine.output(r) for r in ids]
 
 
-def test_concurrent_random_arrivals_equal_one_at_a_time(path):
+def test_concurrent_random_arrivals_equal_one_at_a_time(path, monkeypatch):
+    """Also crosses decode attention's two formulations: the concurrent run's decode steps use
+    broadcast-multiply-reduce (forced; 6 slots x 2 KV heads is under the size where the model
+    picks it), the one-at-a-time run uses dots."""
     rng = np.random.default_rng(0)
     base = mmjax.load(path, max_num_seqs=6, max_model_len=1024, prefill_chunk=128)
     reqs = []
@@ -50,7 +54,9 @@ def test_concurrent_random_arrivals_equal_one_at_a_time(path):
                      "sampling": mmjax.SamplingParams(max_tokens=int(rng.integers(1, 65)), **GREEDY)})
     lens = [len(base.tokenizer.encode_prompt(r["prompt"], [im.num_tokens for im in r["images"]])) for r in reqs]
     assert min(lens) <= 12 and max(lens) >= 500  # prompt lengths span ~5..600 tokens
+    monkeypatch.setattr(decoder, "SMALL_N_MIN_CALLS", 0)
     together = run_with_arrivals(base.engine, reqs, rng.integers(0, 40, len(reqs)))
+    monkeypatch.setattr(decoder, "SMALL_N_MIN_CALLS", 10 ** 9)
     alone_vlm = mmjax.load(path, max_num_seqs=1, max_model_len=1024, prefill_chunk=128, enable_prefix_cache=False)
     alone = [alone_vlm.engine.run_until_done([alone_vlm.engine.add_request(r["prompt"], r["images"], r["sampling"])])[0]
              for r in reqs]

@@ -23,8 +23,11 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.config import TextConfig
 from mmjax.models.layers import dense, rms_norm
 
-KVCache = list  # [{"k": [[slots, kv_heads, segment_len, head_dim], ...], "v": ...}] * layers
+KVCache = list  # [{"k": [[slots, kv_heads, head_dim, len_i], ...], "v": [[slots, kv_heads, len_i, head_dim], ...]}] * layers
 KV_SEGMENT = 128
+# cache_attention avoids dots for <= SMALL_N queries per KV head when a batched dot would make
+# >= SMALL_N_MIN_CALLS small matmul calls (one per row and KV head)
+SMALL_N, SMALL_N_MIN_CALLS = 8, 32
 
 
 def load_decoder_params(src: TensorSource, cfg: TextConfig, prefix: str, lm_head_name: str) -> dict:
@@ -67,11 +70,14 @@ def kv_segments(max_len: int, segment: int = KV_SEGMENT, fine: int = 8) -> tuple
 
 def init_kv_cache(cfg: TextConfig, num_slots: int, max_len: int, dtype,
                   segment: int = KV_SEGMENT) -> KVCache:
-    """Zero cache of `num_slots` rows, `max_len` positions cut into `kv_segments(max_len, segment)`."""
-    def pieces():
-        return [jnp.zeros((num_slots, cfg.num_kv_heads, n, cfg.head_dim), dtype)
-                for n in kv_segments(max_len, segment)]
-    return [{"k": pieces(), "v": pieces()} for _ in range(cfg.num_layers)]
+    """Zero cache of `num_slots` rows, `max_len` positions cut into `kv_segments(max_len, segment)`:
+    K segments [slots, kv_heads, head_dim, len] (transposed), V segments [slots, kv_heads, len,
+    head_dim]; see `cache_attention` for why."""
+    def zeros(shapes):
+        return [jnp.zeros((num_slots, cfg.num_kv_heads) + shape, dtype) for shape in shapes]
+    cuts = kv_segments(max_len, segment)
+    return [{"k": zeros([(cfg.head_dim, n) for n in cuts]), "v": zeros([(n, cfg.head_dim) for n in cuts])}
+            for _ in range(cfg.num_layers)]
 
 
 def rope_inv_freq(cfg: TextConfig) -> np.ndarray:
@@ -128,47 +134,59 @@ def _when(pred, fn, skipped, *args):
     return jax.lax.cond(pred, fn, lambda *_: skipped, *args)
 
 
-def cache_attention(q: jax.Array, ks: list, vs: list, q_index: jax.Array, kv_len,
+def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len,
                     slots: jax.Array | None = None) -> jax.Array:
     """Causal attention of new queries over a cache given as consecutive segments.
 
-    q [b, t, heads, hd]; ks, vs: cache segments [slots, kv_heads, len_i, hd] covering cache
-    indexes [0, sum len_i); query row i reads cache row slots[i] (None: row i, the decode
-    layout); q_index [b, t] = cache index of each query; kv_len (int or traced int32 scalar) >
-    every q_index that matters: segments starting at or after it are neither read nor computed.
-    Key j is visible to a query at index i iff j <= i (so stale entries past a sequence's end
-    are never read). Returns [b, t, heads, hd]; a query with no visible key gets zeros.
+    q [b, t, heads, hd]; kts: K segments transposed [slots, kv_heads, hd, len_i], vs: V segments
+    [slots, kv_heads, len_i, hd], covering cache indexes [0, sum len_i); query row i reads cache
+    row slots[i] (None: row i, the decode layout); q_index [b, t] = cache index of each query;
+    kv_len (int or traced int32 scalar) > every q_index that matters: segments starting at or
+    after it are not computed. Key j is visible to a query at index i iff j <= i (so stale
+    entries past a sequence's end are never read). Returns [b, t, heads, hd]; a query with no
+    visible key gets zeros.
 
     Each segment yields (max, sum of exp(s - max), exp(s - max) V) and the segments are merged
-    with the usual rescaling, as flash attention merges key blocks. Per (b, kv_head) both
-    products read a segment [len, hd] as a plain row-major operand: scores [len, n] = K q^T and
-    out [n, hd] = P^T V with n = t * group queries. Written any other way (e.g. scores as
-    [n, len]) XLA:CPU makes V the transposed left operand of a [hd, len] x [len, n] product,
-    which ran 2-3x slower at decode (benchmarks/README.md, "KV layout A/B").
+    with the usual rescaling, as flash attention merges key blocks. With few queries per KV head
+    (n = t * group <= SMALL_N: decode) both products are broadcast-multiply-reduce over a
+    non-minor axis (scores sum K^T [hd, len] rows, out sums V [len, hd] rows): XLA:CPU runs those
+    as one loop over the segment, where a batched dot makes one small matmul call per
+    (row, KV head), 128 per segment at 16 slots, and was 1.7x slower at decode
+    (benchmarks/README.md, "K^T decode attention"). Larger n (prefill) uses dots on the same
+    layouts: scores [n, len] = q K^T and out [n, hd] = P V, both plain row-major operands.
     """
     b, t, h, hd = q.shape
-    kvh = ks[0].shape[1]
+    kvh = kts[0].shape[1]
     g = h // kvh
     n = t * g
+    small = n <= SMALL_N and b * kvh >= SMALL_N_MIN_CALLS
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
 
-    def segment(k, v, start):
+    def segment(kt, v, start):
         # decode: rows [0, b) (a no-op slice when b == slots); prefill: gather its slots
-        k, v = (k[:b], v[:b]) if slots is None else (k[slots], v[slots])
-        s = jnp.einsum("bksd,bknd->bksn", k, qn, preferred_element_type=jnp.float32) / np.sqrt(hd)
-        visible = start + jnp.arange(k.shape[2])[None, :, None] <= q_index[:, None, :]  # [b, len, t]
-        s = jnp.where(visible[:, None, :, :, None], s.reshape(b, kvh, -1, t, g), -jnp.inf)
-        s = s.reshape(b, kvh, -1, n)
-        top = s.max(axis=2)                                   # [b, kvh, n]; -inf: nothing visible
-        w = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)[:, :, None, :])
-        pv = jnp.einsum("bksn,bksd->bknd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return top, w.sum(axis=2), pv
+        kt, v = (kt[:b], v[:b]) if slots is None else (kt[slots], v[slots])
+        size = v.shape[2]
+        if small:
+            s = (kt[:, :, None].astype(jnp.float32) * qn[..., None].astype(jnp.float32)).sum(axis=3)
+        else:
+            s = jnp.einsum("bknd,bkds->bkns", qn, kt, preferred_element_type=jnp.float32)
+        s = s / np.sqrt(hd)                                           # [b, kvh, n, len]
+        visible = start + jnp.arange(size)[None, None, :] <= q_index[:, :, None]  # [b, t, len]
+        s = jnp.where(visible[:, None, :, None, :], s.reshape(b, kvh, t, g, size), -jnp.inf)
+        s = s.reshape(b, kvh, n, size)
+        top = s.max(axis=3)                                   # [b, kvh, n]; -inf: nothing visible
+        w = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
+        if small:
+            pv = (w[..., None] * v[:, :, None].astype(jnp.float32)).sum(axis=3)
+        else:
+            pv = jnp.einsum("bkns,bksd->bknd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return top, w.sum(axis=3), pv
 
     skipped = (jnp.full((b, kvh, n), -jnp.inf), jnp.zeros((b, kvh, n)), jnp.zeros((b, kvh, n, hd)))
     parts, start = [], 0
-    for k, v in zip(ks, vs):
-        parts.append(_when(start < kv_len, lambda k, v, start=start: segment(k, v, start), skipped, k, v))
-        start += k.shape[2]
+    for kt, v in zip(kts, vs):
+        parts.append(_when(start < kv_len, lambda kt, v, start=start: segment(kt, v, start), skipped, kt, v))
+        start += v.shape[2]
     top = parts[0][0]
     for m, _, _ in parts[1:]:
         top = jnp.maximum(top, m)
@@ -232,14 +250,15 @@ def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tu
     # unique_indices promise true (XLA:CPU's scatter walks every update, dropped ones included;
     # the promise cut a 256-token prefill chunk into 8 segments from 501 to ~480 ms). Every
     # segment takes the scatter: a lax.cond around it measured +5% prefill (benchmarks/README.md,
-    # "KV segments"). (rows [b, 1], :, idx [b, t]) indexes [b, t, kv_heads, hd].
+    # "KV segments"). (rows [b, 1], :, idx [b, t]) on V and (rows, :, :, idx) on K^T both index
+    # [b, t, kv_heads, hd].
     new_k, new_v, start = [], [], 0
     for ck, cv in zip(kv["k"], kv["v"]):
-        size = ck.shape[2]
+        size = cv.shape[2]
         idx = q_index - start
         idx = jnp.where((idx >= 0) & (idx < size), idx, size + jnp.arange(t))
-        new_k.append(ck.at[rows[:, None], :, idx].set(k.astype(ck.dtype), mode="drop",
-                                                      unique_indices=True))
+        new_k.append(ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop",
+                                                         unique_indices=True))
         new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop",
                                                       unique_indices=True))
         start += size
