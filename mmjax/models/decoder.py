@@ -126,12 +126,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
 
 
-def _when(pred, fn, skipped, *args):
-    """fn(*args) if pred else `skipped`: a Python branch for a concrete pred, else lax.cond (XLA
-    runs only the taken branch)."""
+def _when(pred, fn, otherwise, *args):
+    """fn(*args) if pred else otherwise(*args): a Python branch for a concrete pred, else
+    lax.cond (XLA runs only the taken branch)."""
     if isinstance(pred, (bool, np.bool_)):
-        return fn(*args) if pred else skipped
-    return jax.lax.cond(pred, fn, lambda *_: skipped, *args)
+        return (fn if pred else otherwise)(*args)
+    return jax.lax.cond(pred, fn, otherwise, *args)
 
 
 def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len,
@@ -162,7 +162,7 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     small = n <= SMALL_N and b * kvh >= SMALL_N_MIN_CALLS
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
 
-    def segment(kt, v, start):
+    def segment(kt, v, start, top, total, out):
         # decode: rows [0, b) (a no-op slice when b == slots); prefill: gather its slots
         kt, v = (kt[:b], v[:b]) if slots is None else (kt[slots], v[slots])
         size = v.shape[2]
@@ -174,28 +174,25 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
         visible = start + jnp.arange(size)[None, None, :] <= q_index[:, :, None]  # [b, t, len]
         s = jnp.where(visible[:, None, :, None, :], s.reshape(b, kvh, t, g, size), -jnp.inf)
         s = s.reshape(b, kvh, n, size)
-        top = s.max(axis=3)                                   # [b, kvh, n]; -inf: nothing visible
-        w = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
+        new_top = jnp.maximum(top, s.max(axis=3))             # [b, kvh, n]; -inf: nothing visible yet
+        shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+        w = jnp.exp(s - shift[..., None])
         if small:
             pv = (w[..., None] * v[:, :, None].astype(jnp.float32)).sum(axis=3)
         else:
             pv = jnp.einsum("bkns,bksd->bknd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return top, w.sum(axis=3), pv
+        rescale = jnp.exp(top - shift)                        # 0 while nothing was visible
+        return new_top, total * rescale + w.sum(axis=3), out * rescale[..., None] + pv
 
-    skipped = (jnp.full((b, kvh, n), -jnp.inf), jnp.zeros((b, kvh, n)), jnp.zeros((b, kvh, n, hd)))
-    parts, start = [], 0
+    # running (max, sum of exp, exp-weighted V) carried through the segments; a skipped segment
+    # passes it on unchanged
+    carry = (jnp.full((b, kvh, n), -jnp.inf), jnp.zeros((b, kvh, n)), jnp.zeros((b, kvh, n, hd)))
+    start = 0
     for kt, v in zip(kts, vs):
-        parts.append(_when(start < kv_len, lambda kt, v, start=start: segment(kt, v, start), skipped, kt, v))
+        carry = _when(start < kv_len, lambda kt, v, *c, start=start: segment(kt, v, start, *c),
+                      lambda kt, v, *c: c, kt, v, *carry)
         start += v.shape[2]
-    top = parts[0][0]
-    for m, _, _ in parts[1:]:
-        top = jnp.maximum(top, m)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    total, out = 0.0, 0.0
-    for m, l, pv in parts:
-        scale = jnp.exp(m - top)
-        total = total + scale * l
-        out = out + scale[..., None] * pv
+    _, total, out = carry
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
 
