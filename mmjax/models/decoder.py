@@ -1,15 +1,17 @@
 """Llama-style decoder (Llama / Mistral / Qwen2) over an explicit slot KV cache.
 
 KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
-segments (`kv_segments`: 128 positions each up to 1024, then doubling),
-`[slots, kv_heads, segment_len, head_dim]` each. Attention takes `kv_len`, a traced count of the
+segments (`kv_segments`: 128 positions each up to 1024, then doubling), K
+`[slots, kv_heads, head_dim, segment_len]` and V `[slots, kv_heads, segment_len, head_dim]`. Attention takes `kv_len`, a traced count of the
 cache positions in use, and skips (`lax.cond`) every segment from kv_len on: one compiled step
 serves every sequence length and pays for the longest one in 128-position steps (a static
 window ladder compiled one step per rung, and a window slice of one `[.., max_len, ..]` array
 was a copy per layer and step: XLA:CPU materialises slices that feed a dot;
 benchmarks/README.md, "KV segments").
-Head-major: a slot's segment of one KV head is one contiguous [segment_len, head_dim] block, so
-attention reads it without a transpose; see `cache_attention`.
+Head-major: a slot's segment of one KV head is one contiguous block, K stored transposed
+([head_dim, segment_len]) and V not ([segment_len, head_dim]), so both of decode attention's
+reductions run over a non-minor axis and prefill's dots read plain row-major operands; see
+`cache_attention`.
 One array per layer (not one stacked array) because slicing a layer out of a stacked array inside
 the decode step copied every layer's weights each step on XLA CPU (see facts.md).
 """
@@ -23,7 +25,8 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.config import TextConfig
 from mmjax.models.layers import dense, rms_norm
 
-KVCache = list  # [{"k": [[slots, kv_heads, head_dim, len_i], ...], "v": [[slots, kv_heads, len_i, head_dim], ...]}] * layers
+KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
+#                              "v": [[slots, kv_heads, len_i, head_dim], ...]}
 KV_SEGMENT = 128
 # cache_attention avoids dots for <= SMALL_N queries per KV head when a batched dot would make
 # >= SMALL_N_MIN_CALLS small matmul calls (one per row and KV head)
