@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="toy checkpoint and few requests (CI)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128,
+                    help="output tokens per request (128, as vLLM's random benchmark dataset)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
