@@ -2,12 +2,12 @@
 
 KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
 segments (`kv_segments`: 128 positions each up to 1024, then doubling), K
-`[slots, kv_heads, head_dim, segment_len]` and V `[slots, kv_heads, segment_len, head_dim]`. Attention takes `kv_len`, a traced count of the
-cache positions in use, and skips (`lax.cond`) every segment from kv_len on: one compiled step
-serves every sequence length and pays for the longest one in 128-position steps (a static
-window ladder compiled one step per rung, and a window slice of one `[.., max_len, ..]` array
-was a copy per layer and step: XLA:CPU materialises slices that feed a dot;
-benchmarks/README.md, "KV segments").
+`[slots, kv_heads, head_dim, segment_len]` and V `[slots, kv_heads, segment_len, head_dim]`.
+Attention takes `kv_len`, a traced count of the cache positions in use, and skips (`lax.cond`)
+every segment from kv_len on: one compiled step serves every sequence length and pays for the
+longest one in 128-position steps (a static window ladder compiled one step per rung, and a
+window slice of one `[.., max_len, ..]` array was a copy per layer and step: XLA:CPU
+materialises slices that feed a dot; benchmarks/README.md, "KV segments").
 Head-major: a slot's segment of one KV head is one contiguous block, K stored transposed
 ([head_dim, segment_len]) and V not ([segment_len, head_dim]), so both of decode attention's
 reductions run over a non-minor axis and prefill's dots read plain row-major operands; see
@@ -152,11 +152,12 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     Each segment yields (max, sum of exp(s - max), exp(s - max) V) and the segments are merged
     with the usual rescaling, as flash attention merges key blocks. With few queries per KV head
     (n = t * group <= SMALL_N: decode) both products are broadcast-multiply-reduce over a
-    non-minor axis (scores sum K^T [hd, len] rows, out sums V [len, hd] rows): XLA:CPU runs those
-    as one loop over the segment, where a batched dot makes one small matmul call per
-    (row, KV head), 128 per segment at 16 slots, and was 1.7x slower at decode
-    (benchmarks/README.md, "K^T decode attention"). Larger n (prefill) uses dots on the same
-    layouts: scores [n, len] = q K^T and out [n, hd] = P V, both plain row-major operands.
+    non-minor axis (scores sum K^T [hd, len] rows, out sums V [len, hd] rows), which the decode
+    step hands to YNN's reductions, where a batched dot makes one small matmul call per (row,
+    KV head): 128 per segment at 16 rows, 1.6x slower (benchmarks/README.md, "K^T decode
+    attention"). Below SMALL_N_MIN_CALLS such calls the dots stay (a reduction call has the
+    larger fixed cost). Larger n (prefill) uses dots on the same layouts: scores [n, len] = q K^T
+    and out [n, hd] = P V, both plain row-major operands.
     """
     b, t, h, hd = q.shape
     kvh = kts[0].shape[1]
@@ -249,9 +250,9 @@ def layer_forward(layer: dict, cfg: TextConfig, x: jax.Array, kv: dict, rope: tu
     # its end, which mode="drop" skips (a negative index would wrap) and which keep the
     # unique_indices promise true (XLA:CPU's scatter walks every update, dropped ones included;
     # the promise cut a 256-token prefill chunk into 8 segments from 501 to ~480 ms). Every
-    # segment takes the scatter: a lax.cond around it measured +5% prefill (benchmarks/README.md,
-    # "KV segments"). (rows [b, 1], :, idx [b, t]) on V and (rows, :, :, idx) on K^T both index
-    # [b, t, kv_heads, hd].
+    # segment takes the scatter: a lax.cond around it made prefill slower, decode no faster
+    # (benchmarks/README.md, "KV segments", "K^T decode attention"). (rows [b, 1], :, idx [b, t])
+    # on V and (rows, :, :, idx) on K^T both index [b, t, kv_heads, hd].
     new_k, new_v, start = [], [], 0
     for ck, cv in zip(kv["k"], kv["v"]):
         size = cv.shape[2]
