@@ -16,15 +16,16 @@ Choices (measured in the issue-7 note, see `smallest_shape_model_px`):
   same as 96 once the patch grows with it (next point).
 * ViT patch 16 -> 8x8 = 64 patch tokens: the same token count (and the same ViT/LLM cost) as
   64 px / patch 8, but every shape covers >= 1.2 patches across instead of ~1.2 px per 1/8 of
-  a patch; the larger patch only grows the patch embedding (768 -> 192, +110k params).
+  a patch; the larger patch only grows the patch embedding (192 -> 768 inputs, +74k params).
 * vision_feature_layer -1: with -2, HF computes the last ViT layer and throws it away (its
   weights would get no gradient: dead 0.44M params in the file). A model trained from scratch
   has no reason to skip the last layer.
 * vision_feature_select_strategy "default" (drop CLS): 64 image tokens (a power of two for
   buckets), the LLaVA-1.5 convention, and the CLS token still acts as a register inside the
   ViT. image_seq_length = 64.
-* Llama decoder hidden 256, 4 layers, 8 heads of 32, GQA with 2 KV heads, SwiGLU 768, RoPE
-  10000, untied lm_head (LLaVA layout: language_model.lm_head.weight is a separate tensor).
+* Llama decoder hidden 160, 7 layers, 5 heads of 32 with 5 KV heads, SwiGLU 480, RoPE 10000,
+  untied lm_head (LLaVA layout: language_model.lm_head.weight is a separate tensor); see
+  `shipped_config` for how it got there.
 * Vocab 384 = the demo tokenizer's size (256 bytes + 5 specials + merges).
 """
 from __future__ import annotations
@@ -96,26 +97,29 @@ def _llava(*, image_size, patch_size, v_hidden, v_inter, v_layers, v_heads,
 
 def shipped_config(vocab_size: int = DEFAULT_VOCAB_SIZE, image_token_index: int = IMAGE_ID,
                    ) -> dict:
-    """The shipped mmjax-shapes model (see `param_count`; ~11 MB float32).
+    """The shipped mmjax-shapes model (see `param_count`; 14.4 MB float32).
 
     Sized for the training budget (issue 7: from scratch on 2 shared CPU cores in ~30 min): the
     first proposal (`proposal_config`: 128 px, 64 image tokens, ViT 192x4, Llama 256x4, 5.27M
     params) measured ~7 s per batch-64 step on the shared machine, i.e. ~250 steps in 30 min.
-    This one: ViT 128 x 3 layers (4 heads), Llama 160 x 6 layers, 5 heads of 32 with 5 KV heads,
-    SwiGLU 480, and 64 px / patch 8 -> 8x8 = 64 image tokens. (Training started with a 3-layer
-    decoder with 1 KV head; later stages grew it to 5 layers, then 5 KV heads, then 6 layers,
-    each function-preserving: mmjax/demo/README.md.)
+    This one: ViT 128 x 5 layers (4 heads), Llama 160 x 7 layers, 5 heads of 32 with 5 KV heads,
+    SwiGLU 480, and 128 px / patch 16 -> 8x8 = 64 image tokens. It was not trained at this size:
+    training started at 64 px / patch 8 with a 3-layer ViT and a 3-layer decoder with 1 KV head,
+    and later stages grew it, each step function-preserving (decoder to 5 layers, 5 KV heads, 6
+    layers; then 128 px / patch 16 over the same 8x8 grid, 7 decoder layers, 5 ViT layers:
+    mmjax/demo/README.md).
 
-    Why patch 8 (measured): with 96 px / patch 16 (36 tokens) two 25-minute runs learned color
-    (100%) and count (~87%) but never shape (chance, 33%) and so not exists/describe either: a
-    16x16 patch sees a shape's corner at any offset and the linear patch embedding learns
-    "straight vs curved vs slanted edge" slowly. A ViT-only probe (96 px pool, 1-shape scenes,
-    global shape label, batch 64, AdamW 3e-3) reached 59% after 150 steps with patch 16 and
-    94% with patch 8. 64 px keeps 64 tokens (the cost of 128/16) with 8-px patches; the smallest
-    shape is 9.6 px along the short side (the linear probe above: 100% at 64 px except 98% on
-    96x512 canvases)."""
-    return _llava(image_size=64, patch_size=8, v_hidden=128, v_inter=512, v_layers=3,
-                  v_heads=4, t_hidden=160, t_inter=480, t_layers=6, t_heads=5, t_kv_heads=5,
+    Why patch 8 at the start (measured): with 96 px / patch 16 (36 tokens) two 25-minute runs
+    learned color (100%) and count (~87%) but never shape (chance, 33%) and so not
+    exists/describe either: a 16x16 patch sees a shape's corner at any offset and the linear
+    patch embedding learns "straight vs curved vs slanted edge" slowly. A ViT-only probe (96 px
+    pool, 1-shape scenes, global shape label, batch 64, AdamW 3e-3) reached 59% after 150 steps
+    with patch 16 and 94% with patch 8. Growing 64/8 to 128/16 keeps what patch 8 learned
+    (each old patch pixel weight spread over its 2x2 new pixels) and halves the naming mistakes
+    of describe (a shape's kind: 16 -> 4-9 of 240 questions): the smallest shape is 19.2 px
+    along the short side instead of 9.6."""
+    return _llava(image_size=128, patch_size=16, v_hidden=128, v_inter=512, v_layers=5,
+                  v_heads=4, t_hidden=160, t_inter=480, t_layers=7, t_heads=5, t_kv_heads=5,
                   vocab_size=vocab_size, image_token_index=image_token_index,
                   max_positions=1024)
 
