@@ -243,9 +243,8 @@ def test_notebook_runs_top_to_bottom():
 
 def test_growth_preserves_the_function(shipped, tmp_path):
     """train.py's warm-start growth (more decoder / ViT layers: copies with zero o/down or
-    o/fc2; more KV
-    heads: each repeated for its GQA group; 2x image size and patch: each patch pixel weight
-    spread over its 2x2 new pixels) starts from exactly the old function (for the image growth:
+    o/fc2; more KV heads: each repeated for its GQA group; 2x image size and patch: each patch
+    pixel weight spread over its 2x2 new pixels) starts from exactly the old function (for the image growth:
     on the 2x pixel-replicated image). The old model is the shipped config with 4 query heads
     on 2 KV heads and 2 decoder layers, random weights (so the KV-head growth is exercised,
     including which copy each query head must read)."""

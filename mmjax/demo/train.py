@@ -48,6 +48,10 @@ from mmjax.demo import shapes as S
 from mmjax.demo import tokenizer as T
 
 QTYPE_WEIGHTS = {"shape": 0.15, "color": 0.15, "count": 0.2, "exists": 0.25, "describe": 0.25}
+# "describe" mistakes are mostly order mistakes between shapes whose centers are close in x:
+# --hard-describe draws that share of describe questions from scenes with two centers closer
+# than this fraction of the width
+CLOSE_CENTERS = 0.15
 
 
 # ----------------------------------------------------------------------------- data
@@ -203,11 +207,9 @@ class Sampler:
         self.by_count = [np.asarray([i for i, s in enumerate(scenes) if s.count == n])
                          for n in range(1, S.MAX_SHAPES + 1)]
         self.one = self.by_count[0]
-        # "describe" mistakes are mostly order mistakes between shapes whose centers are close
-        # in x: this share of describe questions is drawn from scenes with a pair < 15% apart
         self.hard_describe = hard_describe
         self.hard = np.asarray([i for i, s in enumerate(scenes) if s.count > 1
-                                and np.diff([x.cx for x in s.left_to_right()]).min() < 0.15 * s.width])
+                                and np.diff([x.cx for x in s.left_to_right()]).min() < CLOSE_CENTERS * s.width])
         self.types = list(QUESTION_TYPES)
         w = weights or QTYPE_WEIGHTS
         self.p = np.asarray([w[t] for t in self.types], np.float64)
@@ -598,8 +600,8 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     grid = r // cfg_dict["vision_config"]["patch_size"]
     sampler = Sampler(pool[0], pool[1], enc, seq, weights=qtype_weights,
                       grid=grid if aux_weight else 0, hard_describe=hard_describe)
-    log(f"describe: {hard_describe:.0%} from the {len(sampler.hard)} scenes with two centers < 15% "
-        f"of the width apart")
+    log(f"describe: {hard_describe:.0%} from the {len(sampler.hard)} scenes with two centers < "
+        f"{CLOSE_CENTERS:.0%} of the width apart")
     ev_sampler = Sampler(eval_pool[0], eval_pool[1], enc, seq)
     ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000)
 
@@ -701,8 +703,8 @@ def main(argv=None) -> int:
                     help="directory caching drawn scene pools ('' = off)")
     ap.add_argument("--eval-every", type=float, default=180.0, help="seconds between evals")
     ap.add_argument("--hard-describe", type=float, default=0.0,
-                    help="share of describe questions drawn from scenes with two centers < 15%% of "
-                         "the width apart (where the order mistakes are)")
+                    help=f"share of describe questions drawn from scenes with two centers < "
+                         f"{CLOSE_CENTERS:.0%}% of the width apart (where the order mistakes are)")
     ap.add_argument("--cfg-override", default=None,
                     help="JSON merged into vision_config/text_config, e.g. "
                          "'{\"text_config\": {\"num_hidden_layers\": 3}}'")
