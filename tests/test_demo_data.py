@@ -407,22 +407,25 @@ def test_describe_mistake_kinds():
     assert describe_mistake("a red square and a red circle.", "a red circle and a red square") == "order"
 
 
-def test_hard_describe_draws_close_centers(tok):
-    """--hard-describe 1.0: every describe question comes from a scene whose closest pair of
-    centers is < 15% of the width apart; other question types and 0.0 keep the uniform draw."""
+def test_hard_describe_draws_shared_colors_and_close_centers(tok):
+    """--hard-describe 1.0: every describe question comes from a scene where two shapes of
+    different kinds share a color, or whose closest pair of centers is < 15% of the width apart;
+    other question types and 0.0 keep the uniform draw."""
     from mmjax.demo import train as TR
 
     rng = np.random.default_rng(3)
     scenes = [S.sample_scene(rng) for _ in range(300)]
     imgs = np.zeros((len(scenes), 4, 4, 3), np.uint8)
     enc = TR.Encoder(tok, 4)
+    pairs = lambda s: [(a, b) for a in s.shapes for b in s.shapes if a is not b]
+    shared = {i for i, s in enumerate(scenes)
+              if any(a.color == b.color and a.kind != b.kind for a, b in pairs(s))}
     close = {i for i, s in enumerate(scenes)
-             if s.count > 1 and min(abs(a.cx - b.cx) for a in s.shapes for b in s.shapes if a is not b)
-             < 0.15 * s.width}
-    assert 0 < len(close) < len(scenes) // 2
+             if any(abs(a.cx - b.cx) < 0.15 * s.width for a, b in pairs(s))}
+    assert shared - close and close - shared and len(shared | close) < len(scenes) // 2
     hard = TR.Sampler(imgs, scenes, enc, 64, hard_describe=1.0)
-    assert set(hard.hard.tolist()) == close
-    assert all(hard.example(rng, "describe")[0] in close for _ in range(100))
+    assert set(hard.hard.tolist()) == shared | close
+    assert all(hard.example(rng, "describe")[0] in shared | close for _ in range(100))
     plain = TR.Sampler(imgs, scenes, enc, 64)
     drawn = [plain.example(rng, "describe")[0] for _ in range(300)]
-    assert any(i not in close for i in drawn)
+    assert any(i not in shared | close for i in drawn)

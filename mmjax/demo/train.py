@@ -48,10 +48,23 @@ from mmjax.demo import shapes as S
 from mmjax.demo import tokenizer as T
 
 QTYPE_WEIGHTS = {"shape": 0.15, "color": 0.15, "count": 0.2, "exists": 0.25, "describe": 0.25}
-# "describe" mistakes are mostly order mistakes between shapes whose centers are close in x:
-# --hard-describe draws that share of describe questions from scenes with two centers closer
-# than this fraction of the width
+# "describe" mistakes are order mistakes, half of them in scenes where one color is shared by
+# shapes of different kinds (the decoder finds "the red one" but not which red one is further
+# left), the rest between shapes whose centers are close in x. --hard-describe draws that share
+# of describe questions from those scenes: a shared color, or two centers closer than this
+# fraction of the width.
 CLOSE_CENTERS = 0.15
+
+
+def is_hard_describe(scene) -> bool:
+    """Two shapes of one color and different kinds, or two centers < CLOSE_CENTERS * width apart."""
+    sh = scene.shapes
+    if len(sh) < 2:
+        return False
+    shared_color = any(a.color == b.color and a.kind != b.kind
+                       for i, a in enumerate(sh) for b in sh[i + 1:])
+    xs = sorted(s.cx for s in sh)
+    return shared_color or min(b - a for a, b in zip(xs, xs[1:])) < CLOSE_CENTERS * scene.width
 
 
 # ----------------------------------------------------------------------------- data
@@ -208,8 +221,7 @@ class Sampler:
                          for n in range(1, S.MAX_SHAPES + 1)]
         self.one = self.by_count[0]
         self.hard_describe = hard_describe
-        self.hard = np.asarray([i for i, s in enumerate(scenes) if s.count > 1
-                                and np.diff([x.cx for x in s.left_to_right()]).min() < CLOSE_CENTERS * s.width])
+        self.hard = np.asarray([i for i, s in enumerate(scenes) if is_hard_describe(s)])
         self.types = list(QUESTION_TYPES)
         w = weights or QTYPE_WEIGHTS
         self.p = np.asarray([w[t] for t in self.types], np.float64)
@@ -600,8 +612,8 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     grid = r // cfg_dict["vision_config"]["patch_size"]
     sampler = Sampler(pool[0], pool[1], enc, seq, weights=qtype_weights,
                       grid=grid if aux_weight else 0, hard_describe=hard_describe)
-    log(f"describe: {hard_describe:.0%} from the {len(sampler.hard)} scenes with two centers < "
-        f"{CLOSE_CENTERS:.0%} of the width apart")
+    log(f"describe: {hard_describe:.0%} from the {len(sampler.hard)} scenes with a color shared "
+        f"by two kinds or two centers < {CLOSE_CENTERS:.0%} of the width apart")
     ev_sampler = Sampler(eval_pool[0], eval_pool[1], enc, seq)
     ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000)
 
@@ -703,8 +715,9 @@ def main(argv=None) -> int:
                     help="directory caching drawn scene pools ('' = off)")
     ap.add_argument("--eval-every", type=float, default=180.0, help="seconds between evals")
     ap.add_argument("--hard-describe", type=float, default=0.0,
-                    help=f"share of describe questions drawn from scenes with two centers < "
-                         f"{CLOSE_CENTERS:.0%}% of the width apart (where the order mistakes are)")
+                    help=f"share of describe questions drawn from scenes with a color shared by "
+                         f"two kinds or two centers < {CLOSE_CENTERS:.0%}% of the width apart "
+                         f"(where the order mistakes are)")
     ap.add_argument("--cfg-override", default=None,
                     help="JSON merged into vision_config/text_config, e.g. "
                          "'{\"text_config\": {\"num_hidden_layers\": 3}}'")
