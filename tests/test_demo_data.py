@@ -429,3 +429,34 @@ def test_hard_describe_draws_shared_colors_and_close_centers(tok):
     plain = TR.Sampler(imgs, scenes, enc, 64)
     drawn = [plain.example(rng, "describe")[0] for _ in range(300)]
     assert any(i not in shared | close for i in drawn)
+
+
+def test_describe_phrase_targets(tok):
+    """The attention aux's targets: each color / kind token of a description is labelled with
+    its shape's place left to right (1-3), everything else 0; Sampler.batch puts at position t
+    the label of token t + 1 (what position t predicts), after the patch / slot / query labels."""
+    from mmjax.demo import train as TR
+
+    enc = TR.Encoder(tok, 4)
+    answer = "a red circle, a blue square and a green triangle"
+    full, p = enc(S.Q_DESCRIBE, answer)
+    ph = enc.phrases(S.Q_DESCRIBE, answer)
+    labelled = [(tok.decode([int(i)]).strip(), int(k)) for i, k in zip(full, ph) if k]
+    assert labelled == [("red", 1), ("circle", 1), ("blue", 2), ("square", 2), ("green", 3),
+                        ("triangle", 3)]
+    assert not ph[:p].any()
+    assert not enc.phrases(S.Q_COUNT, "3").any()
+    assert not enc.phrases(S.exists_question("red", "circle"), "yes").any()
+
+    rng = np.random.default_rng(4)
+    scenes = [S.sample_scene(rng, n_shapes=3) for _ in range(8)]
+    sampler = TR.Sampler(np.zeros((8, 16, 16, 3), np.uint8), scenes, enc, 64, grid=4)
+    examples = [(i, *S.make_question(rng, sc, "describe"), "describe") for i, sc in enumerate(scenes)]
+    examples[-1] = (7, *S.make_question(rng, scenes[7], "count"), "count")
+    _, ids, _, labels, _ = sampler.batch(None, 8, examples)
+    assert labels.shape == (8, 2 * 16 + S.MAX_SHAPES + 1 + 64)
+    phrase = labels[:, -64:]
+    for r, (_, q, a, _) in enumerate(examples):
+        want = enc.phrases(q, a)
+        assert (phrase[r, :len(want) - 1] == want[1:]).all() and not phrase[r, len(want) - 1:].any()
+    assert sorted(set(phrase[:7].ravel())) == [0, 1, 2, 3] and not phrase[7].any()

@@ -296,3 +296,46 @@ def test_growth_preserves_the_function(shipped, tmp_path):
         bad["text_config"]["num_key_value_heads"] = kvh
         with pytest.raises(ValueError, match="KV heads"):
             TR.init_params(bad, None, 0, str(tmp_path))
+
+
+def test_head0_attention_is_the_layer_attention(shipped):
+    """The weights the describe attention aux trains are those of query head 0 in the last
+    decoder layer: weights @ V of KV head 0 equals what that layer adds to the residual stream
+    when its o projection keeps only head 0 and its MLP is off (random weights, GQA 4 on 2)."""
+    import json
+
+    import jax.numpy as jnp
+
+    from mmjax.demo import train as TR
+    from mmjax.models import decoder
+    from mmjax.models.layers import dense, rms_norm
+
+    cfg_dict = json.loads((shipped / "config.json").read_text())
+    cfg_dict["text_config"].update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg, params = TR.init_params(cfg_dict, T.train_tokenizer(), 4)
+    rng = np.random.default_rng(6)
+    n, size = cfg.image_tokens_per_image, cfg_dict["vision_config"]["image_size"]
+    pix = jnp.asarray(rng.integers(0, 256, (2, size, size, 3)), jnp.uint8)
+    ids = np.concatenate([np.ones((2, 1)), rng.integers(5, 300, (2, 5)),
+                          np.full((2, n), cfg.image_token_id), rng.integers(5, 300, (2, 8))], 1)
+    ids = jnp.asarray(ids.astype(np.int32))
+    _, _, last_in, attn0 = TR.make_logits_fn(cfg)(params, pix, ids)
+    b, t, _ = last_in.shape
+    assert np.allclose(np.asarray(attn0).sum(-1), 1.0, atol=1e-5)
+    assert not np.triu(np.asarray(attn0), 1).any()
+
+    tc, hd = cfg.text, cfg.text.head_dim
+    layer = dict(params["text"]["layers"][-1])
+    o = np.zeros_like(layer["o"]["w"])
+    o[:hd, :hd] = np.eye(hd)                       # head 0's output -> the first hd features
+    layer["o"] = {"w": o}
+    layer["down"] = {k: np.zeros_like(v) for k, v in layer["down"].items()}
+    rope = decoder.rope_for(tc, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.zeros((b,), jnp.int32),
+                            t, jnp.asarray(decoder.rope_inv_freq(tc)))
+    out, _ = decoder.layer_forward(layer, tc, last_in, decoder.init_kv_cache(tc, b, t, jnp.float32)[-1],
+                                   rope, t)
+    qkv = dense(layer["qkv"], rms_norm(layer["ln1"], last_in, tc.rms_norm_eps))
+    v0 = qkv[..., (tc.num_heads + tc.num_kv_heads) * hd:][..., :hd]
+    got = np.asarray(out - last_in)
+    assert np.abs(got[..., hd:]).max() == 0.0
+    assert rel_err(np.asarray(attn0 @ v0), got[..., :hd]) <= 1e-5

@@ -139,6 +139,25 @@ class Encoder:
             self.cache[key] = (np.asarray(full, np.int32), len(prompt))
         return self.cache[key]
 
+    def phrases(self, q: str, a: str) -> np.ndarray:
+        """[len(full)] for a "Describe the image." answer: at each color / kind token, which
+        phrase left to right (1-3) it belongs to; 0 elsewhere (prompt, "a", ", ", "and", </s>,
+        and every token of other question types)."""
+        full, p = self(q, a)
+        out = np.zeros(len(full), np.int32)
+        if q != S.Q_DESCRIBE:
+            return out
+        article, seps = self.tok.token_to_id("a\u0120"), {self.tok.token_to_id(",\u0120"),
+                                                          self.tok.token_to_id("and\u0120"),
+                                                          T.EOS_ID}
+        k = 0
+        for i in range(p, len(full)):
+            if full[i] == article:
+                k += 1
+            elif full[i] not in seps:
+                out[i] = k
+        return out
+
 
 def max_seq_len(enc: Encoder) -> int:
     """Longest training sequence (3-shape description with the longest words), rounded to 8."""
@@ -250,8 +269,13 @@ class Sampler:
         sel = [e[0] for e in examples]
         query = np.asarray([[exists_class(q) if t == "exists" else 0] for _, q, _, t in examples],
                            np.int32)
-        return (self.imgs[sel], ids, mask, np.concatenate([self.labels[sel], query], axis=1),
-                [e[3] for e in examples])
+        # per position: the describe phrase (1-3) of the NEXT token if it is a color / kind
+        phrase = np.zeros((b, self.T), np.int32)
+        for r, (i, q, a, _) in enumerate(examples):
+            ph = self.enc.phrases(q, a)
+            phrase[r, :len(ph) - 1] = ph[1:]
+        return (self.imgs[sel], ids, mask,
+                np.concatenate([self.labels[sel], query, phrase], axis=1), [e[3] for e in examples])
 
 
 QUESTION_TYPES = S.QUESTION_TYPES
@@ -415,7 +439,7 @@ def make_logits_fn(cfg):
 
     import mmjax.attention as A
     from mmjax.models import decoder
-    from mmjax.models.layers import rms_norm
+    from mmjax.models.layers import dense, rms_norm
     from mmjax.models.llava import encode_images
 
     mean = jnp.asarray(C.CLIP_MEAN, jnp.float32)
@@ -425,7 +449,8 @@ def make_logits_fn(cfg):
 
     def logits_fn(params, pix_u8, ids):
         """-> (logits, image features [B, n, D], residual stream entering the last decoder
-        layer [B, T, D] (what the last layer's attention reads))."""
+        layer [B, T, D] (what the last layer's attention reads), that layer's head-0 attention
+        weights [B, T, T])."""
         b, t = ids.shape
         pixels = (pix_u8.astype(jnp.float32) / 255.0 - mean) / std
         # Training traces the vision attention at batch sizes where "auto" would pick the
@@ -446,7 +471,21 @@ def make_logits_fn(cfg):
         last_in = x
         x, _ = decoder.layer_forward(layers[-1], cfg.text, x, cache[-1], rope, t)
         hidden = rms_norm(params["text"]["norm"], x, cfg.text.rms_norm_eps)
-        return decoder.lm_logits(params["text"], hidden), feats, last_in
+        return (decoder.lm_logits(params["text"], hidden), feats, last_in,
+                head0_attention(layers[-1], last_in, rope))
+
+    def head0_attention(layer, x, rope):
+        """Attention weights [B, T, T] of query head 0 in `layer` (recomputed from its input
+        x [B, T, D]: the serving attention never materialises them)."""
+        hd = cfg.text.head_dim
+        qkv = dense(layer["qkv"], rms_norm(layer["ln1"], x, cfg.text.rms_norm_eps))
+        h = cfg.text.num_heads * hd
+        q = decoder.apply_rope(qkv[..., None, :hd], *rope[:2])[:, :, 0]
+        k = decoder.apply_rope(qkv[..., None, h:h + hd], *rope[:2])[:, :, 0]
+        s = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(hd)
+        t = x.shape[1]
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+        return jax.nn.softmax(s, axis=-1)
 
     return logits_fn
 
@@ -487,7 +526,7 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     logits_fn = make_logits_fn(cfg)
 
     def loss_fn(tp, pix, ids, mask, plabels):
-        logits, feats, last_in = logits_fn(tp["model"], pix, ids)
+        logits, feats, last_in, attn0 = logits_fn(tp["model"], pix, ids)
         logits = logits[:, :-1]
         tgt = ids[:, 1:]
         m = mask[:, :-1]
@@ -509,7 +548,7 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
                 rl, plabels[:, n:2 * n]).mean()
             # "exists": every image token, one layer before the answer reads it, says whether
             # its patch shows the asked (color, shape); the answer then only ORs over them.
-            query = plabels[:, -1]
+            query = plabels[:, 2 * n + S.MAX_SHAPES]
             is_img, idx = image_token_index(ids, cfg.image_token_id, n)
             target = jnp.take_along_axis(plabels[:, :n] == query[:, None], idx, axis=1)
             z = rms_norm(jnp.ones(last_in.shape[-1:], last_in.dtype), last_in, 1e-6)
@@ -518,6 +557,17 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
             w = (is_img & (query[:, None] > 0)).astype(jnp.float32) * (1.0 + 3.0 * target)
             bce = optax.sigmoid_binary_cross_entropy(ml, target.astype(jnp.float32))
             aux = aux + (bce * w).sum() / jnp.maximum(w.sum(), 1.0)
+            # "describe": while saying the color and kind of the k-th shape left to right, the
+            # last layer's head 0 looks at the image tokens of that shape (by its place, not by
+            # the color just said: that lookup is ambiguous when two shapes share a color, where
+            # describe sat at chance). Loss: -log of its attention mass on those tokens.
+            phrase = plabels[:, 2 * n + S.MAX_SHAPES + 1:]                         # [B, T]
+            tok_rank = jnp.where(is_img, jnp.take_along_axis(plabels[:, n:2 * n], idx, axis=1), 0)
+            on_shape = (tok_rank[:, None, :] == phrase[:, :, None]) & (phrase[:, :, None] > 0)
+            mass = (attn0 * on_shape).sum(-1)                                        # [B, T]
+            has = (phrase > 0) & on_shape.any(-1)
+            att = -jnp.log(jnp.where(has, mass, 1.0) + 1e-6)
+            aux = aux + (att * has).sum() / jnp.maximum(has.sum(), 1.0)
         return loss + aux_weight * aux, (loss, aux)
 
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
