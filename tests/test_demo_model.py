@@ -319,7 +319,7 @@ def test_head0_attention_is_the_layer_attention(shipped):
     ids = np.concatenate([np.ones((2, 1)), rng.integers(5, 300, (2, 5)),
                           np.full((2, n), cfg.image_token_id), rng.integers(5, 300, (2, 8))], 1)
     ids = jnp.asarray(ids.astype(np.int32))
-    _, _, last_in, attn0 = TR.make_logits_fn(cfg)(params, pix, ids)
+    _, _, last_in, attn0, out0 = TR.make_logits_fn(cfg)(params, pix, ids)
     b, t, _ = last_in.shape
     assert np.allclose(np.asarray(attn0).sum(-1), 1.0, atol=1e-5)
     assert not np.triu(np.asarray(attn0), 1).any()
@@ -339,3 +339,4 @@ def test_head0_attention_is_the_layer_attention(shipped):
     got = np.asarray(out - last_in)
     assert np.abs(got[..., hd:]).max() == 0.0
     assert rel_err(np.asarray(attn0 @ v0), got[..., :hd]) <= 1e-5
+    assert rel_err(np.asarray(out0), got[..., :hd]) <= 1e-5

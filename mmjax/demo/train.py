@@ -450,7 +450,7 @@ def make_logits_fn(cfg):
     def logits_fn(params, pix_u8, ids):
         """-> (logits, image features [B, n, D], residual stream entering the last decoder
         layer [B, T, D] (what the last layer's attention reads), that layer's head-0 attention
-        weights [B, T, T])."""
+        weights [B, T, T] and output [B, T, head_dim])."""
         b, t = ids.shape
         pixels = (pix_u8.astype(jnp.float32) / 255.0 - mean) / std
         # Training traces the vision attention at batch sizes where "auto" would pick the
@@ -472,20 +472,20 @@ def make_logits_fn(cfg):
         x, _ = decoder.layer_forward(layers[-1], cfg.text, x, cache[-1], rope, t)
         hidden = rms_norm(params["text"]["norm"], x, cfg.text.rms_norm_eps)
         return (decoder.lm_logits(params["text"], hidden), feats, last_in,
-                head0_attention(layers[-1], last_in, rope))
+                *head0_attention(layers[-1], last_in, rope))
 
     def head0_attention(layer, x, rope):
-        """Attention weights [B, T, T] of query head 0 in `layer` (recomputed from its input
-        x [B, T, D]: the serving attention never materialises them)."""
-        hd = cfg.text.head_dim
+        """Attention weights [B, T, T] and output [B, T, head_dim] of query head 0 in `layer`
+        (recomputed from its input x [B, T, D]: the serving attention never materialises them)."""
+        hd, h, kvh = cfg.text.head_dim, cfg.text.num_heads, cfg.text.num_kv_heads
         qkv = dense(layer["qkv"], rms_norm(layer["ln1"], x, cfg.text.rms_norm_eps))
-        h = cfg.text.num_heads * hd
         q = decoder.apply_rope(qkv[..., None, :hd], *rope[:2])[:, :, 0]
-        k = decoder.apply_rope(qkv[..., None, h:h + hd], *rope[:2])[:, :, 0]
+        k = decoder.apply_rope(qkv[..., None, h * hd:h * hd + hd], *rope[:2])[:, :, 0]
+        v = qkv[..., (h + kvh) * hd:(h + kvh) * hd + hd]
         s = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(hd)
         t = x.shape[1]
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
-        return jax.nn.softmax(s, axis=-1)
+        w = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf), axis=-1)
+        return w, w @ v
 
     return logits_fn
 
@@ -495,7 +495,8 @@ def init_aux(cfg, seed: int) -> dict:
     ("w", "b") and per image over all tokens flattened -> 3 left-to-right slots ("sw", "sb").
     Per patch, its shape's rank left to right ("rw", "rb").
     On the decoder's image-token states entering the last layer, for "exists" questions: does
-    this patch show the asked (color, shape) ("mw", "mb")."""
+    this patch show the asked (color, shape) ("mw", "mb"). On the last layer's head-0 output
+    at a description's color / kind positions: the described shape's (color, shape) ("hw", "hb")."""
     rng = np.random.default_rng(seed + 7)
     d, n = cfg.text.hidden_size, cfg.image_tokens_per_image
     k = N_PATCH_CLASSES
@@ -507,7 +508,9 @@ def init_aux(cfg, seed: int) -> dict:
             "rw": (0.02 * rng.standard_normal((d, 1 + S.MAX_SHAPES))).astype(np.float32),
             "rb": np.zeros((1 + S.MAX_SHAPES,), np.float32),
             "mw": (0.02 * rng.standard_normal((d,))).astype(np.float32),
-            "mb": np.zeros((), np.float32)}
+            "mb": np.zeros((), np.float32),
+            "hw": (0.02 * rng.standard_normal((cfg.text.head_dim, k))).astype(np.float32),
+            "hb": np.zeros((k,), np.float32)}
 
 
 def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0.98,
@@ -526,7 +529,7 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     logits_fn = make_logits_fn(cfg)
 
     def loss_fn(tp, pix, ids, mask, plabels):
-        logits, feats, last_in, attn0 = logits_fn(tp["model"], pix, ids)
+        logits, feats, last_in, attn0, out0 = logits_fn(tp["model"], pix, ids)
         logits = logits[:, :-1]
         tgt = ids[:, 1:]
         m = mask[:, :-1]
@@ -568,6 +571,14 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
             has = (phrase > 0) & on_shape.any(-1)
             att = -jnp.log(jnp.where(has, mass, 1.0) + 1e-6)
             aux = aux + (att * has).sum() / jnp.maximum(has.sum(), 1.0)
+            # ... and what it reads there is that shape's (color, kind): looking at the right
+            # tokens alone left the kind at a coin toss (a probe on its output read the kind
+            # no better than chance), the answer kept the color-keyed lookup
+            slots = plabels[:, 2 * n:2 * n + S.MAX_SHAPES]
+            want = jnp.take_along_axis(slots, jnp.clip(phrase - 1, 0, S.MAX_SHAPES - 1), axis=1)
+            hl = out0 @ tp["aux"]["hw"] + tp["aux"]["hb"]
+            read = optax.softmax_cross_entropy_with_integer_labels(hl, want)
+            aux = aux + (read * has).sum() / jnp.maximum(has.sum(), 1.0)
         return loss + aux_weight * aux, (loss, aux)
 
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
