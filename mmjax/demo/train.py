@@ -16,10 +16,12 @@ inside the jitted step, so pixels equal `shapes.preprocess` / mmjax's ClipImageP
 step draws fresh (scene, question) pairs from the pool: the question type first (weights in
 `QTYPE_WEIGHTS`), then a scene it applies to, then the question and exact answer from the
 scene's metadata. Loss: cross entropy on the answer tokens and the closing </s> only, plus
-(weight `--aux`) two training-only linear heads on the image token embeddings that are NOT part
-of the exported model: per patch, which (color, shape) covers it; per image, the shapes left to
-right (3 slots). Without them the answer loss sat on the language-prior plateau (chance
-accuracy on everything but color) for 600+ steps.
+(weight `--aux`) training-only auxiliary losses whose linear heads are NOT part of the exported
+model (`init_aux`, `make_steps`): on the image token embeddings, per patch which (color, shape)
+covers it and its shape's place left to right, per image the shapes left to right (3 slots);
+for "exists", a patch-match head on the decoder's image tokens; for "describe", where the last
+layer's head 0 looks and what it reads. Without the first ones the answer loss sat on the
+language-prior plateau (chance accuracy on everything but color) for 600+ steps.
 
 Schedule: AdamW with a time-based warmup + cosine decay (`--minutes` is the budget; the LR is a
 function of elapsed wall time, so a busy machine only costs steps, not the decay shape).
@@ -49,10 +51,9 @@ from mmjax.demo import tokenizer as T
 
 QTYPE_WEIGHTS = {"shape": 0.15, "color": 0.15, "count": 0.2, "exists": 0.25, "describe": 0.25}
 # "describe" mistakes are order mistakes, half of them in scenes where one color is shared by
-# shapes of different kinds (the decoder finds "the red one" but not which red one is further
-# left), the rest between shapes whose centers are close in x. --hard-describe draws that share
-# of describe questions from those scenes: a shared color, or two centers closer than this
-# fraction of the width.
+# shapes of different kinds (there the order is a coin toss), the rest between shapes whose
+# centers are close in x. --hard-describe draws that share of describe questions from those
+# scenes: a shared color, or two centers closer than this fraction of the width.
 CLOSE_CENTERS = 0.15
 
 
@@ -269,7 +270,8 @@ class Sampler:
         sel = [e[0] for e in examples]
         query = np.asarray([[exists_class(q) if t == "exists" else 0] for _, q, _, t in examples],
                            np.int32)
-        # per position: the describe phrase (1-3) of the NEXT token if it is a color / kind
+        # per position: the describe phrase (1-3) of the NEXT token if it is a color / kind.
+        # Label columns: patch class [n] | patch rank [n] | slots [3] | exists query [1] | phrase [T]
         phrase = np.zeros((b, self.T), np.int32)
         for r, (i, q, a, _) in enumerate(examples):
             ph = self.enc.phrases(q, a)
