@@ -1,10 +1,9 @@
 """mmjax-shapes (issue 7): the shipped trained checkpoint, end to end.
 
 * held-out accuracy through `vlm.chat` on 300 freshly generated questions (a new random seed
-  each run, printed so a failure can be replayed with MMJAX_SHAPES_SEED): >= 90% on shape,
-  color, count and exists (the issue's per-type target); describe and overall assert regression
-  floors (describe's 90% is not met yet; overall's 95% is met but too close to assert on a
-  fresh sample: see test_heldout_accuracy_through_chat);
+  each run, printed so a failure can be replayed with MMJAX_SHAPES_SEED): the issue's >= 95%
+  overall and >= 90% on each question type, describe judged over its 60 questions plus 240
+  more fresh ones (see test_heldout_accuracy_through_chat);
 * the same first 50 questions through the OpenAI server (in-process aiohttp app, official
   `openai` client, images as PNG/JPEG data URIs) give the same answers as `vlm.chat`;
 * transformers loads the shipped directory; prompt ids (apply_chat_template), pixels and
@@ -50,14 +49,22 @@ def vlm(shipped):
 
 
 @pytest.fixture(scope="module")
-def questions():
-    """300 fresh (image bytes, question, answer, type), 60 per type, scenes of random size."""
+def seed() -> int:
     seed = int(os.environ.get("MMJAX_SHAPES_SEED") or np.random.SeedSequence().entropy % 2**32)
     print(f"\nmmjax-shapes held-out seed: {seed} (replay with MMJAX_SHAPES_SEED={seed})")
-    rng = np.random.default_rng(seed)
+    return seed
+
+
+@pytest.fixture(scope="module")
+def questions(seed):
+    """300 fresh (image bytes, question, answer, type), 60 per type, scenes of random size."""
+    return _fresh_questions(np.random.default_rng(seed), N_QUESTIONS, S.QUESTION_TYPES)
+
+
+def _fresh_questions(rng, n: int, qtypes) -> list[dict]:
     out = []
-    for i in range(N_QUESTIONS):
-        qtype = S.QUESTION_TYPES[i % len(S.QUESTION_TYPES)]
+    for i in range(n):
+        qtype = qtypes[i % len(qtypes)]
         ex = S.make_example(rng, qtype, client_roundtrip=False)
         data, fmt = S.encode_bytes(ex["image"], rng)          # PNG or JPEG q85-95, like a client
         out.append({"bytes": data, "fmt": fmt, "question": ex["question"],
@@ -70,10 +77,14 @@ def _messages(image, question):
                                          {"type": "text", "text": question}]}]
 
 
-@pytest.fixture(scope="module")
-def chat_answers(vlm, questions):
+def _chat(vlm, questions) -> list[str]:
     sp = mmjax.SamplingParams(**SP)
     return [vlm.chat(_messages(q["bytes"], q["question"]), sp).text for q in questions]
+
+
+@pytest.fixture(scope="module")
+def chat_answers(vlm, questions):
+    return _chat(vlm, questions)
 
 
 def test_shipped_checkpoint_files(shipped):
@@ -86,35 +97,38 @@ def test_shipped_checkpoint_files(shipped):
     assert size <= 25 * 2**20, f"checkpoint is {size / 2**20:.1f} MiB"
 
 
-def test_heldout_accuracy_through_chat(questions, chat_answers):
+def test_heldout_accuracy_through_chat(vlm, seed, questions, chat_answers):
+    # describe is the hardest type (measured 0.933-1.000 per sample): its 60 questions alone
+    # would miss 90% in ~4% of runs at a true 0.945, so it is judged over 240 more fresh ones
+    # too (sd 0.013 over 300)
+    more = _fresh_questions(np.random.default_rng([seed, 1]), 240, ("describe",))
     hits, tot = collections.Counter(), collections.Counter()
     wrong = []
-    for q, pred in zip(questions, chat_answers):
+    for i, (q, pred) in enumerate(zip(questions + more, chat_answers + _chat(vlm, more))):
         ok = S.answer_matches(pred, q["answer"])
-        hits[q["qtype"]] += ok
-        tot[q["qtype"]] += 1
+        kind = q["qtype"] if i < len(questions) else "describe (extra)"
+        hits[kind] += ok
+        tot[kind] += 1
         if not ok:
             wrong.append((q["qtype"], q["question"], q["answer"], pred, q["fmt"],
                           (q["scene"].width, q["scene"].height)))
-    acc = {t: hits[t] / tot[t] for t in tot}
-    overall = sum(hits.values()) / len(questions)
+    assert set(tot) == {*S.QUESTION_TYPES, "describe (extra)"}
+    overall = sum(hits[t] for t in S.QUESTION_TYPES) / len(questions)
+    acc = {t: hits[t] / tot[t] for t in S.QUESTION_TYPES}
+    describe = (hits["describe"] + hits["describe (extra)"]) / (tot["describe"] + tot["describe (extra)"])
     report = "  ".join(f"{t} {acc[t]:.3f}" for t in S.QUESTION_TYPES)
-    print(f"\nmmjax-shapes accuracy: overall {overall:.3f}  {report}")
+    print(f"\nmmjax-shapes accuracy: overall {overall:.3f}  {report}; describe over "
+          f"{tot['describe'] + tot['describe (extra)']}: {describe:.3f}")
     for w in wrong[:20]:
         print("  wrong:", w)
-    assert set(tot) == set(S.QUESTION_TYPES)
-    # Issue 7's per-type target (>= 0.90) holds for shape, color, count and exists (measured
-    # 0.983-1.000 on all four at three seeds). NOT met (issue stays open): "describe" (measured
-    # 0.883 / 0.883 / 0.833 via chat at seeds 2026 / 777 / 31337, 0.883 over 1,020 questions;
-    # order mistakes, mostly where two shapes share a color). Overall >= 0.95 is met at those
-    # seeds (0.977 / 0.977 / 0.963) but sits 1-2.5 standard deviations (0.011 at n = 300) above
-    # the target, so a fresh seed each run would fail too often: describe and overall assert
-    # labelled regression floors ~4 standard deviations below the measured rates instead, which
-    # a broken load / export / preprocessing path (chance on every type) cannot pass.
+    # Issue 7's targets. Measured via chat at seeds 2026 / 777 / 31337: overall 0.993 / 1.000 /
+    # 0.993; shape, color, count, exists 1.000; describe 0.967 / 1.000 / 0.967 (60 each), 0.947
+    # over 1,020 describe questions (mostly 3-shape order mistakes, mostly two shapes sharing a
+    # color).
+    assert overall >= 0.95, (overall, acc, wrong[:10])
     for t in ("shape", "color", "count", "exists"):
         assert acc[t] >= 0.90, (t, acc, wrong[:10])
-    assert acc["describe"] >= 0.60, (acc, wrong[:10])
-    assert overall >= 0.92, (overall, acc, wrong[:10])
+    assert describe >= 0.90, (describe, acc, wrong[:10])
 
 
 def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
@@ -140,7 +154,7 @@ def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
             assert r.choices[0].finish_reason == "stop"
             hits += S.answer_matches(text, q["answer"])
         print(f"\nserver: {hits}/{N_SERVER} exact")
-        assert hits >= 0.86 * N_SERVER  # floor (expected ~48/50 at 0.97, sd 1.2); see the accuracy test
+        assert hits >= 0.90 * N_SERVER  # expected ~49.4/50 at 0.988 overall (sd 0.8)
     finally:
         srv.close()
 
