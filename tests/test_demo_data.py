@@ -322,7 +322,7 @@ def test_tokenizer_hf_and_tokenizers_agree(tok, tmp_path):
 
 def test_config_budget_and_resolution(tok):
     shipped = C.shipped_config()
-    for cfg in (shipped, C.notebook_config(), C.proposal_config()):
+    for cfg in (shipped, C.scratch_config(), C.notebook_config(), C.proposal_config()):
         assert cfg["text_config"]["vocab_size"] == tok.get_vocab_size()
         assert cfg["image_token_index"] == tok.token_to_id("<image>")
         assert C.num_image_tokens(cfg) == cfg["image_seq_length"]
@@ -460,3 +460,33 @@ def test_describe_phrase_targets(tok):
         want = enc.phrases(q, a)
         assert (phrase[r, :len(want) - 1] == want[1:]).all() and not phrase[r, len(want) - 1:].any()
     assert sorted(set(phrase[:7].ravel())) == [0, 1, 2, 3] and not phrase[7].any()
+
+
+def test_vision_step_trains_only_the_image_side(tok):
+    """--vision-frac's step: the image aux losses fall on a batch it keeps seeing, the ViT,
+    projector and aux heads move, and the decoder stays bit-identical (weight decay included)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mmjax.demo import train as TR
+
+    cfg_dict = C.notebook_config()
+    cfg, params = TR.init_params(cfg_dict, tok, 0)
+    tx, train_step, _ = TR.make_steps(cfg, aux_weight=1.0)
+    p0 = jax.tree.map(jnp.asarray, {"model": params, "aux": TR.init_aux(cfg, 0)})
+    imgs, scenes = TR.make_pool(8, 128, 5, workers=1)
+    enc = TR.Encoder(tok, C.num_image_tokens(cfg_dict))
+    sampler = TR.Sampler(imgs, scenes, enc, TR.max_seq_len(enc), grid=8)
+    rng = np.random.default_rng(0)
+    examples = [(i, *S.make_question(rng, sc, "count"), "count") for i, sc in enumerate(scenes)]
+    pix, _, _, plab, _ = sampler.batch(None, 8, examples)
+    p, o, losses = p0, tx.init(p0), []
+    for _ in range(12):
+        p, o, loss = train_step.vision(p, o, pix, plab, np.float32(2e-3))
+        losses.append(float(loss[1]))
+    assert losses[-1] < 0.8 * losses[0], losses
+    moved = lambda a, b: any(jax.tree.leaves(jax.tree.map(lambda x, y: bool((x != y).any()), a, b)))
+    assert not moved(p0["model"]["text"], p["model"]["text"])
+    assert moved(p0["model"]["vision"], p["model"]["vision"])
+    assert moved(p0["model"]["projector"], p["model"]["projector"])
+    assert moved(p0["aux"], p["aux"])

@@ -35,6 +35,7 @@ Chat format (Vicuna v1 / LLaVA-1.5):
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -140,12 +141,17 @@ def save_tokenizer(tok, out_dir: str, model_max_length: int = 512) -> None:
                    "additional_special_tokens": [IMAGE]}, f, indent=2)
 
 
-def render_chat(messages: list, add_generation_prompt: bool = False) -> str:
-    """Render CHAT_TEMPLATE with plain jinja2 (same environment knobs as transformers)."""
+@functools.lru_cache(maxsize=1)
+def _chat_template():
+    # compiling the template costs ~11 ms, rendering it ~0.1 ms: training renders thousands
     import jinja2
 
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(CHAT_TEMPLATE).render(
+    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
+
+
+def render_chat(messages: list, add_generation_prompt: bool = False) -> str:
+    """Render CHAT_TEMPLATE with plain jinja2 (same environment knobs as transformers)."""
+    return _chat_template().render(
         messages=messages, add_generation_prompt=add_generation_prompt,
         bos_token=BOS, eos_token=EOS)
 
