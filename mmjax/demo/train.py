@@ -27,7 +27,7 @@ Schedule: AdamW with a time-based warmup + cosine decay (`--minutes` is the budg
 function of elapsed wall time, so a busy machine only costs steps, not the decay shape). With
 `--vision-frac f`, the first f of the budget trains only the ViT + projector on the image aux
 losses (steps 2.7x cheaper than full ones; its own warmup + cosine), the rest the whole model
-(again warmup + cosine): in 30 CPU minutes that took describe from 87% to 90%.
+(again warmup + cosine): in 30 CPU minutes, same seed, that took describe from 87% to 90%.
 
 Held-out accuracy during training is teacher-forced greedy exact match (an answer counts when
 the argmax at every answer position, </s> included, is the gold token, which is exactly when
