@@ -534,7 +534,7 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     loss alone would (without it the answer loss sat on the language-prior plateau for 600+
     steps). train_step.vision(params, opt_state, pix, plabels, lr) runs only the losses on the
     image token embeddings, at ~0.15 s per batch-32 step on 2 cores where a full step of the
-    scratch shape takes 0.40 s (`--vision-frac`)."""
+    scratch shape takes 0.33 s (`--vision-frac`)."""
     import jax
     import jax.numpy as jnp
     import optax
