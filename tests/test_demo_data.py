@@ -490,3 +490,39 @@ def test_vision_step_trains_only_the_image_side(tok):
     assert moved(p0["model"]["vision"], p["model"]["vision"])
     assert moved(p0["model"]["projector"], p["model"]["projector"])
     assert moved(p0["aux"], p["aux"])
+
+
+def test_bf16_train_step_matches_f32(tok):
+    """--bf16 (the default recipe's matmuls in bf16, f32 accumulation and master weights): from
+    one state, the full and the image-only step give the f32 steps' losses and updates up to
+    bf16 rounding, and the exported weights stay f32."""
+    import jax
+    import jax.numpy as jnp
+
+    from mmjax.demo import train as TR
+
+    cfg_dict = C.notebook_config()
+    cfg, params = TR.init_params(cfg_dict, tok, 0)
+    p0 = jax.tree.map(jnp.asarray, {"model": params, "aux": TR.init_aux(cfg, 0)})
+    imgs, scenes = TR.make_pool(8, 128, 5, workers=1)
+    enc = TR.Encoder(tok, C.num_image_tokens(cfg_dict))
+    sampler = TR.Sampler(imgs, scenes, enc, TR.max_seq_len(enc), grid=8)
+    rng = np.random.default_rng(3)
+    examples = [(i, *S.make_question(rng, sc, t), t)
+                for i, (sc, t) in enumerate(zip(scenes, ["describe", "exists", "count"] * 3))]
+    pix, ids, mask, plab, _ = sampler.batch(None, 8, examples)
+    out = {}
+    for bf16 in (False, True):
+        tx, train_step, _ = TR.make_steps(cfg, aux_weight=1.0, bf16=bf16)
+        o = tx.init(p0)
+        full = train_step(p0, o, pix, ids, mask, plab, np.float32(1e-3))
+        vision = train_step.vision(p0, o, pix, plab, np.float32(1e-3))
+        out[bf16] = full, vision
+    for (p32, _, l32), (p16, _, l16) in zip(out[False], out[True]):
+        np.testing.assert_allclose(np.asarray(l16), np.asarray(l32), rtol=1e-2)
+        # Adam's first step moves every weight by ~lr * sign(grad): compare the moves
+        d32 = jax.tree.map(lambda a, b: np.asarray(a - b), p32, p0)
+        d16 = jax.tree.map(lambda a, b: np.asarray(a - b), p16, p0)
+        a, b = (np.concatenate([x.ravel() for x in jax.tree.leaves(d)]) for d in (d32, d16))
+        assert np.corrcoef(a, b)[0, 1] > 0.95
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(p16))

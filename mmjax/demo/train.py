@@ -29,6 +29,13 @@ function of elapsed wall time, so a busy machine only costs steps, not the decay
 losses (steps 2.7x cheaper than full ones; its own warmup + cosine), the rest the whole model
 (again warmup + cosine): in 30 CPU minutes, same seed, that took describe from 87% to 90%.
 
+Matmuls: with `bf16` (the CLI default; `--no-bf16` for plain f32) every matmul of the training
+steps, forward and backward, runs with bf16 operands and f32 accumulation
+(`mixed_precision.bf16_matmuls`; weights, optimizer, norms, softmax and losses stay f32): on this
+machine's AMX CPU the full step takes 0.17 s instead of 0.36, the image-only step 0.08 s instead
+of 0.14, so 30 minutes hold ~1.65x the steps (seed 7: describe 91.8% -> 94.3% over 600).
+Evaluation and export are f32.
+
 Held-out accuracy during training is teacher-forced greedy exact match (an answer counts when
 the argmax at every answer position, </s> included, is the gold token, which is exactly when
 greedy decoding reproduces the gold answer), per question type, on freshly drawn scenes.
@@ -524,7 +531,7 @@ def init_aux(cfg, seed: int) -> dict:
 
 
 def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0.98,
-               aux_weight: float = 0.5):
+               aux_weight: float = 0.5, bf16: bool = False):
     """-> (tx, train_step, eval_step); train_step.vision is the image-only step.
 
     train_step over {"model": mmjax params, "aux": aux heads}. Loss: answer-token cross
@@ -534,12 +541,14 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     loss alone would (without it the answer loss sat on the language-prior plateau for 600+
     steps). train_step.vision(params, opt_state, pix, plabels, lr) runs only the losses on the
     image token embeddings, at ~0.15 s per batch-32 step on 2 cores where a full step of the
-    scratch shape takes 0.33 s (`--vision-frac`)."""
+    scratch shape takes 0.33 s (`--vision-frac`); with bf16 (`mixed_precision.bf16_matmuls`
+    on both steps' losses) 0.08 s and 0.17 s. eval_step is always f32."""
     import jax
     import jax.numpy as jnp
     import optax
 
     from mmjax.models.layers import rms_norm
+    from mmjax.demo.mixed_precision import bf16_matmuls
 
     logits_fn = make_logits_fn(cfg)
 
@@ -609,7 +618,8 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
 
     @jax.jit
     def train_step(params, opt_state, pix, ids, mask, plabels, lr):
-        (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, pix, ids, mask,
+        lf = bf16_matmuls(loss_fn) if bf16 else loss_fn
+        (_, loss), grads = jax.value_and_grad(lf, has_aux=True)(params, pix, ids, mask,
                                                                       plabels)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
@@ -619,8 +629,8 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     def vision_step(params, opt_state, pix, plabels, lr):
         """A step of the image aux losses alone (ViT + projector + their heads): ~1/3 of a full
         step's cost. The decoder's update is zeroed (its gradient is zero, weight decay is not)."""
-        aux, grads = jax.value_and_grad(
-            lambda tp: image_aux(tp["aux"], logits_fn.encode(tp["model"], pix), plabels))(params)
+        fn = lambda tp: image_aux(tp["aux"], logits_fn.encode(tp["model"], pix), plabels)
+        aux, grads = jax.value_and_grad(bf16_matmuls(fn) if bf16 else fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         updates["model"]["text"] = jax.tree.map(jnp.zeros_like, updates["model"]["text"])
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
@@ -687,8 +697,9 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
           eval_pool=None, weight_decay: float = 0.05, pool_cache: str | None = None,
           aux_weight: float = 0.5, init_from: str | None = None,
           qtype_weights: dict | None = None, hard_describe: float = 0.0,
-          vision_frac: float = 0.0) -> tuple[dict, dict]:
+          vision_frac: float = 0.0, bf16: bool = False) -> tuple[dict, dict]:
     """Train; returns (params, info). Stops at `steps` if given, else after `minutes`.
+    bf16: the training steps' matmuls in bf16 with f32 accumulation (`make_steps`).
     vision_frac: the first share of the budget (time, or steps) trains only the ViT + projector
     on the image aux losses (`vision_step`, its own warmup + cosine), the rest the whole model
     (its own warmup + cosine)."""
@@ -715,7 +726,8 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     ev_sampler = Sampler(eval_pool[0], eval_pool[1], enc, seq)
     ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000)
 
-    tx, train_step, eval_step = make_steps(cfg, weight_decay=weight_decay, aux_weight=aux_weight)
+    tx, train_step, eval_step = make_steps(cfg, weight_decay=weight_decay, aux_weight=aux_weight,
+                                             bf16=bf16)
     params = jax.tree.map(jax.numpy.asarray, {"model": params, "aux": init_aux(cfg, seed)})
     opt_state = tx.init(params)
     rng = np.random.default_rng(seed + 1)
@@ -791,7 +803,7 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
             "data_seconds": round(t_data, 1),
             "compile_seconds": round(compile_s, 1), "batch": batch, "peak_lr": lr,
             "pool_size": len(pool[1]), "aux_weight": aux_weight, "init_from": init_from,
-            "hard_describe": hard_describe, "vision_frac": vision_frac,
+            "hard_describe": hard_describe, "vision_frac": vision_frac, "bf16": bf16,
             "qtype_weights": qtype_weights or QTYPE_WEIGHTS, "seq_len": seq, "final_loss": float(np.mean(losses[-50:], axis=0)[0]),
             "heldout": acc, "history": history}
     return _np_tree(params), info
@@ -831,6 +843,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vision-frac", type=float, default=0.25,
                     help="share of the budget that trains only the ViT + projector on the "
                          "image aux losses before the whole model")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                    help="training matmuls with bf16 operands and f32 accumulation (2x faster "
+                         "steps on CPUs with AMX / AVX512-BF16; elsewhere try --no-bf16)")
     ap.add_argument("--cfg-override", default=None,
                     help="JSON merged into vision_config/text_config, e.g. "
                          "'{\"text_config\": {\"num_hidden_layers\": 3}}'")
@@ -850,6 +865,7 @@ def main(argv=None) -> int:
                                          (kv.split("=") for kv in args.qtypes.split(","))}
                                         if args.qtypes else None), pool_cache=args.pool_cache or None,
                          hard_describe=args.hard_describe, vision_frac=args.vision_frac,
+                         bf16=args.bf16,
                          log=lambda s: print(s, flush=True))
     files = export(args.out, cfg_dict, params)
     info["total_seconds"] = round(time.perf_counter() - t0, 1)
