@@ -322,7 +322,7 @@ def test_tokenizer_hf_and_tokenizers_agree(tok, tmp_path):
 
 def test_config_budget_and_resolution(tok):
     shipped = C.shipped_config()
-    for cfg in (shipped, C.scratch_config(), C.notebook_config(), C.proposal_config()):
+    for cfg in (shipped, C.notebook_config(), C.proposal_config()):
         assert cfg["text_config"]["vocab_size"] == tok.get_vocab_size()
         assert cfg["image_token_index"] == tok.token_to_id("<image>")
         assert C.num_image_tokens(cfg) == cfg["image_seq_length"]

@@ -541,7 +541,7 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     loss alone would (without it the answer loss sat on the language-prior plateau for 600+
     steps). train_step.vision(params, opt_state, pix, plabels, lr) runs only the losses on the
     image token embeddings, at ~0.15 s per batch-32 step on 2 cores where a full step of the
-    scratch shape takes 0.33 s (`--vision-frac`); with bf16 (`mixed_precision.bf16_matmuls`
+    shipped shape takes 0.33 s (`--vision-frac`); with bf16 (`mixed_precision.bf16_matmuls`
     on both steps' losses) 0.08 s and 0.17 s. eval_step is always f32."""
     import jax
     import jax.numpy as jnp
@@ -680,15 +680,8 @@ def fixed_eval_examples(sampler: Sampler, n: int, seed: int) -> list:
 
 # ----------------------------------------------------------------------------- driver
 
-def _p32():
-    return C._llava(image_size=128, patch_size=32, v_hidden=128, v_inter=512, v_layers=3,
-                    v_heads=4, t_hidden=160, t_inter=480, t_layers=3, t_heads=5, t_kv_heads=1,
-                    vocab_size=T.DEFAULT_VOCAB_SIZE, image_token_index=T.IMAGE_ID,
-                    max_positions=1024)
-
-
-CONFIGS = {"scratch": C.scratch_config, "shipped": C.shipped_config, "notebook": C.notebook_config,
-           "proposal": C.proposal_config, "p32": _p32}
+CONFIGS = {"shipped": C.shipped_config, "notebook": C.notebook_config,
+           "proposal": C.proposal_config}
 
 
 def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, batch: int = 64,
@@ -818,7 +811,7 @@ def export(out_dir, cfg_dict: dict, params: dict, info: dict | None = None) -> l
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mmjax.demo.train", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write (HF layout)")
-    ap.add_argument("--config", default="scratch", choices=sorted(CONFIGS))
+    ap.add_argument("--config", default="shipped", choices=sorted(CONFIGS))
     ap.add_argument("--minutes", type=float, default=26.0,
                     help="training-loop budget (the default leaves ~4 min of the 30 for drawing "
                          "the pool, compiling, the final eval and the export on 2 cores)")
