@@ -24,21 +24,29 @@ from jax.extend import core as jcore
 
 
 def _matmul(x, y, xb, xm, xk, yb, yk, yn):
-    """bf16 x bf16 -> f32 contraction of x's dims xk with y's yk, batched over xb / yb, as one
-    canonical [B, M, K] x [B, K, N] dot (or [M, K] x [K, N]). Result: [*batch, *m, *n].
-    Canonical because XLA's CPU backend sends some other layouts (two batch dims with the
-    contraction not minor) to its generic dot, which has no bf16 x bf16 -> f32 kernel."""
-    size = lambda a, dims: int(np.prod([a.shape[d] for d in dims], dtype=np.int64))
-    b, m, k, n = size(x, xb), size(x, xm), size(x, xk), size(y, yn)
-    lhs = jnp.transpose(x, (*xb, *xm, *xk)).astype(jnp.bfloat16).reshape(b, m, k)
-    rhs = jnp.transpose(y, (*yb, *yk, *yn)).astype(jnp.bfloat16).reshape(b, k, n)
-    if xb:
+    """bf16 x bf16 -> f32 contraction of x's dims xk with y's yk, batched over xb / yb.
+    Result: [*batch, *x's dims xm, *y's dims yn] (in those orders).
+
+    With two or more batch dims the operands are first made one canonical [B, M, K] x [B, K, N]
+    dot: XLA's CPU backend sends some such dots (e.g. a contraction that is not minor) to its
+    generic dot, which has no bf16 x bf16 -> f32 kernel. With at most one, the dot is left as
+    it is (its library dot takes any operand layout; transposing first costs ~20%)."""
+    x, y = x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)
+    if len(xb) > 1:
+        size = lambda a, dims: int(np.prod([a.shape[d] for d in dims], dtype=np.int64))
+        b, m, k, n = size(x, xb), size(x, xm), size(x, xk), size(y, yn)
+        lhs = jnp.transpose(x, (*xb, *xm, *xk)).reshape(b, m, k)
+        rhs = jnp.transpose(y, (*yb, *yk, *yn)).reshape(b, k, n)
         out = lax.dot_general(lhs, rhs, (((2,), (1,)), ((0,), (0,))),
                               preferred_element_type=jnp.float32)
-    else:
-        out = lax.dot_general(lhs[0], rhs[0], (((1,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-    return out.reshape(*(x.shape[d] for d in (*xb, *xm)), *(y.shape[d] for d in yn))
+        return out.reshape(*(x.shape[d] for d in (*xb, *xm)), *(y.shape[d] for d in yn))
+    out = lax.dot_general(x, y, ((tuple(xk), tuple(yk)), (tuple(xb), tuple(yb))),
+                          preferred_element_type=jnp.float32)
+    # dot_general's output: batch, then each operand's free dims in increasing order
+    nb, sm, sn = len(xb), sorted(xm), sorted(yn)
+    perm = (*range(nb), *(nb + sm.index(d) for d in xm),
+            *(nb + len(xm) + sn.index(d) for d in yn))
+    return out if perm == tuple(range(out.ndim)) else jnp.transpose(out, perm)
 
 
 def bf16_dot_general(lhs, rhs, dimension_numbers, out_dtype=jnp.float32):
