@@ -495,7 +495,7 @@ def test_vision_step_trains_only_the_image_side(tok):
 def test_bf16_train_step_matches_f32(tok):
     """--bf16 (the default recipe's matmuls in bf16, f32 accumulation and master weights): from
     one state, the full and the image-only step give the f32 steps' losses and updates up to
-    bf16 rounding, and the exported weights stay f32."""
+    bf16 rounding, and the trained params stay f32."""
     import jax
     import jax.numpy as jnp
 
