@@ -13,6 +13,6 @@ def __getattr__(name):
         from mmjax import api
         return getattr(api, name)
     if name in ("SamplingParams",):
-        from mmjax.sampling import SamplingParams
+        from mmjax.serving.sampling import SamplingParams
         return SamplingParams
     raise AttributeError(name)

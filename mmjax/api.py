@@ -13,14 +13,18 @@ import numpy as np
 
 from mmjax import hub
 from mmjax.checkpoint import cast_params
-from mmjax.errors import InvalidRequestError, PromptError, UnsupportedModelError
-from mmjax.sampling import SamplingParams
+from mmjax.errors import InvalidRequestError, PromptError
+from mmjax.image.decode import ImageLimits, load_image
+from mmjax.models import load_family
+from mmjax.models.family import Family, ImageInput, ImageOptions
+from mmjax.models.text import Capture
+from mmjax.serving.sampling import SamplingParams
 from mmjax.tokenizer import Tokenizer
-from mmjax.vision_io import ImageLimits, load_image
 
 log = logging.getLogger("mmjax")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
+SHIPPED_MODEL = "mmjax-shapes"   # the trained default model shipped in the package (mmjax/demo)
 
 
 def enable_compilation_cache(directory: str | None = None) -> None:
@@ -35,69 +39,87 @@ def enable_compilation_cache(directory: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _family_for(model_type: str):
-    if model_type == "llava":
-        from mmjax.models import llava
-        return llava
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
-        from mmjax.models import qwen2_vl
-        return qwen2_vl
-    raise UnsupportedModelError(f"config.json: model_type={model_type!r} is not supported "
-                                "(supported: llava, qwen2_vl, qwen2_5_vl)", param="model_type")
+def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
+    """(local directory, model name). None or "mmjax-shapes" is the shipped model; a local
+    directory is named by its base name, a hub id by the id (vLLM's convention)."""
+    from mmjax.demo import default_model_path
+
+    shipped = default_model_path()
+    if model is None or str(model) == SHIPPED_MODEL:
+        if shipped is None:
+            raise InvalidRequestError(f"the shipped model {SHIPPED_MODEL!r} is not installed with this package",
+                                      param="model")
+        return shipped, SHIPPED_MODEL
+    path = hub.resolve(model)
+    if shipped is not None and path.resolve() == shipped.resolve():
+        return path, SHIPPED_MODEL
+    p = Path(str(model)).expanduser()
+    return path, (p.resolve().name if p.is_dir() else str(model)) or "mmjax"
 
 
 @dataclass
 class LoadedModel:
     """Everything host code needs about one checkpoint."""
     path: Path
-    family: Any
+    name: str
+    family: Family
     params: dict
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
+    dtype: Any = jax.numpy.float32
     hf_config: dict = field(repr=False, default_factory=dict)
 
 
-def load_model(model: str | os.PathLike, dtype: str = "float32", params_dir: str | os.PathLike | None = None
-               ) -> LoadedModel:
+def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
+               params_dir: str | os.PathLike | None = None) -> LoadedModel:
     """Resolve, parse and convert a checkpoint. `params_dir`: orbax params written by
     `save_params` / `mmjax convert`, restored instead of converting the safetensors again."""
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
-    path = hub.resolve(model)
+    path, name = resolve_model(model)
     hf_cfg = json.loads((path / "config.json").read_text())
-    fam_mod = _family_for(hf_cfg.get("model_type"))
-    family, np_params = fam_mod.load(path, hf_cfg)
+    family, np_params = load_family(path, hf_cfg)
     params = cast_params(np_params, DTYPES[dtype])
     if params_dir is not None:
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
-    tokenizer = Tokenizer(path, image_token=fam_mod.image_token(path, hf_cfg))
+    tokenizer = Tokenizer(path, image_token=family.image_token)
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     eos = gen.get("eos_token_id", hf_cfg.get("eos_token_id", hf_cfg.get("text_config", {}).get("eos_token_id")))
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_id is not None and not eos_ids:
         eos_ids.add(tokenizer.eos_id)
-    return LoadedModel(path, family, params, tokenizer, frozenset(int(e) for e in eos_ids), hf_cfg)
+    return LoadedModel(path, name, family, params, tokenizer, frozenset(int(e) for e in eos_ids), DTYPES[dtype],
+                       hf_cfg)
 
 
 class VLM:
     """A loaded model plus a lazily created engine; all generation runs on that engine."""
 
-    def __init__(self, model: LoadedModel, *, image_limits: ImageLimits = ImageLimits(), **engine_kw):
+    def __init__(self, model: LoadedModel, *, image_limits: ImageLimits = ImageLimits(), engine=None, **engine_kw):
         self.model = model
         self.tokenizer = model.tokenizer
         self.family = model.family
         self.params = model.params
         self.image_limits = image_limits
         self._engine_kw = engine_kw
-        self._engine = None
-        self._logits = None
+        self._engine = engine
+        self._forward: dict = {}
+
+    @classmethod
+    def from_engine(cls, engine) -> "VLM":
+        """A VLM over an existing Engine (its model and params)."""
+        return cls(engine.model, engine=engine)
+
+    @property
+    def name(self) -> str:
+        return self.model.name
 
     @property
     def engine(self):
         if self._engine is None:
-            from mmjax.engine import Engine
+            from mmjax.serving.engine import Engine
             self._engine = Engine(self.model, **self._engine_kw)
         return self._engine
 
@@ -107,29 +129,42 @@ class VLM:
         return save_params(self.params, directory)
 
     # ---- images ------------------------------------------------------------------------------
-    def prepare_images(self, images: Iterable[Any], **opts):
-        """PIL images / bytes / paths / data URIs -> engine ImageInputs (decode, validate, resize)."""
-        return [self.family.prepare_image(load_image(im, self.image_limits), **opts) for im in images]
+    def prepare_images(self, images: Iterable[Any], options: dict | ImageOptions | None = None) -> list[ImageInput]:
+        """PIL images / bytes / paths / data URIs -> ImageInputs (decode, validate, resize).
+        options: {"min_pixels", "max_pixels", "image_max_tokens"} (dynamic-resolution families)."""
+        opts = options if isinstance(options, ImageOptions) else ImageOptions.from_dict(options)
+        return [self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
 
     def encode(self, images: Iterable[Any]) -> list[np.ndarray]:
         """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]."""
-        inputs = self.prepare_images(images)
-        return self.family.encode_batch(self.engine.runner, inputs)
+        return self.engine.runner.encode_images(self.prepare_images(images))
 
     # ---- generation ----------------------------------------------------------------------------
-    def generate(self, requests, sampling: SamplingParams | None = None) -> list:
-        """requests: a prompt string, or a list of {"prompt": str, "images": [...]} (one image
-        placeholder in the prompt per image; optional "image_options" such as min_pixels /
+    def generate(self, requests, sampling: SamplingParams | list[SamplingParams] | None = None) -> list:
+        """requests: a prompt string, or a list of prompts / {"prompt": str, "images": [...]} (one
+        image placeholder in the prompt per image; optional "image_options" such as min_pixels /
         max_pixels / image_max_tokens for dynamic-resolution families, and "sampling").
+        sampling: one SamplingParams for all, or a list with one per request (vLLM's convention).
         Returns RequestOutputs in order."""
         if isinstance(requests, (str, dict)):
             requests = [requests]
-        sampling = sampling or SamplingParams()
+        requests = list(requests)
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(requests):
+                raise InvalidRequestError(f"got {len(sampling)} SamplingParams for {len(requests)} requests; "
+                                          "pass one, or one per request", param="sampling")
+            per_request = list(sampling)
+        else:
+            per_request = [sampling] * len(requests)
         ids = []
-        for r in requests:
+        for r, sp in zip(requests, per_request):
             r = {"prompt": r} if isinstance(r, str) else r
-            images = self.prepare_images(r.get("images", ()), **r.get("image_options", {}))
-            ids.append(self.engine.add_request(r["prompt"], images, r.get("sampling", sampling)))
+            sp = r.get("sampling", sp) or SamplingParams()
+            if not isinstance(sp, SamplingParams):
+                raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sp).__name__}",
+                                          param="sampling")
+            images = self.prepare_images(r.get("images", ()), r.get("image_options"))
+            ids.append(self.engine.add_request(r["prompt"], images, sp))
         return self.engine.run_until_done(ids)
 
     def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **template_kw):
@@ -168,35 +203,40 @@ class VLM:
                 norm.append({**m, "content": content or ""})
         return self.tokenizer.render_chat(norm, add_generation_prompt, **template_kw), images
 
-    def logits(self, prompt: str, images: Iterable[Any] = ()) -> np.ndarray:
-        """Logits [prompt_tokens, vocab] (float32) over a whole prompt (research / parity)."""
-        from mmjax.runner import prompt_logits_fn
+    def logits(self, prompt: str, images: Iterable[Any] = (), capture: Capture | None = None):
+        """Logits [prompt_tokens, vocab] (float32) over a whole prompt (research / parity). With
+        `capture` (models.text.Capture: per-layer hidden states, chosen layers' attention
+        probabilities), returns (logits, intermediates)."""
+        from mmjax.serving.runner import make_prompt_forward
 
         inputs = self.prepare_images(images)
-        ids = np.asarray(self.tokenizer.encode_prompt(prompt, [im.num_tokens for im in inputs]), np.int32)
-        eng = self.engine
-        starts = eng.image_starts(ids, [im.num_tokens for im in inputs])
+        counts = [im.num_tokens for im in inputs]
+        ids = np.asarray(self.tokenizer.encode_prompt(prompt, counts), np.int32)
+        starts = self.family.image_starts(ids, counts)
         positions, _ = self.family.positions(ids, inputs, starts)
-        emb = np.zeros((len(ids), self.family.text.hidden_size), np.float32)
+        emb = np.zeros((len(ids), self.family.text_model.hidden_size), np.float32)
         if inputs:
-            feats = self.family.encode_batch(eng.runner, inputs)
-            for f, s in zip(feats, starts):
+            for f, s in zip(self.engine.runner.encode_images(inputs), starts):
                 emb[s:s + len(f)] = f
-        if self._logits is None:
-            r = eng.runner
-            self._logits = jax.jit(prompt_logits_fn(r.text_cfg, r.inv_freq, r.mrope))
-        dtype = self.params["text"]["embed"].dtype
-        out = self._logits(self.params, ids, emb.astype(dtype), ids == self.family.image_token_id, positions)
-        return np.asarray(out)
+        capture = capture or Capture()
+        if capture not in self._forward:
+            self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture))
+        logits, inter = self._forward[capture](self.engine.runner.params, ids, emb.astype(self.model.dtype),
+                                               ids == self.family.image_token_id, positions)
+        if capture.any:
+            return np.asarray(logits), jax.tree.map(np.asarray, inter)
+        return np.asarray(logits)
 
 
-def load(model: str | os.PathLike, dtype: str = "float32", *, image_limits: ImageLimits = ImageLimits(),
-         params_dir: str | os.PathLike | None = None, **engine_kw) -> VLM:
-    """Load a Hugging Face-layout VLM checkpoint (local dir or hub id) into a VLM.
+def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
+         image_limits: ImageLimits = ImageLimits(), params_dir: str | os.PathLike | None = None,
+         **engine_kw) -> VLM:
+    """Load a Hugging Face-layout VLM checkpoint (local dir or hub id; None or "mmjax-shapes" for
+    the shipped model) into a VLM.
 
     params_dir: converted params saved with `VLM.save_params` (orbax) for a fast reload.
     engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
-    max_images_per_request.
+    max_images_per_request, mesh.
     """
     enable_compilation_cache()
     return VLM(load_model(model, dtype, params_dir), image_limits=image_limits, **engine_kw)

@@ -1,5 +1,6 @@
 """Shape ladders: every shape that reaches a compiled step comes from here, so the number of
-compilations is bounded by the product of a few short ladders."""
+compilations is bounded by the product of a few short ladders (encode buckets are the family's:
+models/family.Family.encode_plan)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,22 +29,15 @@ class Buckets:
     """The ladders of one engine.
 
     prefill: chunk lengths (tokens per prefill call), up to `prefill_chunk`.
-    encode:  images per encode call (fixed-size families) up to `max_encode_batch`.
     decode:  slots advanced per decode call (the first `rows` cache rows), up to `max_num_seqs`;
              one running request pays for a 1-row step, not for every slot.
     The cache length in use is not a bucket: attention skips the KV segments past it at run
     time (models/decoder.py), so it costs no compilations.
     """
     prefill: tuple[int, ...]
-    encode: tuple[int, ...]
     decode: tuple[int, ...]
 
     @classmethod
-    def make(cls, *, prefill_chunk: int, max_encode_batch: int, max_num_seqs: int) -> "Buckets":
+    def make(cls, *, prefill_chunk: int, max_num_seqs: int) -> "Buckets":
         return cls(prefill=pow2_ladder(min(16, prefill_chunk), prefill_chunk),
-                   encode=pow2_ladder(1, max_encode_batch),
                    decode=pow2_ladder(1, max_num_seqs))
-
-    def max_compilations(self) -> dict[str, int]:
-        """Upper bound on distinct compiled shapes per step kind."""
-        return {"encode": len(self.encode), "prefill": len(self.prefill), "decode": len(self.decode)}

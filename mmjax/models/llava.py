@@ -1,17 +1,24 @@
 """LLaVA-1.5 family (LlavaForConditionalGeneration): CLIP ViT -> MLP projector -> Llama decoder."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.buckets import bucket_for, pow2_ladder
 from mmjax.checkpoint import TensorSource
-from mmjax.config import LlavaConfig
-from mmjax.models.decoder import load_decoder_params
-from mmjax.models.projector import load_projector_params, project
-from mmjax.models.vit import clip_hidden_states, load_clip_params
+from mmjax.errors import CheckpointError, UnsupportedModelError
+from mmjax.image.decode import pixel_hash
+from mmjax.image.processors import ClipImagePolicy, find_image_processor_config, load_policy
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.hf_config import require, tie_word_embeddings
+from mmjax.models.text import TextModel, text_model_for
+from mmjax.models.vision.clip import ClipVisionConfig, clip_hidden_states, load_clip_params
+from mmjax.models.vision.projector import load_projector_params, project
 
 # LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT:") as a jinja chat template, for
 # checkpoints and fixtures that need one.
@@ -27,6 +34,51 @@ LLAVA_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class LlavaConfig:
+    vision: ClipVisionConfig
+    text_model: TextModel
+    image_token_id: int
+    vision_feature_layers: tuple[int, ...]
+    select_strategy: str
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+    model_type: str = "llava"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlavaConfig":
+        text_cfg = require(cfg, "text_config", "config")
+        tie = tie_word_embeddings(cfg, text_cfg)
+        text = text_model_for(text_cfg, "text_config", tie_word_embeddings=tie)
+        vision = ClipVisionConfig.from_hf(require(cfg, "vision_config", "config"), "vision_config")
+        layer = cfg.get("vision_feature_layer", -2)
+        layers = tuple(layer) if isinstance(layer, (list, tuple)) else (int(layer),)
+        strategy = cfg.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise UnsupportedModelError(f"config.json: vision_feature_select_strategy={strategy!r} not supported",
+                                        param="vision_feature_select_strategy")
+        for l in layers:
+            if not -(vision.num_layers + 1) <= l <= vision.num_layers:
+                raise CheckpointError(f"config.json: vision_feature_layer={l} out of range for "
+                                      f"{vision.num_layers} vision layers", param="vision_feature_layer")
+        token = cfg.get("image_token_index", cfg.get("image_token_id"))
+        if token is None:
+            raise CheckpointError("config.json: image_token_index is missing", param="image_token_index")
+        return cls(vision=vision, text_model=text, image_token_id=int(token), vision_feature_layers=layers,
+                   select_strategy=strategy, projector_act=cfg.get("projector_hidden_act", "gelu"),
+                   projector_bias=bool(cfg.get("multimodal_projector_bias", True)))
+
+    @property
+    def text(self):
+        """The text model's config."""
+        return self.text_model.cfg
+
+    @property
+    def image_tokens_per_image(self) -> int:
+        n = self.vision.num_patches + 1
+        return n - 1 if self.select_strategy == "default" else n
 
 
 def normalize_name(name: str) -> str:
@@ -62,7 +114,7 @@ def load_params(src: TensorSource, cfg: LlavaConfig) -> dict:
         "vision": load_clip_params(src, cfg.vision, "vision_tower.", vision_layers_needed(cfg)),
         "projector": load_projector_params(src, "multi_modal_projector.", vision_in,
                                            cfg.text.hidden_size, cfg.projector_bias),
-        "text": load_decoder_params(src, cfg.text, "language_model.model.", "language_model.lm_head.weight"),
+        "text": cfg.text_model.load_params(src, "language_model.model.", "language_model.lm_head.weight"),
     }
     src.check_all_used()
     return params
@@ -77,73 +129,79 @@ def encode_images(params: dict, pixels: jax.Array, cfg: LlavaConfig) -> jax.Arra
     return project(params["projector"], feats, cfg.projector_act).astype(params["text"]["embed"].dtype)
 
 
-@dataclass(frozen=True)
-class LlavaFamily:
-    """Host-side description of a loaded LLaVA model; the compiled steps live in runner.py."""
+@dataclass(eq=False)
+class LlavaFamily(Family):
+    """A loaded LLaVA model's family: every image is one fixed-size crop with a fixed token count."""
     cfg: LlavaConfig
-    policy: object = None  # vision_io.ClipImagePolicy
+    policy: ClipImagePolicy
+    image_token: str = "<image>"
     name: str = "llava"
 
     @property
-    def text(self):
-        return self.cfg.text
+    def text_model(self) -> TextModel:
+        return self.cfg.text_model
 
     @property
     def image_token_id(self) -> int:
         return self.cfg.image_token_id
 
-    def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
-        return encode_images(params, pixels, self.cfg)
+    def prepare_image(self, img, opts: ImageOptions = ImageOptions()) -> ImageInput:
+        """Decoded RGB PIL image -> pixels [size, size, 3] + token count + encoder-cache key.
+        Resolution options do not apply (one size); a token budget below the fixed count is a
+        ContextLengthError."""
+        from mmjax.errors import ContextLengthError
 
-    def check_pixels(self, pixels: np.ndarray) -> None:
+        n = self.cfg.image_tokens_per_image
+        if opts.max_tokens is not None and n > opts.max_tokens:
+            raise ContextLengthError(f"every image takes {n} tokens with this model, over image_max_tokens="
+                                     f"{opts.max_tokens}", param="image_max_tokens")
+        pixels = self.policy(img)
         size = self.cfg.vision.image_size
         if pixels.shape != (size, size, 3):
-            from mmjax.errors import CheckpointError
             raise CheckpointError(f"image processor produces {pixels.shape[:2]} pixels but the vision tower "
                                   f"expects {size}x{size}: the preprocessor config does not match config.json",
                                   param="image_size")
-
-    # ---- host-side hooks used by the engine ---------------------------------------------------
-    def prepare_image(self, img, **_) -> "ImageInput":
-        """Decoded RGB PIL image -> model input + token count + encoder-cache key."""
-        from mmjax.engine import ImageInput
-        from mmjax.vision_io import pixel_hash
-
-        pixels = self.policy(img)
-        self.check_pixels(pixels)
         key = f"{self.name}:{pixel_hash(img)}:{hash(self.policy.cache_key())}"
-        return ImageInput(pixels=pixels, num_tokens=self.cfg.image_tokens_per_image, key=key)
+        side = size // self.cfg.vision.patch_size
+        return ImageInput(pixels=pixels, num_tokens=n, key=key, grid=(1, side, side))
 
-    def encode_batch(self, runner, images: list) -> list[np.ndarray]:
-        """All images share one shape: stack, encode in bucketed batches, split per image."""
-        feats = runner.encode(np.stack([im.pixels for im in images]))
-        return [f for f in feats]
+    def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
+        """pixels [batch, size, size, 3] -> features [batch, tokens_per_image, lm_hidden]."""
+        return encode_images(params, pixels, self.cfg)
 
-    def warmup_encode(self, runner) -> None:
-        """Compile the encode step for every batch bucket."""
+    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+        """Stack images into calls of at most `max_batch`, each padded up the power-of-two batch
+        ladder (repeating its last image)."""
+        ladder = pow2_ladder(1, max_batch)
+        calls = []
+        for i in range(0, len(images), max_batch):
+            part = np.stack([im.pixels for im in images[i:i + max_batch]])
+            b = bucket_for(len(part), ladder)
+            if b > len(part):
+                part = np.concatenate([part, np.repeat(part[-1:], b - len(part), axis=0)])
+            n = min(max_batch, len(images) - i)
+            calls.append(EncodeCall((b,) + part.shape[1:], part, lambda f, n=n: list(f[:n])))
+        return calls
+
+    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
         size = self.cfg.vision.image_size
-        for b in runner.buckets.encode:
-            runner.encode(np.zeros((b, size, size, 3), np.float32))
-
-    def positions(self, ids: np.ndarray, images: list, image_starts: list[int]) -> tuple[np.ndarray, int]:
-        """1-D RoPE positions [prompt_len] and no offset for decode."""
-        return np.arange(len(ids), dtype=np.int32), 0
+        return [EncodeCall((b, size, size, 3), np.zeros((b, size, size, 3), np.float32), list)
+                for b in pow2_ladder(1, max_batch)]
 
 
-def load(path, hf_cfg: dict) -> tuple[LlavaFamily, dict]:
+def load(path: Path, hf_cfg: dict) -> tuple[LlavaFamily, dict]:
     """config.json + safetensors + image processor config -> (family, numpy params)."""
-    from mmjax.vision_io import find_image_processor_config, load_policy
-
     cfg = LlavaConfig.from_hf(hf_cfg)
     params = load_params(TensorSource(path, normalize_name), cfg)
-    return LlavaFamily(cfg, load_policy(find_image_processor_config(path))), params
+    policy = load_policy(find_image_processor_config(path))
+    if not isinstance(policy, ClipImagePolicy):
+        raise CheckpointError(f"llava needs a CLIPImageProcessor, the checkpoint has {type(policy).__name__}",
+                              param="image_processor_type")
+    return LlavaFamily(cfg, policy, image_token=image_token(path)), params
 
 
-def image_token(path, hf_cfg: dict) -> str:
+def image_token(path: Path) -> str:
     """The placeholder string: processor_config.json's image_token, else '<image>'."""
-    import json
-    from pathlib import Path
-
     p = Path(path) / "processor_config.json"
     if p.is_file():
         tok = json.loads(p.read_text()).get("image_token")

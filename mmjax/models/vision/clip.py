@@ -7,10 +7,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dataclasses import dataclass
+
 from mmjax.attention import attention
 from mmjax.checkpoint import TensorSource, linear, norm
-from mmjax.config import ClipVisionConfig
+from mmjax.errors import UnsupportedModelError
+from mmjax.models.hf_config import require
 from mmjax.models.layers import activation, dense, layer_norm
+
+
+@dataclass(frozen=True)
+class ClipVisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "quick_gelu"
+    num_channels: int = 3
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str = "vision_config") -> "ClipVisionConfig":
+        mt = cfg.get("model_type", "clip_vision_model")
+        if mt not in ("clip_vision_model", "clip"):
+            raise UnsupportedModelError(f"config.json: {where}.model_type={mt!r} is not supported for LLaVA "
+                                        "(clip_vision_model)", param=f"{where}.model_type")
+        return cls(hidden_size=int(require(cfg, "hidden_size", where, 1024)),
+                   intermediate_size=int(require(cfg, "intermediate_size", where, 4096)),
+                   num_layers=int(require(cfg, "num_hidden_layers", where, 24)),
+                   num_heads=int(require(cfg, "num_attention_heads", where, 16)),
+                   image_size=int(require(cfg, "image_size", where, 336)),
+                   patch_size=int(require(cfg, "patch_size", where, 14)),
+                   layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+                   hidden_act=cfg.get("hidden_act", "quick_gelu"),
+                   num_channels=int(cfg.get("num_channels", 3)))
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
 
 
 def load_clip_params(src: TensorSource, cfg: ClipVisionConfig, prefix: str, num_layers: int) -> dict:

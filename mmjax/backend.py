@@ -1,0 +1,37 @@
+"""Backend-specific tuning, in one place: everything a compiled step does differently on one
+backend sits behind `tuning(platform)`, so the steps themselves stay device-independent (and
+every one of them lowers for CUDA on a CPU-only machine: tests/test_cuda_lowering.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+# XLA CPU: keep the decode step's skinny [slots, in] @ [in, out] matmuls off YNNPACK library
+# fusions (measured slower for M=8 than XLA's own dot), but give YNN the reductions: decode
+# attention's broadcast-multiply-reduce over a K^T segment ran 2.2x faster there than in XLA's
+# own reduction loop (benchmarks/README.md). Prefill/encode keep the default library fusions.
+_CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """platform: "cpu", "cuda", "rocm" or "tpu" (what the steps are compiled for)."""
+    platform: str
+
+    @property
+    def reduce_small_attention(self) -> bool:
+        """Few-query (decode) attention as broadcast-multiply-reduce instead of dots: a CPU win
+        (see models/text/llama.cache_attention); GPUs keep the dots."""
+        return self.platform == "cpu"
+
+    def compiler_options(self, step: str) -> dict | None:
+        """XLA compiler options for one kind of compiled step ("encode", "prefill", "decode")."""
+        if self.platform == "cpu" and step == "decode":
+            return dict(_CPU_DECODE_OPTIONS)
+        return None
+
+
+def tuning(platform: str | None = None) -> Tuning:
+    """The tuning for `platform` (default: JAX's default backend)."""
+    return Tuning(platform or jax.default_backend())

@@ -1,0 +1,138 @@
+"""The family protocol: what a model family (LLaVA, Qwen2-VL, ...) provides to the core.
+
+A family is a set of pure pieces the runner and engine drive; it never calls the runner or
+imports the engine:
+
+- loading: config parsing and weight-name mapping (`load(path, hf_cfg) -> (family, params)` in
+  the family's module, registered in `mmjax.models.FAMILIES`);
+- host image preparation with the exact token count known before any compute (`prepare_image`);
+- an encode plan (how prepared images group into bucketed compiled calls, `encode_plan`) and the
+  pure encode function the runner jits (`encode`);
+- prompt positions (1-D RoPE or M-RoPE rows, `positions`);
+- how features enter the sequence (`feature_placement`: "replace" = image placeholder tokens
+  take the features; cross-attention families will say otherwise);
+- which text model it runs (`text_model`, a `mmjax.models.text.TextModel`).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from mmjax.errors import InvalidRequestError, PromptError
+from mmjax.models.text import TextModel
+
+
+@dataclass
+class ImageInput:
+    """One prepared image: the encoder's input, its LLM token count, its encoder-cache key (content
+    hash + preprocessing) and its vision patch grid (t, h, w) (for positions and heatmaps)."""
+    pixels: np.ndarray
+    num_tokens: int
+    key: str
+    grid: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """Per-image preprocessing options (offline `image_options`, the server's `detail` and
+    budget). Families with one fixed size ignore the resolution bounds.
+
+    min_pixels / max_pixels: resize bounds for dynamic-resolution families.
+    max_tokens: the most LLM tokens this image may take; a larger one is a ContextLengthError.
+    """
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_tokens: int | None = None
+
+    @classmethod
+    def from_dict(cls, opts: dict | None) -> "ImageOptions":
+        """{"min_pixels", "max_pixels", "image_max_tokens" | "max_tokens"} -> ImageOptions; an
+        unknown key or a non-positive value is an InvalidRequestError naming it."""
+        opts = dict(opts or {})
+        if "image_max_tokens" in opts:
+            opts["max_tokens"] = opts.pop("image_max_tokens")
+        names = {f.name for f in fields(cls)}
+        for k, v in opts.items():
+            if k not in names:
+                raise InvalidRequestError(f"unknown image option {k!r} (known: min_pixels, max_pixels, "
+                                          "image_max_tokens)", param=f"image_options.{k}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
+                name = "image_max_tokens" if k == "max_tokens" else k
+                raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}", param=name)
+        return cls(**{k: (None if v is None else int(v)) for k, v in opts.items()})
+
+
+@dataclass
+class EncodeCall:
+    """One compiled encode call: `bucket` names its compiled shape (a key of the runner's
+    compile record), `inputs` are the padded host arrays passed to `Family.encode`, and `split`
+    maps the call's output to one feature array [num_tokens, hidden] per image, in order."""
+    bucket: tuple
+    inputs: Any
+    split: Callable[[np.ndarray], list[np.ndarray]]
+
+
+class Family(abc.ABC):
+    """A model family bound to one checkpoint (see the module docstring)."""
+    name: str
+    text_model: TextModel
+    image_token_id: int
+    image_token: str                     # the prompt placeholder for one image
+    feature_placement: str = "replace"
+
+    # ---- host: images --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def prepare_image(self, img, opts: ImageOptions = ImageOptions()) -> ImageInput:
+        """A decoded RGB PIL image -> ImageInput; over-budget images raise ContextLengthError
+        before any resize or encode."""
+
+    def fit_options(self, max_tokens: int) -> ImageOptions:
+        """Options that make an image take at most `max_tokens` tokens where the family can
+        resize (the server's `detail: low` and --image-max-tokens); fixed-size families: none."""
+        return ImageOptions()
+
+    def configure(self, *, image_max_tokens: int | None = None) -> None:
+        """Server-wide limits, set before the engine exists (they may shape encode buckets)."""
+
+    # ---- encode ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+        """Group prepared images into bucketed compiled calls (`max_batch`: the engine's limit on
+        images per call for families that batch whole images)."""
+
+    @abc.abstractmethod
+    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+        """One dummy call per encode bucket (compiles them all)."""
+
+    @abc.abstractmethod
+    def encode(self, params: dict, inputs: Any) -> jax.Array:
+        """The pure encode step (jitted by the runner): inputs of one EncodeCall -> features."""
+
+    # ---- prompt ---------------------------------------------------------------------------------
+    def image_starts(self, ids: np.ndarray, counts: list[int]) -> list[int]:
+        """Prompt index of each image's first token. Adjacent images form one run of image
+        tokens, split by the known per-image counts. Image tokens that no image accounts for
+        (e.g. bare image-token ids in a token-id prompt) are a PromptError."""
+        is_img = ids == self.image_token_id
+        run_starts = [int(i) for i in np.flatnonzero(is_img & ~np.r_[False, is_img[:-1]])]
+        starts, i = [], 0
+        for s in run_starts:
+            pos = s
+            while i < len(counts) and pos < len(is_img) and is_img[pos]:
+                starts.append(pos)
+                pos += counts[i]
+                i += 1
+        if len(starts) != len(counts) or sum(counts) != int(is_img.sum()):
+            raise PromptError(f"prompt has {int(is_img.sum())} image tokens but the images need {sum(counts)}",
+                              param="images")
+        return starts
+
+    def positions(self, ids: np.ndarray, images: list[ImageInput], image_starts: list[int]
+                  ) -> tuple[np.ndarray, int]:
+        """RoPE positions [text_model.position_rows, prompt_len] int32 and the decode offset
+        (decode position = cache index + offset). Default: 1-D positions 0..len-1."""
+        return np.arange(len(ids), dtype=np.int32)[None], 0

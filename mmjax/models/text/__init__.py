@@ -1,0 +1,110 @@
+"""Text models: the decoder architectures behind one small protocol.
+
+A family names its text model; the runner only ever talks to it through `TextModel`:
+
+    cache = tm.init_cache(num_slots, max_len, dtype)
+    x = tm.embed(params["text"], ids)                                  # [b, t, hidden]
+    out = tm.forward(params["text"], x, positions, cache, starts, kv_len, slots=..., mask=..., capture=...)
+    logits = tm.logits(params["text"], out.hidden)                     # float32
+
+`Output(hidden, cache, intermediates)` carries named intermediates only when `capture` asks for
+them (big_vision's `(x, out)` style), so the serving steps compile to the same HLO as before.
+`MaskSpec` says which cached keys a new token sees beyond plain causality: a sliding window, and
+bidirectional spans (e.g. an image's tokens attending to each other).
+
+`text_model_for(hf_text_config)` picks the implementation by the text config's `model_type`
+(one registration per architecture in `TEXT_MODELS`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import jax
+
+from mmjax.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Visibility of cached keys to new tokens, on top of causality (key index <= query index).
+
+    sliding_window: a query at cache index i sees keys j with i - j < window (None: all).
+    spans: [b, t] int32 per new token, -1 for none: tokens of one span in the same call see each
+        other in both directions (a span must lie within one call: the caller keeps chunk
+        boundaries outside spans). A traced array, so one compiled step serves every layout.
+    """
+    sliding_window: int | None = None
+    spans: jax.Array | None = None
+
+
+jax.tree_util.register_dataclass(MaskSpec, data_fields=["spans"], meta_fields=["sliding_window"])
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Intermediates to return (static: a different capture compiles a different function).
+
+    hidden: every layer's residual stream as HF's `hidden_states` ([0] = embeddings, [i] = after
+        layer i, the last one final-normed), each [b, t, hidden].
+    attn_layers: layers whose attention probabilities [b, heads, t, kv_len] and per-head outputs
+        [b, t, heads, head_dim] (before the output projection) are returned; needs a static
+        kv_len. Those layers run an explicit-softmax attention (same math).
+    """
+    hidden: bool = False
+    attn_layers: tuple[int, ...] = ()
+
+    @property
+    def any(self) -> bool:
+        return self.hidden or bool(self.attn_layers)
+
+
+@dataclass
+class Output:
+    """hidden [b, t, hidden] (final-normed), the updated cache, and the requested intermediates:
+    {"hidden": [...], "attn": {layer: probs}, "attn_out": {layer: per-head outputs}}."""
+    hidden: jax.Array
+    cache: Any
+    intermediates: dict = field(default_factory=dict)
+
+
+jax.tree_util.register_dataclass(Output, data_fields=["hidden", "cache", "intermediates"], meta_fields=[])
+
+
+class TextModel(Protocol):
+    """What the runner needs from a decoder architecture (all pure functions of params/arrays)."""
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    max_position_embeddings: int
+    position_rows: int          # rows of the positions array: 1 (RoPE) or 3 (M-RoPE)
+
+    def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None) -> Any: ...
+
+    def embed(self, params: dict, ids: jax.Array) -> jax.Array: ...
+
+    def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache: Any, starts: jax.Array,
+                kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
+                capture: Capture | None = None, reduce_small: bool = False) -> Output: ...
+
+    def logits(self, params: dict, hidden: jax.Array) -> jax.Array: ...
+
+
+def text_model_for(hf_text_cfg: dict, where: str = "text_config", **overrides) -> TextModel:
+    """The text model for a HF text config (its `model_type` picks the architecture)."""
+    mt = hf_text_cfg.get("model_type", "llama")
+    if mt not in TEXT_MODELS:
+        raise UnsupportedModelError(f"config.json: {where}.model_type={mt!r} is not a supported decoder "
+                                    f"(supported: {', '.join(sorted(TEXT_MODELS))})", param=f"{where}.model_type")
+    import importlib
+
+    module = importlib.import_module(TEXT_MODELS[mt])
+    return module.from_hf(hf_text_cfg, where, **overrides)
+
+
+# HF text `model_type` -> module with `from_hf(cfg, where, **overrides) -> TextModel`.
+TEXT_MODELS = {
+    "llama": "mmjax.models.text.llama",
+    "mistral": "mmjax.models.text.llama",
+    "qwen2": "mmjax.models.text.llama",
+}

@@ -1,0 +1,412 @@
+"""Llama-style decoder (Llama / Mistral / Qwen2, and Qwen2-VL's M-RoPE variant) over an explicit
+slot KV cache: the first implementation of the `mmjax.models.text.TextModel` protocol.
+
+KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
+segments (`kv_segments`: 128 positions each up to 1024, then doubling), K
+`[slots, kv_heads, head_dim, segment_len]` and V `[slots, kv_heads, segment_len, head_dim]`.
+Attention takes `kv_len`, a traced count of the cache positions in use, and skips (`lax.cond`)
+every segment from kv_len on: one compiled step serves every sequence length and pays for the
+longest one in 128-position steps (a static window ladder compiled one step per rung, and a
+window slice of one `[.., max_len, ..]` array was a copy per layer and step: XLA:CPU
+materialises slices that feed a dot; benchmarks/README.md, "KV segments").
+Head-major: a slot's segment of one KV head is one contiguous block, K stored transposed
+([head_dim, segment_len]) and V not ([segment_len, head_dim]), so both of decode attention's
+reductions run over a non-minor axis and prefill's dots read plain row-major operands; see
+`cache_attention`.
+One array per layer (not one stacked array) because slicing a layer out of a stacked array inside
+the decode step copied every layer's weights each step on XLA CPU (see facts.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmjax.checkpoint import TensorSource, fused_linear, linear
+from mmjax.errors import UnsupportedModelError
+from mmjax.models.hf_config import require
+from mmjax.models.layers import dense, rms_norm
+from mmjax.models.text import Capture, MaskSpec, Output
+from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
+
+KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
+#                              "v": [[slots, kv_heads, len_i, head_dim], ...]}
+KV_SEGMENT = 128
+# cache_attention avoids dots for <= SMALL_N queries per KV head when a batched dot would make
+# >= SMALL_N_MIN_CALLS small matmul calls (one per row and KV head)
+SMALL_N, SMALL_N_MIN_CALLS = 8, 32
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-style decoder (Llama, Mistral, Qwen2 and Qwen2-VL's text model share this shape)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str = "text_config", **overrides) -> "LlamaConfig":
+        """`overrides` replace parsed fields (a family's rules, e.g. the top-level tie flag)."""
+        hidden = int(require(cfg, "hidden_size", where))
+        heads = int(require(cfg, "num_attention_heads", where))
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"config.json: {where}.hidden_act={act!r} not supported", param=f"{where}.hidden_act")
+        # Mistral attends within `sliding_window`; HF's Qwen2 only with use_sliding_window.
+        window = cfg.get("sliding_window")
+        if cfg.get("model_type", "llama").startswith("qwen2") and not cfg.get("use_sliding_window", False):
+            window = None
+        parsed = dict(
+            vocab_size=int(require(cfg, "vocab_size", where)),
+            hidden_size=hidden,
+            intermediate_size=int(require(cfg, "intermediate_size", where)),
+            num_layers=int(require(cfg, "num_hidden_layers", where)),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope=RopeConfig.from_hf(cfg, where),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type", "").startswith("qwen2"))),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=int(window) if window else None,
+        )
+        return cls(**{**parsed, **overrides})
+
+
+def load_params(src: TensorSource, cfg: LlamaConfig, prefix: str, lm_head_name: str) -> dict:
+    """HF LlamaForCausalLM-style weights -> params with fused qkv and gate_up matmuls. A tied
+    config without an lm_head tensor reads the embedding (a file that holds its own lm_head keeps it)."""
+    d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layers = []
+    for n in range(cfg.num_layers):
+        lp = f"{prefix}layers.{n}."
+        layers.append({
+            "ln1": src.take(lp + "input_layernorm.weight", (d,)),
+            "qkv": fused_linear(src, [lp + f"self_attn.{x}_proj" for x in "qkv"], d,
+                                [q_out, kv_out, kv_out], cfg.attention_bias),
+            "o": linear(src, lp + "self_attn.o_proj", q_out, d, False),
+            "ln2": src.take(lp + "post_attention_layernorm.weight", (d,)),
+            "gate_up": fused_linear(src, [lp + "mlp.gate_proj", lp + "mlp.up_proj"], d, [i, i], cfg.mlp_bias),
+            "down": linear(src, lp + "mlp.down_proj", i, d, cfg.mlp_bias),
+        })
+    embed = src.take(prefix + "embed_tokens.weight", (cfg.vocab_size, d))
+    if cfg.tie_word_embeddings and not src.has(lm_head_name):
+        lm_head = np.ascontiguousarray(embed.T)
+    else:
+        lm_head = np.ascontiguousarray(src.take(lm_head_name, (cfg.vocab_size, d)).T)
+    return {"embed": embed, "layers": layers, "norm": src.take(prefix + "norm.weight", (d,)),
+            "lm_head": lm_head}
+
+
+def kv_segments(max_len: int, segment: int = KV_SEGMENT, fine: int = 8) -> tuple[int, ...]:
+    """Segment lengths cutting [0, max_len): `fine` segments of `segment` positions (the
+    granularity decode pays in up to fine * segment), then each one as long as all before it,
+    the last cut at max_len. The count grows with log(max_len): every segment costs a scatter
+    and a cond per layer and step (32k positions: 13 segments)."""
+    out, total = [], 0
+    while total < max_len:
+        n = min(segment if len(out) < fine else total, max_len - total)
+        out.append(n)
+        total += n
+    return tuple(out)
+
+
+def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype,
+                  segment: int = KV_SEGMENT) -> KVCache:
+    """Zero cache of `num_slots` rows, `max_len` positions cut into `kv_segments(max_len, segment)`:
+    K segments [slots, kv_heads, head_dim, len] (transposed), V segments [slots, kv_heads, len,
+    head_dim]; see `cache_attention` for why."""
+    def zeros(shapes):
+        return [jnp.zeros((num_slots, cfg.num_kv_heads) + shape, dtype) for shape in shapes]
+    cuts = kv_segments(max_len, segment)
+    return [{"k": zeros([(cfg.head_dim, n) for n in cuts]), "v": zeros([(n, cfg.head_dim) for n in cuts])}
+            for _ in range(cfg.num_layers)]
+
+
+def _when(pred, fn, otherwise, *args):
+    """fn(*args) if pred else otherwise(*args): a Python branch for a concrete pred, else
+    lax.cond (XLA runs only the taken branch)."""
+    if isinstance(pred, (bool, np.bool_)):
+        return (fn if pred else otherwise)(*args)
+    return jax.lax.cond(pred, fn, otherwise, *args)
+
+
+def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None,
+                 starts: jax.Array) -> jax.Array:
+    """[b, t, len] bool: may the query at cache index q_index [b, t] read the key at cache index
+    key_index [len]? Causal (j <= i), within the sliding window, or in the query's own span
+    (the span's keys are this call's tokens: key j is new token j - starts[b])."""
+    vis = key_index[None, None, :] <= q_index[:, :, None]
+    if mask is None:
+        return vis
+    if mask.sliding_window is not None:
+        vis &= q_index[:, :, None] - key_index[None, None, :] < mask.sliding_window
+    if mask.spans is not None:
+        t = mask.spans.shape[1]
+        new = key_index[None, :] - starts[:, None]                          # [b, len]
+        in_call = (new >= 0) & (new < t)
+        kspan = jnp.where(in_call, jnp.take_along_axis(mask.spans, jnp.clip(new, 0, t - 1), axis=1), -1)
+        qspan = mask.spans[:, :, None]
+        vis |= (qspan >= 0) & (qspan == kspan[:, None, :])
+    return vis
+
+
+def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len,
+                    slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
+                    starts: jax.Array | None = None, reduce_small: bool = False) -> jax.Array:
+    """Attention of new queries over a cache given as consecutive segments.
+
+    q [b, t, heads, hd]; kts: K segments transposed [slots, kv_heads, hd, len_i], vs: V segments
+    [slots, kv_heads, len_i, hd], covering cache indexes [0, sum len_i); query row i reads cache
+    row slots[i] (None: row i, the decode layout); q_index [b, t] = cache index of each query;
+    kv_len (int or traced int32 scalar) > every q_index that matters: segments starting at or
+    after it are not computed. Key j is visible to a query at index i iff `visible_keys` says so
+    (causal at least, so stale entries past a sequence's end are never read); starts [b] is each
+    row's first new cache index (for spans). Returns [b, t, heads, hd]; a query with no visible
+    key gets zeros.
+
+    Each segment yields (max, sum of exp(s - max), exp(s - max) V) and the segments are merged
+    with the usual rescaling, as flash attention merges key blocks. `reduce_small` (a backend
+    choice, mmjax.backend): with few queries per KV head (n = t * group <= SMALL_N: decode)
+    both products become broadcast-multiply-reduce over a non-minor axis (scores sum K^T [hd,
+    len] rows, out sums V [len, hd] rows), which the CPU decode step hands to YNN's reductions,
+    where a batched dot makes one small matmul call per (row, KV head): 128 per segment at 16
+    rows, 1.6x slower (benchmarks/README.md, "K^T decode attention"). Below SMALL_N_MIN_CALLS
+    such calls the dots stay (a reduction call has the larger fixed cost). Otherwise dots on the
+    same layouts: scores [n, len] = q K^T and out [n, hd] = P V, both plain row-major operands.
+    """
+    b, t, h, hd = q.shape
+    kvh = kts[0].shape[1]
+    g = h // kvh
+    n = t * g
+    small = reduce_small and n <= SMALL_N and b * kvh >= SMALL_N_MIN_CALLS
+    qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
+    if starts is None:
+        starts = q_index[:, 0]
+
+    def segment(kt, v, start, top, total, out):
+        # decode: rows [0, b) (a no-op slice when b == slots); prefill: gather its slots
+        kt, v = (kt[:b], v[:b]) if slots is None else (kt[slots], v[slots])
+        size = v.shape[2]
+        if small:
+            s = (kt[:, :, None].astype(jnp.float32) * qn[..., None].astype(jnp.float32)).sum(axis=3)
+        else:
+            s = jnp.einsum("bknd,bkds->bkns", qn, kt, preferred_element_type=jnp.float32)
+        s = s / np.sqrt(hd)                                           # [b, kvh, n, len]
+        visible = visible_keys(start + jnp.arange(size), q_index, mask, starts)  # [b, t, len]
+        s = jnp.where(visible[:, None, :, None, :], s.reshape(b, kvh, t, g, size), -jnp.inf)
+        s = s.reshape(b, kvh, n, size)
+        new_top = jnp.maximum(top, s.max(axis=3))             # [b, kvh, n]; -inf: nothing visible yet
+        shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+        w = jnp.exp(s - shift[..., None])
+        if small:
+            pv = (w[..., None] * v[:, :, None].astype(jnp.float32)).sum(axis=3)
+        else:
+            pv = jnp.einsum("bkns,bksd->bknd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        rescale = jnp.exp(top - shift)                        # 0 while nothing was visible
+        return new_top, total * rescale + w.sum(axis=3), out * rescale[..., None] + pv
+
+    # running (max, sum of exp, exp-weighted V) carried through the segments; a skipped segment
+    # passes it on unchanged
+    carry = (jnp.full((b, kvh, n), -jnp.inf), jnp.zeros((b, kvh, n)), jnp.zeros((b, kvh, n, hd)))
+    start = 0
+    for kt, v in zip(kts, vs):
+        carry = _when(start < kv_len, lambda kt, v, *c, start=start: segment(kt, v, start, *c),
+                      lambda kt, v, *c: c, kt, v, *carry)
+        start += v.shape[2]
+    _, total, out = carry
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
+
+
+def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len: int,
+                       slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
+                       starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The same attention as `cache_attention` over the first `kv_len` (static) cache positions,
+    with the softmax materialised: (out [b, t, heads, hd], probs [b, heads, t, kv_len] float32).
+    For captured layers (research / training), never for serving."""
+    b, t, h, hd = q.shape
+    kvh = kts[0].shape[1]
+    kt = jnp.concatenate(kts, axis=3)[..., :kv_len]
+    v = jnp.concatenate(vs, axis=2)[:, :, :kv_len]
+    kt, v = (kt[:b], v[:b]) if slots is None else (kt[slots], v[slots])
+    kt = jnp.repeat(kt, h // kvh, axis=1)                          # [b, h, hd, len]
+    v = jnp.repeat(v, h // kvh, axis=1)                            # [b, h, len, hd]
+    s = jnp.einsum("bthd,bhds->bhts", q, kt, preferred_element_type=jnp.float32) / np.sqrt(hd)
+    vis = visible_keys(jnp.arange(kv_len), q_index, mask, q_index[:, 0] if starts is None else starts)
+    s = jnp.where(vis[:, None], s, -jnp.inf)
+    probs = jax.nn.softmax(s, axis=-1)
+    probs = jnp.where(vis[:, None], probs, 0.0)                    # rows with nothing visible: zeros
+    out = jnp.einsum("bhts,bhsd->bthd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype), probs
+
+
+def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Array, cache: KVCache,
+            starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
+            capture: Capture | None = None, reduce_small: bool = False,
+            inv_freq: jax.Array | None = None) -> Output:
+    """Run the decoder on new tokens and write their K/V into the cache.
+
+    embeds [b, t, hidden]; positions [rows, b, t] rope positions (rows 3 for M-RoPE); starts [b]:
+    cache index of each row's first new token; slots [b]: cache row of each batch row (None means
+    batch row i is slot i, the decode step's layout: rows [0, b) read with a slice, no gather);
+    kv_len (int or traced int32 scalar): cache positions in use, >= max(starts) + t (segments
+    from kv_len on are not read; no new token lands there either). The config's sliding window
+    is applied on top of `mask`.
+    Returns Output(final-normed hidden [b, t, hidden], updated cache, intermediates).
+    """
+    if cfg.sliding_window is not None and (mask is None or mask.sliding_window is None):
+        mask = dataclasses.replace(mask or MaskSpec(), sliding_window=cfg.sliding_window)
+    capture = capture or Capture()
+    x = embeds
+    rope = rope_for(cfg, positions, starts, embeds.shape[1], inv_freq)
+    hidden, attn, attn_out, new_cache = [x], {}, {}, []
+    for i, (layer, kv) in enumerate(zip(params["layers"], cache)):
+        x, kv, probs = layer_forward(layer, cfg, x, kv, rope, kv_len, slots=slots, mask=mask, starts=starts,
+                                     reduce_small=reduce_small, capture_attn=i in capture.attn_layers)
+        new_cache.append(kv)
+        if probs is not None:
+            attn[i], attn_out[i] = probs
+        hidden.append(x)
+    out = rms_norm(params["norm"], x, cfg.rms_norm_eps)
+    inter = {}
+    if capture.hidden:
+        inter["hidden"] = hidden[:-1] + [out]
+    if capture.attn_layers:
+        inter["attn"], inter["attn_out"] = attn, attn_out
+    return Output(out, new_cache, inter)
+
+
+def rope_for(cfg: LlamaConfig, positions: jax.Array, starts: jax.Array, t: int,
+             inv_freq: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(cos, sin [b, t, head_dim], q_index [b, t] = cache index of each new token);
+    positions [rows, b, t]."""
+    if inv_freq is None:
+        inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
+    cos, sin = rope_cos_sin(inv_freq, positions, cfg.rope.mrope_section)
+    return cos, sin, starts[:, None] + jnp.arange(t)[None, :]
+
+
+def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: tuple, kv_len, *,
+                  slots: jax.Array | None = None, mask: MaskSpec | None = None, starts: jax.Array | None = None,
+                  reduce_small: bool = False, capture_attn: bool = False) -> tuple[jax.Array, dict, tuple | None]:
+    """One decoder layer: x [b, t, hidden] (residual stream) -> (x, updated {"k", "v"} cache of
+    this layer, (probs, per-head outputs) when capture_attn else None). rope = rope_for(...);
+    kv_len / slots / mask as in `forward`."""
+    b, t, _ = x.shape
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin, q_index = rope
+    rows = jnp.arange(b) if slots is None else slots
+    hn = rms_norm(layer["ln1"], x, cfg.rms_norm_eps)
+    qkv = dense(layer["qkv"], hn)
+    q = qkv[..., : h * hd].reshape(b, t, h, hd)
+    k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
+    v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # Each new token goes to the segment holding its cache index; indexes outside a segment
+    # (and padded tail tokens of a bucketed chunk past max_len) map to distinct positions past
+    # its end, which mode="drop" skips (a negative index would wrap) and which keep the
+    # unique_indices promise true (XLA:CPU's scatter walks every update, dropped ones included;
+    # the promise cut a 256-token prefill chunk into 8 segments from 501 to ~480 ms). Every
+    # segment takes the scatter: a lax.cond around it made prefill slower, decode no faster
+    # (benchmarks/README.md, "KV segments", "K^T decode attention"). (rows [b, 1], :, idx [b, t])
+    # on V and (rows, :, :, idx) on K^T both index [b, t, kv_heads, hd].
+    new_k, new_v, start = [], [], 0
+    for ck, cv in zip(kv["k"], kv["v"]):
+        size = cv.shape[2]
+        idx = q_index - start
+        idx = jnp.where((idx >= 0) & (idx < size), idx, size + jnp.arange(t))
+        new_k.append(ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop",
+                                                         unique_indices=True))
+        new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop",
+                                                      unique_indices=True))
+        start += size
+    captured = None
+    if capture_attn:
+        attn, probs = explicit_attention(q, new_k, new_v, q_index, kv_len, slots, mask=mask, starts=starts)
+        captured = (probs, attn)
+    else:
+        attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=mask, starts=starts,
+                               reduce_small=reduce_small)
+    x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
+    hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
+    gu = dense(layer["gate_up"], hn)
+    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    x = x + dense(layer["down"], jax.nn.silu(gate) * up)
+    return x, {"k": new_k, "v": new_v}, captured
+
+
+def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
+    """hidden [..., hidden] -> logits [..., vocab] in float32."""
+    return (hidden @ params["lm_head"]).astype(jnp.float32)
+
+
+def embed_tokens(params: dict, token_ids: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], token_ids, axis=0, mode="clip")
+
+
+@dataclass(frozen=True)
+class LlamaTextModel:
+    """`TextModel` for Llama-style decoders: binds a config to the functions above."""
+    cfg: LlamaConfig
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def position_rows(self) -> int:
+        return 1 if self.cfg.rope.mrope_section is None else len(self.cfg.rope.mrope_section)
+
+    def load_params(self, src: TensorSource, prefix: str, lm_head_name: str) -> dict:
+        return load_params(src, self.cfg, prefix, lm_head_name)
+
+    def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None) -> KVCache:
+        cache = init_kv_cache(self.cfg, num_slots, max_len, dtype)
+        return cache if sharding is None else jax.device_put(cache, sharding)
+
+    def embed(self, params: dict, ids: jax.Array) -> jax.Array:
+        return embed_tokens(params, ids)
+
+    def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache: KVCache, starts: jax.Array,
+                kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
+                capture: Capture | None = None, reduce_small: bool = False) -> Output:
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
+        return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
+                       capture=capture, reduce_small=reduce_small, inv_freq=inv_freq)
+
+    def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        return lm_logits(params, hidden)
+
+
+def from_hf(cfg: dict, where: str = "text_config", **overrides) -> LlamaTextModel:
+    return LlamaTextModel(LlamaConfig.from_hf(cfg, where, **overrides))

@@ -1,0 +1,334 @@
+"""Continuous batching over decode slots: the step loop.
+
+Each `step()`: admit waiting requests into free slots (scheduler); encode every image not in the
+encoder cache, batched across requests; prefill chunks up to `prefill_chunk` tokens in total (a
+long image prompt is spread over several steps and never freezes running streams); one decode
+step over the lowest slots that cover every running one (the decode ladder's rows). Host-only
+work (tokenizing, stop strings, detokenizing) stays on the host (serving/output.py).
+
+Failures stay with their culprit: an image that fails to encode fails its own request; a prefill
+that fails before it consumed the donated cache fails only its request. Only a failure that lost
+the device state (a donated cache consumed by a failed call) ends the requests it held; prompts
+that had produced nothing yet go back to the queue.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
+from mmjax.models.family import ImageInput
+from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
+from mmjax.serving.output import append_token
+from mmjax.serving.request import Delta, Request, RequestOutput
+from mmjax.serving.runner import ModelRunner
+from mmjax.serving.sampling import SamplingParams, SlotSampling
+from mmjax.serving.scheduler import Scheduler
+from mmjax.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("mmjax.engine")
+
+
+def _as_error(exc: BaseException, what: str) -> MMJaxError:
+    if isinstance(exc, MMJaxError):
+        return exc
+    return MMJaxError(f"internal error while {what}: {type(exc).__name__}: {exc}")
+
+
+class Engine:
+    def __init__(self, model, *, max_num_seqs: int = 8, max_model_len: int | None = None,
+                 prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
+                 encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
+                 enable_prefix_cache: bool = True, mesh=None):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.family = model.family
+        max_model_len = max_model_len or min(model.family.text_model.max_position_embeddings, 4096)
+        self.max_model_len = max_model_len
+        self.prefill_chunk = prefill_chunk
+        self.max_encode_tokens = max_encode_tokens
+        self.max_images_per_request = max_images_per_request
+        self.runner = ModelRunner(model.family, model.params, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len, prefill_chunk=prefill_chunk,
+                                  max_encode_batch=max_encode_batch, mesh=mesh)
+        self.encoder_cache = EncoderCache(encoder_cache_bytes)
+        self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
+        self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng()
+        self.counters = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
+                         "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
+                         "images_encoded": 0, "decode_steps": 0, "prefill_calls": 0}
+
+    # ---- requests ---------------------------------------------------------------------------
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def slots(self) -> list[Request | None]:
+        return self.scheduler.slots
+
+    def add_request(self, prompt: str | list[int], images: list[ImageInput] = (),
+                    sampling: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request. `prompt` holds one image placeholder per image (or is already ids
+        with placeholders). Raises typed errors for requests that can never run."""
+        return self.submit(self.make_request(prompt, images, sampling, request_id))
+
+    def make_request(self, prompt: str | list[int], images: list[ImageInput] = (),
+                     sampling: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}",
+                                      param="sampling")
+        images = list(images)
+        if len(images) > self.max_images_per_request:
+            raise InvalidRequestError(f"{len(images)} images in one request exceeds the limit of "
+                                      f"{self.max_images_per_request}", param="images", code="too_many_images")
+        counts = [im.num_tokens for im in images]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_prompt(prompt, counts)
+        else:
+            ids = list(prompt)
+        ids = np.asarray(ids, np.int32)
+        if len(ids) == 0:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(f"prompt is {len(ids)} tokens (including {sum(counts)} image tokens); "
+                                     f"the context is {self.max_model_len} tokens", param="messages")
+        starts = self.family.image_starts(ids, counts)
+        positions, rope_delta = self.family.positions(ids, images, starts)
+        seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
+        key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
+        rid = request_id or f"req-{next(self._ids)}"
+        return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
+                       rope_delta=rope_delta, sampling=sampling, key=key,
+                       detok=IncrementalDetokenizer(self.tokenizer), keys=token_keys(ids, images, starts),
+                       logprobs=[] if sampling.logprobs is not None else None, feats=[None] * len(images))
+
+    def submit(self, req: Request) -> str:
+        if req.id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {req.id!r}", param="request_id")
+        self.requests[req.id] = req
+        self.scheduler.add(req)
+        return req.id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.finish_reason is not None:
+            return False
+        self._finish(req, "abort")
+        self.counters["requests_aborted"] += 1
+        return True
+
+    def warmup(self) -> dict[str, int]:
+        """Compile every bucket of every step up front (no request may be in flight)."""
+        if self.has_work():
+            raise RuntimeError("warmup() needs an idle engine")
+        self.runner.warmup()
+        self.reset_device_state()
+        return self.runner.compiled_counts()
+
+    def reset_device_state(self) -> None:
+        """Fresh KV cache and decode state; the prefix cache forgets what the old one held."""
+        self.runner.reset_device_state()
+        self.prefix_cache.clear()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[Delta]:
+        deltas: list[Delta] = []
+        for req in self.scheduler.admit():
+            self.counters["tokens_cached"] += req.cached_tokens
+        self._encode_missing([r for r in self.scheduler.active() if r.prefilling], deltas)
+        for req, n in self.scheduler.prefill_plan():
+            if req.finish_reason is None:
+                self._prefill(req, n, deltas)
+        running = self.scheduler.decoding()
+        if running:
+            self._decode(running, deltas)
+        return deltas
+
+    def fail_request(self, req: Request, err: MMJaxError, deltas: list[Delta]) -> None:
+        """End `req` with `err` (an error delta is appended to `deltas`)."""
+        if req.finish_reason is not None:
+            return
+        req.error = err
+        self._finish(req, "error")
+        self.counters["requests_failed"] += 1
+        deltas.append(Delta(req.id, [], "", None, True, "error", error=err))
+
+    def _encode_missing(self, reqs: list[Request], deltas: list[Delta]) -> None:
+        """Give every prefilling request its image features: from the encoder cache, or by
+        encoding all missing images of all these requests together (deduplicated by key). If
+        the joint encode fails, each request's images are encoded alone so that only the
+        request whose image fails is failed."""
+        todo: dict[str, ImageInput] = {}
+        for r in reqs:
+            for i, im in enumerate(r.images):
+                if r.feats[i] is not None or im.key in todo or r.image_starts[i] + im.num_tokens <= r.prefilled:
+                    continue
+                cached = self.encoder_cache.get(im.key)
+                if cached is not None:
+                    self.encoder_cache.hits += 1
+                    r.feats[i] = cached
+                else:
+                    self.encoder_cache.misses += 1
+                    todo[im.key] = im
+        if not todo:
+            return
+        try:
+            feats = self._encode(list(todo.values()))
+        except Exception as e:  # find the culprit(s): one request at a time
+            log.warning("joint encode of %d images failed (%s: %s); encoding per request", len(todo),
+                        type(e).__name__, e)
+            feats = {}
+            for r in reqs:
+                mine = [im for im in r.images if im.key in todo and im.key not in feats]
+                try:
+                    feats.update(self._encode(mine))
+                except Exception as e:
+                    self.fail_request(r, _as_error(e, "encoding the request's images"), deltas)
+        for key, f in feats.items():
+            self.encoder_cache.put(key, f)
+        for r in reqs:
+            for i, im in enumerate(r.images):
+                if r.feats[i] is None and im.key in feats:
+                    r.feats[i] = feats[im.key]
+
+    def _encode(self, images: list[ImageInput]) -> dict[str, np.ndarray]:
+        """Encode in groups of at most `max_encode_tokens` image tokens (an image larger than the
+        budget goes alone) -> {image key: features}."""
+        feats: dict[str, np.ndarray] = {}
+        groups, cur, n = [], [], 0
+        for im in images:
+            if cur and n + im.num_tokens > self.max_encode_tokens:
+                groups.append(cur)
+                cur, n = [], 0
+            cur.append(im)
+            n += im.num_tokens
+        for group in groups + ([cur] if cur else []):
+            feats.update(zip((im.key for im in group), self.runner.encode_images(group)))
+            self.counters["images_encoded"] += len(group)
+        return feats
+
+    def _image_embeds(self, req: Request, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """Rows [lo, hi) of the prompt's image embeddings [hi - lo, hidden] and mask [hi - lo]."""
+        mask = req.prompt_ids[lo:hi] == self.family.image_token_id
+        if not mask.any():
+            return None, mask
+        emb = np.zeros((hi - lo, self.runner.hidden_size), np.float32)
+        for feats, im, s in zip(req.feats, req.images, req.image_starts):
+            a, b = max(s, lo), min(s + im.num_tokens, hi)
+            if a < b:
+                emb[a - lo:b - lo] = feats[a - s:b - s]
+        return emb, mask
+
+    def _prefill(self, req: Request, n: int, deltas: list[Delta]) -> None:
+        lo, hi = req.prefilled, req.prefilled + n
+        try:
+            emb, mask = self._image_embeds(req, lo, hi)
+            out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
+                                      req.rope_delta, SlotSampling.from_params(req.sampling), req.key)
+        except Exception as e:
+            self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
+            return
+        self.counters["prefill_calls"] += 1
+        self.counters["tokens_prefilled"] += hi - lo
+        req.prefilled = hi
+        if not req.prefilling:
+            req.feats = []  # the KV cache holds them now
+            req.first_token_time = time.monotonic()
+            self._emit_token(req, out, 0, deltas)
+
+    def _decode(self, running: list[Request], deltas: list[Delta]) -> None:
+        max_len = max(r.prompt_len + len(r.output_ids) for r in running)
+        try:
+            out = self.runner.decode(max_len, max(r.slot for r in running) + 1)
+        except Exception as e:
+            self._device_failure(None, _as_error(e, "decoding"), deltas)
+            return
+        self.counters["decode_steps"] += 1
+        for r in running:
+            self._emit_token(r, out, r.slot, deltas)
+
+    def _emit_token(self, req: Request, out, row: int, deltas: list[Delta]) -> None:
+        try:
+            d = append_token(req, out, row, self.model.eos_token_ids, self.max_model_len)
+        except Exception as e:
+            self.fail_request(req, _as_error(e, "detokenizing"), deltas)
+            return
+        self.counters["tokens_decoded"] += 1
+        deltas.append(d)
+        if d.finished:
+            self._finish(req, d.finish_reason)
+
+    def _device_failure(self, culprit: Request | None, err: MMJaxError, deltas: list[Delta]) -> None:
+        """A compiled call failed. If the donated cache/state survived, only the culprit fails.
+        Otherwise every slot's KV is gone: requests that produced nothing yet go back to the
+        queue (they restart from their prompt), the others fail."""
+        log.error("%s (request %s)", err.message, culprit.id if culprit else "-")
+        if not self.runner.device_state_lost():
+            if culprit is not None:
+                self.fail_request(culprit, err, deltas)
+                return
+        for r in self.scheduler.active():
+            if r is culprit or r.output_ids:
+                self.fail_request(r, err if r is culprit or culprit is None else MMJaxError(
+                    f"internal error: the device state was lost while running request {culprit.id}"), deltas)
+            else:
+                self.scheduler.slots[r.slot] = None
+                r.slot, r.prefilled, r.cached_tokens = None, 0, 0
+                r.feats = [None] * len(r.images)
+                self.scheduler.waiting.appendleft(r)
+        self.reset_device_state()
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.scheduler.release(req)
+        if reason not in ("abort", "error"):
+            self.counters["requests_finished"] += 1
+
+    # ---- results ----------------------------------------------------------------------------
+    def output(self, request_id: str) -> RequestOutput:
+        return self.requests[request_id].output()
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its output has been collected)."""
+        r = self.requests.get(request_id)
+        if r is not None and r.finish_reason is not None:
+            del self.requests[request_id]
+
+    def run_until_done(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Step until every request is done. A request that failed raises its error (after the
+        others finished)."""
+        pending = set(request_ids)
+        while any(self.requests[r].finish_reason is None for r in pending):
+            self.step()
+        outs = [self.output(r) for r in request_ids]
+        errors = [self.requests[r].error for r in request_ids if self.requests[r].error is not None]
+        for r in request_ids:
+            self.release(r)
+        if errors:
+            raise errors[0]
+        return outs
+
+    def stats(self) -> dict[str, Any]:
+        running = len(self.scheduler.active())
+        r = self.runner
+        return {**self.counters, "encoder_calls": r.calls["encode"],
+                "requests_running": running, "requests_waiting": len(self.scheduler.waiting),
+                "slots_total": len(self.scheduler.slots), "slots_used": running,
+                "encoder_cache_hits": self.encoder_cache.hits, "encoder_cache_misses": self.encoder_cache.misses,
+                "encoder_cache_entries": len(self.encoder_cache), "encoder_cache_bytes": self.encoder_cache.bytes,
+                "compiled_shapes": r.compiled_counts(), "compiled_shapes_bound": r.max_compilations(),
+                "compile_seconds": round(r.compile_seconds, 3),
+                "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()}}

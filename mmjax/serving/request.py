@@ -1,0 +1,79 @@
+"""Request types: what a client submits (`Request`, built and validated by `Engine.make_request`),
+what each step streams back (`Delta`) and what a finished request returns (`RequestOutput`)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mmjax.errors import MMJaxError
+from mmjax.models.family import ImageInput
+from mmjax.serving.sampling import SamplingParams
+from mmjax.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Delta:
+    """What one step produced for one request (streamed to clients)."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: MMJaxError | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    num_image_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: np.ndarray           # [prompt_len] with image tokens expanded
+    images: list[ImageInput]
+    image_starts: list[int]          # prompt index of each image's first token
+    positions: np.ndarray            # [position_rows, prompt_len]
+    rope_delta: int
+    sampling: SamplingParams
+    key: np.ndarray                  # [2] uint32 PRNG key
+    detok: IncrementalDetokenizer
+    keys: np.ndarray                 # [prompt_len] int64 prefix-cache key of each prompt token
+    arrival: float = field(default_factory=time.monotonic)
+    slot: int | None = None
+    prefilled: int = 0
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""                   # text after stop-string handling
+    emitted: int = 0                 # chars of `text` already streamed
+    finish_reason: str | None = None
+    error: MMJaxError | None = None
+    first_token_time: float | None = None
+    feats: list = field(default_factory=list)  # per image: np.ndarray [tokens, hidden] once encoded
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.id, self.prompt_ids.tolist(), list(self.output_ids), self.text, self.logprobs,
+                             self.finish_reason, self.num_image_tokens, self.cached_tokens)

@@ -1,0 +1,92 @@
+"""Which request runs where and how much of it each step: the waiting queue, the decode slots,
+admission (prefix-cache aware) and the per-step prefill budget. Pure host bookkeeping."""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from mmjax.buckets import bucket_for
+from mmjax.serving.caches import PrefixCache
+from mmjax.serving.request import Request
+
+# Shorter shared prefixes are not worth steering slot choice for (see Scheduler.admit).
+MIN_PREFIX_HIT = 16
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, decode_ladder: tuple[int, ...], prefill_chunk: int,
+                 prefix_cache: PrefixCache):
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * num_slots
+        self.decode_ladder = decode_ladder
+        self.prefill_chunk = prefill_chunk
+        self.prefix = prefix_cache
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def active(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into free slots; returns the admitted ones. With the prefix
+        cache, each goes to the free slot whose retained KV shares the longest prefix with it and
+        prefill starts after that prefix; at least one prompt token is always recomputed to get
+        the first token's logits. Without a worthwhile match (< MIN_PREFIX_HIT tokens: the chat
+        template's opening alone matches every slot) the request takes the free slot that keeps
+        the decode step's row count (highest busy slot + 1, rounded up the decode ladder)
+        smallest, then the least recently used one, so retained prefixes survive longest."""
+        admitted = []
+        while self.waiting:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if not free:
+                break
+            req = self.waiting.popleft()
+            busy_rows = max((i + 1 for i, s in enumerate(self.slots) if s is not None), default=0)
+            match = {i: self.prefix.match(i, req.keys) for i in free}
+            slot = max(free, key=lambda i: (match[i] if match[i] >= MIN_PREFIX_HIT else 0,
+                                            -bucket_for(max(busy_rows, i + 1), self.decode_ladder),
+                                            -self.prefix.last_used[i]))
+            cached = min(match[slot], req.prompt_len - 1)
+            req.slot, req.prefilled, req.cached_tokens = slot, cached, cached
+            self.slots[slot] = req
+            self.prefix.truncate(slot, cached)
+            admitted.append(req)
+        return admitted
+
+    def prefill_plan(self) -> list[tuple[Request, int]]:
+        """(request, tokens to prefill this step) within the `prefill_chunk` budget. After the
+        first, a prompt is only started if the rest of it fits: each prefill call reads every
+        weight, so a small head chunk (the budget's remainder) costs nearly a full call and
+        splits the prompt into two padded buckets."""
+        plan, budget = [], self.prefill_chunk
+        for i, req in enumerate(r for r in self.slots if r is not None and r.prefilling):
+            rest = req.prompt_len - req.prefilled
+            if budget <= 0 or (i and rest > budget):
+                break
+            n = min(rest, budget)
+            plan.append((req, n))
+            budget -= n
+        return plan
+
+    def decoding(self) -> list[Request]:
+        """Requests whose prompt is in the cache and that are still generating."""
+        return [r for r in self.slots if r is not None and not r.prefilling and r.finish_reason is None]
+
+    def release(self, req: Request) -> None:
+        """Take a request out of its slot (keeping the KV it leaves for the prefix cache) or out
+        of the queue."""
+        if req.slot is not None and self.slots[req.slot] is req:
+            self.slots[req.slot] = None
+            # The cache row holds the prompt (as far as prefilled) and every output token but the
+            # last (sampled, never fed back).
+            held = req.keys[:req.prefilled]
+            if not req.prefilling and len(req.output_ids) > 1:
+                held = np.concatenate([held, np.asarray(req.output_ids[:-1], np.int64)])
+            self.prefix.retain(req.slot, held)
+        elif req in self.waiting:
+            self.waiting.remove(req)
