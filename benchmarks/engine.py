@@ -139,7 +139,7 @@ def main(argv=None) -> int:
 
     import mmjax
     from benchmarks.checkpoints import build_llava
-    from mmjax.engine import AsyncEngine
+    from mmjax.serving import AsyncEngine
 
     path = args.model or str(build_llava("smoke" if args.smoke else "default"))
     threads = args.threads or os.cpu_count()

@@ -151,7 +151,8 @@ class MMJaxSide:
 
     def encode(self, pixels) -> float:
         t0 = time.perf_counter()
-        self.vlm8.engine.runner.encode(pixels)
+        from mmjax.models.family import EncodeCall
+        self.vlm8.engine.runner.encode([EncodeCall(pixels.shape, pixels, list)])
         return time.perf_counter() - t0
 
     def ttft(self, prompt, image) -> float:

@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from mmjax.models.qwen2_vl import make_encode_fn, patch_ladder
-from mmjax.vision_io import Qwen2VLImagePolicy
+from mmjax.image.processors import Qwen2VLImagePolicy
 
 SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080), (1080, 1920), (2048, 1536),
          (3840, 2160), (4032, 3024), (512, 512), (300, 400), (1170, 2532)]  # (width, height)

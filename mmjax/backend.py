@@ -3,7 +3,10 @@ backend sits behind `tuning(platform)`, so the steps themselves stay device-inde
 every one of them lowers for CUDA on a CPU-only machine: tests/test_cuda_lowering.py)."""
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import jax
 
@@ -32,6 +35,26 @@ class Tuning:
         return None
 
 
+_target = threading.local()
+
+
+def current_platform() -> str:
+    """The platform being compiled for: the innermost `compiling_for`, else JAX's default backend."""
+    return getattr(_target, "platform", None) or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+    """Trace for `platform` (e.g. "cuda" while exporting on a CPU machine): kernel choices such
+    as `mmjax.attention`'s impl="auto" read `current_platform()` at trace time."""
+    prev = getattr(_target, "platform", None)
+    _target.platform = platform
+    try:
+        yield
+    finally:
+        _target.platform = prev
+
+
 def tuning(platform: str | None = None) -> Tuning:
-    """The tuning for `platform` (default: JAX's default backend)."""
-    return Tuning(platform or jax.default_backend())
+    """The tuning for `platform` (default: the current platform)."""
+    return Tuning(platform or current_platform())

@@ -6,21 +6,10 @@ import sys
 import time
 
 
-def default_model() -> str | None:
-    """The checkpoint shipped with the package (mmjax-shapes), if present."""
-    try:
-        from mmjax.demo import default_model_path
-    except ImportError:
-        return None
-    p = default_model_path()
-    return str(p) if p is not None else None
-
-
 def _model_arg(args) -> str:
-    model = args.model or default_model()
-    if model is None:
-        sys.exit("mmjax: no --model given and no shipped default model is installed")
-    return model
+    """--model, else the shipped model's name (mmjax.load resolves it)."""
+    from mmjax.api import SHIPPED_MODEL
+    return args.model or SHIPPED_MODEL
 
 
 def cmd_generate(args) -> int:

@@ -4,7 +4,7 @@
     serve.main(argv) / serve.add_arguments(parser) + serve.run(args)   (wired into mmjax.cli)
     serve.app.create_app(vlm_or_engine, ServerConfig(...)) -> aiohttp.web.Application
 """
-from serve.cli import add_arguments, build_parser, default_model_path, main, run  # noqa: F401
+from serve.cli import add_arguments, build_parser, main, run  # noqa: F401
 
 
 def create_app(vlm_or_engine, config=None):

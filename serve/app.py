@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -26,9 +27,10 @@ from typing import Any
 
 from aiohttp import web
 
+from mmjax.api import VLM
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError
-from mmjax.sampling import SamplingParams
-from mmjax.vision_io import ImageLimits
+from mmjax.image.decode import ImageLimits
+from mmjax.serving import AsyncEngine, Engine
 from serve import schema
 from serve.media import MediaConfig, MediaFetcher
 from serve.metrics import ServerMetrics
@@ -39,7 +41,7 @@ log = logging.getLogger("mmjax.serve")
 
 @dataclass
 class ServerConfig:
-    served_model_name: str = "mmjax"
+    served_model_name: str | None = None       # default: the model's name (mmjax-shapes for the shipped one)
     api_key: str | None = None
     limit_images: int = 8                      # images per request
     max_image_bytes: int = 20 * 2**20
@@ -82,34 +84,28 @@ class State:
 STATE = web.AppKey("mmjax_state", State)
 
 
-def _as_vlm(obj):
-    from mmjax.api import VLM
-    from mmjax.engine import Engine
-
+def _as_vlm(obj) -> VLM:
     if isinstance(obj, Engine):
-        vlm = VLM(obj.model)
-        vlm._engine = obj
-        return vlm
-    if hasattr(obj, "engine") and hasattr(obj, "render_chat"):
+        return VLM.from_engine(obj)
+    if isinstance(obj, VLM):
         return obj
     raise TypeError(f"create_app needs an mmjax VLM or Engine, got {type(obj).__name__}")
 
 
-def configure_family(vlm, cfg: ServerConfig) -> None:
-    """Server-wide image limits for families that take them (Qwen2-VL: the token cap shapes the
-    encode bucket ladder, so this runs before the engine exists where possible)."""
-    fam = vlm.family
-    if cfg.image_max_tokens is not None and hasattr(fam, "configure"):
-        fam.configure(image_max_tokens=cfg.image_max_tokens)
+def configure_family(vlm: VLM, cfg: ServerConfig) -> None:
+    """Server-wide image limits (a dynamic-resolution family's token cap shapes its encode
+    bucket ladder, so this runs before the engine exists where possible)."""
+    if cfg.image_max_tokens is not None:
+        vlm.family.configure(image_max_tokens=cfg.image_max_tokens)
 
 
 def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Application:
     """Build the app. Starts the engine loop thread (an `AsyncEngine`) immediately; it stops in
     the app's cleanup. The engine must not be driven by anyone else while the app lives."""
-    from mmjax.engine import AsyncEngine
-
     cfg = config or ServerConfig()
     vlm = _as_vlm(vlm_or_engine)
+    if cfg.served_model_name is None:
+        cfg.served_model_name = vlm.name
     configure_family(vlm, cfg)
     engine = vlm.engine
     if cfg.chat_template:
@@ -125,7 +121,7 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
                             image_max_tokens=cfg.image_max_tokens,
                             low_detail_tokens=cfg.low_detail_image_tokens)
     fetcher = MediaFetcher(media_cfg, vlm.family, executor)
-    metrics = ServerMetrics(engine.stats, lambda: len(engine.waiting) + len(aengine._inbox))
+    metrics = ServerMetrics(engine.stats, aengine.queue_depth)
     st = State(vlm, engine, aengine, cfg, fetcher, metrics, executor)
 
     # Enough for limit_images base64 images of max_image_bytes (capped at 128 MiB unless set).
@@ -148,18 +144,12 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
 async def _watchdog(st: State) -> None:
     """If the engine thread ever dies, fail its waiting streams instead of leaving them hanging
     (new requests get 503 from `_generate`, /health turns 503)."""
-    from mmjax.engine import Delta
-
-    while st.aengine._thread.is_alive():
+    while st.aengine.alive():
         await asyncio.sleep(1.0)
-    if st.aengine._stop:
+    if st.aengine.stopped:
         return
-    log.critical("the engine loop thread stopped; failing %d open request(s)", len(st.aengine._streams))
-    err = UnavailableError("the engine loop stopped; the server must be restarted")
-    targets = list(st.aengine._streams.items())
-    targets += [(item[1].id, (item[2], item[3])) for item in list(st.aengine._inbox) if item[0] == "add"]
-    for rid, (q, loop) in targets:
-        loop.call_soon_threadsafe(q.put_nowait, Delta(rid, [], "", None, True, "error", error=err))
+    n = st.aengine.fail_all(UnavailableError("the engine loop stopped; the server must be restarted"))
+    log.critical("the engine loop thread stopped; failed %d open request(s)", n)
 
 
 async def _on_startup(app: web.Application) -> None:
@@ -178,7 +168,8 @@ async def _on_cleanup(app: web.Application) -> None:
         st.logger_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await st.logger_task
-        log_stats(st)  # what happened since the last line    await st.fetcher.close()
+        log_stats(st)  # what happened since the last line
+    await st.fetcher.close()
     await asyncio.get_running_loop().run_in_executor(None, st.aengine.shutdown, 5.0)
     st.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -189,8 +180,7 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else port
-    return runner, site, bound
+    return runner, site, runner.addresses[0][1] if runner.addresses else port
 
 
 # ---- middlewares ----------------------------------------------------------------------------------
@@ -283,7 +273,7 @@ async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if st.draining:
         return web.json_response({"status": "draining"}, status=503)
-    if not st.aengine._thread.is_alive():
+    if not st.aengine.alive():
         return web.json_response({"status": "engine loop stopped"}, status=503)
     return web.json_response({"status": "ok"})
 
@@ -351,12 +341,8 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
                                           param="prompt")
         elif images and tok.image_token and tok.image_token not in prompt:
             prompt = (tok.image_token + "\n") * len(images) + prompt
-    sp = SamplingParams(max_tokens=1, temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
-                        min_p=parsed.min_p, seed=parsed.seed, stop=list(parsed.stop),
-                        stop_token_ids=list(parsed.stop_token_ids), logprobs=parsed.logprobs,
-                        ignore_eos=parsed.ignore_eos)
     try:
-        req = eng.make_request(prompt, images, sp, request_id=rid)
+        req = eng.make_request(prompt, images, dataclasses.replace(parsed.sampling), request_id=rid)
     except ContextLengthError as e:
         if parsed.kind == "completion" and e.param == "messages":
             e.param = "prompt"
@@ -369,12 +355,11 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
     if parsed.max_tokens is None:
         req.sampling.max_tokens = room
     elif parsed.max_tokens > room:
-        field_ = "max_completion_tokens" if parsed.kind == "chat" else "max_tokens"
         raise ContextLengthError(
             f"this model's maximum context length is {eng.max_model_len} tokens; you requested "
             f"{req.prompt_len + parsed.max_tokens} tokens ({req.prompt_len} in the prompt, including "
-            f"{sum(im.num_tokens for im in images)} image tokens, and {parsed.max_tokens} for the completion)",
-            param=field_ if parsed.kind == "completion" else "max_tokens")
+            f"{sum(im.num_tokens for im in images)} image tokens, and {parsed.max_tokens} for the completion, "
+            f"'{parsed.max_tokens_param}')", param=parsed.max_tokens_param)
     else:
         req.sampling.max_tokens = parsed.max_tokens
     return req
@@ -519,7 +504,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     t0 = time.monotonic()
     if st.draining:
         raise UnavailableError("the server is shutting down and accepts no new requests")
-    if not st.aengine._thread.is_alive():
+    if not st.aengine.alive():
         raise UnavailableError("the engine loop stopped; the server must be restarted")
     body = await _read_json(request)
     lim = st.config.limit_images
@@ -581,7 +566,6 @@ async def _stream(request: web.Request, g: Generation, d, kind: str) -> web.Stre
     st = g.st
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
     created = schema.now()
     model = st.config.served_model_name
     include_usage = g.parsed.include_usage
@@ -596,6 +580,7 @@ async def _stream(request: web.Request, g: Generation, d, kind: str) -> web.Stre
         return obj
 
     try:
+        await resp.prepare(request)  # inside: a client that resets before the headers is a disconnect too
         if kind == "chat":
             await resp.write(_sse(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None})))
@@ -658,7 +643,7 @@ def log_stats(st: State) -> None:
     d = {k: s.get(k, 0) - prev.get(k, 0) for k in ("tokens_prefilled", "tokens_cached", "tokens_decoded",
                                                    "decode_steps", "prefill_calls", "requests_finished",
                                                    "requests_aborted")}
-    queued = s.get("requests_waiting", 0) + len(st.aengine._inbox)
+    queued = st.aengine.queue_depth()
     if d["prefill_calls"]:
         total = d["tokens_prefilled"] + d["tokens_cached"]
         hit = d["tokens_cached"] / total if total else 0.0

@@ -12,26 +12,19 @@ from pathlib import Path
 log = logging.getLogger("mmjax.serve")
 
 
-def default_model_path() -> str | None:
-    """HOOK for the lead: the shipped default checkpoint (mmjax.demo), used when --model is omitted.
-    Returns None while mmjax.demo has no `default_model_path()`."""
-    try:
-        from mmjax import demo
-        fn = getattr(demo, "default_model_path", None)
-        return str(fn()) if fn is not None else None
-    except Exception:  # not built yet / not installed
-        return None
+SHIPPED_MODEL = "mmjax-shapes"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    d = default_model_path()
-    p.add_argument("--model", default=d, required=d is None,
-                   help="model directory or hub id" + (f" (default: the shipped demo model {d})" if d else ""))
+    p.add_argument("--model", default=SHIPPED_MODEL,
+                   help=f"model directory or hub id (default: {SHIPPED_MODEL}, the trained model shipped with mmjax)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("MMJAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MMJAX_API_KEY, else none)")
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: directory name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: the model's name: mmjax-shapes, a directory's base name "
+                        "or the hub id)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=8, help="decode slots = max concurrently running requests")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
@@ -55,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
     p.add_argument("--media-max-redirects", type=int, default=3)
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the checkpoint's)")
-    p.add_argument("--warmup", action="store_true", help="compile the common shapes before listening")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every bucket of every step (encode, prefill, decode) before listening")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them")
     p.add_argument("--log-stats-interval", type=float, default=1.0,
@@ -69,18 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mmjax serve", description="OpenAI-compatible server for an mmjax vision-language model"))
 
 
-def _default_name(model: str) -> str:
-    """A local directory is served under its base name, a hub id under the id (vLLM's convention)."""
-    p = Path(str(model)).expanduser()
-    return (p.resolve().name if p.is_dir() else str(model)) or "mmjax"
-
-
 def config_from_args(args, model_path: str):
     from serve.app import ServerConfig
 
     tpl = Path(args.chat_template).read_text() if args.chat_template else None
     return ServerConfig(
-        served_model_name=args.served_model_name or _default_name(model_path),
+        served_model_name=args.served_model_name,
         api_key=args.api_key or None, limit_images=args.limit_images, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, image_max_tokens=args.image_max_tokens,
         low_detail_image_tokens=args.low_detail_image_tokens,
@@ -92,28 +80,12 @@ def config_from_args(args, model_path: str):
 
 
 def warmup(vlm) -> float:
-    """Compile before listening: every bucket via `Engine.warmup()` when the engine has it, else one
-    image request and one text request (the common shapes)."""
+    """Compile every bucket of every step before listening (`Engine.warmup`); returns seconds."""
     import time
 
-    fn = getattr(vlm.engine, "warmup", None)
-    if fn is not None:
-        t = time.monotonic()
-        counts = fn()
-        log.info("compiled shapes after warmup: %s", counts)
-        return time.monotonic() - t
-
-    import numpy as np
-    from PIL import Image
-
-    from mmjax.sampling import SamplingParams
-
     t = time.monotonic()
-    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
-    sp = SamplingParams(max_tokens=4, temperature=0.0)
-    if vlm.tokenizer.image_token:
-        vlm.chat([{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "hi"}]}], sp)
-    vlm.generate("hello", sp)
+    counts = vlm.engine.warmup()
+    log.info("compiled shapes after warmup: %s", counts)
     return time.monotonic() - t
 
 
@@ -140,10 +112,7 @@ def run(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import mmjax
-    from mmjax.vision_io import ImageLimits
-
-    if not args.model:
-        raise SystemExit("mmjax serve: --model is required")
+    from mmjax.image.decode import ImageLimits
     vlm = mmjax.load(args.model, dtype=args.dtype, image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1))

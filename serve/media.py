@@ -1,7 +1,7 @@
-"""Image sources -> engine ImageInputs, off the event loop.
+"""Image sources -> family ImageInputs, off the event loop.
 
 Sources (the `url` of an `image_url` part):
-- ``data:image/<type>;base64,...`` -- decoded by `mmjax.vision_io` (png, jpeg, webp, gif, bmp, ...).
+- ``data:image/<type>;base64,...`` -- decoded by `mmjax.image.decode` (png, jpeg, webp, gif, bmp, ...).
 - ``http://`` / ``https://`` -- fetched with aiohttp: total timeout, byte cap (Content-Length and
   streamed count), at most `max_redirects` redirects, each hop re-checked. The host is resolved
   and EVERY resolved address must be public: loopback, private (RFC 1918 / ULA), link-local
@@ -14,7 +14,7 @@ Sources (the `url` of an `image_url` part):
 - ``file://`` URLs -- only when `allowed_local_path` is set, and only for files whose real path
   (symlinks resolved) lies under it.
 
-Decoding, validation and resizing (`vision_io.load_image` + the family's policy) run in a thread
+Decoding, validation and resizing (`mmjax.image.load_image` + the family's `prepare_image`) run in a thread
 pool, so a large image never blocks other clients.
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ import aiohttp
 from aiohttp.abc import AbstractResolver
 
 from mmjax.errors import ContextLengthError, ImageError, ImageTooLargeError, InvalidRequestError
-from mmjax.vision_io import ImageLimits, load_image
+from mmjax.image.decode import ImageLimits, load_image
+from mmjax.models.family import ImageOptions
 
 
 class MediaForbiddenError(InvalidRequestError):
@@ -118,12 +119,12 @@ class MediaFetcher:
 
     # ---- sources --------------------------------------------------------------------------------
     async def load(self, ref) -> Any:
-        """ImageRef -> engine ImageInput (raises typed errors naming ref.param)."""
+        """ImageRef -> ImageInput (raises typed errors naming ref.param)."""
         url = ref.url
         try:
             scheme = url.split(":", 1)[0].lower() if ":" in url else ""
             if scheme == "data":
-                source: Any = url          # vision_io decodes it (byte cap before the base64 decode)
+                source: Any = url          # mmjax.image decodes it (byte cap before the base64 decode)
             elif scheme in ("http", "https"):
                 source = await self.fetch(url)
             elif scheme == "file":
@@ -142,35 +143,20 @@ class MediaFetcher:
 
     def _prepare(self, source: Any, detail: str):
         img = load_image(source, self.cfg.limits)
-        opts = self._resolution(detail)
-        try:
-            im = self.family.prepare_image(img, **opts)
-        except TypeError:
-            im = self.family.prepare_image(img)
+        im = self.family.prepare_image(img, self._options(detail))
         budget = self.cfg.image_max_tokens
         if budget is not None and im.num_tokens > budget:
             raise ContextLengthError(f"image needs {im.num_tokens} tokens, over the per-image budget of {budget} "
                                      "(--image-max-tokens)", code="image_token_budget_exceeded")
         return im
 
-    def _resolution(self, detail: str) -> dict:
-        """detail -> resolution budget for dynamic-resolution families (max_pixels); fixed-size
-        families (LLaVA-1.5) always use their one size, so detail is a no-op there."""
-        policy = getattr(self.family, "policy", None)
-        factor = getattr(policy, "factor", None)
-        if not isinstance(factor, int):
-            return {}
+    def _options(self, detail: str) -> ImageOptions:
+        """detail -> the family's options for the token budget (dynamic-resolution families
+        resize to fit it; fixed-size families have one size, so detail is a no-op there)."""
         tokens = self.cfg.image_max_tokens
         if detail == "low":
             tokens = min(tokens or self.cfg.low_detail_tokens, self.cfg.low_detail_tokens)
-        if not tokens:
-            return {}
-        max_pixels = tokens * factor * factor
-        bounds = getattr(self.family, "pixel_bounds", None)
-        if bounds is not None:
-            lo, hi = bounds()
-            max_pixels = max(lo, min(hi, max_pixels))
-        return {"max_pixels": max_pixels}
+        return self.family.fit_options(tokens) if tokens else ImageOptions()
 
     def local_path(self, url: str) -> str:
         root = self.cfg.allowed_local_path

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmjax.errors import InvalidRequestError, MMJaxError
-from mmjax.sampling import MAX_TOP_LOGPROBS
+from mmjax.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 DETAILS = ("auto", "low", "high")
 ROLES = ("system", "developer", "user", "assistant")
@@ -63,14 +63,8 @@ class ParsedRequest:
     prompt: str | list[int] | None = None      # completion
     images: list[ImageRef] = field(default_factory=list)
     max_tokens: int | None = None              # None: the rest of the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    max_tokens_param: str = "max_tokens"       # the field the client used (for errors)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens set once the prompt is known
     logprobs: int | None = None                # top-n alternatives (0 = chosen token only)
     stream: bool = False
     include_usage: bool = False
@@ -160,24 +154,23 @@ def _unsupported(body: dict) -> None:
 
 
 def _common(body: dict, req: ParsedRequest) -> None:
+    """Model, streaming options and the sampling fields. Types are checked here; ranges once, by
+    SamplingParams (its InvalidRequestError names the field)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", "must be a string")
     req.model = model
-    req.temperature = _num(body, "temperature", 0.0, 2.0, 1.0)
-    req.top_p = _num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
-    req.top_k = _int(body, "top_k", -1, None, 0) or 0
-    if req.top_k < 0:
-        req.top_k = 0
-    req.min_p = _num(body, "min_p", 0.0, 1.0, 0.0)
-    req.seed = _int(body, "seed", -(2**63), 2**64 - 1, None)
-    req.stop = _stop(body)
+    for name in ("temperature", "top_p", "min_p"):
+        _num(body, name, -math.inf, math.inf, 0.0)
+    for name in ("top_k", "seed"):
+        _int(body, name, -(2**63))
+    stop = _stop(body)
     sti = body.get("stop_token_ids")
-    if sti is not None:
-        if not isinstance(sti, list) or not all(_is_int(t) and t >= 0 for t in sti):
-            raise _bad("stop_token_ids", "must be a list of non-negative integers")
-        req.stop_token_ids = list(sti)
-    req.ignore_eos = _bool(body, "ignore_eos")
+    if sti is not None and (not isinstance(sti, list) or not all(_is_int(t) and t >= 0 for t in sti)):
+        raise _bad("stop_token_ids", "must be a list of non-negative integers")
+    fields_ = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if body.get(k) is not None}
+    req.sampling = SamplingParams(max_tokens=1, stop=stop, stop_token_ids=list(sti or []),
+                                  ignore_eos=_bool(body, "ignore_eos"), logprobs=req.logprobs, **fields_)
     req.stream = _bool(body, "stream")
     so = body.get("stream_options")
     if so is not None:
@@ -255,10 +248,10 @@ def parse_chat(body: Any, *, limit_images: int) -> ParsedRequest:
     if len(req.images) > limit_images:
         raise InvalidRequestError(f"{len(req.images)} images in one request exceeds the limit of {limit_images} "
                                   "(--limit-images)", param="messages", code="too_many_images")
-    _common(body, req)
     mct = _int(body, "max_completion_tokens", 1)
     mt = _int(body, "max_tokens", 1)
     req.max_tokens = mct if mct is not None else mt
+    req.max_tokens_param = "max_completion_tokens" if mct is not None else "max_tokens"
     if body.get("logprobs") is not None and not isinstance(body.get("logprobs"), bool):
         raise _bad("logprobs", "must be a boolean (use 'top_logprobs' for alternatives)")
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -266,6 +259,7 @@ def parse_chat(body: Any, *, limit_images: int) -> ParsedRequest:
         req.logprobs = top or 0
     elif top:
         raise _bad("top_logprobs", "requires 'logprobs': true")
+    _common(body, req)
     return req
 
 
@@ -296,12 +290,12 @@ def parse_completion(body: Any, *, limit_images: int) -> ParsedRequest:
     if len(req.images) > limit_images:
         raise InvalidRequestError(f"{len(req.images)} images in one request exceeds the limit of {limit_images} "
                                   "(--limit-images)", param="images", code="too_many_images")
-    _common(body, req)
     req.max_tokens = _int(body, "max_tokens", 1, None, 16)
     req.logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     req.echo = _bool(body, "echo")
     if req.echo:
         raise InvalidRequestError("'echo' is not supported", param="echo", code="unsupported_parameter")
+    _common(body, req)
     return req
 
 

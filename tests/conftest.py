@@ -21,6 +21,14 @@ def llava_dirs(tmp_path_factory):
     return {v: build_llava(root / v, variant=v, seed=i) for i, v in enumerate(("gqa", "mha"))}
 
 
+@pytest.fixture(scope="session")
+def qwen_dirs(tmp_path_factory):
+    """Tiny Qwen2-VL and Qwen2.5-VL checkpoints: {"qwen2_vl": path, "qwen2_5_vl": path}."""
+    from tiny_qwen import build_qwen
+    root = tmp_path_factory.mktemp("qwen")
+    return {f: build_qwen(root / f, family=f, seed=i) for i, f in enumerate(("qwen2_vl", "qwen2_5_vl"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

@@ -320,8 +320,8 @@ def test_head0_attention_is_the_layer_attention(shipped):
     import jax.numpy as jnp
 
     from mmjax.demo import train as TR
-    from mmjax.models import decoder
     from mmjax.models.layers import dense, rms_norm
+    from mmjax.models.text import llama as decoder
 
     cfg_dict = json.loads((shipped / "config.json").read_text())
     cfg_dict["text_config"].update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -343,10 +343,9 @@ def test_head0_attention_is_the_layer_attention(shipped):
     o[:hd, :hd] = np.eye(hd)                       # head 0's output -> the first hd features
     layer["o"] = {"w": o}
     layer["down"] = {k: np.zeros_like(v) for k, v in layer["down"].items()}
-    rope = decoder.rope_for(tc, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.zeros((b,), jnp.int32),
-                            t, jnp.asarray(decoder.rope_inv_freq(tc)))
-    out, _ = decoder.layer_forward(layer, tc, last_in, decoder.init_kv_cache(tc, b, t, jnp.float32)[-1],
-                                   rope, t)
+    rope = decoder.rope_for(tc, jnp.broadcast_to(jnp.arange(t), (1, b, t)), jnp.zeros((b,), jnp.int32), t)
+    out, _, _ = decoder.layer_forward(layer, tc, last_in, decoder.init_kv_cache(tc, b, t, jnp.float32)[-1],
+                                      rope, t)
     qkv = dense(layer["qkv"], rms_norm(layer["ln1"], last_in, tc.rms_norm_eps))
     v0 = qkv[..., (tc.num_heads + tc.num_kv_heads) * hd:][..., :hd]
     got = np.asarray(out - last_in)

@@ -8,8 +8,8 @@ import torch
 
 import mmjax
 from conftest import noise_image
-from mmjax.engine import AsyncEngine
-from mmjax.models import decoder
+from mmjax.serving import AsyncEngine
+from mmjax.models.text import llama as decoder
 from tiny_checkpoints import WORDS
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -14,7 +14,7 @@ import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import (CheckpointError, ContextLengthError, ImageError, ImageTooLargeError, PromptError,
                           UnsupportedModelError)
-from mmjax.vision_io import ImageLimits
+from mmjax.image import ImageLimits
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 

@@ -1,17 +1,22 @@
-"""The segmented slot KV cache (models/decoder.py): attention over consecutive segments equals
+"""The segmented slot KV cache (models/text/llama.py): attention over consecutive segments equals
 plain causal attention, segments past kv_len are skipped (also when kv_len is traced), new tokens
-land in the right segment."""
+land in the right segment; mask specs (sliding window, bidirectional spans) and captured
+intermediates (hidden states, attention probabilities) against float64 oracles."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmjax.config import RopeConfig, TextConfig
-from mmjax.models import decoder
+from mmjax.models.text import Capture, MaskSpec
+from mmjax.models.text import llama as decoder
+from mmjax.models.text.llama import LlamaConfig as TextConfig
+from mmjax.models.text.rope import RopeConfig
 
 
-def naive_attention(q, k, v, q_index):
-    """float64 oracle: q [b, t, h, hd], k/v [b, kvh, s, hd] (one piece), GQA by h // (h / kvh)."""
+def naive_attention(q, k, v, q_index, visible=None, probs_out=None):
+    """float64 oracle: q [b, t, h, hd], k/v [b, kvh, s, hd] (one piece), GQA by h // (h / kvh).
+    visible(i, j, key) -> bool overrides plain causality; probs_out [b, h, t, s] receives the
+    softmax."""
     b, t, h, hd = q.shape
     g = h // k.shape[1]
     out = np.zeros(q.shape)
@@ -20,9 +25,13 @@ def naive_attention(q, k, v, q_index):
             for head in range(h):
                 kk, vv = k[i, head // g], v[i, head // g]
                 s = kk @ q[i, j, head] / np.sqrt(hd)
-                s[np.arange(len(s)) > q_index[i, j]] = -np.inf
+                keys = np.arange(len(s))
+                vis = keys <= q_index[i, j] if visible is None else np.array([visible(i, j, x) for x in keys])
+                s[~vis] = -np.inf
                 p = np.exp(s - s.max())
                 out[i, j, head] = (p / p.sum()) @ vv
+                if probs_out is not None:
+                    probs_out[i, head, j] = p / p.sum()
     return out
 
 
@@ -45,7 +54,7 @@ def test_attention_over_segments_matches_oracle(segments, t, min_calls, monkeypa
     v = rng.standard_normal((b, kvh, s, hd))
     q_index = np.array([0, 5, s - t])[:, None] + np.arange(t)  # first key / mid segment / last key
     out = decoder.cache_attention(jnp.asarray(q, jnp.float32), split_cache(k, segments, True),
-                                  split_cache(v, segments), jnp.asarray(q_index), s)
+                                  split_cache(v, segments), jnp.asarray(q_index), s, reduce_small=True)
     np.testing.assert_allclose(np.asarray(out), naive_attention(q, k, v, q_index), rtol=2e-5, atol=2e-5)
 
 
@@ -65,7 +74,7 @@ def test_segments_past_kv_len_are_not_read(traced, min_calls, monkeypatch):
     k[:, :, 3 * seg:] = np.nan
     v[:, :, 3 * seg:] = np.nan
     ks, vs = split_cache(k, (seg,) * 6, True), split_cache(v, (seg,) * 6)
-    f = lambda q, n: decoder.cache_attention(q, ks, vs, jnp.asarray(q_index), n)
+    f = lambda q, n: decoder.cache_attention(q, ks, vs, jnp.asarray(q_index), n, reduce_small=True)
     out = jax.jit(f)(jnp.asarray(q, jnp.float32), jnp.int32(kv_len)) if traced else \
         f(jnp.asarray(q, jnp.float32), kv_len)
     want = naive_attention(q, k[:, :, :3 * seg], v[:, :, :3 * seg], q_index)
@@ -107,10 +116,11 @@ def test_segmented_cache_equals_one_piece_across_boundaries(min_calls, monkeypat
     assert [c.shape[2] for c in caches["seg"][0]["v"]] == [4] * 8
     assert [c.shape[3] for c in caches["seg"][0]["k"]] == [4] * 8
     emb = jnp.asarray(rng.standard_normal((1, 11, cfg.hidden_size)), jnp.float32)
-    pos = jnp.arange(11)[None]
-    forward = jax.jit(lambda cache, e, p, starts, n, slots: decoder.forward(params, cfg, e, p, cache, starts, n,
-                                                                          slots=slots))
-    decode = jax.jit(lambda cache, e, p, starts, n: decoder.forward(params, cfg, e, p, cache, starts, n))
+    pos = jnp.arange(11)[None, None]
+    forward = jax.jit(lambda cache, e, p, starts, n, slots: tuple(vars(decoder.forward(
+        params, cfg, e, p, cache, starts, n, slots=slots, reduce_small=True)).values())[:2])
+    decode = jax.jit(lambda cache, e, p, starts, n: tuple(vars(decoder.forward(
+        params, cfg, e, p, cache, starts, n, reduce_small=True)).values())[:2])
     outs = {}
     for name, cache in caches.items():
         kv_len = jnp.int32(16 if name == "seg" else 32)
@@ -119,7 +129,7 @@ def test_segmented_cache_equals_one_piece_across_boundaries(min_calls, monkeypat
         for step in range(2):
             e = jnp.asarray(np.random.default_rng(step).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
             starts = jnp.array([3 + step, 11 + step])  # slot 0 holds stale zeros: still valid keys
-            h, cache = decode(cache, e, starts[:, None], starts, kv_len)
+            h, cache = decode(cache, e, starts[None, :, None], starts, kv_len)
             hs.append(h)
         outs[name] = (hs, cache)
     for a, b in zip(outs["one"][0], outs["seg"][0]):
@@ -142,3 +152,74 @@ def test_kv_segments_cut_max_len():
     assert decoder.kv_segments(40) == (40,)
     big = decoder.kv_segments(32768)
     assert big == (128,) * 8 + (1024, 2048, 4096, 8192, 16384) and sum(decoder.kv_segments(5000)) == 5000
+
+
+def _qkv(rng, b, t, h, kvh, hd, s):
+    return (rng.standard_normal((b, t, h, hd)), rng.standard_normal((b, kvh, s, hd)),
+            rng.standard_normal((b, kvh, s, hd)))
+
+
+@pytest.mark.parametrize("segments", [(16,), (4, 4, 8)])
+def test_sliding_window_and_spans_match_oracle(segments):
+    """MaskSpec: a sliding window of 3 and bidirectional spans (two spans in row 0's chunk, one
+    in row 1's; -1 elsewhere) against the float64 oracle, in both attention paths (segmented
+    online softmax and the explicit one that returns probabilities)."""
+    rng = np.random.default_rng(3)
+    b, t, h, kvh, hd, s = 2, 6, 4, 2, 8, sum(segments)
+    q, k, v = _qkv(rng, b, t, h, kvh, hd, s)
+    starts = np.array([4, 9])
+    q_index = starts[:, None] + np.arange(t)
+    spans = np.array([[-1, 0, 0, 0, -1, 1], [2, 2, 2, 2, 2, -1]], np.int32)
+    for window, use_spans in ((3, False), (None, True), (4, True)):
+        def visible(i, j, key):
+            causal = key <= q_index[i, j] and (window is None or q_index[i, j] - key < window)
+            if not use_spans:
+                return causal
+            kj = key - starts[i]
+            same = 0 <= kj < t and spans[i, j] >= 0 and spans[i, kj] == spans[i, j]
+            return causal or same
+        probs = np.zeros((b, h, t, s))
+        want = naive_attention(q, k, v, q_index, visible, probs)
+        mask = MaskSpec(sliding_window=window, spans=jnp.asarray(spans) if use_spans else None)
+        args = (jnp.asarray(q, jnp.float32), split_cache(k, segments, True), split_cache(v, segments),
+                jnp.asarray(q_index))
+        out = decoder.cache_attention(*args, s, mask=mask, starts=jnp.asarray(starts))
+        np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+        out2, p2 = decoder.explicit_attention(*args, s, mask=mask, starts=jnp.asarray(starts))
+        np.testing.assert_allclose(np.asarray(out2), want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(p2), probs, rtol=2e-5, atol=2e-6)
+        assert not np.allclose(want, naive_attention(q, k, v, q_index))   # the mask mattered
+
+
+def test_captured_intermediates_match_a_plain_layer_loop():
+    """Capture(hidden=True, attn_layers=(1,)): hidden states are the residual stream after each
+    layer (HF's hidden_states; the last one final-normed), layer 1's probabilities sum to 1 over
+    visible keys and are zero on future ones, and capturing changes neither the logits nor the
+    cache."""
+    cfg = tiny_text()
+    rng = np.random.default_rng(5)
+    params = random_params(cfg, rng)
+    t = 7
+    emb = jnp.asarray(rng.standard_normal((1, t, cfg.hidden_size)), jnp.float32)
+    pos = jnp.arange(t)[None, None]
+    zero = jnp.zeros((1,), jnp.int32)
+    plain = decoder.forward(params, cfg, emb, pos, decoder.init_kv_cache(cfg, 1, 16, jnp.float32), zero, 16)
+    cap = decoder.forward(params, cfg, emb, pos, decoder.init_kv_cache(cfg, 1, 16, jnp.float32), zero, 16,
+                          capture=Capture(hidden=True, attn_layers=(1,)))
+    np.testing.assert_allclose(np.asarray(cap.hidden), np.asarray(plain.hidden), rtol=1e-5, atol=1e-5)
+    hidden = cap.intermediates["hidden"]
+    assert len(hidden) == cfg.num_layers + 1
+    np.testing.assert_array_equal(np.asarray(hidden[0]), np.asarray(emb))
+    np.testing.assert_allclose(np.asarray(hidden[-1]), np.asarray(plain.hidden), rtol=1e-5, atol=1e-5)
+    rope = decoder.rope_for(cfg, pos, zero, t)
+    x, _, _ = decoder.layer_forward(params["layers"][0], cfg, emb, decoder.init_kv_cache(cfg, 1, 16, jnp.float32)[0],
+                                    rope, 16)
+    np.testing.assert_allclose(np.asarray(hidden[1]), np.asarray(x), rtol=1e-5, atol=1e-5)
+    probs = np.asarray(cap.intermediates["attn"][1])                    # [1, heads, t, 16]
+    assert probs.shape == (1, cfg.num_heads, t, 16)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    for i in range(t):
+        assert np.all(probs[0, :, i, i + 1:] == 0)
+    assert cap.intermediates["attn_out"][1].shape == (1, t, cfg.num_heads, cfg.head_dim)
+    for a, b in zip(jax.tree.leaves(cap.cache), jax.tree.leaves(plain.cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

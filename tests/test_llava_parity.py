@@ -124,3 +124,28 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llava_dirs):
     c = vlm.generate([r], mmjax.SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True))[0].token_ids
     assert a == b
     assert a != c
+
+
+def test_tie_flag_only_at_top_level(tmp_path):
+    """LlavaConfig(tie_word_embeddings=True) over a text config saying false: transformers ties
+    (the file has no lm_head); mmjax follows the top-level flag and matches its logits. The
+    other placements are the fixtures: both false ("gqa"), both true ("mha")."""
+    import json
+
+    from safetensors import safe_open
+    from tiny_checkpoints import build_llava
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    path = build_llava(tmp_path / "tie", variant="tie-top", seed=5)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["text_config"].get("tie_word_embeddings") is not True
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        assert not any(k.endswith("lm_head.weight") for k in f.keys())
+    hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(path)
+    vlm = mmjax.load(path, max_num_seqs=1, max_model_len=128, prefill_chunk=64)
+    assert vlm.family.cfg.text.tie_word_embeddings
+    img = noise_image(9, 61, 47)
+    with torch.no_grad():
+        theirs = hf(**proc(text=PROMPT, images=img, return_tensors="pt")).logits[0].numpy()
+    assert rel_err(vlm.logits(PROMPT, [img]), theirs) <= 1e-4

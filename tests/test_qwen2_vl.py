@@ -16,7 +16,8 @@ import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import ContextLengthError, InvalidRequestError, PromptError
 from mmjax.models import qwen2_vl as Q
-from tiny_qwen import build_qwen, hf_processor_inputs, hf_vision_features
+from mmjax.models.family import ImageOptions
+from tiny_qwen import hf_processor_inputs, hf_vision_features
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 ONE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
@@ -26,12 +27,6 @@ TWO = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>
 # Non-square sizes (width, height); with patch 14 / merge 2 / 112-px windows these give merged
 # grids that are not multiples of the 4x4 window (partial edge windows) and one under min_pixels.
 SIZES = [(260, 190), (150, 330), (90, 120), (40, 33), (333, 101)]
-
-
-@pytest.fixture(scope="module")
-def qwen_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen")
-    return {f: build_qwen(root / f, family=f, seed=i) for i, f in enumerate(FAMILIES)}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -65,15 +60,15 @@ def test_pixels_and_grid_match(pair):
         img = noise_image(seed, w, h)
         ours = vlm.family.prepare_image(img)
         theirs = ip(img, return_tensors="np")
-        assert ours.grid_thw == tuple(theirs["image_grid_thw"][0].tolist())
+        assert ours.grid == tuple(theirs["image_grid_thw"][0].tolist())
         assert ours.pixels.shape == theirs["pixel_values"].shape
         assert np.abs(ours.pixels - theirs["pixel_values"]).max() <= 1e-5
-        assert ours.num_tokens == int(np.prod(ours.grid_thw)) // 4
+        assert ours.num_tokens == int(np.prod(ours.grid)) // 4
     # per-request pixel bounds, same as the processor's kwargs
     img = noise_image(9, 500, 336)
-    ours = vlm.family.prepare_image(img, min_pixels=20_000, max_pixels=40_000)
+    ours = vlm.family.prepare_image(img, ImageOptions(min_pixels=20_000, max_pixels=40_000))
     theirs = ip(img, size={"shortest_edge": 20_000, "longest_edge": 40_000}, return_tensors="np")
-    assert ours.grid_thw == tuple(theirs["image_grid_thw"][0].tolist())
+    assert ours.grid == tuple(theirs["image_grid_thw"][0].tolist())
     assert np.abs(ours.pixels - theirs["pixel_values"]).max() <= 1e-5
 
 
@@ -91,10 +86,10 @@ def test_vision_features_match(pair):
 def test_packed_equals_alone(pair):
     _, _, _, _, vlm = pair
     inputs = vlm.prepare_images([noise_image(20 + i, w, h) for i, (w, h) in enumerate(SIZES[:3])])
-    assert len({im.grid_thw for im in inputs}) == 3
+    assert len({im.grid for im in inputs}) == 3
     runner = vlm.engine.runner
-    packed = vlm.family.encode_batch(runner, inputs)
-    alone = [vlm.family.encode_batch(runner, [im])[0] for im in inputs]
+    packed = runner.encode_images(inputs)
+    alone = [runner.encode_images([im])[0] for im in inputs]
     for p, a in zip(packed, alone):
         assert p.shape == a.shape
         assert np.abs(p - a).max() <= 1e-5 * max(np.abs(a).max(), 1.0)
@@ -178,16 +173,16 @@ def test_image_token_budget(pair):
     n = fam.prepare_image(big).num_tokens
     assert n == fam.num_tokens(480, 640) == 391
     with pytest.raises(ContextLengthError) as e:  # per request
-        fam.prepare_image(big, image_max_tokens=n - 1)
+        fam.prepare_image(big, ImageOptions(max_tokens=n - 1))
     assert e.value.param == "image_max_tokens" and str(n) in e.value.message
-    assert fam.prepare_image(big, image_max_tokens=n).num_tokens == n
+    assert fam.prepare_image(big, ImageOptions(max_tokens=n)).num_tokens == n
     # a smaller max_pixels brings it under budget (same count as HF with that max_pixels)
-    small = fam.prepare_image(big, max_pixels=100_000, image_max_tokens=200)
+    small = fam.prepare_image(big, ImageOptions(max_pixels=100_000, max_tokens=200))
     assert small.num_tokens == fam.policy.num_tokens(480, 640, max_pixels=100_000) <= 200
     with pytest.raises(InvalidRequestError):
-        fam.prepare_image(big, image_max_tokens=0)
+        ImageOptions.from_dict({"image_max_tokens": 0})
     with pytest.raises(InvalidRequestError) as e:
-        fam.prepare_image(big, min_pixels=10_000, max_pixels=5_000)
+        fam.prepare_image(big, ImageOptions(min_pixels=10_000, max_pixels=5_000))
     assert e.value.param == "min_pixels"
     # server-wide budget, through the offline API, before anything is encoded
     saved = fam.limits
@@ -211,9 +206,9 @@ def test_4k_image_end_to_end(pair):
     img = noise_image(70, 3840, 2160)
     im = vlm.family.prepare_image(img)
     ref = ip(img, return_tensors="pt")
-    assert im.grid_thw == tuple(ref["image_grid_thw"][0].tolist()) == (1, 52, 94)
+    assert im.grid == tuple(ref["image_grid_thw"][0].tolist()) == (1, 52, 94)
     assert im.num_tokens == int(ref["image_grid_thw"][0].prod()) // 4 == 1222
-    feats = vlm.family.encode_batch(vlm.engine.runner, [im])[0]
+    feats = vlm.engine.runner.encode_images([im])[0]
     theirs = hf_vision_features(hf, ref["pixel_values"], ref["image_grid_thw"])[0]
     assert rel_err(feats, theirs) <= 1e-4
     # the 1.2k-token prompt is prefilled in several chunks that cut through the image

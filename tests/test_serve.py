@@ -30,7 +30,7 @@ from conftest import noise_image
 
 import openai  # noqa: E402
 
-from mmjax.sampling import SamplingParams  # noqa: E402
+from mmjax.serving.sampling import SamplingParams  # noqa: E402
 from serve.app import STATE, ServerConfig, create_app, start_server  # noqa: E402
 
 MAX_TOKENS = 6
@@ -520,17 +520,15 @@ def test_queue_full_and_engine_failure(open_server):
             st.aengine.max_waiting = 256
 
     eng = st.engine
-    orig = eng._encode_missing
+    orig = eng.runner.encode_images
 
-    def boom(reqs):
-        if any(r.images for r in reqs):
-            raise RuntimeError("simulated device failure")
-        return orig(reqs)
-    eng._encode_missing = boom
+    def boom(images):
+        raise RuntimeError("simulated device failure")
+    eng.runner.encode_images = boom
     try:
         r = open_server.post("/v1/chat/completions", _chat([img_part(data_uri(0))]), headers=hdr)
     finally:
-        del eng._encode_missing
+        eng.runner.encode_images = orig
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "internal_error" and "simulated" in r.json()["error"]["message"]
     ok = open_server.post("/v1/chat/completions", _chat([img_part(data_uri(0))]), headers=hdr)

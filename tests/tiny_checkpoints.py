@@ -43,6 +43,8 @@ def build_llava(out_dir: str | os.PathLike, *, variant: str = "gqa", seed: int =
     variant "gqa":  GQA 4:2, vision_feature_layer -2, 'default' strategy, untied lm_head, 32x32.
     variant "mha":  MHA, vision_feature_layer -1, 'full' strategy, tied embeddings, llama3 rope
                     scaling, 28x28 crop from shortest-edge resize.
+    variant "tie-top": "gqa" saved as `LlavaConfig(..., tie_word_embeddings=True)` over a text
+                    config that says false (transformers 5 ties it: no lm_head in the file).
     """
     import torch
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
@@ -55,7 +57,7 @@ def build_llava(out_dir: str | os.PathLike, *, variant: str = "gqa", seed: int =
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     vocab = len(tokenizer)
-    if variant == "gqa":
+    if variant in ("gqa", "tie-top"):
         vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                   num_attention_heads=4, image_size=32, patch_size=8,
                                   projection_dim=16, hidden_act="quick_gelu")
@@ -66,7 +68,7 @@ def build_llava(out_dir: str | os.PathLike, *, variant: str = "gqa", seed: int =
                            pad_token_id=3)
         cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                           vision_feature_layer=-2, vision_feature_select_strategy="default",
-                          projector_hidden_act="gelu", tie_word_embeddings=False)
+                          projector_hidden_act="gelu", tie_word_embeddings=variant == "tie-top")
         ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
         strategy = "default"
     elif variant == "mha":

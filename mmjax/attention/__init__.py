@@ -58,7 +58,8 @@ def auto_reference_up_to(score_bytes: int):
 
 
 def _on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
+    from mmjax.backend import current_platform
+    return current_platform() in ("gpu", "cuda", "rocm")
 
 
 def _cudnn_attention(q, k, v, *, causal, segment_ids, lengths, window, scale):

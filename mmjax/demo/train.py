@@ -3,7 +3,7 @@
     python -m mmjax.demo.train --out DIR     # the defaults: the 30-minute from-scratch recipe
 
 One source of truth: the forward pass is mmjax's own serving code (`models.llava.encode_images`,
-`models.decoder.embed_tokens / forward / lm_logits`) over the params pytree that
+`models/text` (the text model's embed / forward with named intermediates / logits)) over the params pytree that
 `models.llava.load_params` builds from a HF checkpoint, so what is trained is exactly what is
 served. The initial params are a random HF state (`export.random_state`) written and loaded
 through mmjax's loader; at the end the params are mapped back to HF names/shapes
@@ -357,7 +357,7 @@ def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
     """Random HF state -> temp HF checkpoint -> mmjax's own loader (the serving layout).
     init_from: an HF checkpoint dir of the same config to continue from instead."""
     from mmjax.checkpoint import TensorSource
-    from mmjax.config import LlavaConfig
+    from mmjax.models.llava import LlavaConfig
     from mmjax.models.llava import load_params, normalize_name
 
     cfg = LlavaConfig.from_hf(cfg_dict)
@@ -447,17 +447,17 @@ def params_to_hf_state(params: dict, cfg_dict: dict) -> dict:
 def make_logits_fn(cfg):
     """(params, uint8 pixels [B,R,R,3], ids [B,T]) -> (logits [B,T,V], image token embeddings
     [B,n,D]) with mmjax's forward."""
-    import jax
     import jax.numpy as jnp
 
     import mmjax.attention as A
-    from mmjax.models import decoder
-    from mmjax.models.layers import dense, rms_norm
     from mmjax.models.llava import encode_images
+    from mmjax.models.text import Capture
 
     mean = jnp.asarray(C.CLIP_MEAN, jnp.float32)
     std = jnp.asarray(C.CLIP_STD, jnp.float32)
-    inv_freq = jnp.asarray(decoder.rope_inv_freq(cfg.text))
+    tm = cfg.text_model
+    last = cfg.text.num_layers - 1
+    capture = Capture(hidden=True, attn_layers=(last,))
     image_id = cfg.image_token_id
 
     def encode(params, pix_u8):
@@ -472,37 +472,19 @@ def make_logits_fn(cfg):
     def logits_fn(params, pix_u8, ids):
         """-> (logits, image features [B, n, D], residual stream entering the last decoder
         layer [B, T, D] (what the last layer's attention reads), that layer's head-0 attention
-        weights [B, T, T] and output [B, T, head_dim])."""
+        weights [B, T, T] and output [B, T, head_dim]), from the text model's intermediates."""
         b, t = ids.shape
         feats = encode(params, pix_u8)                                   # [B, n_img, D]
-        emb = decoder.embed_tokens(params["text"], ids)
+        emb = tm.embed(params["text"], ids)
         is_img, idx = image_token_index(ids, image_id, feats.shape[1])
         img_emb = jnp.take_along_axis(feats, idx[..., None], axis=1)
         emb = jnp.where(is_img[..., None], img_emb, emb)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cache = decoder.init_kv_cache(cfg.text, b, t, emb.dtype)
-        rope = decoder.rope_for(cfg.text, positions, jnp.zeros((b,), jnp.int32), t, inv_freq)
-        x, layers = emb, params["text"]["layers"]
-        for layer, kv in zip(layers[:-1], cache):
-            x, _ = decoder.layer_forward(layer, cfg.text, x, kv, rope, t)
-        last_in = x
-        x, _ = decoder.layer_forward(layers[-1], cfg.text, x, cache[-1], rope, t)
-        hidden = rms_norm(params["text"]["norm"], x, cfg.text.rms_norm_eps)
-        return (decoder.lm_logits(params["text"], hidden), feats, last_in,
-                *head0_attention(layers[-1], last_in, rope))
-
-    def head0_attention(layer, x, rope):
-        """Attention weights [B, T, T] and output [B, T, head_dim] of query head 0 in `layer`
-        (recomputed from its input x [B, T, D]: the serving attention never materialises them)."""
-        hd, h, kvh = cfg.text.head_dim, cfg.text.num_heads, cfg.text.num_kv_heads
-        qkv = dense(layer["qkv"], rms_norm(layer["ln1"], x, cfg.text.rms_norm_eps))
-        q = decoder.apply_rope(qkv[..., None, :hd], *rope[:2])[:, :, 0]
-        k = decoder.apply_rope(qkv[..., None, h * hd:h * hd + hd], *rope[:2])[:, :, 0]
-        v = qkv[..., (h + kvh) * hd:(h + kvh) * hd + hd]
-        s = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(hd)
-        t = x.shape[1]
-        w = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf), axis=-1)
-        return w, w @ v
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (1, b, t))
+        cache = tm.init_cache(b, t, emb.dtype)
+        out = tm.forward(params["text"], emb, positions, cache, jnp.zeros((b,), jnp.int32), t, capture=capture)
+        inter = out.intermediates
+        return (tm.logits(params["text"], out.hidden), feats, inter["hidden"][last],
+                inter["attn"][last][:, 0], inter["attn_out"][last][:, :, 0])
 
     logits_fn.encode = encode
     return logits_fn

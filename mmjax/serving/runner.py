@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.backend import Tuning, tuning
+from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture
@@ -186,7 +186,8 @@ class ModelRunner:
         self.calls[kind] += 1
         first = shape not in self.compiled[kind]
         t0 = time.perf_counter()
-        result = jax.block_until_ready(fn(*args, **kw))
+        with compiling_for(self.tuning.platform):
+            result = jax.block_until_ready(fn(*args, **kw))
         dt = time.perf_counter() - t0
         if first:
             self.compile_seconds += dt

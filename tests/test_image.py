@@ -1,4 +1,4 @@
-"""vision_io: decoding/validation of untrusted images and parity of the family pixel policies with
+"""mmjax.image: decoding/validation of untrusted images and parity of the family pixel policies with
 the transformers PIL image processors (CLIPImageProcessorPil, Qwen2VLImageProcessorPil).
 
 Tolerance: the policies resize with the same PIL call on the same uint8 image and repeat
@@ -22,10 +22,8 @@ from PIL import Image, ImageOps
 from mmjax.errors import (
     CheckpointError, ImageError, ImageTooLargeError, InvalidRequestError, UnsupportedModelError,
 )
-from mmjax.vision_io import (
-    ClipImagePolicy, ImageLimits, Qwen2VLImagePolicy, decode_data_uri, find_image_processor_config,
-    load_image, load_policy, pixel_hash,
-)
+from mmjax.image.decode import ImageLimits, decode_data_uri, load_image, pixel_hash
+from mmjax.image.processors import ClipImagePolicy, Qwen2VLImagePolicy, find_image_processor_config, load_policy
 
 from transformers import CLIPImageProcessorPil, Qwen2VLImageProcessorPil  # noqa: E402
 from transformers.image_transforms import convert_to_rgb as hf_convert_to_rgb  # noqa: E402
