@@ -15,4 +15,7 @@ def __getattr__(name):
     if name in ("SamplingParams",):
         from mmjax.serving.sampling import SamplingParams
         return SamplingParams
+    if name in ("Capture", "MaskSpec"):
+        from mmjax.models import text
+        return getattr(text, name)
     raise AttributeError(name)

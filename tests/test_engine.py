@@ -260,3 +260,105 @@ def test_async_engine_isolates_bad_requests(path):
         ae.shutdown()
     assert all(len(g) == 4 for g in goods)
     assert isinstance(bad, mmjax.InvalidRequestError)
+
+
+def _step_all(eng, ids):
+    """Step until every request is done; returns {request id: [deltas]}."""
+    seen = {i: [] for i in ids}
+    while any(eng.requests[i].finish_reason is None for i in ids):
+        for d in eng.step():
+            seen.setdefault(d.request_id, []).append(d)
+    return seen
+
+
+def test_an_image_that_fails_to_encode_fails_only_its_request(path):
+    """Three requests encoded in one step; the encoder raises for one image (a joint call fails,
+    then per-request calls find the culprit): that request ends with an error delta, the other
+    two finish with the same tokens as when they run alone; the engine keeps serving."""
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=128)
+    eng = vlm.engine
+    sp = mmjax.SamplingParams(max_tokens=6, **GREEDY)
+    imgs = [vlm.prepare_images([noise_image(300 + i, 50 + 7 * i, 40)]) for i in range(3)]
+    prompt = "USER: <image>\nwhat is it? ASSISTANT:"
+    alone = [eng.run_until_done([eng.add_request(prompt, im, sp)])[0].token_ids for im in (imgs[0], imgs[2])]
+    eng.encoder_cache = type(eng.encoder_cache)(eng.encoder_cache.max_bytes)   # encode again below
+    poisoned = imgs[1][0].key
+    real = eng.runner.encode_images
+
+    def encode_images(images):
+        if any(im.key == poisoned for im in images):
+            raise RuntimeError("simulated encoder failure")
+        return real(images)
+    eng.runner.encode_images = encode_images
+    ids = [eng.add_request(prompt, im, sp) for im in imgs]
+    seen = _step_all(eng, ids)
+    bad = eng.requests[ids[1]]
+    assert bad.finish_reason == "error" and "simulated encoder failure" in bad.error.message
+    assert seen[ids[1]][-1].error is bad.error and not any(d.token_ids for d in seen[ids[1]])
+    assert [eng.output(i).token_ids for i in (ids[0], ids[2])] == alone
+    assert eng.stats()["slots_used"] == 0 and eng.stats()["requests_failed"] == 1
+    with pytest.raises(mmjax.MMJaxError, match="simulated encoder failure"):
+        eng.run_until_done([eng.add_request(prompt, imgs[1], sp)])
+    eng.runner.encode_images = real
+    assert eng.run_until_done([eng.add_request(prompt, imgs[1], sp)])[0].finish_reason == "length"
+
+
+def test_a_failing_prefill_fails_only_its_request(path):
+    """A prefill call that raises before it ran (the donated cache is intact) fails its request
+    only; a decode-time failure that consumed the cache sends requests with no output back to
+    the queue and fails those that had output."""
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=32)
+    eng = vlm.engine
+    sp = mmjax.SamplingParams(max_tokens=5, **GREEDY)
+    prompts = ["USER: hello ASSISTANT:", "USER: " + "tell me about the red circle and the blue square " * 3 + "ASSISTANT:"]
+    alone = [eng.run_until_done([eng.add_request(p, [], sp)])[0].token_ids for p in prompts]
+    real = eng.runner.prefill
+    ids = [eng.add_request(p, [], sp) for p in prompts]
+
+    def prefill(slot, *a, **kw):
+        if eng.slots[slot] is not None and eng.slots[slot].id == ids[1]:
+            raise ValueError("simulated bad input")
+        return real(slot, *a, **kw)
+    eng.runner.prefill = prefill
+    _step_all(eng, ids)
+    eng.runner.prefill = real
+    assert eng.requests[ids[1]].finish_reason == "error"
+    assert eng.output(ids[0]).token_ids == alone[0]
+
+    # the cache consumed mid-run: request 0 has output (fails); request 1, halfway through its
+    # prefill (16-token chunks), has none: it goes back to the queue and reruns from its prompt
+    eng2 = mmjax.load(path, max_num_seqs=2, max_model_len=256, prefill_chunk=16).engine
+    a, b = (eng2.add_request(p, [], sp) for p in prompts)
+    real_decode = eng2.runner.decode
+    calls = {"n": 0}
+
+    def decode(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            for x in __import__("jax").tree.leaves(eng2.runner.cache):
+                x.delete()
+            raise RuntimeError("simulated device loss")
+        return real_decode(*args, **kw)
+    eng2.runner.decode = decode
+    seen = _step_all(eng2, [a, b])
+    assert len(eng2.requests[b].prompt_ids) > 32 and not any(d.error for d in seen[b])
+    assert eng2.requests[a].finish_reason == "error" and "simulated device loss" in eng2.requests[a].error.message
+    assert eng2.output(b).token_ids == alone[1]
+
+
+def test_generate_takes_one_sampling_params_per_request(path):
+    vlm = mmjax.load(path, max_num_seqs=2, max_model_len=256)
+    outs = vlm.generate(["USER: hi ASSISTANT:", "USER: hello ASSISTANT:"],
+                        [mmjax.SamplingParams(max_tokens=2, **GREEDY), mmjax.SamplingParams(max_tokens=5, **GREEDY)])
+    assert [len(o.token_ids) for o in outs] == [2, 5]
+    with pytest.raises(mmjax.InvalidRequestError, match="one per request"):
+        vlm.generate(["a", "b"], [mmjax.SamplingParams()])
+    with pytest.raises(mmjax.InvalidRequestError, match="SamplingParams"):
+        vlm.generate(["a"], [{"max_tokens": 3}])
+
+
+def test_bare_image_token_ids_are_a_prompt_error(path):
+    vlm = mmjax.load(path, max_num_seqs=1, max_model_len=256)
+    image_id = vlm.family.image_token_id
+    with pytest.raises(mmjax.PromptError, match="image tokens"):
+        vlm.engine.add_request([1, 5, image_id, 7], [], mmjax.SamplingParams(max_tokens=2))

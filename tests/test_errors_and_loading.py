@@ -88,6 +88,11 @@ def test_bad_sampling_params():
     assert e.value.param == "top_p"
     with pytest.raises(mmjax.InvalidRequestError):
         mmjax.SamplingParams(max_tokens=0)
+    for field, value in (("top_k", 2**31), ("temperature", float("nan")), ("seed", 2**64), ("logprobs", 21),
+                         ("stop_token_ids", [-1]), ("stop", [1])):
+        with pytest.raises(mmjax.InvalidRequestError) as e:
+            mmjax.SamplingParams(**{field: value})
+        assert e.value.param == field
 
 
 def _copy(src, dst):
@@ -102,6 +107,38 @@ def test_unknown_model_type(llava_dirs, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="mystery_vlm"):
         mmjax.load(d)
+    # a text model type no text model implements is named too
+    cfg["model_type"] = "llava"
+    cfg["text_config"]["model_type"] = "mystery_lm"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="mystery_lm"):
+        mmjax.load(d)
+
+
+def test_registry_dispatch_by_architecture_then_model_type(llava_dirs):
+    from mmjax.models import FAMILIES, family_module
+    from mmjax.models import llava, qwen2_vl
+    assert family_module({"model_type": "llava"}) is llava
+    assert family_module({"model_type": "qwen2_5_vl"}) is qwen2_vl
+    FAMILIES["MysteryForConditionalGeneration"] = "mmjax.models.qwen2_vl"
+    try:
+        assert family_module({"model_type": "llava", "architectures": ["MysteryForConditionalGeneration"]}) is qwen2_vl
+    finally:
+        del FAMILIES["MysteryForConditionalGeneration"]
+
+
+def test_shipped_model_is_mmjax_shapes_everywhere():
+    """mmjax.load() and mmjax.load("mmjax-shapes") load the shipped model under that name (also
+    when given its directory); `mmjax serve` defaults to it and serves it under that name."""
+    from mmjax.demo import default_model_path
+    from serve.cli import build_parser, config_from_args
+
+    a, b, c = mmjax.load(), mmjax.load("mmjax-shapes"), mmjax.load(default_model_path())
+    assert a.name == b.name == c.name == "mmjax-shapes"
+    assert a.model.path == b.model.path
+    args = build_parser().parse_args([])
+    assert args.model == "mmjax-shapes"
+    assert config_from_args(args, args.model).served_model_name is None   # -> the model's name at create_app
 
 
 def test_missing_unexpected_and_misshaped_weights(llava_dirs, tmp_path):

@@ -105,7 +105,7 @@ def test_mrope_positions_and_logits_match(pair, prompt, n_images):
     inputs = vlm.prepare_images(imgs)
     ids = np.asarray(vlm.tokenizer.encode_prompt(prompt, [im.num_tokens for im in inputs]), np.int32)
     assert ids.tolist() == x["input_ids"][0].tolist()
-    starts = vlm.engine.image_starts(ids, [im.num_tokens for im in inputs])
+    starts = vlm.family.image_starts(ids, [im.num_tokens for im in inputs])
     ours, delta = vlm.family.positions(ids, inputs, starts)
     theirs, hf_delta = hf.model.get_rope_index(x["input_ids"], x["mm_token_type_ids"], x["image_grid_thw"])
     np.testing.assert_array_equal(ours, theirs[:, 0].numpy())

@@ -435,6 +435,10 @@ def bad_requests():
         ("placeholder injection", _chat("look: <image>"), 400, "invalid_prompt", "messages[0]"),
         ("prompt over context", _chat("hello world " * 200), 400, "context_length_exceeded", "messages"),
         ("max_tokens over context", _chat("hi", max_tokens=10_000), 400, "context_length_exceeded", "max_tokens"),
+        ("max_completion_tokens over context", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                "max_completion_tokens": 10_000}, 400, "context_length_exceeded",
+         "max_completion_tokens"),
+        ("top_k over int32", _chat("x", top_k=2**31), 400, "invalid_request", "top_k"),
         ("completion no prompt", ("/v1/completions", {"model": "tiny"}), 400, "invalid_request", "prompt"),
         ("completion long prompt", ("/v1/completions", {"prompt": "hello world " * 200}), 400,
          "context_length_exceeded", "prompt"),
@@ -475,6 +479,14 @@ def test_every_error_class_gets_an_openai_error(server):
     # the openai client maps them to its exception classes
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_bare_image_token_ids_without_images_are_rejected(server):
+    """A token-id prompt holding the image token id but no images would embed zeros there: 400."""
+    image_id = server.state.vlm.family.image_token_id
+    r = _send(server, ("/v1/completions", {"model": "tiny", "prompt": [1, 5, image_id, image_id, 7], "max_tokens": 2}))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_prompt"
+    assert "image tokens" in r.json()["error"]["message"]
 
 
 def test_image_over_token_budget(server):
