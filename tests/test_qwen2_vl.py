@@ -16,6 +16,7 @@ import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import ContextLengthError, InvalidRequestError, PromptError
 from mmjax.models import qwen2_vl as Q
+from mmjax.models.vision import qwen2_vl as QV
 from mmjax.models.family import ImageOptions
 from tiny_qwen import hf_processor_inputs, hf_vision_features
 
@@ -231,7 +232,7 @@ def test_4k_image_end_to_end(pair):
 
     def temp_bytes(n, impl):
         packed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fam.dummy_packed(n))
-        fn = jax.jit(Q.make_encode_fn(fam.cfg.vision, impl))
+        fn = jax.jit(QV.make_encode_fn(fam.cfg.vision, impl))
         return fn.lower(params, packed).compile().memory_analysis().temp_size_in_bytes
 
     n_big = Q.bucket_for(n_native, fam.encode_ladder)
@@ -251,11 +252,11 @@ def test_window_order_and_positions_match_hf():
     from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
     for grid in [(1, 14, 18), (1, 24, 10), (1, 8, 8), (1, 16, 34), (1, 2, 2), (1, 2, 100), (1, 100, 2), (2, 10, 12)]:
         g = torch.tensor([grid])
-        order, sizes = Q.window_order(grid, 2, 4)
+        order, sizes = QV.window_order(grid, 2, 4)
         win_idx, cu = get_vision_window_index(g, spatial_merge_size=2, window_size=112, patch_size=14)
         np.testing.assert_array_equal(order, win_idx.numpy())
         np.testing.assert_array_equal(np.cumsum(sizes) * 4, cu.numpy()[1:])
-        np.testing.assert_array_equal(Q.patch_positions(grid, 2), get_vision_position_ids(g, 2).numpy())
+        np.testing.assert_array_equal(QV.patch_positions(grid, 2), get_vision_position_ids(g, 2).numpy())
 
 
 def test_v4_flat_config_parses_like_v5(qwen_dirs):
@@ -272,7 +273,7 @@ def test_v4_flat_config_parses_like_v5(qwen_dirs):
 
 
 def test_patch_ladder():
-    ladder = Q.patch_ladder(16384, extra=(5120,))
+    ladder = QV.patch_ladder(16384, extra=(5120,))
     assert ladder[0] == 256 and ladder[-1] == 16384 and 5120 in ladder
     assert all(b % 64 == 0 for b in ladder)
     assert all(b2 / b1 <= 1.25 + 64 / b1 for b1, b2 in zip(ladder, ladder[1:]))
