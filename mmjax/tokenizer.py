@@ -61,6 +61,11 @@ class Tokenizer:
         self._env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.globals["raise_exception"] = self._raise
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # No token spells more than this many UTF-8 bytes (an over-estimate for byte-level and
+        # sentencepiece vocabularies), so a text of n bytes is at least n / max_token_bytes tokens:
+        # a bound checked before tokenizing text that cannot fit the context.
+        self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)),
+                                   default=1)
 
     @staticmethod
     def _raise(message: str):

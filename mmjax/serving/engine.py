@@ -67,6 +67,12 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     @property
+    def max_prompt_bytes(self) -> int:
+        """Longest prompt text (UTF-8 bytes) that could still fit the context: anything longer is
+        rejected before the tokenizer runs (tokenizing 100 MiB of text costs seconds and GBs)."""
+        return self.max_model_len * self.tokenizer.max_token_bytes
+
+    @property
     def waiting(self):
         return self.scheduler.waiting
 
@@ -93,6 +99,15 @@ class Engine:
                                       f"{self.max_images_per_request}", param="images", code="too_many_images")
         counts = [im.num_tokens for im in images]
         if isinstance(prompt, str):
+            try:
+                n_bytes = len(prompt.encode("utf-8"))
+            except UnicodeEncodeError as e:  # a lone surrogate (e.g. JSON "\ud800") is not text
+                raise InvalidRequestError(f"prompt text is not valid Unicode: {e.reason} at character {e.start}",
+                                          param="messages", code="invalid_text") from None
+            if n_bytes > self.max_prompt_bytes:
+                raise ContextLengthError(f"prompt text is {n_bytes} bytes, more than any prompt that fits the "
+                                         f"context of {self.max_model_len} tokens can hold "
+                                         f"({self.max_prompt_bytes} bytes)", param="messages")
             ids = self.tokenizer.encode_prompt(prompt, counts)
         else:
             ids = list(prompt)

@@ -20,7 +20,7 @@ def append_token(req: Request, out: StepOutput, row: int, eos_ids: frozenset[int
     reason = None
     if not sp.ignore_eos and tok in eos_ids:
         reason = "stop"
-    elif tok in sp.stop_token_ids:
+    elif tok in sp.stop_token_set:
         reason = "stop"
     else:
         req.text += req.detok.add(tok)

@@ -15,6 +15,8 @@ from mmjax.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit; the decode step always computes this many
 INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024   # checked per generated token: bounded so no request slows every step
 
 
 def _is_int(v) -> bool:
@@ -60,11 +62,13 @@ class SamplingParams:
              "logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]"),
             (self.seed is None or _is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed",
              "must be a 64-bit integer"),
-            (isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and 0 <= t <= INT32_MAX
-                                                                     for t in self.stop_token_ids),
-             "stop_token_ids", "must be a list of non-negative integers"),
+            (isinstance(self.stop_token_ids, (list, tuple, set, frozenset))
+             and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+             and all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+             "stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean"),
-            (len(self.stop) <= 16, "stop", "may hold at most 16 strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= 256 for s in self.stop), "stop",
+             f"may hold at most {MAX_STOP_STRINGS} strings of at most 256 characters"),
         ]
         for ok, name, msg in checks:
             if not ok:
@@ -72,6 +76,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.stop_token_set = frozenset(self.stop_token_ids)
 
 
 @dataclass
