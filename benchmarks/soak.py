@@ -4,6 +4,8 @@
     python -m benchmarks.soak --duration 60 --server-args "--warmup"
     python -m benchmarks.soak --model DIR --server-args "--max-num-seqs 4 --max-model-len 512"
     python -m benchmarks.soak --url http://127.0.0.1:8000 --pid 12345   # an existing server (loopback only)
+    python -m benchmarks.soak --mix clean   --concurrency 32          # good requests only: the latency baseline
+    python -m benchmarks.soak --mix hostile --concurrency 32          # 40% bad requests of every hostile kind
 
 Without `--url` the script starts `mmjax serve --host 127.0.0.1 --port P` itself (P a free port,
 the environment inherited, its output in `--server-log`), waits for GET /health to be 200, and at
@@ -71,11 +73,22 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
-KIND_WEIGHTS: dict[str, float] = {"chat_image": 0.26, "chat_stream": 0.20, "completion": 0.16,
-                                  "abort_stream": 0.14, "disconnect": 0.12, "invalid": 0.12}
-KINDS = tuple(KIND_WEIGHTS)
+# Request mixes (`--mix`): default = the issue-19 soak (good, aborted, disconnected, invalid);
+# clean = good requests only (the latency baseline); hostile = 60% good, 40% bad of every kind the
+# hostile-client campaign used (issue "No request can hurt another").
+MIXES: dict[str, dict[str, float]] = {
+    "default": {"chat_image": 0.26, "chat_stream": 0.20, "completion": 0.16,
+                "abort_stream": 0.14, "disconnect": 0.12, "invalid": 0.12},
+    "clean": {"chat_image": 0.40, "chat_stream": 0.35, "completion": 0.25},
+    "hostile": {"chat_image": 0.24, "chat_stream": 0.20, "completion": 0.16,
+                "abort_stream": 0.06, "disconnect": 0.06, "invalid": 0.08, "hostile": 0.14, "hostile_raw": 0.06},
+}
+KIND_WEIGHTS: dict[str, float] = dict(MIXES["default"])
+KINDS = ("chat_image", "chat_stream", "completion", "abort_stream", "disconnect", "invalid", "hostile",
+         "hostile_raw")
 GOOD_KINDS = ("chat_image", "chat_stream", "completion")        # must complete normally
 VALID_KINDS = GOOD_KINDS + ("abort_stream", "disconnect")       # valid bodies: never a 5xx
+BAD_KINDS = ("invalid", "hostile")                                # must get a 4xx
 QUESTIONS = ("What shape is this?", "What color is the shape?", "How many shapes are there?",
              "Is there a red circle?", "Is there a blue square?", "Describe the image.")
 TEXTS = ("hello", "a red circle and a blue square", "Describe the image.", "How many shapes",
@@ -107,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-timeout", type=float, default=30.0, help="seconds to wait for the server to go idle")
     p.add_argument("--stop-timeout", type=float, default=45.0, help="seconds after SIGTERM before SIGKILL")
     p.add_argument("--sample-interval", type=float, default=2.0, help="seconds between memory samples")
+    p.add_argument("--mix", choices=sorted(MIXES), default="default",
+                   help="request mix: default (issue 19), clean (good only: the latency baseline), hostile "
+                        "(40%% bad requests of every kind the hostile-client campaign found)")
     a = p.parse_args(_join_server_args(sys.argv[1:] if argv is None else list(argv)))
     if a.url and (a.model or a.server_args):
         p.error("--model / --server-args start a server; they cannot be used with --url")
@@ -584,6 +600,97 @@ async def req_disconnect(ctx: Ctx, rng: random.Random) -> Outcome:
     return Outcome(status=status, ok=ok, aborted=True, note=None if ok else f"HTTP {status} on a raw request")
 
 
+def hostile_request(model: str | None, rng: random.Random) -> tuple[str, str, bytes, dict]:
+    """(name, path, raw body, extra headers) of an attack from the hostile-client campaign that
+    must get a 4xx: broken text, schema abuse, oversized text and lists, heavy images, SSRF."""
+    m = {"model": model} if model else {}
+    msgs = [{"role": "user", "content": "hi"}]
+    heavy = _heavy_png_uri()
+    cases: list[tuple[str, str, Any, dict]] = [
+        # JSON "\ud800": a lone surrogate (json.dumps cannot write one from a str)
+        ("lone_surrogate_chat", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800 hi"}], "max_tokens": 4}', {}),
+        ("lone_surrogate_prompt", COMPLETIONS, b'{"prompt": "a \\udfff b", "max_tokens": 4}', {}),
+        ("huge_text", CHAT, {**m, "messages": [{"role": "user", "content": "a" * (2 << 20)}], "max_tokens": 4}, {}),
+        ("top_k_int32_overflow", CHAT, {**m, "messages": msgs, "top_k": 2**31, "max_tokens": 4}, {}),
+        ("top_k_overflow_completion", COMPLETIONS, {**m, "prompt": "hi", "top_k": 2**31, "max_tokens": 4}, {}),
+        ("stop_token_ids_100k", CHAT, {**m, "messages": msgs, "stop_token_ids": list(range(100_000)),
+                                       "max_tokens": 4}, {}),
+        ("n_true", CHAT, {**m, "messages": msgs, "n": True}, {}),
+        ("best_of_true", COMPLETIONS, {**m, "prompt": "hi", "best_of": True}, {}),
+        ("max_tokens_true", CHAT, {**m, "messages": msgs, "max_tokens": True}, {}),
+        ("deflate_garbage", CHAT, b"\x00\x01garbage-not-deflate" * 10, {"Content-Encoding": "deflate"}),
+        ("heavy_images", CHAT, {**m, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x"}] + [{"type": "image_url", "image_url": {"url": heavy}}] * 8}]}, {}),
+        ("ssrf_6to4_loopback", CHAT, {**m, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://[2002:7f00:1::]/a.png"}}]}]}, {}),
+        ("too_many_messages", CHAT, {**m, "messages": msgs * 20_000, "max_tokens": 4}, {}),
+    ]
+    name, path, body, headers = rng.choice(cases)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return name, path, raw, headers
+
+
+_HEAVY: list[str] = []
+
+
+def _heavy_png_uri() -> str:
+    """A 1 x 40,000,000-pixel PNG (~40 KB compressed, inside a 40 MP limit): cheap to send, slow to decode."""
+    if not _HEAVY:
+        buf = io.BytesIO()
+        Image.new("L", (40_000_000, 1)).save(buf, format="PNG")
+        _HEAVY.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return _HEAVY[0]
+
+
+async def req_hostile(ctx: Ctx, rng: random.Random) -> Outcome:
+    name, path, raw, headers = hostile_request(ctx.model, rng)
+    async with ctx.session.post(ctx.base + path, data=raw,
+                                headers={"Content-Type": "application/json", **headers}) as r:
+        text = await r.text()
+        ok = 400 <= r.status < 500 and _is_openai_error(text)
+        return Outcome(status=r.status, ok=ok, note=None if ok else f"{name} -> HTTP {r.status}: {text[:200]}")
+
+
+def _is_openai_error(text: str) -> bool:
+    try:
+        e = json.loads(text)["error"]
+        return isinstance(e, dict) and {"message", "type", "param", "code"} <= set(e)
+    except Exception:
+        return False
+
+
+async def req_hostile_raw(ctx: Ctx, rng: random.Random) -> Outcome:
+    """Protocol abuse on a raw socket: partial headers, a partial body, an impossible
+    Content-Length, a non-UTF-8 Authorization header. The server must answer with a 4xx or
+    close the connection (never a 5xx, never hold it forever: the read is bounded)."""
+    case = rng.choice(("partial_headers", "partial_body", "huge_content_length", "bad_auth_bytes"))
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: {ctx.host}:{ctx.port}\r\nContent-Type: application/json\r\n".encode()
+    if case == "partial_headers":
+        data = head
+    elif case == "partial_body":
+        data = head + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2]
+    elif case == "huge_content_length":
+        data = head + b"Content-Length: 1000000000000\r\n\r\n" + body
+    else:
+        data = head + b"Authorization: Bearer \xff\xfe\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    reader, writer = await asyncio.open_connection(ctx.host, ctx.port)
+    got = b""
+    try:
+        writer.write(data)
+        await writer.drain()
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            got = await asyncio.wait_for(reader.read(4096), 2.0 if case.startswith("partial") else 30.0)
+    finally:
+        writer.transport.abort()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    m = re.match(rb"HTTP/1\.[01] (\d{3})", got)
+    status = int(m.group(1)) if m else None
+    ok = status is None or status < 500
+    return Outcome(status=status, ok=ok, aborted=True, note=None if ok else f"{case} -> HTTP {status}")
+
+
 async def req_invalid(ctx: Ctx, rng: random.Random) -> Outcome:
     name, path, raw = invalid_request(ctx.model, rng, ctx.images.tiny)
     async with ctx.session.post(ctx.base + path, data=raw, headers={"Content-Type": "application/json"}) as r:
@@ -593,14 +700,15 @@ async def req_invalid(ctx: Ctx, rng: random.Random) -> Outcome:
 
 
 RUNNERS = {"chat_image": req_chat_image, "chat_stream": req_chat_stream, "completion": req_completion,
-           "abort_stream": req_abort_stream, "disconnect": req_disconnect, "invalid": req_invalid}
+           "abort_stream": req_abort_stream, "disconnect": req_disconnect, "invalid": req_invalid,
+           "hostile": req_hostile, "hostile_raw": req_hostile_raw}
 
 
 # ---- the load ------------------------------------------------------------------------------------------------
 
 async def worker(ctx: Ctx, wid: int, seed: int) -> None:
     rng = random.Random(seed * 1_000_003 + wid)
-    weights = [KIND_WEIGHTS[k] for k in KINDS]
+    weights = [KIND_WEIGHTS.get(k, 0.0) for k in KINDS]
     while not ctx.stop.is_set() and time.monotonic() < ctx.deadline and ctx.issued < ctx.max_requests:
         ctx.issued += 1
         kind = rng.choices(KINDS, weights)[0]
@@ -623,6 +731,8 @@ class Watch:
     rss_start_kb: int | None = None
     rss_peak_kb: int | None = None
     samples: int = 0
+    t0: float = field(default_factory=time.monotonic)
+    timeline: list = field(default_factory=list)   # (seconds since start, RSS MiB) every ~30 s
     died_at: float | None = None
 
     def sample(self) -> int | None:
@@ -630,6 +740,9 @@ class Watch:
         if rss is not None:
             self.samples += 1
             self.rss_peak_kb = max(self.rss_peak_kb or 0, rss)
+            t = time.monotonic() - self.t0
+            if not self.timeline or t - self.timeline[-1][0] >= 30:
+                self.timeline.append((round(t), round(rss / 1024, 1)))
         return rss
 
 
@@ -748,7 +861,7 @@ def build_report(args: argparse.Namespace, res: dict, server: ServerProcess | No
     m = idle["metrics"]
     g = idle["gauges"]
     r = {
-        "url": res["base"], "model": res["model"], "seed": args.seed, "concurrency": args.concurrency,
+        "url": res["base"], "model": res["model"], "mix": args.mix, "seed": args.seed, "concurrency": args.concurrency,
         "duration_s": args.duration, "load_s": res["load_s"], "warmup_s": res["warmup_s"],
         "warmup_status": res["warmup_status"],
         "requests_total": sum(s.done.values()),
@@ -762,6 +875,9 @@ def build_report(args: argparse.Namespace, res: dict, server: ServerProcess | No
         "sse_errors_by_kind": {k: s.sse_errors[k] for k in KINDS if s.sse_errors[k]},
         "incomplete_streams": sum(s.incomplete.values()),
         "invalid_not_4xx": s.unexpected["invalid"],
+        "hostile_not_4xx": s.unexpected["hostile"],
+        "hostile_raw_5xx": s.count_5xx(("hostile_raw",)),
+        "bad_requests": sum(s.done[k] for k in BAD_KINDS + ("hostile_raw",)),
         "client_exceptions": dict(sorted(s.exceptions.items())),
         "good_exceptions": sum(n for k, n in s.exceptions.items() if k.split(":")[0] in GOOD_KINDS),
         "aborted_mid_stream": s.aborted_mid_stream,
@@ -782,7 +898,7 @@ def build_report(args: argparse.Namespace, res: dict, server: ServerProcess | No
         "server_status_counts": server_status_counts(m),
         "server_pid": w.pid, "server_alive": res["server_alive"], "server_died_at_s": w.died_at,
         "rss_start_mib": _mib(w.rss_start_kb), "rss_end_mib": _mib(res["rss_end_kb"]),
-        "rss_peak_mib": _mib(w.rss_peak_kb), "rss_samples": w.samples,
+        "rss_peak_mib": _mib(w.rss_peak_kb), "rss_samples": w.samples, "rss_timeline_mib": w.timeline,
         "rss_growth_mib": (_mib(res["rss_end_kb"] - w.rss_start_kb)
                            if res["rss_end_kb"] is not None and w.rss_start_kb is not None else None),
         "error_samples": s.samples,
@@ -797,7 +913,9 @@ def failures(r: dict) -> list[str]:
     checks = [(r["good_5xx"], "valid requests got a 5xx"), (r["sse_errors"], "good streams carried an SSE error"),
               (r["incomplete_streams"], "good streams ended without [DONE]"),
               (r["good_exceptions"], "good requests failed with a client-side exception"),
-              (r["invalid_not_4xx"], "invalid requests got something other than a 4xx")]
+              (r["invalid_not_4xx"], "invalid requests got something other than a 4xx"),
+              (r["hostile_not_4xx"], "hostile requests got something other than a 4xx with an OpenAI error body"),
+              (r["hostile_raw_5xx"], "raw protocol abuse got a 5xx")]
     out += [f"{n} {what}" for n, what in checks if n]
     if r["good_completed"] == 0:
         out.append("no good request completed")
@@ -820,6 +938,8 @@ def format_table(r: dict) -> str:
              f"load={r['load_s']}s (warm-up {r['warmup_s']}s) seed={r['seed']}",
              f"{'kind':<13}{'done':>7}{'ok':>7}{'5xx':>6}{'sse_err':>8}{'exc':>6}{'p50 s':>9}{'p99 s':>9}  statuses"]
     for k in KINDS:
+        if not r["requests_by_kind"][k]:
+            continue
         lat = r["latency_s"][k]
         exc = sum(n for key, n in r["client_exceptions"].items() if key.split(":")[0] == k)
         n5 = sum(n for st, n in r["status_by_kind"][k].items() if st.startswith("5"))
@@ -842,6 +962,7 @@ def format_table(r: dict) -> str:
         f"images, {r['encoder_cache_mib']} MiB); alive={r['server_alive']}"
         + (f", exit code {r['server_exit_code']}" if "server_exit_code" in r else ""),
     ]
+    lines.append("server RSS over time (s, MiB): " + " ".join(f"{t}:{m}" for t, m in r["rss_timeline_mib"]))
     if r.get("server_log_problems"):
         lines.append(f"server log: {r['server_log_problems']} problem line(s) in {r['server_log']}")
     for e in r["error_samples"][:10]:
@@ -863,6 +984,8 @@ def _target(args: argparse.Namespace) -> tuple[str, int | None, ServerProcess | 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    KIND_WEIGHTS.clear()
+    KIND_WEIGHTS.update(MIXES[args.mix])
     try:
         base, pid, server = _target(args)
     except ValueError as e:
