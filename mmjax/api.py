@@ -174,7 +174,14 @@ class VLM:
         return self.generate([{"prompt": prompt, "images": images}], sampling)[0]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kw):
-        """messages -> (prompt text with one placeholder per image, image sources in order)."""
+        """messages -> (prompt with one placeholder per image, image sources in order).
+
+        The prompt is a `mmjax.tokenizer.ChatPrompt`: the template's output as a str that also
+        records where message text lies, so that special-token strings typed in messages (e.g.
+        "</s>", "<|im_start|>") tokenize as plain text in `generate` / `logits` /
+        `Engine.make_request`, while the template's own special tokens stay special. Pass it on
+        as is: a plain str (or the result of string operations on it) is a raw prompt, whose
+        special-token strings are parsed."""
         images: list[Any] = []
         norm = []
         for i, m in enumerate(messages):
@@ -204,7 +211,9 @@ class VLM:
         return self.tokenizer.render_chat(norm, add_generation_prompt, **template_kw), images
 
     def logits(self, prompt: str, images: Iterable[Any] = (), capture: Capture | None = None):
-        """Logits [prompt_tokens, vocab] (float32) over a whole prompt (research / parity). With
+        """Logits [prompt_tokens, vocab] (float32) over a whole prompt (research / parity): a raw
+        str (special-token strings parsed) or a ChatPrompt from `render_chat` (message text never
+        makes special tokens), tokenized as `generate` does. With
         `capture` (models.text.Capture: per-layer hidden states, chosen layers' attention
         probabilities), returns (logits, intermediates)."""
         from mmjax.serving.runner import make_prompt_forward

@@ -1,15 +1,35 @@
 """Tokenizer (HF `tokenizers`) + the checkpoint's jinja2 chat template + image placeholders.
 
-Injection policy (decided, documented, tested): in chat messages, text that contains the model's
-image placeholder string (e.g. "<image>") is REJECTED with PromptError. Escaping would silently
-change what the user wrote and the placeholder has no legitimate use in message text; only image
-parts bind images. In raw `generate` prompts the researcher writes placeholders on purpose, and
-their count must equal the number of images.
+Injection policy (decided, documented, tested in tests/test_special_tokens.py):
+
+* Image placeholders: in chat messages, text that contains the model's image placeholder string
+  (e.g. "<image>") is REJECTED with PromptError. Escaping would silently change what the user
+  wrote, and a client that writes the placeholder almost always meant an image; only image parts
+  bind images. In raw prompts the caller writes placeholders on purpose, and their count must
+  equal the number of images.
+* Other special tokens: message text (the content of every message, any role: in the server every
+  message comes from the client) never produces a special token id. `</s>`, `<s>`, `<pad>`,
+  `<|im_start|>`... typed in a message are tokenized as the plain text they spell, so a user cannot
+  end or spoof turns. The chat template's own special tokens stay special. "Special" means an added
+  token flagged `special` in tokenizer.json (`get_added_tokens_decoder()`); non-special added
+  tokens (e.g. Qwen's `<tool_call>`) are matched in message text as transformers does.
+  How: `render_chat` returns a `ChatPrompt` (a str equal to the template's output) recording the
+  character spans of message text; `encode_prompt` tokenizes the whole string exactly as before
+  (so prompts whose message text holds no special-token string give the very ids of HF's
+  `apply_chat_template(tokenize=True)`), and only where a special token overlaps a message span
+  re-tokenizes that stretch (between the neighbouring template tokens) with special-token parsing
+  off and splices it in.
+* Raw prompts (a plain `str`: `vlm.generate("...")`, `/v1/completions` string prompts, anything
+  that is not a `ChatPrompt`) are written by the caller on purpose: special-token strings in them
+  are parsed as special tokens.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +59,36 @@ def load_chat_template(model_dir: Path, tok_cfg: dict) -> str | None:
     return None
 
 
+class ChatPrompt(str):
+    """A rendered chat prompt: a `str` equal to what the chat template renders, plus `user_spans`,
+    the sorted, disjoint (start, end) character ranges of message text in it. `encode_prompt`
+    tokenizes special-token strings inside these spans as plain text. String operations return a
+    plain `str` (the spans are lost and specials parse again): pass the object itself on."""
+
+    def __new__(cls, text: str, user_spans=()):
+        self = super().__new__(cls, text)
+        self.user_spans = tuple((int(a), int(b)) for a, b in user_spans)
+        return self
+
+    def __reduce__(self):
+        return ChatPrompt, (str(self), self.user_spans)
+
+
+def _overlaps(spans: tuple, starts: list[int], a: int, b: int) -> bool:
+    """Whether the non-empty character range [a, b) overlaps one of the sorted disjoint spans."""
+    if b <= a:
+        return False
+    k = bisect.bisect_left(starts, b) - 1  # the last span starting before b
+    return k >= 0 and spans[k][1] > a
+
+
+# Sentinels that mark message text while rendering: private-use characters (plane 15) absent from
+# the rendered prompt. _CONTEXT stands for "a template token precedes this text" when a stretch of
+# text is re-tokenized on its own (see Tokenizer._plain_ids).
+_SENTINEL_BASE = 0xF0000
+_CONTEXT = "\U0010fffd"
+
+
 class Tokenizer:
     """Host-side text <-> ids for one checkpoint."""
 
@@ -49,6 +99,9 @@ class Tokenizer:
         if not (d / "tokenizer.json").is_file():
             raise CheckpointError(f"{d} has no tokenizer.json", param="tokenizer")
         self._tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        # as transformers does per call: a tokenizer.json's truncation/padding never applies here
+        self._tok.no_truncation()
+        self._tok.no_padding()
         cfg_path = d / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_str(cfg.get("bos_token"))
@@ -66,6 +119,13 @@ class Tokenizer:
         # a bound checked before tokenizing text that cannot fit the context.
         self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)),
                                    default=1)
+        added = self._tok.get_added_tokens_decoder()
+        self.added_ids = frozenset(added)
+        # the ids message text can never produce (added tokens flagged special)
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._plain_tok = None  # (clone with special-token parsing off, its context id), on first need
+        self._plain_lock = threading.Lock()
+        self._tpl = None  # (source, compiled template)
 
     @staticmethod
     def _raise(message: str):
@@ -80,34 +140,140 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(int(i))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """OpenAI-style messages (content: str or list of {"type": "text"|"image", ...}) -> prompt."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> ChatPrompt:
+        """OpenAI-style messages (content: str or list of {"type": "text"|"image", ...}) -> prompt.
+
+        Returns a `ChatPrompt`: the rendered string (exactly the template's output) plus the spans
+        of message text, whose special-token strings `encode_prompt` keeps as plain text. The spans
+        come from a second render with each text wrapped in two sentinel characters (inside its
+        leading/trailing whitespace, so templates that `trim` content agree). If that render does
+        not agree with the plain one (a template that slices, splits or tests the content), the
+        prompt is returned without spans when no message text holds a special token, and
+        rejected with PromptError when one does (it cannot be tokenized safely)."""
         if not self.chat_template:
             raise PromptError("this model has no chat template; pass a raw prompt or --chat-template",
                               param="messages")
         if self.image_token:
             for i, m in enumerate(messages):
-                parts = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
-                for part in parts:
-                    if part.get("type") == "text" and self.image_token in (part.get("text") or ""):
+                for part in self._text_parts(m):
+                    if self.image_token in part:
                         raise PromptError(
                             f"messages[{i}] text contains the reserved image placeholder {self.image_token!r}; "
                             "images must be sent as image parts", param=f"messages[{i}].content")
+        plain = self._render(messages, add_generation_prompt, kwargs)
+        if not any(t.strip() for m in messages for t in self._text_parts(m)):
+            return ChatPrompt(plain)
+        cp = _SENTINEL_BASE
+        while chr(cp) in plain:
+            cp += 1
+        start = chr(cp)
+        cp += 1
+        while chr(cp) in plain:
+            cp += 1
+        end = chr(cp)
+        marked = self._render([self._mark(m, start, end) for m in messages], add_generation_prompt, kwargs)
+        spans = self._unmark(marked, start, end, plain)
+        if spans is not None:
+            return ChatPrompt(plain, spans)
+        for i, m in enumerate(messages):
+            for part in self._text_parts(m):
+                if self.special_ids.intersection(self._tok.encode(part, add_special_tokens=False).ids):
+                    raise PromptError(
+                        f"messages[{i}] text contains a special token and this model's chat template "
+                        "transforms message text, so it cannot be kept apart from the template's own "
+                        "special tokens", param=f"messages[{i}].content")
+        return ChatPrompt(plain)
+
+    def _render(self, messages: list, add_generation_prompt: bool, kwargs: dict) -> str:
         try:
-            tpl = self._env.from_string(self.chat_template)
-            return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                              bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            if self._tpl is None or self._tpl[0] != self.chat_template:
+                self._tpl = (self.chat_template, self._env.from_string(self.chat_template))
+            return self._tpl[1].render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except PromptError:
             raise
         except jinja2.TemplateError as e:
             raise PromptError(f"chat template failed to render: {e}", param="messages") from e
 
+    @staticmethod
+    def _text_parts(m: Any) -> list[str]:
+        """The text strings of one message's content."""
+        if not isinstance(m, dict):
+            return []
+        content = m.get("content")
+        if isinstance(content, str):
+            return [content]
+        if isinstance(content, list):
+            return [p["text"] for p in content
+                    if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+        return []
+
+    @staticmethod
+    def _mark(m: Any, start: str, end: str) -> Any:
+        """The message with each text wrapped as lead + start + core + end + trail (lead/trail: its
+        leading/trailing whitespace, so trim/strip in a template leaves the sentinels in place)."""
+        def wrap(t: str) -> str:
+            core = t.strip()
+            if not core:
+                return t
+            i = len(t) - len(t.lstrip())
+            return t[:i] + start + core + end + t[i + len(core):]
+
+        if not isinstance(m, dict):
+            return m
+        content = m.get("content")
+        if isinstance(content, str):
+            return {**m, "content": wrap(content)}
+        if isinstance(content, list):
+            return {**m, "content": [
+                {**p, "text": wrap(p["text"])}
+                if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) else p
+                for p in content]}
+        return m
+
+    @staticmethod
+    def _unmark(marked: str, start: str, end: str, plain: str) -> tuple | None:
+        """Spans of the text between sentinels, in `marked` with the sentinels removed; None unless
+        the sentinels pair up (start, end, start, end...) and removing them gives `plain`."""
+        pieces, spans = [], []
+        pos = n = 0  # position in marked, length of the output so far
+        opened = None
+        for mt in re.finditer(f"[{start}{end}]", marked):
+            is_start = mt.group() == start
+            if is_start == (opened is not None):
+                return None
+            pieces.append(marked[pos:mt.start()])
+            n += mt.start() - pos
+            pos = mt.end()
+            if is_start:
+                opened = n
+            else:
+                if n > opened:
+                    spans.append((opened, n))
+                opened = None
+        if opened is not None:
+            return None
+        pieces.append(marked[pos:])
+        if "".join(pieces) != plain:
+            return None
+        return tuple(spans)
+
     def encode_prompt(self, prompt: str, image_token_counts: list[int]) -> list[int]:
         """Tokenize a prompt holding one placeholder per image and expand placeholder i into
         image_token_counts[i] copies of the image token id. BOS is added by the tokenizer's
-        post-processor unless the prompt already starts with it."""
-        add_special = not (self.bos_token and prompt.startswith(self.bos_token))
-        ids = self.encode(prompt, add_special_tokens=add_special)
+        post-processor unless the prompt already starts with it (from the template, not from
+        message text). A `ChatPrompt` from `render_chat` keeps special-token strings inside
+        message text as plain text; a plain str parses them (a raw prompt)."""
+        spans = tuple(sorted(getattr(prompt, "user_spans", ())))
+        text = str(prompt)
+        starts = [a for a, _ in spans]
+        add_special = not (self.bos_token and text.startswith(self.bos_token)
+                           and not _overlaps(spans, starts, 0, len(self.bos_token)))
+        enc = self._tok.encode(text, add_special_tokens=add_special)
+        ids = enc.ids
+        if spans and any(t in self.special_ids and _overlaps(spans, starts, a, b)
+                         for t, (a, b) in zip(ids, enc.offsets)):
+            ids = self._demote_specials(text, spans, starts, ids)
         if self.image_token_id is None:
             if image_token_counts:
                 raise PromptError("this model takes no images", param="images")
@@ -124,6 +290,67 @@ class Tokenizer:
             prev = pos + 1
         out.extend(ids[prev:])
         return out
+
+    def _demote_specials(self, text: str, spans: tuple, starts: list[int], ids_post: list[int]) -> list[int]:
+        """ids of `text` where every special token overlapping a message span is replaced by the
+        tokens of the text it spells. Each stretch from the previous kept added token to the next
+        one is re-tokenized with special-token parsing off (the stretch the tokenizer would have
+        treated as one piece had these strings not been special), then the post-processor's
+        tokens (`ids_post` minus the plain ids: BOS...) are put back around the result."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        ids, offs = enc.ids, enc.offsets
+        bad = [i for i, (t, (a, b)) in enumerate(zip(ids, offs))
+               if t in self.special_ids and _overlaps(spans, starts, a, b)]
+        badset = set(bad)
+
+        def kept(i: int) -> bool:
+            return ids[i] in self.added_ids and i not in badset
+
+        out: list[int] = []
+        prev = 0  # ids[:prev] are settled
+        j = 0
+        while j < len(bad):
+            lo, hi = bad[j], bad[j] + 1
+            while lo > prev and not kept(lo - 1):
+                lo -= 1
+            while hi < len(ids) and not kept(hi):
+                hi += 1
+            a = offs[lo - 1][1] if lo > 0 else 0
+            b = offs[hi][0] if hi < len(ids) else len(text)
+            out.extend(ids[prev:lo])
+            out.extend(self._plain_ids(text[a:b], after_token=lo > 0))
+            prev = hi
+            while j < len(bad) and bad[j] < hi:
+                j += 1
+        out.extend(ids[prev:])
+        if len(ids_post) == len(ids):
+            return out
+        for k in range(len(ids_post) - len(ids) + 1):  # where the plain ids sit among the post-processed
+            if ids_post[k:k + len(ids)] == ids:
+                return ids_post[:k] + out + ids_post[k + len(ids):]
+        raise PromptError("cannot place the tokenizer's post-processor tokens around the prompt",
+                          param="messages")
+
+    def _plain_ids(self, text: str, after_token: bool) -> list[int]:
+        """Tokenize `text` with special-token parsing off (on a clone of the tokenizer: the flag is
+        per instance and tokenization runs in a thread pool). `after_token`: the text follows a
+        token in the prompt, so pre-tokenizers that treat the start of the input apart (Metaspace
+        prepend_scheme="first") must not; a private added token in front stands for it."""
+        with self._plain_lock:
+            if self._plain_tok is None:
+                from tokenizers import AddedToken
+                from tokenizers import Tokenizer as HFTokenizer
+
+                t = HFTokenizer.from_str(self._tok.to_str())
+                t.add_tokens([AddedToken(_CONTEXT, special=False, normalized=False)])
+                t.encode_special_tokens = True
+                self._plain_tok = (t, t.token_to_id(_CONTEXT))
+        tok, context_id = self._plain_tok
+        if after_token and _CONTEXT not in text:
+            ids = tok.encode(_CONTEXT + text, add_special_tokens=False).ids
+            if ids and ids[0] == context_id:
+                return ids[1:]
+        return tok.encode(text, add_special_tokens=False).ids
 
 
 class IncrementalDetokenizer:
