@@ -54,7 +54,13 @@ class ServerConfig:
     media_fetch_timeout: float = 10.0
     media_max_redirects: int = 3
     max_queue: int = 256                       # engine waiting queue -> 503 beyond
-    media_workers: int = 4
+    media_workers: int = 4                     # tokenization/templating pool (images have their own)
+    decode_workers: int = 4                    # image decode + resize workers (processes)
+    decode_workers_per_request: int = 2        # one request's images decoding at once; the rest wait
+    max_decode_queue: int = 64                 # images waiting for a decode worker -> 503 beyond
+    max_request_image_pixels: int | None = None  # decoded pixels of all images of a request (None: 2 x max_image_pixels)
+    max_request_decode_seconds: float = 30.0   # decode seconds per request (0 = no limit)
+    decode_processes: bool = True              # decode in worker processes (False: server threads)
     log_stats_interval: float = 1.0            # seconds; 0 = no step log lines
     drain_timeout: float = 30.0
     chat_template: str | None = None           # template text (overrides the checkpoint's)
@@ -119,8 +125,13 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
                             allow_private_urls=cfg.allow_private_media_urls,
                             fetch_timeout=cfg.media_fetch_timeout, max_redirects=cfg.media_max_redirects,
                             image_max_tokens=cfg.image_max_tokens,
-                            low_detail_tokens=cfg.low_detail_image_tokens)
-    fetcher = MediaFetcher(media_cfg, vlm.family, executor)
+                            low_detail_tokens=cfg.low_detail_image_tokens,
+                            decode_workers=cfg.decode_workers,
+                            decode_workers_per_request=cfg.decode_workers_per_request,
+                            max_decode_queue=cfg.max_decode_queue, max_request_pixels=cfg.max_request_image_pixels,
+                            max_request_decode_seconds=cfg.max_request_decode_seconds,
+                            decode_processes=cfg.decode_processes)
+    fetcher = MediaFetcher(media_cfg, vlm.family)   # decodes in its own pool; `executor` tokenizes
     metrics = ServerMetrics(engine.stats, aengine.queue_depth)
     st = State(vlm, engine, aengine, cfg, fetcher, metrics, executor)
 

@@ -47,6 +47,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="allow image URLs resolving to loopback/private/link-local addresses (refused by default)")
     p.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
     p.add_argument("--media-max-redirects", type=int, default=3)
+    p.add_argument("--decode-workers", type=int, default=4,
+                   help="worker processes decoding and resizing images (apart from tokenization; default 4)")
+    p.add_argument("--decode-threads", action="store_true",
+                   help="decode images in threads of the server process instead of worker processes")
+    p.add_argument("--decode-workers-per-request", type=int, default=2,
+                   help="images of one request decoding at once; its others wait so other requests get workers")
+    p.add_argument("--max-decode-queue", type=int, default=64,
+                   help="images waiting for a decode worker before new ones get 503 decode_queue_full")
+    p.add_argument("--max-request-image-pixels", type=int, default=None,
+                   help="decoded pixels of all images of one request, from their headers before any decode "
+                        "(default: 2 x --max-image-pixels)")
+    p.add_argument("--max-request-decode-seconds", type=float, default=30.0,
+                   help="decode seconds one request's images may use; a worker past it is killed (0 = no limit)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the checkpoint's)")
     p.add_argument("--warmup", action="store_true",
                    help="compile every bucket of every step (encode, prefill, decode) before listening")
@@ -76,6 +89,9 @@ def config_from_args(args, model_path: str):
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
         allow_private_media_urls=args.allow_private_media_urls, media_fetch_timeout=args.media_fetch_timeout,
         media_max_redirects=args.media_max_redirects, max_queue=args.max_queue,
+        decode_workers=args.decode_workers, decode_workers_per_request=args.decode_workers_per_request,
+        max_decode_queue=args.max_decode_queue, max_request_image_pixels=args.max_request_image_pixels,
+        max_request_decode_seconds=args.max_request_decode_seconds, decode_processes=not args.decode_threads,
         log_stats_interval=args.log_stats_interval, max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout, chat_template=tpl)
 
 
