@@ -33,7 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--limit-images", type=int, default=8, help="images per request")
     p.add_argument("--max-image-bytes", type=int, default=20 * 2**20, help="encoded bytes per image")
     p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="HTTP body cap (default: room for --limit-images base64 images, at most 128 MiB)")
+                   help="HTTP body cap (default: what a request can need: text that fits the context, JSON-escaped, "
+                        "plus --limit-images base64 images of --max-image-bytes)")
+    p.add_argument("--max-messages", type=_positive_int, default=4096, help="chat messages per request")
+    p.add_argument("--max-content-parts", type=_positive_int, default=512, help="content parts per chat message")
     p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="decoded width*height per image")
     p.add_argument("--image-max-tokens", type=int, default=None,
                    help="per-image token budget (dynamic-resolution families resize to fit; others: 400)")
@@ -63,12 +66,40 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the checkpoint's)")
     p.add_argument("--warmup", action="store_true",
                    help="compile every bucket of every step (encode, prefill, decode) before listening")
+    p.add_argument("--header-timeout", type=_positive_float, default=30.0,
+                   help="seconds from a connection opening (or a request head's first byte) to the end of the head; "
+                        "then 408 and close")
+    p.add_argument("--body-timeout", type=_positive_float, default=30.0,
+                   help="seconds to receive a request body; then 408 and close")
+    p.add_argument("--keepalive-timeout", type=_positive_float, default=75.0,
+                   help="seconds an idle keep-alive connection is kept open")
+    p.add_argument("--keepalive-max-requests", type=int, default=1000,
+                   help="responses per connection before 'Connection: close' (0 = no limit)")
+    p.add_argument("--lingering-time", type=float, default=10.0,
+                   help="seconds spent draining an unread request body after an early answer (413, 408, errors)")
+    p.add_argument("--max-request-line", type=_positive_int, default=8190, help="bytes of the HTTP request line")
+    p.add_argument("--max-header-size", type=_positive_int, default=8190, help="bytes of one HTTP header field")
+    p.add_argument("--max-headers", type=_positive_int, default=128, help="HTTP header fields per request")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them")
     p.add_argument("--log-stats-interval", type=float, default=1.0,
                    help="seconds between engine step log lines (0 = off)")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _positive_int(v: str) -> int:
+    n = int(v)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return n
+
+
+def _positive_float(v: str) -> float:
+    x = float(v)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {v}")
+    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +123,13 @@ def config_from_args(args, model_path: str):
         decode_workers=args.decode_workers, decode_workers_per_request=args.decode_workers_per_request,
         max_decode_queue=args.max_decode_queue, max_request_image_pixels=args.max_request_image_pixels,
         max_request_decode_seconds=args.max_request_decode_seconds, decode_processes=not args.decode_threads,
-        log_stats_interval=args.log_stats_interval, max_body_bytes=args.max_body_bytes, drain_timeout=args.drain_timeout, chat_template=tpl)
+        log_stats_interval=args.log_stats_interval, max_body_bytes=args.max_body_bytes,
+        drain_timeout=args.drain_timeout, chat_template=tpl, max_messages=args.max_messages,
+        max_content_parts=args.max_content_parts, header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout,
+        keepalive_max_requests=args.keepalive_max_requests, lingering_time=args.lingering_time,
+        max_request_line=args.max_request_line, max_header_size=args.max_header_size,
+        max_headers=args.max_headers)
 
 
 def warmup(vlm) -> float:

@@ -81,6 +81,11 @@ class ServerMetrics:
                                registry=r)
         self.disconnects = Counter("mmjax_client_disconnects", "Requests aborted because the client left.",
                                    registry=r)
+        self.timeouts = Counter("mmjax_http_timeouts", "Connections answered 408 and closed because a request "
+                                "head or body did not arrive in time.", ["phase"], registry=r)
+        self.protocol_errors = Counter("mmjax_http_protocol_errors", "Malformed HTTP requests answered before "
+                                       "reaching a route (bad request line, headers, Content-Length).",
+                                       ["status"], registry=r)
         qd = Gauge("mmjax_queue_depth", "Requests waiting for a slot (engine queue + inbox).", registry=r)
         qd.set_function(queue_depth_fn)
         r.register(EngineCollector(stats_fn))

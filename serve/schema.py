@@ -7,13 +7,15 @@ prompt, image references in order, sampling parameters) or raises an `InvalidReq
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmjax.errors import InvalidRequestError, MMJaxError
-from mmjax.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
+from mmjax.serving.sampling import (INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
+                                    SamplingParams)
 
 DETAILS = ("auto", "low", "high")
 ROLES = ("system", "developer", "user", "assistant")
@@ -41,6 +43,36 @@ class UnavailableError(MMJaxError):
 class RequestTooLargeError(InvalidRequestError):
     status = 413
     code = "request_too_large"
+
+
+class InvalidTextError(InvalidRequestError):
+    """A string that is not Unicode text (a lone surrogate such as JSON "\\ud800"): it cannot be
+    encoded, tokenized or logged, so it is refused where it enters, naming its JSON path."""
+    code = "invalid_text"
+
+
+class TooManyItemsError(InvalidRequestError):
+    """A list over a server limit (messages, content parts, images, stop strings, stop ids)."""
+    code = "too_many_items"
+
+
+class RequestTimeoutError(MMJaxError):
+    """The client did not send its request head or body within the server's timeout."""
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may hold, checked while parsing (before any template, tokenizer, image
+    or engine work). `max_text_bytes` is the engine's `max_prompt_bytes`: prompt text longer than
+    that cannot fit the context whatever it tokenizes to; None leaves text unbounded here."""
+    limit_images: int = 8
+    max_messages: int = 4096
+    max_content_parts: int = 512            # per message
+    max_text_bytes: int | None = None       # UTF-8 bytes of prompt text, per message and per request
+    max_model_len: int | None = None        # context tokens: token-id prompts must be shorter
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -73,12 +105,67 @@ class ParsedRequest:
 
 # ---- small typed getters ----------------------------------------------------------------------
 
+def short(v: Any, limit: int = 80) -> str:
+    """repr of a client value for an error message, cut: an error never echoes a megabyte back."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 def _bad(param: str, msg: str) -> InvalidRequestError:
     return InvalidRequestError(f"'{param}' {msg}", param=param)
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def text_bytes(s: str, param: str) -> int:
+    """UTF-8 length of a client string; a lone surrogate (valid JSON, not text) is a 400 naming
+    `param` instead of a UnicodeEncodeError deep inside the template, tokenizer or a log line."""
+    if s.isascii():  # O(1) for CPython's compact strings: the common case costs nothing
+        return len(s)
+    try:
+        return len(s.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise InvalidTextError(f"'{param}' is not valid Unicode text: {e.reason} at character {e.start}",
+                               param=param) from None
+
+
+def _text(v: Any, param: str, what: str = "must be a string") -> str:
+    if not isinstance(v, str):
+        raise _bad(param, what)
+    text_bytes(v, param)
+    return v
+
+
+class _TextBudget:
+    """Prompt text of one request against `max_text_bytes`: each piece alone (the error names
+    it) and all pieces together (the error names `total_param`)."""
+
+    def __init__(self, limits: RequestLimits, total_param: str):
+        self.limit, self.total_param, self.used = limits.max_text_bytes, total_param, 0
+        self.context = limits.max_model_len
+
+    def take(self, s: str, param: str) -> None:
+        n = text_bytes(s, param)
+        if self.limit is None:
+            return
+        self.used += n
+        if n > self.limit:
+            raise self._error(param, n)
+        if self.used > self.limit:
+            raise self._error(self.total_param, self.used)
+
+    def _error(self, param: str, n: int) -> ContextLengthError:
+        ctx = f"the context of {self.context} tokens" if self.context else "the context"
+        return ContextLengthError(f"'{param}' holds {n} bytes of text; no prompt that fits {ctx} can hold "
+                                  f"more than {self.limit} bytes", param=param)
+
+
+def _check_len(v: list, limit: int, param: str, what: str) -> None:
+    """Lists are bounded before their elements are looked at (a 10M-element list costs nothing)."""
+    if len(v) > limit:
+        raise TooManyItemsError(f"'{param}' holds {len(v)} {what}, over the limit of {limit}", param=param)
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default: float, *, lo_open: bool = False) -> float:
@@ -96,7 +183,7 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None, default: int | N
     v = body.get(name)
     if v is None:
         return default
-    if not _is_int(v):
+    if not _is_int(v):  # JSON true is not 1 here: a bool is never an integer
         raise _bad(name, f"must be an integer, got {type(v).__name__}")
     if v < lo or (hi is not None and v > hi):
         raise _bad(name, f"must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
@@ -113,23 +200,37 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _stop(body: dict) -> list[str]:
+    """Stop strings (their length is SamplingParams' range); each must be text: they are matched
+    against decoded output and echoed in errors."""
     v = body.get("stop")
     if v is None:
         return []
     if isinstance(v, str):
-        return [v] if v else []
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        return [_text(v, "stop")] if v else []
+    if not isinstance(v, list):
         raise _bad("stop", "must be a string or a list of strings")
-    if len(v) > 16:
-        raise _bad("stop", f"may hold at most 16 strings, got {len(v)}")
-    return [s for s in v if s]
+    _check_len(v, MAX_STOP_STRINGS, "stop", "strings")
+    return [s for i, s in enumerate(v) if _text(s, f"stop[{i}]")]
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise _bad("stop_token_ids", "must be a list of non-negative integers")
+    _check_len(v, MAX_STOP_TOKEN_IDS, "stop_token_ids", "token ids")
+    for i, t in enumerate(v):
+        if not (_is_int(t) and 0 <= t <= INT32_MAX):
+            raise _bad(f"stop_token_ids[{i}]", f"must be an integer in [0, {INT32_MAX}], got {short(t)}")
+    return v
 
 
 def _unsupported(body: dict) -> None:
     """Fields whose non-default values this server cannot honour: refuse instead of ignoring."""
     for name, default in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        v = body.get(name)
-        if v is not None and v != default:
+        v = _num(body, name, -math.inf, math.inf, default)  # typed first: false is not 0
+        if v != default:
             raise InvalidRequestError(f"'{name}' is not supported by this server (only {default})",
                                       param=name, code="unsupported_parameter")
     for name in ("tools", "functions", "logit_bias"):
@@ -144,11 +245,11 @@ def _unsupported(body: dict) -> None:
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise InvalidRequestError("'response_format' other than {'type': 'text'} is not supported",
                                   param="response_format", code="unsupported_parameter")
-    if body.get("n") is not None and body.get("n") != 1:
-        raise InvalidRequestError(f"'n' must be 1 (got {body.get('n')!r}); send several requests instead",
-                                  param="n", code="unsupported_parameter")
-    if body.get("best_of") not in (None, 1):
-        raise InvalidRequestError("'best_of' must be 1", param="best_of", code="unsupported_parameter")
+    for name in ("n", "best_of"):  # `true == 1` in Python: type first
+        v = _int(body, name, 1, INT32_MAX)
+        if v is not None and v != 1:
+            raise InvalidRequestError(f"'{name}' must be 1 (got {v}); send several requests instead",
+                                      param=name, code="unsupported_parameter")
     if body.get("suffix"):
         raise InvalidRequestError("'suffix' is not supported", param="suffix", code="unsupported_parameter")
 
@@ -157,19 +258,17 @@ def _common(body: dict, req: ParsedRequest) -> None:
     """Model, streaming options and the sampling fields. Types are checked here; ranges once, by
     SamplingParams (its InvalidRequestError names the field)."""
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model", "must be a string")
+    if model is not None:
+        _text(model, "model")
     req.model = model
     for name in ("temperature", "top_p", "min_p"):
         _num(body, name, -math.inf, math.inf, 0.0)
     for name in ("top_k", "seed"):
         _int(body, name, -(2**63))
     stop = _stop(body)
-    sti = body.get("stop_token_ids")
-    if sti is not None and (not isinstance(sti, list) or not all(_is_int(t) and t >= 0 for t in sti)):
-        raise _bad("stop_token_ids", "must be a list of non-negative integers")
+    sti = _stop_token_ids(body)
     fields_ = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if body.get(k) is not None}
-    req.sampling = SamplingParams(max_tokens=1, stop=stop, stop_token_ids=list(sti or []),
+    req.sampling = SamplingParams(max_tokens=1, stop=stop, stop_token_ids=list(sti),
                                   ignore_eos=_bool(body, "ignore_eos"), logprobs=req.logprobs, **fields_)
     req.stream = _bool(body, "stream")
     so = body.get("stream_options")
@@ -185,71 +284,96 @@ def _common(body: dict, req: ParsedRequest) -> None:
     _unsupported(body)
 
 
-def _image_ref(part: dict, path: str) -> ImageRef:
+def _image_ref(part: dict, path: str, key: str = "image_url") -> ImageRef:
+    """`key` is the field holding the URL (or {"url", "detail"}) under `path`; '' when `part`
+    is that value itself (the completions `images` extension)."""
     iu = part.get("image_url")
+    base = f"{path}.{key}" if key else path
     if isinstance(iu, str):  # vLLM and some clients send the URL directly
         iu = {"url": iu}
     if not isinstance(iu, dict):
-        raise _bad(f"{path}.image_url", "must be an object with a 'url'")
+        raise _bad(base, "must be a URL string or an object with a 'url'")
     url = iu.get("url")
     if not isinstance(url, str) or not url:
-        raise _bad(f"{path}.image_url.url", "must be a non-empty string (data: URI, http(s) or file URL)")
+        raise _bad(f"{base}.url", "must be a non-empty string (data: URI, http(s) or file URL)")
+    text_bytes(url, f"{base}.url")  # the media layer parses, resolves and logs it
     detail = iu.get("detail", "auto")
     if detail is None:
         detail = "auto"
     if detail not in DETAILS:
-        raise _bad(f"{path}.image_url.detail", f"must be one of {list(DETAILS)}, got {detail!r}")
-    return ImageRef(url=url, detail=detail, param=f"{path}.image_url")
+        raise _bad(f"{base}.detail", f"must be one of {list(DETAILS)}, got {short(detail)}")
+    return ImageRef(url=url, detail=detail, param=base)
 
 
-def parse_chat(body: Any, *, limit_images: int) -> ParsedRequest:
+def _add_image(req: ParsedRequest, ref: ImageRef, limits: RequestLimits, param: str) -> None:
+    """Images are counted as they are found: the request fails at the first one over the limit."""
+    if len(req.images) >= limits.limit_images:
+        raise InvalidRequestError(f"more than {limits.limit_images} images in one request (--limit-images)",
+                                  param=param, code="too_many_images")
+    req.images.append(ref)
+
+
+def _limits(limit_images: int | None, limits: RequestLimits | None) -> RequestLimits:
+    if limits is None:
+        return RequestLimits() if limit_images is None else RequestLimits(limit_images=limit_images)
+    return limits if limit_images is None else dataclasses.replace(limits, limit_images=limit_images)
+
+
+def _content_parts(req: ParsedRequest, content: list, p: str, limits: RequestLimits,
+                   budget: _TextBudget) -> list[dict]:
+    _check_len(content, limits.max_content_parts, f"{p}.content", "content parts")
+    parts = []
+    for j, part in enumerate(content):
+        pp = f"{p}.content[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(pp, "must be an object with a 'type'")
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad(f"{pp}.text", "must be a string")
+            budget.take(text, f"{pp}.text")
+            parts.append({"type": "text", "text": text})
+        elif kind == "image_url":
+            _add_image(req, _image_ref(part, pp), limits, "messages")
+            parts.append({"type": "image"})
+        else:
+            raise _bad(f"{pp}.type", f"must be 'text' or 'image_url', got {short(kind)}")
+    return parts
+
+
+def _message(req: ParsedRequest, m: Any, p: str, limits: RequestLimits, budget: _TextBudget) -> dict:
+    if not isinstance(m, dict):
+        raise _bad(p, "must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if role not in ROLES:
+        raise _bad(f"{p}.role", f"must be one of {list(ROLES)}, got {short(role)}")
+    if role == "developer":
+        role = "system"
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, str):
+        budget.take(content, f"{p}.content")
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise _bad(f"{p}.content", "must be a string or a list of content parts")
+    return {"role": role, "content": _content_parts(req, content, p, limits, budget)}
+
+
+def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLimits | None = None) -> ParsedRequest:
+    limits = _limits(limit_images, limits)
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", param=None)
     req = ParsedRequest(kind="chat", model=None)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", "must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(msgs):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(p, "must be an object with 'role' and 'content'")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"{p}.role", f"must be one of {list(ROLES)}, got {role!r}")
-        if role == "developer":
-            role = "system"
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
-            raise _bad(f"{p}.content", "must be a string or a list of content parts")
-        parts = []
-        for j, part in enumerate(content):
-            pp = f"{p}.content[{j}]"
-            if not isinstance(part, dict):
-                raise _bad(pp, "must be an object with a 'type'")
-            kind = part.get("type")
-            if kind == "text":
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise _bad(f"{pp}.text", "must be a string")
-                parts.append({"type": "text", "text": text})
-            elif kind == "image_url":
-                req.images.append(_image_ref(part, pp))
-                parts.append({"type": "image"})
-            else:
-                raise _bad(f"{pp}.type", f"must be 'text' or 'image_url', got {kind!r}")
-        out.append({"role": role, "content": parts})
-    req.messages = out
-    if len(req.images) > limit_images:
-        raise InvalidRequestError(f"{len(req.images)} images in one request exceeds the limit of {limit_images} "
-                                  "(--limit-images)", param="messages", code="too_many_images")
-    mct = _int(body, "max_completion_tokens", 1)
-    mt = _int(body, "max_tokens", 1)
+    _check_len(msgs, limits.max_messages, "messages", "messages")
+    budget = _TextBudget(limits, "messages")
+    req.messages = [_message(req, m, f"messages[{i}]", limits, budget) for i, m in enumerate(msgs)]
+    mct = _int(body, "max_completion_tokens", 1, INT32_MAX)
+    mt = _int(body, "max_tokens", 1, INT32_MAX)
     req.max_tokens = mct if mct is not None else mt
     req.max_tokens_param = "max_completion_tokens" if mct is not None else "max_tokens"
     if body.get("logprobs") is not None and not isinstance(body.get("logprobs"), bool):
@@ -263,34 +387,40 @@ def parse_chat(body: Any, *, limit_images: int) -> ParsedRequest:
     return req
 
 
-def parse_completion(body: Any, *, limit_images: int) -> ParsedRequest:
-    """/v1/completions. Extension: `images`, a list of image URLs (or {"url", "detail"} objects),
-    one per image placeholder in the prompt; with no placeholder in the prompt they are prepended."""
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object", param=None)
-    req = ParsedRequest(kind="completion", model=None)
+def _prompt(body: dict, limits: RequestLimits) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, list):
+        ctx = limits.max_model_len
+        if ctx is not None and len(prompt) >= ctx:  # before looking at 10M elements
+            raise ContextLengthError(f"prompt is {len(prompt)} tokens; the context is {ctx} tokens", param="prompt")
         if not prompt or not all(_is_int(t) and t >= 0 for t in prompt):
             raise _bad("prompt", "must be a string, a list of one string, or a non-empty list of token ids "
                                  "(batched prompts are not supported)")
-    elif not isinstance(prompt, str) or not prompt:
+        return prompt
+    if not isinstance(prompt, str) or not prompt:
         raise _bad("prompt", "must be a non-empty string")
-    req.prompt = prompt
+    _TextBudget(limits, "prompt").take(prompt, "prompt")
+    return prompt
+
+
+def parse_completion(body: Any, *, limit_images: int | None = None,
+                     limits: RequestLimits | None = None) -> ParsedRequest:
+    """/v1/completions. Extension: `images`, a list of image URLs (or {"url", "detail"} objects),
+    one per image placeholder in the prompt; with no placeholder in the prompt they are prepended."""
+    limits = _limits(limit_images, limits)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", param=None)
+    req = ParsedRequest(kind="completion", model=None)
+    req.prompt = _prompt(body, limits)
     imgs = body.get("images")
     if imgs is not None:
         if not isinstance(imgs, list):
             raise _bad("images", "must be a list of image URLs or {'url', 'detail'} objects")
         for j, im in enumerate(imgs):
-            req.images.append(_image_ref({"image_url": im}, f"images[{j}]"))
-        for r in req.images:
-            r.param = r.param[: -len(".image_url")]
-    if len(req.images) > limit_images:
-        raise InvalidRequestError(f"{len(req.images)} images in one request exceeds the limit of {limit_images} "
-                                  "(--limit-images)", param="images", code="too_many_images")
-    req.max_tokens = _int(body, "max_tokens", 1, None, 16)
+            _add_image(req, _image_ref({"image_url": im}, f"images[{j}]", key=""), limits, "images")
+    req.max_tokens = _int(body, "max_tokens", 1, INT32_MAX, 16)
     req.logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     req.echo = _bool(body, "echo")
     if req.echo:
