@@ -61,7 +61,7 @@ class ServerConfig:
     decode_workers: int = 4                    # image decode + resize workers (processes)
     decode_workers_per_request: int = 2        # one request's images decoding at once; the rest wait
     max_decode_queue: int = 64                 # images waiting for a decode worker -> 503 beyond
-    max_request_image_pixels: int | None = None  # decoded pixels of all images of a request (None: 2 x max_image_pixels)
+    max_request_image_pixels: int | None = None  # decoded pixels of all images of a request (None: 4 x max_image_pixels: 8 phone photos pass, 8 x 40 MP do not)
     max_request_decode_seconds: float = 30.0   # decode seconds per request (0 = no limit)
     decode_processes: bool = True              # decode in worker processes (False: server threads)
     log_stats_interval: float = 1.0            # seconds; 0 = no step log lines

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="images waiting for a decode worker before new ones get 503 decode_queue_full")
     p.add_argument("--max-request-image-pixels", type=int, default=None,
                    help="decoded pixels of all images of one request, from their headers before any decode "
-                        "(default: 2 x --max-image-pixels)")
+                        "(default: 4 x --max-image-pixels)")
     p.add_argument("--max-request-decode-seconds", type=float, default=30.0,
                    help="decode seconds one request's images may use; a worker past it is killed (0 = no limit)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the checkpoint's)")

@@ -103,7 +103,7 @@ class MediaConfig:
 
     @property
     def request_pixel_budget(self) -> int:
-        return self.max_request_pixels if self.max_request_pixels is not None else 2 * self.limits.max_pixels
+        return self.max_request_pixels if self.max_request_pixels is not None else 4 * self.limits.max_pixels
 
 
 class DecodeQueueFullError(QueueFullError):

@@ -511,6 +511,6 @@ def test_cli_flags_reach_the_media_config():
             c.max_request_decode_seconds, c.decode_processes) == (3, 1, 5, 1000, 2.5, False)
     d = config_from_args(build_parser().parse_args([]), "x")
     assert d.max_request_image_pixels is None and d.decode_processes
-    assert MediaConfig().request_pixel_budget == 2 * MediaConfig().limits.max_pixels
+    assert MediaConfig().request_pixel_budget == 4 * MediaConfig().limits.max_pixels
     with pytest.raises(ValueError):
         MediaConfig(decode_workers=0)
