@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503")
+    p.add_argument("--encoder-cache-mib", type=int, default=512,
+                   help="image features kept by content hash (LRU; a repeated image skips the vision tower)")
     p.add_argument("--limit-images", type=int, default=8, help="images per request")
     p.add_argument("--max-image-bytes", type=int, default=20 * 2**20, help="encoded bytes per image")
     p.add_argument("--max-body-bytes", type=int, default=None,
@@ -168,7 +170,8 @@ def run(args) -> int:
     from mmjax.image.decode import ImageLimits
     vlm = mmjax.load(args.model, dtype=args.dtype, image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                     prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1))
+                     prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1),
+                     encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20)
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family
     configure_family(vlm, cfg)
