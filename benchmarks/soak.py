@@ -574,6 +574,14 @@ async def req_abort_stream(ctx: Ctx, rng: random.Random) -> Outcome:
     return Outcome(ok=True, aborted=True)
 
 
+def raw_outcome(got: bytes, what: str) -> Outcome:
+    """A raw-socket request is fine when it got no answer (closed) or anything but a 5xx."""
+    m = re.match(rb"HTTP/1\.[01] (\d{3})", got)
+    status = int(m.group(1)) if m else None
+    ok = status is None or status < 500
+    return Outcome(status=status, ok=ok, aborted=True, note=None if ok else f"{what} -> HTTP {status}")
+
+
 async def req_disconnect(ctx: Ctx, rng: random.Random) -> Outcome:
     path, body = long_body(ctx, rng, stream=rng.random() < 0.6)
     data = json.dumps(body).encode()
@@ -594,10 +602,7 @@ async def req_disconnect(ctx: Ctx, rng: random.Random) -> Outcome:
             writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
-    m = re.match(rb"HTTP/1\.[01] (\d{3})", got)
-    status = int(m.group(1)) if m else None
-    ok = status is None or status < 500
-    return Outcome(status=status, ok=ok, aborted=True, note=None if ok else f"HTTP {status} on a raw request")
+    return raw_outcome(got, "raw request")
 
 
 def hostile_request(model: str | None, rng: random.Random) -> tuple[str, str, bytes, dict]:
@@ -685,10 +690,7 @@ async def req_hostile_raw(ctx: Ctx, rng: random.Random) -> Outcome:
         writer.transport.abort()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
-    m = re.match(rb"HTTP/1\.[01] (\d{3})", got)
-    status = int(m.group(1)) if m else None
-    ok = status is None or status < 500
-    return Outcome(status=status, ok=ok, aborted=True, note=None if ok else f"{case} -> HTTP {status}")
+    return raw_outcome(got, case)
 
 
 async def req_invalid(ctx: Ctx, rng: random.Random) -> Outcome:

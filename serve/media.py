@@ -664,13 +664,11 @@ class DecodePool:
 # ---- the fetcher ------------------------------------------------------------------------------------
 
 class MediaFetcher:
-    """Image references -> ImageInputs. `executor` is accepted for compatibility and not used:
-    decoding runs in the fetcher's own `DecodePool` (`pool`)."""
+    """Image references -> ImageInputs; decoding runs in the fetcher's own `DecodePool` (`pool`)."""
 
-    def __init__(self, cfg: MediaConfig, family, executor=None):
+    def __init__(self, cfg: MediaConfig, family):
         self.cfg = cfg
         self.family = family
-        self.executor = executor
         self._session: aiohttp.ClientSession | None = None
         self._open_groups: dict[Any, ImageGroup] = {}
         self._headers: ThreadPoolExecutor | None = None

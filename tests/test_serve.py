@@ -722,7 +722,7 @@ def test_media_guards_unit():
         assert ip_forbidden(ip), ip
     for ip in ("8.8.8.8", "1.1.1.1", "2606:4700:4700::1111"):
         assert not ip_forbidden(ip), ip
-    f = MediaFetcher(MediaConfig(allowed_domains=("example.com", "*.cdn.example.org")), None, None)
+    f = MediaFetcher(MediaConfig(allowed_domains=("example.com", "*.cdn.example.org")), None)
     f._check_host("example.com")
     f._check_host("img.cdn.example.org")
     from serve.media import MediaForbiddenError
