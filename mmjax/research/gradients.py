@@ -129,13 +129,14 @@ def loss(vlm, params: dict, prompt: Any, answer: str, images: Iterable[Any] = ()
 
 
 def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradient", steps: int = 16,
-             baseline: float = -1.0, image_options: dict | None = None) -> Saliency:
+             baseline: float | np.ndarray = -1.0, image_options: dict | None = None) -> Saliency:
     """Attribution of log p(answer) to the normalized input pixels of `image`.
 
     prompt: a question (the image goes first in a user message, the chat template applies), a raw
     prompt / ChatPrompt holding one image placeholder, or messages with one image part.
     method: "gradient" (d log p / d pixels) or "integrated" (integrated gradients from a constant
-    `baseline` image in normalized space, `steps` midpoint-rule steps; attributions sum to
+    `baseline` image in normalized space (a scalar, or anything broadcasting to the pixels,
+    e.g. a per-channel color), `steps` midpoint-rule steps; attributions sum to
     log p(x) - log p(baseline)). The default baseline -1 is a dark image; exactly 0 is a bad
     one: an encoder without a patch-embedding bias (Qwen2-VL) normalizes an all-zero input
     differently from its limit, so completeness fails there."""
@@ -157,7 +158,7 @@ def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradie
     if method == "gradient":
         attr = np.asarray(g)
     else:
-        base = np.full_like(x, baseline)
+        base = np.broadcast_to(np.asarray(baseline, np.float32), x.shape)
         total = np.zeros_like(x)
         for k in range(steps):
             _, (gk,) = vg(params, [base + (k + 0.5) / steps * (x - base)], *args)

@@ -30,7 +30,8 @@ class Trace:
     float32; hidden {i: [t, hidden]} with HF's `hidden_states` numbering (0 = embeddings, i + 1 =
     after decoder layer i, the last one final-normed); attn {layer i: [heads, t, t]} (or
     [1, t, t] head-averaged);
-    text_positions: prompt indexes of non-image tokens."""
+    text_positions: prompt indexes of non-image tokens; answer_positions: those of the appended
+    answer's tokens (empty without one)."""
     ids: np.ndarray
     tokens: list[str]
     logits: np.ndarray
@@ -38,6 +39,7 @@ class Trace:
     text_positions: np.ndarray
     hidden: dict[int, np.ndarray] = field(default_factory=dict)
     attn: dict[int, np.ndarray] = field(default_factory=dict)
+    answer_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def attention_to_image(self, layer: int, image: int = 0, query: int = -1, head: int | None = None) -> np.ndarray:
         """Attention [image tokens] that prompt token `query` pays to each of `image`'s tokens at
@@ -62,11 +64,13 @@ class Trace:
 
 def trace(vlm, prompt: Any, images: Iterable[Any] = (), *, layers: Iterable[int] | None = None,
           what: Iterable[str] = ("hidden", "attn"), heads: str = "all", image_options: dict | None = None,
-          intervention=None) -> Trace:
+          intervention=None, answer: str | None = None) -> Trace:
     """Trace one prompt (raw / ChatPrompt with placeholders, or OpenAI-style messages).
 
     layers: decoder layers whose attention (and hidden state after them) to keep; None: all.
-    what: any of "hidden", "attn". heads: "all" ([heads, t, t]) or "mean" ([1, t, t])."""
+    what: any of "hidden", "attn". heads: "all" ([heads, t, t]) or "mean" ([1, t, t]).
+    answer: text appended after the prompt (e.g. the model's reply), so its tokens' attention
+    rows are traced too (`Trace.answer_positions`)."""
     from mmjax.research.prompt import prompt_inputs
 
     what = set(what)
@@ -79,7 +83,7 @@ def trace(vlm, prompt: Any, images: Iterable[Any] = (), *, layers: Iterable[int]
     layers = tuple(range(n_layers)) if layers is None else tuple(sorted({int(i) for i in layers}))
     if any(not 0 <= i < n_layers for i in layers):
         raise InvalidRequestError(f"layers must lie in [0, {n_layers})", param="layers")
-    p = prompt_inputs(vlm, prompt, images, image_options=image_options, intervention=intervention)
+    p = prompt_inputs(vlm, prompt, images, image_options=image_options, intervention=intervention, answer=answer)
     capture = Capture(hidden="hidden" in what, attn_layers=layers if "attn" in what else ())
     logits, inter = vlm.prompt_forward(p, capture)
     hidden = {}
@@ -95,4 +99,4 @@ def trace(vlm, prompt: Any, images: Iterable[Any] = (), *, layers: Iterable[int]
     tokens = [placeholder if t == family.image_token_id else (vlm.tokenizer.id_to_token(t) or "") for t in p.ids]
     traced = [TracedImage(i, p.image_positions(i), family.token_grid(im)) for i, im in enumerate(p.images)]
     text_pos = np.flatnonzero(p.ids != family.image_token_id)
-    return Trace(p.ids, tokens, logits, traced, text_pos, hidden, attn)
+    return Trace(p.ids, tokens, logits, traced, text_pos, hidden, attn, np.arange(p.prompt_len, len(p.ids)))
