@@ -304,7 +304,8 @@ def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt
     ctx = max(eng.requests[i].prompt_len + len(eng.requests[i].output_ids) for i in ids) + 1
     from mmjax.buckets import bucket_for
     rows = bucket_for(batch, r.buckets.decode)
-    hlo = r._decode.lower(r.params, r.cache, r.state, np.int32(ctx), rows=rows).compile().as_text()
+    kv_lens = np.full((r.text_model.num_layers,), ctx, np.int32)   # per layer (pruned layers may be shorter)
+    hlo = r._decode.lower(r.params, r.cache, r.state, kv_lens, rows=rows).compile().as_text()
     cats = _categorize(hlo)
     wall = []
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
