@@ -344,8 +344,9 @@ def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: j
 
 @dataclass(frozen=True)
 class Gemma3TextModel:
-    """`TextModel` for Gemma 3 decoders. `_chunk` remembers the max_chunk the serving cache was
-    built with (a ring's slack decides how far back a retained row can resume: `min_resume`)."""
+    """`TextModel` for Gemma 3 decoders. `_chunk` remembers the smallest max_chunk a cache was
+    built with (a ring's slack decides how far back a retained row can resume: `min_resume`;
+    the smallest is the safe bound whichever cache the engine holds)."""
     cfg: Gemma3TextConfig
     _chunk: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     position_rows: int = 1
@@ -370,8 +371,8 @@ class Gemma3TextModel:
         return load_params(src, self.cfg, prefix, lm_head_name)
 
     def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *, max_chunk: int | None = None):
-        if max_chunk is not None:
-            self._chunk["max"] = max(max_chunk, self._chunk.get("max", 0))
+        if max_chunk is not None:  # the smallest ring built is the one min_resume must respect
+            self._chunk["min"] = min(max_chunk, self._chunk.get("min", max_chunk))
         cache = init_cache(self.cfg, num_slots, max_len, dtype, max_chunk)
         return cache if sharding is None else jax.device_put(cache, sharding)
 
@@ -379,7 +380,7 @@ class Gemma3TextModel:
         """A row holding `held_len` positions keeps, in each ring, the window before any prefix
         p >= held_len - max_chunk (later writes reach back at most ring - window + 1 slots)."""
         if SLIDING in self.cfg.layer_types:
-            return max(0, held_len - self._chunk.get("max", 1))
+            return max(0, held_len - self._chunk.get("min", 1))
         return 0
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array:
@@ -387,8 +388,8 @@ class Gemma3TextModel:
         return e * jnp.asarray(np.sqrt(self.cfg.hidden_size), e.dtype)
 
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache, starts: jax.Array, kv_len, *,
-                slots: jax.Array | None = None, mask: MaskSpec | None = None, capture: Capture | None = None,
-                reduce_small: bool = False) -> Output:
+                slots: jax.Array | None = None, mask: MaskSpec | None = None, ids: jax.Array | None = None,
+                capture: Capture | None = None, reduce_small: bool = False) -> Output:
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
                        capture=capture, reduce_small=reduce_small)
 
