@@ -56,7 +56,8 @@ GEMMA3_CHAT_TEMPLATE = (
 SPECIALS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>", "<end_of_turn>"]
 
 
-def build_gemma3(out_dir: str | os.PathLike, *, variant: str = "window", seed: int = 0) -> Path:
+def build_gemma3(out_dir: str | os.PathLike, *, variant: str = "window", seed: int = 0, noise: float | None = None,
+                 embed_scale: float = 0.1) -> Path:
     """variant "window": 56 px images (8x8 patches of 7) pooled to 16 soft tokens, sliding
         window 8 (shorter than an image and the prompts), layer_types sliding/full mixed, tied
         embeddings (no lm_head in the file, as transformers saves them), query_pre_attn_scalar
@@ -113,10 +114,13 @@ def build_gemma3(out_dir: str | os.PathLike, *, variant: str = "window", seed: i
     cfg = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=mm,
                        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
                        image_token_index=ids["<image_soft_token>"], tie_word_embeddings=tie, initializer_range=0.08)
+    noise = noise if noise is not None else {"window": 0.15, "softcap": 0.08}[variant]
     model = Gemma3ForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # norms start at 0 and the projector at 0: perturb everything
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.08)
+            p.add_(torch.randn_like(p) * noise)
+        if tie:  # a tied head reads the (sqrt(hidden)-scaled) input embedding back: keep it small
+            model.get_input_embeddings().weight.mul_(embed_scale)  # or greedy repeats the last token
     model.save_pretrained(out, safe_serialization=True)
     ip = Gemma3ImageProcessorPil(size={"height": size, "width": size}, **pas)
     Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=mm,
