@@ -261,3 +261,44 @@ def test_serve_two_images_stream_usage_and_cached_tokens(gemma3_dirs):
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > n_img   # the repeat hit the prefix cache
     finally:
         server.close()
+
+
+def test_text_model_softcapping_matches_gemma3_for_causal_lm(tmp_path):
+    """The decoder's own softcaps (unused by Gemma3ForConditionalGeneration, which applies
+    neither): final_logit_softcapping against Gemma3ForCausalLM, attn_logit_softcapping against
+    its eager attention given `softcap` (Gemma3Attention never passes it on by itself); a prompt
+    twice the sliding window, sliding and full layers."""
+    import jax
+    import jax.numpy as jnp
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from mmjax.checkpoint import TensorSource
+    from mmjax.models.text import text_model_for
+    torch.manual_seed(5)
+    cfg = Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
+                           query_pre_attn_scalar=8, final_logit_softcapping=3.0, attn_logit_softcapping=2.0,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           attn_implementation="eager")
+    hf = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path)
+    import json
+    tm = text_model_for(json.loads((tmp_path / "config.json").read_text()))
+    assert tm.cfg.final_logit_softcapping == 3.0 and tm.cfg.attn_logit_softcapping == 2.0
+    params = jax.tree.map(jnp.asarray, tm.load_params(TensorSource(tmp_path, lambda n: n), "model.", "lm_head.weight"))
+    ids = np.random.default_rng(0).integers(4, 97, 13)
+
+    def fwd(params, ids):
+        t = ids.shape[0]
+        out = tm.forward(params, tm.embed(params, ids)[None], jnp.arange(t)[None, None], tm.init_cache(1, t, jnp.float32),
+                         jnp.zeros((1,), jnp.int32), t)
+        return tm.logits(params, out.hidden[0])
+    ours = np.asarray(jax.jit(fwd)(params, ids))
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(ids)[None], softcap=2.0).logits[0].numpy()
+        uncapped = hf(torch.as_tensor(ids)[None]).logits[0].numpy()
+    assert np.abs(ours).max() < 3.0
+    assert rel_err(ours, theirs) <= 1e-4 < rel_err(ours, uncapped)
