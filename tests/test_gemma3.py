@@ -204,7 +204,8 @@ def test_ring_cache_is_window_sized(gemma3_dirs):
         assert sum(lens) == (w + c - 1 if kind == SLIDING else ENGINE["max_model_len"]), kind
     assert FULL in tm.cfg.layer_types and SLIDING in tm.cfg.layer_types
     assert tm.min_resume(100) == 100 - c
-    table = gemma3_4b_kv_bytes()
+    from benchmarks.gemma3_kv_cache import kv_bytes
+    table = kv_bytes((8192, 32768), prefill_chunk=256)
     for n, (ring, full) in table.items():
         print(f"Gemma-3-4B KV cache, 1 slot, max_model_len {n}: ring {ring / 2**20:.1f} MiB, "
               f"all-global {full / 2**20:.1f} MiB ({full / ring:.2f}x)")
@@ -212,20 +213,6 @@ def test_ring_cache_is_window_sized(gemma3_dirs):
     for n, (ring, full) in table.items():
         assert full == 34 * n * per_pos
         assert ring == (5 * n + 29 * (1024 + 256 - 1)) * per_pos
-
-
-def gemma3_4b_kv_bytes(max_lens=(8192, 32768), prefill_chunk: int = 256) -> dict[int, tuple[int, int]]:
-    """KV bytes at one slot of a Gemma-3-4B-shaped decoder (34 layers, 5 local : 1 global, window
-    1024, 8 heads / 4 kv heads, head_dim 256, bf16): {max_len: (ring caches, all-global)}."""
-    import jax.numpy as jnp
-    from mmjax.models.text.gemma3 import from_hf
-    cfg = dict(model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
-               num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-               sliding_window=1024, query_pre_attn_scalar=256, max_position_embeddings=131072)
-    ring = from_hf(cfg)
-    full = from_hf({**cfg, "layer_types": ["full_attention"] * 34})
-    return {n: (ring.cache_bytes(1, n, jnp.bfloat16, prefill_chunk), full.cache_bytes(1, n, jnp.bfloat16, prefill_chunk))
-            for n in max_lens}
 
 
 def test_serve_two_images_stream_usage_and_cached_tokens(gemma3_dirs):
@@ -302,3 +289,26 @@ def test_text_model_softcapping_matches_gemma3_for_causal_lm(tmp_path):
         uncapped = hf(torch.as_tensor(ids)[None]).logits[0].numpy()
     assert np.abs(ours).max() < 3.0
     assert rel_err(ours, theirs) <= 1e-4 < rel_err(ours, uncapped)
+
+
+def test_pan_and_scan_options_per_request_and_server_flag(gemma3_dirs):
+    """detail "high" turns crops on, "low" off, "auto" follows --pan-and-scan (None: the
+    checkpoint's processor default); image_options carry it offline; bad values are 400s."""
+    from mmjax.errors import InvalidRequestError
+    from mmjax.models.family import ImageOptions
+    from serve.cli import build_parser, config_from_args
+    from serve.media import MediaConfig, MediaFetcher
+    fam = vlm_for(gemma3_dirs["window"]).family
+    for flag, want in ((["--pan-and-scan"], True), (["--no-pan-and-scan"], False), ([], None)):
+        cfg = config_from_args(build_parser().parse_args(["--model", "x"] + flag), "x")
+        assert cfg.pan_and_scan is want
+        f = MediaFetcher(MediaConfig(pan_and_scan=cfg.pan_and_scan), fam)
+        assert f._options("auto").pan_and_scan is want
+        assert f._options("high").pan_and_scan is True and f._options("low").pan_and_scan is False
+    wide = noise_image(41, 120, 40)
+    n = {on: fam.prepare_image(wide, ImageOptions(pan_and_scan=on)).num_tokens for on in (None, False, True)}
+    assert n[None] == n[False] == 16 < n[True]
+    assert ImageOptions.from_dict({"pan_and_scan": True}).pan_and_scan is True
+    with pytest.raises(InvalidRequestError, match="pan_and_scan"):
+        ImageOptions.from_dict({"pan_and_scan": "yes"})
+    assert fam.fit_options(16).pan_and_scan is False and fam.fit_options(16 * 4).pan_and_scan is None
