@@ -312,3 +312,19 @@ def test_pan_and_scan_options_per_request_and_server_flag(gemma3_dirs):
     with pytest.raises(InvalidRequestError, match="pan_and_scan"):
         ImageOptions.from_dict({"pan_and_scan": "yes"})
     assert fam.fit_options(16).pan_and_scan is False and fam.fit_options(16 * 4).pan_and_scan is None
+
+
+def test_prefix_resume_after_slot_sat_under_other_decodes(gemma3_dirs):
+    """A finished request's slot keeps its KV while another request decodes 40 more steps with
+    the decode rows covering it; resuming from that slot must still see intact ring windows."""
+    vlm = vlm_for(gemma3_dirs["window"])
+    img = noise_image(51, 64, 48)
+    a = {"prompt": vlm.render_chat(with_images(chat("what is it?", 1), [img]))[0], "images": [img]}
+    b = {"prompt": "tell me a very long story about the blue car and the red house please", "images": []}
+    sp_a = mmjax.SamplingParams(max_tokens=2, logprobs=1, **GREEDY)
+    first, _ = vlm.generate([a, b], [sp_a, mmjax.SamplingParams(max_tokens=40, **GREEDY)])
+    again = vlm.generate([a], sp_a)[0]
+    assert again.cached_tokens == len(again.prompt_token_ids) - 1
+    assert again.token_ids == first.token_ids
+    np.testing.assert_allclose([again.logprobs[i][t] for i, t in enumerate(again.token_ids)],
+                               [first.logprobs[i][t] for i, t in enumerate(first.token_ids)], atol=1e-5)

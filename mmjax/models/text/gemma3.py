@@ -15,8 +15,10 @@ KV cache, one entry per layer:
   A ring slot's cache index is recomputed from the row's write end (`ring_key_index`); slots
   never written by the row, or overwritten, fall outside every query's window or are negative.
   Padded tail tokens of a bucketed chunk (their position repeats the last one: the runner pads
-  positions with mode="edge") are not written, so a retained row can resume from any prefix
-  within max_chunk of its end (`min_resume`).
+  positions with mode="edge") and tokens at cache index >= kv_len (the decode rows of free
+  slots, which the engine parks at max_model_len) are not written, so a retained row keeps
+  exactly its last `ring` positions and can resume from any prefix within max_chunk of its end
+  (`min_resume`).
 
 Masks (transformers' Gemma 3 vision masks): full layers see causal OR same-image-run keys;
 sliding layers see (causal OR same run) AND inside the window (kv > q - window), so an image's
@@ -280,9 +282,10 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     if kind == SLIDING:
         (ck,), (cv,) = kv["k"], kv["v"]
         ring = cv.shape[2]
-        # padding is dropped (an index past the ring) so it never evicts a position a later
-        # resume needs; real tokens of one call are <= ring apart, so their slots are distinct
-        idx = jnp.where(valid, jnp.mod(q_index, ring), ring + jnp.arange(t))
+        # padding, and rows past kv_len (decode rows of free slots, parked there by the engine),
+        # are dropped (an index past the ring) so they never evict a position a later resume
+        # needs; real tokens of one call are <= ring apart, so their slots are distinct
+        idx = jnp.where(valid & (q_index < kv_len), jnp.mod(q_index, ring), ring + jnp.arange(t))
         ck = ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop", unique_indices=True)
         cv = cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True)
         write_end = starts + valid.sum(axis=1).astype(starts.dtype)
