@@ -228,8 +228,10 @@ class ModelRunner:
         return out
 
     def encode_images(self, images: list) -> list[np.ndarray]:
-        """Prepared images -> features (the family's plan, then `encode`)."""
-        return self.encode(self.family.encode_plan(images, self.max_encode_batch))
+        """Prepared images -> features [num_tokens, hidden] (the family's plan, then `encode`, then
+        each image's host `post` transform, if an intervention set one)."""
+        feats = self.encode(self.family.encode_plan(images, self.max_encode_batch))
+        return [f if im.post is None else im.post(f) for im, f in zip(images, feats)]
 
     def prefill(self, slot: int, start: int, token_ids: np.ndarray, image_embeds: np.ndarray | None,
                 image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: SlotSampling,
