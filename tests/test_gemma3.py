@@ -308,6 +308,8 @@ def test_pan_and_scan_options_per_request_and_server_flag(gemma3_dirs):
     wide = noise_image(41, 120, 40)
     n = {on: fam.prepare_image(wide, ImageOptions(pan_and_scan=on)).num_tokens for on in (None, False, True)}
     assert n[None] == n[False] == 16 < n[True]
+    im = fam.prepare_image(wide, ImageOptions(pan_and_scan=True))
+    assert fam.token_grid(im) == (n[True] // 16, 4, 4) and im.pixels.shape[0] == n[True] // 16
     assert ImageOptions.from_dict({"pan_and_scan": True}).pan_and_scan is True
     with pytest.raises(InvalidRequestError, match="pan_and_scan"):
         ImageOptions.from_dict({"pan_and_scan": "yes"})

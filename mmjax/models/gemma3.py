@@ -168,6 +168,13 @@ class Gemma3Family(Family):
         return (f"Here is the original image {one} and here are some crops to help you see better "
                 + " ".join([one] * crops))
 
+    def token_grid(self, image: ImageInput) -> tuple[int, int, int]:
+        """(views, rows, cols): each view's soft tokens are a square grid."""
+        if image.token_grid is not None:
+            return image.token_grid
+        side = int(round(self.cfg.mm_tokens_per_image ** 0.5))
+        return (image.num_tokens // self.cfg.mm_tokens_per_image, side, side)
+
     # ---- encode -------------------------------------------------------------------------------
     def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
         """pixels [views, size, size, 3] -> [views, mm_tokens_per_image, hidden]."""
