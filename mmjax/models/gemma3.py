@@ -10,6 +10,7 @@ tokens take the image features in order; each run of them is one bidirectional s
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +151,10 @@ class Gemma3Family(Family):
             raise CheckpointError(f"image processor produces {pixels.shape[1:3]} pixels but the vision tower expects "
                                   f"{size}x{size}: the preprocessor config does not match config.json",
                                   param="image_size")
-        key = f"{self.name}:{pixel_hash(img)}:{hash(policy.cache_key())}"
+        # a digest, not hash(): images are prepared in spawned decode processes, whose str
+        # hashes differ, and the key must match across them (encoder and prefix caches)
+        prep = hashlib.sha256(repr(policy.cache_key()).encode()).hexdigest()[:16]
+        key = f"{self.name}:{pixel_hash(img)}:{prep}"
         side = self.cfg.vision.patches_per_side
         return ImageInput(pixels=pixels, num_tokens=n, key=key, grid=(views, side, side))
 
