@@ -330,3 +330,36 @@ def test_prefix_resume_after_slot_sat_under_other_decodes(gemma3_dirs):
     assert again.token_ids == first.token_ids
     np.testing.assert_allclose([again.logprobs[i][t] for i, t in enumerate(again.token_ids)],
                                [first.logprobs[i][t] for i, t in enumerate(first.token_ids)], atol=1e-5)
+
+
+def test_captured_attention_matches_transformers_eager(gemma3_dirs):
+    """Capture(attn_layers=...) on every layer: attention probabilities equal transformers' eager
+    `output_attentions` (sliding layers: window AND (causal OR same image), full: causal OR same
+    image), and hidden states its `output_hidden_states`."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from mmjax.models.text import Capture
+    path = gemma3_dirs["window"]
+    vlm = vlm_for(path)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    proc = AutoProcessor.from_pretrained(path)
+    msgs, images = chat("why?"), [noise_image(61, 50, 50), noise_image(62, 40, 60)]
+    inputs = hf_inputs(proc, vlm, msgs, images, False)
+    with torch.no_grad():
+        out = hf(**inputs, output_attentions=True, output_hidden_states=True)
+    prompt, _ = vlm.render_chat(with_images(msgs, images))
+    n = vlm.family.text_model.num_layers
+    logits, inter = vlm.logits(prompt, images, capture=Capture(hidden=True, attn_layers=tuple(range(n))))
+    assert rel_err(logits, out.logits[0].numpy()) <= 1e-4
+    w = vlm.family.text_model.cfg.sliding_window
+    for i in range(n):
+        theirs = out.attentions[i][0].numpy()
+        assert inter["attn"][i][0].shape == theirs.shape
+        assert np.abs(inter["attn"][i][0] - theirs).max() <= 1e-5, i
+    # a sliding layer: an image's first token sees its last one, the last does not see its
+    # window's past beyond the image
+    ids = inputs["input_ids"][0].numpy()
+    a, b = image_runs(ids, vlm.family.image_token_id)[0]
+    assert b - a > w and (inter["attn"][0][0][:, a, b - 1] > 0).all() and (inter["attn"][0][0][:, b - 1, a] == 0).all()
+    for i, hs in enumerate(out.hidden_states[:-1]):
+        assert rel_err(inter["hidden"][i][0], hs[0].numpy()) <= 1e-4, i

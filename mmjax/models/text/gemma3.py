@@ -221,6 +221,26 @@ def ring_attention(q: jax.Array, kt: jax.Array, v: jax.Array, visible: jax.Array
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
+def captured_attention(q: jax.Array, kt: jax.Array, v: jax.Array, key_index: jax.Array, q_index: jax.Array,
+                       window: int | None, spans, starts, scale: float, cap: float | None, kv_len: int):
+    """Explicit-softmax attention for captured layers (research): q [b, t, h, hd] over rows kt
+    [b, kvh, hd, K], v [b, kvh, K, hd] holding cache indexes key_index [b, K] -> (out [b, t, h,
+    hd], probs [b, h, t, kv_len] float32 over cache indexes 0..kv_len-1)."""
+    b, t, h, hd = q.shape
+    kvh = kt.shape[1]
+    g = h // kvh
+    qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4)
+    s = softcap(jnp.einsum("bktgd,bkds->bktgs", qn, kt, preferred_element_type=jnp.float32) * scale, cap)
+    vis = ring_visible(key_index, q_index, kv_len + 1 if window is None else window, spans, starts)
+    s = jnp.where(vis[:, None, :, None, :], s, -jnp.inf)
+    probs = jnp.where(vis[:, None, :, None, :], jax.nn.softmax(s, axis=-1), 0.0)        # [b, kvh, t, g, K]
+    out = jnp.einsum("bktgs,bksd->bktgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
+    onehot = (key_index[:, :, None] == jnp.arange(kv_len)[None, None, :]).astype(jnp.float32)  # [b, K, kv_len]
+    probs = jnp.einsum("bktgs,bsn->bkgtn", probs, onehot).reshape(b, h, t, kv_len)
+    return out, probs
+
+
 def softcapped_attention(q, kts, vs, q_index, kv_len, slots, *, mask, starts, scale, cap):
     """Full-attention layers with attn_logit_softcapping: the whole cache as one block."""
     kt = jnp.concatenate(kts, axis=3)
@@ -264,8 +284,9 @@ def _valid_tokens(positions: jax.Array) -> jax.Array:
 
 def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, kv: dict, rope: tuple,
                   q_index: jax.Array, valid: jax.Array, kv_len, *, slots, mask: MaskSpec | None, starts,
-                  reduce_small: bool) -> tuple[jax.Array, dict]:
-    """One decoder layer: x [b, t, hidden] -> (x, this layer's updated cache)."""
+                  reduce_small: bool, capture_attn: bool = False) -> tuple[jax.Array, dict, tuple | None]:
+    """One decoder layer: x [b, t, hidden] -> (x, this layer's updated cache, (probs [b, h, t,
+    kv_len], per-head outputs [b, t, h, hd]) when capture_attn (kv_len static) else None)."""
     b, t, _ = x.shape
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = rope
@@ -290,8 +311,13 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
         cv = cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True)
         write_end = starts + valid.sum(axis=1).astype(starts.dtype)
         kts, vs = (ck[:b], cv[:b]) if slots is None else (ck[slots], cv[slots])
-        vis = ring_visible(ring_key_index(write_end, ring), q_index, cfg.sliding_window, spans, starts)
-        attn = ring_attention(q, kts, vs, vis, cfg.scale, cfg.attn_logit_softcapping)
+        key_index = ring_key_index(write_end, ring)
+        if capture_attn:
+            attn, probs = captured_attention(q, kts, vs, key_index, q_index, cfg.sliding_window, spans, starts,
+                                             cfg.scale, cfg.attn_logit_softcapping, kv_len)
+        else:
+            vis = ring_visible(key_index, q_index, cfg.sliding_window, spans, starts)
+            attn = ring_attention(q, kts, vs, vis, cfg.scale, cfg.attn_logit_softcapping)
         new_kv = {"k": [ck], "v": [cv]}
     else:
         new_k, new_v, start = [], [], 0
@@ -303,20 +329,27 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
             new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True))
             start += size
         full_mask = MaskSpec(spans=spans)
-        if cfg.attn_logit_softcapping is None:
+        if capture_attn:
+            kt, vv = jnp.concatenate(new_k, axis=3)[..., :kv_len], jnp.concatenate(new_v, axis=2)[:, :, :kv_len]
+            kt, vv = (kt[:b], vv[:b]) if slots is None else (kt[slots], vv[slots])
+            key_index = jnp.broadcast_to(jnp.arange(kv_len)[None], (b, kv_len))
+            attn, probs = captured_attention(q, kt, vv, key_index, q_index, None, spans, starts, cfg.scale,
+                                             cfg.attn_logit_softcapping, kv_len)
+        elif cfg.attn_logit_softcapping is None:
             attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=full_mask, starts=starts,
                                    reduce_small=reduce_small, scale=cfg.scale)
         else:
             attn = softcapped_attention(q, new_k, new_v, q_index, kv_len, slots, mask=full_mask, starts=starts,
                                         scale=cfg.scale, cap=cfg.attn_logit_softcapping)
         new_kv = {"k": new_k, "v": new_v}
+    captured = (probs, attn) if capture_attn else None
     a = dense(layer["o"], attn.reshape(b, t, h * hd))
     x = x + gemma_rms_norm(layer["ln_post_attn"], a, cfg.rms_norm_eps)
     hn = gemma_rms_norm(layer["ln_pre_ff"], x, cfg.rms_norm_eps)
     gu = dense(layer["gate_up"], hn)
     gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
     m = dense(layer["down"], activation(cfg.hidden_act)(gate) * up)
-    return x + gemma_rms_norm(layer["ln_post_ff"], m, cfg.rms_norm_eps), new_kv
+    return x + gemma_rms_norm(layer["ln_post_ff"], m, cfg.rms_norm_eps), new_kv, captured
 
 
 def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: jax.Array, cache: list,
@@ -325,23 +358,27 @@ def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: j
     """embeds [b, t, hidden] (already scaled: `embed`), positions [1, b, t], starts [b] (cache
     index of each row's first token), slots [b] or None, kv_len bounds the full layers' segments
     read. mask.spans [b, t]: image runs (bidirectional within a run). Returns Output(final-normed
-    hidden [b, t, hidden], cache, {"hidden": [...]} when capture.hidden)."""
+    hidden [b, t, hidden], cache, intermediates as `Capture` asks: "hidden", and "attn" /
+    "attn_out" per captured layer, which needs a static kv_len)."""
     capture = capture or Capture()
-    if capture.attn_layers:
-        raise NotImplementedError("Capture(attn_layers=...) is not implemented for gemma3_text")
     t = embeds.shape[1]
     q_index = starts[:, None] + jnp.arange(t)[None, :]
     valid = _valid_tokens(positions)
     ropes = {kind: rope_cos_sin(jnp.asarray(rope_inv_freq(r, cfg.head_dim)), positions)
              for kind, r in ((SLIDING, cfg.rope_local), (FULL, cfg.rope_global))}
-    x, hidden, new_cache = embeds, [embeds], []
-    for layer, kind, kv in zip(params["layers"], cfg.layer_types, cache):
-        x, kv = layer_forward(layer, cfg, kind, x, kv, ropes[kind], q_index, valid, kv_len, slots=slots,
-                              mask=mask, starts=starts, reduce_small=reduce_small)
+    x, hidden, new_cache, attn, attn_out = embeds, [embeds], [], {}, {}
+    for i, (layer, kind, kv) in enumerate(zip(params["layers"], cfg.layer_types, cache)):
+        x, kv, cap = layer_forward(layer, cfg, kind, x, kv, ropes[kind], q_index, valid, kv_len, slots=slots,
+                                   mask=mask, starts=starts, reduce_small=reduce_small,
+                                   capture_attn=i in capture.attn_layers)
         new_cache.append(kv)
         hidden.append(x)
+        if cap is not None:
+            attn[i], attn_out[i] = cap
     out = gemma_rms_norm(params["norm"], x, cfg.rms_norm_eps)
     inter = {"hidden": hidden[:-1] + [out]} if capture.hidden else {}
+    if capture.attn_layers:
+        inter["attn"], inter["attn_out"] = attn, attn_out
     return Output(out, new_cache, inter)
 
 
