@@ -63,7 +63,12 @@ def hf_inputs(proc, vlm, messages, images, pan_and_scan: bool):
 
 
 def test_pixels_token_ids_and_chat_template(pair):
+    from safetensors import safe_open
     name, _, proc, vlm = pair
+    with safe_open(str(vlm.model.path / "model.safetensors"), "np") as f:   # tied: saved without a head
+        assert any("lm_head" in k for k in f.keys()) == (name == "softcap")
+    text = vlm.family.text_model
+    assert text.cfg.tie_word_embeddings == (name == "window")
     mm = vlm.family.cfg.mm_tokens_per_image
     for seed, (w, h) in enumerate([(40, 40), (130, 40), (30, 95), (47, 40)]):
         img = noise_image(seed, w, h)
