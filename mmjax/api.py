@@ -153,7 +153,7 @@ class VLM:
         """requests: a prompt string, or a list of prompts / {"prompt": str, "images": [...]} (one
         image placeholder in the prompt per image; optional "image_options" such as min_pixels /
         max_pixels / image_max_tokens for dynamic-resolution families, "intervention" (a
-        `mmjax.research` Ablate / Pool for its images) and "sampling").
+        `mmjax.research` Ablate / Pool / Prune) and "sampling").
         sampling: one SamplingParams for all, or a list with one per request (vLLM's convention).
         Returns RequestOutputs in order."""
         if isinstance(requests, (str, dict)):
@@ -173,8 +173,10 @@ class VLM:
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sp).__name__}",
                                           param="sampling")
-            images = self.prepare_images(r.get("images", ()), r.get("image_options"), r.get("intervention"))
-            ids.append(self.engine.add_request(r["prompt"], images, sp))
+            iv = r.get("intervention")
+            images = self.prepare_images(r.get("images", ()), r.get("image_options"), iv)
+            extra = iv.engine_args(sum(im.num_tokens for im in images)) if iv is not None else {}
+            ids.append(self.engine.add_request(r["prompt"], images, sp, **extra))
         return self.engine.run_until_done(ids)
 
     def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **template_kw):

@@ -138,3 +138,90 @@ def test_saliency_and_loss_match_finite_differences(vlm):
     fd = (lossf(1e-2 * d) - lossf(-1e-2 * d)) / 2e-2
     assert abs(fd - float((np.asarray(g["text"]["lm_head"]) * d).sum())) <= 0.02 * abs(fd) + 1e-5
     assert float(np.abs(np.asarray(jax.tree.leaves(g["vision"] if "vision" in g else g)[0])).sum()) > 0
+
+
+def fastv_reference(vlm, prompt, image, layer, keep, generated):
+    """Logits [len(generated) + 1, vocab] of FastV computed directly from the decoder's layer
+    functions: layers <= `layer` over the whole sequence (prompt + generated tokens), then the
+    `keep` image tokens the prompt's last token attends to most (head mean) and every other token
+    through the later layers, at their original RoPE positions."""
+    import jax.numpy as jnp
+    from mmjax.models.text import llama as L
+    from mmjax.models.text.rope import rope_inv_freq
+    from mmjax.research.prompt import prompt_inputs
+
+    tm, family = vlm.family.text_model, vlm.family
+    cfg, params = tm.cfg, vlm.engine.runner.params["text"]
+    p = prompt_inputs(vlm, prompt, [image])
+    t0 = len(p.ids)
+    _, rope_delta = family.positions(p.ids, p.images, family.image_starts(p.ids, [p.images[0].num_tokens]))
+    ids = np.r_[p.ids, np.asarray(generated, np.int32)]
+    gen_pos = np.arange(t0, len(ids)) + rope_delta
+    positions = np.concatenate([p.positions, np.broadcast_to(gen_pos, (p.positions.shape[0], len(gen_pos)))], 1)
+    img = ids == family.image_token_id
+    x = np.array(L.embed_tokens(params, jnp.asarray(ids)))
+    x[img] = vlm.encode([image])[0]
+    inv = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
+
+    def run(x, pos, layers, capture_at=None):
+        T = x.shape[0]
+        rope = L.rope_for(cfg, jnp.asarray(pos)[:, None], jnp.zeros((1,), jnp.int32), T, inv)
+        x, probs = jnp.asarray(x)[None], None
+        for i in layers:
+            kv = L.init_kv_cache(cfg, 1, T, x.dtype)[0]
+            x, _, cap = L.layer_forward(params["layers"][i], cfg, x, kv, rope, T, capture_attn=i == capture_at)
+            probs = cap[0] if cap is not None else probs
+        return x[0], probs
+
+    x, probs = run(x, positions, range(layer + 1), capture_at=layer)
+    score = np.asarray(probs[0]).mean(0)[t0 - 1]
+    score[~img] = -np.inf
+    kept = ~img
+    kept[np.argsort(-score, kind="stable")[:keep]] = True
+    x, _ = run(x[kept], positions[:, kept], range(layer + 1, cfg.num_layers))
+    out = L.rms_norm(params["norm"], x, cfg.rms_norm_eps)
+    return np.asarray(L.lm_logits(params, out))[-(len(generated) + 1):]
+
+
+def test_prune_matches_a_direct_fastv_and_shrinks_the_cache(vlm):
+    from mmjax.research import Prune
+    img = noise_image(13, 64, 48)
+    prompt, _ = vlm.render_chat(chat(img))
+    n_img = vlm.prepare_images([img])[0].num_tokens
+    sp = mmjax.SamplingParams(max_tokens=10, logprobs=1, **GREEDY)
+    keep = max(1, n_img // 4)
+    base, pruned, every = vlm.generate([
+        {"prompt": prompt, "images": [img]},
+        {"prompt": prompt, "images": [img], "intervention": Prune(keep=keep, layer=0)},
+        {"prompt": prompt, "images": [img], "intervention": Prune(keep=1.0, layer=0)}], sp)
+    assert pruned.pruned_tokens == n_img - keep and every.pruned_tokens == 0 and base.pruned_tokens == 0
+    # k = all: the prune path (explicit scoring attention, compaction, decode offsets) changes nothing
+    assert every.token_ids == base.token_ids
+    np.testing.assert_allclose([every.logprobs[i][t] for i, t in enumerate(every.token_ids)],
+                               [base.logprobs[i][t] for i, t in enumerate(base.token_ids)], atol=1e-5)
+    ref = fastv_reference(vlm, prompt, img, 0, keep, pruned.token_ids[:-1])
+    assert pruned.token_ids == [int(i) for i in ref.argmax(-1)]
+    lp = ref - ref.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    np.testing.assert_allclose([pruned.logprobs[i][t] for i, t in enumerate(pruned.token_ids)],
+                               [lp[i, t] for i, t in enumerate(pruned.token_ids)], atol=1e-4)
+    assert pruned.logprobs != base.logprobs
+    stats = vlm.engine.stats()
+    assert stats["tokens_pruned"] >= n_img - keep and stats["compiled_shapes"]["prefill_pruned"] >= 1
+    with pytest.raises(InvalidRequestError):
+        vlm.generate([{"prompt": prompt, "images": [img], "intervention": Prune(keep=n_img + 1, layer=0)}], sp)
+    with pytest.raises(InvalidRequestError):
+        vlm.generate([{"prompt": prompt, "images": [img], "intervention": Prune(keep=2, layer=5)}], sp)
+
+
+def test_tracing_leaves_the_serving_steps_alone(vlm):
+    """trace compiles its own whole-prompt function; the serving steps' graphs and compiled
+    executables are the same before and after."""
+    r = vlm.engine.runner
+    prefill_args = next(a for name, _, a, _ in r.step_signatures() if name.startswith("prefill"))
+    before = r._prefill.lower(*prefill_args).as_text()
+    counts = {k: r.compiled_counts()[k] for k in ("prefill", "decode")}
+    vlm.trace(chat(noise_image(14, 40, 40)), layers=(0,))
+    assert r._prefill.lower(*prefill_args).as_text() == before
+    assert {k: r.compiled_counts()[k] for k in ("prefill", "decode")} == counts   # (encode: trace encodes)
+    assert "exponential" in before and before.count("dot_general") > 0

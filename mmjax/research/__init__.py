@@ -8,7 +8,7 @@ the text model's forward, the functions the serving steps are built from (with a
     sal = vlm.saliency(image, "What shape is this?", "circle")   # [H, W]
     vlm.generate([{"prompt": p, "images": [img], "intervention": Pool(2)}])
 """
-from mmjax.research.interventions import Ablate, Intervention, Pool
+from mmjax.research.interventions import Ablate, Intervention, Pool, Prune
 from mmjax.research.trace import Trace, TracedImage
 
-__all__ = ["Ablate", "Intervention", "Pool", "Trace", "TracedImage"]
+__all__ = ["Ablate", "Intervention", "Pool", "Prune", "Trace", "TracedImage"]

@@ -5,6 +5,7 @@ cache) and the LLM: they return a new `ImageInput` whose `post` transforms the f
 `key` names the intervention, so the encoder cache keeps the transformed features apart and the
 prefix cache never shares KV between an image and its ablated or pooled self. A pooled image
 really has fewer tokens: its prompt, KV cache and compute shrink with it (`usage` shows it).
+`Prune` (FastV) acts inside the LLM instead: the engine drops image tokens after a decoder layer.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class Intervention:
     def tag(self) -> str:
         """Names the intervention inside cache keys."""
         return repr(self)
+
+    def engine_args(self, num_image_tokens: int) -> dict:
+        """Extra `Engine.add_request` arguments (interventions acting inside the LLM)."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -112,3 +117,33 @@ def pool_grid(x: np.ndarray, f: int) -> np.ndarray:
     n = cnt.reshape(1, pr, f, pc, f, 1).sum(axis=(2, 4))
     return (s / n).astype(x.dtype)
 
+
+
+@dataclass(frozen=True)
+class Prune(Intervention):
+    """FastV: after decoder layer `layer`, keep the `keep` image tokens that received the most
+    attention at that layer (head-averaged, from the prompt's last token) and drop the others
+    from the later layers' computation and KV cache, for the prefill and every decode step
+    (`RequestOutput.pruned_tokens`). keep: a count over the request's image tokens, or a
+    fraction in (0, 1] of them. The prompt is prefilled in one call (it must fit prefill_chunk)
+    and its KV is not shared through the prefix cache. Text models with `supports_prune`
+    (the Llama-style decoders: LLaVA, Qwen2-VL, Qwen2.5-VL)."""
+    keep: int | float
+    layer: int = 2
+
+    def __post_init__(self):
+        k = self.keep
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or k <= 0 or (isinstance(k, float) and k > 1):
+            raise InvalidRequestError(f"Prune.keep must be a positive count or a fraction in (0, 1], got {k!r}",
+                                      param="intervention.keep")
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
+            raise InvalidRequestError(f"Prune.layer must be a non-negative integer, got {self.layer!r}",
+                                      param="intervention.layer")
+
+    def apply(self, family: Family, image: ImageInput) -> ImageInput:
+        return image                     # acts inside the LLM (`engine_args`), not on features
+
+    def engine_args(self, num_image_tokens: int) -> dict:
+        """The engine's `prune=(layer, keep)` for a request with this many image tokens."""
+        keep = self.keep if isinstance(self.keep, int) else max(1, round(self.keep * num_image_tokens))
+        return {"prune": (self.layer, int(keep))}
