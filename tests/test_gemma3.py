@@ -368,3 +368,23 @@ def test_captured_attention_matches_transformers_eager(gemma3_dirs):
     assert b - a > w and (inter["attn"][0][0][:, a, b - 1] > 0).all() and (inter["attn"][0][0][:, b - 1, a] == 0).all()
     for i, hs in enumerate(out.hidden_states[:-1]):
         assert rel_err(inter["hidden"][i][0], hs[0].numpy()) <= 1e-4, i
+
+
+def test_research_trace_and_pool_on_gemma3(gemma3_dirs):
+    """mmjax.research on Gemma 3: trace heatmaps on each view's soft-token grid; Pool shrinks
+    every view's block of soft tokens in the prompt text (one <start_of_image> block per view)."""
+    from mmjax.research import Pool
+    vlm = vlm_for(gemma3_dirs["window"])
+    img = noise_image(71, 130, 40)
+    tr = vlm.trace(with_images(chat("what?", 1), [img]), layers=(0, 1), what=("attn",))
+    assert tr.heatmap(0).shape == tr.heatmap(1).shape == (4, 4)
+    [im] = vlm.prepare_images([img], {"pan_and_scan": True})
+    pooled = Pool(2).apply(vlm.family, im)
+    views = len(im.pixels)
+    assert views > 1 and pooled.num_tokens == views * 4 and vlm.family.token_grid(pooled) == (views, 2, 2)
+    text = vlm.family.image_prompt(pooled)
+    assert text.count("<start_of_image>") == views and text.count("<image_soft_token>") == pooled.num_tokens
+    prompt, _ = vlm.render_chat(with_images(chat("what?", 1), [img]))
+    out = vlm.generate([{"prompt": prompt, "images": [img], "intervention": Pool(2)}],
+                       mmjax.SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert out.num_image_tokens == 4 and len(out.token_ids) == 3

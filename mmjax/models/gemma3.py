@@ -164,9 +164,11 @@ class Gemma3Family(Family):
             else ImageOptions()
 
     def image_prompt(self, image: ImageInput) -> str:
-        """The processor's replacement text for one `<start_of_image>` placeholder."""
-        one = f"\n\n{self.boi_token}{self.soft_token * self.cfg.mm_tokens_per_image}{self.eoi_token}\n\n"
-        crops = image.num_tokens // self.cfg.mm_tokens_per_image - 1
+        """The processor's replacement text for one `<start_of_image>` placeholder: one block of
+        soft tokens per view (a pooled image, mmjax.research.Pool, has fewer per view)."""
+        views = len(image.pixels)
+        one = f"\n\n{self.boi_token}{self.soft_token * (image.num_tokens // views)}{self.eoi_token}\n\n"
+        crops = views - 1
         if not crops:
             return one
         return (f"Here is the original image {one} and here are some crops to help you see better "
