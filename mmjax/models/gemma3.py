@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mmjax.buckets import bucket_for, pow2_ladder
@@ -202,7 +201,7 @@ class Gemma3Family(Family):
                 cur = []
             cur.append(im)
         groups += [cur] if cur else []
-        mm, calls = self.cfg.mm_tokens_per_image, []
+        calls = []
         for group in groups:
             views = np.concatenate([im.pixels for im in group])
             b = bucket_for(len(views), ladder)

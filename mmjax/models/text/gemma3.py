@@ -31,7 +31,6 @@ only Gemma3ForCausalLM caps logits); both are implemented here and the family de
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -254,26 +253,24 @@ def softcapped_attention(q, kts, vs, q_index, kv_len, slots, *, mask, starts, sc
 
 def init_cache(cfg: Gemma3TextConfig, num_slots: int, max_len: int, dtype, max_chunk: int | None = None) -> list:
     """Full layers: llama's segmented cache of max_len; sliding layers: one ring of `ring_len`."""
-    full = init_kv_cache(dataclasses.replace(_llama_shape(cfg), num_layers=1), num_slots, max_len, dtype)[0]
+    one_layer = _KVShape(1, cfg.num_kv_heads, cfg.head_dim)
     ring = cfg.ring_len(max_len, max_chunk)
     out = []
     for t in cfg.layer_types:
         if t == FULL:
-            out.append(jax.tree.map(jnp.zeros_like, full))
+            out.append(init_kv_cache(one_layer, num_slots, max_len, dtype)[0])
         else:
             out.append({"k": [jnp.zeros((num_slots, cfg.num_kv_heads, cfg.head_dim, ring), dtype)],
                         "v": [jnp.zeros((num_slots, cfg.num_kv_heads, ring, cfg.head_dim), dtype)]})
     return out
 
 
-def _llama_shape(cfg: Gemma3TextConfig):
-    """A stand-in with the fields init_kv_cache reads."""
-    @dataclass(frozen=True)
-    class Shape:
-        num_layers: int
-        num_kv_heads: int
-        head_dim: int
-    return Shape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+@dataclass(frozen=True)
+class _KVShape:
+    """The fields llama's init_kv_cache reads."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 def _valid_tokens(positions: jax.Array) -> jax.Array:
