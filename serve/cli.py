@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="per-image token budget (dynamic-resolution families resize to fit; others: 400)")
     p.add_argument("--low-detail-image-tokens", type=int, default=256,
                    help="token budget of image_url detail='low' (dynamic-resolution families)")
+    p.add_argument("--pan-and-scan", action=argparse.BooleanOptionalAction, default=None,
+                   help="Gemma 3 pan-and-scan crops for images with detail 'auto' ('high' always, 'low' never; "
+                        "default: the checkpoint's processor setting)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="allow file:// image URLs under this directory (default: refused)")
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
@@ -117,7 +120,7 @@ def config_from_args(args, model_path: str):
         served_model_name=args.served_model_name,
         api_key=args.api_key or None, limit_images=args.limit_images, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, image_max_tokens=args.image_max_tokens,
-        low_detail_image_tokens=args.low_detail_image_tokens,
+        low_detail_image_tokens=args.low_detail_image_tokens, pan_and_scan=args.pan_and_scan,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
         allow_private_media_urls=args.allow_private_media_urls, media_fetch_timeout=args.media_fetch_timeout,

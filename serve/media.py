@@ -42,6 +42,7 @@ otherwise. The pool is shared fairly between requests:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import itertools
 import logging
@@ -85,6 +86,7 @@ class MediaConfig:
     max_redirects: int = 3
     image_max_tokens: int | None = None     # per-image token budget
     low_detail_tokens: int = 256            # resolution budget of detail="low" (dynamic-res families)
+    pan_and_scan: bool | None = None        # pan-and-scan for detail="auto" (Gemma 3; None: the checkpoint's)
     decode_workers: int = 4                 # workers decoding + resizing images (not the tokenization pool)
     decode_workers_per_request: int = 2     # images of one request decoding at once; its others wait
     max_decode_queue: int = 64              # images waiting for a decode worker; beyond: 503 decode_queue_full
@@ -814,11 +816,17 @@ class MediaFetcher:
 
     def _options(self, detail: str) -> ImageOptions:
         """detail -> the family's options for the token budget (dynamic-resolution families
-        resize to fit it; fixed-size families have one size, so detail is a no-op there)."""
+        resize to fit it; fixed-size families have one size, so detail is a no-op there).
+        Pan-and-scan (families that crop, Gemma 3): "high" turns it on, "low" off, "auto" takes
+        the server's --pan-and-scan; a budget too small for the crops turns it off."""
         tokens = self.cfg.image_max_tokens
         if detail == "low":
             tokens = min(tokens or self.cfg.low_detail_tokens, self.cfg.low_detail_tokens)
-        return self.family.fit_options(tokens) if tokens else ImageOptions()
+        opts = self.family.fit_options(tokens) if tokens else ImageOptions()
+        pas = {"high": True, "low": False}.get(detail, self.cfg.pan_and_scan)
+        if pas is not None and opts.pan_and_scan is None:
+            opts = dataclasses.replace(opts, pan_and_scan=pas)
+        return opts
 
     def local_path(self, url: str) -> str:
         root = self.cfg.allowed_local_path

@@ -29,6 +29,14 @@ def qwen_dirs(tmp_path_factory):
     return {f: build_qwen(root / f, family=f, seed=i) for i, f in enumerate(("qwen2_vl", "qwen2_5_vl"))}
 
 
+@pytest.fixture(scope="session")
+def gemma3_dirs(tmp_path_factory):
+    """Tiny Gemma 3 checkpoints: {"window": path, "softcap": path} (see tiny_gemma.build_gemma3)."""
+    from tiny_gemma import build_gemma3
+    root = tmp_path_factory.mktemp("gemma3")
+    return {v: build_gemma3(root / v, variant=v, seed=i) for i, v in enumerate(("window", "softcap"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

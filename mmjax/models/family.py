@@ -50,27 +50,35 @@ class ImageOptions:
 
     min_pixels / max_pixels: resize bounds for dynamic-resolution families.
     max_tokens: the most LLM tokens this image may take; a larger one is a ContextLengthError.
+    pan_and_scan: Gemma 3's pan-and-scan crops on (True) / off (False) for this image; None: the
+        checkpoint's processor default (the server's --pan-and-scan, `detail: "high"`).
     """
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_tokens: int | None = None
+    pan_and_scan: bool | None = None
 
     @classmethod
     def from_dict(cls, opts: dict | None) -> "ImageOptions":
-        """{"min_pixels", "max_pixels", "image_max_tokens" | "max_tokens"} -> ImageOptions; an
-        unknown key or a non-positive value is an InvalidRequestError naming it."""
+        """{"min_pixels", "max_pixels", "image_max_tokens" | "max_tokens", "pan_and_scan"} ->
+        ImageOptions; an unknown key, a non-positive size or a non-bool pan_and_scan is an
+        InvalidRequestError naming it."""
         opts = dict(opts or {})
         if "image_max_tokens" in opts:
             opts["max_tokens"] = opts.pop("image_max_tokens")
-        names = {f.name for f in fields(cls)}
+        pas = opts.pop("pan_and_scan", None)
+        if pas is not None and not isinstance(pas, (bool, np.bool_)):
+            raise InvalidRequestError(f"pan_and_scan must be true or false, got {pas!r}", param="pan_and_scan")
+        names = {f.name for f in fields(cls)} - {"pan_and_scan"}
         for k, v in opts.items():
             if k not in names:
                 raise InvalidRequestError(f"unknown image option {k!r} (known: min_pixels, max_pixels, "
-                                          "image_max_tokens)", param=f"image_options.{k}")
+                                          "image_max_tokens, pan_and_scan)", param=f"image_options.{k}")
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
                 name = "image_max_tokens" if k == "max_tokens" else k
                 raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}", param=name)
-        return cls(**{k: (None if v is None else int(v)) for k, v in opts.items()})
+        return cls(**{k: (None if v is None else int(v)) for k, v in opts.items()},
+                   pan_and_scan=None if pas is None else bool(pas))
 
 
 @dataclass

@@ -348,6 +348,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        if req.slot is not None and self.scheduler.slots[req.slot] is req:
+            self.runner.park(req.slot)
         self.scheduler.release(req)
         if reason not in ("abort", "error"):
             self.counters["requests_finished"] += 1

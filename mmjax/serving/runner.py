@@ -227,6 +227,15 @@ class ModelRunner:
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
 
+    def park(self, slot: int) -> None:
+        """A released slot's decode row points past the cache (length max_model_len): the decode
+        steps whose rows still cover it then write nothing into the KV it keeps for the prefix
+        cache (segments drop indexes past max_len; a ring-buffer sliding-window layer, which
+        would otherwise evict the window a resume needs, drops indexes >= kv_len)."""
+        if self.state.lengths.is_deleted():   # a failed step consumed the state: it is being reset
+            return
+        self.state = dataclasses.replace(self.state, lengths=self.state.lengths.at[slot].set(self.max_model_len))
+
     def device_state_lost(self) -> bool:
         """Did a failed call consume the donated cache or state?"""
         return any(x.is_deleted() for x in jax.tree.leaves((self.cache, self.state)))

@@ -151,4 +151,5 @@ TEXT_MODELS = {
     "llama": "mmjax.models.text.llama",
     "mistral": "mmjax.models.text.llama",
     "qwen2": "mmjax.models.text.llama",
+    "gemma3_text": "mmjax.models.text.gemma3",
 }

@@ -170,7 +170,8 @@ def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None
 
 def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len,
                     slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
-                    starts: jax.Array | None = None, reduce_small: bool = False) -> jax.Array:
+                    starts: jax.Array | None = None, reduce_small: bool = False,
+                    scale: float | None = None) -> jax.Array:
     """Attention of new queries over a cache given as consecutive segments.
 
     q [b, t, heads, hd]; kts: K segments transposed [slots, kv_heads, hd, len_i], vs: V segments
@@ -179,8 +180,9 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     kv_len (int or traced int32 scalar) > every q_index that matters: segments starting at or
     after it are not computed. Key j is visible to a query at index i iff `visible_keys` says so
     (causal at least, so stale entries past a sequence's end are never read); starts [b] is each
-    row's first new cache index (for spans). Returns [b, t, heads, hd]; a query with no visible
-    key gets zeros.
+    row's first new cache index (for spans). `scale` multiplies the scores (None: divide by
+    sqrt(head_dim), Llama's; Gemma uses query_pre_attn_scalar ** -0.5). Returns [b, t, heads,
+    hd]; a query with no visible key gets zeros.
 
     Each segment yields (max, sum of exp(s - max), exp(s - max) V) and the segments are merged
     with the usual rescaling, as flash attention merges key blocks. `reduce_small` (a backend
@@ -209,7 +211,7 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
             s = (kt[:, :, None].astype(jnp.float32) * qn[..., None].astype(jnp.float32)).sum(axis=3)
         else:
             s = jnp.einsum("bknd,bkds->bkns", qn, kt, preferred_element_type=jnp.float32)
-        s = s / np.sqrt(hd)                                           # [b, kvh, n, len]
+        s = s / np.sqrt(hd) if scale is None else s * scale           # [b, kvh, n, len]
         visible = visible_keys(start + jnp.arange(size), q_index, mask, starts)  # [b, t, len]
         s = jnp.where(visible[:, None, :, None, :], s.reshape(b, kvh, t, g, size), -jnp.inf)
         s = s.reshape(b, kvh, n, size)
