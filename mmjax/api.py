@@ -16,7 +16,7 @@ from mmjax.checkpoint import cast_params
 from mmjax.errors import InvalidRequestError, PromptError
 from mmjax.image.decode import ImageLimits, load_image
 from mmjax.models import load_family
-from mmjax.models.family import Family, ImageInput, ImageOptions
+from mmjax.models.family import Family, ImageInput, ImageOptions, run_spans
 from mmjax.models.text import Capture
 from mmjax.serving.sampling import SamplingParams
 from mmjax.tokenizer import Tokenizer
@@ -220,18 +220,20 @@ class VLM:
 
         inputs = self.prepare_images(images)
         counts = [im.num_tokens for im in inputs]
-        ids = np.asarray(self.tokenizer.encode_prompt(prompt, counts), np.int32)
+        ids = np.asarray(self.tokenizer.encode_prompt(prompt, counts, [self.family.image_prompt(im) for im in inputs]),
+                         np.int32)
         starts = self.family.image_starts(ids, counts)
         positions, _ = self.family.positions(ids, inputs, starts)
         emb = np.zeros((len(ids), self.family.text_model.hidden_size), np.float32)
         if inputs:
-            for f, s in zip(self.engine.runner.encode_images(inputs), starts):
-                emb[s:s + len(f)] = f
+            # the prompt's image tokens, in order, take the images' features in order
+            emb[ids == self.family.image_token_id] = np.concatenate(self.engine.runner.encode_images(inputs))
         capture = capture or Capture()
         if capture not in self._forward:
             self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture))
         logits, inter = self._forward[capture](self.engine.runner.params, ids, emb.astype(self.model.dtype),
-                                               ids == self.family.image_token_id, positions)
+                                               ids == self.family.image_token_id, positions,
+                                               run_spans(ids, self.family.image_token_id))
         if capture.any:
             return np.asarray(logits), jax.tree.map(np.asarray, inter)
         return np.asarray(logits)

@@ -258,14 +258,23 @@ class Tokenizer:
             return None
         return tuple(spans)
 
-    def encode_prompt(self, prompt: str, image_token_counts: list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str, image_token_counts: list[int],
+                      image_texts: list[str | None] | None = None) -> list[int]:
         """Tokenize a prompt holding one placeholder per image and expand placeholder i into
-        image_token_counts[i] copies of the image token id. BOS is added by the tokenizer's
-        post-processor unless the prompt already starts with it (from the template, not from
-        message text). A `ChatPrompt` from `render_chat` keeps special-token strings inside
-        message text as plain text; a plain str parses them (a raw prompt)."""
+        image_token_counts[i] copies of the image token id, or, where `image_texts[i]` is a
+        string, replace the placeholder by that text before tokenizing (a family whose processor
+        expands the placeholder as text, e.g. Gemma's "\n\n<start_of_image>...<end_of_image>\n\n":
+        the text around it then tokenizes as the processor's does). BOS is added by the
+        tokenizer's post-processor unless the prompt already starts with it (from the template,
+        not from message text). A `ChatPrompt` from `render_chat` keeps special-token strings
+        inside message text as plain text; a plain str parses them (a raw prompt)."""
         spans = tuple(sorted(getattr(prompt, "user_spans", ())))
         text = str(prompt)
+        if image_texts is not None and any(t is not None for t in image_texts):
+            if len(image_texts) != len(image_token_counts) or any(t is None for t in image_texts):
+                raise ValueError("image_texts must give one text per image")
+            text, spans = self._expand_placeholders(text, spans, image_texts)
+            image_token_counts = []
         starts = [a for a, _ in spans]
         add_special = not (self.bos_token and text.startswith(self.bos_token)
                            and not _overlaps(spans, starts, 0, len(self.bos_token)))
@@ -274,7 +283,7 @@ class Tokenizer:
         if spans and any(t in self.special_ids and _overlaps(spans, starts, a, b)
                          for t, (a, b) in zip(ids, enc.offsets)):
             ids = self._demote_specials(text, spans, starts, ids)
-        if self.image_token_id is None:
+        if self.image_token_id is None or (image_texts is not None and not image_token_counts):
             if image_token_counts:
                 raise PromptError("this model takes no images", param="images")
             return ids
@@ -290,6 +299,28 @@ class Tokenizer:
             prev = pos + 1
         out.extend(ids[prev:])
         return out
+
+    def _expand_placeholders(self, text: str, spans: tuple, image_texts: list[str]) -> tuple[str, tuple]:
+        """`text` with its i-th image placeholder (outside message text) replaced by image_texts[i],
+        and the message-text spans moved to match."""
+        if self.image_token is None:
+            raise PromptError("this model takes no images", param="images")
+        starts = [a for a, _ in spans]
+        where = [m.start() for m in re.finditer(re.escape(self.image_token), text)
+                 if not _overlaps(spans, starts, m.start(), m.end())]
+        if len(where) != len(image_texts):
+            raise PromptError(f"prompt has {len(where)} image placeholder(s) {self.image_token!r} but "
+                              f"{len(image_texts)} image(s) were given", param="images")
+        pieces, prev, shifts = [], 0, []
+        for pos, rep in zip(where, image_texts):
+            pieces += [text[prev:pos], rep]
+            prev = pos + len(self.image_token)
+            shifts.append((pos, len(rep) - len(self.image_token)))
+        pieces.append(text[prev:])
+
+        def moved(i: int) -> int:
+            return i + sum(d for pos, d in shifts if pos < i)
+        return "".join(pieces), tuple((moved(a), moved(b)) for a, b in spans)
 
     def _demote_specials(self, text: str, spans: tuple, starts: list[int], ids_post: list[int]) -> list[int]:
         """ids of `text` where every special token overlapping a message span is replaced by the

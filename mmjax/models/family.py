@@ -83,6 +83,9 @@ class Family(abc.ABC):
     image_token_id: int
     image_token: str                     # the prompt placeholder for one image
     feature_placement: str = "replace"
+    # Each maximal run of consecutive image tokens attends to itself in both directions during
+    # prefill (Gemma 3's token_type_ids mask); the engine keeps prefill chunk boundaries out of runs.
+    bidirectional_images: bool = False
 
     # ---- host: images --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -113,26 +116,42 @@ class Family(abc.ABC):
         """The pure encode step (jitted by the runner): inputs of one EncodeCall -> features."""
 
     # ---- prompt ---------------------------------------------------------------------------------
+    def image_prompt(self, image: ImageInput) -> str | None:
+        """The text that replaces this image's placeholder (`image_token`) in the prompt before
+        tokenizing, for families whose processor expands it as text (Gemma: begin/end-of-image
+        markers around the soft tokens). None: the placeholder token becomes `num_tokens` image
+        tokens after tokenizing."""
+        return None
+
     def image_starts(self, ids: np.ndarray, counts: list[int]) -> list[int]:
-        """Prompt index of each image's first token. Adjacent images form one run of image
-        tokens, split by the known per-image counts. Image tokens that no image accounts for
-        (e.g. bare image-token ids in a token-id prompt) are a PromptError."""
-        is_img = ids == self.image_token_id
-        run_starts = [int(i) for i in np.flatnonzero(is_img & ~np.r_[False, is_img[:-1]])]
-        starts, i = [], 0
-        for s in run_starts:
-            pos = s
-            while i < len(counts) and pos < len(is_img) and is_img[pos]:
-                starts.append(pos)
-                pos += counts[i]
-                i += 1
-        if len(starts) != len(counts) or sum(counts) != int(is_img.sum()):
-            raise PromptError(f"prompt has {int(is_img.sum())} image tokens but the images need {sum(counts)}",
+        """Prompt index of each image's first token. The prompt's image tokens are the images'
+        tokens in order: image i owns the next counts[i] of them (one run, or several, e.g. the
+        crops of one image). Image tokens that no image accounts for (e.g. bare image-token ids
+        in a token-id prompt) are a PromptError."""
+        where = np.flatnonzero(ids == self.image_token_id)
+        if len(where) != sum(counts):
+            raise PromptError(f"prompt has {len(where)} image tokens but the images need {sum(counts)}",
                               param="images")
-        return starts
+        return [int(where[o]) for o in np.cumsum([0] + list(counts))[:-1]]
 
     def positions(self, ids: np.ndarray, images: list[ImageInput], image_starts: list[int]
                   ) -> tuple[np.ndarray, int]:
         """RoPE positions [text_model.position_rows, prompt_len] int32 and the decode offset
         (decode position = cache index + offset). Default: 1-D positions 0..len-1."""
         return np.arange(len(ids), dtype=np.int32)[None], 0
+
+
+def image_runs(ids: np.ndarray, image_token_id: int) -> np.ndarray:
+    """[n_runs, 2] (start, end) of each maximal run of consecutive image tokens in `ids`."""
+    is_img = np.r_[False, np.asarray(ids) == image_token_id, False]
+    edges = np.flatnonzero(is_img[1:] != is_img[:-1])
+    return edges.reshape(-1, 2)
+
+
+def run_spans(ids: np.ndarray, image_token_id: int) -> np.ndarray:
+    """[len] int32: the index of the image-token run each token is in, -1 outside runs (the
+    `MaskSpec.spans` of a bidirectional-image family)."""
+    spans = np.full(len(ids), -1, np.int32)
+    for i, (a, b) in enumerate(image_runs(ids, image_token_id)):
+        spans[a:b] = i
+    return spans

@@ -13,14 +13,18 @@ from mmjax.models.family import ImageInput
 IMAGE_KEY_BIT = np.int64(1) << np.int64(62)
 
 
-def token_keys(ids: np.ndarray, images: list[ImageInput], starts: list[int]) -> np.ndarray:
+def token_keys(ids: np.ndarray, images: list[ImageInput], image_pos: np.ndarray) -> np.ndarray:
     """Prefix-cache key per prompt token [prompt_len] int64: text tokens are their id; image
     token j of an image is (content hash of that image + preprocessing) + j with bit 62 set, so
-    two different images of the same size never share KV (vllm#20261, sglang#6583)."""
+    two different images of the same size never share KV (vllm#20261, sglang#6583).
+    image_pos: prompt index of every image token, in order (image i owns the next num_tokens)."""
     keys = ids.astype(np.int64)
-    for im, s in zip(images, starts):
+    offset = 0
+    for im in images:
         h = int.from_bytes(hashlib.sha256(im.key.encode()).digest()[:7], "little")  # 56 bits
-        keys[s:s + im.num_tokens] = IMAGE_KEY_BIT | np.int64(h << 5) + np.arange(im.num_tokens, dtype=np.int64)
+        where = image_pos[offset:offset + im.num_tokens]
+        keys[where] = IMAGE_KEY_BIT | np.int64(h << 5) + np.arange(im.num_tokens, dtype=np.int64)
+        offset += im.num_tokens
     return keys
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
-from mmjax.models.family import ImageInput
+from mmjax.models.family import ImageInput, image_runs, run_spans
 from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
 from mmjax.serving.output import append_token
 from mmjax.serving.request import Delta, Request, RequestOutput
@@ -57,7 +57,8 @@ class Engine:
                                   max_encode_batch=max_encode_batch, mesh=mesh)
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
-        self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache)
+        self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
+                                   min_resume=getattr(self.family.text_model, "min_resume", None))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
@@ -108,7 +109,7 @@ class Engine:
                 raise ContextLengthError(f"prompt text is {n_bytes} bytes, more than any prompt that fits the "
                                          f"context of {self.max_model_len} tokens can hold "
                                          f"({self.max_prompt_bytes} bytes)", param="messages")
-            ids = self.tokenizer.encode_prompt(prompt, counts)
+            ids = self.tokenizer.encode_prompt(prompt, counts, [self.family.image_prompt(im) for im in images])
         else:
             ids = list(prompt)
         ids = np.asarray(ids, np.int32)
@@ -118,14 +119,23 @@ class Engine:
             raise ContextLengthError(f"prompt is {len(ids)} tokens (including {sum(counts)} image tokens); "
                                      f"the context is {self.max_model_len} tokens", param="messages")
         starts = self.family.image_starts(ids, counts)
+        runs = None
+        if self.family.bidirectional_images:
+            runs = image_runs(ids, self.family.image_token_id)
+            longest = int((runs[:, 1] - runs[:, 0]).max(initial=0))
+            if longest > self.prefill_chunk:
+                raise ContextLengthError(f"an image of {longest} tokens must be prefilled in one chunk, but "
+                                         f"prefill_chunk is {self.prefill_chunk}", param="images")
         positions, rope_delta = self.family.positions(ids, images, starts)
+        image_pos = np.flatnonzero(ids == self.family.image_token_id)
         seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
         key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
         rid = request_id or f"req-{next(self._ids)}"
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
-                       detok=IncrementalDetokenizer(self.tokenizer), keys=token_keys(ids, images, starts),
-                       logprobs=[] if sampling.logprobs is not None else None, feats=[None] * len(images))
+                       detok=IncrementalDetokenizer(self.tokenizer), keys=token_keys(ids, images, image_pos),
+                       logprobs=[] if sampling.logprobs is not None else None, feats=[None] * len(images),
+                       image_pos=image_pos, runs=runs)
 
     def submit(self, req: Request) -> str:
         if req.id in self.requests:
@@ -189,7 +199,7 @@ class Engine:
         todo: dict[str, ImageInput] = {}
         for r in reqs:
             for i, im in enumerate(r.images):
-                if r.feats[i] is not None or im.key in todo or r.image_starts[i] + im.num_tokens <= r.prefilled:
+                if r.feats[i] is not None or im.key in todo or r.image_end(i) <= r.prefilled:
                     continue
                 cached = self.encoder_cache.get(im.key)
                 if cached is not None:
@@ -241,18 +251,22 @@ class Engine:
         if not mask.any():
             return None, mask
         emb = np.zeros((hi - lo, self.runner.hidden_size), np.float32)
-        for feats, im, s in zip(req.feats, req.images, req.image_starts):
-            a, b = max(s, lo), min(s + im.num_tokens, hi)
+        first, last = np.searchsorted(req.image_pos, [lo, hi])   # image tokens [first, last) are here
+        offset = 0
+        for feats, im in zip(req.feats, req.images):
+            a, b = max(offset, first), min(offset + im.num_tokens, last)
             if a < b:
-                emb[a - lo:b - lo] = feats[a - s:b - s]
+                emb[req.image_pos[a:b] - lo] = feats[a - offset:b - offset]
+            offset += im.num_tokens
         return emb, mask
 
     def _prefill(self, req: Request, n: int, deltas: list[Delta]) -> None:
         lo, hi = req.prefilled, req.prefilled + n
         try:
             emb, mask = self._image_embeds(req, lo, hi)
+            spans = None if req.runs is None else run_spans(req.prompt_ids[lo:hi], self.family.image_token_id)
             out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
-                                      req.rope_delta, SlotSampling.from_params(req.sampling), req.key)
+                                      req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans)
         except Exception as e:
             self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
             return

@@ -49,6 +49,9 @@ class Request:
     key: np.ndarray                  # [2] uint32 PRNG key
     detok: IncrementalDetokenizer
     keys: np.ndarray                 # [prompt_len] int64 prefix-cache key of each prompt token
+    image_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # prompt index of
+    #                                  each image token, in order (image i owns the next num_tokens)
+    runs: np.ndarray | None = None   # [n, 2] bidirectional image-token runs (start, end), if any
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
     prefilled: int = 0
@@ -69,6 +72,10 @@ class Request:
     @property
     def num_image_tokens(self) -> int:
         return sum(im.num_tokens for im in self.images)
+
+    def image_end(self, i: int) -> int:
+        """Prompt index just past image i's last token."""
+        return int(self.image_pos[sum(im.num_tokens for im in self.images[:i + 1]) - 1]) + 1
 
     @property
     def prefilling(self) -> bool:

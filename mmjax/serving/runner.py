@@ -20,7 +20,7 @@ import numpy as np
 from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.models.family import EncodeCall, Family
-from mmjax.models.text import Capture
+from mmjax.models.text import Capture, MaskSpec
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
 from mmjax.sharding import Placement
 
@@ -66,22 +66,30 @@ class StepOutput:
     top_ids: np.ndarray     # [rows, 20]
 
 
+def image_mask_spec(family: Family, spans: jax.Array) -> MaskSpec | None:
+    """The prefill mask for spans [b, t] (image-token run ids, -1 elsewhere): bidirectional runs
+    for families that want them, else None (plain causal: `spans` goes unused and jit drops it)."""
+    return MaskSpec(spans=spans) if family.bidirectional_images else None
+
+
 def make_prefill_step(family: Family, tune: Tuning):
     """(params, cache, state, token_ids [c], image_embeds [c, hidden], image_mask [c], positions
     [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
-    scalars), key [2] uint32) -> (cache, state, sample outputs).
+    scalars), key [2] uint32, spans [c] int32) -> (cache, state, sample outputs).
 
     One chunk of one sequence into cache row `slot`. The first token is sampled from the logits
     of the chunk's last valid token and the slot's decode-state row is set up (the host only uses
-    it after the final chunk)."""
+    it after the final chunk). spans: image-token run ids (-1 elsewhere), used by families with
+    bidirectional image attention."""
     tm = family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, start, n_valid,
-                rope_delta, sampling, key):
+                rope_delta, sampling, key, spans):
         text = params["text"]
         embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, start[None],
-                         start + token_ids.shape[0], slots=slot[None], reduce_small=tune.reduce_small_attention)
+                         start + token_ids.shape[0], slots=slot[None], mask=image_mask_spec(family, spans[None]),
+                         ids=token_ids[None], reduce_small=tune.reduce_small_attention)
         logits = tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True))
         key, sub = jax.random.split(key)
         one = jax.tree.map(lambda x: x[None], sampling)
@@ -103,7 +111,8 @@ def make_decode_step(family: Family, tune: Tuning):
         st = state.head(rows)
         embeds = tm.embed(text, st.tokens)[:, None]
         pos = jnp.broadcast_to((st.lengths + st.rope_delta)[None, :, None], (tm.position_rows, rows, 1))
-        out = tm.forward(text, embeds, pos, cache, st.lengths, kv_len, reduce_small=tune.reduce_small_attention)
+        out = tm.forward(text, embeds, pos, cache, st.lengths, kv_len, ids=st.tokens[:, None],
+                         reduce_small=tune.reduce_small_attention)
         logits = tm.logits(text, out.hidden[:, 0])
         split = jax.vmap(jax.random.split)(st.keys)
         res = sample(logits, split[:, 1], st.sampling)
@@ -113,18 +122,20 @@ def make_decode_step(family: Family, tune: Tuning):
 
 
 def make_prompt_forward(family: Family, capture: Capture = Capture()):
-    """A jittable (params, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t]) ->
+    """A jittable (params, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t],
+    spans [t] int32 (image-token run ids, see models.family.run_spans; None: no runs)) ->
     (logits [t, vocab] float32, intermediates) over a whole prompt with a private one-slot cache
     (research / parity use; `capture` picks the intermediates, see models/text.Capture)."""
     tm = family.text_model
 
-    def fn(params, ids, image_embeds, image_mask, positions):
+    def fn(params, ids, image_embeds, image_mask, positions, spans=None):
         text = params["text"]
         t = ids.shape[0]
         embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, ids))
-        cache = tm.init_cache(1, t, image_embeds.dtype)
+        cache = tm.init_cache(1, t, image_embeds.dtype, max_chunk=t)
+        mask = None if spans is None else image_mask_spec(family, spans[None])
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
-                         capture=capture)
+                         mask=mask, ids=ids[None], capture=capture)
         return tm.logits(text, out.hidden[0]), out.intermediates
     return fn
 
@@ -165,7 +176,8 @@ class ModelRunner:
 
     def fresh_cache(self):
         return self.text_model.init_cache(self.num_slots, self.max_model_len, self.dtype,
-                                          sharding=self.placement.sharding("cache"))
+                                          sharding=self.placement.sharding("cache"),
+                                          max_chunk=self.buckets.prefill[-1])
 
     def fresh_state(self) -> DecodeState:
         return self.placement.place(DecodeState.zeros(self.num_slots), "state")
@@ -211,9 +223,9 @@ class ModelRunner:
 
     def prefill(self, slot: int, start: int, token_ids: np.ndarray, image_embeds: np.ndarray | None,
                 image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: SlotSampling,
-                key: np.ndarray) -> StepOutput:
+                key: np.ndarray, spans: np.ndarray | None = None) -> StepOutput:
         """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index
-        `start`; positions [rows, n]."""
+        `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none)."""
         n = len(token_ids)
         c = bucket_for(n, self.buckets.prefill)
         pad = c - n
@@ -222,10 +234,12 @@ class ModelRunner:
         emb = np.zeros((c, self.hidden_size), self.dtype) if image_embeds is None else \
             np.pad(np.asarray(image_embeds, self.dtype), ((0, pad), (0, 0)))
         pos = np.pad(np.asarray(positions, np.int32), ((0, 0), (0, pad)), mode="edge")
+        spans = np.full(c, -1, np.int32) if spans is None else np.pad(np.asarray(spans, np.int32), (0, pad),
+                                                                      constant_values=-1)
         self.cache, self.state, out = self._track(
             "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
             np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
-            np.asarray(key, np.uint32))
+            np.asarray(key, np.uint32), spans)
         return StepOutput(*(np.asarray(x) for x in out))
 
     def decode(self, max_length: int, active_rows: int | None = None) -> StepOutput:
@@ -264,7 +278,7 @@ class ModelRunner:
             args = (params, cache, state, jax.ShapeDtypeStruct((c,), jnp.int32),
                     jax.ShapeDtypeStruct((c, self.hidden_size), self.dtype), jax.ShapeDtypeStruct((c,), jnp.bool_),
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
-                    jax.ShapeDtypeStruct((2,), jnp.uint32))
+                    jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
             out.append((f"prefill[{c}]", self._prefill, args, {}))
         for r in self.buckets.decode:
             out.append((f"decode[{r}]", self._decode, (params, cache, state, i32), {"rows": r}))

@@ -3,6 +3,7 @@ admission (prefix-cache aware) and the per-step prefill budget. Pure host bookke
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
@@ -16,12 +17,15 @@ MIN_PREFIX_HIT = 16
 
 class Scheduler:
     def __init__(self, num_slots: int, decode_ladder: tuple[int, ...], prefill_chunk: int,
-                 prefix_cache: PrefixCache):
+                 prefix_cache: PrefixCache, min_resume: Callable[[int], int] | None = None):
+        """min_resume(held) (the text model's, optional): the shortest prefix a cache row holding
+        `held` positions can resume from (ring-buffer sliding-window layers drop old positions)."""
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * num_slots
         self.decode_ladder = decode_ladder
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix_cache
+        self.min_resume = min_resume or (lambda held: 0)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -47,28 +51,37 @@ class Scheduler:
                 break
             req = self.waiting.popleft()
             busy_rows = max((i + 1 for i, s in enumerate(self.slots) if s is not None), default=0)
-            match = {i: self.prefix.match(i, req.keys) for i in free}
+            match = {i: self._resumable(i, req) for i in free}
             slot = max(free, key=lambda i: (match[i] if match[i] >= MIN_PREFIX_HIT else 0,
                                             -bucket_for(max(busy_rows, i + 1), self.decode_ladder),
                                             -self.prefix.last_used[i]))
-            cached = min(match[slot], req.prompt_len - 1)
+            cached = match[slot]
             req.slot, req.prefilled, req.cached_tokens = slot, cached, cached
             self.slots[slot] = req
             self.prefix.truncate(slot, cached)
             admitted.append(req)
         return admitted
 
+    def _resumable(self, slot: int, req: Request) -> int:
+        """Prompt tokens whose KV `slot` holds and that `req` can start after (at least one prompt
+        token is recomputed for the first token's logits)."""
+        n = min(self.prefix.match(slot, req.keys), req.prompt_len - 1)
+        return n if n >= self.min_resume(len(self.prefix.keys[slot])) else 0
+
     def prefill_plan(self) -> list[tuple[Request, int]]:
         """(request, tokens to prefill this step) within the `prefill_chunk` budget. After the
         first, a prompt is only started if the rest of it fits: each prefill call reads every
         weight, so a small head chunk (the budget's remainder) costs nearly a full call and
-        splits the prompt into two padded buckets."""
+        splits the prompt into two padded buckets. A chunk never ends inside a bidirectional
+        image run (its tokens must see each other within one call)."""
         plan, budget = [], self.prefill_chunk
         for i, req in enumerate(r for r in self.slots if r is not None and r.prefilling):
             rest = req.prompt_len - req.prefilled
             if budget <= 0 or (i and rest > budget):
                 break
-            n = min(rest, budget)
+            n = _outside_runs(req, min(rest, budget))
+            if n == 0:
+                break
             plan.append((req, n))
             budget -= n
         return plan
@@ -90,3 +103,18 @@ class Scheduler:
             self.prefix.retain(req.slot, held)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+
+def _outside_runs(req: Request, n: int) -> int:
+    """The longest chunk of at most n tokens from req.prefilled that does not end inside one of
+    its bidirectional image runs (0: the run ahead needs more than n). A chunk may start inside
+    a run (a prefix-cache hit): the run's earlier tokens are in the cache, computed with the
+    whole run visible, so the rest sees the whole run too."""
+    if req.runs is None or not len(req.runs):
+        return n
+    end = req.prefilled + n
+    inside = (req.runs[:, 0] < end) & (end < req.runs[:, 1])
+    if not inside.any():
+        return n
+    a = int(req.runs[inside][0, 0])
+    return max(a - req.prefilled, 0)

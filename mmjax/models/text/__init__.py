@@ -2,9 +2,10 @@
 
 A family names its text model; the runner only ever talks to it through `TextModel`:
 
-    cache = tm.init_cache(num_slots, max_len, dtype)
+    cache = tm.init_cache(num_slots, max_len, dtype, max_chunk=prefill_chunk)
     x = tm.embed(params["text"], ids)                                  # [b, t, hidden]
-    out = tm.forward(params["text"], x, positions, cache, starts, kv_len, slots=..., mask=..., capture=...)
+    out = tm.forward(params["text"], x, positions, cache, starts, kv_len, slots=..., mask=..., ids=ids,
+                     capture=...)
     logits = tm.logits(params["text"], out.hidden)                     # float32
 
 `Output(hidden, cache, intermediates)` carries named intermediates only when `capture` asks for
@@ -79,13 +80,21 @@ class TextModel(Protocol):
     max_position_embeddings: int
     position_rows: int          # rows of the positions array: 1 (RoPE) or 3 (M-RoPE)
 
-    def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None) -> Any: ...
+    def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *, max_chunk: int | None = None) -> Any:
+        """A zero cache for `num_slots` sequences of up to `max_len` positions; max_chunk: the most
+        new tokens one call writes per row (a ring-buffer sliding-window cache sizes its ring by it)."""
+
+    # Optional: `min_resume(held_len) -> int`, the shortest prefix a cache row holding `held_len`
+    # positions can resume from (ring-buffer layers drop old positions); absent = any prefix.
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array: ...
 
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache: Any, starts: jax.Array,
                 kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
-                capture: Capture | None = None, reduce_small: bool = False) -> Output: ...
+                ids: jax.Array | None = None, capture: Capture | None = None,
+                reduce_small: bool = False) -> Output:
+        """ids [b, t]: the new tokens' ids (image positions hold the image token id), for decoders
+        that embed per layer (Gemma 4); others ignore them."""
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array: ...
 

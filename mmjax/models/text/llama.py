@@ -413,7 +413,7 @@ class LlamaTextModel:
     def load_params(self, src: TensorSource, prefix: str, lm_head_name: str) -> dict:
         return load_params(src, self.cfg, prefix, lm_head_name)
 
-    def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None) -> KVCache:
+    def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *, max_chunk: int | None = None) -> KVCache:
         cache = init_kv_cache(self.cfg, num_slots, max_len, dtype)
         return cache if sharding is None else jax.device_put(cache, sharding)
 
@@ -422,7 +422,7 @@ class LlamaTextModel:
 
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache: KVCache, starts: jax.Array,
                 kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
-                capture: Capture | None = None, reduce_small: bool = False) -> Output:
+                ids: jax.Array | None = None, capture: Capture | None = None, reduce_small: bool = False) -> Output:
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
                        capture=capture, reduce_small=reduce_small, inv_freq=inv_freq)
