@@ -104,7 +104,7 @@ def build_gemma4(out_dir: str | os.PathLike, *, variant: str = "dense", seed: in
     vocab = len(tok)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
-                  position_embedding_size=64, rms_norm_eps=1e-6,
+                  position_embedding_size=160, rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "axial", "rope_theta": 100.0},
                   use_clipped_linears=variant == "dense", standardize=variant == "moe")
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -162,6 +162,9 @@ def build_gemma4(out_dir: str | os.PathLike, *, variant: str = "dense", seed: in
     pc = json.loads((out / "processor_config.json").read_text())
     pc["processor_class"] = "Gemma4Processor"
     (out / "processor_config.json").write_text(json.dumps(pc, indent=2))
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    tc["processor_class"] = "Gemma4Processor"
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
     gen = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out

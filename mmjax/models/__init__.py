@@ -15,6 +15,7 @@ FAMILIES: dict[str, str] = {
     "llava": "mmjax.models.llava",
     "qwen2_vl": "mmjax.models.qwen2_vl",
     "qwen2_5_vl": "mmjax.models.qwen2_vl",
+    "gemma4": "mmjax.models.gemma4",
 }
 
 

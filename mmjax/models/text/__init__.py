@@ -116,4 +116,5 @@ TEXT_MODELS = {
     "llama": "mmjax.models.text.llama",
     "mistral": "mmjax.models.text.llama",
     "qwen2": "mmjax.models.text.llama",
+    "gemma4_text": "mmjax.models.text.gemma4",
 }
