@@ -55,7 +55,7 @@ class LayerSpec:
     kind: str                   # SLIDING or FULL
     head_dim: int
     num_kv_heads: int
-    k_eq_v: bool                # values = k projection (no v_proj)
+    k_eq_v: bool                # values = k projection (no v_proj; layers owning K/V only)
     kv_source: int              # layer whose cache this layer reads (itself unless KV-shared)
     intermediate_size: int      # dense MLP width (doubled in KV-shared layers with double-wide MLP)
 
@@ -141,7 +141,7 @@ class Gemma4TextConfig:
             src = i if i < first_shared else max(j for j in range(first_shared) if types[j] == t)
             layers.append(LayerSpec(kind=t, head_dim=int(lc.get("head_dim", head_dim)),
                                     num_kv_heads=int(lc.get("num_key_value_heads", kvh)),
-                                    k_eq_v=k_eq_v and t == FULL, kv_source=src,
+                                    k_eq_v=k_eq_v and t == FULL and src == i, kv_source=src,
                                     intermediate_size=inter * (2 if double and i >= first_shared else 1)))
         rope_params = cfg.get("rope_parameters") or {
             SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
