@@ -218,3 +218,41 @@ def test_moe_block_is_grouped_and_matches_dense_experts():
     fn = jax.jit(lambda p, x, w, i: experts_forward(p, x, w, i, act))
     mlir = jax.export.export(fn, platforms=("cuda",))(p, x, w, idx).mlir_module()
     assert mlir.count("chlo.ragged_dot") >= 2 and "while" not in mlir
+
+
+def test_serve_two_image_chat_stream_usage_and_cached_tokens(gemma4_dirs):
+    """`mmjax serve`'s app on 127.0.0.1 with the openai client: a two-image chat (images of
+    different sizes) equals the offline API, streaming equals non-streaming, usage counts the
+    soft tokens as image tokens, and asking again about the same images reports cached tokens."""
+    from serve.app import ServerConfig
+    from test_serve import Server, data_uri, img_part
+
+    path = gemma4_dirs["dense"]
+    vlm = mmjax.load(path, prefill_chunk=128, **ENGINE)
+    server = Server(vlm, ServerConfig(served_model_name="gemma4", limit_images=4, log_stats_interval=0))
+    try:
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "left"}, img_part(data_uri(60, "PNG", 50, 37)),
+                                             {"type": "text", "text": "right"}, img_part(data_uri(61, "PNG", 23, 61)),
+                                             {"type": "text", "text": "which is bigger?"}]}]
+        c = server.client()
+        full = c.chat.completions.create(model="gemma4", messages=msgs, max_tokens=8, temperature=0)
+        chunks = list(c.chat.completions.create(model="gemma4", messages=msgs, max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        ref = mmjax.load(path, prefill_chunk=256, enable_prefix_cache=False, **ENGINE)
+        off = ref.chat(msgs, mmjax.SamplingParams(max_tokens=8, temperature=0.0))
+        assert full.choices[0].message.content == streamed == off.text and len(off.token_ids) == 8
+        u = full.usage
+        assert u.prompt_tokens == len(off.prompt_token_ids) and u.completion_tokens == 8
+        assert u.prompt_tokens_details.image_tokens == off.num_image_tokens == 63 + 65
+        last = chunks[-1]
+        assert last.choices == [] and last.usage.prompt_tokens == u.prompt_tokens
+        # the same images again (another question): their KV comes from the prefix cache
+        msgs2 = [{"role": "user", "content": msgs[0]["content"][:-1] + [{"type": "text", "text": "what colors?"}]}]
+        again = c.chat.completions.create(model="gemma4", messages=msgs2, max_tokens=4, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens > 63 + 65
+        assert again.usage.prompt_tokens_details.image_tokens == 63 + 65
+        assert again.choices[0].message.content == ref.chat(msgs2, mmjax.SamplingParams(max_tokens=4,
+                                                                                        temperature=0.0)).text
+    finally:
+        server.close()

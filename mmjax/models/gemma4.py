@@ -16,6 +16,7 @@ rung are stacked in power-of-two batches: (batch rung) x (patch rung) compiled s
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,10 @@ class Gemma4Family(Family):
                                      f"model, over image_max_tokens={opts.max_tokens}", param="image_max_tokens")
         patches, pos = self.policy(img)
         grid = (1, int(pos[-1, 1]) + 1, int(pos[-1, 0]) + 1)
-        key = f"{self.name}:{pixel_hash(img)}:{hash(self.policy.cache_key())}"
+        # a stable digest: Python's hash() of a str differs per process, and images are
+        # prepared in decode worker processes (the prefix cache keys tokens by this key)
+        prep = hashlib.sha256(repr(self.policy.cache_key()).encode()).hexdigest()[:16]
+        key = f"{self.name}:{pixel_hash(img)}:{prep}"
         return ImageInput(pixels=patches, num_tokens=n, key=key, grid=grid)
 
     def image_prompt(self, image: ImageInput) -> str:
