@@ -193,8 +193,9 @@ def test_engine_chunked_prefill_prefix_and_encoder_cache(pair):
 
 
 def test_moe_block_is_grouped_and_matches_dense_experts():
-    """experts_forward (sorted rows + ragged_dot) == every expert on every token, weighted by
-    the router's top-k; the CUDA graph has two ragged dots and no per-expert loop."""
+    """experts_forward (sorted rows + ragged_dot, and the CPU decode loop that skips idle
+    experts) == every expert on every token, weighted by the router's top-k; the CUDA graph has
+    two ragged dots and no per-expert loop."""
     rng = np.random.default_rng(0)
     n, d, f, e, k = 9, 16, 12, 5, 2
     p = {"gate_up": rng.normal(size=(e, d, 2 * f)).astype(np.float32) * 0.3,
@@ -202,20 +203,24 @@ def test_moe_block_is_grouped_and_matches_dense_experts():
     r = {"scale": rng.normal(size=d).astype(np.float32), "proj": rng.normal(size=(d, e)).astype(np.float32),
          "per_expert_scale": rng.uniform(0.5, 1.5, e).astype(np.float32)}
     x = rng.normal(size=(n, d)).astype(np.float32)
+    p, r = jax.tree.map(jnp.asarray, p), jax.tree.map(jnp.asarray, r)
     act = jax.nn.gelu
     w, idx = gemma4_route(r, jnp.asarray(x), k, 1e-6)
-    got = np.asarray(experts_forward(p, jnp.asarray(x), w, idx, act))
-    gu = np.einsum("nd,edf->enf", x, p["gate_up"])
-    all_out = np.einsum("enf,efd->end", np.asarray(act(gu[..., :f])) * gu[..., f:], p["down"])
+    got = np.asarray(experts_forward(p, jnp.asarray(x), w, idx, act, impl="ragged"))
+    skip = np.asarray(experts_forward(p, jnp.asarray(x), w, idx, act, impl="skip"))
+    gu = np.einsum("nd,edf->enf", x, np.asarray(p["gate_up"]))
+    all_out = np.einsum("enf,efd->end", np.asarray(act(gu[..., :f])) * gu[..., f:], np.asarray(p["down"]))
     dense = np.zeros((n, d), np.float32)
     for t in range(n):
         for j in range(k):
             dense[t] += np.asarray(w)[t, j] * all_out[int(idx[t, j]), t]
     np.testing.assert_allclose(got, dense, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(skip, dense, rtol=1e-5, atol=1e-5)
     # Gemma 4's weights: the top-k probabilities renormalised to 1, times the per-expert scale
-    np.testing.assert_allclose((np.asarray(w) / r["per_expert_scale"][np.asarray(idx)]).sum(-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose((np.asarray(w) / np.asarray(r["per_expert_scale"])[np.asarray(idx)]).sum(-1), 1.0,
+                               rtol=1e-6)
     # exported for CUDA: two grouped matmuls (CPU lowers ragged_dot through JAX's own fallback)
-    fn = jax.jit(lambda p, x, w, i: experts_forward(p, x, w, i, act))
+    fn = jax.jit(lambda p, x, w, i: experts_forward(p, x, w, i, act))   # auto: ragged for CUDA
     mlir = jax.export.export(fn, platforms=("cuda",))(p, x, w, idx).mlir_module()
     assert mlir.count("chlo.ragged_dot") >= 2 and "while" not in mlir
 
