@@ -221,7 +221,9 @@ def test_moe_block_is_grouped_and_matches_dense_experts():
                                rtol=1e-6)
     # exported for CUDA: two grouped matmuls (CPU lowers ragged_dot through JAX's own fallback)
     fn = jax.jit(lambda p, x, w, i: experts_forward(p, x, w, i, act))   # auto: ragged for CUDA
-    mlir = jax.export.export(fn, platforms=("cuda",))(p, x, w, idx).mlir_module()
+    from mmjax.backend import compiling_for
+    with compiling_for("cuda"):
+        mlir = jax.export.export(fn, platforms=("cuda",))(p, x, w, idx).mlir_module()
     assert mlir.count("chlo.ragged_dot") >= 2 and "while" not in mlir
 
 
