@@ -32,7 +32,7 @@ ONE = "<|turn>user\n<|image|> describe it.<turn|>\n<|turn>model\n"
 SIZES = [(50, 37), (23, 61), (200, 9), (48, 48), (64, 40)]
 
 
-ENGINE = dict(max_num_seqs=2, max_model_len=512, max_encode_batch=2)
+ENGINE = dict(max_num_seqs=2, max_model_len=256, max_encode_batch=2)
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
