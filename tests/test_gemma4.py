@@ -75,6 +75,30 @@ def test_config_weights_and_dispatch(pair):
     np.testing.assert_array_equal(np.asarray(vlm.params["text"]["lm_head"]), np.asarray(vlm.params["text"]["embed"]).T)
 
 
+def test_config_errors_name_the_field(gemma4_dirs):
+    from mmjax.errors import UnsupportedModelError
+    from mmjax.models.gemma4 import Gemma4Config
+    base = json.loads((gemma4_dirs["dense"] / "config.json").read_text())
+    cases = [("text_config.use_bidirectional_attention", lambda c: c["text_config"].update(
+                 use_bidirectional_attention="all")),
+             ("text_config.num_kv_shared_layers", lambda c: c["text_config"].update(num_kv_shared_layers=4)),
+             ("text_config.rope_parameters", lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(
+                 rope_type="yarn")),
+             ("vision_config", lambda c: c.update(vision_config=None))]
+    for param, edit in cases:
+        cfg = json.loads(json.dumps(base))
+        edit(cfg)
+        with pytest.raises(UnsupportedModelError) as e:
+            Gemma4Config.from_hf(cfg)
+        assert e.value.param == param
+    # a hub-style config (global_head_dim / num_global_key_value_heads, no per_layer_config)
+    # parses to the same layers as the saved one
+    hub = json.loads(json.dumps(base))
+    del hub["text_config"]["per_layer_config"]
+    hub["text_config"].update(global_head_dim=32, num_global_key_value_heads=1)
+    assert Gemma4Config.from_hf(hub) == Gemma4Config.from_hf(base)
+
+
 def test_pixels_token_counts_and_prompt_ids(pair):
     _, _, proc, vlm, _ = pair
     fam = vlm.family
