@@ -16,7 +16,7 @@ from mmjax.checkpoint import cast_params
 from mmjax.errors import InvalidRequestError, PromptError
 from mmjax.image.decode import ImageLimits, load_image
 from mmjax.models import load_family
-from mmjax.models.family import Family, ImageInput, ImageOptions, run_spans
+from mmjax.models.family import Family, ImageInput, ImageOptions
 from mmjax.models.text import Capture
 from mmjax.serving.sampling import SamplingParams
 from mmjax.tokenizer import Tokenizer
@@ -129,11 +129,20 @@ class VLM:
         return save_params(self.params, directory)
 
     # ---- images ------------------------------------------------------------------------------
-    def prepare_images(self, images: Iterable[Any], options: dict | ImageOptions | None = None) -> list[ImageInput]:
+    def prepare_images(self, images: Iterable[Any], options: dict | ImageOptions | None = None,
+                       intervention=None) -> list[ImageInput]:
         """PIL images / bytes / paths / data URIs -> ImageInputs (decode, validate, resize).
-        options: {"min_pixels", "max_pixels", "image_max_tokens"} (dynamic-resolution families)."""
+        options: {"min_pixels", "max_pixels", "image_max_tokens"} (dynamic-resolution families).
+        intervention: a `mmjax.research` intervention (Ablate, Pool) applied to every image."""
         opts = options if isinstance(options, ImageOptions) else ImageOptions.from_dict(options)
-        return [self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
+        out = [self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
+        if intervention is not None:
+            from mmjax.research.interventions import Intervention
+            if not isinstance(intervention, Intervention):
+                raise InvalidRequestError(f"intervention must be a mmjax.research intervention, got "
+                                          f"{type(intervention).__name__}", param="intervention")
+            out = [intervention.apply(self.family, im) for im in out]
+        return out
 
     def encode(self, images: Iterable[Any]) -> list[np.ndarray]:
         """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]."""
@@ -143,7 +152,8 @@ class VLM:
     def generate(self, requests, sampling: SamplingParams | list[SamplingParams] | None = None) -> list:
         """requests: a prompt string, or a list of prompts / {"prompt": str, "images": [...]} (one
         image placeholder in the prompt per image; optional "image_options" such as min_pixels /
-        max_pixels / image_max_tokens for dynamic-resolution families, and "sampling").
+        max_pixels / image_max_tokens for dynamic-resolution families, "intervention" (a
+        `mmjax.research` Ablate / Pool / Prune) and "sampling").
         sampling: one SamplingParams for all, or a list with one per request (vLLM's convention).
         Returns RequestOutputs in order."""
         if isinstance(requests, (str, dict)):
@@ -163,8 +173,10 @@ class VLM:
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sp).__name__}",
                                           param="sampling")
-            images = self.prepare_images(r.get("images", ()), r.get("image_options"))
-            ids.append(self.engine.add_request(r["prompt"], images, sp))
+            iv = r.get("intervention")
+            images = self.prepare_images(r.get("images", ()), r.get("image_options"), iv)
+            extra = iv.engine_args(sum(im.num_tokens for im in images)) if iv is not None else {}
+            ids.append(self.engine.add_request(r["prompt"], images, sp, **extra))
         return self.engine.run_until_done(ids)
 
     def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **template_kw):
@@ -216,28 +228,45 @@ class VLM:
         makes special tokens), tokenized as `generate` does. With
         `capture` (models.text.Capture: per-layer hidden states, chosen layers' attention
         probabilities), returns (logits, intermediates)."""
+        from mmjax.research.prompt import prompt_inputs
+
+        capture = capture or Capture()
+        logits, inter = self.prompt_forward(prompt_inputs(self, prompt, images), capture)
+        return (logits, inter) if capture.any else logits
+
+    def prompt_forward(self, p, capture: Capture = Capture()):
+        """(logits [t, vocab] float32, intermediates) for `mmjax.research.prompt.PromptInputs`,
+        through the jitted whole-prompt forward (one compile per capture and length)."""
         from mmjax.serving.runner import make_prompt_forward
 
-        inputs = self.prepare_images(images)
-        counts = [im.num_tokens for im in inputs]
-        ids = np.asarray(self.tokenizer.encode_prompt(prompt, counts, [self.family.image_prompt(im) for im in inputs]),
-                         np.int32)
-        starts = self.family.image_starts(ids, counts)
-        positions, _ = self.family.positions(ids, inputs, starts)
-        emb = np.zeros((len(ids), self.family.text_model.hidden_size), np.float32)
-        if inputs:
+        emb = np.zeros((len(p.ids), self.family.text_model.hidden_size), np.float32)
+        if p.images:
             # the prompt's image tokens, in order, take the images' features in order
-            emb[ids == self.family.image_token_id] = np.concatenate(self.engine.runner.encode_images(inputs))
-        capture = capture or Capture()
+            emb[p.image_pos] = np.concatenate(self.engine.runner.encode_images(p.images))
         if capture not in self._forward:
             self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture))
-        logits, inter = self._forward[capture](self.engine.runner.params, ids, emb.astype(self.model.dtype),
-                                               ids == self.family.image_token_id, positions,
-                                               run_spans(ids, self.family.image_token_id))
-        if capture.any:
-            return np.asarray(logits), jax.tree.map(np.asarray, inter)
-        return np.asarray(logits)
+        logits, inter = self._forward[capture](self.engine.runner.params, p.ids, emb.astype(self.model.dtype),
+                                               p.ids == self.family.image_token_id, p.positions, p.spans)
+        return np.asarray(logits), jax.tree.map(np.asarray, inter)
 
+    # ---- research (mmjax.research) --------------------------------------------------------------
+    def trace(self, prompt: Any, images: Iterable[Any] = (), **kw):
+        """Per-layer hidden states and attention over a prompt, split into text and image tokens
+        (see `mmjax.research.trace.trace` for the arguments)."""
+        from mmjax.research.trace import trace
+        return trace(self, prompt, images, **kw)
+
+    def saliency(self, image: Any, prompt: Any, answer: str, **kw):
+        """Gradient (or integrated gradients) of log p(answer) w.r.t. the normalized input pixels,
+        as an image-shaped map (see `mmjax.research.gradients.saliency`)."""
+        from mmjax.research.gradients import saliency
+        return saliency(self, image, prompt, answer, **kw)
+
+    def loss(self, params: dict, prompt: Any, answer: str, images: Iterable[Any] = ()):
+        """Mean negative log-likelihood of `answer`'s tokens after the prompt, a jax scalar
+        differentiable in `params` (e.g. `jax.grad(vlm.loss)(vlm.params, prompt, answer, images)`)."""
+        from mmjax.research.gradients import loss
+        return loss(self, params, prompt, answer, images)
 
 def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
          image_limits: ImageLimits = ImageLimits(), params_dir: str | os.PathLike | None = None,

@@ -233,10 +233,11 @@ def test_generate_cli_red_circle(tmp_path):
     assert r.stdout.strip() == "circle", (r.stdout, r.stderr[-2000:])
 
 
-def test_notebook_runs_top_to_bottom():
+@pytest.mark.parametrize("name", ["shapes_ablation", "attention_maps", "saliency", "token_reduction"])
+def test_notebook_runs_top_to_bottom(name):
     import nbformat
     import nbclient
-    path = REPO / "notebooks" / "shapes_ablation.ipynb"
+    path = REPO / "notebooks" / f"{name}.ipynb"
     nb = nbformat.read(path, as_version=4)
     env_before = os.environ.get("MMJAX_NOTEBOOK_FAST")
     os.environ["MMJAX_NOTEBOOK_FAST"] = "1"      # reduced setting (inherited by the kernel)
@@ -251,7 +252,7 @@ def test_notebook_runs_top_to_bottom():
             os.environ["MMJAX_NOTEBOOK_FAST"] = env_before
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    assert any("image/png" in o.get("data", {}) for o in outputs), "the ablation plot is missing"
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook's plot is missing"
 
 
 def test_growth_preserves_the_function(shipped, tmp_path):

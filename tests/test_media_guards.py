@@ -338,12 +338,13 @@ def test_request_pixel_budget_refused_before_any_decode(server, heavy_uri):
     assert err["param"].startswith("messages[0].content[") and "80,000,000" in err["message"]
     assert pool.stats()["started"] == started           # not one image was decoded
     assert dt < 5.0, dt                                  # headers only (decoding 3 x 40 MP takes longer)
-    # two of them fit the budget
-    cfg.max_request_pixels = 80_000_000
+    # two of them fit the budget (decode time unlimited: this is about pixels, and a loaded machine
+    # can take longer than the default 30 s for 2 x 40 MP in one worker)
+    cfg.max_request_pixels, pool.time_budget = 80_000_000, 0
     try:
         r = server.post("/v1/chat/completions", chat([img_part(heavy_uri)] * 2))
     finally:
-        cfg.max_request_pixels = 400_000_000
+        cfg.max_request_pixels, pool.time_budget = 400_000_000, 30.0
     assert r.status_code == 200, r.text
 
 

@@ -297,7 +297,7 @@ def _qwen_pixel_bounds(cfg: dict) -> tuple[int | None, int | None]:
     return lo, hi
 
 
-def _patchify(pixels: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
+def patchify(pixels: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
     """float32 [H, W, C] -> [gh*gw, C*temporal*patch*patch] in Qwen2VLImageProcessorPil.patchify order.
 
     Rows run over merge blocks (row-major), then the merge x merge patches inside each block; each
@@ -419,7 +419,7 @@ class Qwen2VLImagePolicy:
         pixels = _pil_resize(img, rh, rw, self.resample) if self.do_resize else np.asarray(img)
         pixels = _rescale_normalize(pixels, self.do_rescale, self.rescale_factor, self.do_normalize,
                                     self.image_mean, self.image_std)
-        patches = _patchify(pixels, self.patch_size, self.merge_size, self.temporal_patch_size)
+        patches = patchify(pixels, self.patch_size, self.merge_size, self.temporal_patch_size)
         return patches, (1, rh // self.patch_size, rw // self.patch_size)
 
     def cache_key(self, *, min_pixels: int | None = None, max_pixels: int | None = None) -> tuple:

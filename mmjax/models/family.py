@@ -29,11 +29,18 @@ from mmjax.models.text import TextModel
 @dataclass
 class ImageInput:
     """One prepared image: the encoder's input, its LLM token count, its encoder-cache key (content
-    hash + preprocessing) and its vision patch grid (t, h, w) (for positions and heatmaps)."""
+    hash + preprocessing) and its vision patch grid (t, h, w) (for positions and heatmaps).
+
+    An intervention (mmjax.research.interventions) may add `post`, a host transform of the
+    encoder's features [tokens, hidden] -> [num_tokens, hidden] (its `key` then names it, so
+    the encoder cache keeps the transformed features apart), and `token_grid`, the (frames,
+    rows, cols) layout of the transformed tokens."""
     pixels: np.ndarray
     num_tokens: int
     key: str
     grid: tuple[int, int, int]
+    post: Callable[[np.ndarray], np.ndarray] | None = None
+    token_grid: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,24 @@ class Family(abc.ABC):
         markers around the soft tokens). None: the placeholder token becomes `num_tokens` image
         tokens after tokenizing."""
         return None
+
+    def token_grid(self, image: ImageInput) -> tuple[int, int, int]:
+        """(frames or tiles, rows, cols) of the image's LLM tokens in feature order (heatmaps,
+        pooling). Default: one square grid when num_tokens is a square, else one row."""
+        if image.token_grid is not None:
+            return image.token_grid
+        side = int(round(image.num_tokens ** 0.5))
+        return (1, side, side) if side * side == image.num_tokens else (1, 1, image.num_tokens)
+
+    def image_pixels(self, image: ImageInput) -> np.ndarray:
+        """The image's preprocessed (normalized) pixels laid out as an image [..., H, W, C], the
+        space saliency maps live in. Default: `pixels` already is."""
+        return np.asarray(image.pixels)
+
+    def input_pixels(self, image: ImageInput, pixels: np.ndarray) -> np.ndarray:
+        """Inverse of `image_pixels`: image-shaped pixels -> the encoder's `ImageInput.pixels`
+        layout (a rearrangement: gradients flow through it by index)."""
+        return pixels
 
     def image_starts(self, ids: np.ndarray, counts: list[int]) -> list[int]:
         """Prompt index of each image's first token. The prompt's image tokens are the images'

@@ -20,7 +20,7 @@ from mmjax.buckets import bucket_for
 from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
-from mmjax.image.processors import Qwen2VLImagePolicy, find_image_processor_config, load_policy
+from mmjax.image.processors import Qwen2VLImagePolicy, find_image_processor_config, load_policy, patchify
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import tie_word_embeddings
 from mmjax.models.text import TextModel
@@ -201,6 +201,26 @@ class QwenVLFamily(Family):
         key = f"{self.name}:{pixel_hash(img)}:{hash(self.policy.cache_key(min_pixels=lo, max_pixels=hi))}"
         return ImageInput(pixels=patches, num_tokens=n, key=key, grid=tuple(int(g) for g in grid))
 
+    def token_grid(self, image: ImageInput) -> tuple[int, int, int]:
+        """(t, h / merge, w / merge): merged tokens in HF's row-major order."""
+        if image.token_grid is not None:
+            return image.token_grid
+        m = self.cfg.vision.merge_size
+        t, h, w = (int(x) for x in image.grid)
+        return t, h // m, w // m
+
+    def image_pixels(self, image: ImageInput) -> np.ndarray:
+        """patches [t*h*w, C*T*P*P] -> the normalized resized image [H, W, C] (frame 0: an image's
+        temporal patch repeats its one frame)."""
+        p, m, tp = self.policy.patch_size, self.policy.merge_size, self.policy.temporal_patch_size
+        _, gh, gw = (int(x) for x in image.grid)
+        x = np.asarray(image.pixels).reshape(gh // m, gw // m, m, m, -1, tp, p, p)[:, :, :, :, :, 0]
+        return np.ascontiguousarray(x.transpose(0, 2, 5, 1, 3, 6, 4)).reshape(gh * p, gw * p, -1)
+
+    def input_pixels(self, image: ImageInput, pixels: np.ndarray) -> np.ndarray:
+        p = self.policy
+        return patchify(np.asarray(pixels), p.patch_size, p.merge_size, p.temporal_patch_size)
+
     # ---- encode ---------------------------------------------------------------------------------
     def encode(self, params: dict, packed: tuple) -> jax.Array:
         """The compiled encode step: packed (patches, pos_hw, image_seg, window_seg) -> merged
@@ -259,8 +279,7 @@ class QwenVLFamily(Family):
             n_text = s - prev
             pos[:, prev:s] = cur + np.arange(n_text)
             cur += n_text
-            t, h, w = (int(x) for x in im.grid)
-            lt, lh, lw = t, h // m, w // m
+            lt, lh, lw = self.token_grid(im)
             tt, hh, ww = np.meshgrid(np.arange(lt), np.arange(lh), np.arange(lw), indexing="ij")
             n = lt * lh * lw
             pos[0, s:s + n] = cur + tt.ravel()

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
+from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, UnsupportedModelError
 from mmjax.models.family import ImageInput, image_runs, run_spans
 from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
 from mmjax.serving.output import append_token
@@ -64,7 +64,8 @@ class Engine:
         self._seed_rng = np.random.default_rng()
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                          "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
-                         "images_encoded": 0, "decode_steps": 0, "prefill_calls": 0}
+                         "images_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
+                         "tokens_pruned": 0}
 
     # ---- requests ---------------------------------------------------------------------------
     @property
@@ -82,14 +83,18 @@ class Engine:
         return self.scheduler.slots
 
     def add_request(self, prompt: str | list[int], images: list[ImageInput] = (),
-                    sampling: SamplingParams | None = None, request_id: str | None = None) -> str:
+                    sampling: SamplingParams | None = None, request_id: str | None = None,
+                    prune: tuple[int, int] | None = None) -> str:
         """Queue a request. `prompt` holds one image placeholder per image (or is already ids
         with placeholders). Raises typed errors for requests that can never run."""
-        return self.submit(self.make_request(prompt, images, sampling, request_id))
+        return self.submit(self.make_request(prompt, images, sampling, request_id, prune))
 
     def make_request(self, prompt: str | list[int], images: list[ImageInput] = (),
-                     sampling: SamplingParams | None = None, request_id: str | None = None) -> Request:
-        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+                     sampling: SamplingParams | None = None, request_id: str | None = None,
+                     prune: tuple[int, int] | None = None) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread).
+        prune (layer, keep): FastV, keep `keep` image tokens after decoder `layer` (see
+        mmjax.research.Prune)."""
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}",
@@ -128,6 +133,8 @@ class Engine:
                                          f"prefill_chunk is {self.prefill_chunk}", param="images")
         positions, rope_delta = self.family.positions(ids, images, starts)
         image_pos = np.flatnonzero(ids == self.family.image_token_id)
+        if prune is not None:
+            self._check_prune(prune, len(ids), len(image_pos))
         seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
         key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
         rid = request_id or f"req-{next(self._ids)}"
@@ -135,7 +142,23 @@ class Engine:
                        rope_delta=rope_delta, sampling=sampling, key=key,
                        detok=IncrementalDetokenizer(self.tokenizer), keys=token_keys(ids, images, image_pos),
                        logprobs=[] if sampling.logprobs is not None else None, feats=[None] * len(images),
-                       image_pos=image_pos, runs=runs)
+                       image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune))
+
+    def _check_prune(self, prune, prompt_len: int, n_image: int) -> None:
+        tm = self.family.text_model
+        if not getattr(tm, "supports_prune", False):
+            raise UnsupportedModelError(f"token pruning is not implemented for {type(tm).__name__}",
+                                        param="intervention")
+        layer, keep = prune
+        if not 0 <= layer < tm.num_layers - 1:
+            raise InvalidRequestError(f"Prune.layer must lie in [0, {tm.num_layers - 1}) (a later layer must "
+                                      f"remain), got {layer}", param="intervention.layer")
+        if not 1 <= keep <= n_image:
+            raise InvalidRequestError(f"Prune.keep must lie in [1, {n_image}] (the prompt's image tokens), "
+                                      f"got {keep}", param="intervention.keep")
+        if prompt_len > self.prefill_chunk:
+            raise ContextLengthError(f"a pruned request is prefilled in one call: its prompt of {prompt_len} "
+                                     f"tokens is over prefill_chunk={self.prefill_chunk}", param="intervention")
 
     def submit(self, req: Request) -> str:
         if req.id in self.requests:
@@ -266,12 +289,14 @@ class Engine:
             emb, mask = self._image_embeds(req, lo, hi)
             spans = None if req.runs is None else run_spans(req.prompt_ids[lo:hi], self.family.image_token_id)
             out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
-                                      req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans)
+                                      req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans,
+                                      prune=req.prune)
         except Exception as e:
             self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
             return
         self.counters["prefill_calls"] += 1
         self.counters["tokens_prefilled"] += hi - lo
+        self.counters["tokens_pruned"] += req.pruned_tokens
         req.prefilled = hi
         if not req.prefilling:
             req.feats = []  # the KV cache holds them now
@@ -279,9 +304,10 @@ class Engine:
             self._emit_token(req, out, 0, deltas)
 
     def _decode(self, running: list[Request], deltas: list[Delta]) -> None:
-        max_len = max(r.prompt_len + len(r.output_ids) for r in running)
+        # positions in use after this step, per layer (pruned requests are shorter after their layer)
+        lens = [max(r.kv_positions(i) for r in running) for i in range(self.family.text_model.num_layers)]
         try:
-            out = self.runner.decode(max_len, max(r.slot for r in running) + 1)
+            out = self.runner.decode(np.asarray(lens), max(r.slot for r in running) + 1)
         except Exception as e:
             self._device_failure(None, _as_error(e, "decoding"), deltas)
             return

@@ -35,6 +35,7 @@ class RequestOutput:
     finish_reason: str | None
     num_image_tokens: int = 0
     cached_tokens: int = 0
+    pruned_tokens: int = 0           # image tokens FastV pruning dropped after its layer
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Request:
     image_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # prompt index of
     #                                  each image token, in order (image i owns the next num_tokens)
     runs: np.ndarray | None = None   # [n, 2] bidirectional image-token runs (start, end), if any
+    prune: tuple[int, int] | None = None   # FastV (layer, keep): image tokens kept after `layer`
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
     prefilled: int = 0
@@ -78,9 +80,20 @@ class Request:
         return int(self.image_pos[sum(im.num_tokens for im in self.images[:i + 1]) - 1]) + 1
 
     @property
+    def pruned_tokens(self) -> int:
+        """Image tokens FastV pruning removes from the layers after its layer."""
+        return 0 if self.prune is None else self.num_image_tokens - self.prune[1]
+
+    def kv_positions(self, layer: int) -> int:
+        """Cache positions this request uses in `layer` (prompt + output tokens, less what
+        pruning dropped there)."""
+        n = self.prompt_len + len(self.output_ids)
+        return n - self.pruned_tokens if self.prune is not None and layer > self.prune[0] else n
+
+    @property
     def prefilling(self) -> bool:
         return self.prefilled < self.prompt_len
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.id, self.prompt_ids.tolist(), list(self.output_ids), self.text, self.logprobs,
-                             self.finish_reason, self.num_image_tokens, self.cached_tokens)
+                             self.finish_reason, self.num_image_tokens, self.cached_tokens, self.pruned_tokens)

@@ -9,6 +9,7 @@ tuning from mmjax.backend.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -20,7 +21,7 @@ import numpy as np
 from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.models.family import EncodeCall, Family
-from mmjax.models.text import Capture, MaskSpec
+from mmjax.models.text import Capture, Dropped, MaskSpec, Prune
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
 from mmjax.sharding import Placement
 
@@ -30,18 +31,23 @@ log = logging.getLogger("mmjax.runner")
 @dataclass
 class DecodeState:
     """Per-slot decode state [slots]: the last sampled token, tokens in cache, the RoPE offset
-    (decode position = cache index + rope_delta), sampling parameters and PRNG key [slots, 2]."""
+    (decode position = cache index + rope_delta), sampling parameters and PRNG key [slots, 2];
+    for rows whose image tokens were pruned (FastV), the layer after which `dropped` positions
+    left the cache (`drop_after` = num_layers: never)."""
     tokens: jax.Array
     lengths: jax.Array
     rope_delta: jax.Array
     keys: jax.Array
     sampling: SlotSampling
+    drop_after: jax.Array
+    dropped: jax.Array
 
     @classmethod
     def zeros(cls, num_slots: int) -> "DecodeState":
         return cls(jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots,), jnp.int32),
                    jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots, 2), jnp.uint32),
-                   SlotSampling.zeros(num_slots))
+                   SlotSampling.zeros(num_slots), jnp.zeros((num_slots,), jnp.int32),
+                   jnp.zeros((num_slots,), jnp.int32))
 
     def head(self, rows: int) -> "DecodeState":
         """The first `rows` slots."""
@@ -94,29 +100,58 @@ def make_prefill_step(family: Family, tune: Tuning):
         key, sub = jax.random.split(key)
         one = jax.tree.map(lambda x: x[None], sampling)
         res = sample(logits, sub[None], one)
-        row = DecodeState(res[0][0], start + n_valid, rope_delta, key, sampling)
+        row = DecodeState(res[0][0], start + n_valid, rope_delta, key, sampling, jnp.int32(tm.num_layers),
+                          jnp.int32(0))
+        return out.cache, state.set_slot(slot, row), res
+    return prefill
+
+
+def make_pruned_prefill_step(family: Family, tune: Tuning):
+    """(params, cache, state, token_ids [c], image_embeds, image_mask, positions, slot, n_valid,
+    rope_delta, sampling, key, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
+    prompt (from cache index 0) in one call with FastV pruning after decoder `layer` (static, as
+    are `keep` image tokens and the `out_len` rows later layers compute); text models with
+    `supports_prune` only."""
+    tm = family.text_model
+
+    def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, n_valid,
+                rope_delta, sampling, key, *, layer, keep, out_len):
+        text = params["text"]
+        c = token_ids.shape[0]
+        embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
+        prune = Prune(layer, keep, out_len, image_mask[None], (n_valid - 1)[None])
+        out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), c,
+                         slots=slot[None], ids=token_ids[None], prune=prune, reduce_small=tune.reduce_small_attention)
+        dropped = out.intermediates["pruned"][0]
+        logits = tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1 - dropped, keepdims=True))
+        key, sub = jax.random.split(key)
+        res = sample(logits, sub[None], jax.tree.map(lambda x: x[None], sampling))
+        row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped)
         return out.cache, state.set_slot(slot, row), res
     return prefill
 
 
 def make_decode_step(family: Family, tune: Tuning):
-    """(params, cache, state, kv_len, *, rows) -> (cache, state, sample outputs): one token for
+    """(params, cache, state, kv_lens, *, rows) -> (cache, state, sample outputs): one token for
     each of the first `rows` slots (static); the other slots' cache and state rows are
-    untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_len
-    (int32 scalar): cache positions the active rows use after the step."""
+    untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_lens
+    [num_layers] int32: cache positions the active rows use after the step, per layer (they
+    differ after pruned layers)."""
     tm = family.text_model
+    prunable = getattr(tm, "supports_prune", False)
 
-    def decode(params, cache, state, kv_len, *, rows):
+    def decode(params, cache, state, kv_lens, *, rows):
         text = params["text"]
         st = state.head(rows)
         embeds = tm.embed(text, st.tokens)[:, None]
         pos = jnp.broadcast_to((st.lengths + st.rope_delta)[None, :, None], (tm.position_rows, rows, 1))
-        out = tm.forward(text, embeds, pos, cache, st.lengths, kv_len, ids=st.tokens[:, None],
-                         reduce_small=tune.reduce_small_attention)
+        extra = {"dropped": Dropped(st.drop_after, st.dropped, kv_lens)} if prunable else {}
+        out = tm.forward(text, embeds, pos, cache, st.lengths, kv_lens.max(), ids=st.tokens[:, None],
+                         reduce_small=tune.reduce_small_attention, **extra)
         logits = tm.logits(text, out.hidden[:, 0])
         split = jax.vmap(jax.random.split)(st.keys)
         res = sample(logits, split[:, 1], st.sampling)
-        st = DecodeState(res[0], st.lengths + 1, st.rope_delta, split[:, 0], st.sampling)
+        st = dataclasses.replace(st, tokens=res[0], lengths=st.lengths + 1, keys=split[:, 0])
         return out.cache, state.set_head(rows, st), res
     return decode
 
@@ -159,11 +194,12 @@ class ModelRunner:
         self.buckets = Buckets.make(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs)
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
-        self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set()}
+        # shapes compiled so far; "prefill_pruned": (chunk, layer, keep, out_len) of FastV prefills
+        self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set()}
         self.compile_seconds = 0.0
-        self.calls = {"encode": 0, "prefill": 0, "decode": 0}  # compiled-step invocations
+        self.calls = {k: 0 for k in self.compiled}  # compiled-step invocations
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
-        self.step_seconds = {"encode": 0.0, "prefill": 0.0, "decode": 0.0}
+        self.step_seconds = {k: 0.0 for k in self.compiled}
         p, t = self.placement, self.tuning
         self._encode = jax.jit(family.encode, out_shardings=p.sharding("outputs"),
                                compiler_options=t.compiler_options("encode"))
@@ -173,6 +209,10 @@ class ModelRunner:
         self._decode = jax.jit(make_decode_step(family, t), static_argnames=("rows",), donate_argnums=(1, 2),
                                out_shardings=p.step_shardings("cache", "state", "outputs"),
                                compiler_options=t.compiler_options("decode"))
+        self._prefill_pruned = jax.jit(make_pruned_prefill_step(family, t), donate_argnums=(1, 2),
+                                       static_argnames=("layer", "keep", "out_len"),
+                                       out_shardings=p.step_shardings("cache", "state", "outputs"),
+                                       compiler_options=t.compiler_options("prefill"))
 
     def fresh_cache(self):
         return self.text_model.init_cache(self.num_slots, self.max_model_len, self.dtype,
@@ -218,14 +258,19 @@ class ModelRunner:
         return out
 
     def encode_images(self, images: list) -> list[np.ndarray]:
-        """Prepared images -> features (the family's plan, then `encode`)."""
-        return self.encode(self.family.encode_plan(images, self.max_encode_batch))
+        """Prepared images -> features [num_tokens, hidden] (the family's plan, then `encode`, then
+        each image's host `post` transform, if an intervention set one)."""
+        feats = self.encode(self.family.encode_plan(images, self.max_encode_batch))
+        return [f if im.post is None else im.post(f) for im, f in zip(images, feats)]
 
     def prefill(self, slot: int, start: int, token_ids: np.ndarray, image_embeds: np.ndarray | None,
                 image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: SlotSampling,
-                key: np.ndarray, spans: np.ndarray | None = None) -> StepOutput:
+                key: np.ndarray, spans: np.ndarray | None = None, prune: tuple[int, int] | None = None
+                ) -> StepOutput:
         """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index
-        `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none)."""
+        `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none).
+        prune (layer, keep): FastV pruning of the image tokens after `layer` (the whole prompt,
+        start 0; later layers compute the remaining tokens' bucket)."""
         n = len(token_ids)
         c = bucket_for(n, self.buckets.prefill)
         pad = c - n
@@ -236,19 +281,31 @@ class ModelRunner:
         pos = np.pad(np.asarray(positions, np.int32), ((0, 0), (0, pad)), mode="edge")
         spans = np.full(c, -1, np.int32) if spans is None else np.pad(np.asarray(spans, np.int32), (0, pad),
                                                                       constant_values=-1)
+        if prune is not None:
+            if start != 0:
+                raise ValueError("a pruned prefill takes the whole prompt from cache index 0")
+            layer, keep = prune
+            out_len = bucket_for(n - (int(mask.sum()) - keep), self.buckets.prefill)
+            self.cache, self.state, out = self._track(
+                "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
+                self.state, ids, emb, mask, pos, np.int32(slot), np.int32(n), np.int32(rope_delta), sampling,
+                np.asarray(key, np.uint32), layer=layer, keep=keep, out_len=out_len)
+            return StepOutput(*(np.asarray(x) for x in out))
         self.cache, self.state, out = self._track(
             "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
             np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
             np.asarray(key, np.uint32), spans)
         return StepOutput(*(np.asarray(x) for x in out))
 
-    def decode(self, max_length: int, active_rows: int | None = None) -> StepOutput:
+    def decode(self, max_length: int | np.ndarray, active_rows: int | None = None) -> StepOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
-        by one token; `max_length` = longest active sequence after the step. Outputs have one
-        row per advanced slot."""
+        by one token; `max_length` = longest active sequence after the step (per layer
+        [num_layers] where pruned rows make later layers shorter). Outputs have one row per
+        advanced slot."""
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
+        kv_lens = np.broadcast_to(np.asarray(max_length, np.int32), (self.text_model.num_layers,))
         self.cache, self.state, out = self._track("decode", rows, self._decode, self.params, self.cache,
-                                                  self.state, np.int32(max_length), rows=rows)
+                                                  self.state, np.ascontiguousarray(kv_lens), rows=rows)
         return StepOutput(*(np.asarray(x) for x in out))
 
     def warmup(self) -> None:
@@ -281,11 +338,13 @@ class ModelRunner:
                     jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
             out.append((f"prefill[{c}]", self._prefill, args, {}))
         for r in self.buckets.decode:
-            out.append((f"decode[{r}]", self._decode, (params, cache, state, i32), {"rows": r}))
+            lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
+            out.append((f"decode[{r}]", self._decode, (params, cache, state, lens), {"rows": r}))
         return out
 
     def compiled_counts(self) -> dict[str, int]:
-        return {k: len(v) for k, v in self.compiled.items()}
+        """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran)."""
+        return {k: len(v) for k, v in self.compiled.items() if v or k != "prefill_pruned"}
 
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""

@@ -65,6 +65,8 @@ class Scheduler:
     def _resumable(self, slot: int, req: Request) -> int:
         """Prompt tokens whose KV `slot` holds and that `req` can start after (at least one prompt
         token is recomputed for the first token's logits)."""
+        if req.prune is not None:       # pruned: the whole prompt in one call from index 0
+            return 0
         n = min(self.prefix.match(slot, req.keys), req.prompt_len - 1)
         return n if n >= self.min_resume(len(self.prefix.keys[slot])) else 0
 
@@ -80,6 +82,8 @@ class Scheduler:
             if budget <= 0 or (i and rest > budget):
                 break
             n = _outside_runs(req, min(rest, budget))
+            if req.prune is not None and n < rest:      # a pruned prompt goes in one call
+                n = 0
             if n == 0:
                 break
             plan.append((req, n))
@@ -100,6 +104,8 @@ class Scheduler:
             held = req.keys[:req.prefilled]
             if not req.prefilling and len(req.output_ids) > 1:
                 held = np.concatenate([held, np.asarray(req.output_ids[:-1], np.int64)])
+            if req.prune is not None:   # later layers hold a compacted sequence: nothing to reuse
+                held = held[:0]
             self.prefix.retain(req.slot, held)
         elif req in self.waiting:
             self.waiting.remove(req)

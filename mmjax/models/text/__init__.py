@@ -43,6 +43,39 @@ jax.tree_util.register_dataclass(MaskSpec, data_fields=["spans"], meta_fields=["
 
 
 @dataclass(frozen=True)
+class Prune:
+    """FastV token pruning inside one prefill call (text models with `supports_prune`): after
+    decoder layer `layer`, keep the `keep` image tokens that `query`'s head-averaged attention at
+    that layer favours most; the other image tokens leave the sequence, so later layers compute
+    over and cache `out_len` (static, >= the tokens left) positions, kept tokens first in order.
+
+    image_mask [b, t] bool: the call's image tokens; query [b] int32: the scoring token's index
+    (the prompt's last). Needs the call to start at cache index 0 (the whole prompt at once)."""
+    layer: int
+    keep: int
+    out_len: int
+    image_mask: jax.Array
+    query: jax.Array
+
+
+jax.tree_util.register_dataclass(Prune, data_fields=["image_mask", "query"], meta_fields=["layer", "keep", "out_len"])
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """Rows whose image tokens were pruned earlier: in layers i > after[b] row b's sequence is
+    count[b] positions shorter (cache index = its full-length index - count[b]). kv_lens
+    [num_layers] int32: the cache positions in use per layer (replaces kv_len).
+    after [b], count [b] int32; after = num_layers for rows never pruned."""
+    after: jax.Array
+    count: jax.Array
+    kv_lens: jax.Array
+
+
+jax.tree_util.register_dataclass(Dropped, data_fields=["after", "count", "kv_lens"], meta_fields=[])
+
+
+@dataclass(frozen=True)
 class Capture:
     """Intermediates to return (static: a different capture compiles a different function).
 
@@ -86,6 +119,8 @@ class TextModel(Protocol):
 
     # Optional: `min_resume(held_len) -> int`, the shortest prefix a cache row holding `held_len`
     # positions can resume from (ring-buffer layers drop old positions); absent = any prefix.
+    # Optional: `supports_prune = True` when `forward` takes `prune: Prune` and `dropped: Dropped`
+    # (FastV image-token pruning, mmjax.research.Prune).
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array: ...
 

@@ -29,7 +29,7 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import dense, rms_norm
-from mmjax.models.text import Capture, MaskSpec, Output
+from mmjax.models.text import Capture, Dropped, MaskSpec, Output, Prune
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
@@ -275,7 +275,8 @@ def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv
 def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Array, cache: KVCache,
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
             capture: Capture | None = None, reduce_small: bool = False,
-            inv_freq: jax.Array | None = None) -> Output:
+            inv_freq: jax.Array | None = None, prune: Prune | None = None,
+            dropped: Dropped | None = None) -> Output:
     """Run the decoder on new tokens and write their K/V into the cache.
 
     embeds [b, t, hidden]; positions [rows, b, t] rope positions (rows 3 for M-RoPE); starts [b]:
@@ -284,28 +285,61 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
     kv_len (int or traced int32 scalar): cache positions in use, >= max(starts) + t (segments
     from kv_len on are not read; no new token lands there either). The config's sliding window
     is applied on top of `mask`.
+    prune (a prefill from cache index 0): FastV pruning after layer prune.layer (see `Prune`);
+    the returned hidden then has prune.out_len rows, kept tokens first, and intermediates
+    "pruned" [b] (image tokens dropped). dropped: rows pruned earlier (decode; see `Dropped`).
     Returns Output(final-normed hidden [b, t, hidden], updated cache, intermediates).
     """
     if cfg.sliding_window is not None and (mask is None or mask.sliding_window is None):
         mask = dataclasses.replace(mask or MaskSpec(), sliding_window=cfg.sliding_window)
     capture = capture or Capture()
+    if prune is not None and (capture.any or dropped is not None):
+        raise ValueError("prune cannot be combined with capture or dropped")
     x = embeds
     rope = rope_for(cfg, positions, starts, embeds.shape[1], inv_freq)
-    hidden, attn, attn_out, new_cache = [x], {}, {}, []
+    hidden, attn, attn_out, new_cache, inter = [x], {}, {}, [], {}
     for i, (layer, kv) in enumerate(zip(params["layers"], cache)):
-        x, kv, probs = layer_forward(layer, cfg, x, kv, rope, kv_len, slots=slots, mask=mask, starts=starts,
-                                     reduce_small=reduce_small, capture_attn=i in capture.attn_layers)
+        layer_rope, layer_starts, layer_kv_len = rope, starts, kv_len
+        if dropped is not None:
+            off = jnp.where(i > dropped.after, dropped.count, 0)               # [b]
+            layer_rope, layer_starts, layer_kv_len = (rope[0], rope[1], rope[2] - off[:, None]), starts - off, \
+                dropped.kv_lens[i]
+        scoring = prune is not None and i == prune.layer
+        x, kv, probs = layer_forward(layer, cfg, x, kv, layer_rope, layer_kv_len, slots=slots, mask=mask,
+                                     starts=layer_starts, reduce_small=reduce_small,
+                                     capture_attn=i in capture.attn_layers or scoring,
+                                     explicit_kv_len=x.shape[1] if scoring else None)
         new_cache.append(kv)
-        if probs is not None:
+        if scoring:
+            x, rope, inter["pruned"] = _prune_tokens(x, rope, probs[0], prune)
+            mask, kv_len = None, prune.out_len
+        elif probs is not None:
             attn[i], attn_out[i] = probs
         hidden.append(x)
     out = rms_norm(params["norm"], x, cfg.rms_norm_eps)
-    inter = {}
     if capture.hidden:
         inter["hidden"] = hidden[:-1] + [out]
     if capture.attn_layers:
         inter["attn"], inter["attn_out"] = attn, attn_out
     return Output(out, new_cache, inter)
+
+
+def _prune_tokens(x: jax.Array, rope: tuple, probs: jax.Array, prune: Prune) -> tuple:
+    """Keep prune.keep image tokens by the attention prune.query pays them (probs [b, heads, t,
+    t], head-averaged) and every other token: (x, rope) gathered to prune.out_len rows, kept
+    tokens first in their order, cache indexes 0.., and the dropped count [b]."""
+    b, t = prune.image_mask.shape
+    row = jnp.take_along_axis(probs.mean(axis=1), prune.query[:, None, None], axis=1)[:, 0]   # [b, t]
+    score = jnp.where(prune.image_mask, row, -jnp.inf)
+    _, top = jax.lax.top_k(score, prune.keep)                                                  # [b, keep]
+    chosen = jnp.zeros((b, t), bool).at[jnp.arange(b)[:, None], top].set(True)
+    kept = ~prune.image_mask | chosen
+    order = jnp.argsort(~kept, axis=1, stable=True)[:, :prune.out_len]                          # [b, out_len]
+    cos, sin, _ = rope
+    gather = lambda a: jnp.take_along_axis(a, order.reshape(b, -1, *([1] * (a.ndim - 2))), axis=1)
+    q_index = jnp.broadcast_to(jnp.arange(prune.out_len)[None], (b, prune.out_len))
+    dropped = prune.image_mask.sum(axis=1).astype(jnp.int32) - prune.keep
+    return gather(x), (gather(cos), gather(sin), q_index), dropped
 
 
 def rope_for(cfg: LlamaConfig, positions: jax.Array, starts: jax.Array, t: int,
@@ -320,10 +354,12 @@ def rope_for(cfg: LlamaConfig, positions: jax.Array, starts: jax.Array, t: int,
 
 def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: tuple, kv_len, *,
                   slots: jax.Array | None = None, mask: MaskSpec | None = None, starts: jax.Array | None = None,
-                  reduce_small: bool = False, capture_attn: bool = False) -> tuple[jax.Array, dict, tuple | None]:
+                  reduce_small: bool = False, capture_attn: bool = False,
+                  explicit_kv_len: int | None = None) -> tuple[jax.Array, dict, tuple | None]:
     """One decoder layer: x [b, t, hidden] (residual stream) -> (x, updated {"k", "v"} cache of
     this layer, (probs, per-head outputs) when capture_attn else None). rope = rope_for(...);
-    kv_len / slots / mask as in `forward`."""
+    kv_len / slots / mask as in `forward`; explicit_kv_len: a static kv_len for the captured
+    attention when kv_len is traced."""
     b, t, _ = x.shape
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin, q_index = rope
@@ -345,7 +381,8 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     new_k, new_v = scatter_kv(kv, k, v, q_index, rows)
     captured = None
     if capture_attn:
-        attn, probs = explicit_attention(q, new_k, new_v, q_index, kv_len, slots, mask=mask, starts=starts)
+        attn, probs = explicit_attention(q, new_k, new_v, q_index, explicit_kv_len or kv_len, slots, mask=mask,
+                                         starts=starts)
         captured = (probs, attn)
     else:
         attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=mask, starts=starts,
@@ -389,6 +426,7 @@ def embed_tokens(params: dict, token_ids: jax.Array) -> jax.Array:
 class LlamaTextModel:
     """`TextModel` for Llama-style decoders: binds a config to the functions above."""
     cfg: LlamaConfig
+    supports_prune = True
 
     @property
     def hidden_size(self) -> int:
@@ -422,10 +460,11 @@ class LlamaTextModel:
 
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache: KVCache, starts: jax.Array,
                 kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
-                ids: jax.Array | None = None, capture: Capture | None = None, reduce_small: bool = False) -> Output:
+                ids: jax.Array | None = None, capture: Capture | None = None, reduce_small: bool = False,
+                prune: Prune | None = None, dropped: Dropped | None = None) -> Output:
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
-                       capture=capture, reduce_small=reduce_small, inv_freq=inv_freq)
+                       capture=capture, reduce_small=reduce_small, inv_freq=inv_freq, prune=prune, dropped=dropped)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         return lm_logits(params, hidden)
