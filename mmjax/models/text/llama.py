@@ -183,10 +183,10 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     row slots[i] (None: row i, the decode layout); q_index [b, t] = cache index of each query;
     kv_len (int or traced int32 scalar) > every q_index that matters: segments starting at or
     after it are not computed. Key j is visible to a query at index i iff `visible_keys` says so
-    (`window_over_spans` passed on)
-    (causal at least, so stale entries past a sequence's end are never read); starts [b] is each
-    row's first new cache index (for spans). Returns [b, t, heads, hd]; a query with no visible
-    key gets zeros.
+    (causal at least, so stale entries past a sequence's end are never read; `window_over_spans`
+    is passed on); starts [b] is each row's first new cache index (for spans). Scores are scaled
+    by `scale` (None: 1/sqrt(head_dim)). Returns [b, t, heads, hd]; a query with no visible key
+    gets zeros.
 
     Each segment yields (max, sum of exp(s - max), exp(s - max) V) and the segments are merged
     with the usual rescaling, as flash attention merges key blocks. `reduce_small` (a backend
