@@ -270,9 +270,14 @@ def per_layer_inputs(params: dict, cfg: Gemma4TextConfig, ids: jax.Array, embeds
     L, s = cfg.num_layers, cfg.ple_size
     tok = jnp.take(params["ple_embed"], text_ids(cfg, ids), axis=0, mode="clip")
     tok = (tok * jnp.asarray(s ** 0.5, tok.dtype)).reshape(b, t, L, s)
-    proj = (embeds @ params["ple_model_proj"]) * np.asarray(cfg.hidden_size ** -0.5, embeds.dtype)
+    proj = _scaled(embeds @ params["ple_model_proj"], cfg.hidden_size ** -0.5)
     proj = norm(params["ple_proj_norm"], proj.reshape(b, t, L, s), cfg.rms_norm_eps)
-    return (proj + tok) * np.asarray(2.0 ** -0.5, embeds.dtype)
+    return _scaled(proj + tok, 2.0 ** -0.5)
+
+
+def _scaled(x: jax.Array, c: float) -> jax.Array:
+    """x * a Python float as torch computes it: in float32, rounded once to x's dtype."""
+    return (x.astype(jnp.float32) * np.float32(c)).astype(x.dtype)
 
 
 def init_cache(cfg: Gemma4TextConfig, num_slots: int, max_len: int, dtype) -> list:

@@ -30,7 +30,7 @@ def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Arr
     d = x.shape[-1]
     xf = x.astype(jnp.float32)
     h = (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)).astype(x.dtype)
-    h = h * p["scale"] * np.asarray(d ** -0.5, x.dtype)
+    h = ((h * p["scale"]).astype(jnp.float32) * np.float32(d ** -0.5)).astype(x.dtype)   # torch: scalar in f32
     logits = h @ p["proj"]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     w, idx = jax.lax.top_k(probs, top_k)
