@@ -287,3 +287,32 @@ def test_serve_two_image_chat_stream_usage_and_cached_tokens(gemma4_dirs):
                                                                                         temperature=0.0)).text
     finally:
         server.close()
+
+
+def test_research_hooks_pool_trace_and_saliency(pair):
+    """The research API on Gemma 4: token_grid is the pooled patch grid (Pool(2) averages 2x2
+    soft tokens, and the LLM gets those), trace sees the same features, image_pixels /
+    input_pixels invert each other, and saliency has the image's shape (runs for the dense
+    checkpoint only: the family code is shared)."""
+    from mmjax.research import Pool
+    from mmjax.research.interventions import pool_grid
+    name, _, _, vlm, _ = pair
+    img = noise_image(70, 64, 40)                    # resized to 80 x 48: 20 x 12 patches, 10 x 6 soft tokens
+    [im] = vlm.prepare_images([img])
+    assert im.grid == (1, 12, 20) and vlm.family.token_grid(im) == (1, 6, 10) and im.num_tokens == 60
+    np.testing.assert_array_equal(vlm.family.input_pixels(im, vlm.family.image_pixels(im)), im.pixels)
+    assert vlm.family.image_pixels(im).shape == (48, 80, 3)
+    feats = vlm.encode([img])[0]
+    want = pool_grid(feats.reshape(1, 6, 10, -1), 2).reshape(15, -1)
+    [pim] = vlm.prepare_images([img], intervention=Pool(2))
+    np.testing.assert_allclose(vlm.engine.runner.encode_images([pim])[0], want, rtol=1e-6)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what?"}]}]
+    prompt, _ = vlm.render_chat(msgs)
+    out = vlm.generate([{"prompt": prompt, "images": [img], "intervention": Pool(2)}],
+                       mmjax.SamplingParams(max_tokens=2, **GREEDY))[0]
+    assert out.num_image_tokens == 15
+    tr = vlm.trace(msgs, layers=(0,), what=("hidden",), intervention=Pool(2))
+    np.testing.assert_allclose(tr.image_hidden(0), want, rtol=1e-6)
+    if name == "dense":
+        sal = vlm.saliency(img, "what color is it", "red")
+        assert sal.map.shape == (48, 80) and sal.pixels.shape == (48, 80, 3) and sal.map.max() > 0

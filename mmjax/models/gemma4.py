@@ -132,6 +132,33 @@ class Gemma4Family(Family):
         """Gemma4Processor's replacement text for one image."""
         return f"{self.boi_token}{self.image_token * image.num_tokens}{self.eoi_token}"
 
+    # ---- research hooks (heatmaps, pooling, pixel gradients) -----------------------------------
+    def token_grid(self, image: ImageInput) -> tuple[int, int, int]:
+        """(1, rows / k, cols / k): soft token j pools patch block (j % (cols/k), j // (cols/k))."""
+        if image.token_grid is not None:
+            return image.token_grid
+        k = self.policy.pooling_kernel_size
+        _, gh, gw = image.grid
+        return 1, gh // k, gw // k
+
+    def image_pixels(self, image: ImageInput) -> np.ndarray:
+        """patches [rows*cols, p*p*3] -> the resized image [rows*p, cols*p, 3] (values in [0, 1])."""
+        p = self.policy.patch_size
+        _, gh, gw = image.grid
+        x = np.asarray(image.pixels).reshape(gh, gw, p, p, 3).transpose(0, 2, 1, 3, 4)
+        return np.ascontiguousarray(x).reshape(gh * p, gw * p, 3)
+
+    def input_pixels(self, image: ImageInput, pixels: np.ndarray) -> np.ndarray:
+        p = self.policy.patch_size
+        h, w, c = pixels.shape
+        x = np.asarray(pixels).reshape(h // p, p, w // p, p, c).transpose(0, 2, 1, 3, 4)
+        return np.ascontiguousarray(x).reshape((h // p) * (w // p), p * p * c)
+
+    def encoder_tokens(self, image: ImageInput) -> int:
+        """Soft tokens the vision tower makes for this image (an intervention's `post` may
+        change `num_tokens` afterwards)."""
+        return len(image.pixels) // self.policy.pooling_kernel_size ** 2
+
     # ---- encode ---------------------------------------------------------------------------------
     @property
     def token_ladder(self) -> tuple[int, ...]:
@@ -156,7 +183,7 @@ class Gemma4Family(Family):
             gx, gy = np.meshgrid(np.arange(gw), np.arange(gh), indexing="xy")
             pix[b, :n] = im.pixels
             pos[b, :n] = np.stack([gx, gy], -1).reshape(-1, 2)
-        counts = [im.num_tokens for im in images]
+        counts = [self.encoder_tokens(im) for im in images]
         return EncodeCall((batch, p), (pix, pos), lambda f, counts=counts: [f[i, :c] for i, c in enumerate(counts)])
 
     def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
@@ -165,10 +192,11 @@ class Gemma4Family(Family):
         ladder, batches = self.token_ladder, pow2_ladder(1, max_batch)
         groups: dict[int, list[int]] = {}
         for i, im in enumerate(images):
-            if im.num_tokens > ladder[-1]:
-                raise ContextLengthError(f"image of {im.num_tokens} soft tokens is over the largest encode "
+            n = self.encoder_tokens(im)
+            if n > ladder[-1]:
+                raise ContextLengthError(f"image of {n} soft tokens is over the largest encode "
                                          f"bucket {ladder[-1]}", param="image_max_tokens")
-            groups.setdefault(bucket_for(im.num_tokens, ladder), []).append(i)
+            groups.setdefault(bucket_for(n, ladder), []).append(i)
         calls, order = [], []
         for rung, idx in sorted(groups.items()):
             for s in range(0, len(idx), max_batch):
