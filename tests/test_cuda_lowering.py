@@ -41,9 +41,9 @@ def _export_all(path, dtype: str) -> dict[str, jax.export.Exported]:
 def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     exported = _export_all(checkpoints[name], dtype)
     kinds = {k.split("[")[0].split("(")[0] for k in exported}
-    assert kinds == {"encode", "prefill", "decode"}
+    assert kinds == {"encode", "prefill", "decode", "prefill_pruned"}   # + one FastV prefill (Llama-style)
     assert sum(k.startswith("decode") for k in exported) == 3          # rows 1, 2, 4
-    assert sum(k.startswith("prefill") for k in exported) == 3         # chunks 16, 32, 64
+    assert sum(k.startswith("prefill[") for k in exported) == 3        # chunks 16, 32, 64
     for step, exp in exported.items():
         assert exp.platforms == ("cuda",), step
         dots = [ln for ln in exp.mlir_module().splitlines() if "stablehlo.dot_general" in ln]

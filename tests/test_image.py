@@ -532,3 +532,20 @@ def test_concurrent_loads_are_isolated():
     expected = [pixel_hash(noise_image(64, 48)), "ImageTooLargeError", "ImageError", "ImageError"] * 4
     assert results == expected
     assert not any(f[2] is Image.DecompressionBombWarning for f in warnings.filters)
+
+
+def test_image_keys_are_the_same_in_every_process(llava_dirs, qwen_dirs, tmp_path):
+    """The server prepares images in spawned decode processes: an image's encoder-cache key must
+    not depend on the process (Python's str hash does, per PYTHONHASHSEED)."""
+    import os
+    import subprocess
+    import sys
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (30, 40, 3), np.uint8)).save(tmp_path / "x.png")
+    code = ("import sys; from PIL import Image; from mmjax.api import load_model; "
+            "[print(load_model(p).family.prepare_image(Image.open(sys.argv[1]).convert('RGB')).key) "
+            "for p in sys.argv[2:]]")
+    paths = [str(llava_dirs["gqa"]), str(qwen_dirs["qwen2_vl"])]
+    keys = [subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.png"), *paths], capture_output=True,
+                           text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()
+            for seed in ("1", "2")]
+    assert len(keys[0]) == 2 and keys[0] == keys[1]

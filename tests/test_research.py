@@ -212,3 +212,16 @@ def test_prune_matches_a_direct_fastv_and_shrinks_the_cache(vlm):
         vlm.generate([{"prompt": prompt, "images": [img], "intervention": Prune(keep=n_img + 1, layer=0)}], sp)
     with pytest.raises(InvalidRequestError):
         vlm.generate([{"prompt": prompt, "images": [img], "intervention": Prune(keep=2, layer=5)}], sp)
+
+
+def test_tracing_leaves_the_serving_steps_alone(vlm):
+    """trace compiles its own whole-prompt function; the serving steps' graphs and compiled
+    executables are the same before and after."""
+    r = vlm.engine.runner
+    prefill_args = next(a for name, _, a, _ in r.step_signatures() if name.startswith("prefill"))
+    before = r._prefill.lower(*prefill_args).as_text()
+    counts = {k: r.compiled_counts()[k] for k in ("prefill", "decode")}
+    vlm.trace(chat(noise_image(14, 40, 40)), layers=(0,))
+    assert r._prefill.lower(*prefill_args).as_text() == before
+    assert {k: r.compiled_counts()[k] for k in ("prefill", "decode")} == counts   # (encode: trace encodes)
+    assert "exponential" in before and before.count("dot_general") > 0

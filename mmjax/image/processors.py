@@ -8,6 +8,7 @@ reimplemented here, not imported. Untrusted bytes are decoded before this, in `m
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -433,6 +434,13 @@ class Qwen2VLImagePolicy:
 # --------------------------------------------------------------------------------------------
 # Config discovery and dispatch
 # --------------------------------------------------------------------------------------------
+
+def digest(cache_key: tuple) -> str:
+    """A stable digest of a policy's `cache_key()` for encoder-cache keys. Not hash(): images are
+    prepared in spawned decode processes, whose str hashes differ (PYTHONHASHSEED), and a key
+    must be the same whichever process made it."""
+    return hashlib.sha256(repr(cache_key).encode()).hexdigest()[:16]
+
 
 def _read_json(path: Path) -> dict:
     try:

@@ -13,7 +13,7 @@ from mmjax.buckets import bucket_for, pow2_ladder
 from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
-from mmjax.image.processors import ClipImagePolicy, find_image_processor_config, load_policy
+from mmjax.image.processors import ClipImagePolicy, digest, find_image_processor_config, load_policy
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require, tie_word_embeddings
 from mmjax.models.text import TextModel, text_model_for
@@ -161,7 +161,7 @@ class LlavaFamily(Family):
             raise CheckpointError(f"image processor produces {pixels.shape[:2]} pixels but the vision tower "
                                   f"expects {size}x{size}: the preprocessor config does not match config.json",
                                   param="image_size")
-        key = f"{self.name}:{pixel_hash(img)}:{hash(self.policy.cache_key())}"
+        key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key())}"
         side = size // self.cfg.vision.patch_size
         return ImageInput(pixels=pixels, num_tokens=n, key=key, grid=(1, side, side))
 

@@ -20,7 +20,7 @@ from mmjax.buckets import bucket_for
 from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
-from mmjax.image.processors import Qwen2VLImagePolicy, find_image_processor_config, load_policy, patchify
+from mmjax.image.processors import Qwen2VLImagePolicy, digest, find_image_processor_config, load_policy, patchify
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import tie_word_embeddings
 from mmjax.models.text import TextModel
@@ -198,7 +198,7 @@ class QwenVLFamily(Family):
                 f"{n} image tokens, over image_max_tokens={budget}; lower max_pixels or raise image_max_tokens",
                 param="image_max_tokens")
         patches, grid = self.policy(img, min_pixels=lo, max_pixels=hi)
-        key = f"{self.name}:{pixel_hash(img)}:{hash(self.policy.cache_key(min_pixels=lo, max_pixels=hi))}"
+        key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key(min_pixels=lo, max_pixels=hi))}"
         return ImageInput(pixels=patches, num_tokens=n, key=key, grid=tuple(int(g) for g in grid))
 
     def token_grid(self, image: ImageInput) -> tuple[int, int, int]:

@@ -337,6 +337,11 @@ class ModelRunner:
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
                     jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
             out.append((f"prefill[{c}]", self._prefill, args, {}))
+            if c == self.buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
+                # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
+                pruned = args[:8] + (i32, i32) + args[11:13]
+                out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
+                            {"layer": 0, "keep": 1, "out_len": self.buckets.prefill[0]}))
         for r in self.buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
             out.append((f"decode[{r}]", self._decode, (params, cache, state, lens), {"rows": r}))
