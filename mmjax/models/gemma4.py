@@ -16,7 +16,6 @@ rung are stacked in power-of-two batches: (batch rung) x (patch rung) compiled s
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.gemma4 import Gemma4ImagePolicy
-from mmjax.image.processors import find_image_processor_config
+from mmjax.image.processors import digest, find_image_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require
 from mmjax.models.text import TextModel
@@ -122,10 +121,7 @@ class Gemma4Family(Family):
                                      f"model, over image_max_tokens={opts.max_tokens}", param="image_max_tokens")
         patches, pos = self.policy(img)
         grid = (1, int(pos[-1, 1]) + 1, int(pos[-1, 0]) + 1)
-        # a stable digest: Python's hash() of a str differs per process, and images are
-        # prepared in decode worker processes (the prefix cache keys tokens by this key)
-        prep = hashlib.sha256(repr(self.policy.cache_key()).encode()).hexdigest()[:16]
-        key = f"{self.name}:{pixel_hash(img)}:{prep}"
+        key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key())}"
         return ImageInput(pixels=patches, num_tokens=n, key=key, grid=grid)
 
     def image_prompt(self, image: ImageInput) -> str:
