@@ -37,6 +37,14 @@ def gemma3_dirs(tmp_path_factory):
     return {v: build_gemma3(root / v, variant=v, seed=i) for i, v in enumerate(("window", "softcap"))}
 
 
+@pytest.fixture(scope="session")
+def gemma4_dirs(tmp_path_factory):
+    """Tiny Gemma 4 checkpoints: {"dense": path, "moe": path} (see tiny_gemma4.build_gemma4)."""
+    from tiny_gemma4 import build_gemma4
+    root = tmp_path_factory.mktemp("gemma4")
+    return {v: build_gemma4(root / v, variant=v, seed=i) for i, v in enumerate(("dense", "moe"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

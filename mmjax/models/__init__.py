@@ -16,6 +16,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_vl": "mmjax.models.qwen2_vl",
     "qwen2_5_vl": "mmjax.models.qwen2_vl",
     "gemma3": "mmjax.models.gemma3",
+    "gemma4": "mmjax.models.gemma4",
 }
 
 

@@ -152,4 +152,5 @@ TEXT_MODELS = {
     "mistral": "mmjax.models.text.llama",
     "qwen2": "mmjax.models.text.llama",
     "gemma3_text": "mmjax.models.text.gemma3",
+    "gemma4_text": "mmjax.models.text.gemma4",
 }

@@ -149,14 +149,16 @@ def _when(pred, fn, otherwise, *args):
 
 
 def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None,
-                 starts: jax.Array) -> jax.Array:
+                 starts: jax.Array, *, window_over_spans: bool = False) -> jax.Array:
     """[b, t, len] bool: may the query at cache index q_index [b, t] read the key at cache index
     key_index [len]? Causal (j <= i), within the sliding window, or in the query's own span
-    (the span's keys are this call's tokens: key j is new token j - starts[b])."""
+    (the span's keys are this call's tokens: key j is new token j - starts[b]).
+    window_over_spans: the window also bounds span keys, (causal | span) & window (Gemma 4's
+    order); default (causal & window) | span."""
     vis = key_index[None, None, :] <= q_index[:, :, None]
     if mask is None:
         return vis
-    if mask.sliding_window is not None:
+    if mask.sliding_window is not None and not window_over_spans:
         vis &= q_index[:, :, None] - key_index[None, None, :] < mask.sliding_window
     if mask.spans is not None:
         t = mask.spans.shape[1]
@@ -165,13 +167,15 @@ def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None
         kspan = jnp.where(in_call, jnp.take_along_axis(mask.spans, jnp.clip(new, 0, t - 1), axis=1), -1)
         qspan = mask.spans[:, :, None]
         vis |= (qspan >= 0) & (qspan == kspan[:, None, :])
+    if mask.sliding_window is not None and window_over_spans:
+        vis &= q_index[:, :, None] - key_index[None, None, :] < mask.sliding_window
     return vis
 
 
 def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len,
                     slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
-                    starts: jax.Array | None = None, reduce_small: bool = False,
-                    scale: float | None = None) -> jax.Array:
+                    starts: jax.Array | None = None, reduce_small: bool = False, scale: float | None = None,
+                    window_over_spans: bool = False) -> jax.Array:
     """Attention of new queries over a cache given as consecutive segments.
 
     q [b, t, heads, hd]; kts: K segments transposed [slots, kv_heads, hd, len_i], vs: V segments
@@ -179,10 +183,10 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     row slots[i] (None: row i, the decode layout); q_index [b, t] = cache index of each query;
     kv_len (int or traced int32 scalar) > every q_index that matters: segments starting at or
     after it are not computed. Key j is visible to a query at index i iff `visible_keys` says so
-    (causal at least, so stale entries past a sequence's end are never read); starts [b] is each
-    row's first new cache index (for spans). `scale` multiplies the scores (None: divide by
-    sqrt(head_dim), Llama's; Gemma uses query_pre_attn_scalar ** -0.5). Returns [b, t, heads,
-    hd]; a query with no visible key gets zeros.
+    (causal at least, so stale entries past a sequence's end are never read; `window_over_spans`
+    is passed on); starts [b] is each row's first new cache index (for spans). Scores are scaled
+    by `scale` (None: 1/sqrt(head_dim)). Returns [b, t, heads, hd]; a query with no visible key
+    gets zeros.
 
     Each segment yields (max, sum of exp(s - max), exp(s - max) V) and the segments are merged
     with the usual rescaling, as flash attention merges key blocks. `reduce_small` (a backend
@@ -211,8 +215,13 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
             s = (kt[:, :, None].astype(jnp.float32) * qn[..., None].astype(jnp.float32)).sum(axis=3)
         else:
             s = jnp.einsum("bknd,bkds->bkns", qn, kt, preferred_element_type=jnp.float32)
-        s = s / np.sqrt(hd) if scale is None else s * scale           # [b, kvh, n, len]
-        visible = visible_keys(start + jnp.arange(size), q_index, mask, starts)  # [b, t, len]
+        # scores scaled by 1/sqrt(hd), or by `scale` (None: the former; 1.0: no op at all)
+        if scale is None:
+            s = s / np.sqrt(hd)                                       # [b, kvh, n, len]
+        elif scale != 1.0:
+            s = s * scale
+        visible = visible_keys(start + jnp.arange(size), q_index, mask, starts,
+                               window_over_spans=window_over_spans)  # [b, t, len]
         s = jnp.where(visible[:, None, :, None, :], s.reshape(b, kvh, t, g, size), -jnp.inf)
         s = s.reshape(b, kvh, n, size)
         new_top = jnp.maximum(top, s.max(axis=3))             # [b, kvh, n]; -inf: nothing visible yet
@@ -240,7 +249,8 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
 
 def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len: int,
                        slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
-                       starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                       starts: jax.Array | None = None, scale: float | None = None,
+                       window_over_spans: bool = False) -> tuple[jax.Array, jax.Array]:
     """The same attention as `cache_attention` over the first `kv_len` (static) cache positions,
     with the softmax materialised: (out [b, t, heads, hd], probs [b, heads, t, kv_len] float32).
     For captured layers (research / training), never for serving."""
@@ -251,8 +261,10 @@ def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv
     kt, v = (kt[:b], v[:b]) if slots is None else (kt[slots], v[slots])
     kt = jnp.repeat(kt, h // kvh, axis=1)                          # [b, h, hd, len]
     v = jnp.repeat(v, h // kvh, axis=1)                            # [b, h, len, hd]
-    s = jnp.einsum("bthd,bhds->bhts", q, kt, preferred_element_type=jnp.float32) / np.sqrt(hd)
-    vis = visible_keys(jnp.arange(kv_len), q_index, mask, q_index[:, 0] if starts is None else starts)
+    s = jnp.einsum("bthd,bhds->bhts", q, kt, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(hd) if scale is None else s * scale
+    vis = visible_keys(jnp.arange(kv_len), q_index, mask, q_index[:, 0] if starts is None else starts,
+                       window_over_spans=window_over_spans)
     s = jnp.where(vis[:, None], s, -jnp.inf)
     probs = jax.nn.softmax(s, axis=-1)
     probs = jnp.where(vis[:, None], probs, 0.0)                    # rows with nothing visible: zeros
@@ -366,16 +378,7 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     # segment takes the scatter: a lax.cond around it made prefill slower, decode no faster
     # (benchmarks/README.md, "KV segments", "K^T decode attention"). (rows [b, 1], :, idx [b, t])
     # on V and (rows, :, :, idx) on K^T both index [b, t, kv_heads, hd].
-    new_k, new_v, start = [], [], 0
-    for ck, cv in zip(kv["k"], kv["v"]):
-        size = cv.shape[2]
-        idx = q_index - start
-        idx = jnp.where((idx >= 0) & (idx < size), idx, size + jnp.arange(t))
-        new_k.append(ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop",
-                                                         unique_indices=True))
-        new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop",
-                                                      unique_indices=True))
-        start += size
+    new_k, new_v = scatter_kv(kv, k, v, q_index, rows)
     captured = None
     if capture_attn:
         attn, probs = explicit_attention(q, new_k, new_v, q_index, explicit_kv_len or kv_len, slots, mask=mask,
@@ -390,6 +393,24 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
     x = x + dense(layer["down"], jax.nn.silu(gate) * up)
     return x, {"k": new_k, "v": new_v}, captured
+
+
+def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array) -> tuple[list, list]:
+    """Write new K/V [b, t, kv_heads, hd] at cache indexes q_index [b, t] of cache rows `rows`
+    [b] into the segments of one layer's {"k", "v"} -> (new K segments, new V segments).
+    See the comment in `layer_forward` for the index scheme."""
+    t = k.shape[1]
+    new_k, new_v, start = [], [], 0
+    for ck, cv in zip(kv["k"], kv["v"]):
+        size = cv.shape[2]
+        idx = q_index - start
+        idx = jnp.where((idx >= 0) & (idx < size), idx, size + jnp.arange(t))
+        new_k.append(ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop",
+                                                         unique_indices=True))
+        new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop",
+                                                      unique_indices=True))
+        start += size
+    return new_k, new_v
 
 
 def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:

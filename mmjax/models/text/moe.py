@@ -1,0 +1,97 @@
+"""A sparse mixture-of-experts feed-forward block: router + top-k + grouped expert matmuls.
+
+Token-expert assignments are sorted by expert so that each expert's rows are contiguous, and the
+expert MLPs run as two grouped matmuls (`jax.lax.ragged_dot`: one [rows, d] x [experts, d, f]
+product whose row groups use their own expert's weights). The work is tokens * top_k rows, not
+tokens * experts (a dense all-experts matmul) and not a Python loop over experts.
+
+XLA:CPU has no grouped matmul: JAX lowers ragged_dot there to a masked product over every
+expert, slower than a dense all-experts MLP (benchmarks/moe_block.py: 49x a dense MLP of the
+active width at decode batch 1). So when compiling for CPU with few rows (decode), the experts
+run in a compiled loop that skips (`lax.cond`) every expert no row routes to: each active
+expert's weights are read once, idle experts cost nothing (`impl="skip"`).
+
+Routing is Gemma 4's (transformers Gemma4TextRouter): RMSNorm without scale, times a learned
+scale and hidden**-0.5, linear to expert logits, softmax in float32, top-k, the k weights
+renormalised to sum to 1, then multiplied by a learned per-expert scale. Other routers plug in
+through `route`'s output (weights [n, k], expert ids [n, k]).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Array, jax.Array]:
+    """x [n, d] -> (weights [n, k] float32, expert ids [n, k] int32).
+
+    p: {"scale": [d], "proj": [d, experts], "per_expert_scale": [experts]}."""
+    d = x.shape[-1]
+    xf = x.astype(jnp.float32)
+    h = (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)).astype(x.dtype)
+    h = ((h * p["scale"]).astype(jnp.float32) * np.float32(d ** -0.5)).astype(x.dtype)   # torch: scalar in f32
+    logits = h @ p["proj"]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, top_k)
+    w = w / w.sum(-1, keepdims=True)
+    return w * p["per_expert_scale"][idx].astype(jnp.float32), idx.astype(jnp.int32)
+
+
+SKIP_MAX_ROWS = 64   # CPU: token-expert assignments up to which impl "auto" takes the skip loop
+
+
+def experts_forward(p: dict, x: jax.Array, weights: jax.Array, idx: jax.Array, act, *,
+                    impl: str = "auto") -> jax.Array:
+    """Weighted sum of each token's top-k expert MLPs.
+
+    x [n, d]; weights / idx [n, k]; p: {"gate_up": [experts, d, 2f], "down": [experts, f, d]}
+    (gate and up halves as HF's fused gate_up_proj). Returns [n, d] in x's dtype.
+    impl: "ragged" (grouped matmuls), "skip" (loop over active experts), "auto": skip when
+    compiling for CPU with at most SKIP_MAX_ROWS assignments, else ragged.
+    """
+    if impl == "auto":
+        from mmjax.backend import current_platform
+        small = idx.shape[0] * idx.shape[1] <= SKIP_MAX_ROWS
+        impl = "skip" if current_platform() == "cpu" and small else "ragged"
+    if impl == "skip":
+        return _skip_idle_experts(p, x, weights, idx, act)
+    if impl != "ragged":
+        raise ValueError(f"unknown MoE impl {impl!r}")
+    n, d = x.shape
+    k = idx.shape[1]
+    e = p["gate_up"].shape[0]
+    flat = idx.reshape(-1)                                           # [n*k] expert of each assignment
+    order = jnp.argsort(flat, stable=True)                           # assignments grouped by expert
+    rows = x[order // k]                                             # [n*k, d]
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)           # rows per expert
+    gu = jax.lax.ragged_dot(rows, p["gate_up"], sizes)               # [n*k, 2f]
+    f = gu.shape[-1] // 2
+    h = jax.lax.ragged_dot(act(gu[:, :f]) * gu[:, f:], p["down"], sizes)   # [n*k, d]
+    h = h * weights.reshape(-1)[order][:, None].astype(h.dtype)
+    # back to (token, slot) order, then sum each token's k expert outputs
+    out = jnp.zeros_like(h).at[order].set(h, unique_indices=True)
+    return out.reshape(n, k, d).sum(axis=1).astype(x.dtype)
+
+
+def _skip_idle_experts(p: dict, x: jax.Array, weights: jax.Array, idx: jax.Array, act) -> jax.Array:
+    """experts_forward for few rows on CPU: a compiled loop over experts, each either skipped
+    (no row routed to it) or run on all n*k assignment rows with the others masked out (rows are
+    few: the cost is reading the expert's weights once)."""
+    n, d = x.shape
+    k = idx.shape[1]
+    e, f = p["down"].shape[0], p["down"].shape[1]
+    flat = idx.reshape(-1)                                           # [n*k]
+    rows = jnp.repeat(x, k, axis=0)                                  # assignment order (token, slot)
+    sizes = jnp.bincount(flat, length=e)
+
+    def body(j, acc):
+        def run(acc):
+            gu = rows @ p["gate_up"][j]
+            y = (act(gu[:, :f]) * gu[:, f:]) @ p["down"][j]
+            return acc + jnp.where((flat == j)[:, None], y, 0)
+        return jax.lax.cond(sizes[j] > 0, run, lambda a: a, acc)
+
+    out = jax.lax.fori_loop(0, e, body, jnp.zeros((n * k, d), x.dtype))
+    out = out * weights.reshape(-1)[:, None].astype(out.dtype)
+    return out.reshape(n, k, d).sum(axis=1).astype(x.dtype)
