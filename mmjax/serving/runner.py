@@ -22,7 +22,7 @@ from mmjax.buckets import Buckets, bucket_for
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
-from mmjax.sharding import Placement
+from mmjax.sharding import Placement, per_device_bytes, step_shardings
 
 log = logging.getLogger("mmjax.runner")
 
@@ -66,15 +66,15 @@ class StepOutput:
     top_ids: np.ndarray     # [rows, 20]
 
 
-def make_prefill_step(family: Family, tune: Tuning):
+def make_prefill_step(family: Family, tune: Tuning, tm=None):
     """(params, cache, state, token_ids [c], image_embeds [c, hidden], image_mask [c], positions
     [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
     scalars), key [2] uint32) -> (cache, state, sample outputs).
 
     One chunk of one sequence into cache row `slot`. The first token is sampled from the logits
     of the chunk's last valid token and the slot's decode-state row is set up (the host only uses
-    it after the final chunk)."""
-    tm = family.text_model
+    it after the final chunk). `tm`: the text model as placed (default: the family's)."""
+    tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, start, n_valid,
                 rope_delta, sampling, key):
@@ -91,12 +91,12 @@ def make_prefill_step(family: Family, tune: Tuning):
     return prefill
 
 
-def make_decode_step(family: Family, tune: Tuning):
+def make_decode_step(family: Family, tune: Tuning, tm=None):
     """(params, cache, state, kv_len, *, rows) -> (cache, state, sample outputs): one token for
     each of the first `rows` slots (static); the other slots' cache and state rows are
     untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_len
-    (int32 scalar): cache positions the active rows use after the step."""
-    tm = family.text_model
+    (int32 scalar): cache positions the active rows use after the step. `tm` as in prefill."""
+    tm = tm or family.text_model
 
     def decode(params, cache, state, kv_len, *, rows):
         text = params["text"]
@@ -112,11 +112,12 @@ def make_decode_step(family: Family, tune: Tuning):
     return decode
 
 
-def make_prompt_forward(family: Family, capture: Capture = Capture()):
+def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None):
     """A jittable (params, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t]) ->
     (logits [t, vocab] float32, intermediates) over a whole prompt with a private one-slot cache
-    (research / parity use; `capture` picks the intermediates, see models/text.Capture)."""
-    tm = family.text_model
+    (research / parity use; `capture` picks the intermediates, see models/text.Capture; `tm`:
+    the text model as placed, default the family's)."""
+    tm = tm or family.text_model
 
     def fn(params, ids, image_embeds, image_mask, positions):
         text = params["text"]
@@ -136,16 +137,21 @@ class ModelRunner:
     def __init__(self, family: Family, params: dict, *, max_num_seqs: int, max_model_len: int,
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None):
         self.family = family
-        self.text_model = family.text_model
         self.placement = Placement(mesh)
+        # tensor parallel: the text model for tp shards and its params in per-shard layout
+        self.text_model = self.placement.text_model(family.text_model)
         self.tuning = tuning(platform)
-        self.params = self.placement.place(params, "params")
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
+        params = self.placement.layout_params(params, self.text_model)
+        self.param_shardings = self.placement.param_shardings(params, self.text_model)
+        self.params = self.placement.place_params(params, self.text_model)
         self.hidden_size = self.text_model.hidden_size
         self.num_slots = max_num_seqs
         self.max_model_len = max_model_len
         self.max_encode_batch = max_encode_batch
         self.buckets = Buckets.make(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs)
+        self.cache_shardings = self.placement.cache_shardings(jax.eval_shape(
+            lambda: self.text_model.init_cache(max_num_seqs, max_model_len, self.dtype)))
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set()}
@@ -154,18 +160,18 @@ class ModelRunner:
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
         self.step_seconds = {"encode": 0.0, "prefill": 0.0, "decode": 0.0}
         p, t = self.placement, self.tuning
+        outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
         self._encode = jax.jit(family.encode, out_shardings=p.sharding("outputs"),
                                compiler_options=t.compiler_options("encode"))
-        self._prefill = jax.jit(make_prefill_step(family, t), donate_argnums=(1, 2),
-                                out_shardings=p.step_shardings("cache", "state", "outputs"),
-                                compiler_options=t.compiler_options("prefill"))
-        self._decode = jax.jit(make_decode_step(family, t), static_argnames=("rows",), donate_argnums=(1, 2),
-                               out_shardings=p.step_shardings("cache", "state", "outputs"),
+        self._prefill = jax.jit(make_prefill_step(family, t, self.text_model), donate_argnums=(1, 2),
+                                out_shardings=outs, compiler_options=t.compiler_options("prefill"))
+        self._decode = jax.jit(make_decode_step(family, t, self.text_model), static_argnames=("rows",),
+                               donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
 
     def fresh_cache(self):
         return self.text_model.init_cache(self.num_slots, self.max_model_len, self.dtype,
-                                          sharding=self.placement.sharding("cache"))
+                                          sharding=self.cache_shardings)
 
     def fresh_state(self) -> DecodeState:
         return self.placement.place(DecodeState.zeros(self.num_slots), "state")
@@ -201,7 +207,11 @@ class ModelRunner:
         """Run a family's encode plan -> one feature array [num_tokens, hidden] per image, in order."""
         out: list[np.ndarray] = []
         for call in calls:
-            feats = np.asarray(self._track("encode", call.bucket, self._encode, self.params, call.inputs))
+            inputs = call.inputs
+            s = self.placement.encode_input_sharding(np.shape(inputs)) if isinstance(inputs, np.ndarray) else None
+            if s is not None:   # data-parallel vision tower: the images of the call split over devices
+                inputs = jax.device_put(inputs, s)
+            feats = np.asarray(self._track("encode", call.bucket, self._encode, self.params, inputs))
             out.extend(call.split(feats))
         return out
 
@@ -250,13 +260,23 @@ class ModelRunner:
     def step_signatures(self) -> list[tuple[str, object, tuple, dict]]:
         """(name, jitted step, abstract args, static kwargs) for every compiled shape this runner
         can produce: what tests/test_cuda_lowering.py exports for CUDA."""
-        def spec(x):
-            return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
+        mesh = self.placement.mesh
+
+        def spec(x, sharding=None):
+            # with a mesh, the abstract args carry the placed arrays' shardings (what export sees)
+            sharding = sharding or (getattr(x, "sharding", None) if mesh is not None else None)
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
+                                        sharding=sharding)
 
         params, cache, state = (jax.tree.map(spec, t) for t in (self.params, self.cache, self.state))
         out = []
         for call in self.family.warmup_plan(self.max_encode_batch):
-            out.append((f"encode{call.bucket}", self._encode, (params, jax.tree.map(spec, call.inputs)), {}))
+            inputs = call.inputs
+            if isinstance(inputs, np.ndarray):
+                inputs = spec(inputs, self.placement.encode_input_sharding(inputs.shape))
+            else:
+                inputs = jax.tree.map(spec, inputs)
+            out.append((f"encode{call.bucket}", self._encode, (params, inputs), {}))
         rows = self.text_model.position_rows
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
@@ -269,6 +289,14 @@ class ModelRunner:
         for r in self.buckets.decode:
             out.append((f"decode[{r}]", self._decode, (params, cache, state, i32), {"rows": r}))
         return out
+
+    def memory_report(self) -> dict:
+        """The mesh and the bytes of weights and KV cache on each device (addressable shards)."""
+        w, kv = per_device_bytes(self.params), per_device_bytes(self.cache)
+        return {"mesh": self.placement.describe(),
+                "weight_bytes_per_device": w, "kv_cache_bytes_per_device": kv,
+                "weight_bytes_max_device": max(w.values(), default=0),
+                "kv_cache_bytes_max_device": max(kv.values(), default=0)}
 
     def compiled_counts(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.compiled.items()}

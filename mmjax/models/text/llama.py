@@ -315,10 +315,14 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     cos, sin, q_index = rope
     rows = jnp.arange(b) if slots is None else slots
     hn = rms_norm(layer["ln1"], x, cfg.rms_norm_eps)
-    qkv = dense(layer["qkv"], hn)
-    q = qkv[..., : h * hd].reshape(b, t, h, hd)
-    k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
-    v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
+    if layer["qkv"]["w"].ndim == 3:   # tensor-parallel layout [hidden, tp, q|k|v of one shard]
+        q, k, v = _split_grouped_qkv(_grouped_dense(layer["qkv"], hn), h, hd)
+        kvh = k.shape[2]
+    else:
+        qkv = dense(layer["qkv"], hn)
+        q = qkv[..., : h * hd].reshape(b, t, h, hd)
+        k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
+        v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Each new token goes to the segment holding its cache index; indexes outside a segment
     # (and padded tail tokens of a bucketed chunk past max_len) map to distinct positions past
@@ -347,10 +351,91 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
                                reduce_small=reduce_small)
     x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
     hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
-    gu = dense(layer["gate_up"], hn)
-    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
-    x = x + dense(layer["down"], jax.nn.silu(gate) * up)
+    if layer["gate_up"]["w"].ndim == 3:   # tensor-parallel layout [hidden, tp, gate|up of one shard]
+        gu = _grouped_dense(layer["gate_up"], hn)                       # [b, t, tp, 2 * mlp / tp]
+        half = gu.shape[-1] // 2
+        act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).reshape(b, t, -1)
+    else:
+        gu = dense(layer["gate_up"], hn)
+        gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+        act = jax.nn.silu(gate) * up
+    x = x + dense(layer["down"], act)
     return x, {"k": new_k, "v": new_v}, captured
+
+
+def _grouped_dense(p: dict, x: jax.Array) -> jax.Array:
+    """x [b, t, in] @ w [in, groups, cols] (+ b [groups, cols]) -> [b, t, groups, cols]: a fused
+    projection laid out per tensor-parallel shard (`tp_layout`), so each shard's split is local."""
+    y = jnp.einsum("btd,dgc->btgc", x, p["w"])
+    return y + p["b"] if "b" in p else y
+
+
+def _split_grouped_qkv(qkv: jax.Array, h: int, hd: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[b, t, tp, q|k|v of one shard] -> q [b, t, h, hd], k, v [b, t, kv heads held, hd]; head
+    order is shard-major, i.e. the original order (shard s holds heads [s h/tp, (s+1) h/tp))."""
+    b, t, g, cols = qkv.shape
+    qc = h * hd // g
+    kc = (cols - qc) // 2
+    q = qkv[..., :qc].reshape(b, t, h, hd)
+    k = qkv[..., qc:qc + kc].reshape(b, t, g * kc // hd, hd)
+    v = qkv[..., qc + kc:].reshape(b, t, g * kc // hd, hd)
+    return q, k, v
+
+
+def cache_kv_heads(cfg: LlamaConfig, tp: int = 1) -> int:
+    """KV heads the cache holds: the model's, or tp when there are fewer (each shard keeps a
+    copy of the KV head its query heads read: Megatron's KV-head replication)."""
+    return cfg.num_kv_heads if cfg.num_kv_heads >= tp else tp
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
+    """Can `cfg` be split over tp shards? (heads, KV heads and the MLP must divide evenly)."""
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"num_attention_heads={cfg.num_heads}")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        problems.append(f"num_key_value_heads={cfg.num_kv_heads}")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate_size={cfg.intermediate_size}")
+    if problems:
+        raise UnsupportedModelError(f"tensor_parallel={tp} does not divide {', '.join(problems)}",
+                                    param="tensor_parallel")
+
+
+def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
+    """Text params (numpy or jax) -> the tensor-parallel layout for tp shards, on the host, once.
+
+    qkv w [hidden, q|k|v] -> [hidden, tp, q_s|k_s|v_s]: shard s gets its query heads
+    [s h/tp, (s+1) h/tp) and the KV heads they read (kv_heads/tp of them, or, when kv_heads < tp,
+    a copy of the one KV head of its group); bias [q|k|v] -> [tp, q_s|k_s|v_s].
+    gate_up w [hidden, gate|up] -> [hidden, tp, gate_s|up_s]. With the group axis sharded over
+    "model", every shard's q/k/v and gate/up split is local and no weight is ever gathered.
+    embed [vocab, hidden] / lm_head [hidden, vocab] are zero-padded to a multiple of tp (vocab
+    parallel; `lm_logits` callers cut the padding off)."""
+    check_tensor_parallel(cfg, tp)
+    h, kvh, hd, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    kv_index = np.arange(kvh) if kvh >= tp else np.arange(tp) // (tp // kvh)   # KV heads held, in order
+
+    def qkv(a: np.ndarray) -> np.ndarray:            # [..., q|k|v] -> [..., tp, q_s|k_s|v_s]
+        lead = a.shape[:-1]
+        a = np.asarray(a)
+        q = a[..., :h * hd].reshape(*lead, tp, h // tp * hd)
+        k = a[..., h * hd:(h + kvh) * hd].reshape(*lead, kvh, hd)[..., kv_index, :].reshape(*lead, tp, -1)
+        v = a[..., (h + kvh) * hd:].reshape(*lead, kvh, hd)[..., kv_index, :].reshape(*lead, tp, -1)
+        return np.concatenate([q, k, v], axis=-1)
+
+    def gate_up(a: np.ndarray) -> np.ndarray:        # [..., gate|up] -> [..., tp, gate_s|up_s]
+        lead = a.shape[:-1]
+        a = np.asarray(a)
+        return np.concatenate([a[..., :inter].reshape(*lead, tp, -1), a[..., inter:].reshape(*lead, tp, -1)], -1)
+
+    pad = -cfg.vocab_size % tp
+    out = dict(params)
+    out["embed"] = np.pad(np.asarray(params["embed"]), ((0, pad), (0, 0)))
+    out["lm_head"] = np.pad(np.asarray(params["lm_head"]), ((0, 0), (0, pad)))
+    out["layers"] = [{**lp, "qkv": {k: qkv(v) for k, v in lp["qkv"].items()},
+                      "gate_up": {k: gate_up(v) for k, v in lp["gate_up"].items()}} for lp in params["layers"]]
+    return out
 
 
 def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
@@ -366,6 +451,7 @@ def embed_tokens(params: dict, token_ids: jax.Array) -> jax.Array:
 class LlamaTextModel:
     """`TextModel` for Llama-style decoders: binds a config to the functions above."""
     cfg: LlamaConfig
+    tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
 
     @property
     def hidden_size(self) -> int:
@@ -391,8 +477,28 @@ class LlamaTextModel:
         return load_params(src, self.cfg, prefix, lm_head_name)
 
     def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None) -> KVCache:
-        cache = init_kv_cache(self.cfg, num_slots, max_len, dtype)
-        return cache if sharding is None else jax.device_put(cache, sharding)
+        cfg = self.cfg if self.tp == 1 else dataclasses.replace(self.cfg, num_kv_heads=cache_kv_heads(self.cfg, self.tp))
+        if sharding is None:
+            return init_kv_cache(cfg, num_slots, max_len, dtype)
+        # allocate each array directly in its (possibly sharded) layout, not on one device first
+        shapes = jax.eval_shape(lambda: init_kv_cache(cfg, num_slots, max_len, dtype))
+        if not isinstance(sharding, jax.sharding.Sharding):
+            return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), shapes, sharding)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), shapes)
+
+    # ---- tensor parallelism (mmjax.sharding) -------------------------------------------------
+    def tensor_parallel(self, tp: int) -> "LlamaTextModel":
+        """This model as run over tp shards (its cache holds `cache_kv_heads(cfg, tp)` KV heads)."""
+        check_tensor_parallel(self.cfg, tp)
+        return dataclasses.replace(self, tp=tp)
+
+    def tp_layout(self, params: dict, tp: int) -> dict:
+        return tp_layout(params, self.cfg, tp)
+
+    def logical_axes(self, params: dict):
+        """Logical axis names of every text param (the path table in mmjax.sharding)."""
+        from mmjax.sharding import param_logical_axes
+        return param_logical_axes({"text": params})["text"]
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array:
         return embed_tokens(params, ids)
@@ -405,7 +511,9 @@ class LlamaTextModel:
                        capture=capture, reduce_small=reduce_small, inv_freq=inv_freq)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        return lm_logits(params, hidden)
+        out = lm_logits(params, hidden)
+        # a vocab padded for tensor parallelism (tp_layout): the padding is not a token
+        return out if out.shape[-1] == self.cfg.vocab_size else out[..., :self.cfg.vocab_size]
 
 
 def from_hf(cfg: dict, where: str = "text_config", **overrides) -> LlamaTextModel:
