@@ -119,8 +119,8 @@ class VLM:
     @property
     def engine(self):
         if self._engine is None:
-            from mmjax.serving.engine import Engine
-            self._engine = Engine(self.model, **self._engine_kw)
+            from mmjax.serving.data_parallel import make_engine
+            self._engine = make_engine(self.model, **self._engine_kw)   # DP replicas when the mesh asks
         return self._engine
 
     def save_params(self, directory: str | os.PathLike) -> Path:
@@ -229,7 +229,8 @@ class VLM:
                 emb[s:s + len(f)] = f
         capture = capture or Capture()
         if capture not in self._forward:
-            self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture))
+            self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture,
+                                                                 self.engine.runner.text_model))
         logits, inter = self._forward[capture](self.engine.runner.params, ids, emb.astype(self.model.dtype),
                                                ids == self.family.image_token_id, positions)
         if capture.any:
@@ -239,13 +240,25 @@ class VLM:
 
 def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
          image_limits: ImageLimits = ImageLimits(), params_dir: str | os.PathLike | None = None,
+         mesh=None, tensor_parallel: int | None = None, data_parallel: int | None = None,
          **engine_kw) -> VLM:
     """Load a Hugging Face-layout VLM checkpoint (local dir or hub id; None or "mmjax-shapes" for
     the shipped model) into a VLM.
 
     params_dir: converted params saved with `VLM.save_params` (orbax) for a fast reload.
+    mesh: a jax.sharding.Mesh with axes ("data", "model"), or tensor_parallel=N /
+    data_parallel=M to build one over the first N x M devices (`mmjax.sharding.make_mesh`):
+    the decoder is split N ways (Megatron-style tensor parallel), and M engine replicas serve
+    behind one engine API (README, "Scaling out").
     engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
-    max_images_per_request, mesh.
+    max_images_per_request.
     """
     enable_compilation_cache()
+    if mesh is None and (tensor_parallel or 1) * (data_parallel or 1) > 1:
+        from mmjax.sharding import make_mesh
+        mesh = make_mesh(tensor_parallel or 1, data_parallel or 1)
+    elif mesh is not None and (tensor_parallel or data_parallel):
+        raise InvalidRequestError("pass either mesh or tensor_parallel / data_parallel, not both", param="mesh")
+    if mesh is not None:
+        engine_kw["mesh"] = mesh
     return VLM(load_model(model, dtype, params_dir), image_limits=image_limits, **engine_kw)

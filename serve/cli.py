@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "or the hub id)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=8, help="decode slots = max concurrently running requests")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="devices each engine replica's decoder is split over (Megatron-style tensor parallel)")
+    p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                   help="engine replicas behind this server, each over --tensor-parallel-size devices")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503")
@@ -171,7 +175,8 @@ def run(args) -> int:
     vlm = mmjax.load(args.model, dtype=args.dtype, image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1),
-                     encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20)
+                     encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20,
+                     tensor_parallel=args.tensor_parallel_size, data_parallel=args.data_parallel_size)
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family
     configure_family(vlm, cfg)

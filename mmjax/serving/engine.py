@@ -181,6 +181,15 @@ class Engine:
         self.counters["requests_failed"] += 1
         deltas.append(Delta(req.id, [], "", None, True, "error", error=err))
 
+    def fail_active(self, err: MMJaxError) -> list[Delta]:
+        """End every request holding a slot with `err` and start from a fresh device state
+        (after a failure outside the step's own isolation); returns their error deltas."""
+        out: list[Delta] = []
+        for r in self.scheduler.active():
+            self.fail_request(r, err, out)
+        self.reset_device_state()
+        return out
+
     def _encode_missing(self, reqs: list[Request], deltas: list[Delta]) -> None:
         """Give every prefilling request its image features: from the encoder cache, or by
         encoding all missing images of all these requests together (deduplicated by key). If
@@ -346,4 +355,5 @@ class Engine:
                 "encoder_cache_entries": len(self.encoder_cache), "encoder_cache_bytes": self.encoder_cache.bytes,
                 "compiled_shapes": r.compiled_counts(), "compiled_shapes_bound": r.max_compilations(),
                 "compile_seconds": round(r.compile_seconds, 3),
-                "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()}}
+                "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()},
+                **r.memory_report()}

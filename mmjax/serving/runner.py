@@ -22,7 +22,9 @@ from mmjax.buckets import Buckets, bucket_for
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
-from mmjax.sharding import Placement, per_device_bytes, step_shardings
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mmjax.sharding import MODEL, Placement, per_device_bytes, step_shardings
 
 log = logging.getLogger("mmjax.runner")
 
@@ -66,7 +68,20 @@ class StepOutput:
     top_ids: np.ndarray     # [rows, 20]
 
 
-def make_prefill_step(family: Family, tune: Tuning, tm=None):
+def _gathered(logits: jax.Array, shardings) -> jax.Array:
+    """Vocab-parallel logits [rows, vocab] gathered once (one all-gather of the logits, never
+    of the LM head: XLA may otherwise pick that) so that sampling runs locally on every device;
+    shardings = (vocab-sharded, replicated) or None without tensor parallelism (the graph is
+    then the single-device one)."""
+    if shardings is None:
+        return logits
+    by_vocab, replicated = shardings
+    if logits.shape[-1] % by_vocab.mesh.shape["model"] == 0:
+        logits = jax.lax.with_sharding_constraint(logits, by_vocab)
+    return jax.lax.with_sharding_constraint(logits, replicated)
+
+
+def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds [c, hidden], image_mask [c], positions
     [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
     scalars), key [2] uint32) -> (cache, state, sample outputs).
@@ -82,7 +97,8 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None):
         embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, start[None],
                          start + token_ids.shape[0], slots=slot[None], reduce_small=tune.reduce_small_attention)
-        logits = tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True))
+        logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True)),
+                           logits_sharding)
         key, sub = jax.random.split(key)
         one = jax.tree.map(lambda x: x[None], sampling)
         res = sample(logits, sub[None], one)
@@ -91,7 +107,7 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None):
     return prefill
 
 
-def make_decode_step(family: Family, tune: Tuning, tm=None):
+def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, kv_len, *, rows) -> (cache, state, sample outputs): one token for
     each of the first `rows` slots (static); the other slots' cache and state rows are
     untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_len
@@ -104,7 +120,7 @@ def make_decode_step(family: Family, tune: Tuning, tm=None):
         embeds = tm.embed(text, st.tokens)[:, None]
         pos = jnp.broadcast_to((st.lengths + st.rope_delta)[None, :, None], (tm.position_rows, rows, 1))
         out = tm.forward(text, embeds, pos, cache, st.lengths, kv_len, reduce_small=tune.reduce_small_attention)
-        logits = tm.logits(text, out.hidden[:, 0])
+        logits = _gathered(tm.logits(text, out.hidden[:, 0]), logits_sharding)
         split = jax.vmap(jax.random.split)(st.keys)
         res = sample(logits, split[:, 1], st.sampling)
         st = DecodeState(res[0], st.lengths + 1, st.rope_delta, split[:, 0], st.sampling)
@@ -154,6 +170,7 @@ class ModelRunner:
             lambda: self.text_model.init_cache(max_num_seqs, max_model_len, self.dtype)))
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
+        self._memory: dict | None = None
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set()}
         self.compile_seconds = 0.0
         self.calls = {"encode": 0, "prefill": 0, "decode": 0}  # compiled-step invocations
@@ -163,9 +180,10 @@ class ModelRunner:
         outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
         self._encode = jax.jit(family.encode, out_shardings=p.sharding("outputs"),
                                compiler_options=t.compiler_options("encode"))
-        self._prefill = jax.jit(make_prefill_step(family, t, self.text_model), donate_argnums=(1, 2),
+        gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
+        self._prefill = jax.jit(make_prefill_step(family, t, self.text_model, gather), donate_argnums=(1, 2),
                                 out_shardings=outs, compiler_options=t.compiler_options("prefill"))
-        self._decode = jax.jit(make_decode_step(family, t, self.text_model), static_argnames=("rows",),
+        self._decode = jax.jit(make_decode_step(family, t, self.text_model, gather), static_argnames=("rows",),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
 
@@ -291,7 +309,13 @@ class ModelRunner:
         return out
 
     def memory_report(self) -> dict:
-        """The mesh and the bytes of weights and KV cache on each device (addressable shards)."""
+        """The mesh and the bytes of weights and KV cache on each device (addressable shards;
+        computed once: shapes and shardings never change)."""
+        if self._memory is None:
+            self._memory = self._measure_memory()
+        return dict(self._memory)
+
+    def _measure_memory(self) -> dict:
         w, kv = per_device_bytes(self.params), per_device_bytes(self.cache)
         return {"mesh": self.placement.describe(),
                 "weight_bytes_per_device": w, "kv_cache_bytes_per_device": kv,
