@@ -416,23 +416,31 @@ def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
     h, kvh, hd, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     kv_index = np.arange(kvh) if kvh >= tp else np.arange(tp) // (tp // kvh)   # KV heads held, in order
 
-    def qkv(a: np.ndarray) -> np.ndarray:            # [..., q|k|v] -> [..., tp, q_s|k_s|v_s]
+    def host(a):   # numpy on the host; jnp only when traced (abstract shapes: benchmarks/sharding.py)
+        return (jnp, a) if isinstance(a, jax.core.Tracer) else (np, np.asarray(a))
+
+    def qkv(a):                                      # [..., q|k|v] -> [..., tp, q_s|k_s|v_s]
+        xp, a = host(a)
         lead = a.shape[:-1]
-        a = np.asarray(a)
         q = a[..., :h * hd].reshape(*lead, tp, h // tp * hd)
         k = a[..., h * hd:(h + kvh) * hd].reshape(*lead, kvh, hd)[..., kv_index, :].reshape(*lead, tp, -1)
         v = a[..., (h + kvh) * hd:].reshape(*lead, kvh, hd)[..., kv_index, :].reshape(*lead, tp, -1)
-        return np.concatenate([q, k, v], axis=-1)
+        return xp.concatenate([q, k, v], axis=-1)
 
-    def gate_up(a: np.ndarray) -> np.ndarray:        # [..., gate|up] -> [..., tp, gate_s|up_s]
+    def gate_up(a):                                  # [..., gate|up] -> [..., tp, gate_s|up_s]
+        xp, a = host(a)
         lead = a.shape[:-1]
-        a = np.asarray(a)
-        return np.concatenate([a[..., :inter].reshape(*lead, tp, -1), a[..., inter:].reshape(*lead, tp, -1)], -1)
+        return xp.concatenate([a[..., :inter].reshape(*lead, tp, -1), a[..., inter:].reshape(*lead, tp, -1)], -1)
 
-    pad = -cfg.vocab_size % tp
+    def pad_axis(a, axis):
+        xp, a = host(a)
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, -cfg.vocab_size % tp)
+        return xp.pad(a, widths)
+
     out = dict(params)
-    out["embed"] = np.pad(np.asarray(params["embed"]), ((0, pad), (0, 0)))
-    out["lm_head"] = np.pad(np.asarray(params["lm_head"]), ((0, 0), (0, pad)))
+    out["embed"] = pad_axis(params["embed"], 0)
+    out["lm_head"] = pad_axis(params["lm_head"], 1)
     out["layers"] = [{**lp, "qkv": {k: qkv(v) for k, v in lp["qkv"].items()},
                       "gate_up": {k: gate_up(v) for k, v in lp["gate_up"].items()}} for lp in params["layers"]]
     return out

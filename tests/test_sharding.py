@@ -1,0 +1,138 @@
+"""Tensor- and data-parallel serving on 8 fake CPU devices (issue 24).
+
+The pytest process already runs jax on one device, so each test runs tests/sharding_worker.py in
+a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 and asserts on the JSON it
+prints. The checkpoints are the tiny LLaVA and Qwen2.5-VL builders with 8 query heads over 2 KV
+heads, so TP 8 splits the heads and replicates each KV head 4 times, and TP 2 splits KV heads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory):
+    from tiny_checkpoints import build_llava
+    from tiny_qwen import build_qwen
+    root = tmp_path_factory.mktemp("tp")
+    llava = build_llava(root / "llava", variant="gqa", seed=11, text_overrides={**EIGHT_HEADS, "head_dim": 8})
+    qwen = build_qwen(root / "qwen", family="qwen2_5_vl", seed=12, text_overrides={
+        **EIGHT_HEADS, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}})
+    return str(llava), str(qwen)
+
+
+def run_worker(mode: str, paths: tuple[str, str], timeout: int = 600) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "sharding_worker.py"), mode, *paths],
+                       capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(HERE))
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"worker failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
+    """TP 2/4/8 and DP 2 x TP 4 on LLaVA and Qwen2.5-VL: greedy ids identical to one device for 32
+    tokens over a mixed batch (images and text only), logits rel <= 1e-4, every model-sharded
+    weight and cache array 1/TP per device, Megatron's collectives in the decode HLO (one
+    all-reduce per layer after the o-projection and one after the down-projection, one for the
+    vocab-parallel embedding, one all-gather of the logits, no weight gathered), and the prefix
+    and encoder caches working under TP and DP."""
+    res = run_worker("parity", tp_checkpoints)
+    assert set(res) == {"llava", "qwen2_5_vl"}
+    for fam, by_mesh in res.items():
+        assert len(by_mesh["ids_1dev"]) == 4 and all(len(ids) == 32 for ids in by_mesh["ids_1dev"]), fam
+        assert len({tuple(ids) for ids in by_mesh["ids_1dev"]}) == 4, f"{fam}: requests should differ"
+        for mesh, r in by_mesh.items():
+            if mesh == "ids_1dev":
+                continue
+            where = f"{fam} {mesh}"
+            tp, dp = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2)}[mesh]
+            assert r["mesh"]["axes"] == {"data": dp, "model": tp} and r["mesh"]["devices"] == tp * dp, where
+            assert r["ids_equal"] and r["ids_again_equal"] and r["ids_enc_equal"], where
+            assert r["tokens_cached"] > 0, f"{where}: the prefix cache served nothing"
+            assert r["encoder_cache_hits"] >= 1, f"{where}: the encoder cache served nothing"
+            # every array sharded over the model axis holds exactly 1/tp of it on each device:
+            # all the decoder's matmul weights (qkv, o, gate_up, down per layer; embed; lm_head)
+            layers = 2
+            assert r["params"]["sharded"] == 4 * layers + 2 + (2 * layers if fam == "qwen2_5_vl" else 0), where
+            assert r["params"]["bad"] == [] and r["cache"]["bad"] == [], where
+            assert r["cache"]["sharded"] == 2 * layers, where     # k and v: one 128-position segment
+            assert r["replicas"] == dp, where
+            devices = [d for rep in r["replica_devices"] for d in rep]
+            assert len(devices) == len(set(devices)) == tp * dp, f"{where}: replicas must not share devices"
+            if dp == 1:
+                assert r["logits_rel"] <= 1e-4, where
+                counts = r["decode"]["counts"]
+                assert counts == {"all-reduce": 2 * r["num_layers"] + 1, "all-gather": 1}, f"{where}: {counts}"
+                assert r["decode"]["weight_gathers"] == [], where
+                assert len(r["decode"]["gathers"]) == 1 and r["decode"]["gathers"][0].startswith("f32[4,"), where
+        # weights per device shrink with TP (the vision tower stays replicated)
+        w = [by_mesh[m]["weight_bytes_max_device"] for m in ("tp2", "tp4", "tp8")]
+        assert w[0] > w[1] > w[2], f"{fam}: {w}"
+
+
+@pytest.mark.slow
+def test_sharded_steps_lower_for_cuda(tp_checkpoints):
+    """Every compiled step of a TP 8 runner exports for CUDA (bf16) with the 8-device mesh's
+    shardings on its arguments."""
+    res = run_worker("export", tp_checkpoints)
+    for fam, steps in res.items():
+        kinds = {k.split("[")[0].split("(")[0] for k in steps}
+        assert kinds == {"encode", "prefill", "decode"}, fam
+        for step, s in steps.items():
+            assert s["platforms"] == ["cuda"] and s["nr_devices"] == 8, (fam, step)
+            assert s["bf16_dot"], (fam, step)
+            # params (and, for prefill / decode, the KV cache) arrive sharded over "model"
+            n_layers = 2
+            weights = 4 * n_layers + 2 + (2 * n_layers if fam == "qwen2_5_vl" else 0)
+            want = weights if step.startswith("encode") else weights + 2 * n_layers * 2   # 2 segments at 256
+            assert s["model_sharded_args"] == want, (fam, step, s)
+
+
+def test_tp_layout_keeps_the_math(tmp_path):
+    """tp_layout + the grouped forward (run on one device) give the same layer output as the
+    fused single-device weights, including KV-head replication (tp 8 > 2 KV heads) and a vocab
+    padded to a multiple of tp (401 -> 408)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mmjax.models.text.llama import LlamaConfig, LlamaTextModel, tp_layout
+    from mmjax.models.text.rope import RopeConfig
+
+    cfg = LlamaConfig(vocab_size=401, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=256,
+                      rope=RopeConfig.from_hf({"rope_theta": 10000.0}, "t"), attention_bias=True)
+    rng = np.random.default_rng(0)
+    d, q, kv, i = 64, 64, 16, 96
+
+    def w(*s):
+        return rng.standard_normal(s).astype(np.float32) * 0.1
+    layer = lambda: {"ln1": 1 + w(d), "qkv": {"w": w(d, q + 2 * kv), "b": w(q + 2 * kv)}, "o": {"w": w(q, d)},  # noqa: E731
+                     "ln2": 1 + w(d), "gate_up": {"w": w(d, 2 * i)}, "down": {"w": w(i, d)}}
+    params = {"embed": w(401, d), "layers": [layer(), layer()], "norm": 1 + w(d), "lm_head": w(d, 401)}
+    ids = jnp.asarray(rng.integers(0, 401, (2, 5)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5)[None, None], (1, 2, 5))
+
+    def run(tm, p):
+        out = tm.forward(p, tm.embed(p, ids), pos, tm.init_cache(2, 16, jnp.float32), jnp.zeros(2, jnp.int32), 5)
+        return np.asarray(tm.logits(p, out.hidden))
+    base = run(LlamaTextModel(cfg), jax.tree.map(jnp.asarray, params))
+    for tp in (2, 8):
+        tm = LlamaTextModel(cfg).tensor_parallel(tp)
+        laid = tp_layout(params, cfg, tp)
+        assert laid["layers"][0]["qkv"]["w"].shape[:2] == (d, tp)
+        assert laid["embed"].shape[0] % tp == 0 and laid["lm_head"].shape[1] % tp == 0
+        got = run(tm, jax.tree.map(jnp.asarray, laid))
+        assert got.shape == base.shape
+        np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5)
