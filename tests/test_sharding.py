@@ -136,3 +136,37 @@ def test_tp_layout_keeps_the_math(tmp_path):
         got = run(tm, jax.tree.map(jnp.asarray, laid))
         assert got.shape == base.shape
         np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_serve_one_mesh(tp_checkpoints):
+    """Multi-host on CPU: 2 local processes x 2 fake devices joined by jax.distributed (gloo);
+    process 0 schedules and serves a TP 4 engine over all 4 devices, process 1 follows the same
+    compiled steps; greedy ids equal process 0's single-device run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, os.path.join(HERE, "multihost_worker.py")]
+    follower = subprocess.Popen(cmd + ["1", port, tp_checkpoints[0]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=os.path.dirname(HERE))
+    try:
+        leader = subprocess.run(cmd + ["0", port, tp_checkpoints[0]], capture_output=True, text=True, timeout=400,
+                                env=env, cwd=os.path.dirname(HERE))
+        f_out, f_err = follower.communicate(timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    lines = [ln for ln in leader.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert leader.returncode == 0 and lines, f"leader failed:\n{leader.stdout[-2000:]}\n{leader.stderr[-4000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["processes"] == 2 and res["devices"] == 4
+    assert res["mesh"]["axes"] == {"data": 1, "model": 4}
+    assert len(res["weight_bytes_per_device"]) == 2          # the leader sees its own 2 devices' shards
+    assert res["ids_equal"], res["ids"]
+    followed = [ln for ln in f_out.splitlines() if ln.startswith("FOLLOWED ")]
+    assert follower.returncode == 0 and followed, f"follower failed:\n{f_out[-2000:]}\n{f_err[-4000:]}"
+    assert json.loads(followed[-1][len("FOLLOWED "):])["calls"] > 32   # encode + prefills + >= 32 decodes

@@ -171,6 +171,11 @@ class ModelRunner:
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
         self._memory: dict | None = None
+        # multi-host: on a mesh spanning processes, the leader announces each call to the
+        # followers before making it (mmjax/distributed.py); None otherwise
+        from mmjax import distributed
+        index = distributed.register(self)
+        self._announce = distributed.Leader(index) if index is not None and distributed.is_leader() else None
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set()}
         self.compile_seconds = 0.0
         self.calls = {"encode": 0, "prefill": 0, "decode": 0}  # compiled-step invocations
@@ -196,6 +201,11 @@ class ModelRunner:
 
     def reset_device_state(self) -> None:
         """Fresh KV cache and decode state (after a failed step may have consumed donated buffers)."""
+        if self._announce is not None:
+            return self._announce("reset", None, self._reset)
+        self._reset()
+
+    def _reset(self) -> None:
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
 
@@ -223,6 +233,11 @@ class ModelRunner:
 
     def encode(self, calls: list[EncodeCall]) -> list[np.ndarray]:
         """Run a family's encode plan -> one feature array [num_tokens, hidden] per image, in order."""
+        if self._announce is not None:
+            return self._announce("encode", [(c.bucket, c.inputs) for c in calls], lambda: self._encode_calls(calls))
+        return self._encode_calls(calls)
+
+    def _encode_calls(self, calls: list[EncodeCall]) -> list[np.ndarray]:
         out: list[np.ndarray] = []
         for call in calls:
             inputs = call.inputs
@@ -242,6 +257,14 @@ class ModelRunner:
                 key: np.ndarray) -> StepOutput:
         """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index
         `start`; positions [rows, n]."""
+        if self._announce is not None:
+            args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key)
+            return self._announce("prefill", args, lambda: self._prefill_chunk(*args))
+        return self._prefill_chunk(slot, start, token_ids, image_embeds, image_mask, positions, rope_delta,
+                                   sampling, key)
+
+    def _prefill_chunk(self, slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling,
+                       key) -> StepOutput:
         n = len(token_ids)
         c = bucket_for(n, self.buckets.prefill)
         pad = c - n
@@ -260,6 +283,11 @@ class ModelRunner:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
         by one token; `max_length` = longest active sequence after the step. Outputs have one
         row per advanced slot."""
+        if self._announce is not None:
+            return self._announce("decode", (max_length, active_rows), lambda: self._decode_rows(max_length, active_rows))
+        return self._decode_rows(max_length, active_rows)
+
+    def _decode_rows(self, max_length: int, active_rows: int | None) -> StepOutput:
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
         self.cache, self.state, out = self._track("decode", rows, self._decode, self.params, self.cache,
                                                   self.state, np.int32(max_length), rows=rows)
