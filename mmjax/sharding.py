@@ -124,10 +124,13 @@ def _key_name(k) -> str:
 
 
 def param_logical_axes(params: Any) -> Any:
-    """The pytree of logical-axis tuples for `params` (the PARAM_AXES table by path; unmatched
+    """The pytree of logical-axis tuples for `params` (the PARAM_AXES table by path, for the
+    decoder under "text"; everything else, e.g. the vision tower and projector, and unmatched
     leaves get all-None axes: replicated)."""
     def axes(path, x):
         names = tuple(_key_name(k) for k in path)
+        if names[:1] != ("text",):
+            return (None,) * np.ndim(x)
         for suffix, ax in PARAM_AXES:
             if names[-len(suffix):] == suffix and len(ax) == np.ndim(x):
                 return ax
