@@ -57,7 +57,14 @@ class DataParallelEngine:
         self.tokenizer = model.tokenizer
         self.family = model.family
         self.mesh = mesh
-        self.replicas = [Engine(model, mesh=m, **engine_kw) for m in sub_meshes(mesh)]
+        meshes = sub_meshes(mesh)
+        import jax
+        if jax.process_count() > 1 and any(all(d.process_index != jax.process_index() for d in m.devices.flat)
+                                           for m in meshes):
+            # the leader reads every step's sampled tokens from its own devices
+            raise ValueError("multi-host data parallel: every replica must include devices of this process; "
+                             "run one server per host instead (README, Scaling out)")
+        self.replicas = [Engine(model, mesh=m, **engine_kw) for m in meshes]
         first = self.replicas[0]
         self.max_model_len = first.max_model_len
         self.prefill_chunk = first.prefill_chunk
