@@ -144,16 +144,15 @@ def scaled(fig1: dict, fig2: dict, layers: int) -> dict:
                                for k in set(c1["by_op"]) | set(c2["by_op"])}}}
 
 
-def wall_decode_ms(path: str, tp: int, slots: int, max_len: int, steps: int) -> float:
-    """Median decode-step wall time of a real runner (fake devices: a sanity check only)."""
+def wall_decode_ms(m, tp: int, slots: int, max_len: int, steps: int) -> float:
+    """Median decode-step wall time of a real runner over the loaded model `m` (fake devices: a
+    sanity check only)."""
     import numpy as np
 
-    from mmjax.api import load_model
     from mmjax.serving.runner import ModelRunner
     from mmjax.sharding import make_mesh
     import jax
 
-    m = load_model(path)
     r = ModelRunner(m.family, m.params, max_num_seqs=slots, max_model_len=max_len, prefill_chunk=64,
                     max_encode_batch=1, mesh=make_mesh(tp, 1, jax.devices()[:tp]) if tp > 1 else None)
     r.decode(64, slots)
@@ -202,7 +201,7 @@ def main(argv=None) -> int:
     rows = []
     for tp in args.tp:
         f = decode_figures(tm, text, tp, args.slots, args.max_len, jnp.float32)
-        f["wall_ms"] = wall_decode_ms(path, tp, args.slots, args.max_len, args.steps)
+        f["wall_ms"] = wall_decode_ms(model, tp, args.slots, args.max_len, args.steps)
         rows.append({"model": "bench", "tp": tp, "vision_bytes": vision_bytes, **f})
 
     note = None

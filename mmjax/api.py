@@ -251,7 +251,8 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     the decoder is split N ways (Megatron-style tensor parallel), and M engine replicas serve
     behind one engine API (README, "Scaling out").
     engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
-    max_images_per_request.
+    max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
+    instead of the default: replicated weights, the encode batch split over devices).
     """
     enable_compilation_cache()
     if mesh is None and (tensor_parallel or 1) * (data_parallel or 1) > 1:

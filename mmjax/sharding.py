@@ -63,6 +63,19 @@ PARAM_AXES: tuple[tuple[tuple[str, ...], tuple], ...] = (
     (("down", "w"), ("mlp", "embed")),               # row parallel
 )
 
+# The tensor-parallel ViT option (`vision_tensor_parallel=True`, for towers too big to
+# replicate): the same Megatron split of the vision blocks and projector by name. Fused vision
+# weights (Qwen's qkv, gate_up) are split by columns as they are, not regrouped per shard:
+# memory is 1/TP, and XLA moves the activations their split needs.
+VISION_PARAM_AXES: tuple[tuple[tuple[str, ...], tuple], ...] = (
+    (("q", "w"), ("embed", "heads")), (("k", "w"), ("embed", "heads")), (("v", "w"), ("embed", "heads")),
+    (("q", "b"), ("heads",)), (("k", "b"), ("heads",)), (("v", "b"), ("heads",)),
+    (("qkv", "w"), ("embed", "heads")), (("qkv", "b"), ("heads",)),
+    (("o", "w"), ("heads", "embed")), (("proj", "w"), ("heads", "embed")),
+    (("fc1", "w"), ("embed", "mlp")), (("fc1", "b"), ("mlp",)), (("fc2", "w"), ("mlp", "embed")),
+    (("gate_up", "w"), ("embed", "mlp")), (("gate_up", "b"), ("mlp",)), (("down", "w"), ("mlp", "embed")),
+)
+
 # K segments [slots, kv_heads, head_dim, len], V segments [slots, kv_heads, len, head_dim]
 CACHE_AXES = {"k": ("slots", "kv_heads", "head_dim", "kv_len"), "v": ("slots", "kv_heads", "kv_len", "head_dim")}
 
@@ -123,15 +136,14 @@ def _key_name(k) -> str:
     return str(k)
 
 
-def param_logical_axes(params: Any) -> Any:
+def param_logical_axes(params: Any, vision_tp: bool = False) -> Any:
     """The pytree of logical-axis tuples for `params` (the PARAM_AXES table by path, for the
-    decoder under "text"; everything else, e.g. the vision tower and projector, and unmatched
-    leaves get all-None axes: replicated)."""
+    decoder under "text"; everything else, e.g. the vision tower and projector, is replicated
+    unless `vision_tp` (VISION_PARAM_AXES); unmatched leaves get all-None axes: replicated)."""
     def axes(path, x):
         names = tuple(_key_name(k) for k in path)
-        if names[:1] != ("text",):
-            return (None,) * np.ndim(x)
-        for suffix, ax in PARAM_AXES:
+        table = PARAM_AXES if names[:1] == ("text",) else VISION_PARAM_AXES if vision_tp else ()
+        for suffix, ax in table:
             if names[-len(suffix):] == suffix and len(ax) == np.ndim(x):
                 return ax
         return (None,) * np.ndim(x)
@@ -143,6 +155,7 @@ class Placement:
     """Where one runner's arrays live. `mesh` None: the default device, no annotations."""
     mesh: Mesh | None = None
     rules: tuple = LOGICAL_RULES
+    vision_tp: bool = False       # tensor-parallel vision tower instead of data parallel
 
     @property
     def tp(self) -> int:
@@ -186,7 +199,7 @@ class Placement:
         return {**params, "text": tm.tp_layout(params["text"], self.tp)}
 
     def logical_axes(self, params: dict, tm=None) -> Any:
-        axes = param_logical_axes(params)
+        axes = param_logical_axes(params, self.vision_tp)
         if tm is not None and hasattr(tm, "logical_axes") and "text" in params:
             axes = {**axes, "text": tm.logical_axes(params["text"])}
         return axes
@@ -220,7 +233,7 @@ class Placement:
     def encode_input_sharding(self, shape: tuple) -> NamedSharding | None:
         """An encode call's batched input [images, ...] split over the replica's devices when
         they divide the batch (data-parallel vision tower); None: leave it to JAX."""
-        if self.mesh is None or self.num_devices == 1:
+        if self.mesh is None or self.num_devices == 1 or self.vision_tp:
             return None
         spec = spec_from_logical(("images",) + (None,) * (len(shape) - 1), shape, self.mesh, self.rules)
         return NamedSharding(self.mesh, spec)

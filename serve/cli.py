@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="devices each engine replica's decoder is split over (Megatron-style tensor parallel)")
     p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                    help="engine replicas behind this server, each over --tensor-parallel-size devices")
+    p.add_argument("--vision-tensor-parallel", action="store_true",
+                   help="split the vision tower over the tensor-parallel devices too (default: replicated ViT "
+                        "weights, the images of an encode call split over the devices)")
     p.add_argument("--coordinator-address", default=os.environ.get("MMJAX_COORDINATOR_ADDRESS"),
                    help="multi-host: host:port of process 0 (jax.distributed; env MMJAX_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=_positive_int, default=int(os.environ.get("MMJAX_NUM_PROCESSES", 1)),
@@ -184,7 +187,8 @@ def run(args) -> int:
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1),
                      encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20,
-                     tensor_parallel=args.tensor_parallel_size, data_parallel=args.data_parallel_size)
+                     tensor_parallel=args.tensor_parallel_size, data_parallel=args.data_parallel_size,
+                     **({"vision_tensor_parallel": True} if args.vision_tensor_parallel else {}))
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family
     configure_family(vlm, cfg)

@@ -28,7 +28,7 @@ from mmjax.sharding import MODEL, make_mesh  # noqa: E402
 from mmjax.serving.sampling import SamplingParams  # noqa: E402
 
 ENGINE = dict(max_num_seqs=4, max_model_len=128, prefill_chunk=128, max_encode_batch=2)
-MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2)}
+MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2), "tp4-vit": (4, 1)}
 COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
 
 
@@ -101,7 +101,8 @@ def parity(paths: dict) -> dict:
         want_logits = base.logits(prompt, img)
         res = {"ids_1dev": want}
         for mesh_name, (tp, dp) in MESHES.items():
-            vlm = mmjax.load(path, mesh=make_mesh(tp, dp), **ENGINE)
+            vit = {"vision_tensor_parallel": True} if mesh_name.endswith("-vit") else {}
+            vlm = mmjax.load(path, mesh=make_mesh(tp, dp), **ENGINE, **vit)
             got = generate(vlm)
             again = generate(vlm)   # the same prompts again: prefix-cache hits
             st0 = vlm.engine.stats()
@@ -116,7 +117,8 @@ def parity(paths: dict) -> dict:
                  "replica_devices": [sorted(str(d) for d in e.runner.placement.mesh.devices.flat) for e in replicas],
                  "weight_bytes_max_device": st["weight_bytes_max_device"],
                  "kv_cache_bytes_max_device": st["kv_cache_bytes_max_device"],
-                 "params": shard_fractions(replicas[0].runner.params, tp),
+                 "params": shard_fractions({"text": replicas[0].runner.params["text"]}, tp),
+                 "vision": shard_fractions({k: v for k, v in replicas[0].runner.params.items() if k != "text"}, tp),
                  "cache": shard_fractions(replicas[0].runner.cache, tp)}
             if dp == 1:
                 r["logits_rel"] = rel(vlm.logits(prompt, img), want_logits)

@@ -47,7 +47,7 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
     weight and cache array 1/TP per device, Megatron's collectives in the decode HLO (one
     all-reduce per layer after the o-projection and one after the down-projection, one for the
     vocab-parallel embedding, one all-gather of the logits, no weight gathered), and the prefix
-    and encoder caches working under TP and DP."""
+    and encoder caches working under TP and DP; the same with the tensor-parallel ViT option."""
     res = run_worker("parity", tp_checkpoints)
     assert set(res) == {"llava", "qwen2_5_vl"}
     for fam, by_mesh in res.items():
@@ -57,7 +57,7 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
             if mesh == "ids_1dev":
                 continue
             where = f"{fam} {mesh}"
-            tp, dp = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2)}[mesh]
+            tp, dp = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2), "tp4-vit": (4, 1)}[mesh]
             assert r["mesh"]["axes"] == {"data": dp, "model": tp} and r["mesh"]["devices"] == tp * dp, where
             assert r["ids_equal"] and r["ids_again_equal"] and r["ids_enc_equal"], where
             assert r["tokens_cached"] > 0, f"{where}: the prefix cache served nothing"
@@ -67,7 +67,9 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
             layers = 2
             # (+ Qwen's q|k|v bias per layer; the vision tower and projector stay replicated)
             assert r["params"]["sharded"] == 4 * layers + 2 + (layers if fam == "qwen2_5_vl" else 0), where
-            assert r["params"]["bad"] == [] and r["cache"]["bad"] == [], where
+            assert r["params"]["bad"] == [] and r["cache"]["bad"] == [] and r["vision"]["bad"] == [], where
+            # the vision tower: replicated (data parallel over images) unless the TP-ViT option
+            assert (r["vision"]["sharded"] > 0) == mesh.endswith("-vit"), f"{where}: {r['vision']}"
             assert r["cache"]["sharded"] == 2 * layers, where     # k and v: one 128-position segment
             assert r["replicas"] == dp, where
             devices = [d for rep in r["replica_devices"] for d in rep]

@@ -151,9 +151,10 @@ class ModelRunner:
     steps over them."""
 
     def __init__(self, family: Family, params: dict, *, max_num_seqs: int, max_model_len: int,
-                 prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None):
+                 prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
+                 vision_tensor_parallel: bool = False):
         self.family = family
-        self.placement = Placement(mesh)
+        self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
         self.text_model = self.placement.text_model(family.text_model)
         self.tuning = tuning(platform)
