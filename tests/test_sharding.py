@@ -176,3 +176,67 @@ def test_two_processes_serve_one_mesh(tp_checkpoints):
     followed = [ln for ln in f_out.splitlines() if ln.startswith("FOLLOWED ")]
     assert follower.returncode == 0 and followed, f"follower failed:\n{f_out[-2000:]}\n{f_err[-4000:]}"
     assert json.loads(followed[-1][len("FOLLOWED "):])["calls"] > 32   # encode + prefills + >= 32 decodes
+
+
+def test_one_device_stats_and_metrics_report_the_mesh(llava_dirs):
+    """engine.stats() and /metrics carry the mesh and every device's weight and KV-cache bytes
+    (one device here: the totals)."""
+    import jax
+
+    from mmjax.api import load_model
+    from mmjax.serving.engine import Engine
+    from serve.metrics import ServerMetrics
+
+    model = load_model(llava_dirs["gqa"])
+    eng = Engine(model, max_num_seqs=2, max_model_len=128, prefill_chunk=32)
+    st = eng.stats()
+    assert st["mesh"]["devices"] == 1
+    weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    cache = sum(x.nbytes for x in jax.tree.leaves(eng.runner.cache))
+    assert list(st["weight_bytes_per_device"].values()) == [weights] == [st["weight_bytes_max_device"]]
+    assert list(st["kv_cache_bytes_per_device"].values()) == [cache] == [st["kv_cache_bytes_max_device"]]
+    text = ServerMetrics(eng.stats, lambda: 0).render().decode()
+    dev = next(iter(st["weight_bytes_per_device"]))
+    assert f'mmjax_weight_bytes{{device="{dev}"}} {float(weights)}' in text
+    assert f'mmjax_kv_cache_bytes{{device="{dev}"}} {float(cache)}' in text
+
+
+def test_data_parallel_routing_keeps_cache_affinity():
+    """A repeat of the same first image (or prompt prefix) goes where it went before, unless that
+    replica is more than `affinity_slack` requests busier than the least loaded one."""
+    from types import SimpleNamespace
+
+    from mmjax.serving.data_parallel import DataParallelEngine
+
+    class Replica:
+        def __init__(self):
+            self.waiting, self.running = [], []
+            self.scheduler = SimpleNamespace(active=lambda: self.running)
+
+    dp = DataParallelEngine.__new__(DataParallelEngine)
+    dp.replicas = [Replica(), Replica()]
+    dp.affinity_slack = 2
+    dp._affinity, dp._max_keys = __import__("collections").OrderedDict(), 100
+    dp.routed = {"affinity": 0, "least_loaded": 0}
+
+    def req(image=None, prompt=(1, 2, 3)):
+        images = [SimpleNamespace(key=image)] if image else []
+        return SimpleNamespace(images=images, prompt_ids=np.asarray(prompt))
+
+    def submit(r):
+        i = dp.route(r)
+        dp.replicas[i].waiting.append(r)
+        return i
+
+    assert submit(req("cat")) == 0                 # new key: least loaded (tie -> 0)      loads 1, 0
+    assert submit(req("dog")) == 1                 # new key: least loaded                 loads 1, 1
+    assert submit(req("dog")) == 1                 # affinity beats the tie-break to 0     loads 1, 2
+    assert submit(req("dog")) == 1                 # 2 <= 1 + slack                        loads 1, 3
+    assert submit(req("dog")) == 1                 # 3 <= 1 + slack                        loads 1, 4
+    assert submit(req("dog")) == 0                 # 4 > 1 + slack: the hot key moves      loads 2, 4
+    assert submit(req("dog")) == 0                 # and stays with its new replica        loads 3, 4
+    assert submit(req(prompt=(9, 9))) == 0         # text prefix: new key, least loaded    loads 4, 4
+    assert submit(req(prompt=(9, 9))) == 0         # same prefix: affinity (tie-break agrees)
+    dp.replicas[0].waiting.clear()
+    assert submit(req(prompt=(7, 7))) == 0         # least loaded after 0 drained
+    assert dp.routed == {"affinity": 5, "least_loaded": 5}
