@@ -103,7 +103,7 @@ def decode_figures(tm, text_params, tp: int, slots: int, max_len: int, dtype) ->
     import jax
 
     from mmjax.backend import tuning
-    from mmjax.serving.runner import DecodeState, _gathered, make_decode_step  # noqa: F401
+    from mmjax.serving.runner import DecodeState, make_decode_step
     from mmjax.sharding import MODEL, Placement, make_mesh, step_shardings
     from jax.sharding import NamedSharding, PartitionSpec
 
