@@ -57,6 +57,28 @@ def encoder_cache_request(tok: str) -> list[dict]:
     return [{"prompt": f"USER: please answer: {tok}\nwhat color? ASSISTANT:", "images": [noise(1, 40, 40)]}]
 
 
+def via_async_engine(vlm, reqs: list[dict]) -> list[list[int]]:
+    """The same requests streamed concurrently through AsyncEngine (the server's face)."""
+    import asyncio
+
+    from mmjax.serving import AsyncEngine
+
+    eng = vlm.engine
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    made = [eng.make_request(r["prompt"], vlm.prepare_images(r.get("images", ())), sp) for r in reqs]
+
+    async def main():
+        ae = AsyncEngine(eng)
+
+        async def one(req):
+            return [t for d in [d async for d in ae.stream(req)] for t in d.token_ids]
+        try:
+            return await asyncio.gather(*(one(r) for r in made))
+        finally:
+            ae.shutdown(5)
+    return [list(map(int, ids)) for ids in asyncio.run(main())]
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
@@ -120,6 +142,8 @@ def parity(paths: dict) -> dict:
                  "params": shard_fractions({"text": replicas[0].runner.params["text"]}, tp),
                  "vision": shard_fractions({k: v for k, v in replicas[0].runner.params.items() if k != "text"}, tp),
                  "cache": shard_fractions(replicas[0].runner.cache, tp)}
+            if dp > 1:   # the server's path: AsyncEngine over the replicas
+                r["async_ids_equal"] = via_async_engine(vlm, requests(tok)) == want
             if dp == 1:
                 r["logits_rel"] = rel(vlm.logits(prompt, img), want_logits)
                 r["decode"] = decode_collectives(eng.runner)

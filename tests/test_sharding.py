@@ -74,6 +74,8 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
             assert r["replicas"] == dp, where
             devices = [d for rep in r["replica_devices"] for d in rep]
             assert len(devices) == len(set(devices)) == tp * dp, f"{where}: replicas must not share devices"
+            if dp > 1:
+                assert r["async_ids_equal"], f"{where}: AsyncEngine over the replicas"
             if dp == 1:
                 assert r["logits_rel"] <= 1e-4, where
                 counts = r["decode"]["counts"]
