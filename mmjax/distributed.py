@@ -10,6 +10,10 @@ runner on a mesh that spans processes sends the call's host inputs to the others
 same runner method with the same inputs, so all processes launch the same compiled steps in the
 same order, as SPMD needs. Only the leader reads results.
 
+What is announced: the runner's `encode`, `prefill`, `decode` and `reset_device_state` (all the
+engine and the server use). `VLM.logits` (a research call with its own jit) is not: use it in
+single-process runs only.
+
 Flags / environment (serve/cli.py): --coordinator-address (MMJAX_COORDINATOR_ADDRESS, host:port
 of process 0), --num-processes (MMJAX_NUM_PROCESSES), --process-id (MMJAX_PROCESS_ID). On CPU
 the cross-process collectives use gloo.
