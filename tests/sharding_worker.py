@@ -123,6 +123,8 @@ def parity(paths: dict) -> dict:
         want_logits = base.logits(prompt, img)
         res = {"ids_1dev": want}
         for mesh_name, (tp, dp) in MESHES.items():
+            if mesh_name.endswith("-vit") and name != "llava":
+                continue   # the TP-ViT option once (CI time): CLIP's q/k/v/o/fc split over 4 devices
             vit = {"vision_tensor_parallel": True} if mesh_name.endswith("-vit") else {}
             vlm = mmjax.load(path, mesh=make_mesh(tp, dp), **ENGINE, **vit)
             got = generate(vlm)

@@ -50,6 +50,8 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
     and encoder caches working under TP and DP; the same with the tensor-parallel ViT option."""
     res = run_worker("parity", tp_checkpoints)
     assert set(res) == {"llava", "qwen2_5_vl"}
+    assert set(res["llava"]) == {"ids_1dev", "tp2", "tp4", "tp8", "dp2xtp4", "tp4-vit"}
+    assert set(res["qwen2_5_vl"]) == {"ids_1dev", "tp2", "tp4", "tp8", "dp2xtp4"}
     for fam, by_mesh in res.items():
         assert len(by_mesh["ids_1dev"]) == 4 and all(len(ids) == 32 for ids in by_mesh["ids_1dev"]), fam
         assert len({tuple(ids) for ids in by_mesh["ids_1dev"]}) == 4, f"{fam}: requests should differ"
