@@ -244,3 +244,50 @@ def test_data_parallel_routing_keeps_cache_affinity():
     dp.replicas[0].waiting.clear()
     assert submit(req(prompt=(7, 7))) == 0         # least loaded after 0 drained
     assert dp.routed == {"affinity": 5, "least_loaded": 5}
+
+
+@pytest.mark.slow
+def test_serve_flags_tensor_and_data_parallel(tp_checkpoints):
+    """`python -m serve --tensor-parallel-size 2 --data-parallel-size 2` on fake CPU devices: a
+    chat completion works and /metrics shows the 2 x 2 mesh and four devices' weight bytes."""
+    import re
+    import signal
+    import time
+    import urllib.request
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    p = subprocess.Popen([sys.executable, "-m", "serve", "--model", tp_checkpoints[0], "--port", "0",
+                          "--served-model-name", "tiny", "--max-num-seqs", "2", "--max-model-len", "128",
+                          "--tensor-parallel-size", "2", "--data-parallel-size", "2"],
+                         cwd=os.path.dirname(HERE), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    lines = []
+    try:
+        port, deadline = None, time.monotonic() + 180
+        while port is None and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "".join(lines)
+        url = f"http://127.0.0.1:{port}"
+        body = json.dumps({"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                           "messages": [{"role": "user", "content": "hello world"}]}).encode()
+        req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 8
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert 'mmjax_mesh_axis_size{axis="data"} 2.0' in metrics
+        assert 'mmjax_mesh_axis_size{axis="model"} 2.0' in metrics
+        assert len(re.findall(r"^mmjax_weight_bytes\{device=", metrics, re.M)) == 4
+        assert len(re.findall(r"^mmjax_kv_cache_bytes\{device=", metrics, re.M)) == 4
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
