@@ -71,15 +71,16 @@ class LoadedModel:
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
-               params_dir: str | os.PathLike | None = None) -> LoadedModel:
+               params_dir: str | os.PathLike | None = None, on_device: bool = True) -> LoadedModel:
     """Resolve, parse and convert a checkpoint. `params_dir`: orbax params written by
-    `save_params` / `mmjax convert`, restored instead of converting the safetensors again."""
+    `save_params` / `mmjax convert`, restored instead of converting the safetensors again.
+    on_device=False keeps the params as host numpy arrays (for placement over a mesh)."""
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
     path, name = resolve_model(model)
     hf_cfg = json.loads((path / "config.json").read_text())
     family, np_params = load_family(path, hf_cfg)
-    params = cast_params(np_params, DTYPES[dtype])
+    params = cast_params(np_params, DTYPES[dtype], on_device=on_device)
     if params_dir is not None:
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
@@ -262,4 +263,6 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
         raise InvalidRequestError("pass either mesh or tensor_parallel / data_parallel, not both", param="mesh")
     if mesh is not None:
         engine_kw["mesh"] = mesh
-    return VLM(load_model(model, dtype, params_dir), image_limits=image_limits, **engine_kw)
+    # over a mesh, params stay on the host until the runner places each shard on its device
+    return VLM(load_model(model, dtype, params_dir, on_device=mesh is None), image_limits=image_limits,
+               **engine_kw)
