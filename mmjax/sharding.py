@@ -101,8 +101,9 @@ def sub_meshes(mesh: Mesh) -> list[Mesh]:
         return [mesh]
     d = mesh.axis_names.index(DATA)
     devs = np.moveaxis(mesh.devices, d, 0)
-    return [Mesh(devs[i:i + 1], (DATA,) + tuple(a for a in mesh.axis_names if a != DATA))
-            for i in range(devs.shape[0])]
+    names = (DATA,) + tuple(a for a in mesh.axis_names if a != DATA)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return [Mesh(devs[i:i + 1], names, axis_types=tuple(types[a] for a in names)) for i in range(devs.shape[0])]
 
 
 def axis_size(mesh: Mesh | None, name: str) -> int:
