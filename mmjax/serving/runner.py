@@ -171,7 +171,8 @@ class ModelRunner:
             lambda: self.text_model.init_cache(max_num_seqs, max_model_len, self.dtype)))
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
-        self._memory: dict | None = None
+        # measured now, while no step holds the (donated) cache: stats() may run on any thread
+        self._memory: dict | None = self._measure_memory()
         # multi-host: on a mesh spanning processes, the leader announces each call to the
         # followers before making it (mmjax/distributed.py); None otherwise
         from mmjax import distributed
