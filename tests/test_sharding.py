@@ -291,3 +291,25 @@ def test_serve_flags_tensor_and_data_parallel(tp_checkpoints):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.slow
+def test_bench_sharding_smoke():
+    """`mmjax bench sharding --smoke`: per-device decoder bytes fall as 1/TP, a TP decode step has
+    2 all-reduces per layer + 1 and one all-gather, and the 72B-shaped row is Qwen2.5-VL-72B's."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-m", "mmjax.cli", "bench", "sharding", "--smoke"], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=os.path.dirname(HERE))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    out = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith('{"bench": "sharding"')][-1])
+    bench = {r["tp"]: r for r in out["rows"] if r["model"] == "bench"}
+    assert sorted(bench) == [1, 2, 4]
+    assert bench[1]["comm"]["count"] == 0
+    for tp in (2, 4):
+        assert bench[tp]["weight_bytes"] < bench[1]["weight_bytes"] / tp * 1.1   # norms stay replicated
+        assert bench[tp]["comm"]["by_op"] == {"all-reduce": 2 * 2 + 1, "all-gather": 1}
+    big = [r for r in out["rows"] if r["model"].startswith("qwen2.5-vl-72b")]
+    assert [r["tp"] for r in big] == [8]
+    assert big[0]["comm"]["by_op"] == {"all-reduce": 2 * 80 + 1, "all-gather": 1}
+    assert 17e9 < big[0]["weight_bytes"] < 19e9          # ~72.7B bf16 params / 8
