@@ -71,15 +71,16 @@ class LoadedModel:
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
-               params_dir: str | os.PathLike | None = None) -> LoadedModel:
+               params_dir: str | os.PathLike | None = None, on_device: bool = True) -> LoadedModel:
     """Resolve, parse and convert a checkpoint. `params_dir`: orbax params written by
-    `save_params` / `mmjax convert`, restored instead of converting the safetensors again."""
+    `save_params` / `mmjax convert`, restored instead of converting the safetensors again.
+    on_device=False keeps the params as host numpy arrays (for placement over a mesh)."""
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
     path, name = resolve_model(model)
     hf_cfg = json.loads((path / "config.json").read_text())
     family, np_params = load_family(path, hf_cfg)
-    params = cast_params(np_params, DTYPES[dtype])
+    params = cast_params(np_params, DTYPES[dtype], on_device=on_device)
     if params_dir is not None:
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
@@ -119,8 +120,8 @@ class VLM:
     @property
     def engine(self):
         if self._engine is None:
-            from mmjax.serving.engine import Engine
-            self._engine = Engine(self.model, **self._engine_kw)
+            from mmjax.serving.data_parallel import make_engine
+            self._engine = make_engine(self.model, **self._engine_kw)   # DP replicas when the mesh asks
         return self._engine
 
     def save_params(self, directory: str | os.PathLike) -> Path:
@@ -244,7 +245,8 @@ class VLM:
             # the prompt's image tokens, in order, take the images' features in order
             emb[p.image_pos] = np.concatenate(self.engine.runner.encode_images(p.images))
         if capture not in self._forward:
-            self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture))
+            self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture,
+                                                                 self.engine.runner.text_model))
         logits, inter = self._forward[capture](self.engine.runner.params, p.ids, emb.astype(self.model.dtype),
                                                p.ids == self.family.image_token_id, p.positions, p.spans)
         return np.asarray(logits), jax.tree.map(np.asarray, inter)
@@ -270,13 +272,28 @@ class VLM:
 
 def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
          image_limits: ImageLimits = ImageLimits(), params_dir: str | os.PathLike | None = None,
+         mesh=None, tensor_parallel: int | None = None, data_parallel: int | None = None,
          **engine_kw) -> VLM:
     """Load a Hugging Face-layout VLM checkpoint (local dir or hub id; None or "mmjax-shapes" for
     the shipped model) into a VLM.
 
     params_dir: converted params saved with `VLM.save_params` (orbax) for a fast reload.
+    mesh: a jax.sharding.Mesh with axes ("data", "model"), or tensor_parallel=N /
+    data_parallel=M to build one over the first N x M devices (`mmjax.sharding.make_mesh`):
+    the decoder is split N ways (Megatron-style tensor parallel), and M engine replicas serve
+    behind one engine API (README, "Scaling out").
     engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
-    max_images_per_request, mesh.
+    max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
+    instead of the default: replicated weights, the encode batch split over devices).
     """
     enable_compilation_cache()
-    return VLM(load_model(model, dtype, params_dir), image_limits=image_limits, **engine_kw)
+    if mesh is None and (tensor_parallel or 1) * (data_parallel or 1) > 1:
+        from mmjax.sharding import make_mesh
+        mesh = make_mesh(tensor_parallel or 1, data_parallel or 1)
+    elif mesh is not None and (tensor_parallel or data_parallel):
+        raise InvalidRequestError("pass either mesh or tensor_parallel / data_parallel, not both", param="mesh")
+    if mesh is not None:
+        engine_kw["mesh"] = mesh
+    # over a mesh, params stay on the host until the runner places each shard on its device
+    return VLM(load_model(model, dtype, params_dir, on_device=mesh is None), image_limits=image_limits,
+               **engine_kw)

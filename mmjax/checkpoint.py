@@ -102,14 +102,17 @@ def norm(src: TensorSource, name: str, dim: int, bias: bool = True) -> dict:
     return p
 
 
-def cast_params(params, dtype):
-    """numpy pytree -> device arrays in `dtype` (float leaves only)."""
+def cast_params(params, dtype, on_device: bool = True):
+    """numpy pytree -> arrays in `dtype` (float leaves only): on the default device, or, with
+    on_device=False, numpy arrays on the host (a model placed over a mesh goes from the host
+    straight to its shards, never whole onto one device)."""
     import jax
     import jax.numpy as jnp
 
     def cast(x):
         x = np.asarray(x)
-        return jnp.asarray(x, dtype=dtype if np.issubdtype(x.dtype, np.floating) else x.dtype)
+        want = dtype if np.issubdtype(x.dtype, np.floating) else x.dtype
+        return jnp.asarray(x, dtype=want) if on_device else x.astype(want, copy=False)
     return jax.tree.map(cast, params)
 
 

@@ -27,6 +27,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "or the hub id)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=8, help="decode slots = max concurrently running requests")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="devices each engine replica's decoder is split over (Megatron-style tensor parallel)")
+    p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                   help="engine replicas behind this server, each over --tensor-parallel-size devices")
+    p.add_argument("--vision-tensor-parallel", action="store_true",
+                   help="split the vision tower over the tensor-parallel devices too (default: replicated ViT "
+                        "weights, the images of an encode call split over the devices)")
+    p.add_argument("--coordinator-address", default=os.environ.get("MMJAX_COORDINATOR_ADDRESS"),
+                   help="multi-host: host:port of process 0 (jax.distributed; env MMJAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=_positive_int, default=int(os.environ.get("MMJAX_NUM_PROCESSES", 1)),
+                   help="multi-host: processes (hosts) sharing the mesh (env MMJAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=int(os.environ.get("MMJAX_PROCESS_ID", 0)),
+                   help="multi-host: this process's index; 0 serves HTTP, the others follow (env MMJAX_PROCESS_ID)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503")
@@ -170,17 +183,30 @@ def run(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import mmjax
+    from mmjax import distributed
     from mmjax.image.decode import ImageLimits
+    multihost = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     vlm = mmjax.load(args.model, dtype=args.dtype, image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1),
-                     encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20)
+                     encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20,
+                     tensor_parallel=args.tensor_parallel_size, data_parallel=args.data_parallel_size,
+                     **({"vision_tensor_parallel": True} if args.vision_tensor_parallel else {}))
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family
     configure_family(vlm, cfg)
+    if multihost and not distributed.is_leader():
+        # a follower: same model, same engine, no server; runs the leader's steps until it stops
+        vlm.engine
+        log.info("process %d following the leader's steps", args.process_id)
+        log.info("followed %d steps; the leader stopped", distributed.follow())
+        return 0
     if args.warmup:
         log.info("warmup done in %.1fs", warmup(vlm))
-    return asyncio.run(serve_forever(vlm, cfg, args.host, args.port))
+    try:
+        return asyncio.run(serve_forever(vlm, cfg, args.host, args.port))
+    finally:
+        distributed.stop_followers()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,21 @@ class EngineCollector:
         for k, v in sorted((s.get("compiled_shapes_bound") or {}).items()):
             bound.add_metric([k], v)
         yield bound
+        # where the model lives: the mesh and every device's share of weights and KV cache
+        mesh = s.get("mesh") or {}
+        if mesh:
+            m = GaugeMetricFamily("mmjax_mesh_axis_size", "Devices along each mesh axis (data, model).",
+                                  labels=["axis"])
+            for k, v in sorted((mesh.get("axes") or {"devices": mesh.get("devices", 1)}).items()):
+                m.add_metric([k], v)
+            yield m
+        for key, name, doc in (("weight_bytes_per_device", "weight_bytes", "Bytes of weights held by each device."),
+                               ("kv_cache_bytes_per_device", "kv_cache_bytes", "Bytes of KV cache held by each device.")):
+            per = s.get(key) or {}
+            g = GaugeMetricFamily(f"mmjax_{name}", doc, labels=["device"])
+            for dev, v in sorted(per.items()):
+                g.add_metric([dev], v)
+            yield g
 
 
 class ServerMetrics:

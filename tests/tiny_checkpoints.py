@@ -37,7 +37,8 @@ def train_tokenizer(extra_special: list[str], vocab_size: int = 400):
                                    additional_special_tokens=extra_special)
 
 
-def build_llava(out_dir: str | os.PathLike, *, variant: str = "gqa", seed: int = 0) -> Path:
+def build_llava(out_dir: str | os.PathLike, *, variant: str = "gqa", seed: int = 0,
+                text_overrides: dict | None = None) -> Path:
     """Tiny LLaVA-1.5-architecture checkpoint.
 
     variant "gqa":  GQA 4:2, vision_feature_layer -2, 'default' strategy, untied lm_head, 32x32.
@@ -45,6 +46,7 @@ def build_llava(out_dir: str | os.PathLike, *, variant: str = "gqa", seed: int =
                     scaling, 28x28 crop from shortest-edge resize.
     variant "tie-top": "gqa" saved as `LlavaConfig(..., tie_word_embeddings=True)` over a text
                     config that says false (transformers 5 ties it: no lm_head in the file).
+    text_overrides: LlamaConfig fields replaced (e.g. more heads for tensor-parallel tests).
     """
     import torch
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
@@ -91,6 +93,8 @@ def build_llava(out_dir: str | os.PathLike, *, variant: str = "gqa", seed: int =
         strategy = "full"
     else:
         raise ValueError(variant)
+    for k, v in (text_overrides or {}).items():
+        setattr(cfg.text_config, k, v)
     model = LlavaForConditionalGeneration(cfg).eval()
     # Random init leaves some tensors at constants (norm weights = 1, biases = 0); perturb all so
     # parity cannot pass by accident on a symmetric model.

@@ -65,9 +65,11 @@ def train_qwen_tokenizer(vocab_size: int = 480):
                                    additional_special_tokens=QWEN_SPECIAL[1:])
 
 
-def build_qwen(out_dir: str | os.PathLike, *, family: str = "qwen2_vl", seed: int = 0) -> Path:
+def build_qwen(out_dir: str | os.PathLike, *, family: str = "qwen2_vl", seed: int = 0,
+               text_overrides: dict | None = None) -> Path:
     """Tiny checkpoint. family "qwen2_vl": LayerNorm/quick_gelu vision blocks, full attention;
-    "qwen2_5_vl": RMSNorm/SwiGLU vision blocks, 112-px windows with full attention in blocks 1, 3."""
+    "qwen2_5_vl": RMSNorm/SwiGLU vision blocks, 112-px windows with full attention in blocks 1, 3.
+    text_overrides: text config fields replaced (e.g. more heads for tensor-parallel tests)."""
     import torch
     from transformers import Qwen2VLImageProcessorPil
 
@@ -84,6 +86,7 @@ def build_qwen(out_dir: str | os.PathLike, *, family: str = "qwen2_vl", seed: in
                                                     "mrope_section": [2, 3, 3]},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                 pad_token_id=ids["<|endoftext|>"])
+    text.update(text_overrides or {})
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if family == "qwen2_vl":

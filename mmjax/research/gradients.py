@@ -77,7 +77,7 @@ def _logprob_fn(vlm, calls: tuple, n_answer: int):
     if key in fns:
         return fns[key]
     family = vlm.family
-    tm = family.text_model
+    tm = vlm.engine.runner.text_model          # as placed (tensor-parallel layout on a mesh)
     from mmjax.serving.runner import image_mask_spec
 
     def fn(params, pixels, leaves, feat_index, ids, positions, spans, image_pos):

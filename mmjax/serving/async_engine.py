@@ -24,6 +24,7 @@ log = logging.getLogger("mmjax.engine")
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_waiting: int = 256):
+        """`engine`: an Engine or anything with its interface (serving/data_parallel.py)."""
         self.engine = engine
         self.max_waiting = max_waiting
         self._inbox: deque = deque()          # ("add", req, queue, loop) | ("abort", rid)
@@ -160,8 +161,4 @@ class AsyncEngine:
 
     def _fail_active(self, exc: Exception) -> list[Delta]:
         err = MMJaxError(f"internal error while running the request: {type(exc).__name__}: {exc}")
-        out: list[Delta] = []
-        for r in self.engine.scheduler.active():
-            self.engine.fail_request(r, err, out)
-        self.engine.reset_device_state()
-        return out
+        return self.engine.fail_active(err)

@@ -43,7 +43,7 @@ class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
-                 enable_prefix_cache: bool = True, mesh=None):
+                 enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False):
         self.model = model
         self.tokenizer = model.tokenizer
         self.family = model.family
@@ -54,7 +54,8 @@ class Engine:
         self.max_images_per_request = max_images_per_request
         self.runner = ModelRunner(model.family, model.params, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                                  max_encode_batch=max_encode_batch, mesh=mesh)
+                                  max_encode_batch=max_encode_batch, mesh=mesh,
+                                  vision_tensor_parallel=vision_tensor_parallel)
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
@@ -213,6 +214,15 @@ class Engine:
         self._finish(req, "error")
         self.counters["requests_failed"] += 1
         deltas.append(Delta(req.id, [], "", None, True, "error", error=err))
+
+    def fail_active(self, err: MMJaxError) -> list[Delta]:
+        """End every request holding a slot with `err` and start from a fresh device state
+        (after a failure outside the step's own isolation); returns their error deltas."""
+        out: list[Delta] = []
+        for r in self.scheduler.active():
+            self.fail_request(r, err, out)
+        self.reset_device_state()
+        return out
 
     def _encode_missing(self, reqs: list[Request], deltas: list[Delta]) -> None:
         """Give every prefilling request its image features: from the encoder cache, or by
@@ -388,4 +398,5 @@ class Engine:
                 "encoder_cache_entries": len(self.encoder_cache), "encoder_cache_bytes": self.encoder_cache.bytes,
                 "compiled_shapes": r.compiled_counts(), "compiled_shapes_bound": r.max_compilations(),
                 "compile_seconds": round(r.compile_seconds, 3),
-                "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()}}
+                "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()},
+                **r.memory_report()}

@@ -23,7 +23,9 @@ from mmjax.buckets import Buckets, bucket_for
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
-from mmjax.sharding import Placement
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mmjax.sharding import MODEL, Placement, per_device_bytes, step_shardings
 
 log = logging.getLogger("mmjax.runner")
 
@@ -78,7 +80,20 @@ def image_mask_spec(family: Family, spans: jax.Array) -> MaskSpec | None:
     return MaskSpec(spans=spans) if family.bidirectional_images else None
 
 
-def make_prefill_step(family: Family, tune: Tuning):
+def _gathered(logits: jax.Array, shardings) -> jax.Array:
+    """Vocab-parallel logits [rows, vocab] gathered once (one all-gather of the logits, never
+    of the LM head: XLA may otherwise pick that) so that sampling runs locally on every device;
+    shardings = (vocab-sharded, replicated) or None without tensor parallelism (the graph is
+    then the single-device one)."""
+    if shardings is None:
+        return logits
+    by_vocab, replicated = shardings
+    if logits.shape[-1] % by_vocab.mesh.shape["model"] == 0:
+        logits = jax.lax.with_sharding_constraint(logits, by_vocab)
+    return jax.lax.with_sharding_constraint(logits, replicated)
+
+
+def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds [c, hidden], image_mask [c], positions
     [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
     scalars), key [2] uint32, spans [c] int32) -> (cache, state, sample outputs).
@@ -86,8 +101,8 @@ def make_prefill_step(family: Family, tune: Tuning):
     One chunk of one sequence into cache row `slot`. The first token is sampled from the logits
     of the chunk's last valid token and the slot's decode-state row is set up (the host only uses
     it after the final chunk). spans: image-token run ids (-1 elsewhere), used by families with
-    bidirectional image attention."""
-    tm = family.text_model
+    bidirectional image attention. `tm`: the text model as placed (default: the family's)."""
+    tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, start, n_valid,
                 rope_delta, sampling, key, spans):
@@ -96,7 +111,8 @@ def make_prefill_step(family: Family, tune: Tuning):
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, start[None],
                          start + token_ids.shape[0], slots=slot[None], mask=image_mask_spec(family, spans[None]),
                          ids=token_ids[None], reduce_small=tune.reduce_small_attention)
-        logits = tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True))
+        logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True)),
+                           logits_sharding)
         key, sub = jax.random.split(key)
         one = jax.tree.map(lambda x: x[None], sampling)
         res = sample(logits, sub[None], one)
@@ -106,13 +122,13 @@ def make_prefill_step(family: Family, tune: Tuning):
     return prefill
 
 
-def make_pruned_prefill_step(family: Family, tune: Tuning):
+def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds, image_mask, positions, slot, n_valid,
     rope_delta, sampling, key, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
     prompt (from cache index 0) in one call with FastV pruning after decoder `layer` (static, as
     are `keep` image tokens and the `out_len` rows later layers compute); text models with
-    `supports_prune` only."""
-    tm = family.text_model
+    `supports_prune` only. `tm` as in prefill."""
+    tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, n_valid,
                 rope_delta, sampling, key, *, layer, keep, out_len):
@@ -123,7 +139,8 @@ def make_pruned_prefill_step(family: Family, tune: Tuning):
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), c,
                          slots=slot[None], ids=token_ids[None], prune=prune, reduce_small=tune.reduce_small_attention)
         dropped = out.intermediates["pruned"][0]
-        logits = tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1 - dropped, keepdims=True))
+        logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1 - dropped,
+                                                                        keepdims=True)), logits_sharding)
         key, sub = jax.random.split(key)
         res = sample(logits, sub[None], jax.tree.map(lambda x: x[None], sampling))
         row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped)
@@ -131,13 +148,13 @@ def make_pruned_prefill_step(family: Family, tune: Tuning):
     return prefill
 
 
-def make_decode_step(family: Family, tune: Tuning):
+def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, kv_lens, *, rows) -> (cache, state, sample outputs): one token for
     each of the first `rows` slots (static); the other slots' cache and state rows are
     untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_lens
     [num_layers] int32: cache positions the active rows use after the step, per layer (they
-    differ after pruned layers)."""
-    tm = family.text_model
+    differ after pruned layers). `tm` as in prefill."""
+    tm = tm or family.text_model
     prunable = getattr(tm, "supports_prune", False)
 
     def decode(params, cache, state, kv_lens, *, rows):
@@ -148,7 +165,7 @@ def make_decode_step(family: Family, tune: Tuning):
         extra = {"dropped": Dropped(st.drop_after, st.dropped, kv_lens)} if prunable else {}
         out = tm.forward(text, embeds, pos, cache, st.lengths, kv_lens.max(), ids=st.tokens[:, None],
                          reduce_small=tune.reduce_small_attention, **extra)
-        logits = tm.logits(text, out.hidden[:, 0])
+        logits = _gathered(tm.logits(text, out.hidden[:, 0]), logits_sharding)
         split = jax.vmap(jax.random.split)(st.keys)
         res = sample(logits, split[:, 1], st.sampling)
         st = dataclasses.replace(st, tokens=res[0], lengths=st.lengths + 1, keys=split[:, 0])
@@ -156,12 +173,13 @@ def make_decode_step(family: Family, tune: Tuning):
     return decode
 
 
-def make_prompt_forward(family: Family, capture: Capture = Capture()):
+def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None):
     """A jittable (params, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t],
     spans [t] int32 (image-token run ids, see models.family.run_spans; None: no runs)) ->
     (logits [t, vocab] float32, intermediates) over a whole prompt with a private one-slot cache
-    (research / parity use; `capture` picks the intermediates, see models/text.Capture)."""
-    tm = family.text_model
+    (research / parity use; `capture` picks the intermediates, see models/text.Capture; `tm`:
+    the text model as placed, default the family's)."""
+    tm = tm or family.text_model
 
     def fn(params, ids, image_embeds, image_mask, positions, spans=None):
         text = params["text"]
@@ -180,20 +198,34 @@ class ModelRunner:
     steps over them."""
 
     def __init__(self, family: Family, params: dict, *, max_num_seqs: int, max_model_len: int,
-                 prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None):
+                 prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
+                 vision_tensor_parallel: bool = False):
         self.family = family
-        self.text_model = family.text_model
-        self.placement = Placement(mesh)
+        self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
+        # tensor parallel: the text model for tp shards and its params in per-shard layout
+        self.text_model = self.placement.text_model(family.text_model)
         self.tuning = tuning(platform)
-        self.params = self.placement.place(params, "params")
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
+        params = self.placement.layout_params(params, self.text_model)
+        self.param_shardings = self.placement.param_shardings(params, self.text_model)
+        self.params = self.placement.place_params(params, self.text_model)
         self.hidden_size = self.text_model.hidden_size
         self.num_slots = max_num_seqs
         self.max_model_len = max_model_len
         self.max_encode_batch = max_encode_batch
         self.buckets = Buckets.make(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs)
+        self.cache_shardings = self.placement.cache_shardings(jax.eval_shape(
+            lambda: self.text_model.init_cache(max_num_seqs, max_model_len, self.dtype,
+                                               max_chunk=self.buckets.prefill[-1])))
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
+        # measured now, while no step holds the (donated) cache: stats() may run on any thread
+        self._memory: dict | None = self._measure_memory()
+        # multi-host: on a mesh spanning processes, the leader announces each call to the
+        # followers before making it (mmjax/distributed.py); None otherwise
+        from mmjax import distributed
+        index = distributed.register(self)
+        self._announce = distributed.Leader(index) if index is not None and distributed.is_leader() else None
         # shapes compiled so far; "prefill_pruned": (chunk, layer, keep, out_len) of FastV prefills
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set()}
         self.compile_seconds = 0.0
@@ -201,29 +233,33 @@ class ModelRunner:
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
         self.step_seconds = {k: 0.0 for k in self.compiled}
         p, t = self.placement, self.tuning
+        outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
         self._encode = jax.jit(family.encode, out_shardings=p.sharding("outputs"),
                                compiler_options=t.compiler_options("encode"))
-        self._prefill = jax.jit(make_prefill_step(family, t), donate_argnums=(1, 2),
-                                out_shardings=p.step_shardings("cache", "state", "outputs"),
-                                compiler_options=t.compiler_options("prefill"))
-        self._decode = jax.jit(make_decode_step(family, t), static_argnames=("rows",), donate_argnums=(1, 2),
-                               out_shardings=p.step_shardings("cache", "state", "outputs"),
+        gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
+        self._prefill = jax.jit(make_prefill_step(family, t, self.text_model, gather), donate_argnums=(1, 2),
+                                out_shardings=outs, compiler_options=t.compiler_options("prefill"))
+        self._decode = jax.jit(make_decode_step(family, t, self.text_model, gather), static_argnames=("rows",),
+                               donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
-        self._prefill_pruned = jax.jit(make_pruned_prefill_step(family, t), donate_argnums=(1, 2),
-                                       static_argnames=("layer", "keep", "out_len"),
-                                       out_shardings=p.step_shardings("cache", "state", "outputs"),
-                                       compiler_options=t.compiler_options("prefill"))
+        self._prefill_pruned = jax.jit(make_pruned_prefill_step(family, t, self.text_model, gather),
+                                       donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
+                                       out_shardings=outs, compiler_options=t.compiler_options("prefill"))
 
     def fresh_cache(self):
         return self.text_model.init_cache(self.num_slots, self.max_model_len, self.dtype,
-                                          sharding=self.placement.sharding("cache"),
-                                          max_chunk=self.buckets.prefill[-1])
+                                          sharding=self.cache_shardings, max_chunk=self.buckets.prefill[-1])
 
     def fresh_state(self) -> DecodeState:
         return self.placement.place(DecodeState.zeros(self.num_slots), "state")
 
     def reset_device_state(self) -> None:
         """Fresh KV cache and decode state (after a failed step may have consumed donated buffers)."""
+        if self._announce is not None:
+            return self._announce("reset", None, self._reset)
+        self._reset()
+
+    def _reset(self) -> None:
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
 
@@ -234,6 +270,11 @@ class ModelRunner:
         would otherwise evict the window a resume needs, drops indexes >= kv_len)."""
         if self.state.lengths.is_deleted():   # a failed step consumed the state: it is being reset
             return
+        if self._announce is not None:        # a computation on the global state: every process runs it
+            return self._announce("park", (slot,), lambda: self._park(slot))
+        self._park(slot)
+
+    def _park(self, slot: int) -> None:
         self.state = dataclasses.replace(self.state, lengths=self.state.lengths.at[slot].set(self.max_model_len))
 
     def device_state_lost(self) -> bool:
@@ -260,9 +301,18 @@ class ModelRunner:
 
     def encode(self, calls: list[EncodeCall]) -> list[np.ndarray]:
         """Run a family's encode plan -> one feature array [num_tokens, hidden] per image, in order."""
+        if self._announce is not None:
+            return self._announce("encode", [(c.bucket, c.inputs) for c in calls], lambda: self._encode_calls(calls))
+        return self._encode_calls(calls)
+
+    def _encode_calls(self, calls: list[EncodeCall]) -> list[np.ndarray]:
         out: list[np.ndarray] = []
         for call in calls:
-            feats = np.asarray(self._track("encode", call.bucket, self._encode, self.params, call.inputs))
+            inputs = call.inputs
+            s = self.placement.encode_input_sharding(np.shape(inputs)) if isinstance(inputs, np.ndarray) else None
+            if s is not None:   # data-parallel vision tower: the images of the call split over devices
+                inputs = jax.device_put(inputs, s)
+            feats = np.asarray(self._track("encode", call.bucket, self._encode, self.params, inputs))
             out.extend(call.split(feats))
         return out
 
@@ -280,6 +330,13 @@ class ModelRunner:
         `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none).
         prune (layer, keep): FastV pruning of the image tokens after `layer` (the whole prompt,
         start 0; later layers compute the remaining tokens' bucket)."""
+        args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key, spans, prune)
+        if self._announce is not None:
+            return self._announce("prefill", args, lambda: self._prefill_chunk(*args))
+        return self._prefill_chunk(*args)
+
+    def _prefill_chunk(self, slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling,
+                       key, spans=None, prune=None) -> StepOutput:
         n = len(token_ids)
         c = bucket_for(n, self.buckets.prefill)
         pad = c - n
@@ -311,6 +368,11 @@ class ModelRunner:
         by one token; `max_length` = longest active sequence after the step (per layer
         [num_layers] where pruned rows make later layers shorter). Outputs have one row per
         advanced slot."""
+        if self._announce is not None:
+            return self._announce("decode", (max_length, active_rows), lambda: self._decode_rows(max_length, active_rows))
+        return self._decode_rows(max_length, active_rows)
+
+    def _decode_rows(self, max_length: int | np.ndarray, active_rows: int | None) -> StepOutput:
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
         kv_lens = np.broadcast_to(np.asarray(max_length, np.int32), (self.text_model.num_layers,))
         self.cache, self.state, out = self._track("decode", rows, self._decode, self.params, self.cache,
@@ -330,13 +392,23 @@ class ModelRunner:
     def step_signatures(self) -> list[tuple[str, object, tuple, dict]]:
         """(name, jitted step, abstract args, static kwargs) for every compiled shape this runner
         can produce: what tests/test_cuda_lowering.py exports for CUDA."""
-        def spec(x):
-            return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
+        mesh = self.placement.mesh
+
+        def spec(x, sharding=None):
+            # with a mesh, the abstract args carry the placed arrays' shardings (what export sees)
+            sharding = sharding or (getattr(x, "sharding", None) if mesh is not None else None)
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
+                                        sharding=sharding)
 
         params, cache, state = (jax.tree.map(spec, t) for t in (self.params, self.cache, self.state))
         out = []
         for call in self.family.warmup_plan(self.max_encode_batch):
-            out.append((f"encode{call.bucket}", self._encode, (params, jax.tree.map(spec, call.inputs)), {}))
+            inputs = call.inputs
+            if isinstance(inputs, np.ndarray):
+                inputs = spec(inputs, self.placement.encode_input_sharding(inputs.shape))
+            else:
+                inputs = jax.tree.map(spec, inputs)
+            out.append((f"encode{call.bucket}", self._encode, (params, inputs), {}))
         rows = self.text_model.position_rows
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
@@ -355,6 +427,20 @@ class ModelRunner:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
             out.append((f"decode[{r}]", self._decode, (params, cache, state, lens), {"rows": r}))
         return out
+
+    def memory_report(self) -> dict:
+        """The mesh and the bytes of weights and KV cache on each device (addressable shards;
+        computed once: shapes and shardings never change)."""
+        if self._memory is None:
+            self._memory = self._measure_memory()
+        return dict(self._memory)
+
+    def _measure_memory(self) -> dict:
+        w, kv = per_device_bytes(self.params), per_device_bytes(self.cache)
+        return {"mesh": self.placement.describe(),
+                "weight_bytes_per_device": w, "kv_cache_bytes_per_device": kv,
+                "weight_bytes_max_device": max(w.values(), default=0),
+                "kv_cache_bytes_max_device": max(kv.values(), default=0)}
 
     def compiled_counts(self) -> dict[str, int]:
         """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran)."""

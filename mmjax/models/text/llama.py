@@ -365,10 +365,14 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     cos, sin, q_index = rope
     rows = jnp.arange(b) if slots is None else slots
     hn = rms_norm(layer["ln1"], x, cfg.rms_norm_eps)
-    qkv = dense(layer["qkv"], hn)
-    q = qkv[..., : h * hd].reshape(b, t, h, hd)
-    k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
-    v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
+    if layer["qkv"]["w"].ndim == 3:   # tensor-parallel layout [hidden, tp, q|k|v of one shard]
+        q, k, v = _split_grouped_qkv(_grouped_dense(layer["qkv"], hn), h, hd)
+        kvh = k.shape[2]
+    else:
+        qkv = dense(layer["qkv"], hn)
+        q = qkv[..., : h * hd].reshape(b, t, h, hd)
+        k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
+        v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Each new token goes to the segment holding its cache index; indexes outside a segment
     # (and padded tail tokens of a bucketed chunk past max_len) map to distinct positions past
@@ -389,9 +393,15 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
                                reduce_small=reduce_small)
     x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
     hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
-    gu = dense(layer["gate_up"], hn)
-    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
-    x = x + dense(layer["down"], jax.nn.silu(gate) * up)
+    if layer["gate_up"]["w"].ndim == 3:   # tensor-parallel layout [hidden, tp, gate|up of one shard]
+        gu = _grouped_dense(layer["gate_up"], hn)                       # [b, t, tp, 2 * mlp / tp]
+        half = gu.shape[-1] // 2
+        act = (jax.nn.silu(gu[..., :half]) * gu[..., half:]).reshape(b, t, -1)
+    else:
+        gu = dense(layer["gate_up"], hn)
+        gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+        act = jax.nn.silu(gate) * up
+    x = x + dense(layer["down"], act)
     return x, {"k": new_k, "v": new_v}, captured
 
 
@@ -413,6 +423,89 @@ def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: j
     return new_k, new_v
 
 
+def _grouped_dense(p: dict, x: jax.Array) -> jax.Array:
+    """x [b, t, in] @ w [in, groups, cols] (+ b [groups, cols]) -> [b, t, groups, cols]: a fused
+    projection laid out per tensor-parallel shard (`tp_layout`), so each shard's split is local."""
+    y = jnp.einsum("btd,dgc->btgc", x, p["w"])
+    return y + p["b"] if "b" in p else y
+
+
+def _split_grouped_qkv(qkv: jax.Array, h: int, hd: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[b, t, tp, q|k|v of one shard] -> q [b, t, h, hd], k, v [b, t, kv heads held, hd]; head
+    order is shard-major, i.e. the original order (shard s holds heads [s h/tp, (s+1) h/tp))."""
+    b, t, g, cols = qkv.shape
+    qc = h * hd // g
+    kc = (cols - qc) // 2
+    q = qkv[..., :qc].reshape(b, t, h, hd)
+    k = qkv[..., qc:qc + kc].reshape(b, t, g * kc // hd, hd)
+    v = qkv[..., qc + kc:].reshape(b, t, g * kc // hd, hd)
+    return q, k, v
+
+
+def cache_kv_heads(cfg: LlamaConfig, tp: int = 1) -> int:
+    """KV heads the cache holds: the model's, or tp when there are fewer (each shard keeps a
+    copy of the KV head its query heads read: Megatron's KV-head replication)."""
+    return cfg.num_kv_heads if cfg.num_kv_heads >= tp else tp
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
+    """Can `cfg` be split over tp shards? (heads, KV heads and the MLP must divide evenly)."""
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"num_attention_heads={cfg.num_heads}")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        problems.append(f"num_key_value_heads={cfg.num_kv_heads}")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate_size={cfg.intermediate_size}")
+    if problems:
+        raise UnsupportedModelError(f"tensor_parallel={tp} does not divide {', '.join(problems)}",
+                                    param="tensor_parallel")
+
+
+def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
+    """Text params (numpy or jax) -> the tensor-parallel layout for tp shards, on the host, once.
+
+    qkv w [hidden, q|k|v] -> [hidden, tp, q_s|k_s|v_s]: shard s gets its query heads
+    [s h/tp, (s+1) h/tp) and the KV heads they read (kv_heads/tp of them, or, when kv_heads < tp,
+    a copy of the one KV head of its group); bias [q|k|v] -> [tp, q_s|k_s|v_s].
+    gate_up w [hidden, gate|up] -> [hidden, tp, gate_s|up_s]. With the group axis sharded over
+    "model", every shard's q/k/v and gate/up split is local and no weight is ever gathered.
+    embed [vocab, hidden] / lm_head [hidden, vocab] are zero-padded to a multiple of tp (vocab
+    parallel; `lm_logits` callers cut the padding off)."""
+    check_tensor_parallel(cfg, tp)
+    h, kvh, hd, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    kv_index = np.arange(kvh) if kvh >= tp else np.arange(tp) // (tp // kvh)   # KV heads held, in order
+
+    def host(a):   # numpy on the host; jnp only when traced (abstract shapes: benchmarks/sharding.py)
+        return (jnp, a) if isinstance(a, jax.core.Tracer) else (np, np.asarray(a))
+
+    def qkv(a):                                      # [..., q|k|v] -> [..., tp, q_s|k_s|v_s]
+        xp, a = host(a)
+        lead = a.shape[:-1]
+        q = a[..., :h * hd].reshape(*lead, tp, h // tp * hd)
+        k = a[..., h * hd:(h + kvh) * hd].reshape(*lead, kvh, hd)[..., kv_index, :].reshape(*lead, tp, -1)
+        v = a[..., (h + kvh) * hd:].reshape(*lead, kvh, hd)[..., kv_index, :].reshape(*lead, tp, -1)
+        return xp.concatenate([q, k, v], axis=-1)
+
+    def gate_up(a):                                  # [..., gate|up] -> [..., tp, gate_s|up_s]
+        xp, a = host(a)
+        lead = a.shape[:-1]
+        return xp.concatenate([a[..., :inter].reshape(*lead, tp, -1), a[..., inter:].reshape(*lead, tp, -1)], -1)
+
+    def pad_axis(a, axis):
+        xp, a = host(a)
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, -cfg.vocab_size % tp)
+        return xp.pad(a, widths)
+
+    out = dict(params)
+    out["embed"] = pad_axis(params["embed"], 0)
+    out["lm_head"] = pad_axis(params["lm_head"], 1)
+    out["layers"] = [{**lp, "qkv": {k: qkv(v) for k, v in lp["qkv"].items()},
+                      "gate_up": {k: gate_up(v) for k, v in lp["gate_up"].items()}} for lp in params["layers"]]
+    return out
+
+
 def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
     """hidden [..., hidden] -> logits [..., vocab] in float32."""
     return (hidden @ params["lm_head"]).astype(jnp.float32)
@@ -427,6 +520,7 @@ class LlamaTextModel:
     """`TextModel` for Llama-style decoders: binds a config to the functions above."""
     cfg: LlamaConfig
     supports_prune = True
+    tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
 
     @property
     def hidden_size(self) -> int:
@@ -451,9 +545,30 @@ class LlamaTextModel:
     def load_params(self, src: TensorSource, prefix: str, lm_head_name: str) -> dict:
         return load_params(src, self.cfg, prefix, lm_head_name)
 
-    def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *, max_chunk: int | None = None) -> KVCache:
-        cache = init_kv_cache(self.cfg, num_slots, max_len, dtype)
-        return cache if sharding is None else jax.device_put(cache, sharding)
+    def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *,
+                   max_chunk: int | None = None) -> KVCache:
+        cfg = self.cfg if self.tp == 1 else dataclasses.replace(self.cfg, num_kv_heads=cache_kv_heads(self.cfg, self.tp))
+        if sharding is None:
+            return init_kv_cache(cfg, num_slots, max_len, dtype)
+        # allocate each array directly in its (possibly sharded) layout, not on one device first
+        shapes = jax.eval_shape(lambda: init_kv_cache(cfg, num_slots, max_len, dtype))
+        if not isinstance(sharding, jax.sharding.Sharding):
+            return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), shapes, sharding)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), shapes)
+
+    # ---- tensor parallelism (mmjax.sharding) -------------------------------------------------
+    def tensor_parallel(self, tp: int) -> "LlamaTextModel":
+        """This model as run over tp shards (its cache holds `cache_kv_heads(cfg, tp)` KV heads)."""
+        check_tensor_parallel(self.cfg, tp)
+        return dataclasses.replace(self, tp=tp)
+
+    def tp_layout(self, params: dict, tp: int) -> dict:
+        return tp_layout(params, self.cfg, tp)
+
+    def logical_axes(self, params: dict):
+        """Logical axis names of every text param (the path table in mmjax.sharding)."""
+        from mmjax.sharding import param_logical_axes
+        return param_logical_axes({"text": params})["text"]
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array:
         return embed_tokens(params, ids)
@@ -467,7 +582,9 @@ class LlamaTextModel:
                        capture=capture, reduce_small=reduce_small, inv_freq=inv_freq, prune=prune, dropped=dropped)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        return lm_logits(params, hidden)
+        out = lm_logits(params, hidden)
+        # a vocab padded for tensor parallelism (tp_layout): the padding is not a token
+        return out if out.shape[-1] == self.cfg.vocab_size else out[..., :self.cfg.vocab_size]
 
 
 def from_hf(cfg: dict, where: str = "text_config", **overrides) -> LlamaTextModel:

@@ -1,0 +1,315 @@
+"""Tensor- and data-parallel serving on 8 fake CPU devices (issue 24).
+
+The pytest process already runs jax on one device, so each test runs tests/sharding_worker.py in
+a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 and asserts on the JSON it
+prints. The checkpoints are the tiny LLaVA and Qwen2.5-VL builders with 8 query heads over 2 KV
+heads, so TP 8 splits the heads and replicates each KV head 4 times, and TP 2 splits KV heads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory):
+    from tiny_checkpoints import build_llava
+    from tiny_qwen import build_qwen
+    root = tmp_path_factory.mktemp("tp")
+    llava = build_llava(root / "llava", variant="gqa", seed=11, text_overrides={**EIGHT_HEADS, "head_dim": 8})
+    qwen = build_qwen(root / "qwen", family="qwen2_5_vl", seed=12, text_overrides={
+        **EIGHT_HEADS, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}})
+    return str(llava), str(qwen)
+
+
+def run_worker(mode: str, paths: tuple[str, str], timeout: int = 600) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "sharding_worker.py"), mode, *paths],
+                       capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(HERE))
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"worker failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
+    """TP 2/4/8 and DP 2 x TP 4 on LLaVA and Qwen2.5-VL: greedy ids identical to one device for 32
+    tokens over a mixed batch (images and text only), logits rel <= 1e-4, every model-sharded
+    weight and cache array 1/TP per device, Megatron's collectives in the decode HLO (one
+    all-reduce per layer after the o-projection and one after the down-projection, one for the
+    vocab-parallel embedding, one all-gather of the logits, no weight gathered), and the prefix
+    and encoder caches working under TP and DP; the same with the tensor-parallel ViT option."""
+    res = run_worker("parity", tp_checkpoints)
+    assert set(res) == {"llava", "qwen2_5_vl"}
+    assert set(res["llava"]) == {"ids_1dev", "tp2", "tp4", "tp8", "dp2xtp4", "tp4-vit"}
+    assert set(res["qwen2_5_vl"]) == {"ids_1dev", "tp2", "tp4", "tp8", "dp2xtp4"}
+    for fam, by_mesh in res.items():
+        assert len(by_mesh["ids_1dev"]) == 4 and all(len(ids) == 32 for ids in by_mesh["ids_1dev"]), fam
+        assert len({tuple(ids) for ids in by_mesh["ids_1dev"]}) == 4, f"{fam}: requests should differ"
+        for mesh, r in by_mesh.items():
+            if mesh == "ids_1dev":
+                continue
+            where = f"{fam} {mesh}"
+            tp, dp = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2), "tp4-vit": (4, 1)}[mesh]
+            assert r["mesh"]["axes"] == {"data": dp, "model": tp} and r["mesh"]["devices"] == tp * dp, where
+            assert r["ids_equal"] and r["ids_again_equal"] and r["ids_enc_equal"], where
+            assert r["tokens_cached"] > 0, f"{where}: the prefix cache served nothing"
+            assert r["encoder_cache_hits"] >= 1, f"{where}: the encoder cache served nothing"
+            # every array sharded over the model axis holds exactly 1/tp of it on each device:
+            # all the decoder's matmul weights (qkv, o, gate_up, down per layer; embed; lm_head)
+            layers = 2
+            # (+ Qwen's q|k|v bias per layer; the vision tower and projector stay replicated)
+            assert r["params"]["sharded"] == 4 * layers + 2 + (layers if fam == "qwen2_5_vl" else 0), where
+            assert r["params"]["bad"] == [] and r["cache"]["bad"] == [] and r["vision"]["bad"] == [], where
+            # the vision tower: replicated (data parallel over images) unless the TP-ViT option
+            assert (r["vision"]["sharded"] > 0) == mesh.endswith("-vit"), f"{where}: {r['vision']}"
+            assert r["cache"]["sharded"] == 2 * layers, where     # k and v: one 128-position segment
+            assert r["replicas"] == dp, where
+            devices = [d for rep in r["replica_devices"] for d in rep]
+            assert len(devices) == len(set(devices)) == tp * dp, f"{where}: replicas must not share devices"
+            if dp > 1:
+                assert r["async_ids_equal"], f"{where}: AsyncEngine over the replicas"
+            if dp == 1:
+                assert r["logits_rel"] <= 1e-4, where
+                counts = r["decode"]["counts"]
+                assert counts == {"all-reduce": 2 * r["num_layers"] + 1, "all-gather": 1}, f"{where}: {counts}"
+                assert r["decode"]["weight_gathers"] == [], where
+                assert len(r["decode"]["gathers"]) == 1 and r["decode"]["gathers"][0].startswith("f32[4,"), where
+        # weights per device shrink with TP (the vision tower stays replicated)
+        w = [by_mesh[m]["weight_bytes_max_device"] for m in ("tp2", "tp4", "tp8")]
+        assert w[0] > w[1] > w[2], f"{fam}: {w}"
+
+
+@pytest.mark.slow
+def test_sharded_steps_lower_for_cuda(tp_checkpoints):
+    """Every compiled step of a TP 8 runner exports for CUDA (bf16) with the 8-device mesh's
+    shardings on its arguments and results."""
+    res = run_worker("export", tp_checkpoints)
+    for fam, steps in res.items():
+        kinds = {k.split("[")[0].split("(")[0] for k in steps}
+        assert kinds == {"encode", "prefill", "decode"}, fam
+        for step, s in steps.items():
+            assert s["platforms"] == ["cuda"] and s["nr_devices"] == 8, (fam, step)
+            assert s["bf16_dot"], (fam, step)
+            # prefill / decode: the decoder's weights and the KV cache arrive sharded over "model"
+            # (encode reads only the replicated vision tower)
+            if not step.startswith("encode"):
+                n_layers = 2
+                weights = 4 * n_layers + 2 + (n_layers if fam == "qwen2_5_vl" else 0)
+                cache = 2 * n_layers * 2               # k and v per layer, 2 segments at 256 positions
+                # counted over main's signature: the cache is an argument and a result
+                assert s["model_sharded_args"] == weights + 2 * cache, (fam, step, s)
+
+
+def test_tp_layout_keeps_the_math(tmp_path):
+    """tp_layout + the grouped forward (run on one device) give the same layer output as the
+    fused single-device weights, including KV-head replication (tp 8 > 2 KV heads) and a vocab
+    padded to a multiple of tp (401 -> 408)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mmjax.models.text.llama import LlamaConfig, LlamaTextModel, tp_layout
+    from mmjax.models.text.rope import RopeConfig
+
+    cfg = LlamaConfig(vocab_size=401, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=256,
+                      rope=RopeConfig.from_hf({"rope_theta": 10000.0}, "t"), attention_bias=True)
+    rng = np.random.default_rng(0)
+    d, q, kv, i = 64, 64, 16, 96
+
+    def w(*s):
+        return rng.standard_normal(s).astype(np.float32) * 0.1
+    layer = lambda: {"ln1": 1 + w(d), "qkv": {"w": w(d, q + 2 * kv), "b": w(q + 2 * kv)}, "o": {"w": w(q, d)},  # noqa: E731
+                     "ln2": 1 + w(d), "gate_up": {"w": w(d, 2 * i)}, "down": {"w": w(i, d)}}
+    params = {"embed": w(401, d), "layers": [layer(), layer()], "norm": 1 + w(d), "lm_head": w(d, 401)}
+    ids = jnp.asarray(rng.integers(0, 401, (2, 5)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5)[None, None], (1, 2, 5))
+
+    def run(tm, p):
+        out = tm.forward(p, tm.embed(p, ids), pos, tm.init_cache(2, 16, jnp.float32), jnp.zeros(2, jnp.int32), 5)
+        return np.asarray(tm.logits(p, out.hidden))
+    base = run(LlamaTextModel(cfg), jax.tree.map(jnp.asarray, params))
+    for tp in (2, 8):
+        tm = LlamaTextModel(cfg).tensor_parallel(tp)
+        laid = tp_layout(params, cfg, tp)
+        assert laid["layers"][0]["qkv"]["w"].shape[:2] == (d, tp)
+        assert laid["embed"].shape[0] % tp == 0 and laid["lm_head"].shape[1] % tp == 0
+        got = run(tm, jax.tree.map(jnp.asarray, laid))
+        assert got.shape == base.shape
+        np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_serve_one_mesh(tp_checkpoints):
+    """Multi-host on CPU: 2 local processes x 2 fake devices joined by jax.distributed (gloo);
+    process 0 schedules and serves a TP 4 engine over all 4 devices, process 1 follows the same
+    compiled steps; greedy ids equal process 0's single-device run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, os.path.join(HERE, "multihost_worker.py")]
+    follower = subprocess.Popen(cmd + ["1", port, tp_checkpoints[0]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=os.path.dirname(HERE))
+    try:
+        leader = subprocess.run(cmd + ["0", port, tp_checkpoints[0]], capture_output=True, text=True, timeout=400,
+                                env=env, cwd=os.path.dirname(HERE))
+        f_out, f_err = follower.communicate(timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    lines = [ln for ln in leader.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert leader.returncode == 0 and lines, f"leader failed:\n{leader.stdout[-2000:]}\n{leader.stderr[-4000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["processes"] == 2 and res["devices"] == 4
+    assert res["mesh"]["axes"] == {"data": 1, "model": 4}
+    assert len(res["weight_bytes_per_device"]) == 2          # the leader sees its own 2 devices' shards
+    assert res["ids_equal"], res["ids"]
+    followed = [ln for ln in f_out.splitlines() if ln.startswith("FOLLOWED ")]
+    assert follower.returncode == 0 and followed, f"follower failed:\n{f_out[-2000:]}\n{f_err[-4000:]}"
+    assert json.loads(followed[-1][len("FOLLOWED "):])["calls"] > 32   # encode + prefills + >= 32 decodes
+
+
+def test_one_device_stats_and_metrics_report_the_mesh(llava_dirs):
+    """engine.stats() and /metrics carry the mesh and every device's weight and KV-cache bytes
+    (one device here: the totals)."""
+    import jax
+
+    from mmjax.api import load_model
+    from mmjax.serving.engine import Engine
+    from serve.metrics import ServerMetrics
+
+    model = load_model(llava_dirs["gqa"])
+    eng = Engine(model, max_num_seqs=2, max_model_len=128, prefill_chunk=32)
+    st = eng.stats()
+    assert st["mesh"]["devices"] == 1
+    weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    cache = sum(x.nbytes for x in jax.tree.leaves(eng.runner.cache))
+    assert list(st["weight_bytes_per_device"].values()) == [weights] == [st["weight_bytes_max_device"]]
+    assert list(st["kv_cache_bytes_per_device"].values()) == [cache] == [st["kv_cache_bytes_max_device"]]
+    text = ServerMetrics(eng.stats, lambda: 0).render().decode()
+    dev = next(iter(st["weight_bytes_per_device"]))
+    assert f'mmjax_weight_bytes{{device="{dev}"}} {float(weights)}' in text
+    assert f'mmjax_kv_cache_bytes{{device="{dev}"}} {float(cache)}' in text
+
+
+def test_data_parallel_routing_keeps_cache_affinity():
+    """A repeat of the same first image (or prompt prefix) goes where it went before, unless that
+    replica is more than `affinity_slack` requests busier than the least loaded one."""
+    from types import SimpleNamespace
+
+    from mmjax.serving.data_parallel import DataParallelEngine
+
+    class Replica:
+        def __init__(self):
+            self.waiting, self.running = [], []
+            self.scheduler = SimpleNamespace(active=lambda: self.running)
+
+    dp = DataParallelEngine.__new__(DataParallelEngine)
+    dp.replicas = [Replica(), Replica()]
+    dp.affinity_slack = 2
+    dp._affinity, dp._max_keys = __import__("collections").OrderedDict(), 100
+    dp.routed = {"affinity": 0, "least_loaded": 0}
+
+    def req(image=None, prompt=(1, 2, 3)):
+        images = [SimpleNamespace(key=image)] if image else []
+        return SimpleNamespace(images=images, prompt_ids=np.asarray(prompt))
+
+    def submit(r):
+        i = dp.route(r)
+        dp.replicas[i].waiting.append(r)
+        return i
+
+    assert submit(req("cat")) == 0                 # new key: least loaded (tie -> 0)      loads 1, 0
+    assert submit(req("dog")) == 1                 # new key: least loaded                 loads 1, 1
+    assert submit(req("dog")) == 1                 # affinity beats the tie-break to 0     loads 1, 2
+    assert submit(req("dog")) == 1                 # 2 <= 1 + slack                        loads 1, 3
+    assert submit(req("dog")) == 1                 # 3 <= 1 + slack                        loads 1, 4
+    assert submit(req("dog")) == 0                 # 4 > 1 + slack: the hot key moves      loads 2, 4
+    assert submit(req("dog")) == 0                 # and stays with its new replica        loads 3, 4
+    assert submit(req(prompt=(9, 9))) == 0         # text prefix: new key, least loaded    loads 4, 4
+    assert submit(req(prompt=(9, 9))) == 0         # same prefix: affinity (tie-break agrees)
+    dp.replicas[0].waiting.clear()
+    assert submit(req(prompt=(7, 7))) == 0         # least loaded after 0 drained
+    assert dp.routed == {"affinity": 5, "least_loaded": 5}
+
+
+@pytest.mark.slow
+def test_serve_flags_tensor_and_data_parallel(tp_checkpoints):
+    """`python -m serve --tensor-parallel-size 2 --data-parallel-size 2` on fake CPU devices: a
+    chat completion works and /metrics shows the 2 x 2 mesh and four devices' weight bytes."""
+    import re
+    import signal
+    import time
+    import urllib.request
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    p = subprocess.Popen([sys.executable, "-m", "serve", "--model", tp_checkpoints[0], "--port", "0",
+                          "--served-model-name", "tiny", "--max-num-seqs", "2", "--max-model-len", "128",
+                          "--tensor-parallel-size", "2", "--data-parallel-size", "2"],
+                         cwd=os.path.dirname(HERE), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    lines = []
+    try:
+        port, deadline = None, time.monotonic() + 180
+        while port is None and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "".join(lines)
+        url = f"http://127.0.0.1:{port}"
+        body = json.dumps({"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                           "messages": [{"role": "user", "content": "hello world"}]}).encode()
+        req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 8
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert 'mmjax_mesh_axis_size{axis="data"} 2.0' in metrics
+        assert 'mmjax_mesh_axis_size{axis="model"} 2.0' in metrics
+        assert len(re.findall(r"^mmjax_weight_bytes\{device=", metrics, re.M)) == 4
+        assert len(re.findall(r"^mmjax_kv_cache_bytes\{device=", metrics, re.M)) == 4
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+def test_bench_sharding_smoke():
+    """`mmjax bench sharding --smoke`: per-device decoder bytes fall as 1/TP, a TP decode step has
+    2 all-reduces per layer + 1 and one all-gather, and the 72B-shaped row is Qwen2.5-VL-72B's."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-m", "mmjax.cli", "bench", "sharding", "--smoke"], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=os.path.dirname(HERE))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    out = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith('{"bench": "sharding"')][-1])
+    bench = {r["tp"]: r for r in out["rows"] if r["model"] == "bench"}
+    assert sorted(bench) == [1, 2, 4]
+    assert bench[1]["comm"]["count"] == 0
+    for tp in (2, 4):
+        assert bench[tp]["weight_bytes"] < bench[1]["weight_bytes"] / tp * 1.1   # norms stay replicated
+        assert bench[tp]["comm"]["by_op"] == {"all-reduce": 2 * 2 + 1, "all-gather": 1}
+    big = [r for r in out["rows"] if r["model"].startswith("qwen2.5-vl-72b")]
+    assert [r["tp"] for r in big] == [8]
+    assert big[0]["comm"]["by_op"] == {"all-reduce": 2 * 80 + 1, "all-gather": 1}
+    assert 17e9 < big[0]["weight_bytes"] < 19e9          # ~72.7B bf16 params / 8
