@@ -125,8 +125,8 @@ def decode_figures(tm, text_params, tp: int, slots: int, max_len: int, dtype) ->
         text_model = tm
     fn = jax.jit(make_decode_step(_Fam, tuning("cpu"), tm, gather), static_argnames=("rows",),
                  donate_argnums=(1, 2), out_shardings=step_shardings(cs, rep, pl.sharding("outputs")))
-    i32 = jax.ShapeDtypeStruct((), jax.numpy.int32)
-    compiled = fn.lower(params, cache, state, i32, rows=slots).compile()
+    kv_lens = jax.ShapeDtypeStruct((tm.num_layers,), jax.numpy.int32)     # per layer (FastV-pruned layers)
+    compiled = fn.lower(params, cache, state, kv_lens, rows=slots).compile()
     return {"weight_bytes": bytes_per_device(params), "kv_bytes": bytes_per_device(cache),
             "comm": collectives(compiled.as_text(), tp)}
 

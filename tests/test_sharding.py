@@ -96,7 +96,7 @@ def test_sharded_steps_lower_for_cuda(tp_checkpoints):
     res = run_worker("export", tp_checkpoints)
     for fam, steps in res.items():
         kinds = {k.split("[")[0].split("(")[0] for k in steps}
-        assert kinds == {"encode", "prefill", "decode"}, fam
+        assert kinds == {"encode", "prefill", "decode", "prefill_pruned"}, fam    # + one FastV prefill
         for step, s in steps.items():
             assert s["platforms"] == ["cuda"] and s["nr_devices"] == 8, (fam, step)
             assert s["bf16_dot"], (fam, step)
