@@ -3,6 +3,7 @@ before jax is imported, and the pytest process already imported jax with one dev
 
     python tests/sharding_worker.py parity  <llava dir> <qwen dir>   -> one JSON line of findings
     python tests/sharding_worker.py export  <llava dir> <qwen dir>   -> one JSON line
+    python tests/sharding_worker.py gemma   <gemma3 dir> <gemma4 dir> -> one JSON line
 
 The worker only measures; tests/test_sharding.py asserts, so every finding is visible in the
 test's failure message.
@@ -181,7 +182,44 @@ def export(paths: dict) -> dict:
     return out
 
 
+# Gemma decoders: TP sizes per checkpoint, and the context the tiny Gemma 4's images need
+GEMMA_TP = {"gemma3": (2, 4), "gemma4": (2, 4)}
+GEMMA_ENGINE = dict(max_num_seqs=4, max_model_len=256, prefill_chunk=64, max_encode_batch=2)
+
+
+def gemma_parity(paths: dict) -> dict:
+    """Gemma 3 / Gemma 4 text decoders under TP: greedy ids (twice: the second run hits the
+    prefix cache, i.e. resumes from retained ring / segment rows), prompt logits, shard sizes and
+    the decode step's collectives, against one device."""
+    out = {}
+    for name, path in paths.items():
+        base = mmjax.load(path, **GEMMA_ENGINE)
+        tok = base.family.image_token
+        want = generate(base)
+        prompt, img = f"USER: {tok}\nwhat is this? ASSISTANT:", [noise(7, 40, 40)]
+        want_logits = base.logits(prompt, img)
+        res = {"ids_1dev": want}
+        for tp in GEMMA_TP[name]:
+            vlm = mmjax.load(path, tensor_parallel=tp, **GEMMA_ENGINE)
+            got, again = generate(vlm), generate(vlm)
+            eng = vlm.engine
+            res[f"tp{tp}"] = {
+                "ids_equal": got == want, "ids_again_equal": again == want,
+                "tokens_cached": eng.stats()["tokens_cached"], "mesh": eng.stats()["mesh"],
+                "logits_rel": rel(vlm.logits(prompt, img), want_logits),
+                "params": shard_fractions({"text": eng.runner.params["text"]}, tp),
+                "cache": shard_fractions(eng.runner.cache, tp),
+                "cache_leaves": len(jax.tree.leaves(eng.runner.cache)),
+                "decode": decode_collectives(eng.runner), "num_layers": eng.runner.text_model.num_layers,
+                "weight_bytes_max_device": eng.stats()["weight_bytes_max_device"]}
+        out[name] = res
+    return out
+
+
 if __name__ == "__main__":
-    mode, llava, qwen = sys.argv[1:4]
-    paths = {"llava": llava, "qwen2_5_vl": qwen}
+    mode, first, second = sys.argv[1:4]
+    if mode == "gemma":
+        print("RESULT " + json.dumps(gemma_parity({"gemma3": first, "gemma4": second})), flush=True)
+        sys.exit(0)
+    paths = {"llava": first, "qwen2_5_vl": second}
     print("RESULT " + json.dumps({"parity": parity, "export": export}[mode](paths)), flush=True)
