@@ -24,6 +24,11 @@ Masks (transformers' Gemma 3 vision masks): full layers see causal OR same-image
 sliding layers see (causal OR same run) AND inside the window (kv > q - window), so an image's
 tokens see their later image tokens both ways but old ones only within the window.
 
+Tensor parallelism (mmjax.sharding): the params have llama's names and fused shapes, so llama's
+`tp_layout` regroups qkv / gate_up per shard and `PARAM_AXES` splits them; with fewer KV heads
+than shards both cache kinds hold tp KV heads (`cache_kv_heads`) and are sharded on that axis
+(rings and segments are both `{"k", "v"}` leaves: `CACHE_AXES`); QK-norm is per head, so local.
+
 transformers 5.23's Gemma3ForConditionalGeneration applies neither `final_logit_softcapping` nor
 `attn_logit_softcapping` (Gemma3Attention never passes softcap to its attention function, and
 only Gemma3ForCausalLM caps logits); both are implemented here and the family decides

@@ -26,6 +26,9 @@ What it adds to a Llama-style decoder, all read from the text config:
 KV cache: the segmented slot cache of models/text/llama.py, one {"k", "v"} per layer that owns
 K/V (not the shared ones), each with that layer's KV heads and head width, full length: sliding
 layers mask by window (a ring buffer would save memory; not needed for parity).
+
+Tensor parallelism: `tp_layout` / `logical_axes` / `tensor_parallel` below (Megatron; the MoE
+block stays replicated).
 """
 from __future__ import annotations
 
