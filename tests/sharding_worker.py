@@ -31,6 +31,8 @@ from mmjax.serving.sampling import SamplingParams  # noqa: E402
 ENGINE = dict(max_num_seqs=4, max_model_len=128, prefill_chunk=128, max_encode_batch=2)
 MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2), "tp4-vit": (4, 1)}
 COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
+# an all-reduce's result, a tuple when XLA's combiner merged several (COLLECTIVE skips those)
+ALL_REDUCE = re.compile(r"= (\([^)]*\)|\S+) all-reduce(?:-start)?\(")
 
 
 def noise(seed: int, w: int, h: int):
@@ -109,8 +111,9 @@ def decode_collectives(runner, rows: int = 4) -> dict:
     def dims(s):
         m = re.search(r"\[([\d,]*)\]", s)
         return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
+    reduced = sum(len(re.findall(r"\w+\[[\d,]*\]", shape)) for shape in ALL_REDUCE.findall(text))
     return {"counts": dict(Counter(op for _, op in found)), "gathers": gathers,
-            "weight_gathers": [g for g in gathers if dims(g) in param_shapes]}
+            "weight_gathers": [g for g in gathers if dims(g) in param_shapes], "all_reduced": reduced}
 
 
 def parity(paths: dict) -> dict:
