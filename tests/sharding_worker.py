@@ -159,8 +159,8 @@ def parity(paths: dict) -> dict:
     return out
 
 
-def export(paths: dict) -> dict:
-    """Every compiled step of a TP=8 runner (bf16) exported for CUDA with the mesh's shardings."""
+def export(paths: dict, tp: int = 8) -> dict:
+    """Every compiled step of a TP=tp runner (bf16) exported for CUDA with the mesh's shardings."""
     from mmjax.api import load_model
     from mmjax.backend import compiling_for
     from mmjax.serving.runner import ModelRunner
@@ -171,7 +171,7 @@ def export(paths: dict) -> dict:
         if hasattr(model.family, "limits"):
             model.family.configure(max_encode_patches=1024, image_max_tokens=256)
         runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
-                             max_encode_batch=2, dtype=model.dtype, mesh=make_mesh(8, 1), platform="cuda")
+                             max_encode_batch=2, dtype=model.dtype, mesh=make_mesh(tp, 1), platform="cuda")
         steps = {}
         with compiling_for("cuda"):
             for step, fn, args, kw in runner.step_signatures():
@@ -222,7 +222,8 @@ def gemma_parity(paths: dict) -> dict:
 if __name__ == "__main__":
     mode, first, second = sys.argv[1:4]
     if mode == "gemma":
-        print("RESULT " + json.dumps(gemma_parity({"gemma3": first, "gemma4": second})), flush=True)
+        paths = {"gemma3": first, "gemma4": second}
+        print("RESULT " + json.dumps({"parity": gemma_parity(paths), "export": export(paths, tp=4)}), flush=True)
         sys.exit(0)
     paths = {"llava": first, "qwen2_5_vl": second}
     print("RESULT " + json.dumps({"parity": parity, "export": export}[mode](paths)), flush=True)

@@ -156,8 +156,10 @@ def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
     the KV heads, TP 4 replicates them; Gemma 4's single global KV head is replicated at both):
     greedy ids identical to one device over the mixed batch, again from the prefix cache
     (resuming retained ring rows), logits rel <= 1e-4, every model-sharded weight and cache array
-    1/TP per device, no weight gathered in decode and one all-gather (the logits)."""
-    res = run_worker("gemma", (str(gemma3_dirs["window"]), str(gemma4_dirs["dense"])))
+    1/TP per device, no weight gathered in decode and one all-gather (the logits); every step of
+    a TP 4 runner exports for CUDA in bf16 with the model-sharded weights and caches."""
+    out = run_worker("gemma", (str(gemma3_dirs["window"]), str(gemma4_dirs["dense"])))
+    res = out["parity"]
     # per-layer matmul weights (Gemma 3: qkv, o, gate_up, down; Gemma 4: q, o, gate_up, down in
     # 5 layers + kv in the 3 layers owning K/V), embed, lm_head (+ Gemma 4's per-layer embedding)
     weights = {"gemma3": 4 * 5 + 2, "gemma4": 4 * 5 + 3 + 3}
@@ -185,6 +187,10 @@ def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
             assert r["decode"]["all_reduced"] == 2 * r["num_layers"] + lookups, f"{where}: {r['decode']}"
             assert set(counts) == {"all-reduce", "all-gather"}, f"{where}: {counts}"
         assert by_mesh["tp2"]["weight_bytes_max_device"] > by_mesh["tp4"]["weight_bytes_max_device"], fam
+        for step, s in out["export"][fam].items():
+            assert s["platforms"] == ["cuda"] and s["nr_devices"] == 4 and s["bf16_dot"], (fam, step)
+            if not step.startswith("encode"):   # cache: an argument and a result (256 positions)
+                assert s["model_sharded_args"] == weights[fam] + 2 * cache[fam], (fam, step, s)
 
 
 def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
