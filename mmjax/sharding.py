@@ -137,12 +137,17 @@ def _key_name(k) -> str:
     return str(k)
 
 
+def key_names(path) -> tuple[str, ...]:
+    """A pytree path as plain strings (dict keys, list indexes)."""
+    return tuple(_key_name(k) for k in path)
+
+
 def param_logical_axes(params: Any, vision_tp: bool = False) -> Any:
     """The pytree of logical-axis tuples for `params` (the PARAM_AXES table by path, for the
     decoder under "text"; everything else, e.g. the vision tower and projector, is replicated
     unless `vision_tp` (VISION_PARAM_AXES); unmatched leaves get all-None axes: replicated)."""
     def axes(path, x):
-        names = tuple(_key_name(k) for k in path)
+        names = key_names(path)
         table = PARAM_AXES if names[:1] == ("text",) else VISION_PARAM_AXES if vision_tp else ()
         for suffix, ax in table:
             if names[-len(suffix):] == suffix and len(ax) == np.ndim(x):

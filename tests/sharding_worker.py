@@ -3,6 +3,7 @@ before jax is imported, and the pytest process already imported jax with one dev
 
     python tests/sharding_worker.py parity  <llava dir> <qwen dir>   -> one JSON line of findings
     python tests/sharding_worker.py export  <llava dir> <qwen dir>   -> one JSON line
+    python tests/sharding_worker.py gemma   <gemma3 dir> <gemma4 dir> -> one JSON line
 
 The worker only measures; tests/test_sharding.py asserts, so every finding is visible in the
 test's failure message.
@@ -30,6 +31,8 @@ from mmjax.serving.sampling import SamplingParams  # noqa: E402
 ENGINE = dict(max_num_seqs=4, max_model_len=128, prefill_chunk=128, max_encode_batch=2)
 MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2), "tp4-vit": (4, 1)}
 COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
+# an all-reduce's result, a tuple when XLA's combiner merged several (COLLECTIVE skips those)
+ALL_REDUCE = re.compile(r"= (\([^)]*\)|\S+) all-reduce(?:-start)?\(")
 
 
 def noise(seed: int, w: int, h: int):
@@ -108,8 +111,9 @@ def decode_collectives(runner, rows: int = 4) -> dict:
     def dims(s):
         m = re.search(r"\[([\d,]*)\]", s)
         return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
+    reduced = sum(len(re.findall(r"\w+\[[\d,]*\]", shape)) for shape in ALL_REDUCE.findall(text))
     return {"counts": dict(Counter(op for _, op in found)), "gathers": gathers,
-            "weight_gathers": [g for g in gathers if dims(g) in param_shapes]}
+            "weight_gathers": [g for g in gathers if dims(g) in param_shapes], "all_reduced": reduced}
 
 
 def parity(paths: dict) -> dict:
@@ -155,8 +159,8 @@ def parity(paths: dict) -> dict:
     return out
 
 
-def export(paths: dict) -> dict:
-    """Every compiled step of a TP=8 runner (bf16) exported for CUDA with the mesh's shardings."""
+def export(paths: dict, tp: int = 8) -> dict:
+    """Every compiled step of a TP=tp runner (bf16) exported for CUDA with the mesh's shardings."""
     from mmjax.api import load_model
     from mmjax.backend import compiling_for
     from mmjax.serving.runner import ModelRunner
@@ -167,7 +171,7 @@ def export(paths: dict) -> dict:
         if hasattr(model.family, "limits"):
             model.family.configure(max_encode_patches=1024, image_max_tokens=256)
         runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
-                             max_encode_batch=2, dtype=model.dtype, mesh=make_mesh(8, 1), platform="cuda")
+                             max_encode_batch=2, dtype=model.dtype, mesh=make_mesh(tp, 1), platform="cuda")
         steps = {}
         with compiling_for("cuda"):
             for step, fn, args, kw in runner.step_signatures():
@@ -181,7 +185,45 @@ def export(paths: dict) -> dict:
     return out
 
 
+# Gemma decoders: TP sizes per checkpoint, and the context the tiny Gemma 4's images need
+GEMMA_TP = {"gemma3": (2, 4), "gemma4": (2, 4)}
+GEMMA_ENGINE = dict(max_num_seqs=4, max_model_len=256, prefill_chunk=64, max_encode_batch=2)
+
+
+def gemma_parity(paths: dict) -> dict:
+    """Gemma 3 / Gemma 4 text decoders under TP: greedy ids (twice: the second run hits the
+    prefix cache, i.e. resumes from retained ring / segment rows), prompt logits, shard sizes and
+    the decode step's collectives, against one device."""
+    out = {}
+    for name, path in paths.items():
+        base = mmjax.load(path, **GEMMA_ENGINE)
+        tok = base.family.image_token
+        want = generate(base)
+        prompt, img = f"USER: {tok}\nwhat is this? ASSISTANT:", [noise(7, 40, 40)]
+        want_logits = base.logits(prompt, img)
+        res = {"ids_1dev": want}
+        for tp in GEMMA_TP[name]:
+            vlm = mmjax.load(path, tensor_parallel=tp, **GEMMA_ENGINE)
+            got, again = generate(vlm), generate(vlm)
+            eng = vlm.engine
+            res[f"tp{tp}"] = {
+                "ids_equal": got == want, "ids_again_equal": again == want,
+                "tokens_cached": eng.stats()["tokens_cached"], "mesh": eng.stats()["mesh"],
+                "logits_rel": rel(vlm.logits(prompt, img), want_logits),
+                "params": shard_fractions({"text": eng.runner.params["text"]}, tp),
+                "cache": shard_fractions(eng.runner.cache, tp),
+                "cache_leaves": len(jax.tree.leaves(eng.runner.cache)),
+                "decode": decode_collectives(eng.runner), "num_layers": eng.runner.text_model.num_layers,
+                "weight_bytes_max_device": eng.stats()["weight_bytes_max_device"]}
+        out[name] = res
+    return out
+
+
 if __name__ == "__main__":
-    mode, llava, qwen = sys.argv[1:4]
-    paths = {"llava": llava, "qwen2_5_vl": qwen}
+    mode, first, second = sys.argv[1:4]
+    if mode == "gemma":
+        paths = {"gemma3": first, "gemma4": second}
+        print("RESULT " + json.dumps({"parity": gemma_parity(paths), "export": export(paths, tp=4)}), flush=True)
+        sys.exit(0)
+    paths = {"llava": first, "qwen2_5_vl": second}
     print("RESULT " + json.dumps({"parity": parity, "export": export}[mode](paths)), flush=True)

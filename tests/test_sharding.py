@@ -149,6 +149,80 @@ def test_tp_layout_keeps_the_math(tmp_path):
 
 
 @pytest.mark.slow
+def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
+    """Gemma 3 (sliding-window rings + segmented full layers, QK-norm, tied embeddings scaled by
+    sqrt(hidden)) and Gemma 4 (per-layer input embeddings, KV-shared layers, k_eq_v global layers
+    with 1 KV head, double-wide MLP) at TP 2 and 4 (4 query heads over 2 KV heads: TP 2 splits
+    the KV heads, TP 4 replicates them; Gemma 4's single global KV head is replicated at both):
+    greedy ids identical to one device over the mixed batch, again from the prefix cache
+    (resuming retained ring rows), logits rel <= 1e-4, every model-sharded weight and cache array
+    1/TP per device, no weight gathered in decode and one all-gather (the logits); every step of
+    a TP 4 runner exports for CUDA in bf16 with the model-sharded weights and caches."""
+    out = run_worker("gemma", (str(gemma3_dirs["window"]), str(gemma4_dirs["dense"])))
+    res = out["parity"]
+    # per-layer matmul weights (Gemma 3: qkv, o, gate_up, down; Gemma 4: q, o, gate_up, down in
+    # 5 layers + kv in the 3 layers owning K/V), embed, lm_head (+ Gemma 4's per-layer embedding)
+    weights = {"gemma3": 4 * 5 + 2, "gemma4": 4 * 5 + 3 + 3}
+    # Gemma 3: 3 sliding layers' K/V rings + 2 full layers' K/V in 2 segments (256 positions);
+    # Gemma 4: 3 cache-owning layers' K/V in 2 segments
+    cache = {"gemma3": 3 * 2 + 2 * 2 * 2, "gemma4": 3 * 2 * 2}
+    for fam in ("gemma3", "gemma4"):
+        by_mesh = res[fam]
+        assert set(by_mesh) == {"ids_1dev", "tp2", "tp4"}, fam
+        assert len({tuple(ids) for ids in by_mesh["ids_1dev"]}) == 4, f"{fam}: requests should differ"
+        for tp in (2, 4):
+            r, where = by_mesh[f"tp{tp}"], f"{fam} tp{tp}"
+            assert r["mesh"]["axes"] == {"data": 1, "model": tp}, where
+            assert r["ids_equal"] and r["ids_again_equal"] and r["tokens_cached"] > 0, where
+            assert r["logits_rel"] <= 1e-4, where
+            assert r["params"] == {"sharded": weights[fam], "bad": []}, where
+            assert r["cache"] == {"sharded": cache[fam], "bad": []} and r["cache_leaves"] == cache[fam], where
+            counts = r["decode"]["counts"]
+            assert counts["all-gather"] == 1 and r["decode"]["weight_gathers"] == [], f"{where}: {counts}"
+            assert r["decode"]["gathers"][0].startswith("f32[4,"), where
+            # Megatron: an all-reduce after each layer's o- and down-projection and one per
+            # vocab-parallel table lookup (Gemma 4: token and per-layer embeddings; XLA's combiner
+            # may merge two into one tuple all-reduce, so count the reduced arrays)
+            lookups = {"gemma3": 1, "gemma4": 2}[fam]
+            assert r["decode"]["all_reduced"] == 2 * r["num_layers"] + lookups, f"{where}: {r['decode']}"
+            assert set(counts) == {"all-reduce", "all-gather"}, f"{where}: {counts}"
+        assert by_mesh["tp2"]["weight_bytes_max_device"] > by_mesh["tp4"]["weight_bytes_max_device"], fam
+        for step, s in out["export"][fam].items():
+            assert s["platforms"] == ["cuda"] and s["nr_devices"] == 4 and s["bf16_dot"], (fam, step)
+            if not step.startswith("encode"):   # cache: an argument and a result (256 positions)
+                assert s["model_sharded_args"] == weights[fam] + 2 * cache[fam], (fam, step, s)
+
+
+def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
+    """Gemma 3 (window, softcap) and Gemma 4 (dense, MoE) text models: tensor_parallel(tp) +
+    tp_layout run on one device give the one-device logits (tp 2 and 4, KV heads split and
+    replicated, vocab padded); a tp that does not divide the heads is refused."""
+    import jax
+    import jax.numpy as jnp
+
+    from mmjax.api import load_model
+    from mmjax.errors import UnsupportedModelError
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, 300, (2, 14)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(14)[None, None], (1, 2, 14))
+
+    def run(tm, p):
+        cache = tm.init_cache(2, 32, jnp.float32, max_chunk=14)
+        out = tm.forward(p, tm.embed(p, ids), pos, cache, jnp.zeros(2, jnp.int32), 14, ids=ids)
+        return np.asarray(tm.logits(p, out.hidden))
+    for path in (*gemma3_dirs.values(), *gemma4_dirs.values()):
+        model = load_model(path)
+        tm, params = model.family.text_model, model.params["text"]
+        base = run(tm, params)
+        for tp in (2, 4):
+            tp_tm = tm.tensor_parallel(tp)
+            got = run(tp_tm, jax.tree.map(jnp.asarray, tp_tm.tp_layout(params, tp)))
+            np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5, err_msg=f"{path} tp{tp}")
+        with pytest.raises(UnsupportedModelError, match="tensor_parallel=3"):
+            tm.tensor_parallel(3)
+
+
+@pytest.mark.slow
 def test_two_processes_serve_one_mesh(tp_checkpoints):
     """Multi-host on CPU: 2 local processes x 2 fake devices joined by jax.distributed (gloo);
     process 0 schedules and serves a TP 4 engine over all 4 devices, process 1 follows the same

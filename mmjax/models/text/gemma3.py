@@ -24,6 +24,11 @@ Masks (transformers' Gemma 3 vision masks): full layers see causal OR same-image
 sliding layers see (causal OR same run) AND inside the window (kv > q - window), so an image's
 tokens see their later image tokens both ways but old ones only within the window.
 
+Tensor parallelism (mmjax.sharding): the params have llama's names and fused shapes, so llama's
+`tp_layout` regroups qkv / gate_up per shard and `PARAM_AXES` splits them; with fewer KV heads
+than shards both cache kinds hold tp KV heads (`cache_kv_heads`) and are sharded on that axis
+(rings and segments are both `{"k", "v"}` leaves: `CACHE_AXES`); QK-norm is per head, so local.
+
 transformers 5.23's Gemma3ForConditionalGeneration applies neither `final_logit_softcapping` nor
 `attn_logit_softcapping` (Gemma3Attention never passes softcap to its attention function, and
 only Gemma3ForCausalLM caps logits); both are implemented here and the family decides
@@ -31,6 +36,7 @@ only Gemma3ForCausalLM caps logits); both are implemented here and the family de
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -42,7 +48,9 @@ from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import activation, dense
 from mmjax.models.text import Capture, MaskSpec, Output
-from mmjax.models.text.llama import cache_attention, init_kv_cache
+from mmjax.models.text.llama import (_grouped_dense, _split_grouped_qkv, allocate_cache, cache_attention,
+                                     cache_kv_heads, check_tensor_parallel, init_kv_cache, split_grouped_gate_up,
+                                     tp_layout)
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -279,20 +287,41 @@ def _valid_tokens(positions: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.ones_like(pos[:, :1], bool), pos[:, 1:] > pos[:, :-1]], axis=1)
 
 
+def _qkv(layer: dict, cfg: Gemma3TextConfig, hn: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """hn [b, t, hidden] -> q [b, t, heads, hd], k, v [b, t, kv heads, hd]. A 3-D weight is the
+    tensor-parallel layout [hidden, tp, q_s|k_s|v_s] (llama.tp_layout): each shard splits its
+    own block, and k / v then hold the cache's KV heads (replicated when kv_heads < tp)."""
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if layer["qkv"]["w"].ndim == 3:
+        return _split_grouped_qkv(_grouped_dense(layer["qkv"], hn), h, hd)
+    b, t, _ = hn.shape
+    qkv = dense(layer["qkv"], hn)
+    q = qkv[..., : h * hd].reshape(b, t, h, hd)
+    k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
+    v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
+    return q, k, v
+
+
+def _gate_up(layer: dict, cfg: Gemma3TextConfig, hn: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """hn [b, t, hidden] -> gate, up [b, t, intermediate] (3-D weight: the per-shard layout)."""
+    if layer["gate_up"]["w"].ndim == 3:
+        return split_grouped_gate_up(_grouped_dense(layer["gate_up"], hn))
+    gu = dense(layer["gate_up"], hn)
+    return gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+
+
 def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, kv: dict, rope: tuple,
                   q_index: jax.Array, valid: jax.Array, kv_len, *, slots, mask: MaskSpec | None, starts,
                   reduce_small: bool, capture_attn: bool = False) -> tuple[jax.Array, dict, tuple | None]:
     """One decoder layer: x [b, t, hidden] -> (x, this layer's updated cache, (probs [b, h, t,
     kv_len], per-head outputs [b, t, h, hd]) when capture_attn (kv_len static) else None)."""
     b, t, _ = x.shape
-    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h, hd = cfg.num_heads, cfg.head_dim
     cos, sin = rope
     rows = jnp.arange(b) if slots is None else slots
     hn = gemma_rms_norm(layer["ln_in"], x, cfg.rms_norm_eps)
-    qkv = dense(layer["qkv"], hn)
-    q = qkv[..., : h * hd].reshape(b, t, h, hd)
-    k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
-    v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
+    q, k, v = _qkv(layer, cfg, hn)
+    # per-head norms over head_dim: local to the shard holding the head under tensor parallelism
     q = gemma_rms_norm(layer["q_norm"], q, cfg.rms_norm_eps)
     k = gemma_rms_norm(layer["k_norm"], k, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -343,8 +372,7 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     a = dense(layer["o"], attn.reshape(b, t, h * hd))
     x = x + gemma_rms_norm(layer["ln_post_attn"], a, cfg.rms_norm_eps)
     hn = gemma_rms_norm(layer["ln_pre_ff"], x, cfg.rms_norm_eps)
-    gu = dense(layer["gate_up"], hn)
-    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    gate, up = _gate_up(layer, cfg, hn)
     m = dense(layer["down"], activation(cfg.hidden_act)(gate) * up)
     return x + gemma_rms_norm(layer["ln_post_ff"], m, cfg.rms_norm_eps), new_kv, captured
 
@@ -387,6 +415,14 @@ class Gemma3TextModel:
     cfg: Gemma3TextConfig
     _chunk: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     position_rows: int = 1
+    tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
+
+    @property
+    def cache_cfg(self) -> Gemma3TextConfig:
+        """The config the cache is built from: KV heads replicated to tp when fewer."""
+        if self.tp == 1:
+            return self.cfg
+        return dataclasses.replace(self.cfg, num_kv_heads=cache_kv_heads(self.cfg, self.tp))
 
     @property
     def hidden_size(self) -> int:
@@ -410,8 +446,7 @@ class Gemma3TextModel:
     def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *, max_chunk: int | None = None):
         if max_chunk is not None:  # the smallest ring built is the one min_resume must respect
             self._chunk["min"] = min(max_chunk, self._chunk.get("min", max_chunk))
-        cache = init_cache(self.cfg, num_slots, max_len, dtype, max_chunk)
-        return cache if sharding is None else jax.device_put(cache, sharding)
+        return allocate_cache(lambda: init_cache(self.cache_cfg, num_slots, max_len, dtype, max_chunk), sharding)
 
     def min_resume(self, held_len: int) -> int:
         """A row holding `held_len` positions keeps, in each ring, the window before any prefix
@@ -419,6 +454,17 @@ class Gemma3TextModel:
         if SLIDING in self.cfg.layer_types:
             return max(0, held_len - self._chunk.get("min", 1))
         return 0
+
+    # ---- tensor parallelism (mmjax.sharding) -------------------------------------------------
+    def tensor_parallel(self, tp: int) -> "Gemma3TextModel":
+        """This model as run over tp shards (sharing `_chunk`: min_resume sees every cache built)."""
+        check_tensor_parallel(self.cfg, tp)
+        return dataclasses.replace(self, tp=tp)
+
+    def tp_layout(self, params: dict, tp: int) -> dict:
+        """Llama's layout: the param names and fused qkv / gate_up are the same (mmjax.sharding's
+        PARAM_AXES then covers every split weight; norms, QK-norms and biases of o replicate)."""
+        return tp_layout(params, self.cfg, tp)
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array:
         e = jnp.take(params["embed"], ids, axis=0, mode="clip")
@@ -431,11 +477,14 @@ class Gemma3TextModel:
                        capture=capture, reduce_small=reduce_small)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        return softcap((hidden @ params["lm_head"]).astype(jnp.float32), self.cfg.final_logit_softcapping)
+        z = (hidden @ params["lm_head"]).astype(jnp.float32)
+        # a vocab padded for tensor parallelism (tp_layout): the padding is not a token
+        z = z if z.shape[-1] == self.cfg.vocab_size else z[..., :self.cfg.vocab_size]
+        return softcap(z, self.cfg.final_logit_softcapping)
 
     def cache_bytes(self, num_slots: int, max_len: int, dtype, max_chunk: int | None = None) -> int:
         """Bytes of `init_cache(...)` without allocating it."""
-        shapes = jax.eval_shape(lambda: init_cache(self.cfg, num_slots, max_len, dtype, max_chunk))
+        shapes = jax.eval_shape(lambda: init_cache(self.cache_cfg, num_slots, max_len, dtype, max_chunk))
         return sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
 
 

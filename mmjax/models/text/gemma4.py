@@ -26,6 +26,9 @@ What it adds to a Llama-style decoder, all read from the text config:
 KV cache: the segmented slot cache of models/text/llama.py, one {"k", "v"} per layer that owns
 K/V (not the shared ones), each with that layer's KV heads and head width, full length: sliding
 layers mask by window (a ring buffer would save memory; not needed for parity).
+
+Tensor parallelism: `tp_layout` / `logical_axes` / `tensor_parallel` below (Megatron; the MoE
+block stays replicated).
 """
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import activation
 from mmjax.models.text import Capture, MaskSpec, Output
-from mmjax.models.text.llama import cache_attention, explicit_attention, kv_segments, scatter_kv
+from mmjax.models.text.llama import (_grouped_dense, _host, allocate_cache, cache_attention, explicit_attention,
+                                     group_gate_up, group_heads, kv_segments, pad_vocab, scatter_kv,
+                                     split_grouped_gate_up, tp_kv_index)
 from mmjax.models.text.moe import experts_forward, gemma4_route
 from mmjax.models.text.rope import apply_rope, rope_cos_sin
 from mmjax.models.vision.gemma4 import gemma4_rms_norm as norm
@@ -280,15 +285,125 @@ def _scaled(x: jax.Array, c: float) -> jax.Array:
     return (x.astype(jnp.float32) * np.float32(c)).astype(x.dtype)
 
 
-def init_cache(cfg: Gemma4TextConfig, num_slots: int, max_len: int, dtype) -> list:
-    """One segmented {"k", "v"} (llama layout) per layer owning K/V, with its own heads / width."""
+def init_cache(cfg: Gemma4TextConfig, num_slots: int, max_len: int, dtype, tp: int = 1) -> list:
+    """One segmented {"k", "v"} (llama layout) per layer owning K/V, with its own heads / width
+    (KV heads replicated to tp when fewer: `cache_kv_heads`)."""
     cuts = kv_segments(max_len)
     out = []
     for i in cfg.cached_layers:
         sp = cfg.layers[i]
-        out.append({"k": [jnp.zeros((num_slots, sp.num_kv_heads, sp.head_dim, c), dtype) for c in cuts],
-                    "v": [jnp.zeros((num_slots, sp.num_kv_heads, c, sp.head_dim), dtype) for c in cuts]})
+        kvh = cache_kv_heads(sp.num_kv_heads, tp)
+        out.append({"k": [jnp.zeros((num_slots, kvh, sp.head_dim, c), dtype) for c in cuts],
+                    "v": [jnp.zeros((num_slots, kvh, c, sp.head_dim), dtype) for c in cuts]})
     return out
+
+
+# ---- tensor parallelism (mmjax.sharding; Megatron over the "model" axis) --------------------------
+# q [hidden, heads * hd] is column parallel as it is (its columns are head-major), o and down
+# row parallel; the fused kv and gate_up are regrouped per shard (`tp_layout`) so each shard's
+# split is local. The MoE block (router, experts) and the per-layer-input gate / projections stay
+# replicated; the per-layer embedding table is vocab parallel like the token embedding.
+
+def cache_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads a layer's cache holds: its own, or tp when fewer (each shard keeps the KV head
+    its query heads read)."""
+    return num_kv_heads if num_kv_heads >= tp else tp
+
+
+def check_tensor_parallel(cfg: Gemma4TextConfig, tp: int) -> None:
+    """Can `cfg` be split over tp shards? (heads, every layer's KV heads and MLP width)."""
+    problems = [f"num_attention_heads={cfg.num_heads}"] if cfg.num_heads % tp else []
+    for i, sp in enumerate(cfg.layers):
+        if sp.kv_source == i and sp.num_kv_heads % tp and tp % sp.num_kv_heads:
+            problems.append(f"layer {i}'s {sp.num_kv_heads} KV heads")
+        if sp.intermediate_size % tp:
+            problems.append(f"layer {i}'s intermediate size {sp.intermediate_size}")
+    if problems:
+        raise UnsupportedModelError(f"tensor_parallel={tp} does not divide {', '.join(problems)}",
+                                    param="tensor_parallel")
+
+
+def tp_layout(params: dict, cfg: Gemma4TextConfig, tp: int) -> dict:
+    """Text params -> the tensor-parallel layout for tp shards, on the host, once.
+
+    kv [hidden, k|v] (k only with k_eq_v) -> [hidden, tp, k_s|v_s]: shard s's KV heads (a copy of
+    the one its query heads read when kv_heads < tp); gate_up [hidden, gate|up] -> [hidden, tp,
+    gate_s|up_s]; embed / lm_head / ple_embed zero-padded to a multiple of tp on the vocab axis."""
+    check_tensor_parallel(cfg, tp)
+
+    def kv(a, sp: LayerSpec):                        # [..., k|v] -> [..., tp, k_s|v_s]
+        xp, a = _host(a)
+        w = sp.num_kv_heads * sp.head_dim
+        index = tp_kv_index(sp.num_kv_heads, tp)
+        return xp.concatenate([group_heads(a[..., j * w:(j + 1) * w], sp.num_kv_heads, sp.head_dim, tp, index)
+                               for j in range(1 if sp.k_eq_v else 2)], axis=-1)
+
+    out = dict(params)
+    out["embed"] = pad_vocab(params["embed"], 0, cfg.vocab_size, tp)
+    out["lm_head"] = pad_vocab(params["lm_head"], 1, cfg.vocab_size, tp)
+    if "ple_embed" in params:
+        out["ple_embed"] = pad_vocab(params["ple_embed"], 0, cfg.ple_vocab_size, tp)
+    layers = []
+    for p, sp in zip(params["layers"], cfg.layers):
+        p = {**p, "gate_up": group_gate_up(p["gate_up"], tp)}
+        if "kv" in p:
+            p["kv"] = kv(p["kv"], sp)
+        layers.append(p)
+    out["layers"] = layers
+    return out
+
+
+# logical axes by parameter name (mmjax.sharding.LOGICAL_RULES), for the decoder's own names;
+# nested leaves (router, experts) and everything else replicate
+_TOP_AXES = {"embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "ple_embed": ("vocab", None)}
+_LAYER_AXES = {"q": ("embed", "heads"), "kv": ("embed", "kv_heads", None), "o": ("heads", "embed"),
+               "gate_up": ("embed", "mlp", None), "down": ("mlp", "embed")}
+
+
+def logical_axes(params: dict) -> dict:
+    """The pytree of logical-axis tuples for the text params (tp_layout's shapes: a 2-D kv or
+    gate_up, i.e. not laid out, replicates)."""
+    from mmjax.sharding import key_names
+
+    def one(path, x):
+        names = key_names(path)
+        if len(names) == 1:
+            ax = _TOP_AXES.get(names[0])
+        elif len(names) == 3 and names[0] == "layers":
+            ax = _LAYER_AXES.get(names[2])
+        else:
+            ax = None
+        return ax if ax is not None and len(ax) == np.ndim(x) else (None,) * np.ndim(x)
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _own_kv(p: dict, spec: LayerSpec, hn: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """hn [b, t, hidden] -> k, v [b, t, kv heads, hd] before their norms (v = k with k_eq_v).
+    A 3-D kv is the tensor-parallel layout [hidden, tp, k_s|v_s]: each shard splits its own
+    block and k / v hold the cache's KV heads (replicated when fewer than tp)."""
+    b, t, _ = hn.shape
+    kvh, hd = spec.num_kv_heads, spec.head_dim
+    if p["kv"].ndim == 3:
+        kvp = _grouped_dense({"w": p["kv"]}, hn)                         # [b, t, tp, k_s|v_s]
+        g, cols = kvp.shape[2:]
+        kc = cols if spec.k_eq_v else cols // 2
+        k = kvp[..., :kc].reshape(b, t, g * kc // hd, hd)
+        return k, (k if spec.k_eq_v else kvp[..., kc:].reshape(b, t, g * kc // hd, hd))
+    kvp = hn @ p["kv"]
+    k = kvp[..., : kvh * hd].reshape(b, t, kvh, hd)
+    v = k if spec.k_eq_v else kvp[..., kvh * hd:].reshape(b, t, kvh, hd)
+    return k, v
+
+
+def _gated(p: dict, spec: LayerSpec, hn: jax.Array, act) -> jax.Array:
+    """hn [b, t, hidden] -> act(gate) * up [b, t, f] (3-D weight: the per-shard layout; the 2-D
+    path keeps its op order, so one device compiles what it always did)."""
+    if p["gate_up"].ndim == 3:
+        gate, up = split_grouped_gate_up(_grouped_dense({"w": p["gate_up"]}, hn))
+        return act(gate) * up
+    gu = hn @ p["gate_up"]
+    f = spec.intermediate_size
+    return act(gu[..., :f]) * gu[..., f:]
 
 
 def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: dict | None, own: bool,
@@ -301,9 +416,7 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
     hn = norm(p["ln_in"], x, eps)
     q = apply_rope(norm(p["q_norm"], (hn @ p["q"]).reshape(b, t, h, hd), eps), cos, sin)
     if own:
-        kvp = hn @ p["kv"]
-        k = kvp[..., : kvh * hd].reshape(b, t, kvh, hd)
-        v = k if spec.k_eq_v else kvp[..., kvh * hd:].reshape(b, t, kvh, hd)
+        k, v = _own_kv(p, spec, hn)
         k = apply_rope(norm(p["k_norm"], k, eps), cos, sin)
         v = norm(None, v, eps)
         rows = jnp.arange(b) if slots is None else slots
@@ -321,9 +434,7 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
         attn = cache_attention(q, kv["k"], kv["v"], q_index, kv_len, slots, reduce_small=reduce_small, **akw)
     x = x + norm(p["ln_post_attn"], attn.reshape(b, t, h * hd) @ p["o"], eps)
     residual = x
-    gu = norm(p["ln_pre_ffn"], x, eps) @ p["gate_up"]
-    f = spec.intermediate_size
-    m = (act(gu[..., :f]) * gu[..., f:]) @ p["down"]
+    m = _gated(p, spec, norm(p["ln_pre_ffn"], x, eps), act) @ p["down"]
     if cfg.moe:
         flat = residual.reshape(b * t, d)
         w, idx = gemma4_route(p["router"], flat, cfg.moe[1], eps)
@@ -387,6 +498,8 @@ def _head_dim(cfg: Gemma4TextConfig, kind: str) -> int:
 def logits(params: dict, cfg: Gemma4TextConfig, hidden: jax.Array) -> jax.Array:
     """hidden [..., d] -> float32 logits, soft-capped: cap * tanh(logits / cap)."""
     z = (hidden @ params["lm_head"]).astype(jnp.float32)
+    # a vocab padded for tensor parallelism (tp_layout): the padding is not a token
+    z = z if z.shape[-1] == cfg.vocab_size else z[..., :cfg.vocab_size]
     if cfg.final_logit_softcapping:
         c = cfg.final_logit_softcapping
         z = jnp.tanh(z / c) * c
@@ -398,6 +511,7 @@ class Gemma4TextModel:
     """`TextModel` for Gemma 4 decoders."""
     cfg: Gemma4TextConfig
     position_rows: int = 1
+    tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
 
     @property
     def hidden_size(self) -> int:
@@ -420,8 +534,19 @@ class Gemma4TextModel:
         return load_params(src, self.cfg, prefix, lm_head_name)
 
     def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *, max_chunk: int | None = None):
-        cache = init_cache(self.cfg, num_slots, max_len, dtype)
-        return cache if sharding is None else jax.device_put(cache, sharding)
+        return allocate_cache(lambda: init_cache(self.cfg, num_slots, max_len, dtype, self.tp), sharding)
+
+    # ---- tensor parallelism (mmjax.sharding) -------------------------------------------------
+    def tensor_parallel(self, tp: int) -> "Gemma4TextModel":
+        """This model as run over tp shards (its caches hold `cache_kv_heads(kv_heads, tp)`)."""
+        check_tensor_parallel(self.cfg, tp)
+        return dataclasses.replace(self, tp=tp)
+
+    def tp_layout(self, params: dict, tp: int) -> dict:
+        return tp_layout(params, self.cfg, tp)
+
+    def logical_axes(self, params: dict):
+        return logical_axes(params)
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array:
         return embed_tokens(params, self.cfg, ids)

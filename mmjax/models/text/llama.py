@@ -140,6 +140,17 @@ def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype,
             for _ in range(cfg.num_layers)]
 
 
+def allocate_cache(make, sharding=None):
+    """make() -> a zero cache pytree; with `sharding` (one Sharding, or a tree of them) each
+    array is allocated directly in its (possibly sharded) layout, not on one device first."""
+    if sharding is None:
+        return make()
+    shapes = jax.eval_shape(make)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), shapes, sharding)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), shapes)
+
+
 def _when(pred, fn, otherwise, *args):
     """fn(*args) if pred else otherwise(*args): a Python branch for a concrete pred, else
     lax.cond (XLA runs only the taken branch)."""
@@ -462,6 +473,51 @@ def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
                                     param="tensor_parallel")
 
 
+def tp_kv_index(num_kv_heads: int, tp: int) -> np.ndarray:
+    """The KV heads a tp-shard layout holds, in order: all of them, or (kv_heads < tp) each
+    repeated so that shard s holds the one its query heads read (Megatron's KV replication)."""
+    return np.arange(num_kv_heads) if num_kv_heads >= tp else np.arange(tp) // (tp // num_kv_heads)
+
+
+def _host(a):
+    """(array module, a): numpy on the host; jnp only when traced (abstract shapes:
+    benchmarks/sharding.py)."""
+    return (jnp, a) if isinstance(a, jax.core.Tracer) else (np, np.asarray(a))
+
+
+def group_heads(a, num_heads: int, head_dim: int, tp: int, index: np.ndarray | None = None):
+    """[..., heads * hd] (head-major columns) -> [..., tp, held/tp * hd]: the heads `index` picks
+    (default all, in order) cut into tp consecutive blocks, one per shard."""
+    _, a = _host(a)
+    lead = a.shape[:-1]
+    heads = a.reshape(*lead, num_heads, head_dim)
+    if index is not None:
+        heads = heads[..., index, :]
+    return heads.reshape(*lead, tp, -1)
+
+
+def group_gate_up(a, tp: int):
+    """[..., gate|up] -> [..., tp, gate_s|up_s]: shard s's slice of both halves side by side."""
+    xp, a = _host(a)
+    lead, half = a.shape[:-1], a.shape[-1] // 2
+    return xp.concatenate([a[..., :half].reshape(*lead, tp, -1), a[..., half:].reshape(*lead, tp, -1)], -1)
+
+
+def pad_vocab(a, axis: int, vocab_size: int, tp: int):
+    """Zero rows / columns on `axis` up to a multiple of tp (vocab-parallel embedding / head)."""
+    xp, a = _host(a)
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, -vocab_size % tp)
+    return xp.pad(a, widths)
+
+
+def split_grouped_gate_up(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[b, t, tp, gate_s|up_s] (a `group_gate_up` projection) -> gate, up [b, t, mlp], each in
+    the original column order (shard-major)."""
+    b, t, _, cols = gu.shape
+    return gu[..., :cols // 2].reshape(b, t, -1), gu[..., cols // 2:].reshape(b, t, -1)
+
+
 def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
     """Text params (numpy or jax) -> the tensor-parallel layout for tp shards, on the host, once.
 
@@ -471,38 +527,25 @@ def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
     gate_up w [hidden, gate|up] -> [hidden, tp, gate_s|up_s]. With the group axis sharded over
     "model", every shard's q/k/v and gate/up split is local and no weight is ever gathered.
     embed [vocab, hidden] / lm_head [hidden, vocab] are zero-padded to a multiple of tp (vocab
-    parallel; `lm_logits` callers cut the padding off)."""
+    parallel; `lm_logits` callers cut the padding off). `cfg` needs vocab_size, hidden sizes and
+    head counts only (Gemma 3's config serves as well)."""
     check_tensor_parallel(cfg, tp)
-    h, kvh, hd, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    kv_index = np.arange(kvh) if kvh >= tp else np.arange(tp) // (tp // kvh)   # KV heads held, in order
-
-    def host(a):   # numpy on the host; jnp only when traced (abstract shapes: benchmarks/sharding.py)
-        return (jnp, a) if isinstance(a, jax.core.Tracer) else (np, np.asarray(a))
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kv_index = tp_kv_index(kvh, tp)
 
     def qkv(a):                                      # [..., q|k|v] -> [..., tp, q_s|k_s|v_s]
-        xp, a = host(a)
-        lead = a.shape[:-1]
-        q = a[..., :h * hd].reshape(*lead, tp, h // tp * hd)
-        k = a[..., h * hd:(h + kvh) * hd].reshape(*lead, kvh, hd)[..., kv_index, :].reshape(*lead, tp, -1)
-        v = a[..., (h + kvh) * hd:].reshape(*lead, kvh, hd)[..., kv_index, :].reshape(*lead, tp, -1)
+        xp, a = _host(a)
+        q = group_heads(a[..., :h * hd], h, hd, tp)
+        k = group_heads(a[..., h * hd:(h + kvh) * hd], kvh, hd, tp, kv_index)
+        v = group_heads(a[..., (h + kvh) * hd:], kvh, hd, tp, kv_index)
         return xp.concatenate([q, k, v], axis=-1)
 
-    def gate_up(a):                                  # [..., gate|up] -> [..., tp, gate_s|up_s]
-        xp, a = host(a)
-        lead = a.shape[:-1]
-        return xp.concatenate([a[..., :inter].reshape(*lead, tp, -1), a[..., inter:].reshape(*lead, tp, -1)], -1)
-
-    def pad_axis(a, axis):
-        xp, a = host(a)
-        widths = [(0, 0)] * a.ndim
-        widths[axis] = (0, -cfg.vocab_size % tp)
-        return xp.pad(a, widths)
-
     out = dict(params)
-    out["embed"] = pad_axis(params["embed"], 0)
-    out["lm_head"] = pad_axis(params["lm_head"], 1)
+    out["embed"] = pad_vocab(params["embed"], 0, cfg.vocab_size, tp)
+    out["lm_head"] = pad_vocab(params["lm_head"], 1, cfg.vocab_size, tp)
     out["layers"] = [{**lp, "qkv": {k: qkv(v) for k, v in lp["qkv"].items()},
-                      "gate_up": {k: gate_up(v) for k, v in lp["gate_up"].items()}} for lp in params["layers"]]
+                      "gate_up": {k: group_gate_up(v, tp) for k, v in lp["gate_up"].items()}}
+                     for lp in params["layers"]]
     return out
 
 
@@ -548,13 +591,7 @@ class LlamaTextModel:
     def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *,
                    max_chunk: int | None = None) -> KVCache:
         cfg = self.cfg if self.tp == 1 else dataclasses.replace(self.cfg, num_kv_heads=cache_kv_heads(self.cfg, self.tp))
-        if sharding is None:
-            return init_kv_cache(cfg, num_slots, max_len, dtype)
-        # allocate each array directly in its (possibly sharded) layout, not on one device first
-        shapes = jax.eval_shape(lambda: init_kv_cache(cfg, num_slots, max_len, dtype))
-        if not isinstance(sharding, jax.sharding.Sharding):
-            return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), shapes, sharding)
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=sharding), shapes)
+        return allocate_cache(lambda: init_kv_cache(cfg, num_slots, max_len, dtype), sharding)
 
     # ---- tensor parallelism (mmjax.sharding) -------------------------------------------------
     def tensor_parallel(self, tp: int) -> "LlamaTextModel":
