@@ -116,10 +116,12 @@ def test_features_logits_greedy_and_logprobs(pair):
     vlm.family.policy = policy.with_pan_and_scan(on)          # VLM.logits takes the default options
     try:
         logits = vlm.logits(prompt, images)
+        other = vlm.logits(prompt, [noise_image(21, 60, 50), noise_image(22, 150, 50)])  # same sizes
     finally:
         vlm.family.policy = policy
     assert logits.shape == hf_logits.shape
     assert rel_err(logits, hf_logits) <= 1e-4
+    assert rel_err(other, logits) > 1e-3                      # the images reach the logits
 
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
@@ -208,7 +210,8 @@ def test_ring_cache_is_window_sized(gemma3_dirs):
         lens = [v.shape[2] for v in kv["v"]]
         assert sum(lens) == (w + c - 1 if kind == SLIDING else ENGINE["max_model_len"]), kind
     assert FULL in tm.cfg.layer_types and SLIDING in tm.cfg.layer_types
-    assert tm.min_resume(100) == 100 - c
+    assert tm.min_resume(100, c) == 100 - c
+    assert vlm.engine.scheduler.min_resume(100) == 100 - c     # the engine binds its chunk
     from benchmarks.gemma3_kv_cache import kv_bytes
     table = kv_bytes((8192, 32768), prefill_chunk=256)
     for n, (ring, full) in table.items():

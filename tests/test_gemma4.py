@@ -155,6 +155,8 @@ def test_whole_prompt_logits_two_images(pair):
     got = vlm.logits(TWO, imgs)
     assert got.shape == ref.shape and len(ref) > 12 + 65   # longer than window and an image run
     assert rel_err(got, ref) <= 1e-4
+    other = vlm.logits(TWO, [noise_image(32, 50, 37), noise_image(33, 23, 61)])   # same sizes
+    assert rel_err(other, got) > 1e-3                      # the images reach the logits
     # the soft-capped logits are not flat: greedy has something to pick
     assert np.abs(ref).max() > 1.0 and len(set(ref.argmax(-1).tolist())) > 5
 

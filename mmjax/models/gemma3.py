@@ -10,7 +10,6 @@ tokens take the image features in order; each run of them is one bidirectional s
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,10 @@ from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.gemma3 import Gemma3ImagePolicy
-from mmjax.image.processors import find_image_processor_config
+from mmjax.image.processors import digest, find_image_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require, tie_word_embeddings
+from mmjax.models.llava import normalize_name  # Gemma 3 checkpoints use LLaVA's weight layout
 from mmjax.models.text import TextModel, text_model_for
 from mmjax.models.text.gemma3 import gemma_rms_norm
 from mmjax.models.vision.siglip import SiglipVisionConfig, load_siglip_params, siglip_features
@@ -63,23 +63,6 @@ class Gemma3Config:
     def pool(self) -> int:
         """Average-pooling kernel: patches per side / soft tokens per side."""
         return self.vision.patches_per_side // int(round(self.mm_tokens_per_image ** 0.5))
-
-
-def normalize_name(name: str) -> str:
-    """Every Gemma 3 naming seen (transformers 5 modules `model.language_model.*`,
-    `model.vision_tower.*`, `lm_head.weight`; its saved files and the hub's `language_model.model.*`,
-    `vision_tower.vision_model.*`) -> `language_model.model.*`, `language_model.lm_head.*`,
-    `vision_tower.*` (no `vision_model.`), `multi_modal_projector.*`."""
-    for old, new in (("model.language_model.", "language_model.model."),
-                     ("model.vision_tower.", "vision_tower."),
-                     ("model.multi_modal_projector.", "multi_modal_projector.")):
-        if name.startswith(old):
-            name = new + name[len(old):]
-    if name == "lm_head.weight":
-        name = "language_model.lm_head.weight"
-    if name.startswith("vision_tower.vision_model."):
-        name = "vision_tower." + name[len("vision_tower.vision_model."):]
-    return name
 
 
 def load_params(src: TensorSource, cfg: Gemma3Config) -> dict:
@@ -150,9 +133,7 @@ class Gemma3Family(Family):
             raise CheckpointError(f"image processor produces {pixels.shape[1:3]} pixels but the vision tower expects "
                                   f"{size}x{size}: the preprocessor config does not match config.json",
                                   param="image_size")
-        # a digest, not hash(): images are prepared in spawned decode processes, whose str
-        # hashes differ, and the key must match across them (encoder and prefix caches)
-        prep = hashlib.sha256(repr(policy.cache_key()).encode()).hexdigest()[:16]
+        prep = digest(policy.cache_key())
         key = f"{self.name}:{pixel_hash(img)}:{prep}"
         side = self.cfg.vision.patches_per_side
         return ImageInput(pixels=pixels, num_tokens=n, key=key, grid=(views, side, side))

@@ -167,17 +167,8 @@ class DataParallelEngine:
         counts = list(self._pool.map(Engine.warmup, self.replicas))
         return counts[0]
 
-    def run_until_done(self, request_ids: list[str]) -> list[RequestOutput]:
-        pending = set(request_ids)
-        while any(self.requests[r].finish_reason is None for r in pending):
-            self.step()
-        outs = [self.output(r) for r in request_ids]
-        errors = [self.requests[r].error for r in request_ids if self.requests[r].error is not None]
-        for r in request_ids:
-            self.release(r)
-        if errors:
-            raise errors[0]
-        return outs
+    # the same loop over this class's requests / step / output / release
+    run_until_done = Engine.run_until_done
 
     def stats(self) -> dict[str, Any]:
         """Counters summed over replicas; per-replica figures under "replicas"; the whole mesh

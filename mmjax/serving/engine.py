@@ -59,7 +59,7 @@ class Engine:
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
-                                   min_resume=getattr(self.family.text_model, "min_resume", None))
+                                   min_resume=self._min_resume())
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
@@ -67,6 +67,11 @@ class Engine:
                          "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
                          "images_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
                          "tokens_pruned": 0}
+
+    def _min_resume(self):
+        """The text model's prefix-reuse floor for this engine's caches (None: any prefix)."""
+        tm, chunk = self.runner.text_model, self.runner.buckets.prefill[-1]
+        return None if not hasattr(tm, "min_resume") else (lambda held: tm.min_resume(held, chunk))
 
     # ---- requests ---------------------------------------------------------------------------
     @property
@@ -314,10 +319,14 @@ class Engine:
             self._emit_token(req, out, 0, deltas)
 
     def _decode(self, running: list[Request], deltas: list[Delta]) -> None:
-        # positions in use after this step, per layer (pruned requests are shorter after their layer)
-        lens = [max(r.kv_positions(i) for r in running) for i in range(self.family.text_model.num_layers)]
+        # positions in use after this step; per layer only when a pruned request (shorter after
+        # its layer) is running
+        lens = max(r.prompt_len + len(r.output_ids) for r in running)
+        if any(r.prune is not None for r in running):
+            lens = np.asarray([max(r.kv_positions(i) for r in running)
+                               for i in range(self.family.text_model.num_layers)])
         try:
-            out = self.runner.decode(np.asarray(lens), max(r.slot for r in running) + 1)
+            out = self.runner.decode(lens, max(r.slot for r in running) + 1)
         except Exception as e:
             self._device_failure(None, _as_error(e, "decoding"), deltas)
             return

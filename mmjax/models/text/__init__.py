@@ -117,8 +117,9 @@ class TextModel(Protocol):
         """A zero cache for `num_slots` sequences of up to `max_len` positions; max_chunk: the most
         new tokens one call writes per row (a ring-buffer sliding-window cache sizes its ring by it)."""
 
-    # Optional: `min_resume(held_len) -> int`, the shortest prefix a cache row holding `held_len`
-    # positions can resume from (ring-buffer layers drop old positions); absent = any prefix.
+    # Optional: `min_resume(held_len, max_chunk) -> int`, the shortest prefix a cache row holding
+    # `held_len` positions (cache built with `max_chunk`) can resume from (ring-buffer layers drop
+    # old positions); absent = any prefix.
     # Optional: `supports_prune = True` when `forward` takes `prune: Prune` and `dropped: Dropped`
     # (FastV image-token pruning, mmjax.research.Prune).
 
@@ -132,6 +133,28 @@ class TextModel(Protocol):
         that embed per layer (Gemma 4); others ignore them."""
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array: ...
+
+
+class ConfigShape:
+    """The `TextModel` size properties read from a `cfg` with hidden_size, vocab_size,
+    num_layers and max_position_embeddings (shared by the decoder implementations)."""
+    cfg: Any
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.cfg.max_position_embeddings
 
 
 def text_model_for(hf_text_cfg: dict, where: str = "text_config", **overrides) -> TextModel:

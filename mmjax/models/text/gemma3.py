@@ -37,7 +37,7 @@ only Gemma3ForCausalLM caps logits); both are implemented here and the family de
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,7 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import activation, dense
-from mmjax.models.text import Capture, MaskSpec, Output
+from mmjax.models.text import Capture, ConfigShape, MaskSpec, Output
 from mmjax.models.text.llama import (_grouped_dense, _split_grouped_qkv, allocate_cache, cache_attention,
                                      cache_kv_heads, check_tensor_parallel, init_kv_cache, split_grouped_gate_up,
                                      tp_layout)
@@ -408,12 +408,9 @@ def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: j
 
 
 @dataclass(frozen=True)
-class Gemma3TextModel:
-    """`TextModel` for Gemma 3 decoders. `_chunk` remembers the smallest max_chunk a cache was
-    built with (a ring's slack decides how far back a retained row can resume: `min_resume`;
-    the smallest is the safe bound whichever cache the engine holds)."""
+class Gemma3TextModel(ConfigShape):
+    """`TextModel` for Gemma 3 decoders."""
     cfg: Gemma3TextConfig
-    _chunk: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     position_rows: int = 1
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
 
@@ -424,35 +421,18 @@ class Gemma3TextModel:
             return self.cfg
         return dataclasses.replace(self.cfg, num_kv_heads=cache_kv_heads(self.cfg, self.tp))
 
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.cfg.max_position_embeddings
-
     def load_params(self, src: TensorSource, prefix: str, lm_head_name: str) -> dict:
         return load_params(src, self.cfg, prefix, lm_head_name)
 
     def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *, max_chunk: int | None = None):
-        if max_chunk is not None:  # the smallest ring built is the one min_resume must respect
-            self._chunk["min"] = min(max_chunk, self._chunk.get("min", max_chunk))
         return allocate_cache(lambda: init_cache(self.cache_cfg, num_slots, max_len, dtype, max_chunk), sharding)
 
-    def min_resume(self, held_len: int) -> int:
-        """A row holding `held_len` positions keeps, in each ring, the window before any prefix
-        p >= held_len - max_chunk (later writes reach back at most ring - window + 1 slots)."""
+    def min_resume(self, held_len: int, max_chunk: int) -> int:
+        """A row holding `held_len` positions of a cache built for `max_chunk` keeps, in each ring,
+        the window before any prefix p >= held_len - max_chunk (later writes reach back at most
+        ring - window + 1 slots)."""
         if SLIDING in self.cfg.layer_types:
-            return max(0, held_len - self._chunk.get("min", 1))
+            return max(0, held_len - max_chunk)
         return 0
 
     # ---- tensor parallelism (mmjax.sharding) -------------------------------------------------

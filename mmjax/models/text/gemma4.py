@@ -43,7 +43,7 @@ from mmjax.checkpoint import TensorSource
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import activation
-from mmjax.models.text import Capture, MaskSpec, Output
+from mmjax.models.text import Capture, ConfigShape, MaskSpec, Output
 from mmjax.models.text.llama import (_grouped_dense, _host, allocate_cache, cache_attention, explicit_attention,
                                      group_gate_up, group_heads, kv_segments, pad_vocab, scatter_kv,
                                      split_grouped_gate_up, tp_kv_index)
@@ -507,27 +507,11 @@ def logits(params: dict, cfg: Gemma4TextConfig, hidden: jax.Array) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class Gemma4TextModel:
+class Gemma4TextModel(ConfigShape):
     """`TextModel` for Gemma 4 decoders."""
     cfg: Gemma4TextConfig
     position_rows: int = 1
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.cfg.max_position_embeddings
 
     def load_params(self, src: TensorSource, prefix: str = "model.language_model.",
                     lm_head_name: str = "lm_head.weight") -> dict:

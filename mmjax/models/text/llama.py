@@ -29,7 +29,7 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import dense, rms_norm
-from mmjax.models.text import Capture, Dropped, MaskSpec, Output, Prune
+from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
@@ -559,27 +559,11 @@ def embed_tokens(params: dict, token_ids: jax.Array) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class LlamaTextModel:
+class LlamaTextModel(ConfigShape):
     """`TextModel` for Llama-style decoders: binds a config to the functions above."""
     cfg: LlamaConfig
     supports_prune = True
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.cfg.max_position_embeddings
 
     @property
     def position_rows(self) -> int:
