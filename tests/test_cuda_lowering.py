@@ -43,8 +43,7 @@ def _export_all(path, dtype: str) -> dict[str, jax.export.Exported]:
 def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     exported = _export_all(checkpoints[name], dtype)
     kinds = {k.split("[")[0].split("(")[0] for k in exported}
-    fastv = set() if name.startswith("gemma") else {"prefill_pruned"}  # one FastV prefill (Llama-style only)
-    assert kinds == {"encode", "prefill", "decode"} | fastv
+    assert kinds == {"encode", "prefill", "decode", "prefill_pruned"}  # one FastV prefill per family
     assert sum(k.startswith("decode") for k in exported) == 3          # rows 1, 2, 4
     assert sum(k.startswith("prefill[") for k in exported) == 3        # chunks 16, 32, 64
     for step, exp in exported.items():

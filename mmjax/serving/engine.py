@@ -156,9 +156,10 @@ class Engine:
             raise UnsupportedModelError(f"token pruning is not implemented for {type(tm).__name__}",
                                         param="intervention")
         layer, keep = prune
-        if not 0 <= layer < tm.num_layers - 1:
-            raise InvalidRequestError(f"Prune.layer must lie in [0, {tm.num_layers - 1}) (a later layer must "
-                                      f"remain), got {layer}", param="intervention.layer")
+        last = getattr(tm, "max_prune_layer", tm.num_layers - 2)     # a later layer must remain
+        if not 0 <= layer <= last:
+            raise InvalidRequestError(f"Prune.layer must lie in [0, {last}] for this model, got {layer}",
+                                      param="intervention.layer")
         if not 1 <= keep <= n_image:
             raise InvalidRequestError(f"Prune.keep must lie in [1, {n_image}] (the prompt's image tokens), "
                                       f"got {keep}", param="intervention.keep")

@@ -124,20 +124,21 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
 
 def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds, image_mask, positions, slot, n_valid,
-    rope_delta, sampling, key, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
+    rope_delta, sampling, key, spans, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
     prompt (from cache index 0) in one call with FastV pruning after decoder `layer` (static, as
     are `keep` image tokens and the `out_len` rows later layers compute); text models with
     `supports_prune` only. `tm` as in prefill."""
     tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, n_valid,
-                rope_delta, sampling, key, *, layer, keep, out_len):
+                rope_delta, sampling, key, spans, *, layer, keep, out_len):
         text = params["text"]
         c = token_ids.shape[0]
         embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
         prune = Prune(layer, keep, out_len, image_mask[None], (n_valid - 1)[None])
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), c,
-                         slots=slot[None], ids=token_ids[None], prune=prune, reduce_small=tune.reduce_small_attention)
+                         slots=slot[None], mask=image_mask_spec(family, spans[None]), ids=token_ids[None], prune=prune,
+                         reduce_small=tune.reduce_small_attention)
         dropped = out.intermediates["pruned"][0]
         logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1 - dropped,
                                                                         keepdims=True)), logits_sharding)
@@ -355,7 +356,7 @@ class ModelRunner:
             self.cache, self.state, out = self._track(
                 "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
                 self.state, ids, emb, mask, pos, np.int32(slot), np.int32(n), np.int32(rope_delta), sampling,
-                np.asarray(key, np.uint32), layer=layer, keep=keep, out_len=out_len)
+                np.asarray(key, np.uint32), spans, layer=layer, keep=keep, out_len=out_len)
             return StepOutput(*(np.asarray(x) for x in out))
         self.cache, self.state, out = self._track(
             "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
@@ -420,7 +421,7 @@ class ModelRunner:
             out.append((f"prefill[{c}]", self._prefill, args, {}))
             if c == self.buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
                 # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
-                pruned = args[:8] + (i32, i32) + args[11:13]
+                pruned = args[:8] + (i32, i32) + args[11:]
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
                             {"layer": 0, "keep": 1, "out_len": self.buckets.prefill[0]}))
         for r in self.buckets.decode:

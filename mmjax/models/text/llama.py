@@ -29,7 +29,7 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import dense, rms_norm
-from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune
+from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
@@ -336,21 +336,13 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
 
 
 def _prune_tokens(x: jax.Array, rope: tuple, probs: jax.Array, prune: Prune) -> tuple:
-    """Keep prune.keep image tokens by the attention prune.query pays them (probs [b, heads, t,
-    t], head-averaged) and every other token: (x, rope) gathered to prune.out_len rows, kept
-    tokens first in their order, cache indexes 0.., and the dropped count [b]."""
-    b, t = prune.image_mask.shape
-    row = jnp.take_along_axis(probs.mean(axis=1), prune.query[:, None, None], axis=1)[:, 0]   # [b, t]
-    score = jnp.where(prune.image_mask, row, -jnp.inf)
-    _, top = jax.lax.top_k(score, prune.keep)                                                  # [b, keep]
-    chosen = jnp.zeros((b, t), bool).at[jnp.arange(b)[:, None], top].set(True)
-    kept = ~prune.image_mask | chosen
-    order = jnp.argsort(~kept, axis=1, stable=True)[:, :prune.out_len]                          # [b, out_len]
+    """FastV after the scoring layer (`prune_order`): (x, rope) gathered to prune.out_len rows,
+    cache indexes 0.., and the dropped count [b]."""
+    order, dropped = prune_order(probs, prune)
     cos, sin, _ = rope
-    gather = lambda a: jnp.take_along_axis(a, order.reshape(b, -1, *([1] * (a.ndim - 2))), axis=1)
+    b = order.shape[0]
     q_index = jnp.broadcast_to(jnp.arange(prune.out_len)[None], (b, prune.out_len))
-    dropped = prune.image_mask.sum(axis=1).astype(jnp.int32) - prune.keep
-    return gather(x), (gather(cos), gather(sin), q_index), dropped
+    return take_rows(x, order), (take_rows(cos, order), take_rows(sin, order), q_index), dropped
 
 
 def rope_for(cfg: LlamaConfig, positions: jax.Array, starts: jax.Array, t: int,
