@@ -215,6 +215,8 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     n = t * g
     small = reduce_small and n <= SMALL_N and b * kvh >= SMALL_N_MIN_CALLS
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
+    if t == 1 and slots is None and (mask is None or mask.spans is None) and _gpu_decode_kernel(hd):
+        return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale).reshape(b, 1, h, hd).astype(q.dtype)
     if starts is None:
         starts = q_index[:, 0]
 
@@ -256,6 +258,35 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     _, total, out = carry
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
+
+
+def _gpu_decode_kernel(head_dim: int) -> bool:
+    """Decode attention on a GPU goes to the ragged Pallas kernel (mmjax.attention.decode): no
+    per-segment lax.cond, which a GPU runs as a host sync per segment and layer."""
+    from mmjax.attention.decode import supported
+    from mmjax.backend import current_platform
+    return current_platform() in ("gpu", "cuda") and supported(head_dim)
+
+
+def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
+                   scale: float | None) -> jax.Array:
+    """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache, each row
+    reading keys (q_pos - window, q_pos] only -> [b, kvh, g, hd] float32."""
+    from mmjax.attention.decode import merge_partials, ragged_decode_attention
+    hd = qn.shape[-1]
+    window = mask.sliding_window if mask is not None else None
+    first = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
+    part, start = None, 0
+    for kt, v in zip(kts, vs):
+        size = v.shape[2]
+        if isinstance(kv_len, int) and start >= kv_len:
+            break
+        lo, hi = jnp.clip(first - start, 0, size), jnp.clip(q_pos + 1 - start, 0, size)
+        seg = ragged_decode_attention(qn, kt, v, lo, hi, scale=1 / np.sqrt(hd) if scale is None else scale)
+        part = seg if part is None else merge_partials(part, seg)
+        start += size
+    _, total, out = part
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len: int,
