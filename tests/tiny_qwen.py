@@ -66,10 +66,11 @@ def train_qwen_tokenizer(vocab_size: int = 480):
 
 
 def build_qwen(out_dir: str | os.PathLike, *, family: str = "qwen2_vl", seed: int = 0,
-               text_overrides: dict | None = None) -> Path:
+               text_overrides: dict | None = None, vision_overrides: dict | None = None) -> Path:
     """Tiny checkpoint. family "qwen2_vl": LayerNorm/quick_gelu vision blocks, full attention;
     "qwen2_5_vl": RMSNorm/SwiGLU vision blocks, 112-px windows with full attention in blocks 1, 3.
-    text_overrides: text config fields replaced (e.g. more heads for tensor-parallel tests)."""
+    text_overrides: text config fields replaced (e.g. more heads for tensor-parallel tests);
+    vision_overrides: the vision config replaced (benchmarks/gpu.py: the released tower's size)."""
     import torch
     from transformers import Qwen2VLImageProcessorPil
 
@@ -100,7 +101,8 @@ def build_qwen(out_dir: str | os.PathLike, *, family: str = "qwen2_vl", seed: in
         vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                       hidden_act="silu", patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                       window_size=112, fullatt_block_indexes=[1, 3])
-        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
+        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision_overrides or vision, tie_word_embeddings=False,
+                               **tokens)
         model = Qwen2_5_VLForConditionalGeneration(cfg)
     else:
         raise ValueError(family)
