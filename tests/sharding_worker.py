@@ -180,7 +180,8 @@ def export(paths: dict, tp: int = 8) -> dict:
                 main = next(ln for ln in text.splitlines() if "func.func public @main" in ln)
                 steps[step] = {"platforms": list(exp.platforms), "nr_devices": exp.nr_devices,
                                "model_sharded_args": main.count('{"model"}'),
-                               "bf16_dot": any("bf16>" in ln for ln in text.splitlines() if "dot_general" in ln)}
+                               "bf16_dot": any("bf16>" in ln for ln in text.splitlines() if "dot_general" in ln),
+                               "pallas_calls": text.count("__gpu$xla.gpu.triton")}
         out[name] = steps
     return out
 

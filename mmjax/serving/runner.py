@@ -205,7 +205,7 @@ class ModelRunner:
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
         self.text_model = self.placement.text_model(family.text_model)
-        self.tuning = tuning(platform)
+        self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1)
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
         params = self.placement.layout_params(params, self.text_model)
         self.param_shardings = self.placement.param_shardings(params, self.text_model)
@@ -235,15 +235,15 @@ class ModelRunner:
         self.step_seconds = {k: 0.0 for k in self.compiled}
         p, t = self.placement, self.tuning
         outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
-        self._encode = jax.jit(family.encode, out_shardings=p.sharding("outputs"),
+        self._encode = jax.jit(t.traced(family.encode), out_shardings=p.sharding("outputs"),
                                compiler_options=t.compiler_options("encode"))
         gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
-        self._prefill = jax.jit(make_prefill_step(family, t, self.text_model, gather), donate_argnums=(1, 2),
+        self._prefill = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather)), donate_argnums=(1, 2),
                                 out_shardings=outs, compiler_options=t.compiler_options("prefill"))
-        self._decode = jax.jit(make_decode_step(family, t, self.text_model, gather), static_argnames=("rows",),
+        self._decode = jax.jit(t.traced(make_decode_step(family, t, self.text_model, gather)), static_argnames=("rows",),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
-        self._prefill_pruned = jax.jit(make_pruned_prefill_step(family, t, self.text_model, gather),
+        self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, self.text_model, gather)),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
 

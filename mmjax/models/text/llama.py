@@ -264,8 +264,8 @@ def _gpu_decode_kernel(head_dim: int) -> bool:
     """Decode attention on a GPU goes to the ragged Pallas kernel (mmjax.attention.decode): no
     per-segment lax.cond, which a GPU runs as a host sync per segment and layer."""
     from mmjax.attention.decode import supported
-    from mmjax.backend import current_platform
-    return current_platform() in ("gpu", "cuda") and supported(head_dim)
+    from mmjax.backend import pallas_kernels_enabled
+    return pallas_kernels_enabled() and supported(head_dim)
 
 
 def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
