@@ -118,6 +118,9 @@ class QwenVLFamily(Family):
     limits: QwenLimits = field(default_factory=QwenLimits)
     attn_impl: str = "auto"
     image_token: str = "<|image_pad|>"
+    # devices one encode call is split over (a replica's devices; the runner sets it): each gets
+    # its own packed group of whole images, [shards, n_pad, ...] arrays split on axis 0
+    encode_shards: int = 1
 
     @property
     def name(self) -> str:
@@ -224,8 +227,12 @@ class QwenVLFamily(Family):
     # ---- encode ---------------------------------------------------------------------------------
     def encode(self, params: dict, packed: tuple) -> jax.Array:
         """The compiled encode step: packed (patches, pos_hw, image_seg, window_seg) -> merged
-        tokens [n_pad / merge**2, lm_hidden] (window order for Qwen2.5-VL)."""
-        return make_encode_fn(self.cfg.vision, self.attn_impl)(params, packed)
+        tokens [n_pad / merge**2, lm_hidden] (window order for Qwen2.5-VL); with a leading
+        [shards] axis on every array (`encode_shards` > 1), one packed group per shard."""
+        fn = make_encode_fn(self.cfg.vision, self.attn_impl)
+        if packed[0].ndim == 3:
+            return jax.vmap(fn, in_axes=(None, 0))(params, packed)
+        return fn(params, packed)
 
     def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
         """Pack images (in order) into as few calls as the per-call patch budget allows, each
@@ -233,13 +240,17 @@ class QwenVLFamily(Family):
         does not apply: packing is by patches)."""
         ladder = self.encode_ladder
         cap = self.limits.max_encode_patches
-        groups, cur, n = [], [], 0
         for im in images:
             k = int(np.prod(im.grid))
             if k > ladder[-1]:
                 raise ContextLengthError(f"image with grid {im.grid} has {k} patches, over the largest encode "
                                          f"bucket {ladder[-1]} (image_max_tokens={self.image_max_tokens})",
                                          param="image_max_tokens")
+        if self.encode_shards > 1:
+            return self._sharded_plan(images, ladder, cap)
+        groups, cur, n = [], [], 0
+        for im in images:
+            k = int(np.prod(im.grid))
             if cur and n + k > cap:
                 groups.append(cur)
                 cur, n = [], 0
@@ -255,7 +266,43 @@ class QwenVLFamily(Family):
                                     lambda f, packed=packed: unpack_features(packed, f)))
         return calls
 
+    def _sharded_plan(self, images: list[ImageInput], ladder: tuple[int, ...], cap: int) -> list[EncodeCall]:
+        """Images (in order) to the least-loaded of `encode_shards` packed groups, at most `cap`
+        patches per group; a call ends when the least-loaded group cannot take the next image.
+        Each call pads every group to one bucket (the fullest group's); the split puts each
+        image's features back in request order."""
+        d = self.encode_shards
+        calls: list[EncodeCall] = []
+        groups: list[list[ImageInput]] = [[] for _ in range(d)]
+        totals, where = [0] * d, []
+
+        def flush():
+            packs = [pack_images(g, self.cfg.vision, bucket_for(max(totals), ladder)) for g in groups]
+            arrays = tuple(np.stack(x) for x in zip(*(p.arrays() for p in packs)))
+
+            def split(feats, packs=packs, where=tuple(where)):
+                per_group = [unpack_features(p, f) for p, f in zip(packs, feats)]
+                return [per_group[g][i] for g, i in where]
+            calls.append(EncodeCall((d, packs[0].n_pad), arrays, split))
+
+        for im in images:
+            k = int(np.prod(im.grid))
+            g = int(np.argmin(totals))
+            if groups[g] and totals[g] + k > cap:
+                flush()
+                groups, totals, where, g = [[] for _ in range(d)], [0] * d, [], 0
+            where.append((g, len(groups[g])))
+            groups[g].append(im)
+            totals[g] += k
+        if where:
+            flush()
+        return calls
+
     def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+        if self.encode_shards > 1:
+            return [EncodeCall((self.encode_shards, n), tuple(np.stack([x] * self.encode_shards)
+                                                               for x in self.dummy_packed(n)), list)
+                    for n in self.encode_ladder]
         return [EncodeCall((n,), self.dummy_packed(n), list) for n in self.encode_ladder]
 
     def dummy_packed(self, n_pad: int) -> tuple:

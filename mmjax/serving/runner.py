@@ -207,6 +207,8 @@ class ModelRunner:
         self.text_model = self.placement.text_model(family.text_model)
         self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1)
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
+        if hasattr(family, "encode_shards") and not vision_tensor_parallel:
+            family.encode_shards = self.placement.num_devices   # packed encodes split per device
         params = self.placement.layout_params(params, self.text_model)
         self.param_shardings = self.placement.param_shardings(params, self.text_model)
         self.params = self.placement.place_params(params, self.text_model)
@@ -310,12 +312,17 @@ class ModelRunner:
         out: list[np.ndarray] = []
         for call in calls:
             inputs = call.inputs
-            s = self.placement.encode_input_sharding(np.shape(inputs)) if isinstance(inputs, np.ndarray) else None
-            if s is not None:   # data-parallel vision tower: the images of the call split over devices
-                inputs = jax.device_put(inputs, s)
+            if isinstance(inputs, np.ndarray) or getattr(self.family, "encode_shards", 1) > 1:
+                # data-parallel vision tower: the images of the call (or the family's packed
+                # groups, one per device) split over the replica's devices
+                inputs = jax.tree.map(self._encode_input, inputs)
             feats = np.asarray(self._track("encode", call.bucket, self._encode, self.params, inputs))
             out.extend(call.split(feats))
         return out
+
+    def _encode_input(self, x: np.ndarray):
+        s = self.placement.encode_input_sharding(np.shape(x))
+        return x if s is None else jax.device_put(x, s)
 
     def encode_images(self, images: list) -> list[np.ndarray]:
         """Prepared images -> features [num_tokens, hidden] (the family's plan, then `encode`, then
