@@ -25,7 +25,7 @@ from mmjax.models.text import Capture, Dropped, MaskSpec, Prune
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmjax.sharding import MODEL, Placement, per_device_bytes, step_shardings
+from mmjax.sharding import MODEL, Placement, fetch_to_device, offload_to_host, per_device_bytes, step_shardings
 
 log = logging.getLogger("mmjax.runner")
 
@@ -200,7 +200,7 @@ class ModelRunner:
 
     def __init__(self, family: Family, params: dict, *, max_num_seqs: int, max_model_len: int,
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
-                 vision_tensor_parallel: bool = False):
+                 vision_tensor_parallel: bool = False, vision_offload: bool = False):
         self.family = family
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
@@ -212,6 +212,10 @@ class ModelRunner:
         params = self.placement.layout_params(params, self.text_model)
         self.param_shardings = self.placement.param_shardings(params, self.text_model)
         self.params = self.placement.place_params(params, self.text_model)
+        # --vision-offload: ViT + projector in host memory, fetched to the device inside encode only
+        self._offloaded = None
+        if vision_offload:
+            self.params, self._offloaded = offload_to_host(self.params)
         self.hidden_size = self.text_model.hidden_size
         self.num_slots = max_num_seqs
         self.max_model_len = max_model_len
@@ -237,7 +241,7 @@ class ModelRunner:
         self.step_seconds = {k: 0.0 for k in self.compiled}
         p, t = self.placement, self.tuning
         outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
-        self._encode = jax.jit(t.traced(family.encode), out_shardings=p.sharding("outputs"),
+        self._encode = jax.jit(t.traced(self.encode_fn), out_shardings=p.sharding("outputs"),
                                compiler_options=t.compiler_options("encode"))
         gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
         self._prefill = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather)), donate_argnums=(1, 2),
@@ -248,6 +252,14 @@ class ModelRunner:
         self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, self.text_model, gather)),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
+
+    def encode_fn(self, params: dict, inputs) -> jax.Array:
+        """The family's pure encode over this runner's params as placed (offloaded vision weights
+        are fetched to the device first): what the encode step jits, and what research code
+        differentiates through."""
+        if self._offloaded is not None:
+            params = fetch_to_device(params, self._offloaded)
+        return self.family.encode(params, inputs)
 
     def fresh_cache(self):
         return self.text_model.init_cache(self.num_slots, self.max_model_len, self.dtype,
@@ -404,7 +416,10 @@ class ModelRunner:
 
         def spec(x, sharding=None):
             # with a mesh, the abstract args carry the placed arrays' shardings (what export sees)
-            sharding = sharding or (getattr(x, "sharding", None) if mesh is not None else None)
+            # (and so do offloaded weights: their host memory kind is part of the signature)
+            placed = getattr(x, "sharding", None)
+            offloaded = placed is not None and placed.memory_kind not in (None, "device")
+            sharding = sharding or (placed if mesh is not None or offloaded else None)
             return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
                                         sharding=sharding)
 
