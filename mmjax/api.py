@@ -284,7 +284,10 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     behind one engine API (README, "Scaling out").
     engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
     max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
-    instead of the default: replicated weights, the encode batch split over devices).
+    instead of the default: replicated weights, the encode batch split over devices),
+    vision_offload (vision tower + projector weights in host memory, fetched inside encode),
+    memory_budget (bytes, or a fraction of device memory, per device: sizes max_num_seqs so the
+    memory plan's peak fits; `engine.runner.memory_plan()`).
     """
     enable_compilation_cache()
     if mesh is None and (tensor_parallel or 1) * (data_parallel or 1) > 1:

@@ -34,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--vision-tensor-parallel", action="store_true",
                    help="split the vision tower over the tensor-parallel devices too (default: replicated ViT "
                         "weights, the images of an encode call split over the devices)")
+    p.add_argument("--vision-offload", action="store_true",
+                   help="keep the vision tower and projector weights in host memory (pinned where the "
+                        "backend has it) and bring them to the device only inside encode steps")
+    p.add_argument("--memory-budget", type=_memory_budget, default=None,
+                   help="device memory per device for weights + KV cache + step temporaries: bytes (e.g. "
+                        "20000000000, 20GiB, 512MiB) or a fraction of the device's memory (e.g. 0.9); "
+                        "sizes the decode slots (at most --max-num-seqs) from the compiled steps' memory analysis")
     p.add_argument("--coordinator-address", default=os.environ.get("MMJAX_COORDINATOR_ADDRESS"),
                    help="multi-host: host:port of process 0 (jax.distributed; env MMJAX_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=_positive_int, default=int(os.environ.get("MMJAX_NUM_PROCESSES", 1)),
@@ -120,6 +127,32 @@ def _positive_float(v: str) -> float:
     return x
 
 
+def _memory_budget(text: str) -> int | float:
+    """'0.9' -> 0.9 (a fraction of device memory); '20GiB' / '512MiB' / '2e10' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    unit = next((u for u in sorted(units, key=len, reverse=True) if t.endswith(u)), None)
+    try:
+        value = float(t[:-len(unit)] if unit else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count or a fraction: {text!r}") from None
+    if unit:
+        value *= units[unit]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value if value <= 1 and not unit else int(value)
+
+
+def log_memory_plan(engine) -> None:
+    """The device memory plan of each engine replica, on the startup log."""
+    for i, e in enumerate(getattr(engine, "replicas", [engine])):
+        plan = e.runner.memory_plan()
+        mib = {k: f"{v / 2**20:,.1f} MiB" for k, v in plan.items()
+               if isinstance(v, int) and not isinstance(v, bool) and k != "slots"}
+        log.info("memory plan (replica %d, %d slots, per device, vision offloaded: %s): %s", i, plan["slots"],
+                 plan["vision_offloaded"], ", ".join(f"{k} {v}" for k, v in mib.items()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(
         prog="mmjax serve", description="OpenAI-compatible server for an mmjax vision-language model"))
@@ -191,7 +224,9 @@ def run(args) -> int:
                      prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1),
                      encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20,
                      tensor_parallel=args.tensor_parallel_size, data_parallel=args.data_parallel_size,
-                     **({"vision_tensor_parallel": True} if args.vision_tensor_parallel else {}))
+                     **({"vision_tensor_parallel": True} if args.vision_tensor_parallel else {}),
+                     **({"vision_offload": True} if args.vision_offload else {}),
+                     **({"memory_budget": args.memory_budget} if args.memory_budget is not None else {}))
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family
     configure_family(vlm, cfg)
@@ -203,6 +238,7 @@ def run(args) -> int:
         return 0
     if args.warmup:
         log.info("warmup done in %.1fs", warmup(vlm))
+        log_memory_plan(vlm.engine)
     try:
         return asyncio.run(serve_forever(vlm, cfg, args.host, args.port))
     finally:

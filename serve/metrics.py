@@ -74,6 +74,15 @@ class EngineCollector:
             for dev, v in sorted(per.items()):
                 g.add_metric([dev], v)
             yield g
+        plan = s.get("memory_plan")
+        if plan:   # computed at startup (runner.memory_plan): bytes per device by part, and the peak
+            g = GaugeMetricFamily("mmjax_memory_plan_bytes", "Device memory plan, bytes per device: weights "
+                                  "(text, vision), KV cache, decode state, each step kind's temporaries, peak.",
+                                  labels=["part"])
+            for k, v in sorted(plan.items()):
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "slots":
+                    g.add_metric([k], v)
+            yield g
 
 
 class ServerMetrics:

@@ -44,7 +44,7 @@ class Engine:
                  prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
-                 vision_offload: bool = False):
+                 vision_offload: bool = False, memory_budget: int | float | None = None):
         self.model = model
         self.tokenizer = model.tokenizer
         self.family = model.family
@@ -56,7 +56,9 @@ class Engine:
         self.runner = ModelRunner(model.family, model.params, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                   max_encode_batch=max_encode_batch, mesh=mesh,
-                                  vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload)
+                                  vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
+                                  memory_budget=memory_budget)
+        max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
