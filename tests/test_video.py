@@ -1,0 +1,204 @@
+"""Video input for Qwen2-VL / Qwen2.5-VL: parity with transformers (float32) on tiny random
+checkpoints, limits, caching, and the server's `video_url` parts.
+
+Videos are written with PyAV in the test (tests/tiny_video.py: moving colored shapes, two frame
+rates, non-square). The transformers side decodes them with its own PyAV loader; its video
+processor needs torchvision, which is not installable here, so tiny_video.hf_video_inputs runs
+the processor's steps with transformers' and torch's own pieces (see its docstring). Measured:
+decoded frames and pixel patches identical (0 difference), video features and logits rel ~1e-6,
+32 greedy ids identical, logprobs within 1e-5.
+
+CUDA lowering: a video reaches the vision tower as packed patches of the same shapes as images
+(`QwenVLFamily.encode_plan`, patch buckets from the same ladder), so no new compiled step exists;
+`test_video_uses_the_image_encode_buckets` checks that the video's encode bucket is one of
+`warmup_plan`'s (the shapes test_cuda_lowering.py exports).
+"""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import mmjax
+from conftest import noise_image, rel_err
+from mmjax.errors import ContextLengthError, PromptError, VideoError, VideoTooLargeError
+from mmjax.models.family import VideoOptions
+from mmjax.video import VideoLimits, decode_frames, plan_video, prepare_video, probe_video
+from tiny_qwen import TINY_VIDEO_PROCESSOR, hf_processor_inputs
+from tiny_video import hf_video_inputs, write_video
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+VIDEO = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+         "<|vision_start|><|video_pad|><|vision_end|>What is in the picture ?<|im_end|>\n<|im_start|>assistant\n")
+MIXED = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>Video 1: "
+         "<|vision_start|><|video_pad|><|vision_end|>Compare the two .<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    """a: 24 frames at 8 fps, 112x64 (6 frames sampled at 2 fps); b: 15 frames at 6 fps, 80x48
+    (4 frames at indices 0, 3, 7, 11; sampled fps 1.6, so Qwen2.5-VL's temporal step is fractional)."""
+    d = tmp_path_factory.mktemp("videos")
+    return {"a": write_video(d / "a.mp4", 24, 8, 112, 64, seed=0),
+            "b": write_video(d / "b.mp4", 15, 6, 80, 48, seed=1), "dir": d}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, qwen_dirs):
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+    path = qwen_dirs[request.param]
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ip = Qwen2VLImageProcessorPil.from_pretrained(path)
+    # the engine shapes of test_qwen2_vl.py: its compiled steps come from the persistent cache
+    vlm = mmjax.load(path, max_num_seqs=2, max_model_len=2048, prefill_chunk=256)
+    return request.param, hf, tok, ip, vlm
+
+
+def test_preprocessing_matches_transformers(qwen_dirs, videos):
+    """Frame sampling, decoded frames, pixel patches, grid, token count and second_per_grid_t
+    against transformers for both videos and a list of 5 frames (odd: the last is repeated)."""
+    vlm = mmjax.load(qwen_dirs["qwen2_5_vl"])
+    fam = vlm.family
+    frames5 = [np.asarray(noise_image(70 + i, 90, 50)) for i in range(5)]
+    for src in (videos["a"], videos["b"], frames5):
+        ref = hf_video_inputs([src if isinstance(src, str) else np.stack(src)], TINY_VIDEO_PROCESSOR)
+        clip, plan = plan_video(fam, src)
+        item = prepare_video(fam, src)
+        assert item.kind == "video"
+        assert item.grid == tuple(ref["video_grid_thw"][0].tolist())
+        assert item.num_tokens == int(ref["video_grid_thw"][0].prod()) // 4 == plan.num_tokens
+        np.testing.assert_array_equal(decode_frames(clip, plan.indices), ref["frames"][0])
+        np.testing.assert_allclose(item.pixels, ref["pixel_values_videos"].numpy(), rtol=0, atol=1e-5)
+        assert fam.second_per_grid_t(item) == pytest.approx(float(ref["second_per_grid_ts"][0]), rel=1e-6)
+    assert [prepare_video(fam, videos[k]).video.indices for k in "ab"] == [(0, 4, 8, 12, 16, 20), (0, 3, 7, 11)]
+
+
+def _hf_inputs(pair, prompt, images, video_srcs):
+    name, _, tok, ip, _ = pair
+    v = hf_video_inputs(video_srcs, TINY_VIDEO_PROCESSOR)
+    v.pop("frames")
+    if name == "qwen2_vl":
+        v.pop("second_per_grid_ts")
+    return hf_processor_inputs(tok, ip, prompt, images, videos=v)
+
+
+@pytest.mark.parametrize("prompt", ["video", "mixed"])
+def test_positions_features_and_logits_match(pair, videos, prompt):
+    _, hf, _, _, vlm = pair
+    text, images = (VIDEO, []) if prompt == "video" else (MIXED, [noise_image(5, 150, 100)])
+    src = videos["a"] if prompt == "video" else videos["b"]
+    x = _hf_inputs(pair, text, images, [src])
+    items = vlm.prepare_images(images) + vlm.prepare_videos([src])
+    counts = [im.num_tokens for im in items]
+    ids = np.asarray(vlm.tokenizer.encode_prompt(text, counts, None, [vlm.family.token_id_of(im) for im in items]))
+    assert ids.tolist() == x["input_ids"][0].tolist()
+    ours, delta = vlm.family.positions(ids, items, vlm.family.image_starts(ids, counts))
+    theirs, hf_delta = hf.model.get_rope_index(x["input_ids"], x["mm_token_type_ids"], x.get("image_grid_thw"),
+                                               x["video_grid_thw"], second_per_grid_ts=x.get("second_per_grid_ts"))
+    np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+    assert delta == int(hf_delta[0, 0])
+    with torch.no_grad():
+        feats = hf.model.get_video_features(x["pixel_values_videos"], x["video_grid_thw"]).pooler_output[0].numpy()
+        ref = hf(**x).logits[0].numpy()
+    assert rel_err(vlm.engine.runner.encode_images([items[-1]])[0], feats) <= 1e-4
+    got = vlm.logits(text, items)
+    assert rel_err(got, ref) <= 1e-4
+    # the video matters: other frames change the logits
+    other = vlm.prepare_videos([videos["b" if src == videos["a"] else "a"]], {"max_pixels": 56 * 56})
+    if other[0].num_tokens == items[-1].num_tokens:
+        assert rel_err(vlm.logits(text, items[:-1] + other), ref) > 1e-3
+
+
+def test_greedy_generation_batched_and_cached(pair, videos):
+    """32 greedy tokens and logprobs for a video prompt and a mixed image + video prompt, both in
+    one engine batch, equal to transformers and to running them one at a time; asking the same
+    video again decodes and encodes nothing."""
+    _, hf, _, _, vlm = pair
+    img = noise_image(6, 150, 100)
+    reqs = [(VIDEO, [], [videos["a"]]), (MIXED, [img], [videos["b"]])]
+    expected, hf_lps = [], []
+    for text, images, vids in reqs:
+        x = _hf_inputs(pair, text, images, vids)
+        with torch.no_grad():
+            g = hf.generate(**x, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
+                            return_dict_in_generate=True, pad_token_id=hf.config.text_config.pad_token_id)
+        expected.append(g.sequences[0, x["input_ids"].shape[1]:].tolist())
+        hf_lps.append([torch.log_softmax(l[0].double(), -1).numpy() for l in g.logits])
+    sp = mmjax.SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True)
+    batch = [{"prompt": t, "images": i, "videos": v} for t, i, v in reqs]
+    outs = vlm.generate(batch, sp)
+    for out, exp, lps, (_, images, vids) in zip(outs, expected, hf_lps, reqs):
+        assert out.token_ids == exp
+        for tok, ours, ref in zip(out.token_ids, out.logprobs, lps):
+            assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+        assert out.num_video_tokens == vlm.prepare_videos(vids)[0].num_tokens > 0
+        assert out.num_image_tokens == sum(im.num_tokens for im in vlm.prepare_images(images))
+    # one at a time, again: same ids; the videos come from the video cache and the encoder cache
+    st, decodes = vlm.engine.stats(), vlm.video_cache.decodes
+    alone = [vlm.generate([r], sp)[0] for r in batch]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in outs]
+    st2 = vlm.engine.stats()
+    assert vlm.video_cache.decodes == decodes
+    assert st2["videos_encoded"] == st["videos_encoded"]
+    # the prompts' KV comes from the prefix cache (keyed by the video's content + plan) or, where
+    # the prefix cache misses, the features from the encoder cache
+    assert (st2["tokens_cached"] - st["tokens_cached"]) + (st2["encoder_cache_hits"] - st["encoder_cache_hits"]) > 0
+
+
+def test_chat_video_parts_and_placeholder_guard(pair, videos):
+    _, _, _, _, vlm = pair
+    msgs = [{"role": "user", "content": [{"type": "video", "video": videos["a"]},
+                                         {"type": "text", "text": "What is in the picture ?"}]}]
+    prompt, media = vlm.render_chat(msgs, with_kinds=True)
+    assert str(prompt).endswith(VIDEO[VIDEO.index("<|im_start|>user"):]) and [k for k, _ in media] == ["video"]
+    sp = mmjax.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    a = vlm.chat(msgs, sp)
+    b = vlm.generate([{"prompt": VIDEO, "videos": [videos["a"]]}], sp)[0]
+    assert a.token_ids == b.token_ids and a.num_video_tokens > 0
+    with pytest.raises(PromptError, match="reserved video placeholder"):
+        vlm.chat([{"role": "user", "content": "look <|video_pad|>"}], sp)
+    with pytest.raises(PromptError, match="1 video"):   # a video where the prompt has an image placeholder
+        vlm.generate([{"prompt": VIDEO.replace("video_pad", "image_pad"), "videos": [videos["a"]]}], sp)
+
+
+def test_video_uses_the_image_encode_buckets(pair, videos):
+    _, _, _, _, vlm = pair
+    fam = vlm.family
+    item = vlm.prepare_videos([videos["a"]])[0]
+    calls = fam.encode_plan([item, *vlm.prepare_images([noise_image(3, 90, 60)])], 8)
+    assert len(calls) == 1 and calls[0].bucket in {c.bucket for c in fam.warmup_plan(8)}
+    assert item.grid[0] == 3   # t > 1: three temporal patches, one attention segment each
+    assert int(calls[0].inputs[2].max()) == 3   # image_seg: frames 0, 1, 2 then the image (3)
+
+
+def test_limits_are_typed_and_known_before_decoding(qwen_dirs, videos, monkeypatch):
+    vlm = mmjax.load(qwen_dirs["qwen2_vl"])
+    fam, a = vlm.family, videos["a"]
+    data = open(a, "rb").read()
+    cases = [
+        (VideoLimits(max_bytes=1000), VideoTooLargeError, "bytes"),
+        (VideoLimits(max_duration_s=2.0), VideoTooLargeError, "s long"),
+        (VideoLimits(max_stream_frames=20), VideoTooLargeError, "24 frames"),
+        (VideoLimits(max_frames=4), VideoTooLargeError, "sampled at 6 frames"),
+        (VideoLimits(max_pixels=100 * 60), VideoTooLargeError, "112x64"),
+        (VideoLimits(codecs=("vp9",)), VideoError, "codec 'h264'"),
+    ]
+    # none of these may decode a frame
+    import mmjax.video as V
+    monkeypatch.setattr(V, "decode_frames", lambda *a, **k: pytest.fail("decoded"))
+    for limits, exc, msg in cases:
+        with pytest.raises(exc, match=msg) as e:
+            V.prepare_video(fam, data, limits)
+        assert e.value.param == "video_url" and 400 <= e.value.status < 500
+    with pytest.raises(ContextLengthError, match="video_max_tokens=5") as e:
+        V.prepare_video(fam, data, VideoLimits(), VideoOptions(max_tokens=5))
+    for bad in (b"\x00" * 4000, data[:300], b"not a video"):
+        with pytest.raises(VideoError):
+            V.prepare_video(fam, bad)
+    monkeypatch.undo()
+    with pytest.raises(VideoError, match="longer than") as e:   # the decode deadline
+        decode_frames(probe_video(data), [0, 20], deadline=time.monotonic() - 1)
+    assert e.value.code == "video_decode_timeout"
+    with pytest.raises(Exception, match="fps"):
+        VideoOptions.from_dict({"fps": -1})
