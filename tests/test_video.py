@@ -202,3 +202,82 @@ def test_limits_are_typed_and_known_before_decoding(qwen_dirs, videos, monkeypat
     assert e.value.code == "video_decode_timeout"
     with pytest.raises(Exception, match="fps"):
         VideoOptions.from_dict({"fps": -1})
+
+
+def _video_uri(path) -> str:
+    import base64
+    return "data:video/mp4;base64," + base64.b64encode(open(path, "rb").read()).decode()
+
+
+def test_server_video_url_chat_and_bad_videos(qwen_dirs, videos):
+    """A video_url chat through the openai client (streamed == non-streamed == offline, usage
+    counts video tokens; file:// under the allowed path), then every bad-video case is a 4xx with
+    an OpenAI error body, and the server still answers the good request the same way."""
+    import openai
+    from serve.app import ServerConfig
+    from test_serve import Server
+
+    d = videos["dir"]
+    bomb = write_video(d / "bomb.mp4", 8, 8, 256, 192)             # over max_video_pixels
+    heavy = write_video(d / "heavy.mp4", 24, 8, 160, 120)          # 72 tokens, over video_max_tokens
+    long = write_video(d / "long.mp4", 24, 2, 112, 64)             # 12 s, over max_video_duration
+    ffv1 = write_video(d / "lossless.mkv", 8, 8, 112, 64, codec="ffv1")   # codec not allowed
+    path = qwen_dirs["qwen2_5_vl"]
+    vlm = mmjax.load(path, max_num_seqs=2, max_model_len=2048, prefill_chunk=256)
+    cfg = ServerConfig(served_model_name="qwen", log_stats_interval=0, max_video_duration=10.0,
+                       max_video_pixels=200 * 150, video_max_tokens=30, limit_videos=2,
+                       allowed_local_media_path=str(d))
+    s = Server(vlm, cfg)
+    try:
+        c = s.client()
+        msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": _video_uri(videos["a"])}},
+                                             {"type": "text", "text": "What is in the picture ?"}]}]
+        r = c.chat.completions.create(model="qwen", messages=msgs, max_tokens=8, temperature=0)
+        chunks = list(c.chat.completions.create(model="qwen", messages=msgs, max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        text = r.choices[0].message.content
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+        ref = mmjax.load(path, max_num_seqs=2, max_model_len=2048, prefill_chunk=256)
+        off = ref.chat([{"role": "user", "content": [{"type": "video", "video": videos["a"]},
+                                                     {"type": "text", "text": "What is in the picture ?"}]}],
+                       mmjax.SamplingParams(max_tokens=8, temperature=0.0))
+        assert text == off.text
+        u = chunks[-1].usage
+        assert u.prompt_tokens_details.video_tokens == off.num_video_tokens == 24
+        assert u.prompt_tokens_details.image_tokens == 0
+        local = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{videos['a']}"}},
+                                              {"type": "text", "text": "What is in the picture ?"}]}]
+        assert c.chat.completions.create(model="qwen", messages=local, max_tokens=8,
+                                         temperature=0).choices[0].message.content == text
+
+        def part(url):
+            return {"type": "video_url", "video_url": {"url": url}}
+        bad = [
+            ([part("data:video/mp4;base64," + "A" * 400)], 400, "invalid_video"),
+            ([part(_video_uri(ffv1))], 400, "invalid_video"),
+            ([part(_video_uri(long))], 413, "video_too_large"),
+            ([part(_video_uri(bomb))], 413, "video_too_large"),
+            ([part(_video_uri(heavy))], 400, "video_token_budget_exceeded"),
+            ([part(_video_uri(videos["a"]))] * 3, 400, "too_many_videos"),
+            ([part("http://127.0.0.1:9/v.mp4")], 400, "media_url_forbidden"),
+            ([part("file:///etc/passwd")], 400, "local_media_forbidden"),
+        ]
+        for content, status, code in bad:
+            resp = s.post("/v1/chat/completions", {"model": "qwen", "max_tokens": 2, "messages": [
+                {"role": "user", "content": content + [{"type": "text", "text": "hi"}]}]})
+            assert resp.status_code == status, (code, resp.text)
+            err = resp.json()["error"]
+            assert err["code"] == code and err["type"] and err["message"], err
+            assert err["param"].startswith("messages"), err
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="qwen", messages=[{"role": "user", "content": [part("data:video/mp4;base64,AAAA")]}],
+                                      max_tokens=2)
+        again = c.chat.completions.create(model="qwen", messages=msgs, max_tokens=8, temperature=0)
+        assert again.choices[0].message.content == text
+        assert s.metric("mmjax_videos_total") >= 3 + len(bad)
+        assert s.metric("mmjax_video_tokens_total") >= 4 * 24
+        assert s.metric("mmjax_video_decode_seconds_count") >= 4
+        assert s.state.fetcher.video_cache.decodes == 1       # the same video, decoded once
+        assert vlm.engine.stats()["videos_encoded"] == 1       # and encoded once
+    finally:
+        s.close()
