@@ -34,6 +34,7 @@ class EngineCollector:
                 ("engine_prefill_calls", "prefill_calls", "Compiled prefill chunks run."),
                 ("engine_encoder_calls", "encoder_calls", "Compiled encoder calls."),
                 ("engine_images_encoded", "images_encoded", "Images run through the vision tower."),
+                ("engine_videos_encoded", "videos_encoded", "Videos run through the vision tower."),
                 ("encoder_cache_hits", "encoder_cache_hits", "Encoder-cache hits (image already encoded)."),
                 ("encoder_cache_misses", "encoder_cache_misses", "Encoder-cache misses."))
 
