@@ -104,10 +104,11 @@ def test_positions_features_and_logits_match(pair, videos, prompt):
     assert rel_err(vlm.engine.runner.encode_images([items[-1]])[0], feats) <= 1e-4
     got = vlm.logits(text, items)
     assert rel_err(got, ref) <= 1e-4
-    # the video matters: other frames change the logits
-    other = vlm.prepare_videos([videos["b" if src == videos["a"] else "a"]], {"max_pixels": 56 * 56})
-    if other[0].num_tokens == items[-1].num_tokens:
-        assert rel_err(vlm.logits(text, items[:-1] + other), ref) > 1e-3
+    # the video matters: its frames in reverse order (same token count) change the logits
+    clip, plan = plan_video(vlm.family, src)
+    other = vlm.prepare_videos([{"frames": list(decode_frames(clip, plan.indices)[::-1]), "fps": 2.0}])
+    assert other[0].num_tokens == items[-1].num_tokens
+    assert rel_err(vlm.logits(text, items[:-1] + other), ref) > 1e-3
 
 
 def test_greedy_generation_batched_and_cached(pair, videos):
@@ -183,6 +184,7 @@ def test_limits_are_typed_and_known_before_decoding(qwen_dirs, videos, monkeypat
         (VideoLimits(max_frames=4), VideoTooLargeError, "sampled at 6 frames"),
         (VideoLimits(max_pixels=100 * 60), VideoTooLargeError, "112x64"),
         (VideoLimits(codecs=("vp9",)), VideoError, "codec 'h264'"),
+        (VideoLimits(max_decoded_bytes=5 * 112 * 64 * 3), VideoTooLargeError, "bytes decoded"),
     ]
     # none of these may decode a frame
     import mmjax.video as V

@@ -89,7 +89,7 @@ class ImageOptions:
 
 @dataclass(frozen=True)
 class VideoOptions:
-    """Per-video options (offline `video_options`, the server's `video_options` extension).
+    """Per-video options (the offline API's `video_options`).
 
     min_pixels / max_pixels: per-frame resize bounds (the video processor's size range).
     max_tokens: the most LLM tokens this video may take (ContextLengthError above, before decoding).
@@ -232,7 +232,8 @@ class Family(abc.ABC):
         in a token-id prompt) are a PromptError."""
         where = np.flatnonzero(np.isin(ids, self.media_token_ids))
         if len(where) != sum(counts):
-            raise PromptError(f"prompt has {len(where)} image/video tokens but the inputs need {sum(counts)}",
+            what = "image tokens" if self.video_token_id is None else "image and video tokens"
+            raise PromptError(f"prompt has {len(where)} {what} but the inputs need {sum(counts)}",
                               param="images")
         return [int(where[o]) for o in np.cumsum([0] + list(counts))[:-1]]
 

@@ -72,6 +72,11 @@ def plan_video(family: Family, source: Any, limits: VideoLimits = VideoLimits(),
     if len(plan.indices) > limits.max_frames:
         raise VideoTooLargeError(f"the video would be sampled at {len(plan.indices)} frames, over the limit of "
                                  f"{limits.max_frames}; lower fps", param=PARAM)
+    n_bytes = len(plan.indices) * clip.meta.width * clip.meta.height * 3
+    if n_bytes > limits.max_decoded_bytes:
+        raise VideoTooLargeError(f"the {len(plan.indices)} sampled frames of {clip.meta.width}x{clip.meta.height} "
+                                 f"would take {n_bytes} bytes decoded, over the limit of {limits.max_decoded_bytes}",
+                                 param=PARAM)
     return clip, plan
 
 

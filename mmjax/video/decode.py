@@ -51,6 +51,8 @@ class VideoLimits:
     sampled from one video (what the vision tower sees). max_pixels: declared and decoded
     width*height of a frame (video-bomb guard, checked before decoding). decode_timeout_s:
     wall-clock budget for decoding one video. codecs: FFmpeg decoder names accepted.
+    max_decoded_bytes: the sampled frames as RGB (frames x width x height x 3), checked before
+    decoding (the token budget bounds the frames, this bounds their memory at full resolution).
     """
     max_bytes: int = 100 * 2**20
     max_duration_s: float = 3600.0
@@ -59,10 +61,11 @@ class VideoLimits:
     max_pixels: int = 4096 * 2304             # 4K UHD (DCI) fits
     decode_timeout_s: float = 60.0
     codecs: tuple[str, ...] = DEFAULT_CODECS
+    max_decoded_bytes: int = 2 * 2**30
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_duration_s", "max_stream_frames", "max_frames", "max_pixels",
-                     "decode_timeout_s"):
+                     "decode_timeout_s", "max_decoded_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"VideoLimits.{name} must be positive, got {getattr(self, name)!r}")
 
