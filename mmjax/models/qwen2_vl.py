@@ -31,14 +31,13 @@ from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.processors import Qwen2VLImagePolicy, digest, find_image_processor_config, load_policy, patchify
-from mmjax.video.processors import find_video_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VideoOptions
 from mmjax.models.hf_config import tie_word_embeddings
 from mmjax.models.text import TextModel
 from mmjax.models.text.llama import LlamaConfig, LlamaTextModel
-from mmjax.video.processors import Qwen2VLVideoPolicy, VideoPlan
 from mmjax.models.vision.qwen2_vl import (QwenVisionConfig, load_vision_params, make_encode_fn, pack_images,
                                           patch_ladder, unpack_features)
+from mmjax.video.processors import Qwen2VLVideoPolicy, VideoPlan, find_video_processor_config
 
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # HF's default when the config has none
 
