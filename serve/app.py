@@ -147,6 +147,8 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     if cfg.chat_template:
         vlm.tokenizer.chat_template = cfg.chat_template
     cfg.limit_images = min(cfg.limit_images, engine.max_images_per_request)
+    if vlm.family.video_token_id is None:
+        cfg.limit_videos = 0    # no video parts, and no body room for them
     aengine = AsyncEngine(engine, max_waiting=cfg.max_queue)
     executor = ThreadPoolExecutor(max_workers=cfg.media_workers, thread_name_prefix="mmjax-media")
     media_cfg = MediaConfig(limits=ImageLimits(max_bytes=cfg.max_image_bytes, max_pixels=cfg.max_image_pixels),
@@ -174,7 +176,7 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
 
     st.body_cap, st.text_room = body_budget(cfg, engine.max_prompt_bytes)
     st.limits = RequestLimits(limit_images=cfg.limit_images, max_messages=cfg.max_messages,
-                              limit_videos=cfg.limit_videos if vlm.family.video_token_id is not None else 0,
+                              limit_videos=cfg.limit_videos,
                               max_content_parts=cfg.max_content_parts, max_text_bytes=engine.max_prompt_bytes,
                               max_model_len=engine.max_model_len)
     app = web.Application(middlewares=[_error_middleware, _auth_middleware], client_max_size=st.body_cap)
