@@ -332,6 +332,9 @@ def _video_ref(part: dict, path: str) -> ImageRef:
 
 
 def _add_video(req: ParsedRequest, ref: ImageRef, limits: RequestLimits, param: str) -> None:
+    if limits.limit_videos == 0:
+        raise InvalidRequestError("this model does not take video input (video_url parts)", param=ref.param,
+                                  code="video_not_supported")
     if sum(r.kind == "video" for r in req.images) >= limits.limit_videos:
         raise InvalidRequestError(f"more than {limits.limit_videos} videos in one request (--limit-videos)",
                                   param=param, code="too_many_videos")

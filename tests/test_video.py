@@ -283,3 +283,12 @@ def test_server_video_url_chat_and_bad_videos(qwen_dirs, videos):
         assert vlm.engine.stats()["videos_encoded"] == 1       # and encoded once
     finally:
         s.close()
+
+
+def test_video_url_for_a_model_without_video_is_a_400():
+    from serve import schema
+    body = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]}
+    with pytest.raises(mmjax.InvalidRequestError) as e:
+        schema.parse_chat(body, limits=schema.RequestLimits(limit_videos=0))
+    assert e.value.code == "video_not_supported" and e.value.param == "messages[0].content[0].video_url"
+    assert schema.parse_chat(body).images[0].kind == "video"
