@@ -292,3 +292,51 @@ def test_video_url_for_a_model_without_video_is_a_400():
         schema.parse_chat(body, limits=schema.RequestLimits(limit_videos=0))
     assert e.value.code == "video_not_supported" and e.value.param == "messages[0].content[0].video_url"
     assert schema.parse_chat(body).images[0].kind == "video"
+
+
+def test_http_video_fetch_byte_cap_and_cache(qwen_dirs, videos):
+    """http(s) videos go through the image fetcher (SSRF guard, redirects, byte cap on
+    Content-Length and on the streamed body), here against a local server the test allows."""
+    import asyncio
+
+    from aiohttp import web
+
+    from serve.media import MediaConfig, MediaFetcher
+    from serve.schema import ImageRef
+
+    data = open(videos["a"], "rb").read()
+    fam = mmjax.load(qwen_dirs["qwen2_vl"]).family
+
+    async def serve_video(request):
+        return web.Response(body=data, content_type="video/mp4")
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/a.mp4", serve_video)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}/a.mp4"
+        ref = ImageRef(url=url, param="messages[0].content[0].video_url", kind="video")
+        try:
+            guarded = MediaFetcher(MediaConfig(), fam)
+            with pytest.raises(mmjax.InvalidRequestError) as e:          # loopback: refused by default
+                await guarded.load(ref)
+            assert e.value.code == "media_url_forbidden" and e.value.param == ref.param
+            await guarded.close()
+            f = MediaFetcher(MediaConfig(allow_private_urls=True), fam)
+            item = await f.load(ref)
+            again = await f.load(ref)
+            assert item.kind == "video" and again is item and f.video_cache.decodes == 1
+            np.testing.assert_array_equal(item.pixels, prepare_video(fam, data).pixels)
+            await f.close()
+            small = MediaFetcher(MediaConfig(allow_private_urls=True, video_limits=VideoLimits(max_bytes=1000)), fam)
+            with pytest.raises(VideoTooLargeError) as e:
+                await small.load(ref)
+            assert e.value.status == 413 and e.value.param == ref.param
+            await small.close()
+        finally:
+            await runner.cleanup()
+    asyncio.run(go())
