@@ -212,10 +212,14 @@ def _video_uri(path) -> str:
     return "data:video/mp4;base64," + base64.b64encode(open(path, "rb").read()).decode()
 
 
-def test_server_video_url_chat_and_bad_videos(qwen_dirs, videos):
+def test_server_video_url_chat_and_bad_videos(qwen_dirs, videos, monkeypatch):
     """A video_url chat through the openai client (streamed == non-streamed == offline, usage
     counts video tokens; file:// under the allowed path), then every bad-video case is a 4xx with
-    an OpenAI error body, and the server still answers the good request the same way."""
+    an OpenAI error body, a decode that overruns --video-decode-timeout is a 400 while a text
+    request is served meanwhile, and the server still answers the good request the same way."""
+    import threading
+
+    import serve.media as media
     import openai
     from serve.app import ServerConfig
     from test_serve import Server
@@ -228,7 +232,7 @@ def test_server_video_url_chat_and_bad_videos(qwen_dirs, videos):
     path = qwen_dirs["qwen2_5_vl"]
     vlm = mmjax.load(path, max_num_seqs=2, max_model_len=2048, prefill_chunk=256)
     cfg = ServerConfig(served_model_name="qwen", log_stats_interval=0, max_video_duration=10.0,
-                       max_video_pixels=200 * 150, video_max_tokens=30, limit_videos=2,
+                       max_video_pixels=200 * 150, video_max_tokens=30, limit_videos=2, video_decode_timeout=3.0,
                        allowed_local_media_path=str(d))
     s = Server(vlm, cfg)
     try:
@@ -275,9 +279,30 @@ def test_server_video_url_chat_and_bad_videos(qwen_dirs, videos):
         with pytest.raises(openai.BadRequestError):
             c.chat.completions.create(model="qwen", messages=[{"role": "user", "content": [part("data:video/mp4;base64,AAAA")]}],
                                       max_tokens=2)
+        # a decode that overruns its deadline (stalled here until it has passed) fails alone; a
+        # text request is served while it is stuck
+        text_only = [{"role": "user", "content": "What is in the picture ?"}]
+        plain = c.chat.completions.create(model="qwen", messages=text_only, max_tokens=4, temperature=0)
+        real, started, stuck = media._prepare_video, threading.Event(), {}
+
+        def stalled(family, source, limits, opts, deadline, cache):
+            started.set()
+            time.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+            return real(family, source, limits, opts, deadline, cache)
+        monkeypatch.setattr(media, "_prepare_video", stalled)
+        worker = threading.Thread(target=lambda: stuck.update(r=s.post("/v1/chat/completions", {
+            "model": "qwen", "max_tokens": 2, "messages": [{"role": "user", "content": [part(_video_uri(videos["b"]))]}]})))
+        worker.start()
+        assert started.wait(30)
+        meanwhile = c.chat.completions.create(model="qwen", messages=text_only, max_tokens=4, temperature=0)
+        assert worker.is_alive()            # the video was still decoding when the text request finished
+        worker.join(60)
+        monkeypatch.undo()
+        assert meanwhile.choices[0].message.content == plain.choices[0].message.content
+        assert stuck["r"].status_code == 400 and stuck["r"].json()["error"]["code"] == "video_decode_timeout"
         again = c.chat.completions.create(model="qwen", messages=msgs, max_tokens=8, temperature=0)
         assert again.choices[0].message.content == text
-        assert s.metric("mmjax_videos_total") >= 3 + len(bad)
+        assert s.metric("mmjax_videos_total") >= 4 + len(bad)
         assert s.metric("mmjax_video_tokens_total") >= 4 * 24
         assert s.metric("mmjax_video_decode_seconds_count") >= 4
         assert s.state.fetcher.video_cache.decodes == 1       # the same video, decoded once
