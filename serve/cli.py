@@ -54,6 +54,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="image features kept by content hash (LRU; a repeated image skips the vision tower)")
     p.add_argument("--limit-images", type=int, default=8, help="images per request")
     p.add_argument("--max-image-bytes", type=int, default=20 * 2**20, help="encoded bytes per image")
+    p.add_argument("--limit-videos", type=int, default=2, help="videos (video_url parts) per request")
+    p.add_argument("--max-video-bytes", type=int, default=100 * 2**20, help="encoded bytes per video")
+    p.add_argument("--max-video-duration", type=float, default=3600.0, help="seconds per video (from the container)")
+    p.add_argument("--max-video-frames", type=int, default=768, help="frames sampled from one video")
+    p.add_argument("--max-video-pixels", type=int, default=4096 * 2304,
+                   help="declared width*height of a video frame (video-bomb guard, checked before decoding)")
+    p.add_argument("--video-decode-timeout", type=float, default=60.0, help="seconds to decode one video")
+    p.add_argument("--video-max-tokens", type=int, default=None,
+                   help="per-video token budget (default: the family's, = its per-image cap); larger: 400")
+    p.add_argument("--video-workers", type=int, default=2, help="threads decoding videos")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="HTTP body cap (default: what a request can need: text that fits the context, JSON-escaped, "
                         "plus --limit-images base64 images of --max-image-bytes)")
@@ -180,7 +190,10 @@ def config_from_args(args, model_path: str):
         body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout,
         keepalive_max_requests=args.keepalive_max_requests, lingering_time=args.lingering_time,
         max_request_line=args.max_request_line, max_header_size=args.max_header_size,
-        max_headers=args.max_headers)
+        max_headers=args.max_headers, limit_videos=args.limit_videos, max_video_bytes=args.max_video_bytes,
+        max_video_duration=args.max_video_duration, max_video_frames=args.max_video_frames,
+        max_video_pixels=args.max_video_pixels, video_decode_timeout=args.video_decode_timeout,
+        video_max_tokens=args.video_max_tokens, video_workers=args.video_workers)
 
 
 def warmup(vlm) -> float:
@@ -221,7 +234,8 @@ def run(args) -> int:
     multihost = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     vlm = mmjax.load(args.model, dtype=args.dtype, image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                     prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1),
+                     prefill_chunk=args.prefill_chunk,
+                     max_images_per_request=max(args.limit_images, 1) + max(args.limit_videos, 0),
                      encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20,
                      tensor_parallel=args.tensor_parallel_size, data_parallel=args.data_parallel_size,
                      **({"vision_tensor_parallel": True} if args.vision_tensor_parallel else {}),
