@@ -95,7 +95,7 @@ def build_idefics3(out_dir: str | os.PathLike, *, variant: str = "idefics3", see
         raise ValueError(variant)
     with torch.no_grad():  # small random weights everywhere (norms start at 1, biases at 0)
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.08)
+            p.add_(torch.randn_like(p) * 0.25)
     model.save_pretrained(out, safe_serialization=True)
     proc.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": eos,

@@ -118,7 +118,6 @@ class Idefics3Family(Family):
     fake_token: str = "<fake_token_around_image>"
     global_token: str = "<global-img>"
     name: str = "idefics3"
-    max_tiles: int | None = None        # server-wide cap on tiles per image (--max-image-tiles)
 
     @property
     def text_model(self) -> TextModel:
@@ -133,9 +132,7 @@ class Idefics3Family(Family):
         """(split, longest_edge, rows, cols) for this image under the options: max_tiles 0 turns
         splitting off (the global image alone); a smaller cap lowers the first resize's longest
         edge, a tile at a time, until the grid fits (as the processor with that `size`)."""
-        cap = opts.max_tiles if opts.max_tiles is not None else self.max_tiles
-        if opts.max_tiles is not None and self.max_tiles is not None:
-            cap = min(opts.max_tiles, self.max_tiles)
+        cap = opts.max_tiles
         if cap == 0:
             return False, None, 0, 0
         rows, cols = self.policy.grid(height, width)
@@ -166,10 +163,6 @@ class Idefics3Family(Family):
     def fit_options(self, max_tokens: int) -> ImageOptions:
         """The most tiles whose tokens (with the global image's) fit the budget."""
         return ImageOptions(max_tiles=max(0, max_tokens // self.cfg.tokens_per_tile - 1))
-
-    def configure(self, *, image_max_tokens: int | None = None, max_tiles: int | None = None) -> None:
-        if max_tiles is not None:
-            self.max_tiles = int(max_tiles)
 
     def image_prompt(self, image: ImageInput) -> str:
         """The processor's text for one image (Idefics3Processor / SmolVLMProcessor): per tile
