@@ -97,6 +97,12 @@ def test_tiles_token_counts_prompt_ids_and_chat_template(pair):
         theirs = hf_inputs(proc, msgs, images, **kw)
         assert ids == theirs["input_ids"][0].tolist()
         assert (theirs["input_ids"][0] == fam.image_token_id).sum() == sum(im.num_tokens for im in inputs)
+    # the template iterates content parts: a plain-string message is rendered as one text part
+    # (transformers would render it as nothing)
+    as_str = vlm.tokenizer.render_chat([{"role": "user", "content": "hello <end_of_utterance> there"}])
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "hello <end_of_utterance> there"}]}]
+    assert str(as_str) == proc.apply_chat_template(as_parts, add_generation_prompt=True)
+    assert "hello" in as_str and as_str.user_spans == vlm.tokenizer.render_chat(as_parts).user_spans != ()
     text = fam.image_prompt(vlm.prepare_images(images[:1])[0])
     assert "<row_1_col_1>" in text and "<global-img>" in text and text.count("<fake_token_around_image>") > 3
 
