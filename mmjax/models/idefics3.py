@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mmjax.buckets import bucket_for, pow2_ladder
@@ -249,15 +248,15 @@ def load(path: Path, hf_cfg: dict) -> tuple[Idefics3Family, dict]:
         raise CheckpointError(f"processor image_seq_len={seq} != (patches per side / scale_factor)^2 = "
                               f"{cfg.tokens_per_tile}", param="image_seq_len")
     strings = {}
-    tok_cfg = path / "tokenizer_config.json"
-    extra = json.loads(tok_cfg.read_text()) if tok_cfg.is_file() else {}
-    extra = {**extra, **(extra.get("extra_special_tokens") or {})} if isinstance(extra.get("extra_special_tokens"),
-                                                                            dict) else extra
     if cfg.model_type == "smolvlm":   # SmolVLMProcessor reads its token strings from the tokenizer
+        tok_cfg = path / "tokenizer_config.json"
+        named = json.loads(tok_cfg.read_text()) if tok_cfg.is_file() else {}
+        if isinstance(named.get("extra_special_tokens"), dict):     # older saves nest them
+            named = {**named, **named["extra_special_tokens"]}
         for field, key in (("image_token", "image_token"), ("fake_token", "fake_image_token"),
                            ("global_token", "global_image_token")):
-            if isinstance(extra.get(key), str):
-                strings[field] = extra[key]
+            if isinstance(named.get(key), str):
+                strings[field] = named[key]
     added = _added_tokens(path)
     for field in ("image_token", "fake_token"):
         value = strings.get(field, Idefics3Family.__dataclass_fields__[field].default)
