@@ -201,8 +201,6 @@ def test_engine_shared_tile_batches_chunks_and_caches(idefics3_dirs):
 
 
 def test_serve_detail_low_high_usage_and_streaming(idefics3_dirs):
-    from mmjax.image.decode import load_image
-    from mmjax.models.family import ImageOptions
     from serve.app import ServerConfig
     from serve.cli import build_parser, config_from_args
     from serve.media import MediaConfig, MediaFetcher
@@ -217,28 +215,31 @@ def test_serve_detail_low_high_usage_and_streaming(idefics3_dirs):
         f = MediaFetcher(MediaConfig(max_tiles=cfg.max_image_tiles), fam)
         assert f._options("low").max_tiles == 0
         assert f._options("high").max_tiles == f._options("auto").max_tiles == cap
+    uri = data_uri(51, w=120, h=50)
+
+    def messages(detail):
+        return [{"role": "user", "content": [{"type": "text", "text": "what is"}, img_part(uri, detail),
+                                             {"type": "text", "text": "please"}]}]
+    refs = {}   # offline first: the server's loop owns the engine once it runs
+    for detail in ("low", "high"):
+        prompt, _ = vlm.render_chat(messages(detail))
+        opts = {"max_tiles": 0} if detail == "low" else {}
+        [im] = vlm.prepare_images([uri], opts)
+        refs[detail] = (im, vlm.generate([{"prompt": prompt, "images": [uri], "image_options": opts}],
+                                         mmjax.SamplingParams(max_tokens=8, **GREEDY))[0])
     server = Server(vlm, ServerConfig(served_model_name="smol", log_stats_interval=0))
     try:
-        uri = data_uri(51, w=120, h=50)
-        seq = fam.cfg.tokens_per_tile
-        n = {}
         c = server.client()
-        for detail in ("low", "high"):
-            msgs = [{"role": "user", "content": [{"type": "text", "text": "what is"}, img_part(uri, detail),
-                                                 {"type": "text", "text": "please"}]}]
-            full = c.chat.completions.create(model="smol", messages=msgs, max_tokens=8, temperature=0)
-            chunks = list(c.chat.completions.create(model="smol", messages=msgs, max_tokens=8, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}))
+        for detail, (im, ref) in refs.items():
+            full = c.chat.completions.create(model="smol", messages=messages(detail), max_tokens=8, temperature=0)
+            chunks = list(c.chat.completions.create(model="smol", messages=messages(detail), max_tokens=8,
+                                                    temperature=0, stream=True, stream_options={"include_usage": True}))
             text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-            prompt, _ = vlm.render_chat(msgs)
-            [im] = [fam.prepare_image(load_image(uri), ImageOptions(max_tiles=0 if detail == "low" else None))]
-            rid = vlm.engine.add_request(prompt, [im], mmjax.SamplingParams(max_tokens=8, **GREEDY))
-            [ref] = vlm.engine.run_until_done([rid])
             assert full.choices[0].message.content == text == ref.text
             for u in (full.usage, chunks[-1].usage):
                 assert u.prompt_tokens == len(ref.prompt_token_ids) and u.completion_tokens == 8
                 assert u.prompt_tokens_details.image_tokens == im.num_tokens
-            n[detail] = full.usage.prompt_tokens_details.image_tokens
-        assert n["low"] == seq and n["high"] == seq * (im.rows * im.cols + 1) > seq
+        seq, (hi, _) = fam.cfg.tokens_per_tile, refs["high"]
+        assert refs["low"][0].num_tokens == seq and hi.num_tokens == seq * (hi.rows * hi.cols + 1) > seq
     finally:
         server.close()
