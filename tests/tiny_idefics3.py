@@ -39,8 +39,8 @@ def build_idefics3(out_dir: str | os.PathLike, *, variant: str = "idefics3", see
     """variant "idefics3": Idefics3ForConditionalGeneration, 32 px tiles (8x8 patches of 4),
         scale_factor 2 -> 16 tokens per tile, untied lm_head, GQA, longest_edge 96.
     variant "smolvlm": SmolVLMForConditionalGeneration, 36 px tiles (9x9 patches of 4),
-        scale_factor 3 -> 9 tokens per tile, tied embeddings (top-level flag only), MHA,
-        longest_edge 108, <|im_start|> template."""
+        scale_factor 3 -> 9 tokens per tile, tied embeddings (top-level flag only), 2 vision
+        heads, longest_edge 108, <|im_start|> template."""
     import torch
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -48,9 +48,10 @@ def build_idefics3(out_dir: str | os.PathLike, *, variant: str = "idefics3", see
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     first = "<|begin_of_text|>" if variant == "idefics3" else "<|im_start|>"
-    specials = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>", first] + ROW_COL
-    if variant == "smolvlm":
-        specials.append("<video>")
+    # the same vocabulary size and decoder shapes in both variants: their prefill / decode steps
+    # compile to the same programs, which the persistent compilation cache then shares
+    specials = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>", first,
+                "<video>"] + ROW_COL
     base = train_tokenizer(specials)
     # the template writes the first token itself (as the real checkpoints' BOS)
     tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token=first,
@@ -84,7 +85,7 @@ def build_idefics3(out_dir: str | os.PathLike, *, variant: str = "idefics3", see
         vision = SmolVLMVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                      num_attention_heads=2, image_size=36, patch_size=4)
         cfg = SmolVLMConfig(vision_config=vision.to_dict(),
-                            text_config=LlamaConfig(**text, num_key_value_heads=4, tie_word_embeddings=False).to_dict(),
+                            text_config=LlamaConfig(**text, num_key_value_heads=2, tie_word_embeddings=False).to_dict(),
                             scale_factor=3, image_token_id=image_id, tie_word_embeddings=True)
         model = SmolVLMForConditionalGeneration(cfg).eval()
         ip = SmolVLMImageProcessorPil(size={"longest_edge": 108}, max_image_size={"longest_edge": 36})
