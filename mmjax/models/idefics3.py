@@ -53,8 +53,9 @@ class Idefics3Config:
         text_cfg = dict(require(cfg, "text_config", "config"))
         text_cfg.setdefault("model_type", "llama")
         text = text_model_for(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg))
-        vision_cfg = dict(require(cfg, "vision_config", "config"))
-        vision_cfg.setdefault("model_type", "idefics3_vision")
+        # transformers builds Idefics3VisionTransformer whatever vision_config.model_type says
+        # (hub configs say "idefics3", "idefics3_vision" or "smolvlm_vision")
+        vision_cfg = {**require(cfg, "vision_config", "config"), "model_type": "idefics3_vision"}
         vision = SiglipVisionConfig.from_hf(vision_cfg, "vision_config")
         scale = int(cfg.get("scale_factor", 2))
         if scale <= 0 or vision.patches_per_side % scale:
