@@ -13,6 +13,8 @@ import torch
 
 import mmjax
 from conftest import noise_image, rel_err
+from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError
+from mmjax.models.family import ImageOptions
 from tiny_idefics3 import load_processor
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -103,8 +105,31 @@ def test_tiles_token_counts_prompt_ids_and_chat_template(pair):
     as_parts = [{"role": "user", "content": [{"type": "text", "text": "hello <end_of_utterance> there"}]}]
     assert str(as_str) == proc.apply_chat_template(as_parts, add_generation_prompt=True)
     assert "hello" in as_str and as_str.user_spans == vlm.tokenizer.render_chat(as_parts).user_spans != ()
+    # budgets and bad input
+    assert fam.fit_options(3 * seq).max_tiles == 2 and fam.fit_options(seq).max_tiles == 0
+    with pytest.raises(ContextLengthError):
+        vlm.prepare_images(images[:1], {"image_max_tokens": 2 * seq})
+    with pytest.raises(InvalidRequestError, match="non-negative"):
+        ImageOptions.from_dict({"max_tiles": -1})
     text = fam.image_prompt(vlm.prepare_images(images[:1])[0])
     assert "<row_1_col_1>" in text and "<global-img>" in text and text.count("<fake_token_around_image>") > 3
+
+
+def test_checkpoint_errors(idefics3_dirs, tmp_path):
+    """A processor whose tiles differ from the vision tower's image size, or whose image_seq_len
+    disagrees with the config, is refused at load with the field named."""
+    import json
+    import shutil
+    tile = {"longest_edge": 8}
+    for field, change in (("max_image_size", lambda c: c["image_processor"].update(max_image_size=tile)),
+                          ("image_seq_len", lambda c: c.update(image_seq_len=5))):
+        bad = shutil.copytree(idefics3_dirs["idefics3"], tmp_path / field)
+        cfg = json.loads((bad / "processor_config.json").read_text())
+        change(cfg)
+        (bad / "processor_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError) as e:
+            mmjax.load(bad)
+        assert e.value.param == field
 
 
 def test_features_logits_greedy_and_logprobs(pair):
