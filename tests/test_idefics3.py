@@ -265,6 +265,7 @@ def test_serve_detail_low_high_usage_and_streaming(idefics3_dirs):
                 assert u.prompt_tokens == len(ref.prompt_token_ids) and u.completion_tokens == 8
                 assert u.prompt_tokens_details.image_tokens == im.num_tokens
         seq, (hi, _) = fam.cfg.tokens_per_tile, refs["high"]
+        assert refs["low"][0].key != hi.key         # the encoder cache keeps the two preprocessings apart
         assert refs["low"][0].num_tokens == seq and hi.num_tokens == seq * (hi.rows * hi.cols + 1) > seq
     finally:
         server.close()
