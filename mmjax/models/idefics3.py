@@ -16,6 +16,11 @@ Encode: the views of all waiting images are one stream of equally shaped tiles, 
 of `max_batch` tiles padded up the power-of-two ladder; an image's tiles may span calls (each
 call's `split` hands over the images whose last tile it holds), so one image of 10 tiles and ten
 images of one tile cost the same calls.
+
+Position ids: every tile is full (the processors pad nothing), so the tower uses SigLIP's
+row-major ids. transformers computes them with a float32 bucketize that is the identity for the
+released grids (26, 27, 32 patches per side) but, by rounding, not for some others (19, 25,
+29, ...); checkpoints with such grids would differ slightly there.
 """
 from __future__ import annotations
 
