@@ -45,6 +45,15 @@ def gemma4_dirs(tmp_path_factory):
     return {v: build_gemma4(root / v, variant=v, seed=i) for i, v in enumerate(("dense", "moe"))}
 
 
+@pytest.fixture(scope="session")
+def idefics3_dirs(tmp_path_factory):
+    """Tiny Idefics3 and SmolVLM checkpoints: {"idefics3": path, "smolvlm": path} (see
+    tiny_idefics3.build_idefics3)."""
+    from tiny_idefics3 import build_idefics3
+    root = tmp_path_factory.mktemp("idefics3")
+    return {v: build_idefics3(root / v, variant=v, seed=i) for i, v in enumerate(("idefics3", "smolvlm"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

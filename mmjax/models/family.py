@@ -58,17 +58,21 @@ class ImageOptions:
     max_tokens: the most LLM tokens this image may take; a larger one is a ContextLengthError.
     pan_and_scan: Gemma 3's pan-and-scan crops on (True) / off (False) for this image; None: the
         checkpoint's processor default (the server's --pan-and-scan, `detail: "high"`).
+    max_tiles: the most tiles a tiling family (Idefics3 / SmolVLM) cuts this image into, besides
+        its global image; 0: the global image alone (`detail: "low"`); None: the checkpoint's
+        full tiling (capped by the server's --max-image-tiles).
     """
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_tokens: int | None = None
     pan_and_scan: bool | None = None
+    max_tiles: int | None = None
 
     @classmethod
     def from_dict(cls, opts: dict | None) -> "ImageOptions":
-        """{"min_pixels", "max_pixels", "image_max_tokens" | "max_tokens", "pan_and_scan"} ->
-        ImageOptions; an unknown key, a non-positive size or a non-bool pan_and_scan is an
-        InvalidRequestError naming it."""
+        """{"min_pixels", "max_pixels", "image_max_tokens" | "max_tokens", "pan_and_scan",
+        "max_tiles"} -> ImageOptions; an unknown key, a non-positive size (negative max_tiles) or
+        a non-bool pan_and_scan is an InvalidRequestError naming it."""
         opts = dict(opts or {})
         if "image_max_tokens" in opts:
             opts["max_tokens"] = opts.pop("image_max_tokens")
@@ -79,10 +83,12 @@ class ImageOptions:
         for k, v in opts.items():
             if k not in names:
                 raise InvalidRequestError(f"unknown image option {k!r} (known: min_pixels, max_pixels, "
-                                          "image_max_tokens, pan_and_scan)", param=f"image_options.{k}")
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
+                                          "image_max_tokens, pan_and_scan, max_tiles)", param=f"image_options.{k}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                  or v < (0 if k == "max_tiles" else 1)):
                 name = "image_max_tokens" if k == "max_tokens" else k
-                raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}", param=name)
+                kind = "a non-negative" if k == "max_tiles" else "a positive"
+                raise InvalidRequestError(f"{name} must be {kind} integer, got {v!r}", param=name)
         return cls(**{k: (None if v is None else int(v)) for k, v in opts.items()},
                    pan_and_scan=None if pas is None else bool(pas))
 
