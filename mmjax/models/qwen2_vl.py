@@ -250,10 +250,14 @@ class QwenVLFamily(Family):
         calls = []
         for group in groups:
             total = sum(int(np.prod(im.grid)) for im in group)
-            packed = pack_images(group, self.cfg.vision, bucket_for(total, ladder))
+            packed = self.pack(group, bucket_for(total, ladder))
             calls.append(EncodeCall((packed.n_pad,), packed.arrays(),
                                     lambda f, packed=packed: unpack_features(packed, f)))
         return calls
+
+    def pack(self, images: list[ImageInput], n_pad: int):
+        """One encode call's images packed into `n_pad` patches (a PackedImages)."""
+        return pack_images(images, self.cfg.vision, n_pad)
 
     def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
         return [EncodeCall((n,), self.dummy_packed(n), list) for n in self.encode_ladder]
@@ -292,10 +296,8 @@ class QwenVLFamily(Family):
         return pos.astype(np.int32), delta
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
-    """config.json + safetensors + preprocessor config -> (family, numpy params)."""
-    cfg = QwenVLConfig.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, normalize_name), cfg)
+def checked_policy(path: Path, cfg: QwenVLConfig) -> Qwen2VLImagePolicy:
+    """The checkpoint's image processor, checked against the vision config's patch geometry."""
     policy = load_policy(find_image_processor_config(path))
     if not isinstance(policy, Qwen2VLImagePolicy):
         raise CheckpointError(f"{cfg.model_type} needs a Qwen2VLImageProcessor, the checkpoint has "
@@ -306,4 +308,11 @@ def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
         raise CheckpointError("image processor patch_size/merge_size/temporal_patch_size "
                               f"{(policy.patch_size, policy.merge_size, policy.temporal_patch_size)} do not match "
                               f"config.json {(v.patch_size, v.merge_size, v.temporal_patch_size)}", param="patch_size")
-    return QwenVLFamily(cfg, policy), params
+    return policy
+
+
+def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
+    """config.json + safetensors + preprocessor config -> (family, numpy params)."""
+    cfg = QwenVLConfig.from_hf(hf_cfg)
+    params = load_params(TensorSource(path, normalize_name), cfg)
+    return QwenVLFamily(cfg, checked_policy(path, cfg)), params

@@ -11,10 +11,12 @@ active width at decode batch 1). So when compiling for CPU with few rows (decode
 run in a compiled loop that skips (`lax.cond`) every expert no row routes to: each active
 expert's weights are read once, idle experts cost nothing (`impl="skip"`).
 
-Routing is Gemma 4's (transformers Gemma4TextRouter): RMSNorm without scale, times a learned
-scale and hidden**-0.5, linear to expert logits, softmax in float32, top-k, the k weights
-renormalised to sum to 1, then multiplied by a learned per-expert scale. Other routers plug in
-through `route`'s output (weights [n, k], expert ids [n, k]).
+Routers (each returns weights [n, k] and expert ids [n, k], what `experts_forward` takes):
+- `gemma4_route` (transformers Gemma4TextRouter): RMSNorm without scale, times a learned scale and
+  hidden**-0.5, linear to expert logits, softmax in float32, top-k, the k weights renormalised to
+  sum to 1, then multiplied by a learned per-expert scale.
+- `softmax_topk_route` (Qwen3-MoE / Qwen3-VL-MoE / Mixtral's TopKRouter): linear to expert
+  logits, softmax in float32, top-k, renormalised when `norm_topk_prob`.
 """
 from __future__ import annotations
 
@@ -36,6 +38,19 @@ def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Arr
     w, idx = jax.lax.top_k(probs, top_k)
     w = w / w.sum(-1, keepdims=True)
     return w * p["per_expert_scale"][idx].astype(jnp.float32), idx.astype(jnp.int32)
+
+
+def softmax_topk_route(w: jax.Array, x: jax.Array, top_k: int, normalize: bool = True
+                       ) -> tuple[jax.Array, jax.Array]:
+    """x [n, d], router weight w [d, experts] -> (weights [n, k] in x's dtype, expert ids [n, k]
+    int32): softmax over the experts in float32, the top k, renormalised to sum to 1 when
+    `normalize` (HF's norm_topk_prob), then cast to the logits' dtype as HF does."""
+    logits = x @ w
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, top_k)
+    if normalize:
+        top = top / top.sum(-1, keepdims=True)
+    return top.astype(logits.dtype), idx.astype(jnp.int32)
 
 
 SKIP_MAX_ROWS = 64   # CPU: token-expert assignments up to which impl "auto" takes the skip loop
