@@ -6,7 +6,7 @@ DeepStack feature block rel <= 1e-4 (one packed call of three non-square images;
 at a time); interleaved M-RoPE tables and prompt positions exact; logits of a two-image prompt
 rel <= 1e-4 (whole prompt at once: the MoE layers take the grouped ragged_dot path); 32 greedy
 tokens identical and logprobs within 1e-4 for a one-image and a two-image prompt through the
-engine with 32-token prefill chunks (images span chunks; the MoE decode and chunk steps take the
+engine with 16-token prefill chunks (images span chunks; the MoE decode and chunk steps take the
 skip-idle-experts path); batched == one at a time == caches off, with a repeated request resumed
 from the prefix cache and its images from the encoder cache.
 """
@@ -29,8 +29,8 @@ ONE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe th
 TWO = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>Picture 2: "
        "<|vision_start|><|image_pad|><|vision_end|>Compare the two images.<|im_end|>\n<|im_start|>assistant\n")
 SIZES = [(150, 110), (90, 200), (230, 75)]   # (width, height), non-square
-CHUNK = 32
-ENGINE = dict(max_num_seqs=4, max_model_len=512, prefill_chunk=CHUNK)
+CHUNK = 16
+ENGINE = dict(max_num_seqs=2, max_model_len=512, prefill_chunk=CHUNK)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -111,7 +111,7 @@ def test_positions_and_logits_two_images(pair):
 
 def test_generation_chunks_batching_and_caches(pair):
     """32 greedy tokens == transformers (logprobs within 1e-4) for a one-image and a two-image
-    prompt; batched == one at a time == caches off; images straddle the 32-token chunk edges; a
+    prompt; batched == one at a time == caches off; images straddle the 16-token chunk edges; a
     repeated request resumes from the prefix cache, and a third request reuses both its images'
     features (DeepStack blocks included) from the encoder cache."""
     _, hf, proc, vlm = pair
