@@ -81,7 +81,7 @@ def load_params(src: TensorSource, cfg: Qwen3VLConfig) -> dict:
 class Qwen3VLFamily(QwenVLFamily):
     """A loaded Qwen3-VL / Qwen3-VL-MoE model's family (Qwen2-VL's host side, Qwen3-VL's tower)."""
     def encode(self, params: dict, packed: tuple) -> jax.Array:
-        """The compiled encode step: packed (patches, pos_hw, image_seg, taps, tap_weights) ->
+        """The compiled encode step: packed (patches, pos_hw, image_seg, sizes_hw) ->
         [n_pad / merge**2, (1 + n_deepstack) * hidden] (final merger, then DeepStack blocks)."""
         return make_encode_fn(self.cfg.vision, self.attn_impl)(params, packed)
 
@@ -91,7 +91,7 @@ class Qwen3VLFamily(QwenVLFamily):
     def dummy_packed(self, n_pad: int) -> tuple:
         v = self.cfg.vision
         return (np.zeros((n_pad, v.patch_dim), np.float32), np.zeros((n_pad, 2), np.int32),
-                np.zeros((n_pad,), np.int32), np.zeros((n_pad, 4), np.int32), np.zeros((n_pad, 4), np.float32))
+                np.zeros((n_pad,), np.int32), np.ones((n_pad, 2), np.int32))
 
 
 def load(path: Path, hf_cfg: dict) -> tuple[Qwen3VLFamily, dict]:

@@ -5,8 +5,9 @@ packed block-diagonal encoding with one segment per frame).
 What Qwen3-VL adds (transformers Qwen3VLVisionModel):
 - a biased patch embedding plus learned absolute position embeddings: a square table
   (`num_position_embeddings` = side**2) bilinearly resampled (align_corners) to each image's patch
-  grid. The 4 taps and weights per patch are computed on the host (`interp_taps`) and packed with
-  the patches; the weighted gather runs in the compiled step;
+  grid (`resampled_pos_embed`: each patch's 2x2 taps and weights from its (row, col) and its
+  image's grid size, packed as int32 `sizes_hw` beside `pos_hw`, so the patches stay the call's
+  only float input, which mmjax.research.gradients differentiates);
 - DeepStack: the hidden states after the blocks in `deepstack_visual_indexes` each go through
   their own merger (LayerNorm after the 2x2 shuffle) and are returned beside the final merger's
   tokens: the encode output is [tokens, (1 + n_deepstack) * out_hidden] (the text model adds block
@@ -121,17 +122,30 @@ def merge(p: dict, x: jax.Array, cfg: Qwen3VisionConfig, postshuffle: bool) -> j
     return dense(p["fc2"], jax.nn.gelu(dense(p["fc1"], x), approximate=False))
 
 
+def resampled_pos_embed(table: jax.Array, pos_hw: jax.Array, sizes_hw: jax.Array, side: int) -> jax.Array:
+    """The side x side position table [side**2, width] bilinearly resampled (align_corners=True)
+    at each patch: pos_hw [N, 2] (row, col) on a grid of sizes_hw [N, 2] (h, w) -> [N, width].
+    Float32 index math in transformers' order (get_vision_interpolation_indices_and_weights)."""
+    src = pos_hw.astype(jnp.float32) * np.float32(side - 1) / jnp.maximum(sizes_hw - 1, 1).astype(jnp.float32)
+    floor = jnp.floor(src)                                                         # [N, 2]
+    offsets = jnp.arange(2)
+    taps = jnp.clip(floor.astype(jnp.int32)[..., None] + offsets, 0, side - 1)     # [N, 2 axes, 2 taps]
+    weights = jnp.maximum(1 - jnp.abs(src[..., None] - floor[..., None] - offsets.astype(jnp.float32)), 0)
+    idx = (taps[:, 0, :, None] * side + taps[:, 1, None, :]).reshape(-1, 4)
+    w = (weights[:, 0, :, None] * weights[:, 1, None, :]).reshape(-1, 4)
+    # float32 like torch (the bf16 table promotes against float32 weights), cast by the caller
+    return (table[idx].astype(jnp.float32) * w[..., None]).sum(axis=1)
+
+
 def vision_forward(params: dict, cfg: Qwen3VisionConfig, patches: jax.Array, pos_hw: jax.Array,
-                   image_seg: jax.Array, taps: jax.Array, tap_weights: jax.Array, *, impl: str = "auto",
-                   out_dtype=None) -> jax.Array:
+                   image_seg: jax.Array, sizes_hw: jax.Array, *, impl: str = "auto", out_dtype=None) -> jax.Array:
     """Packed patches [N, C*t*p*p] in HF's merge-block order, pos_hw [N, 2], image_seg [N] int32
-    (one segment per frame, -1 = padding), taps / tap_weights [N, 4] (the position-embedding
-    resampling, `interp_taps`) -> [N / merge**2, (1 + n_deepstack) * out_hidden]: each merged
-    token's final features, then its DeepStack features in `deepstack_visual_indexes` order."""
+    (one segment per frame, -1 = padding), sizes_hw [N, 2] int32 (each patch's image grid h, w) ->
+    [N / merge**2, (1 + n_deepstack) * out_hidden]: each merged token's final features, then its
+    DeepStack features in `deepstack_visual_indexes` order."""
     pe = params["patch_embed"]
     x = dense(pe, patches.astype(pe["w"].dtype))
-    pos = (params["pos_embed"][taps] * tap_weights[..., None].astype(params["pos_embed"].dtype)).sum(axis=1)
-    x = x + pos.astype(x.dtype)
+    x = x + resampled_pos_embed(params["pos_embed"], pos_hw, sizes_hw, cfg.pos_side).astype(x.dtype)
     cos, sin = vision_rope(cfg, pos_hw)
     deep = {}
     for i, blk in enumerate(params["blocks"]):
@@ -147,8 +161,8 @@ def vision_forward(params: dict, cfg: Qwen3VisionConfig, patches: jax.Array, pos
 def make_encode_fn(cfg: Qwen3VisionConfig, impl: str = "auto"):
     """A jittable (params, packed arrays) -> features in the text model's dtype."""
     def encode_fn(params: dict, packed: tuple) -> jax.Array:
-        patches, pos_hw, image_seg, taps, tap_weights = packed
-        return vision_forward(params["vision"], cfg, patches, pos_hw, image_seg, taps, tap_weights, impl=impl,
+        patches, pos_hw, image_seg, sizes_hw = packed
+        return vision_forward(params["vision"], cfg, patches, pos_hw, image_seg, sizes_hw, impl=impl,
                               out_dtype=params["text"]["embed"].dtype)
     return encode_fn
 
@@ -157,48 +171,24 @@ def make_encode_fn(cfg: Qwen3VisionConfig, impl: str = "auto"):
 # Host-side packing
 # ------------------------------------------------------------------------------------------------
 
-def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bilinear, align_corners=True taps on one axis (transformers' _interpolation_axis_taps_weights,
-    float32 as torch computes it): (taps [n, 2] clamped to the table, weights [n, 2])."""
-    src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
-    floor = np.floor(src)
-    offsets = np.arange(2, dtype=np.float32)
-    taps = np.clip(floor[:, None].astype(np.int64) + np.arange(2), 0, side - 1)
-    weights = np.clip(1 - np.abs(src[:, None] - floor[:, None] - offsets), 0, None).astype(np.float32)
-    return taps, weights
-
-
-def interp_taps(pos_hw: np.ndarray, grid_hw: tuple[int, int], side: int) -> tuple[np.ndarray, np.ndarray]:
-    """pos_hw [n, 2] (patch row, col) on an (h, w) patch grid -> (taps [n, 4] int32 into the
-    side x side position table, weights [n, 4] float32): the 2x2 bilinear neighbourhood."""
-    h_taps, h_w = _axis_taps(pos_hw[:, 0], grid_hw[0], side)
-    w_taps, w_w = _axis_taps(pos_hw[:, 1], grid_hw[1], side)
-    taps = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
-    weights = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
-    return taps.astype(np.int32), weights.astype(np.float32)
-
-
 @dataclass
 class Qwen3PackedImages(PackedImages):
-    """PackedImages plus the position-embedding taps [n_pad, 4] (padding: tap 0, weight 0)."""
-    taps: np.ndarray = None
-    tap_weights: np.ndarray = None
+    """PackedImages plus each patch's image grid (h, w) [n_pad, 2] int32 (padding: 1, 1)."""
+    sizes_hw: np.ndarray = None
 
     def arrays(self) -> tuple:
-        return self.patches, self.pos_hw, self.image_seg, self.taps, self.tap_weights
+        return self.patches, self.pos_hw, self.image_seg, self.sizes_hw
 
 
 def pack(images: list, cfg: Qwen3VisionConfig, n_pad: int | None = None) -> Qwen3PackedImages:
     """ImageInputs (pixels = patches [t*h*w, patch_dim] in HF order, grid (t, h, w)) -> one packed
-    call (Qwen2-VL's packing plus each patch's position-embedding taps)."""
+    call (Qwen2-VL's packing plus each patch's grid size for the position-embedding resampling)."""
     base = pack_images(images, cfg, n_pad)
-    taps = np.zeros((base.n_pad, 4), np.int32)
-    weights = np.zeros((base.n_pad, 4), np.float32)
+    sizes = np.ones((base.n_pad, 2), np.int32)
     off = 0
     for im in images:
         t, h, w = (int(x) for x in im.grid)
-        n = t * h * w
-        taps[off:off + n], weights[off:off + n] = interp_taps(base.pos_hw[off:off + n], (h, w), cfg.pos_side)
-        off += n
+        sizes[off:off + t * h * w] = (h, w)
+        off += t * h * w
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(PackedImages)}
-    return Qwen3PackedImages(**fields, taps=taps, tap_weights=weights)
+    return Qwen3PackedImages(**fields, sizes_hw=sizes)
