@@ -10,6 +10,7 @@ engine with 16-token prefill chunks (images span chunks; the MoE decode and chun
 skip-idle-experts path); batched == one at a time == caches off, with a repeated request resumed
 from the prefix cache and its images from the encoder cache.
 """
+import jax
 import numpy as np
 import pytest
 import torch
@@ -150,3 +151,35 @@ def test_generation_chunks_batching_and_caches(pair):
         for ours, ref in zip(o.logprobs, g.logits):
             ref = torch.log_softmax(ref[0].double(), -1).numpy()
             assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+
+
+def test_moe_block_with_shared_expert_matches_transformers(tmp_path):
+    """The sparse-MoE layer as a unit against transformers' Qwen2MoeSparseMoeBlock: softmax top-k
+    router without renormalisation (norm_topk_prob False) plus the sigmoid-gated shared expert,
+    weights read from a file in transformers 5's layout; grouped (ragged_dot) and skip-idle-experts
+    paths."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from mmjax.checkpoint import TensorSource
+    from mmjax.models.text.llama import MoeConfig, load_moe, moe_mlp
+
+    cfg = Qwen2MoeConfig(hidden_size=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=40, norm_topk_prob=False, num_hidden_layers=1)
+    torch.manual_seed(0)
+    block = Qwen2MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    save_file({f"mlp.{k}": v.contiguous() for k, v in block.state_dict().items()}, tmp_path / "model.safetensors")
+    moe = MoeConfig.from_hf(cfg.to_dict(), "text_config", 1)
+    assert moe.shared_intermediate_size == 40 and not moe.norm_topk_prob and moe.layers == (0,)
+    src = TensorSource(tmp_path)
+    params = load_moe(src, "mlp.", 32, moe)
+    src.check_all_used()
+    fn = jax.jit(moe_mlp, static_argnums=1)
+    for shape in ((1, 40, 32), (3, 1, 32)):        # 80 assignments: ragged_dot; 6: skip idle experts
+        x = torch.randn(shape)
+        with torch.no_grad():
+            ref = block(x).numpy()
+        assert rel_err(fn(params, moe, x.numpy()), ref) <= 1e-5

@@ -44,27 +44,26 @@ SMALL_N, SMALL_N_MIN_CALLS = 8, 32
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Sparse-MoE feed-forward (Qwen3-MoE / Qwen3-VL-MoE): in `layers` the MLP is `num_experts`
-    gated experts of width `intermediate_size`, `top_k` per token (softmax router, renormalised
-    when `norm_topk_prob`); the other layers keep the dense MLP."""
+    """Sparse-MoE feed-forward (Qwen2-MoE / Qwen3-MoE / Qwen3-VL-MoE): in `layers` the MLP is
+    `num_experts` gated experts of width `intermediate_size`, `top_k` per token (softmax router,
+    renormalised when `norm_topk_prob`), plus, when `shared_intermediate_size` > 0, a shared
+    expert (a gated MLP of that width every token takes, scaled by a sigmoid gate: Qwen2-MoE);
+    the other layers keep the dense MLP."""
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
     layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str, num_layers: int) -> "MoeConfig | None":
         """HF's num_experts (num_local_experts) / num_experts_per_tok / moe_intermediate_size / decoder_sparse_step /
-        mlp_only_layers / norm_topk_prob; None without experts. A shared expert is not supported
-        (a clear error naming it)."""
+        mlp_only_layers / norm_topk_prob / shared_expert_intermediate_size; None without experts."""
         # transformers 5 saves num_experts as num_local_experts (its attribute_map)
         e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         if e <= 0:
             return None
-        if cfg.get("shared_expert_intermediate_size"):
-            raise UnsupportedModelError(f"config.json: {where}.shared_expert_intermediate_size (a shared expert) "
-                                        "is not supported", param=f"{where}.shared_expert_intermediate_size")
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(int(i) for i in (cfg.get("mlp_only_layers") or ()))
         layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
@@ -73,7 +72,8 @@ class MoeConfig:
             raise UnsupportedModelError(f"config.json: {where}.num_experts_per_tok={k} must be in 1..{e}",
                                         param=f"{where}.num_experts_per_tok")
         return cls(num_experts=e, top_k=k, intermediate_size=int(require(cfg, "moe_intermediate_size", where)),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), layers=layers)
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), layers=layers,
+                   shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,8 @@ def load_params(src: TensorSource, cfg: LlamaConfig, prefix: str, lm_head_name: 
 
 def load_moe(src: TensorSource, prefix: str, d: int, moe: MoeConfig) -> dict:
     """HF's fused expert tensors -> {"router": {"w": [d, E]}, "experts": {"gate_up": [E, d, 2f],
-    "down": [E, f, d]}} (models/text/moe.py's layout). Hub files keep experts as [E, d, 2f] /
+    "down": [E, f, d]}} (models/text/moe.py's layout), and with a shared expert "shared":
+    {"gate_up", "down", "gate": [d, 1]}. Hub files keep experts as [E, d, 2f] /
     [E, f, d]; transformers 5's in-memory layout is transposed ([E, 2f, d] / [E, d, f]): both are
     read (the hub shape first)."""
     e, f = moe.num_experts, moe.intermediate_size
@@ -184,8 +185,15 @@ def load_moe(src: TensorSource, prefix: str, d: int, moe: MoeConfig) -> dict:
     gu = take(prefix + "experts.gate_up_proj", (e, d, 2 * f), (e, 2 * f, d))
     down = take(prefix + "experts.down_proj", (e, f, d), (e, d, f))
     router = src.take(prefix + "gate.weight", (e, d))
-    return {"router": {"w": np.ascontiguousarray(router.T)},
-            "experts": {"gate_up": np.ascontiguousarray(gu), "down": np.ascontiguousarray(down)}}
+    out = {"router": {"w": np.ascontiguousarray(router.T)},
+           "experts": {"gate_up": np.ascontiguousarray(gu), "down": np.ascontiguousarray(down)}}
+    s = moe.shared_intermediate_size
+    if s:
+        sp = prefix + "shared_expert."
+        out["shared"] = {"gate_up": fused_linear(src, [sp + "gate_proj", sp + "up_proj"], d, [s, s], False),
+                         "down": linear(src, sp + "down_proj", s, d, False),
+                         "gate": linear(src, prefix + "shared_expert_gate", d, 1, False)}
+    return out
 
 
 def kv_segments(max_len: int, segment: int = KV_SEGMENT, fine: int = 8) -> tuple[int, ...]:
@@ -499,11 +507,18 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
 
 def moe_mlp(p: dict, moe: MoeConfig, x: jax.Array) -> jax.Array:
     """x [b, t, hidden] -> the sparse-MoE feed-forward output [b, t, hidden] (models/text/moe.py:
-    softmax top-k router, SwiGLU experts as grouped matmuls)."""
+    softmax top-k router, SwiGLU experts as grouped matmuls; plus the sigmoid-gated shared expert
+    where the config has one)."""
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     w, idx = softmax_topk_route(p["router"]["w"], flat, moe.top_k, moe.norm_topk_prob)
-    return experts_forward(p["experts"], flat, w, idx, jax.nn.silu).reshape(b, t, d)
+    out = experts_forward(p["experts"], flat, w, idx, jax.nn.silu)
+    if "shared" in p:
+        sh = p["shared"]
+        gu = dense(sh["gate_up"], flat)
+        f = gu.shape[-1] // 2
+        out = out + jax.nn.sigmoid(dense(sh["gate"], flat)) * dense(sh["down"], jax.nn.silu(gu[:, :f]) * gu[:, f:])
+    return out.reshape(b, t, d)
 
 
 def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array) -> tuple[list, list]:
