@@ -124,7 +124,11 @@ def test_generation_chunks_batching_and_caches(pair):
     hits = engine.stats()["encoder_cache_hits"]
     alone = [vlm.generate([r], sp)[0] for r in reqs]            # caches hot
     assert engine.stats()["encoder_cache_hits"] - hits == 2      # the third request's images
+    # the repeats resume from the prefix cache; the third request resumes its shared text prefix
+    # (up to its first image), then prefills its images from encoder-cached features
     assert [o.cached_tokens == len(o.prompt_token_ids) - 1 for o in alone] == [True, True, False]
+    assert 0 < alone[2].cached_tokens <= image_runs(np.asarray(alone[2].prompt_token_ids),
+                                                     vlm.family.image_token_id)[0, 0], alone[2].cached_tokens
     saved = engine.encoder_cache, engine.prefix_cache.enabled
     try:                                                         # both caches off
         engine.encoder_cache, engine.prefix_cache.enabled = EncoderCache(0), False
