@@ -20,6 +20,7 @@ from conftest import noise_image, rel_err
 from mmjax.errors import CheckpointError
 from mmjax.models import qwen3_vl as Q3
 from mmjax.models.family import image_runs
+from mmjax.models.text import Capture
 from mmjax.models.text.rope import rope_cos_sin, rope_inv_freq
 from mmjax.serving.caches import EncoderCache
 from tiny_qwen3 import hf_processor
@@ -105,9 +106,14 @@ def test_positions_and_logits_two_images(pair):
     np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
     assert delta == int(hf_delta[0, 0]) < 0
     with torch.no_grad():
-        ref = hf(**x).logits[0].numpy()
-    got = vlm.logits(TWO, imgs)
+        out = hf(**x, output_hidden_states=True)
+    ref = out.logits[0].numpy()
+    got, inter = vlm.logits(TWO, imgs, capture=Capture(hidden=True))
     assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4
+    # per-layer hidden states as HF numbers them (a layer's output before its DeepStack addition)
+    assert len(inter["hidden"]) == len(out.hidden_states)
+    for ours, theirs in zip(inter["hidden"], out.hidden_states):
+        assert rel_err(ours[0], theirs[0].numpy()) <= 1e-4
 
 
 def test_generation_chunks_batching_and_caches(pair):

@@ -58,8 +58,9 @@ class MoeConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str, num_layers: int) -> "MoeConfig | None":
-        """HF's num_experts (num_local_experts) / num_experts_per_tok / moe_intermediate_size / decoder_sparse_step /
-        mlp_only_layers / norm_topk_prob / shared_expert_intermediate_size; None without experts."""
+        """HF's num_experts (num_local_experts) / num_experts_per_tok / moe_intermediate_size /
+        decoder_sparse_step / mlp_only_layers / norm_topk_prob / shared_expert_intermediate_size;
+        None without experts."""
         # transformers 5 saves num_experts as num_local_experts (its attribute_map)
         e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         if e <= 0:
@@ -404,14 +405,14 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
                                      capture_attn=i in capture.attn_layers or scoring,
                                      explicit_kv_len=x.shape[1] if scoring else None)
         new_cache.append(kv)
-        if layer_adds is not None and i < layer_adds.shape[0]:
-            x = x + layer_adds[i].astype(x.dtype)
         if scoring:
             x, rope, inter["pruned"] = _prune_tokens(x, rope, probs[0], prune)
             mask, kv_len = None, prune.out_len
         elif probs is not None:
             attn[i], attn_out[i] = probs
-        hidden.append(x)
+        hidden.append(x)                    # HF's hidden_states: the layer's output, before DeepStack
+        if layer_adds is not None and i < layer_adds.shape[0]:
+            x = x + layer_adds[i].astype(x.dtype)
     out = rms_norm(params["norm"], x, cfg.rms_norm_eps)
     if capture.hidden:
         inter["hidden"] = hidden[:-1] + [out]
