@@ -116,6 +116,7 @@ def test_positions_and_logits_two_images(pair):
         assert rel_err(ours[0], theirs[0].numpy()) <= 1e-4
 
 
+@pytest.mark.slow   # ~10-30 s per config with cold compiles
 def test_generation_chunks_batching_and_caches(pair):
     """32 greedy tokens == transformers (logprobs within 1e-4) for a one-image and a two-image
     prompt; batched == one at a time == caches off; images straddle the 16-token chunk edges; a
