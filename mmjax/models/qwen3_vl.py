@@ -47,11 +47,21 @@ class Qwen3VLConfig(QwenVLConfig):
             raise CheckpointError("config.json: text_config is missing", param="text_config")
         vision = Qwen3VisionConfig.from_hf(cfg.get("vision_config") or {})
         text_mt = "qwen3_vl_moe_text" if mt == "qwen3_vl_moe" else "qwen3_vl_text"
-        text = LlamaConfig.from_hf({**tc, "model_type": text_mt}, "text_config",
+        tc = {**tc, "model_type": text_mt}
+        # transformers' defaults where a config leaves them out: theta 5e5 (Qwen3VLTextConfig's
+        # default_theta), and for the dense text config head_dim 128 (MoE: hidden / heads)
+        rope = {**(tc.get("rope_scaling") or {}), **(tc.get("rope_parameters") or {})}
+        if "rope_theta" not in rope and tc.get("rope_theta") is None:
+            tc["rope_theta"] = 500000.0
+        if mt == "qwen3_vl" and tc.get("head_dim") is None:
+            tc["head_dim"] = 128
+        text = LlamaConfig.from_hf(tc, "text_config",
                                    tie_word_embeddings=tie_word_embeddings(cfg, tc),
                                    image_feature_layers=len(vision.deepstack_visual_indexes))
         if text.moe is None and mt == "qwen3_vl_moe":
             raise CheckpointError("config.json: text_config.num_experts is missing", param="text_config.num_experts")
+        if text.moe is not None:   # Qwen3-VL-MoE's router always renormalises (no norm_topk_prob flag)
+            text = dataclasses.replace(text, moe=dataclasses.replace(text.moe, norm_topk_prob=True))
         # HF's Qwen3-VL rotary always interleaves the sections (mrope_interleaved is informative)
         section = text.rope.mrope_section or DEFAULT_MROPE_SECTION
         if len(section) != 3 or sum(section) != text.head_dim // 2:
