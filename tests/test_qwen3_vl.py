@@ -173,7 +173,7 @@ def test_moe_block_with_shared_expert_matches_transformers(tmp_path):
     from transformers import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     from mmjax.checkpoint import TensorSource
-    from mmjax.models.text.llama import MoeConfig, load_moe, moe_mlp
+    from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
 
     cfg = Qwen2MoeConfig(hidden_size=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
                          shared_expert_intermediate_size=40, norm_topk_prob=False, num_hidden_layers=1)

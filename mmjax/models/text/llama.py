@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.checkpoint import TensorSource, fused_linear, linear
-from mmjax.errors import CheckpointError, UnsupportedModelError
+from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import dense, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune
-from mmjax.models.text.moe import experts_forward, softmax_topk_route
+from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
@@ -40,41 +40,6 @@ KV_SEGMENT = 128
 # cache_attention avoids dots for <= SMALL_N queries per KV head when a batched dot would make
 # >= SMALL_N_MIN_CALLS small matmul calls (one per row and KV head)
 SMALL_N, SMALL_N_MIN_CALLS = 8, 32
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Sparse-MoE feed-forward (Qwen2-MoE / Qwen3-MoE / Qwen3-VL-MoE): in `layers` the MLP is
-    `num_experts` gated experts of width `intermediate_size`, `top_k` per token (softmax router,
-    renormalised when `norm_topk_prob`), plus, when `shared_intermediate_size` > 0, a shared
-    expert (a gated MLP of that width every token takes, scaled by a sigmoid gate: Qwen2-MoE);
-    the other layers keep the dense MLP."""
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool
-    layers: tuple[int, ...]
-    shared_intermediate_size: int = 0
-
-    @classmethod
-    def from_hf(cls, cfg: dict, where: str, num_layers: int) -> "MoeConfig | None":
-        """HF's num_experts (num_local_experts) / num_experts_per_tok / moe_intermediate_size /
-        decoder_sparse_step / mlp_only_layers / norm_topk_prob / shared_expert_intermediate_size;
-        None without experts."""
-        # transformers 5 saves num_experts as num_local_experts (its attribute_map)
-        e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-        if e <= 0:
-            return None
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        dense = set(int(i) for i in (cfg.get("mlp_only_layers") or ()))
-        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-        k = int(require(cfg, "num_experts_per_tok", where))
-        if not 0 < k <= e:
-            raise UnsupportedModelError(f"config.json: {where}.num_experts_per_tok={k} must be in 1..{e}",
-                                        param=f"{where}.num_experts_per_tok")
-        return cls(num_experts=e, top_k=k, intermediate_size=int(require(cfg, "moe_intermediate_size", where)),
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), layers=layers,
-                   shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 @dataclass(frozen=True)
@@ -165,36 +130,6 @@ def load_params(src: TensorSource, cfg: LlamaConfig, prefix: str, lm_head_name: 
         lm_head = np.ascontiguousarray(src.take(lm_head_name, (cfg.vocab_size, d)).T)
     return {"embed": embed, "layers": layers, "norm": src.take(prefix + "norm.weight", (d,)),
             "lm_head": lm_head}
-
-
-def load_moe(src: TensorSource, prefix: str, d: int, moe: MoeConfig) -> dict:
-    """HF's fused expert tensors -> {"router": {"w": [d, E]}, "experts": {"gate_up": [E, d, 2f],
-    "down": [E, f, d]}} (models/text/moe.py's layout), and with a shared expert "shared":
-    {"gate_up", "down", "gate": [d, 1]}. Hub files keep experts as [E, d, 2f] /
-    [E, f, d]; transformers 5's in-memory layout is transposed ([E, 2f, d] / [E, d, f]): both are
-    read (the hub shape first)."""
-    e, f = moe.num_experts, moe.intermediate_size
-
-    def take(name: str, hub: tuple, v5: tuple) -> np.ndarray:
-        try:
-            return src.take(name, hub)
-        except CheckpointError:
-            if hub == v5:
-                raise
-            return src.take(name, v5).transpose(0, 2, 1)
-
-    gu = take(prefix + "experts.gate_up_proj", (e, d, 2 * f), (e, 2 * f, d))
-    down = take(prefix + "experts.down_proj", (e, f, d), (e, d, f))
-    router = src.take(prefix + "gate.weight", (e, d))
-    out = {"router": {"w": np.ascontiguousarray(router.T)},
-           "experts": {"gate_up": np.ascontiguousarray(gu), "down": np.ascontiguousarray(down)}}
-    s = moe.shared_intermediate_size
-    if s:
-        sp = prefix + "shared_expert."
-        out["shared"] = {"gate_up": fused_linear(src, [sp + "gate_proj", sp + "up_proj"], d, [s, s], False),
-                         "down": linear(src, sp + "down_proj", s, d, False),
-                         "gate": linear(src, prefix + "shared_expert_gate", d, 1, False)}
-    return out
 
 
 def kv_segments(max_len: int, segment: int = KV_SEGMENT, fine: int = 8) -> tuple[int, ...]:
@@ -504,22 +439,6 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
         act = jax.nn.silu(gate) * up
     x = x + dense(layer["down"], act)
     return x, {"k": new_k, "v": new_v}, captured
-
-
-def moe_mlp(p: dict, moe: MoeConfig, x: jax.Array) -> jax.Array:
-    """x [b, t, hidden] -> the sparse-MoE feed-forward output [b, t, hidden] (models/text/moe.py:
-    softmax top-k router, SwiGLU experts as grouped matmuls; plus the sigmoid-gated shared expert
-    where the config has one)."""
-    b, t, d = x.shape
-    flat = x.reshape(b * t, d)
-    w, idx = softmax_topk_route(p["router"]["w"], flat, moe.top_k, moe.norm_topk_prob)
-    out = experts_forward(p["experts"], flat, w, idx, jax.nn.silu)
-    if "shared" in p:
-        sh = p["shared"]
-        gu = dense(sh["gate_up"], flat)
-        f = gu.shape[-1] // 2
-        out = out + jax.nn.sigmoid(dense(sh["gate"], flat)) * dense(sh["down"], jax.nn.silu(gu[:, :f]) * gu[:, f:])
-    return out.reshape(b, t, d)
 
 
 def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array) -> tuple[list, list]:
