@@ -11,6 +11,7 @@ skip-idle-experts path); batched == one at a time == caches off, with a repeated
 from the prefix cache and its images from the encoder cache.
 """
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -194,3 +195,28 @@ def test_moe_block_with_shared_expert_matches_transformers(tmp_path):
         with torch.no_grad():
             ref = block(x).numpy()
         assert rel_err(fn(params, moe, x.numpy()), ref) <= 1e-5
+
+
+def test_tensor_parallel_layout_keeps_the_math(qwen3_dirs):
+    """The Qwen3 text models (QK-norm, interleaved M-RoPE, DeepStack layer_adds; MoE layers
+    replicated) under tensor_parallel(2) + tp_layout, run on one device: the one-device logits.
+    (KV-head replication for tp > KV heads is llama.py's, tests/test_sharding.py.)"""
+    from mmjax.api import load_model
+
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(5, 300, (2, 14)), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 40, (3, 2, 14)), jnp.int32)
+    for kind, path in qwen3_dirs.items():
+        model = load_model(path)
+        tm, params = model.family.text_model, model.params["text"]
+        adds = jnp.asarray(rng.standard_normal((tm.image_feature_layers, 2, 14, 64)), jnp.float32)
+
+        def run(tm, p):
+            def fn(p):
+                out = tm.forward(p, tm.embed(p, ids), pos, tm.init_cache(2, 32, jnp.float32), jnp.zeros(2, jnp.int32),
+                                 14, layer_adds=adds)
+                return tm.logits(p, out.hidden)
+            return np.asarray(jax.jit(fn)(p))
+        tp_tm = tm.tensor_parallel(2)
+        np.testing.assert_allclose(run(tp_tm, jax.tree.map(jnp.asarray, tp_tm.tp_layout(params, 2))), run(tm, params),
+                                   rtol=1e-5, atol=1e-5, err_msg=kind)
