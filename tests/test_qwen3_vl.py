@@ -1,14 +1,18 @@
 """Qwen3-VL (dense) and Qwen3-VL-MoE parity with transformers on tiny random checkpoints (float32),
 against the real Qwen3VLProcessor (tiny_qwen3.hf_processor).
 
-Checked: pixel patches (max abs <= 1e-5), grids and token counts exact; image features and every
-DeepStack feature block rel <= 1e-4 (one packed call of three non-square images; packed == one
-at a time); interleaved M-RoPE tables and prompt positions exact; logits of a two-image prompt
-rel <= 1e-4 (whole prompt at once: the MoE layers take the grouped ragged_dot path); 32 greedy
-tokens identical and logprobs within 1e-4 for a one-image and a two-image prompt through the
-engine with 16-token prefill chunks (images span chunks; the MoE decode and chunk steps take the
-skip-idle-experts path); batched == one at a time == caches off, with a repeated request resumed
-from the prefix cache and its images from the encoder cache.
+Checked: pixel patches (max abs <= 1e-5; measured 0), grids, token counts and prompt ids exact;
+image features and every DeepStack feature block rel <= 1e-4 (measured ~1e-6; one packed call of
+three non-square images; packed == one at a time); interleaved M-RoPE cos/sin (rel <= 1e-6) and
+prompt positions exact; logits of a two-image prompt rel <= 1e-4 (measured <= 2.2e-6; whole
+prompt at once: the MoE layers take the grouped ragged_dot path) and every layer's hidden state
+as HF numbers them; 32 greedy tokens identical and logprobs within 1e-4 (measured <= 1.7e-6) for
+a one-image and a two-image prompt through the engine with 16-token prefill chunks (every
+prompt has an image across a chunk edge; the MoE chunk and decode steps take the
+skip-idle-experts path); batched == one at a time == caches off, with repeated requests resumed
+from the prefix cache and a third request resuming its text prefix, then prefilling both images
+from encoder-cached features. Also: the MoE layer with a shared expert against transformers'
+Qwen2MoeSparseMoeBlock, and the text models' tensor-parallel layout.
 """
 import jax
 import jax.numpy as jnp
