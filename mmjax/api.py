@@ -163,7 +163,9 @@ class VLM:
                 for v in videos]
 
     def encode(self, images: Iterable[Any]) -> list[np.ndarray]:
-        """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]."""
+        """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]
+        ([n, (1 + n_deepstack) * lm_hidden] for Qwen3-VL: the embeddings, then each DeepStack
+        layer's features)."""
         return self.engine.runner.encode_images(self.prepare_images(images))
 
     # ---- generation ----------------------------------------------------------------------------
@@ -294,7 +296,7 @@ class VLM:
         through the jitted whole-prompt forward (one compile per capture and length)."""
         from mmjax.serving.runner import make_prompt_forward
 
-        emb = np.zeros((len(p.ids), self.family.text_model.hidden_size), np.float32)
+        emb = np.zeros((len(p.ids), self.engine.runner.feature_width), np.float32)
         if p.images:
             # the prompt's image tokens, in order, take the images' features in order
             emb[p.image_pos] = np.concatenate(self.engine.runner.encode_images(p.images))
