@@ -17,6 +17,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "mmjax.models.qwen2_vl",
     "gemma3": "mmjax.models.gemma3",
     "gemma4": "mmjax.models.gemma4",
+    "mistral3": "mmjax.models.mistral3",
 }
 
 
