@@ -45,6 +45,14 @@ def gemma4_dirs(tmp_path_factory):
     return {v: build_gemma4(root / v, variant=v, seed=i) for i, v in enumerate(("dense", "moe"))}
 
 
+@pytest.fixture(scope="session")
+def mistral3_dirs(tmp_path_factory):
+    """Tiny Mistral 3 / Pixtral checkpoints: {"merge2", "merge1", "llava"} (see tiny_mistral3.build_mistral3)."""
+    from tiny_mistral3 import build_mistral3
+    root = tmp_path_factory.mktemp("mistral3")
+    return {v: build_mistral3(root / v, variant=v, seed=i) for i, v in enumerate(("merge2", "merge1", "llava"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

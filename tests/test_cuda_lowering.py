@@ -1,7 +1,8 @@
 """Every compiled step of every family lowers for CUDA (DESIGN.md: users run on GPUs, CI has none).
 
 For each family's tiny checkpoints (LLaVA GQA and MHA, Qwen2-VL, Qwen2.5-VL, Gemma 3 with and
-without tied embeddings / softcapping config, Gemma 4 dense and MoE) and the shipped
+without tied embeddings / softcapping config, Gemma 4 dense and MoE, Mistral 3 with spatial merge
+2 and 1) and the shipped
 mmjax-shapes model, in float32 and bfloat16, a runner built for platform "cuda" lists every
 compiled shape it can produce (`ModelRunner.step_signatures`: every encode bucket of the family's
 plan, every prefill chunk bucket, every decode row bucket) and each one is exported with
@@ -18,15 +19,16 @@ from mmjax.serving.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
-def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs):
+def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, mistral3_dirs):
     return {"llava-gqa": llava_dirs["gqa"], "llava-mha": llava_dirs["mha"], "mmjax-shapes": None, **qwen_dirs,
             "gemma3-window": gemma3_dirs["window"], "gemma3-softcap": gemma3_dirs["softcap"],
-            "gemma4-dense": gemma4_dirs["dense"], "gemma4-moe": gemma4_dirs["moe"]}
+            "gemma4-dense": gemma4_dirs["dense"], "gemma4-moe": gemma4_dirs["moe"],
+            "mistral3-merge2": mistral3_dirs["merge2"], "mistral3-merge1": mistral3_dirs["merge1"]}
 
 
 def _export_all(path, dtype: str) -> dict[str, jax.export.Exported]:
     model = load_model(path, dtype)
-    if hasattr(model.family, "limits"):   # keep the Qwen patch ladder short: every rung is the same graph
+    if hasattr(model.family, "limits"):   # keep the Qwen / Pixtral patch ladder short: every rung is the same graph
         model.family.configure(max_encode_patches=1024, image_max_tokens=256)
     runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
                          max_encode_batch=2, dtype=model.dtype, platform="cuda")
@@ -39,7 +41,8 @@ def _export_all(path, dtype: str) -> dict[str, jax.export.Exported]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["llava-gqa", "llava-mha", "mmjax-shapes", "qwen2_vl", "qwen2_5_vl",
-                                  "gemma3-window", "gemma3-softcap", "gemma4-dense", "gemma4-moe"])
+                                  "gemma3-window", "gemma3-softcap", "gemma4-dense", "gemma4-moe",
+                                  "mistral3-merge2", "mistral3-merge1"])
 def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     exported = _export_all(checkpoints[name], dtype)
     kinds = {k.split("[")[0].split("(")[0] for k in exported}

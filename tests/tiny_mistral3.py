@@ -33,9 +33,12 @@ def build_mistral3(out_dir: str | os.PathLike, *, variant: str = "merge2", seed:
     variant "merge1": patch 6, spatial_merge_size 1, longest_edge 60, vision_feature_layer 1 (the
         first block's output of 3), untied lm_head, projector bias, gelu_pytorch_tanh projector,
         silu vision MLP, MHA decoder with rope_theta 1e6.
+    variant "llava": Pixtral-12B's layout, LlavaForConditionalGeneration with a Pixtral tower
+        (patch 8, longest_edge 64, no merger, 'full' feature strategy, projector bias), MQA decoder.
     """
     import torch
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+    from transformers import (LlavaConfig, LlavaForConditionalGeneration, Mistral3Config,
+                              Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig)
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
     PixtralProcessor = pixtral_processor_class()
 
@@ -68,9 +71,19 @@ def build_mistral3(out_dir: str | os.PathLike, *, variant: str = "merge2", seed:
                              spatial_merge_size=1, vision_feature_layer=1, multimodal_projector_bias=True,
                              projector_hidden_act="gelu_pytorch_tanh", tie_word_embeddings=False)
         patch, merge, longest = 6, 1, 60
+    elif variant == "llava":
+        vision = PixtralVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                     patch_size=8, image_size=64, hidden_act="gelu",
+                                     rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+        text = MistralConfig(**common, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=ids["[IMG]"],
+                          vision_feature_layer=-1, vision_feature_select_strategy="full",
+                          projector_hidden_act="gelu", multimodal_projector_bias=True)
+        patch, merge, longest = 8, 1, 64
     else:
         raise ValueError(variant)
-    model = Mistral3ForConditionalGeneration(cfg).eval()
+    model = (LlavaForConditionalGeneration if variant == "llava" else Mistral3ForConditionalGeneration)(cfg).eval()
     with torch.no_grad():  # RMSNorm weights start at 1: perturb everything so no weight is trivial
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
