@@ -82,3 +82,26 @@ def test_cross_attention_logits(setup, prompt, sizes):
     got = jax.jit(lambda *a: forward_full(params["t"], tcfg, *a))(ids[None], vis, mask[None], np.asarray([bool(imgs)]))[0]
     assert got.shape == ref.shape
     assert rel_err(np.asarray(got), ref) <= 1e-4
+
+
+def test_family_encode_plan_matches(setup):
+    """The family's host preparation + encode plan (two images in one padded call) == the pure
+    tower + projector per image."""
+    from pathlib import Path
+    import mmjax.models.mllama as M
+    hf, ip, _, hcfg, vcfg, tcfg, params, policy = setup
+    path = Path(hf.name_or_path)
+    fam, np_params = M.load(path, hcfg)
+    jp = jax.tree.map(jnp.asarray, np_params)
+    imgs = [noise_image(30, 70, 41), noise_image(31, 20, 20), noise_image(32, 33, 120)]
+    inputs = [fam.prepare_image(im) for im in imgs]
+    [call] = fam.encode_plan(inputs, max_batch=4)
+    assert call.bucket == (4,)
+    feats = call.split(np.asarray(jax.jit(fam.encode)(jp, call.inputs)))
+    for im, f in zip(imgs, feats):
+        x = ip(im, return_tensors="pt")
+        with torch.no_grad():
+            ref = hf.model.multi_modal_projector(hf.model.vision_model(
+                pixel_values=x["pixel_values"], aspect_ratio_ids=x["aspect_ratio_ids"],
+                aspect_ratio_mask=x["aspect_ratio_mask"]).last_hidden_state)[0, 0].reshape(-1, tcfg.base.hidden_size)
+        assert f.shape == tuple(ref.shape) and rel_err(f, ref.numpy()) <= 1e-4
