@@ -53,6 +53,14 @@ def mistral3_dirs(tmp_path_factory):
     return {v: build_mistral3(root / v, variant=v, seed=i) for i, v in enumerate(("merge2", "merge1", "llava"))}
 
 
+@pytest.fixture(scope="session")
+def mllama_dirs(tmp_path_factory):
+    """Tiny Llama 3.2 Vision checkpoints: {"tiles4", "tiles2"} (see tiny_mllama.build_mllama)."""
+    from tiny_mllama import build_mllama
+    root = tmp_path_factory.mktemp("mllama")
+    return {v: build_mllama(root / v, variant=v, seed=i) for i, v in enumerate(("tiles4", "tiles2"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

@@ -18,6 +18,7 @@ FAMILIES: dict[str, str] = {
     "gemma3": "mmjax.models.gemma3",
     "gemma4": "mmjax.models.gemma4",
     "mistral3": "mmjax.models.mistral3",
+    "mllama": "mmjax.models.mllama",
 }
 
 

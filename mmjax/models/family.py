@@ -102,6 +102,18 @@ class Family(abc.ABC):
     # prefill (Gemma 3's token_type_ids mask); the engine keeps prefill chunk boundaries out of runs.
     bidirectional_images: bool = False
 
+    @property
+    def cross_attention(self) -> bool:
+        """Images enter through the decoder's cross-attention (Mllama), not the token sequence:
+        the engine fills the text model's per-slot cross cache once per request (`fill_cross`)
+        and passes `cross_ranges` per prefill token in MaskSpec.spans."""
+        return self.feature_placement == "cross_attention"
+
+    def cross_ranges(self, ids: np.ndarray, images: list) -> np.ndarray | None:
+        """Cross-attention families: [len(ids)] int32, each token's packed image range (the text
+        model's encoding). Others: None."""
+        return None
+
     # ---- host: images --------------------------------------------------------------------------
     @abc.abstractmethod
     def prepare_image(self, img, opts: ImageOptions = ImageOptions()) -> ImageInput:

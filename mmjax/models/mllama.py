@@ -1,7 +1,7 @@
 """Llama 3.2 Vision (MllamaForConditionalGeneration), WIP: the family's pure pieces (config,
-weights, image preparation, encode plan, the encode step). NOT registered in models.FAMILIES
-yet: the engine has no cross-attention placement (see the module notes in text/mllama.py and
-the branch report for the missing engine work).
+weights, image preparation, encode plan, the encode step). The engine drives it
+through `Family.cross_attention`: it fills the text model's per-slot cross-attention cache
+once per request and passes each prefill token's image range.
 
 Images never enter the token sequence: each `<|image|>` is ONE token, and the decoder's
 cross-attention layers read the image's projected vision tokens (max_num_tiles * (patches + 1)
@@ -17,13 +17,13 @@ import numpy as np
 
 from mmjax.buckets import bucket_for, pow2_ladder
 from mmjax.checkpoint import TensorSource, linear
-from mmjax.errors import CheckpointError, ContextLengthError
+from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.mllama import MllamaImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require
-from mmjax.models.text.mllama import MllamaTextConfig, load_text_params
+from mmjax.models.text.mllama import MllamaTextConfig, MllamaTextModel, load_text_params, packed_ranges
 from mmjax.models.vision.mllama import MllamaVisionConfig, load_mllama_vision_params, mllama_vision
 
 
@@ -82,10 +82,19 @@ class MllamaFamily(Family):
     image_token: str = "<|image|>"
     name: str = "mllama"
     feature_placement: str = "cross_attention"
+    max_images: int = 2        # images per request the per-slot cross-attention cache holds
 
     @property
-    def text_model(self):
-        raise NotImplementedError("Mllama's text model is not wired into the engine yet")
+    def text_model(self) -> MllamaTextModel:
+        v = self.cfg.vision
+        return MllamaTextModel(self.cfg.text, self.max_images, self.cfg.vision_tokens_per_image, v.num_patches)
+
+    def cross_ranges(self, ids: np.ndarray, images: list) -> np.ndarray:
+        """Each prompt token's packed image range (HF's cross_attention_mask rule)."""
+        if len(images) > self.max_images:
+            raise InvalidRequestError(f"{len(images)} images in one request; this model's cross-attention cache "
+                                      f"holds {self.max_images}", param="images", code="too_many_images")
+        return packed_ranges(np.asarray(ids), self.image_token_id)
 
     @property
     def image_token_id(self) -> int:

@@ -77,7 +77,7 @@ class StepOutput:
 def image_mask_spec(family: Family, spans: jax.Array) -> MaskSpec | None:
     """The prefill mask for spans [b, t] (image-token run ids, -1 elsewhere): bidirectional runs
     for families that want them, else None (plain causal: `spans` goes unused and jit drops it)."""
-    return MaskSpec(spans=spans) if family.bidirectional_images else None
+    return MaskSpec(spans=spans) if family.bidirectional_images or family.cross_attention else None
 
 
 def _gathered(logits: jax.Array, shardings) -> jax.Array:
@@ -242,6 +242,11 @@ class ModelRunner:
         self._decode = jax.jit(make_decode_step(family, t, self.text_model, gather), static_argnames=("rows",),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
+        if family.cross_attention:
+            tm = self.text_model
+            self._fill_cross = jax.jit(lambda params, cache, *a: tm.fill_cross(params["text"], cache, *a),
+                                       donate_argnums=(1,), out_shardings=self.cache_shardings)
+            self.compiled["fill_cross"], self.calls["fill_cross"], self.step_seconds["fill_cross"] = set(), 0, 0.0
         self._prefill_pruned = jax.jit(make_pruned_prefill_step(family, t, self.text_model, gather),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
@@ -363,6 +368,25 @@ class ModelRunner:
             np.asarray(key, np.uint32), spans)
         return StepOutput(*(np.asarray(x) for x in out))
 
+    def fill_cross(self, slot: int, feats: list[np.ndarray], n_tiles: list[int], dec: int) -> None:
+        """Cross-attention families: write one request's images (feats: per image [vision tokens,
+        hidden]; none for a text-only request) into cache row `slot`'s cross-attention K/V,
+        once per request; `dec`: its decode tokens' packed image range."""
+        if self._announce is not None:
+            return self._announce("fill_cross", (slot, feats, n_tiles, dec),
+                                  lambda: self._fill_cross_row(slot, feats, n_tiles, dec))
+        self._fill_cross_row(slot, feats, n_tiles, dec)
+
+    def _fill_cross_row(self, slot, feats, n_tiles, dec) -> None:
+        tm = self.text_model
+        x = np.zeros((tm.n_vis, self.hidden_size), self.dtype)
+        if feats:
+            x[:sum(len(f) for f in feats)] = np.concatenate(feats)
+        tiles = np.zeros(tm.max_images, np.int32)
+        tiles[:len(n_tiles)] = n_tiles
+        self.cache = self._track("fill_cross", (), self._fill_cross, self.params, self.cache, np.int32(slot), x,
+                                 np.int32(len(feats)), tiles, np.int32(dec))
+
     def decode(self, max_length: int | np.ndarray, active_rows: int | None = None) -> StepOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
         by one token; `max_length` = longest active sequence after the step (per layer
@@ -418,6 +442,11 @@ class ModelRunner:
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
                     jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
             out.append((f"prefill[{c}]", self._prefill, args, {}))
+            if c == self.buckets.prefill[0] and self.family.cross_attention:
+                tm = self.text_model
+                out.append(("fill_cross", self._fill_cross,
+                            (params, cache, i32, jax.ShapeDtypeStruct((tm.n_vis, self.hidden_size), self.dtype), i32,
+                             jax.ShapeDtypeStruct((tm.max_images,), jnp.int32), i32), {}))
             if c == self.buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
                 # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
                 pruned = args[:8] + (i32, i32) + args[11:13]
