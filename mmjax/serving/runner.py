@@ -406,6 +406,8 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile every bucket of every step (leaves garbage in slot 0: reset afterwards)."""
         self.encode(self.family.warmup_plan(self.max_encode_batch))
+        if self.family.cross_attention:
+            self.fill_cross(0, [], [], 0)
         rows = self.text_model.position_rows
         for c in self.buckets.prefill:
             self.prefill(0, 0, np.zeros(c, np.int32), None, np.zeros(c, bool), np.zeros((rows, c), np.int32), 0,
@@ -478,4 +480,5 @@ class ModelRunner:
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
-                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode)}
+                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode),
+                **({"fill_cross": 1} if self.family.cross_attention else {})}

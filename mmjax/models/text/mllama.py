@@ -1,4 +1,4 @@
-"""Llama 3.2 Vision's decoder (HF MllamaTextModel), WIP: Llama self-attention layers (llama.py's
+"""Llama 3.2 Vision's decoder (HF MllamaTextModel): Llama self-attention layers (llama.py's
 `layer_forward` over the slot KV cache, which holds only the self-attention layers) interleaved
 with gated cross-attention layers at `cross_attention_layers` that read per-request image K/V.
 
@@ -10,8 +10,8 @@ with none (text before the first image) attends to every vision token uniformly 
 quirk) and its MLP output is zeroed (row_mask 0). Requests without images skip these layers
 (HF does), here per row with `has_images [b]`, so one compiled step serves every mix.
 
-Not yet wired into the engine (see the WIP notes in the branch report): the per-slot
-cross-attention K/V cache, decode, prefix-cache keys for images.
+`MllamaTextModel` (below) serves it: a per-slot cross-attention K/V cache next to the slot KV
+cache, filled once per request (`fill_cross`); `forward_full` is the whole-prompt reference.
 """
 from __future__ import annotations
 
