@@ -1,4 +1,4 @@
-"""Llama 3.2 Vision (MllamaForConditionalGeneration), WIP: the family's pure pieces (config,
+"""Llama 3.2 Vision (MllamaForConditionalGeneration): the family's pure pieces (config,
 weights, image preparation, encode plan, the encode step). The engine drives it
 through `Family.cross_attention`: it fills the text model's per-slot cross-attention cache
 once per request and passes each prefill token's image range.
@@ -101,9 +101,9 @@ class MllamaFamily(Family):
         return self.cfg.image_token_id
 
     def prepare_image(self, img, opts: ImageOptions = ImageOptions()) -> ImageInput:
-        """-> pixels = (tiles [max_tiles, S, S, 3], aspect-ratio id, tile count) packed in an
-        object array-free way: tiles, with the id and count in `grid` (tiles, rows, cols); one
-        prompt token (`<|image|>`) per image."""
+        """Decoded RGB PIL image -> pixels = tiles [max_tiles, S, S, 3] (absent tiles zero), grid =
+        (real tiles, tile rows, tile cols) (the aspect-ratio id follows from rows, cols), one
+        prompt token (`<|image|>`) per image; the encoder-cache key names the preprocessing."""
         if opts.max_tokens is not None and opts.max_tokens < 1:
             raise ContextLengthError("an image takes one prompt token", param="image_max_tokens")
         tiles, ar, n = self.policy(img)

@@ -418,7 +418,7 @@ class Engine:
                 "encoder_cache_hits": self.encoder_cache.hits, "encoder_cache_misses": self.encoder_cache.misses,
                 "encoder_cache_entries": len(self.encoder_cache), "encoder_cache_bytes": self.encoder_cache.bytes,
                 "compiled_shapes": r.compiled_counts(), "compiled_shapes_bound": r.max_compilations(),
-                **({"cross_attention_cache_bytes": r.text_model.cross_cache_bytes(r.cache),
+                **({"cross_attention_cache_bytes": r.text_model.cross_cache_bytes(r.num_slots, r.dtype),
                     "cross_attention_slots": int(sum(1 for q in self.scheduler.active() if q.images))}
                    if self.family.cross_attention else {}),
                 "compile_seconds": round(r.compile_seconds, 3),

@@ -193,8 +193,12 @@ class MllamaTextModel:
                                   "dec": jnp.zeros((num_slots,), jnp.int32), "has": jnp.zeros((num_slots,), bool)}}
         return L.allocate_cache(make, sharding)
 
-    def cross_cache_bytes(self, cache) -> int:
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache["cross"]))
+    def cross_cache_bytes(self, num_slots: int, dtype) -> int:
+        """Bytes of the cross-attention part of a cache for `num_slots` slots (static: stats()
+        may run on any thread, while a step holds the donated cache)."""
+        c = self.cfg.base
+        kv = 2 * len(self.cfg.cross_layers) * num_slots * self.n_vis * c.num_kv_heads * c.head_dim
+        return kv * jnp.dtype(dtype).itemsize + 2 * num_slots * self.n_vis + 5 * num_slots
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array:
         return params["embed"][ids]
