@@ -20,6 +20,7 @@ import numpy as np
 
 from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
+from mmjax.errors import InvalidRequestError
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
@@ -379,6 +380,9 @@ class ModelRunner:
 
     def _fill_cross_row(self, slot, feats, n_tiles, dec) -> None:
         tm = self.text_model
+        if len(feats) > tm.max_images:
+            raise InvalidRequestError(f"{len(feats)} images in one request; the cross-attention cache holds "
+                                      f"{tm.max_images}", param="images", code="too_many_images")
         x = np.zeros((tm.n_vis, self.hidden_size), self.dtype)
         if feats:
             x[:sum(len(f) for f in feats)] = np.concatenate(feats)
