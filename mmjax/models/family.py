@@ -10,7 +10,8 @@ imports the engine:
   pure encode function the runner jits (`encode`);
 - prompt positions (1-D RoPE or M-RoPE rows, `positions`);
 - how features enter the sequence (`feature_placement`: "replace" = image placeholder tokens
-  take the features; cross-attention families will say otherwise);
+  take the features; "cross_attention" = the decoder's cross-attention layers read them from a
+  per-slot cache the engine fills once per request, Mllama);
 - which text model it runs (`text_model`, a `mmjax.models.text.TextModel`).
 """
 from __future__ import annotations
