@@ -21,6 +21,8 @@ FAMILIES: dict[str, str] = {
     "gemma4": "mmjax.models.gemma4",
     "idefics3": "mmjax.models.idefics3",
     "smolvlm": "mmjax.models.idefics3",
+    "mistral3": "mmjax.models.mistral3",
+    "mllama": "mmjax.models.mllama",
 }
 
 
