@@ -17,6 +17,8 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "mmjax.models.qwen2_vl",
     "gemma3": "mmjax.models.gemma3",
     "gemma4": "mmjax.models.gemma4",
+    "llava_next": "mmjax.models.llava_next",
+    "llava_onevision": "mmjax.models.llava_next",
 }
 
 

@@ -52,17 +52,21 @@ class ImageOptions:
     max_tokens: the most LLM tokens this image may take; a larger one is a ContextLengthError.
     pan_and_scan: Gemma 3's pan-and-scan crops on (True) / off (False) for this image; None: the
         checkpoint's processor default (the server's --pan-and-scan, `detail: "high"`).
+    max_tiles: the most high-resolution tiles for tiling families (LLaVA-NeXT, LLaVA-OneVision):
+        0 = the low-resolution overview only (`detail: "low"`); None: the checkpoint's full
+        tiling (the server's --max-image-tiles caps it).
     """
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_tokens: int | None = None
     pan_and_scan: bool | None = None
+    max_tiles: int | None = None
 
     @classmethod
     def from_dict(cls, opts: dict | None) -> "ImageOptions":
-        """{"min_pixels", "max_pixels", "image_max_tokens" | "max_tokens", "pan_and_scan"} ->
-        ImageOptions; an unknown key, a non-positive size or a non-bool pan_and_scan is an
-        InvalidRequestError naming it."""
+        """{"min_pixels", "max_pixels", "image_max_tokens" | "max_tokens", "pan_and_scan",
+        "max_tiles"} -> ImageOptions; an unknown key, a non-positive size, a negative max_tiles or
+        a non-bool pan_and_scan is an InvalidRequestError naming it."""
         opts = dict(opts or {})
         if "image_max_tokens" in opts:
             opts["max_tokens"] = opts.pop("image_max_tokens")
@@ -73,10 +77,12 @@ class ImageOptions:
         for k, v in opts.items():
             if k not in names:
                 raise InvalidRequestError(f"unknown image option {k!r} (known: min_pixels, max_pixels, "
-                                          "image_max_tokens, pan_and_scan)", param=f"image_options.{k}")
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
+                                          "image_max_tokens, pan_and_scan, max_tiles)", param=f"image_options.{k}")
+            lo = 0 if k == "max_tiles" else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
                 name = "image_max_tokens" if k == "max_tokens" else k
-                raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}", param=name)
+                what = "a non-negative" if lo == 0 else "a positive"
+                raise InvalidRequestError(f"{name} must be {what} integer, got {v!r}", param=name)
         return cls(**{k: (None if v is None else int(v)) for k, v in opts.items()},
                    pan_and_scan=None if pas is None else bool(pas))
 
@@ -112,6 +118,11 @@ class Family(abc.ABC):
         """Options that make an image take at most `max_tokens` tokens where the family can
         resize (the server's `detail: low` and --image-max-tokens); fixed-size families: none."""
         return ImageOptions()
+
+    def prompt_options(self, opts: ImageOptions, n_images: int) -> ImageOptions:
+        """The options for each image of a prompt holding `n_images` images (LLaVA-OneVision's
+        processor does not tile the images of a multi-image prompt). Default: `opts`."""
+        return opts
 
     def configure(self, *, image_max_tokens: int | None = None) -> None:
         """Server-wide limits, set before the engine exists (they may shape encode buckets)."""
