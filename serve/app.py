@@ -52,6 +52,7 @@ class ServerConfig:
     image_max_tokens: int | None = None        # per-image token budget
     low_detail_image_tokens: int = 256         # budget of image_url.detail="low" (dynamic-res families)
     pan_and_scan: bool | None = None           # Gemma 3 pan-and-scan for detail="auto" (None: the checkpoint's)
+    max_image_tiles: int | None = None         # tiles per image, detail "high"/"auto" (tiling families; None: all)
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     allow_private_media_urls: bool = False
@@ -143,6 +144,7 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
                             fetch_timeout=cfg.media_fetch_timeout, max_redirects=cfg.media_max_redirects,
                             image_max_tokens=cfg.image_max_tokens,
                             low_detail_tokens=cfg.low_detail_image_tokens, pan_and_scan=cfg.pan_and_scan,
+                            max_tiles=cfg.max_image_tiles,
                             decode_workers=cfg.decode_workers,
                             decode_workers_per_request=cfg.decode_workers_per_request,
                             max_decode_queue=cfg.max_decode_queue, max_request_pixels=cfg.max_request_image_pixels,
@@ -633,7 +635,7 @@ async def _load_images(st: State, refs) -> list:
     rest. Every task's outcome is retrieved, whichever way this returns."""
     if not refs:
         return []
-    tasks = [asyncio.ensure_future(st.fetcher.load(r)) for r in refs]
+    tasks = [asyncio.ensure_future(st.fetcher.load(r, n_images=len(refs))) for r in refs]
     for t in tasks:
         t.add_done_callback(_retrieve)
     try:

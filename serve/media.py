@@ -87,6 +87,7 @@ class MediaConfig:
     image_max_tokens: int | None = None     # per-image token budget
     low_detail_tokens: int = 256            # resolution budget of detail="low" (dynamic-res families)
     pan_and_scan: bool | None = None        # pan-and-scan for detail="auto" (Gemma 3; None: the checkpoint's)
+    max_tiles: int | None = None            # tiles per image for detail="high"/"auto" (tiling families; None: all)
     decode_workers: int = 4                 # workers decoding + resizing images (not the tokenization pool)
     decode_workers_per_request: int = 2     # images of one request decoding at once; its others wait
     max_decode_queue: int = 64              # images waiting for a decode worker; beyond: 503 decode_queue_full
@@ -749,7 +750,7 @@ class MediaFetcher:
     async def load_all(self, refs) -> list:
         """All images of one request (one group); the first failure cancels the rest."""
         g = self.new_group()
-        tasks = [asyncio.ensure_future(self.load(r, g)) for r in refs]
+        tasks = [asyncio.ensure_future(self.load(r, g, n_images=len(refs))) for r in refs]
         g.seal()
         try:
             return list(await asyncio.gather(*tasks))
@@ -758,16 +759,17 @@ class MediaFetcher:
                 t.cancel()
 
     # ---- sources --------------------------------------------------------------------------------
-    def load(self, ref, group: ImageGroup | None = None):
-        """ImageRef -> awaitable ImageInput (raises typed errors naming ref.param).
+    def load(self, ref, group: ImageGroup | None = None, n_images: int = 1):
+        """ImageRef -> awaitable ImageInput (raises typed errors naming ref.param). n_images: the
+        images of its request (a family may prepare the images of a multi-image prompt apart).
 
         The image joins `group`, or else the group of the calling request (see `_caller_group`);
         await (or cancel) every awaitable of a group: its images wait for each other's headers."""
         if group is None:
             group = self._caller_group()
-        return self._load(ref, group, group.add(ref.param))
+        return self._load(ref, group, group.add(ref.param), n_images)
 
-    async def _load(self, ref, group: ImageGroup, idx: int) -> Any:
+    async def _load(self, ref, group: ImageGroup, idx: int, n_images: int = 1) -> Any:
         url = ref.url
         try:
             try:
@@ -790,7 +792,7 @@ class MediaFetcher:
                 raise
             group.report(idx, size)
             await group.wait_headers()
-            return await self.pool.run(group, data, self._options(ref.detail), self.cfg.image_max_tokens)
+            return await self.pool.run(group, data, self._options(ref.detail, n_images), self.cfg.image_max_tokens)
         except InvalidRequestError as e:
             if e.param == "image_max_tokens" and isinstance(e, ContextLengthError):
                 e.code = "image_token_budget_exceeded"
@@ -814,11 +816,13 @@ class MediaFetcher:
         """One image, decoded and prepared in the calling thread (no pool)."""
         return prepare_image(self.family, self.cfg.limits, source, self._options(detail), self.cfg.image_max_tokens)
 
-    def _options(self, detail: str) -> ImageOptions:
+    def _options(self, detail: str, n_images: int = 1) -> ImageOptions:
         """detail -> the family's options for the token budget (dynamic-resolution families
         resize to fit it; fixed-size families have one size, so detail is a no-op there).
         Pan-and-scan (families that crop, Gemma 3): "high" turns it on, "low" off, "auto" takes
-        the server's --pan-and-scan; a budget too small for the crops turns it off."""
+        the server's --pan-and-scan; a budget too small for the crops turns it off.
+        Tiling families (LLaVA-NeXT, OneVision): "low" is the overview only (max_tiles=0),
+        "high"/"auto" the checkpoint's tiling capped by --max-image-tiles."""
         tokens = self.cfg.image_max_tokens
         if detail == "low":
             tokens = min(tokens or self.cfg.low_detail_tokens, self.cfg.low_detail_tokens)
@@ -826,7 +830,10 @@ class MediaFetcher:
         pas = {"high": True, "low": False}.get(detail, self.cfg.pan_and_scan)
         if pas is not None and opts.pan_and_scan is None:
             opts = dataclasses.replace(opts, pan_and_scan=pas)
-        return opts
+        tiles = 0 if detail == "low" else self.cfg.max_tiles
+        if tiles is not None and (opts.max_tiles is None or tiles < opts.max_tiles):
+            opts = dataclasses.replace(opts, max_tiles=tiles)
+        return self.family.prompt_options(opts, n_images)
 
     def local_path(self, url: str) -> str:
         root = self.cfg.allowed_local_path

@@ -45,6 +45,15 @@ def gemma4_dirs(tmp_path_factory):
     return {v: build_gemma4(root / v, variant=v, seed=i) for i, v in enumerate(("dense", "moe"))}
 
 
+@pytest.fixture(scope="session")
+def llava_next_dirs(tmp_path_factory):
+    """Tiny LLaVA-NeXT and LLaVA-OneVision checkpoints: {"next": path, "onevision": path}
+    (see tiny_llava_next.build_llava_next)."""
+    from tiny_llava_next import build_llava_next
+    root = tmp_path_factory.mktemp("llava_next")
+    return {v: build_llava_next(root / v, variant=v, seed=i) for i, v in enumerate(("next", "onevision"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

@@ -205,7 +205,6 @@ class LlavaNextFamily(Family):
     newline: np.ndarray                   # image_newline [text_hidden] float32 (host layout step)
     image_token: str = "<image>"
     name: str = "llava_next"
-    max_tiles: int | None = None          # server-wide cap (--max-image-tiles)
 
     @property
     def text_model(self) -> TextModel:
@@ -216,17 +215,9 @@ class LlavaNextFamily(Family):
         return self.cfg.image_token_id
 
     # ---- host ---------------------------------------------------------------------------------
-    def configure(self, *, image_max_tokens: int | None = None, max_tiles: int | None = None) -> None:
-        """Server-wide tile cap (None: the checkpoint's full tiling)."""
-        self.max_tiles = max_tiles
-
-    def _tiles_cap(self, opts: ImageOptions) -> int | None:
-        caps = [c for c in (opts.max_tiles, self.max_tiles) if c is not None]
-        return min(caps) if caps else None
-
     def grid(self, height: int, width: int, opts: ImageOptions = ImageOptions()) -> AnyresGrid:
         """The tile layout (and so the exact token count) of a height x width image."""
-        return self.policy.grid(height, width, self.cfg.side, max_tiles=self._tiles_cap(opts),
+        return self.policy.grid(height, width, self.cfg.side, max_tiles=opts.max_tiles,
                                 max_patches=self.cfg.max_patches)
 
     def prompt_options(self, opts: ImageOptions, n_images: int) -> ImageOptions:
