@@ -19,7 +19,7 @@ from mmjax.research.prompt import prompt_inputs
 from conftest import noise_image, rel_err
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-ENGINE = dict(max_num_seqs=4, max_model_len=512, prefill_chunk=32)
+ENGINE = dict(max_num_seqs=2, max_model_len=384, prefill_chunk=32, max_encode_batch=4)
 WIDE, TALL, SQUARE, BIG = (50, 21), (23, 61), (40, 37), (100, 90)
 _VLMS: dict = {}
 
@@ -83,8 +83,8 @@ def test_tiles_tokens_features_and_logits(pair):
         [theirs] = hf_features(hf, hf_inputs(proc, prompt(1), [img]))
         assert f.shape == theirs.shape
         assert rel_err(f, theirs) <= 1e-4
-    # whole-prompt logits: one image; two images of different aspect ratios
-    for images in ([imgs[2]], [imgs[0], imgs[1]]):
+    # whole-prompt logits, two images of different aspect ratios (one image: the greedy test)
+    for images in ([imgs[0], imgs[1]],):
         text = prompt(len(images))
         inputs = hf_inputs(proc, text, images)
         counts = [im.num_tokens for im in vlm.prepare_images(images)]
