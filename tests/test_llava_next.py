@@ -238,3 +238,16 @@ def test_serve_detail_low_high_and_stream(llava_next_dirs):
         assert [usage["low"], usage["high"]] == want and want[0] == vlm.family.cfg.side ** 2 + 1 < want[1]
     finally:
         server.close()
+
+
+def test_tiling_bench_smoke(tmp_path, monkeypatch, capsys):
+    """`mmjax bench tiling --smoke` in process: its JSON line, with the 4-tile image and the five
+    overview-only images on the same encode calls (no timing assertions)."""
+    from benchmarks import tiling
+    monkeypatch.setenv("MMJAX_BENCH_DIR", str(tmp_path))
+    assert tiling.main(["--smoke", "--repeats", "1"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {row["case"]: row for row in r["rows"]}
+    assert [row["views"] for row in r["rows"]] == [5, 8, 5]
+    assert rows["one 4-tile image"]["buckets"] == rows["five overview-only images"]["buckets"]
+    assert all(row["median_s"] > 0 and row["image_tokens"] > 0 for row in r["rows"])
