@@ -53,7 +53,7 @@ def build_llava_next(out_dir: str | os.PathLike, *, variant: str = "next", seed:
     import torch
     from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
                               LlavaNextProcessor, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
-                              LlavaOnevisionProcessor, Qwen2Config, SiglipVisionConfig)
+                              Qwen2Config, SiglipVisionConfig)
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
         LlavaOnevisionImageProcessorPil

@@ -27,7 +27,7 @@ import numpy as np
 
 from mmjax.buckets import bucket_for, pow2_ladder
 from mmjax.checkpoint import TensorSource
-from mmjax.errors import CheckpointError, ContextLengthError, UnsupportedModelError
+from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.anyres import AnyresGrid, AnyresImagePolicy
 from mmjax.image.decode import pixel_hash
 from mmjax.image.processors import digest, find_image_processor_config
@@ -265,7 +265,7 @@ class LlavaNextFamily(Family):
         views = [im.pixels for im in images]
         ends = np.cumsum([len(v) for v in views])
         flat = np.concatenate(views) if views else np.zeros((0,))
-        grids = [im.layout for im in images]
+        grids = [self._layout(im) for im in images]
         done: list[np.ndarray] = []          # view features so far (shared by the calls' splits)
         calls = []
         for lo in range(0, len(flat), max_batch):
@@ -278,17 +278,25 @@ class LlavaNextFamily(Family):
             def split(f, lo=lo, n=n):
                 done.append(np.asarray(f[:n]))
                 have = lo + n
-                out = []
                 first = int(np.searchsorted(ends, lo, side="right"))      # first image ending after lo
-                for i in range(first, len(images)):
-                    if ends[i] > have:
-                        break
-                    allv = np.concatenate(done) if len(done) > 1 else done[0]
-                    start = ends[i] - len(views[i])
-                    out.append(pack_features(allv[start:ends[i]], grids[i], self.newline))
-                return out
+                last = int(np.searchsorted(ends, have, side="right"))     # images ending by `have`
+                if first >= last:
+                    return []
+                allv = np.concatenate(done) if len(done) > 1 else done[0]
+                return [pack_features(allv[ends[i] - len(views[i]):ends[i]], grids[i], self.newline)
+                        for i in range(first, last)]
             calls.append(EncodeCall((b,) + part.shape[1:], part, split))
         return calls
+
+    def _layout(self, image: ImageInput) -> AnyresGrid:
+        """The grid an image was prepared with (a one-view image without one: overview only)."""
+        layout = getattr(image, "layout", None)
+        if layout is None:
+            if len(image.pixels) != 1:
+                raise InvalidRequestError(f"{self.name} images must come from its prepare_image (their tile "
+                                          "layout is missing)", param="images")
+            layout = AnyresGrid(0, 0, self.cfg.side)
+        return layout
 
     def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
         size = self.cfg.vision.image_size
