@@ -1,5 +1,6 @@
 """LLaVA-NeXT and LLaVA-OneVision (anyres tiling) parity with transformers on tiny random
-checkpoints (float32, tests/tiny_llava_next.py): tiles' pixels and token counts for wide, tall and
+checkpoints (float32, tests/tiny_llava_next.py: NeXT over Mistral with a sliding window shorter
+than its prompts, OneVision over SigLIP + Qwen2): tiles' pixels and token counts for wide, tall and
 square images (each picks another grid), image features (rel <= 1e-4) with the tiles of several
 images encoded together across calls, logits for one image and for two images of different
 aspect ratios (OneVision: HF's multi-image mode, overview only), the tile cap and overview-only
@@ -19,7 +20,7 @@ from mmjax.research.prompt import prompt_inputs
 from conftest import noise_image, rel_err
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-ENGINE = dict(max_num_seqs=2, max_model_len=384, prefill_chunk=32, max_encode_batch=4)
+ENGINE = dict(max_num_seqs=2, max_model_len=384, prefill_chunk=16, max_encode_batch=4)   # one prefill bucket
 WIDE, TALL, SQUARE, BIG = (50, 21), (23, 61), (40, 37), (100, 90)
 _VLMS: dict = {}
 
@@ -148,7 +149,7 @@ def test_greedy_generation_and_logprobs_match(pair):
 
 
 def test_engine_batched_alone_and_caches_off(pair):
-    """Tiled images of up to 88 tokens through 32-token prefill chunks; batched == one at a time
+    """Tiled images of up to 88 tokens through 16-token prefill chunks; batched == one at a time
     == caches off; a repeat resumes from the prefix cache and reuses the encoded tiles."""
     name, _, _, vlm = pair
     off = vlm_for(_path_of(vlm), enable_prefix_cache=False, encoder_cache_bytes=0)

@@ -12,6 +12,7 @@ from tiny_checkpoints import LLAVA_CHAT_TEMPLATE, train_tokenizer
 
 # (height, width) in pixels of 16-pixel tiles
 NEXT_PINPOINTS = [[16, 32], [32, 16], [32, 32], [16, 48], [48, 16]]
+SLIDING_WINDOW = 48      # Mistral's window in the "next" checkpoint: shorter than its tiled prompts
 ONEVISION_PINPOINTS = [[16, 16], [16, 32], [32, 16], [32, 32], [32, 48], [48, 32], [48, 48]]
 
 
@@ -51,7 +52,7 @@ def build_llava_next(out_dir: str | os.PathLike, *, variant: str = "next", seed:
         are downscaled), image mean 0.5 (the multi-image padding color).
     """
     import torch
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+    from transformers import (CLIPVisionConfig, LlavaNextConfig, MistralConfig, LlavaNextForConditionalGeneration,
                               LlavaNextProcessor, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
                               Qwen2Config, SiglipVisionConfig)
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
@@ -67,10 +68,10 @@ def build_llava_next(out_dir: str | os.PathLike, *, variant: str = "next", seed:
     if variant == "next":
         vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                   image_size=16, patch_size=4, projection_dim=16, hidden_act="quick_gelu")
-        text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                           rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                           pad_token_id=3)
+        text = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                             pad_token_id=3, sliding_window=SLIDING_WINDOW)
         cfg = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_id,
                               vision_feature_layer=-2, vision_feature_select_strategy="default",
                               image_grid_pinpoints=NEXT_PINPOINTS, tie_word_embeddings=False)
