@@ -64,7 +64,8 @@ def test_tiles_tokens_features_and_logits(pair):
     tid = vlm.family.image_token_id
     imgs = [noise_image(i, w, h) for i, (w, h) in enumerate((WIDE, TALL, SQUARE, BIG))]
     grids = []
-    for img in imgs:
+    extreme = [noise_image(9, 1, 300), noise_image(10, 2000, 3)]     # unpadding leaves no column / row
+    for img in imgs + extreme:
         im = vlm.prepare_images([img])[0]
         inputs = hf_inputs(proc, prompt(1), [img])
         pv = inputs["pixel_values"][0].numpy().transpose(0, 2, 3, 1)
@@ -74,6 +75,7 @@ def test_tiles_tokens_features_and_logits(pair):
         assert im.num_tokens == vlm.family.grid(img.height, img.width).num_tokens   # known from the size alone
         grids.append((im.layout.rows, im.layout.cols))
     assert len(set(grids[:3])) == 3                  # wide, tall and square pick different grids
+    assert [im.layout.out_h * im.layout.out_w for im in vlm.prepare_images(extreme[:1])] == [0]
     if name == "onevision":                          # a grid over anyres_max_2 tiles' worth is downscaled
         assert any(im.layout.out_h < im.layout.crop[1] - im.layout.crop[0]
                    for im in vlm.prepare_images([imgs[2]]))
@@ -216,6 +218,7 @@ def test_options_config_and_server_flags(llava_next_dirs):
 
 
 def test_serve_detail_low_high_and_stream(llava_next_dirs):
+    from mmjax.image.decode import load_image
     from serve.app import ServerConfig
     from test_serve import Server, data_uri, img_part
     vlm = vlm_for(llava_next_dirs["next"])
@@ -233,10 +236,24 @@ def test_serve_detail_low_high_and_stream(llava_next_dirs):
             assert text == full.choices[0].message.content
             assert chunks[-1].usage.prompt_tokens_details.image_tokens == full.usage.prompt_tokens_details.image_tokens
             usage[detail] = full.usage.prompt_tokens_details.image_tokens
-        from mmjax.image.decode import load_image
         want = [vlm.family.prepare_image(load_image(uri), ImageOptions(max_tiles=t)).num_tokens
                 for t in (0, None)]
         assert [usage["low"], usage["high"]] == want and want[0] == vlm.family.cfg.side ** 2 + 1 < want[1]
+    finally:
+        server.close()
+    # OneVision: one image is tiled, each image of a two-image request is overview only
+    ov = vlm_for(llava_next_dirs["onevision"])
+    server = Server(ov, ServerConfig(served_model_name="ov", log_stats_interval=0))
+    try:
+        c = server.client()
+        uris = [data_uri(32, w=50, h=21), data_uri(33, w=23, h=61)]
+        counts = []
+        for parts in ([img_part(uris[0])], [img_part(u) for u in uris]):
+            msgs = [{"role": "user", "content": parts + [{"type": "text", "text": "compare"}]}]
+            r = c.chat.completions.create(model="ov", messages=msgs, max_tokens=2, temperature=0)
+            counts.append(r.usage.prompt_tokens_details.image_tokens)
+        one = ov.family.prepare_image(load_image(uris[0])).num_tokens
+        assert counts == [one, 2 * (ov.family.cfg.side ** 2 + 1)] and one > ov.family.cfg.side ** 2 + 1
     finally:
         server.close()
 

@@ -26,8 +26,7 @@ from PIL import Image
 
 from mmjax.errors import ImageError, UnsupportedModelError
 from mmjax.image.decode import PARAM as _PARAM
-from mmjax.image.processors import (MAX_RESIZE_PIXELS, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ClipImagePolicy,
-                                    _as_rgb, _pil_resize, _size_spec)
+from mmjax.image.processors import MAX_RESIZE_PIXELS, ClipImagePolicy, _as_rgb, _pil_resize, _size_spec
 
 
 def select_best_resolution(height: int, width: int, pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
@@ -220,5 +219,4 @@ class AnyresImagePolicy:
                 self.pad_overview)
 
 
-__all__ = ["AnyresGrid", "AnyresImagePolicy", "select_best_resolution", "unpadded_size", "OPENAI_CLIP_MEAN",
-           "OPENAI_CLIP_STD"]
+__all__ = ["AnyresGrid", "AnyresImagePolicy", "patch_output_size", "select_best_resolution", "unpadded_size"]
