@@ -215,6 +215,14 @@ def test_options_config_and_server_flags(llava_next_dirs):
         assert f._options("auto").max_tiles == f._options("high").max_tiles == 2
         assert f._options("low").max_tiles == 0
         assert f._options("auto", 2).max_tiles == multi       # OneVision: multi-image prompts are overview only
+    # --image-max-tokens: the tile cap under which every grid fits, even without unpadding
+    fam = vlm_for(llava_next_dirs["next"]).family
+    caps = {n: MediaFetcher(MediaConfig(image_max_tokens=n), fam)._options("auto").max_tiles for n in (17, 60, 80, 88)}
+    assert caps == {17: 0, 60: 2, 80: 3, 88: None}
+    for n, cap in caps.items():
+        worst = max(fam.prepare_image(noise_image(50 + i, w, h), ImageOptions(max_tiles=cap)).num_tokens
+                    for i, (w, h) in enumerate((WIDE, TALL, SQUARE, (60, 19), (19, 60))))
+        assert worst <= n
 
 
 def test_serve_detail_low_high_and_stream(llava_next_dirs):

@@ -246,11 +246,19 @@ class LlavaNextFamily(Family):
                                grid=(grid.views, self.cfg.side, self.cfg.side), layout=grid)
 
     def fit_options(self, max_tokens: int) -> ImageOptions:
-        """Overview only when the budget cannot take the overview and a grid of the smallest
-        pinpoint (whose token count depends on the image; the overview always fits one)."""
-        s = self.cfg.side
-        smallest = min(h * w for h, w in self.policy.pinpoints) // self.policy.tile ** 2
-        return ImageOptions(max_tiles=0) if max_tokens < s * s + smallest * s * (s + 1) else ImageOptions()
+        """A tile cap under which every image fits `max_tokens` (the server's --image-max-tokens):
+        the most tiles t such that every grid pinpoint of at most t tiles fits even without
+        unpadding (overview + rows * (cols + 1) features); 0 (overview only) if none does; no
+        cap when all fit."""
+        s, tile = self.cfg.side, self.policy.tile
+        grids = sorted(((h // tile) * (w // tile), s * s + (h // tile) * s * ((w // tile) * s + 1))
+                       for h, w in self.policy.pinpoints)          # (tiles, worst-case tokens)
+        cap = 0
+        for t in sorted({t for t, _ in grids}):
+            if any(worst > max_tokens for t2, worst in grids if t2 <= t):
+                break
+            cap = t
+        return ImageOptions() if cap == grids[-1][0] else ImageOptions(max_tiles=cap)
 
     # ---- encode -------------------------------------------------------------------------------
     def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
