@@ -223,6 +223,9 @@ def test_options_config_and_server_flags(llava_next_dirs):
         worst = max(fam.prepare_image(noise_image(50 + i, w, h), ImageOptions(max_tiles=cap)).num_tokens
                     for i, (w, h) in enumerate((WIDE, TALL, SQUARE, (60, 19), (19, 60))))
         assert worst <= n
+    from mmjax.errors import ContextLengthError
+    with pytest.raises(ContextLengthError, match="image_max_tokens"):
+        fam.prepare_image(noise_image(60, *SQUARE), ImageOptions(max_tokens=40))
 
 
 def test_serve_detail_low_high_and_stream(llava_next_dirs):
