@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from mmjax.attention import attention
 from mmjax.attention.flash import FlashBlockSizes, flash_attention
 
-IMPLS = ("reference", "chunked", "flash", "cudnn")
+IMPLS = ("reference", "chunked", "flash", "cudnn", "tokamax")
 
 
 def on_gpu() -> bool:
@@ -62,6 +62,9 @@ def memory_budget() -> int:
 
 
 def make_fn(impl: str, block_sizes: FlashBlockSizes | None = None):
+    if impl == "tokamax":   # the maintained Pallas kernel library, as a peer (its own choice of kernel)
+        import tokamax
+        return jax.jit(tokamax.dot_product_attention)
     if impl == "flash":
         return jax.jit(functools.partial(flash_attention, block_sizes=block_sizes))
     return jax.jit(functools.partial(attention, impl=impl))
@@ -70,8 +73,13 @@ def make_fn(impl: str, block_sizes: FlashBlockSizes | None = None):
 def skip_reason(impl: str, b: int, h: int, n: int, budget: int) -> str | None:
     if impl == "flash" and not on_gpu():
         return "Pallas interpret mode on CPU is a correctness tool (tests), not timed"
-    if impl == "cudnn" and not on_gpu():
+    if impl in ("cudnn", "tokamax") and not on_gpu():
         return "needs a CUDA GPU"
+    if impl == "tokamax":
+        try:
+            import tokamax  # noqa: F401
+        except ImportError:
+            return "not installed (pip install tokamax)"
     if impl == "reference":
         need = 2 * b * h * n * n * 4  # f32 scores and their exp, both N x N per head
         if need > budget:

@@ -5,6 +5,8 @@ Sizes:
   default  CLIP ViT-B/16 @ 224 px (hidden 768, 12 layers, vision_feature_layer -2), 2-layer MLP
            projector, Llama hidden 1024 / 16 layers / 16 heads / 8 KV heads / intermediate 2816,
            vocab 32000 (a 32000-token byte-level BPE tokenizer), ~342M params, float32.
+  gpu      CLIP ViT-L/14 @ 336 px + Llama hidden 2048 / 24 layers / 16 heads / 8 KV heads, ~1.6B
+           params (`mmjax bench gpu`).
   smoke    the same architecture at toy size (2-layer 64-hidden decoder) for CI.
 """
 from __future__ import annotations
@@ -21,6 +23,14 @@ SIZES = {
         "vision": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                        image_size=224, patch_size=16, projection_dim=512, hidden_act="quick_gelu"),
         "text": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                     num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
+                     rms_norm_eps=1e-5),
+        "vision_feature_layer": -2,
+    },
+    "gpu": {   # LLaVA-1.5-shaped vision (CLIP ViT-L/14 @ 336 px), a 1.3B Llama (head_dim 128): ~1.6B params
+        "vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                       image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu"),
+        "text": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
                      rms_norm_eps=1e-5),
         "vision_feature_layer": -2,

@@ -148,7 +148,7 @@ def time_4k() -> dict:
                 times = []
                 for _ in range(2 if label == "native" else 4):
                     t = time.perf_counter()
-                    f.encode_batch(r, [im])
+                    r.encode_images([im])
                     times.append(time.perf_counter() - t)
                 n = int(np.prod(im.grid_thw))
                 bucket_n = max(s[0] for s in r.compiled["encode"] if s[0] >= n)

@@ -16,7 +16,7 @@ from mmjax.checkpoint import cast_params
 from mmjax.errors import InvalidRequestError, PromptError
 from mmjax.image.decode import ImageLimits, load_image
 from mmjax.models import load_family
-from mmjax.models.family import Family, ImageInput, ImageOptions
+from mmjax.models.family import Family, ImageInput, ImageOptions, VideoOptions
 from mmjax.models.text import Capture
 from mmjax.serving.sampling import SamplingParams
 from mmjax.tokenizer import Tokenizer
@@ -84,7 +84,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
     if params_dir is not None:
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
-    tokenizer = Tokenizer(path, image_token=family.image_token)
+    tokenizer = Tokenizer(path, image_token=family.image_token, video_token=family.video_token)
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     eos = gen.get("eos_token_id", hf_cfg.get("eos_token_id", hf_cfg.get("text_config", {}).get("eos_token_id")))
@@ -98,8 +98,13 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
 class VLM:
     """A loaded model plus a lazily created engine; all generation runs on that engine."""
 
-    def __init__(self, model: LoadedModel, *, image_limits: ImageLimits = ImageLimits(), engine=None, **engine_kw):
+    def __init__(self, model: LoadedModel, *, image_limits: ImageLimits = ImageLimits(), engine=None,
+                 video_limits=None, **engine_kw):
+        from mmjax.video import VideoCache, VideoLimits
+
         self.model = model
+        self.video_limits = video_limits or VideoLimits()
+        self.video_cache = VideoCache()
         self.tokenizer = model.tokenizer
         self.family = model.family
         self.params = model.params
@@ -139,7 +144,8 @@ class VLM:
         opts = options if isinstance(options, ImageOptions) else ImageOptions.from_dict(options)
         images = list(images)
         opts = self.family.prompt_options(opts, len(images))
-        out = [self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
+        out = [im if isinstance(im, ImageInput) else self.family.prepare_image(load_image(im, self.image_limits), opts)
+               for im in images]
         if intervention is not None:
             from mmjax.research.interventions import Intervention
             if not isinstance(intervention, Intervention):
@@ -148,6 +154,17 @@ class VLM:
             out = [intervention.apply(self.family, im) for im in out]
         return out
 
+    def prepare_videos(self, videos: Iterable[Any], options: dict | VideoOptions | None = None) -> list[ImageInput]:
+        """Videos -> ImageInputs (kind "video"): each a path, bytes, a data URI, a list of frames (PIL
+        images or uint8 [H, W, 3]) or {"frames": [...], "fps": rate}. options: {"fps", "min_pixels",
+        "max_pixels", "video_max_tokens"} (see README, "Video"). Limits: `self.video_limits`."""
+        from mmjax.video import prepare_video
+
+        opts = options if isinstance(options, VideoOptions) else VideoOptions.from_dict(options)
+        return [v if isinstance(v, ImageInput) else prepare_video(self.family, v, self.video_limits, opts,
+                                                                  cache=self.video_cache)
+                for v in videos]
+
     def encode(self, images: Iterable[Any]) -> list[np.ndarray]:
         """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]."""
         # each image on its own: a list of images here is not one prompt (prompt_options)
@@ -155,8 +172,10 @@ class VLM:
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, requests, sampling: SamplingParams | list[SamplingParams] | None = None) -> list:
-        """requests: a prompt string, or a list of prompts / {"prompt": str, "images": [...]} (one
-        image placeholder in the prompt per image; optional "image_options" such as min_pixels /
+        """requests: a prompt string, or a list of prompts / {"prompt": str, "images": [...],
+        "videos": [...]} (one image placeholder in the prompt per image, one video placeholder per
+        video, e.g. Qwen's "<|vision_start|><|video_pad|><|vision_end|>"; optional "video_options"
+        {"fps", "min_pixels", "max_pixels", "video_max_tokens"}; optional "image_options" such as min_pixels /
         max_pixels / image_max_tokens for dynamic-resolution families, "intervention" (a
         `mmjax.research` Ablate / Pool / Prune) and "sampling").
         sampling: one SamplingParams for all, or a list with one per request (vLLM's convention).
@@ -180,18 +199,41 @@ class VLM:
                                           param="sampling")
             iv = r.get("intervention")
             images = self.prepare_images(r.get("images", ()), r.get("image_options"), iv)
+            if r.get("videos"):
+                images = self._in_prompt_order(r["prompt"], images,
+                                               self.prepare_videos(r["videos"], r.get("video_options")))
             extra = iv.engine_args(sum(im.num_tokens for im in images)) if iv is not None else {}
             ids.append(self.engine.add_request(r["prompt"], images, sp, **extra))
         return self.engine.run_until_done(ids)
 
-    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **template_kw):
-        """OpenAI-style messages; image parts as {"type": "image", "image": PIL/bytes/path} or
-        {"type": "image_url", "image_url": {"url": data URI or path}}."""
-        prompt, images = self.render_chat(messages, **template_kw)
-        return self.generate([{"prompt": prompt, "images": images}], sampling)[0]
+    def _in_prompt_order(self, prompt, images: list[ImageInput], videos: list[ImageInput]) -> list[ImageInput]:
+        """Images and videos interleaved in the order of their placeholders in the prompt (the
+        engine gives the prompt's media tokens to the inputs in order)."""
+        if isinstance(prompt, str):
+            kinds = self.tokenizer.placeholder_kinds(prompt)
+        else:
+            ids = list(prompt)
+            kinds = ["image" if t == self.tokenizer.image_token_id else "video" for t in ids
+                     if t in (self.tokenizer.image_token_id, self.tokenizer.video_token_id)]
+        if sorted(kinds) != sorted(["image"] * len(images) + ["video"] * len(videos)):
+            return list(images) + list(videos)   # the engine reports the mismatch
+        its, vids = iter(images), iter(videos)
+        return [next(vids) if k == "video" else next(its) for k in kinds]
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kw):
-        """messages -> (prompt with one placeholder per image, image sources in order).
+    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, *,
+             video_options: dict | None = None, **template_kw):
+        """OpenAI-style messages; image parts as {"type": "image", "image": PIL/bytes/path} or
+        {"type": "image_url", "image_url": {"url": data URI or path}}; video parts as
+        {"type": "video", "video": path/bytes/frames} or {"type": "video_url", "video_url": {"url": ...}}."""
+        prompt, media = self.render_chat(messages, with_kinds=True, **template_kw)
+        items = [self.prepare_images([src])[0] if kind == "image" else self.prepare_videos([src], video_options)[0]
+                 for kind, src in media]
+        return self.generate([{"prompt": prompt, "images": items}], sampling)[0]
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, with_kinds: bool = False,
+                    **template_kw):
+        """messages -> (prompt with one placeholder per image / video, their sources in order;
+        with_kinds: (kind, source) pairs, kind "image" or "video").
 
         The prompt is a `mmjax.tokenizer.ChatPrompt`: the template's output as a str that also
         records where message text lies, so that special-token strings typed in messages (e.g.
@@ -217,15 +259,27 @@ class VLM:
                             src = src.get("url")
                         if src is None:
                             raise PromptError(f"messages[{i}].content[{j}] has no image", param=f"messages[{i}].content[{j}]")
-                        images.append(src)
+                        images.append(("image", src))
                         parts.append({"type": "image"})
+                    elif kind in ("video", "video_url"):
+                        src = part.get("video") if kind == "video" else part.get("video_url")
+                        if isinstance(src, dict) and kind == "video_url":
+                            src = src.get("url")
+                        if src is None:
+                            raise PromptError(f"messages[{i}].content[{j}] has no video", param=f"messages[{i}].content[{j}]")
+                        if self.family.video_token is None:
+                            raise PromptError(f"{self.family.name} does not take video input",
+                                              param=f"messages[{i}].content[{j}].type")
+                        images.append(("video", src))
+                        parts.append({"type": "video"})
                     else:
                         raise PromptError(f"messages[{i}].content[{j}].type={kind!r} is not supported",
                                           param=f"messages[{i}].content[{j}].type")
                 norm.append({**m, "content": parts})
             else:
                 norm.append({**m, "content": content or ""})
-        return self.tokenizer.render_chat(norm, add_generation_prompt, **template_kw), images
+        prompt = self.tokenizer.render_chat(norm, add_generation_prompt, **template_kw)
+        return prompt, (images if with_kinds else [src for _, src in images])
 
     def logits(self, prompt: str, images: Iterable[Any] = (), capture: Capture | None = None):
         """Logits [prompt_tokens, vocab] (float32) over a whole prompt (research / parity): a raw
@@ -252,7 +306,7 @@ class VLM:
             self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture,
                                                                  self.engine.runner.text_model))
         logits, inter = self._forward[capture](self.engine.runner.params, p.ids, emb.astype(self.model.dtype),
-                                               p.ids == self.family.image_token_id, p.positions, p.spans)
+                                               np.isin(p.ids, self.family.media_token_ids), p.positions, p.spans)
         return np.asarray(logits), jax.tree.map(np.asarray, inter)
 
     # ---- research (mmjax.research) --------------------------------------------------------------
@@ -288,7 +342,10 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     behind one engine API (README, "Scaling out").
     engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
     max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
-    instead of the default: replicated weights, the encode batch split over devices).
+    instead of the default: replicated weights, the encode batch split over devices),
+    vision_offload (vision tower + projector weights in host memory, fetched inside encode),
+    memory_budget (bytes, or a fraction of device memory, per device: sizes max_num_seqs so the
+    memory plan's peak fits; `engine.runner.memory_plan()`).
     """
     enable_compilation_cache()
     if mesh is None and (tensor_parallel or 1) * (data_parallel or 1) > 1:

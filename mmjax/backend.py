@@ -4,6 +4,7 @@ every one of them lowers for CUDA on a CPU-only machine: tests/test_cuda_lowerin
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -19,8 +20,28 @@ _CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_T
 
 @dataclass(frozen=True)
 class Tuning:
-    """platform: "cpu", "cuda", "rocm" or "tpu" (what the steps are compiled for)."""
+    """platform: "cpu", "cuda", "rocm" or "tpu" (what the steps are compiled for); sharded: the
+    steps run over a multi-device mesh."""
     platform: str
+    sharded: bool = False
+
+    @property
+    def pallas_kernels(self) -> bool:
+        """Pallas (Triton) kernels inside the steps: on CUDA GPUs, and only unsharded. XLA's SPMD
+        partitioner cannot split a kernel's custom call (it would gather every operand, the KV
+        cache included, onto each device), so a mesh keeps XLA's own attention ops."""
+        return self.platform in ("gpu", "cuda") and not self.sharded
+
+    def traced(self, fn):
+        """fn, tracing with this tuning's kernel choice in effect (`pallas_kernels_enabled`)."""
+        def wrapped(*args, **kw):
+            prev = getattr(_target, "pallas", None)
+            _target.pallas = self.pallas_kernels
+            try:
+                return fn(*args, **kw)
+            finally:
+                _target.pallas = prev
+        return functools.wraps(fn)(wrapped)
 
     @property
     def reduce_small_attention(self) -> bool:
@@ -53,6 +74,13 @@ def compiling_for(platform: str) -> Iterator[None]:
         yield
     finally:
         _target.platform = prev
+
+
+def pallas_kernels_enabled() -> bool:
+    """May the code being traced use Pallas GPU kernels? Inside a step traced by `Tuning.traced`:
+    its answer; elsewhere: whether the platform compiled for is a CUDA GPU."""
+    chosen = getattr(_target, "pallas", None)
+    return current_platform() in ("gpu", "cuda") if chosen is None else chosen
 
 
 def tuning(platform: str | None = None) -> Tuning:

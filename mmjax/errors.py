@@ -40,6 +40,18 @@ class ImageTooLargeError(ImageError):
     code = "image_too_large"
 
 
+class VideoError(InvalidRequestError):
+    """Video bytes that cannot be decoded (corrupt, unsupported container or codec, no video
+    stream) or that took longer than the decode time limit."""
+    code = "invalid_video"
+
+
+class VideoTooLargeError(VideoError):
+    """Video over a byte, duration, frame-count or declared-resolution limit (413)."""
+    status = 413
+    code = "video_too_large"
+
+
 class PromptError(InvalidRequestError):
     """Prompt and images do not fit together (placeholder count, injection, too many images)."""
     code = "invalid_prompt"

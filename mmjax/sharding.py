@@ -252,6 +252,36 @@ class Placement:
                 "platform": self.mesh.devices.flat[0].platform}
 
 
+def host_memory_kind(device) -> str | None:
+    """The host memory a device can address for offloaded weights: "pinned_host" (DMA without a
+    staging copy) where the backend has it, else "unpinned_host"; None if neither."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
+
+
+def offload_to_host(params: dict) -> tuple[dict, dict]:
+    """Every top-level entry of the placed `params` except "text" (the vision tower and the
+    projector) moved to host memory, same shardings -> (params, the device shardings to fetch
+    them back to inside a step). The decoder stays on the device."""
+    device = jax.tree.leaves(params["text"])[0].sharding._device_assignment[0]
+    kind = host_memory_kind(device)
+    if kind is None:
+        from mmjax.errors import UnsupportedModelError
+        raise UnsupportedModelError(f"vision offload: {device.platform} devices have no host memory kind",
+                                    param="vision_offload")
+    rest = {k: v for k, v in params.items() if k != "text"}
+    device_shardings = jax.tree.map(lambda x: x.sharding, rest)
+    host = jax.device_put(rest, jax.tree.map(lambda s: s.with_memory_kind(kind), device_shardings))
+    return {**params, **host}, device_shardings
+
+
+def fetch_to_device(params: dict, device_shardings: dict) -> dict:
+    """Inside a step: the offloaded entries brought back to device memory (one transfer per
+    call; device memory holds them only while the step runs)."""
+    fetched = {k: jax.device_put(params[k], device_shardings[k]) for k in device_shardings}
+    return {**params, **fetched}
+
+
 def per_device_bytes(tree: Any) -> dict[str, int]:
     """Bytes of `tree`'s arrays held by each device (from addressable shards), keyed by device."""
     out: dict[str, int] = {}

@@ -92,7 +92,8 @@ _CONTEXT = "\U0010fffd"
 class Tokenizer:
     """Host-side text <-> ids for one checkpoint."""
 
-    def __init__(self, model_dir: str | os.PathLike, image_token: str | None, chat_template: str | None = None):
+    def __init__(self, model_dir: str | os.PathLike, image_token: str | None, chat_template: str | None = None,
+                 video_token: str | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
         d = Path(model_dir)
@@ -110,6 +111,8 @@ class Tokenizer:
         self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.image_token = image_token
         self.image_token_id = self._tok.token_to_id(image_token) if image_token else None
+        self.video_token = video_token
+        self.video_token_id = self._tok.token_to_id(video_token) if video_token else None
         self.chat_template = chat_template or load_chat_template(d, cfg)
         self._env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.globals["raise_exception"] = self._raise
@@ -153,13 +156,15 @@ class Tokenizer:
         if not self.chat_template:
             raise PromptError("this model has no chat template; pass a raw prompt or --chat-template",
                               param="messages")
-        if self.image_token:
+        for token, what in ((self.image_token, "image"), (self.video_token, "video")):
+            if not token:
+                continue
             for i, m in enumerate(messages):
                 for part in self._text_parts(m):
-                    if self.image_token in part:
+                    if token in part:
                         raise PromptError(
-                            f"messages[{i}] text contains the reserved image placeholder {self.image_token!r}; "
-                            "images must be sent as image parts", param=f"messages[{i}].content")
+                            f"messages[{i}] text contains the reserved {what} placeholder {token!r}; "
+                            f"{what}s must be sent as {what} parts", param=f"messages[{i}].content")
         plain = self._render(messages, add_generation_prompt, kwargs)
         if not any(t.strip() for m in messages for t in self._text_parts(m)):
             return ChatPrompt(plain)
@@ -258,8 +263,17 @@ class Tokenizer:
             return None
         return tuple(spans)
 
+    def placeholder_kinds(self, prompt: str) -> list[str]:
+        """"image" / "video" for each media placeholder of a raw prompt, in prompt order."""
+        tokens = {t: k for t, k in ((self.image_token, "image"), (self.video_token, "video")) if t}
+        if not tokens:
+            return []
+        pattern = "|".join(re.escape(t) for t in tokens)
+        return [tokens[m.group()] for m in re.finditer(pattern, str(prompt))]
+
     def encode_prompt(self, prompt: str, image_token_counts: list[int],
-                      image_texts: list[str | None] | None = None) -> list[int]:
+                      image_texts: list[str | None] | None = None,
+                      token_ids: list[int] | None = None) -> list[int]:
         """Tokenize a prompt holding one placeholder per image and expand placeholder i into
         image_token_counts[i] copies of the image token id, or, where `image_texts[i]` is a
         string, replace the placeholder by that text before tokenizing (a family whose processor
@@ -267,7 +281,9 @@ class Tokenizer:
         the text around it then tokenizes as the processor's does). BOS is added by the
         tokenizer's post-processor unless the prompt already starts with it (from the template,
         not from message text). A `ChatPrompt` from `render_chat` keeps special-token strings
-        inside message text as plain text; a plain str parses them (a raw prompt)."""
+        inside message text as plain text; a plain str parses them (a raw prompt).
+        token_ids: each input's placeholder token id (image or video token), in prompt order
+        (default: all images); placeholder i must be input i's kind."""
         spans = tuple(sorted(getattr(prompt, "user_spans", ())))
         text = str(prompt)
         if image_texts is not None and any(t is not None for t in image_texts):
@@ -287,15 +303,25 @@ class Tokenizer:
             if image_token_counts:
                 raise PromptError("this model takes no images", param="images")
             return ids
-        where = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(where) != len(image_token_counts):
-            raise PromptError(f"prompt has {len(where)} image placeholder(s) {self.image_token!r} but "
-                              f"{len(image_token_counts)} image(s) were given", param="images")
+        media = {self.image_token_id} | ({self.video_token_id} if self.video_token_id is not None else set())
+        where = [i for i, t in enumerate(ids) if t in media]
+        token_ids = [self.image_token_id] * len(image_token_counts) if token_ids is None else list(token_ids)
+        if [ids[i] for i in where] != token_ids:
+            n_img, n_vid = (sum(ids[i] == self.image_token_id for i in where),
+                            sum(ids[i] == self.video_token_id for i in where))
+            g_img, g_vid = token_ids.count(self.image_token_id), len(token_ids) - token_ids.count(self.image_token_id)
+            if (n_img, n_vid) == (g_img, g_vid):
+                raise PromptError("the prompt's image and video placeholders are not in the order of the inputs",
+                                  param="images")
+            raise PromptError(f"prompt has {n_img} image placeholder(s) {self.image_token!r}"
+                              + (f" and {n_vid} video placeholder(s) {self.video_token!r}" if self.video_token else "")
+                              + f" but {g_img} image(s)" + (f" and {g_vid} video(s)" if self.video_token else "")
+                              + " were given", param="videos" if n_img == g_img else "images")
         out: list[int] = []
         prev = 0
         for pos, n in zip(where, image_token_counts):
             out.extend(ids[prev:pos])
-            out.extend([self.image_token_id] * n)
+            out.extend([ids[pos]] * n)
             prev = pos + 1
         out.extend(ids[prev:])
         return out

@@ -32,6 +32,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from mmjax.api import VLM
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError
 from mmjax.image.decode import ImageLimits
+from mmjax.video import VideoLimits
 from mmjax.serving import AsyncEngine, Engine
 from serve import schema
 from serve.media import MediaConfig, MediaFetcher
@@ -47,6 +48,14 @@ class ServerConfig:
     served_model_name: str | None = None       # default: the model's name (mmjax-shapes for the shipped one)
     api_key: str | None = None
     limit_images: int = 8                      # images per request
+    limit_videos: int = 2                      # videos per request (video_url parts)
+    max_video_bytes: int = 100 * 2**20         # encoded bytes per video
+    max_video_duration: float = 3600.0         # seconds, from the container
+    max_video_frames: int = 768                # frames sampled from one video
+    max_video_pixels: int = 4096 * 2304        # declared width*height per frame (video-bomb guard)
+    video_decode_timeout: float = 60.0         # seconds to decode one video
+    video_max_tokens: int | None = None        # per-video token budget (None: the family's default)
+    video_workers: int = 2                     # threads decoding videos
     max_image_bytes: int = 20 * 2**20
     max_image_pixels: int = 40_000_000
     image_max_tokens: int | None = None        # per-image token budget
@@ -121,6 +130,10 @@ def configure_family(vlm: VLM, cfg: ServerConfig) -> None:
     bucket ladder, so this runs before the engine exists where possible)."""
     if cfg.image_max_tokens is not None:
         vlm.family.configure(image_max_tokens=cfg.image_max_tokens)
+    if cfg.video_max_tokens is not None:
+        if vlm.family.video_token_id is None:
+            raise ValueError(f"--video-max-tokens: {vlm.family.name} does not take video")
+        vlm.family.configure(video_max_tokens=cfg.video_max_tokens)
 
 
 def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Application:
@@ -135,6 +148,8 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     if cfg.chat_template:
         vlm.tokenizer.chat_template = cfg.chat_template
     cfg.limit_images = min(cfg.limit_images, engine.max_images_per_request)
+    if vlm.family.video_token_id is None:
+        cfg.limit_videos = 0    # no video parts, and no body room for them
     aengine = AsyncEngine(engine, max_waiting=cfg.max_queue)
     executor = ThreadPoolExecutor(max_workers=cfg.media_workers, thread_name_prefix="mmjax-media")
     media_cfg = MediaConfig(limits=ImageLimits(max_bytes=cfg.max_image_bytes, max_pixels=cfg.max_image_pixels),
@@ -149,13 +164,21 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
                             decode_workers_per_request=cfg.decode_workers_per_request,
                             max_decode_queue=cfg.max_decode_queue, max_request_pixels=cfg.max_request_image_pixels,
                             max_request_decode_seconds=cfg.max_request_decode_seconds,
-                            decode_processes=cfg.decode_processes)
+                            decode_processes=cfg.decode_processes,
+                            video_limits=VideoLimits(max_bytes=cfg.max_video_bytes,
+                                                     max_duration_s=cfg.max_video_duration,
+                                                     max_frames=cfg.max_video_frames,
+                                                     max_pixels=cfg.max_video_pixels,
+                                                     decode_timeout_s=cfg.video_decode_timeout),
+                            video_workers=cfg.video_workers)
     fetcher = MediaFetcher(media_cfg, vlm.family)   # decodes in its own pool; `executor` tokenizes
     metrics = ServerMetrics(engine.stats, aengine.queue_depth)
+    fetcher.on_video = metrics.video_decode_seconds.observe
     st = State(vlm, engine, aengine, cfg, fetcher, metrics, executor)
 
     st.body_cap, st.text_room = body_budget(cfg, engine.max_prompt_bytes)
     st.limits = RequestLimits(limit_images=cfg.limit_images, max_messages=cfg.max_messages,
+                              limit_videos=cfg.limit_videos,
                               max_content_parts=cfg.max_content_parts, max_text_bytes=engine.max_prompt_bytes,
                               max_model_len=engine.max_model_len)
     app = web.Application(middlewares=[_error_middleware, _auth_middleware], client_max_size=st.body_cap)
@@ -191,7 +214,8 @@ def body_budget(cfg: ServerConfig, max_prompt_bytes: int) -> tuple[int, int]:
     is refused (413) before it is read or parsed."""
     text_room = _JSON_TEXT_FACTOR * max_prompt_bytes + _MESSAGE_OVERHEAD * cfg.max_messages + _FIXED_OVERHEAD
     image_room = max(cfg.limit_images, 0) * (_base64_len(cfg.max_image_bytes) + _IMAGE_OVERHEAD)
-    cap = cfg.max_body_bytes or text_room + image_room
+    video_room = max(cfg.limit_videos, 0) * (_base64_len(cfg.max_video_bytes) + _IMAGE_OVERHEAD)
+    cap = cfg.max_body_bytes or text_room + image_room + video_room
     return cap, min(text_room, cap)
 
 
@@ -508,7 +532,7 @@ async def _auth_middleware(request: web.Request, handler):
 def _model_card(st: State) -> dict:
     return {"id": st.config.served_model_name, "object": "model", "created": st.created, "owned_by": "mmjax",
             "root": str(getattr(st.vlm.model, "path", "")), "max_model_len": st.engine.max_model_len,
-            "image_token": st.vlm.tokenizer.image_token}
+            "image_token": st.vlm.tokenizer.image_token, "video_token": st.vlm.tokenizer.video_token}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -609,7 +633,7 @@ def _text_bytes_of(raw: bytes, limit_images: int) -> int:
 
 async def _read_json(request: web.Request, st: State) -> Any:
     raw = await _read_body(request, st)
-    if _text_bytes_of(raw, st.config.limit_images) > st.text_room:  # before json.loads builds it
+    if _text_bytes_of(raw, st.config.limit_images + st.limits.limit_videos) > st.text_room:  # before json.loads
         raise _too_large(st, len(raw), "request body (outside image data URIs)")
     if not raw:
         raise InvalidRequestError("request body is empty; expected a JSON object", param=None,
@@ -635,7 +659,8 @@ async def _load_images(st: State, refs) -> list:
     rest. Every task's outcome is retrieved, whichever way this returns."""
     if not refs:
         return []
-    tasks = [asyncio.ensure_future(st.fetcher.load(r, n_images=len(refs))) for r in refs]
+    n_images = sum(getattr(r, "kind", "image") == "image" for r in refs)    # a prompt's images (not videos)
+    tasks = [asyncio.ensure_future(st.fetcher.load(r, n_images=n_images)) for r in refs]
     for t in tasks:
         t.add_done_callback(_retrieve)
     try:
@@ -685,7 +710,7 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
         raise ContextLengthError(
             f"this model's maximum context length is {eng.max_model_len} tokens; you requested "
             f"{req.prompt_len + parsed.max_tokens} tokens ({req.prompt_len} in the prompt, including "
-            f"{sum(im.num_tokens for im in images)} image tokens, and {parsed.max_tokens} for the completion, "
+            f"{sum(im.num_tokens for im in images)} image and video tokens, and {parsed.max_tokens} for the completion, "
             f"'{parsed.max_tokens_param}')", param=parsed.max_tokens_param)
     else:
         req.sampling.max_tokens = parsed.max_tokens
@@ -768,7 +793,8 @@ class Generation:
         self.acc = _Acc()
         self.gen = st.aengine.stream(req)
         self.n_images = len(req.images)
-        self.image_tokens = sum(im.num_tokens for im in req.images)
+        self.image_tokens = req.num_image_tokens
+        self.video_tokens = req.num_video_tokens
 
     async def next(self):
         try:
@@ -794,11 +820,13 @@ class Generation:
         m, a = self.st.metrics, self.acc
         m.prompt_tokens.inc(self.req.prompt_len)
         m.image_tokens.inc(self.image_tokens)
+        m.video_tokens.inc(self.video_tokens)
         m.cached_tokens.inc(self.req.cached_tokens)
         m.completion_tokens.inc(a.n_tokens)
 
     def usage(self) -> dict:
-        return schema.usage(self.req.prompt_len, self.acc.n_tokens, int(self.req.cached_tokens), self.image_tokens)
+        return schema.usage(self.req.prompt_len, self.acc.n_tokens, int(self.req.cached_tokens), self.image_tokens,
+                            self.video_tokens)
 
     async def close(self) -> None:
         await self.gen.aclose()
@@ -837,7 +865,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     parsed = schema.parse_chat(body, limits=st.limits) if kind == "chat" else \
         schema.parse_completion(body, limits=st.limits)
     _check_model(st, parsed.model)
-    st.metrics.images.inc(len(parsed.images))
+    st.metrics.images.inc(sum(r.kind == "image" for r in parsed.images))
+    st.metrics.videos.inc(sum(r.kind == "video" for r in parsed.images))
     images = await _load_images(st, parsed.images)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()

@@ -34,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--vision-tensor-parallel", action="store_true",
                    help="split the vision tower over the tensor-parallel devices too (default: replicated ViT "
                         "weights, the images of an encode call split over the devices)")
+    p.add_argument("--vision-offload", action="store_true",
+                   help="keep the vision tower and projector weights in host memory (pinned where the "
+                        "backend has it) and bring them to the device only inside encode steps")
+    p.add_argument("--memory-budget", type=_memory_budget, default=None,
+                   help="device memory per device for weights + KV cache + step temporaries: bytes (e.g. "
+                        "20000000000, 20GiB, 512MiB) or a fraction of the device's memory (e.g. 0.9); "
+                        "sizes the decode slots (at most --max-num-seqs) from the compiled steps' memory analysis")
     p.add_argument("--coordinator-address", default=os.environ.get("MMJAX_COORDINATOR_ADDRESS"),
                    help="multi-host: host:port of process 0 (jax.distributed; env MMJAX_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=_positive_int, default=int(os.environ.get("MMJAX_NUM_PROCESSES", 1)),
@@ -47,6 +54,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="image features kept by content hash (LRU; a repeated image skips the vision tower)")
     p.add_argument("--limit-images", type=int, default=8, help="images per request")
     p.add_argument("--max-image-bytes", type=int, default=20 * 2**20, help="encoded bytes per image")
+    p.add_argument("--limit-videos", type=int, default=2, help="videos (video_url parts) per request")
+    p.add_argument("--max-video-bytes", type=int, default=100 * 2**20, help="encoded bytes per video")
+    p.add_argument("--max-video-duration", type=float, default=3600.0, help="seconds per video (from the container)")
+    p.add_argument("--max-video-frames", type=int, default=768, help="frames sampled from one video")
+    p.add_argument("--max-video-pixels", type=int, default=4096 * 2304,
+                   help="declared width*height of a video frame (video-bomb guard, checked before decoding)")
+    p.add_argument("--video-decode-timeout", type=float, default=60.0, help="seconds to decode one video")
+    p.add_argument("--video-max-tokens", type=int, default=None,
+                   help="per-video token budget (default: the family's, = its per-image cap); larger: 400")
+    p.add_argument("--video-workers", type=int, default=2, help="threads decoding videos")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="HTTP body cap (default: what a request can need: text that fits the context, JSON-escaped, "
                         "plus --limit-images base64 images of --max-image-bytes)")
@@ -130,6 +147,32 @@ def _positive_float(v: str) -> float:
     return x
 
 
+def _memory_budget(text: str) -> int | float:
+    """'0.9' -> 0.9 (a fraction of device memory); '20GiB' / '512MiB' / '2e10' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    unit = next((u for u in sorted(units, key=len, reverse=True) if t.endswith(u)), None)
+    try:
+        value = float(t[:-len(unit)] if unit else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count or a fraction: {text!r}") from None
+    if unit:
+        value *= units[unit]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value if value <= 1 and not unit else int(value)
+
+
+def log_memory_plan(engine) -> None:
+    """The device memory plan of each engine replica, on the startup log."""
+    for i, e in enumerate(getattr(engine, "replicas", [engine])):
+        plan = e.runner.memory_plan()
+        mib = {k: f"{v / 2**20:,.1f} MiB" for k, v in plan.items()
+               if isinstance(v, int) and not isinstance(v, bool) and k != "slots"}
+        log.info("memory plan (replica %d, %d slots, per device, vision offloaded: %s): %s", i, plan["slots"],
+                 plan["vision_offloaded"], ", ".join(f"{k} {v}" for k, v in mib.items()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(
         prog="mmjax serve", description="OpenAI-compatible server for an mmjax vision-language model"))
@@ -157,7 +200,10 @@ def config_from_args(args, model_path: str):
         body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout,
         keepalive_max_requests=args.keepalive_max_requests, lingering_time=args.lingering_time,
         max_request_line=args.max_request_line, max_header_size=args.max_header_size,
-        max_headers=args.max_headers)
+        max_headers=args.max_headers, limit_videos=args.limit_videos, max_video_bytes=args.max_video_bytes,
+        max_video_duration=args.max_video_duration, max_video_frames=args.max_video_frames,
+        max_video_pixels=args.max_video_pixels, video_decode_timeout=args.video_decode_timeout,
+        video_max_tokens=args.video_max_tokens, video_workers=args.video_workers)
 
 
 def warmup(vlm) -> float:
@@ -198,10 +244,13 @@ def run(args) -> int:
     multihost = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     vlm = mmjax.load(args.model, dtype=args.dtype, image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                     prefill_chunk=args.prefill_chunk, max_images_per_request=max(args.limit_images, 1),
+                     prefill_chunk=args.prefill_chunk,
+                     max_images_per_request=max(args.limit_images, 1) + max(args.limit_videos, 0),
                      encoder_cache_bytes=max(args.encoder_cache_mib, 0) * 2**20,
                      tensor_parallel=args.tensor_parallel_size, data_parallel=args.data_parallel_size,
-                     **({"vision_tensor_parallel": True} if args.vision_tensor_parallel else {}))
+                     **({"vision_tensor_parallel": True} if args.vision_tensor_parallel else {}),
+                     **({"vision_offload": True} if args.vision_offload else {}),
+                     **({"memory_budget": args.memory_budget} if args.memory_budget is not None else {}))
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family
     configure_family(vlm, cfg)
@@ -213,6 +262,7 @@ def run(args) -> int:
         return 0
     if args.warmup:
         log.info("warmup done in %.1fs", warmup(vlm))
+        log_memory_plan(vlm.engine)
     try:
         return asyncio.run(serve_forever(vlm, cfg, args.host, args.port))
     finally:

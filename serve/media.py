@@ -1,4 +1,12 @@
-"""Image sources -> family ImageInputs, off the event loop.
+"""Image and video sources -> family ImageInputs, off the event loop.
+
+Videos (`video_url` parts) take the same URL kinds and the same SSRF guards, with their own
+byte cap (`video_limits.max_bytes`). Each video is probed, planned, decoded and preprocessed by
+`mmjax.video.prepare_video` in a small thread pool of its own (`video_workers`), so a video never
+waits for, or holds up, image decoding or tokenization; PyAV releases the GIL while decoding. The
+decode checks its deadline (`video_limits.decode_timeout_s`) at every frame and the awaiting
+request gives up at the same deadline (a 400 `video_decode_timeout`). Prepared videos are kept in a
+`VideoCache` by content hash + frame plan, so a video sent again is not decoded again.
 
 Sources (the `url` of an `image_url` part):
 - ``data:image/<type>;base64,...`` -- decoded by `mmjax.image.decode` (png, jpeg, webp, gif, bmp, ...).
@@ -63,7 +71,9 @@ from mmjax.errors import (ContextLengthError, ImageError, ImageTooLargeError, In
 from mmjax.image.decode import ImageLimits, load_image
 # header-only parsing (byte limit, format allow-list, bomb guard) without the full decode
 from mmjax.image.decode import _check_dimensions, _open, _source_bytes
-from mmjax.models.family import ImageOptions
+from mmjax.errors import VideoError, VideoTooLargeError
+from mmjax.models.family import ImageOptions, VideoOptions
+from mmjax.video import VideoCache, VideoLimits, prepare_video as _prepare_video
 
 log = logging.getLogger("mmjax.serve")
 
@@ -94,6 +104,9 @@ class MediaConfig:
     max_request_pixels: int | None = None   # decoded pixels of all images of a request (None: 2 x limits.max_pixels)
     max_request_decode_seconds: float = 30.0  # decode seconds one request's images may use (0: no limit)
     decode_processes: bool = True           # decode in worker processes (False: threads of the server process)
+    video_limits: VideoLimits = VideoLimits()
+    video_workers: int = 2                  # threads decoding videos (apart from the image pool)
+    video_cache_bytes: int = 256 * 2**20    # prepared videos kept by content + frame plan
 
     def __post_init__(self) -> None:
         for name in ("decode_workers", "decode_workers_per_request"):
@@ -676,6 +689,9 @@ class MediaFetcher:
         self._open_groups: dict[Any, ImageGroup] = {}
         self._headers: ThreadPoolExecutor | None = None
         self._pool: DecodePool | None = None
+        self._videos: ThreadPoolExecutor | None = None
+        self.video_cache = VideoCache(cfg.video_cache_bytes)
+        self.on_video = None    # callback(seconds) after each video is prepared (metrics)
 
     @property
     def pool(self) -> DecodePool:
@@ -716,6 +732,9 @@ class MediaFetcher:
         if self._headers is not None:
             self._headers.shutdown(wait=False, cancel_futures=True)
             self._headers = None
+        if self._videos is not None:
+            self._videos.shutdown(wait=False, cancel_futures=True)
+            self._videos = None
 
     def start_workers(self) -> None:
         """Blocking: start the decode worker processes now (call it from a thread, not the loop)."""
@@ -750,7 +769,8 @@ class MediaFetcher:
     async def load_all(self, refs) -> list:
         """All images of one request (one group); the first failure cancels the rest."""
         g = self.new_group()
-        tasks = [asyncio.ensure_future(self.load(r, g, n_images=len(refs))) for r in refs]
+        n_images = sum(getattr(r, "kind", "image") == "image" for r in refs)
+        tasks = [asyncio.ensure_future(self.load(r, g, n_images=n_images)) for r in refs]
         g.seal()
         try:
             return list(await asyncio.gather(*tasks))
@@ -764,7 +784,10 @@ class MediaFetcher:
         images of its request (a family may prepare the images of a multi-image prompt apart).
 
         The image joins `group`, or else the group of the calling request (see `_caller_group`);
-        await (or cancel) every awaitable of a group: its images wait for each other's headers."""
+        await (or cancel) every awaitable of a group: its images wait for each other's headers.
+        A video reference (kind "video") is loaded on its own (`load_video`)."""
+        if getattr(ref, "kind", "image") == "video":
+            return self.load_video(ref)
         if group is None:
             group = self._caller_group()
         return self._load(ref, group, group.add(ref.param), n_images)
@@ -797,6 +820,44 @@ class MediaFetcher:
             if e.param == "image_max_tokens" and isinstance(e, ContextLengthError):
                 e.code = "image_token_budget_exceeded"
             if e.param in (None, "image_url", "images", "image_max_tokens"):
+                e.param = ref.param
+            raise
+
+    async def load_video(self, ref) -> Any:
+        """A `video_url` reference -> ImageInput(kind="video"); errors name ref.param."""
+        url = ref.url
+        limits = self.cfg.video_limits
+        try:
+            scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+            if scheme == "data":
+                source: Any = url      # mmjax.video decodes it (byte cap before the base64 decode)
+            elif scheme in ("http", "https"):
+                source = await self.fetch(url, cap=limits.max_bytes, what="video")
+            elif scheme == "file":
+                source = self.local_path(url, what="video")
+            else:
+                raise VideoError("video URL must be a data: URI, an http(s) URL or (when the server allows "
+                                 f"local media) a file:// URL; got scheme {scheme or 'none'!r}")
+            if self._videos is None:
+                self._videos = ThreadPoolExecutor(max_workers=self.cfg.video_workers,
+                                                  thread_name_prefix="mmjax-video")
+            t0 = time.monotonic()
+            deadline = t0 + limits.decode_timeout_s
+            fut = asyncio.get_running_loop().run_in_executor(
+                self._videos, lambda: _prepare_video(self.family, source, limits, VideoOptions(), deadline,
+                                                     self.video_cache))
+            try:
+                item = await asyncio.wait_for(fut, timeout=limits.decode_timeout_s + 1.0)
+            except asyncio.TimeoutError:
+                raise VideoError(f"decoding the video took longer than {limits.decode_timeout_s:g} s",
+                                 code="video_decode_timeout") from None
+            if self.on_video is not None:
+                self.on_video(time.monotonic() - t0)
+            return item
+        except InvalidRequestError as e:
+            if e.param == "video_max_tokens" and isinstance(e, ContextLengthError):
+                e.code = "video_token_budget_exceeded"
+            if e.param in (None, "video_url", "videos", "video_max_tokens", "image_url"):
                 e.param = ref.param
             raise
 
@@ -835,10 +896,10 @@ class MediaFetcher:
             opts = dataclasses.replace(opts, max_tiles=tiles)
         return self.family.prompt_options(opts, n_images)
 
-    def local_path(self, url: str) -> str:
+    def local_path(self, url: str, what: str = "image") -> str:
         root = self.cfg.allowed_local_path
         if not root:
-            raise MediaForbiddenError("file:// image URLs are disabled (start the server with "
+            raise MediaForbiddenError(f"file:// {what} URLs are disabled (start the server with "
                                       "--allowed-local-media-path DIR)", code="local_media_forbidden")
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
@@ -846,19 +907,19 @@ class MediaFetcher:
         path = os.path.realpath(unquote(parts.path))
         root_real = os.path.realpath(root)
         if os.path.commonpath([path, root_real]) != root_real:
-            raise MediaForbiddenError("file:// image is outside --allowed-local-media-path",
+            raise MediaForbiddenError(f"file:// {what} is outside --allowed-local-media-path",
                                       code="local_media_forbidden")
         return path
 
-    def _check_host(self, host: str | None) -> None:
+    def _check_host(self, host: str | None, what: str = "image") -> None:
         if not host:
-            raise MediaFetchError("image URL has no host")
+            raise MediaFetchError(f"{what} URL has no host")
         host = host.lower().rstrip(".")
         doms = self.cfg.allowed_domains
         if doms and not any(host == d or (d.startswith("*.") and host.endswith(d[1:])) for d in doms):
-            raise MediaForbiddenError(f"image URL host {host!r} is not in --allowed-media-domains")
+            raise MediaForbiddenError(f"{what} URL host {host!r} is not in --allowed-media-domains")
 
-    async def _check_ips(self, host: str, port: int) -> None:
+    async def _check_ips(self, host: str, port: int, what: str = "image") -> None:
         if self.cfg.allow_private_urls:
             return
         if _is_ip(host):
@@ -867,55 +928,56 @@ class MediaFetcher:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as e:
-                raise MediaFetchError(f"cannot resolve image URL host {host!r}: {e}") from None
+                raise MediaFetchError(f"cannot resolve {what} URL host {host!r}: {e}") from None
             ips = [i[4][0] for i in infos]
         if not ips or any(ip_forbidden(ip) for ip in ips):
-            raise MediaForbiddenError(f"image URL host {host!r} is a private, loopback or link-local address "
+            raise MediaForbiddenError(f"{what} URL host {host!r} is a private, loopback or link-local address "
                                       "(start the server with --allow-private-media-urls to allow it)")
 
-    async def fetch(self, url: str) -> bytes:
-        cap = self.cfg.limits.max_bytes
+    async def fetch(self, url: str, cap: int | None = None, what: str = "image") -> bytes:
+        cap = self.cfg.limits.max_bytes if cap is None else cap
+        too_large = VideoTooLargeError if what == "video" else ImageTooLargeError
         session = await self.session()
         try:
             for _hop in range(self.cfg.max_redirects + 1):
                 parts = urlsplit(url)
                 if parts.scheme.lower() not in ("http", "https"):
-                    raise MediaFetchError(f"image URL redirected to a non-http(s) URL ({parts.scheme!r})")
+                    raise MediaFetchError(f"{what} URL redirected to a non-http(s) URL ({parts.scheme!r})")
                 host = parts.hostname
-                self._check_host(host)
-                await self._check_ips(host, parts.port or (443 if parts.scheme.lower() == "https" else 80))
+                self._check_host(host, what)
+                await self._check_ips(host, parts.port or (443 if parts.scheme.lower() == "https" else 80), what)
                 async with session.get(url, allow_redirects=False) as resp:
                     if resp.status in (301, 302, 303, 307, 308):
                         loc = resp.headers.get("Location")
                         if not loc:
-                            raise MediaFetchError(f"image URL answered {resp.status} without a Location")
+                            raise MediaFetchError(f"{what} URL answered {resp.status} without a Location")
                         url = urljoin(url, loc)
                         continue
                     if resp.status != 200:
-                        raise MediaFetchError(f"fetching the image URL failed: HTTP {resp.status}")
+                        raise MediaFetchError(f"fetching the {what} URL failed: HTTP {resp.status}")
                     if resp.content_length is not None and resp.content_length > cap:
-                        raise ImageTooLargeError(f"image is {resp.content_length} bytes, over the limit of "
+                        raise too_large(f"{what} is {resp.content_length} bytes, over the limit of "
                                                  f"{cap} bytes")
                     buf = bytearray()
                     async for chunk in resp.content.iter_chunked(65536):
                         buf += chunk
                         if len(buf) > cap:
-                            raise ImageTooLargeError(f"image is over the limit of {cap} bytes")
+                            raise too_large(f"{what} is over the limit of {cap} bytes")
                     return bytes(buf)
-            raise MediaFetchError(f"image URL redirected more than {self.cfg.max_redirects} times")
+            raise MediaFetchError(f"{what} URL redirected more than {self.cfg.max_redirects} times")
         except asyncio.TimeoutError:
-            raise MediaFetchError(f"fetching the image URL timed out after {self.cfg.fetch_timeout}s") from None
+            raise MediaFetchError(f"fetching the {what} URL timed out after {self.cfg.fetch_timeout}s") from None
         except aiohttp.ClientConnectorError as e:
             inner = getattr(e, "os_error", None) or e.__cause__
             if isinstance(inner, ForbiddenAddress):
                 raise MediaForbiddenError(str(inner)) from None
-            raise MediaFetchError(f"cannot connect to the image URL host: {e}") from None
+            raise MediaFetchError(f"cannot connect to the {what} URL host: {e}") from None
         except aiohttp.ClientError as e:
-            raise MediaFetchError(f"fetching the image URL failed: {type(e).__name__}: {e}") from None
+            raise MediaFetchError(f"fetching the {what} URL failed: {type(e).__name__}: {e}") from None
         except ForbiddenAddress as e:
             raise MediaForbiddenError(str(e)) from None
         except (ValueError, UnicodeError) as e:
-            raise MediaFetchError(f"invalid image URL: {e}") from None
+            raise MediaFetchError(f"invalid {what} URL: {e}") from None
 
 
 __all__ = ["MediaConfig", "MediaFetcher", "MediaForbiddenError", "MediaFetchError", "ip_forbidden",

@@ -34,6 +34,7 @@ class EngineCollector:
                 ("engine_prefill_calls", "prefill_calls", "Compiled prefill chunks run."),
                 ("engine_encoder_calls", "encoder_calls", "Compiled encoder calls."),
                 ("engine_images_encoded", "images_encoded", "Images run through the vision tower."),
+                ("engine_videos_encoded", "videos_encoded", "Videos run through the vision tower."),
                 ("encoder_cache_hits", "encoder_cache_hits", "Encoder-cache hits (image already encoded)."),
                 ("encoder_cache_misses", "encoder_cache_misses", "Encoder-cache misses."))
 
@@ -74,6 +75,15 @@ class EngineCollector:
             for dev, v in sorted(per.items()):
                 g.add_metric([dev], v)
             yield g
+        plan = s.get("memory_plan")
+        if plan:   # computed at startup (runner.memory_plan): bytes per device by part, and the peak
+            g = GaugeMetricFamily("mmjax_memory_plan_bytes", "Device memory plan, bytes per device: weights "
+                                  "(text, vision), KV cache, decode state, each step kind's temporaries, peak.",
+                                  labels=["part"])
+            for k, v in sorted(plan.items()):
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "slots":
+                    g.add_metric([k], v)
+            yield g
 
 
 class ServerMetrics:
@@ -85,13 +95,18 @@ class ServerMetrics:
                                  ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("mmjax_time_to_first_token_seconds", "Time from request arrival to first token.",
                               ["route"], buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("mmjax_prompt_tokens", "Prompt tokens (image tokens included).",
+        self.prompt_tokens = Counter("mmjax_prompt_tokens", "Prompt tokens (image and video tokens included).",
                                      registry=r)
         self.image_tokens = Counter("mmjax_image_tokens", "Image tokens in prompts.", registry=r)
         self.cached_tokens = Counter("mmjax_cached_prompt_tokens", "Prompt tokens from the prefix cache.",
                                      registry=r)
         self.completion_tokens = Counter("mmjax_completion_tokens", "Generated tokens.", registry=r)
         self.images = Counter("mmjax_images", "Images received.", registry=r)
+        self.videos = Counter("mmjax_videos", "Videos received.", registry=r)
+        self.video_tokens = Counter("mmjax_video_tokens", "Video tokens in prompts.", registry=r)
+        self.video_decode_seconds = Histogram(
+            "mmjax_video_decode_seconds", "Seconds to probe, decode and preprocess one video (a video "
+            "cache hit takes ~0).", buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("mmjax_http_requests_in_flight", "Generation requests being served.",
                                registry=r)
         self.disconnects = Counter("mmjax_client_disconnects", "Requests aborted because the client left.",

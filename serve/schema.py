@@ -69,6 +69,7 @@ class RequestLimits:
     or engine work). `max_text_bytes` is the engine's `max_prompt_bytes`: prompt text longer than
     that cannot fit the context whatever it tokenizes to; None leaves text unbounded here."""
     limit_images: int = 8
+    limit_videos: int = 2
     max_messages: int = 4096
     max_content_parts: int = 512            # per message
     max_text_bytes: int | None = None       # UTF-8 bytes of prompt text, per message and per request
@@ -81,10 +82,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 @dataclass
 class ImageRef:
-    """One image of a request, in prompt order: where it came from and its resolution budget."""
+    """One image (or video: kind "video") of a request, in prompt order: where it came from and
+    its resolution budget."""
     url: str
     detail: str = "auto"
     param: str = "image_url"   # JSON path, for error messages
+    kind: str = "image"        # "image" | "video"
 
 
 @dataclass
@@ -307,9 +310,34 @@ def _image_ref(part: dict, path: str, key: str = "image_url") -> ImageRef:
 
 def _add_image(req: ParsedRequest, ref: ImageRef, limits: RequestLimits, param: str) -> None:
     """Images are counted as they are found: the request fails at the first one over the limit."""
-    if len(req.images) >= limits.limit_images:
+    if sum(r.kind == "image" for r in req.images) >= limits.limit_images:
         raise InvalidRequestError(f"more than {limits.limit_images} images in one request (--limit-images)",
                                   param=param, code="too_many_images")
+    req.images.append(ref)
+
+
+def _video_ref(part: dict, path: str) -> ImageRef:
+    """A `video_url` content part: {"video_url": {"url": ...}} (or the URL string directly)."""
+    vu = part.get("video_url")
+    base = f"{path}.video_url"
+    if isinstance(vu, str):
+        vu = {"url": vu}
+    if not isinstance(vu, dict):
+        raise _bad(base, "must be a URL string or an object with a 'url'")
+    url = vu.get("url")
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{base}.url", "must be a non-empty string (data: URI, http(s) or file URL)")
+    text_bytes(url, f"{base}.url")
+    return ImageRef(url=url, param=base, kind="video")
+
+
+def _add_video(req: ParsedRequest, ref: ImageRef, limits: RequestLimits, param: str) -> None:
+    if limits.limit_videos == 0:
+        raise InvalidRequestError("this model does not take video input (video_url parts)", param=ref.param,
+                                  code="video_not_supported")
+    if sum(r.kind == "video" for r in req.images) >= limits.limit_videos:
+        raise InvalidRequestError(f"more than {limits.limit_videos} videos in one request (--limit-videos)",
+                                  param=param, code="too_many_videos")
     req.images.append(ref)
 
 
@@ -337,8 +365,11 @@ def _content_parts(req: ParsedRequest, content: list, p: str, limits: RequestLim
         elif kind == "image_url":
             _add_image(req, _image_ref(part, pp), limits, "messages")
             parts.append({"type": "image"})
+        elif kind == "video_url":
+            _add_video(req, _video_ref(part, pp), limits, "messages")
+            parts.append({"type": "video"})
         else:
-            raise _bad(f"{pp}.type", f"must be 'text' or 'image_url', got {short(kind)}")
+            raise _bad(f"{pp}.type", f"must be 'text', 'image_url' or 'video_url', got {short(kind)}")
     return parts
 
 
@@ -431,10 +462,12 @@ def parse_completion(body: Any, *, limit_images: int | None = None,
 
 # ---- responses ----------------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, image_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, image_tokens: int,
+          video_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens, "image_tokens": image_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens, "image_tokens": image_tokens,
+                                      "video_tokens": video_tokens}}
 
 
 def chat_logprobs(entries: list[dict]) -> dict:

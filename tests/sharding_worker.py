@@ -147,7 +147,9 @@ def parity(paths: dict) -> dict:
                  "kv_cache_bytes_max_device": st["kv_cache_bytes_max_device"],
                  "params": shard_fractions({"text": replicas[0].runner.params["text"]}, tp),
                  "vision": shard_fractions({k: v for k, v in replicas[0].runner.params.items() if k != "text"}, tp),
-                 "cache": shard_fractions(replicas[0].runner.cache, tp)}
+                 "cache": shard_fractions(replicas[0].runner.cache, tp),
+                 "encode_buckets": sorted({list(k)[0] if len(k) == 2 else 1
+                                           for rep in replicas for k in rep.runner.compiled["encode"]})}
             if dp > 1:   # the server's path: AsyncEngine over the replicas
                 r["async_ids_equal"] = via_async_engine(vlm, requests(tok)) == want
             if dp == 1:
@@ -180,7 +182,8 @@ def export(paths: dict, tp: int = 8) -> dict:
                 main = next(ln for ln in text.splitlines() if "func.func public @main" in ln)
                 steps[step] = {"platforms": list(exp.platforms), "nr_devices": exp.nr_devices,
                                "model_sharded_args": main.count('{"model"}'),
-                               "bf16_dot": any("bf16>" in ln for ln in text.splitlines() if "dot_general" in ln)}
+                               "bf16_dot": any("bf16>" in ln for ln in text.splitlines() if "dot_general" in ln),
+                               "pallas_calls": text.count("__gpu$xla.gpu.triton")}
         out[name] = steps
     return out
 

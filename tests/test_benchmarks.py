@@ -274,3 +274,18 @@ def test_serve_bench_against_mmjax_server(tmp_path, llava_dirs, capsys):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_gpu_bench_smoke(tmp_path):
+    """`mmjax bench gpu` off a GPU: every section runs at toy size and reports its fields."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke"], cwd=ROOT, env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = _last_json(out.stdout)
+    assert r["smoke"] and _finite(r["copy_bw_bytes_s"])
+    assert {row["impl"] for row in r["attention"]["rows"]} == {"reference", "chunked"}
+    assert [d["batch"] for d in r["decode"]] == [1, 2] and all(_finite(d["tok_s"]) for d in r["decode"])
+    assert _finite(r["ttft_s"]) and r["engine"][0]["concurrency"] == 2 and _finite(r["engine"][0]["output_tok_s"])
+    assert r["qwen_4k_encode"]["tokens"] > 0 and _finite(r["qwen_4k_encode"]["encode_s"])
+    assert "SMOKE" in out.stdout

@@ -391,3 +391,12 @@ def test_research_trace_and_pool_on_gemma3(gemma3_dirs):
     out = vlm.generate([{"prompt": prompt, "images": [img], "intervention": Pool(2)}],
                        mmjax.SamplingParams(max_tokens=3, **GREEDY))[0]
     assert out.num_image_tokens == 4 and len(out.token_ids) == 3
+
+
+def test_fastv_prune_over_ring_and_full_layers(gemma3_dirs):
+    """Prune after layer 1 (a full layer; later ones: sliding rings and a full layer, window 8 <
+    the 16 soft tokens): serving == the whole-sequence pruned decoder (tests/fastv.py)."""
+    from fastv import check_prune
+    vlm = vlm_for(gemma3_dirs["window"])
+    img = noise_image(72, 50, 70)
+    check_prune(vlm, "<s><start_of_image>what?", img, layer=1)      # fits one 32-token prefill call

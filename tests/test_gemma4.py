@@ -318,3 +318,18 @@ def test_research_hooks_pool_trace_and_saliency(pair):
     if name == "dense":
         sal = vlm.saliency(img, "what color is it", "red")
         assert sal.map.shape == (48, 80) and sal.pixels.shape == (48, 80, 3) and sal.map.max() > 0
+
+
+def test_fastv_prune_with_per_layer_inputs_and_shared_kv(gemma4_dirs):
+    """Dense Gemma 4 (per-layer input embeddings, KV-shared layers 3-4 reading layers 1-2):
+    pruning is defined before every shared layer's source (max_prune_layer 0) and matches the
+    whole-sequence pruned decoder (tests/fastv.py); a later layer is a 400."""
+    from fastv import check_prune
+    from mmjax.errors import InvalidRequestError
+    from mmjax.research import Prune
+    vlm = mmjax.load(gemma4_dirs["dense"], prefill_chunk=128, **ENGINE)
+    assert vlm.family.text_model.max_prune_layer == 0
+    img = noise_image(73, 48, 40)
+    check_prune(vlm, ONE, img, layer=0)
+    with pytest.raises(InvalidRequestError, match="Prune.layer"):
+        vlm.generate([{"prompt": ONE, "images": [img], "intervention": Prune(keep=2, layer=1)}])

@@ -223,3 +223,36 @@ def test_captured_intermediates_match_a_plain_layer_loop():
     assert cap.intermediates["attn_out"][1].shape == (1, t, cfg.num_heads, cfg.head_dim)
     for a, b in zip(jax.tree.leaves(cap.cache), jax.tree.leaves(plain.cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window,group,dtype", [(None, 4, jnp.float32), (9, 1, jnp.float32), (None, 8, jnp.bfloat16)])
+def test_gpu_ragged_decode_kernel_matches_oracle(window, group, dtype):
+    """The GPU decode path (mmjax.attention.decode's Pallas kernel, interpreted here; the CUDA
+    lowering is in test_cuda_lowering) as cache_attention takes it while compiling for CUDA: rows
+    of different lengths, each reading only its own keys, over segments whose last one is not a
+    multiple of the key block, with and without a sliding window, against the float64 oracle."""
+    from mmjax.backend import compiling_for
+    rng = np.random.default_rng(group)
+    segments = (32, 32, 20)
+    b, kvh, hd, s = 4, 2, 16, sum(segments)
+    h = kvh * group
+    q = rng.standard_normal((b, 1, h, hd))
+    k = rng.standard_normal((b + 1, kvh, s, hd))          # one slot more than rows: rows [0, b) read
+    v = rng.standard_normal((b + 1, kvh, s, hd))
+    q_index = np.array([[0], [5], [70], [s - 1]])
+    kt_segs, v_segs = ([x.astype(dtype) for x in split_cache(k, segments, True)],
+                       [x.astype(dtype) for x in split_cache(v, segments)])
+    mask = None if window is None else MaskSpec(sliding_window=window)
+    with compiling_for("cuda"):
+        jaxpr = str(jax.make_jaxpr(lambda *a: decoder.cache_attention(*a, jnp.int32(s), mask=mask))(
+            jnp.asarray(q, dtype), kt_segs, v_segs, jnp.asarray(q_index)))
+    assert "mmjax_ragged_decode_attention" in jaxpr and " cond[" not in jaxpr    # no per-segment lax.cond
+    # the same path run here (outside compiling_for the kernel is interpreted)
+    qn = jnp.asarray(q, dtype).reshape(b, kvh, group, hd)     # t = 1: [b, 1, kvh * g, hd] -> [b, kvh, g, hd]
+    out = decoder._ragged_decode(qn, kt_segs, v_segs, jnp.asarray(q_index[:, 0]), jnp.int32(s), mask, None)
+    out = out.reshape(b, 1, h, hd)
+    want = naive_attention(q, np.asarray(jnp.asarray(k, dtype).astype(jnp.float32)),
+                           np.asarray(jnp.asarray(v, dtype).astype(jnp.float32)), q_index,
+                           None if window is None else lambda i, j, x: x <= q_index[i, j] and q_index[i, j] - x < window)
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)

@@ -47,7 +47,8 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
     weight and cache array 1/TP per device, Megatron's collectives in the decode HLO (one
     all-reduce per layer after the o-projection and one after the down-projection, one for the
     vocab-parallel embedding, one all-gather of the logits, no weight gathered), and the prefix
-    and encoder caches working under TP and DP; the same with the tensor-parallel ViT option."""
+    and encoder caches working under TP and DP; the same with the tensor-parallel ViT option;
+    Qwen's packed encode split into one packed group of whole images per device."""
     res = run_worker("parity", tp_checkpoints)
     assert set(res) == {"llava", "qwen2_5_vl"}
     assert set(res["llava"]) == {"ids_1dev", "tp2", "tp4", "tp8", "dp2xtp4", "tp4-vit"}
@@ -74,6 +75,8 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
             assert (r["vision"]["sharded"] > 0) == mesh.endswith("-vit"), f"{where}: {r['vision']}"
             assert r["cache"]["sharded"] == 2 * layers, where     # k and v: one 128-position segment
             assert r["replicas"] == dp, where
+            if fam == "qwen2_5_vl":   # each packed encode call split into one group per device of a replica
+                assert r["encode_buckets"] == [tp], f"{where}: {r['encode_buckets']}"
             devices = [d for rep in r["replica_devices"] for d in rep]
             assert len(devices) == len(set(devices)) == tp * dp, f"{where}: replicas must not share devices"
             if dp > 1:
@@ -100,6 +103,8 @@ def test_sharded_steps_lower_for_cuda(tp_checkpoints):
         for step, s in steps.items():
             assert s["platforms"] == ["cuda"] and s["nr_devices"] == 8, (fam, step)
             assert s["bf16_dot"], (fam, step)
+            # SPMD cannot split a Pallas custom call: a sharded step keeps XLA's attention
+            assert s["pallas_calls"] == 0, (fam, step)
             # prefill / decode: the decoder's weights and the KV cache arrive sharded over "model"
             # (encode reads only the replicated vision tower)
             if not step.startswith("encode"):

@@ -29,9 +29,9 @@ QWEN_WORDS = (
     "0 1 2 3 4 5 6 7 8 9 , : ; ( ) ' \" - \n"
 ).split(" ")
 
-# The Qwen2-VL chat template, reduced to images (the released one also handles video parts).
+# The Qwen2-VL chat template (image and video parts, as released; add_vision_id numbering).
 QWEN_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}"
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
@@ -41,11 +41,25 @@ QWEN_CHAT_TEMPLATE = (
     "{% set image_count.value = image_count.value + 1 %}"
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+TINY_VIDEO_PROCESSOR = {
+    "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2VLProcessor",
+    "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16}, "patch_size": 14,
+    "temporal_patch_size": 2, "merge_size": 2, "min_frames": 4, "max_frames": 768, "fps": 2.0,
+    "do_sample_frames": True, "do_resize": True, "resample": 3, "do_rescale": True,
+    "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
 
 
 def train_qwen_tokenizer(vocab_size: int = 480):
@@ -66,10 +80,11 @@ def train_qwen_tokenizer(vocab_size: int = 480):
 
 
 def build_qwen(out_dir: str | os.PathLike, *, family: str = "qwen2_vl", seed: int = 0,
-               text_overrides: dict | None = None) -> Path:
+               text_overrides: dict | None = None, vision_overrides: dict | None = None) -> Path:
     """Tiny checkpoint. family "qwen2_vl": LayerNorm/quick_gelu vision blocks, full attention;
     "qwen2_5_vl": RMSNorm/SwiGLU vision blocks, 112-px windows with full attention in blocks 1, 3.
-    text_overrides: text config fields replaced (e.g. more heads for tensor-parallel tests)."""
+    text_overrides: text config fields replaced (e.g. more heads for tensor-parallel tests);
+    vision_overrides: the vision config replaced (benchmarks/gpu.py: the released tower's size)."""
     import torch
     from transformers import Qwen2VLImageProcessorPil
 
@@ -99,8 +114,9 @@ def build_qwen(out_dir: str | os.PathLike, *, family: str = "qwen2_vl", seed: in
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
         vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                       hidden_act="silu", patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                      window_size=112, fullatt_block_indexes=[1, 3])
-        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
+                      window_size=112, fullatt_block_indexes=[1, 3], tokens_per_second=3)
+        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision_overrides or vision, tie_word_embeddings=False,
+                               **tokens)
         model = Qwen2_5_VLForConditionalGeneration(cfg)
     else:
         raise ValueError(family)
@@ -113,17 +129,29 @@ def build_qwen(out_dir: str | os.PathLike, *, family: str = "qwen2_vl", seed: in
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     Qwen2VLImageProcessorPil().save_pretrained(out)  # default min/max pixels (56*56, 28*28*1280)
+    # Qwen2VLVideoProcessor.save_pretrained needs torchvision: write what it writes (small frames
+    # so the test videos stay a few dozen tokens; 2 fps sampling as qwen-vl-utils).
+    (out / "video_preprocessor_config.json").write_text(json.dumps(TINY_VIDEO_PROCESSOR, indent=2))
     gen = {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
            "pad_token_id": text["pad_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
 
 
-def hf_processor_inputs(tokenizer, image_processor, prompt: str, images=(), **image_kwargs) -> dict:
-    """Qwen2VLProcessor.__call__ for text + images (return_tensors="pt"), without constructing it."""
+def hf_processor_inputs(tokenizer, image_processor, prompt: str, images=(), videos=None, **image_kwargs) -> dict:
+    """Qwen2VLProcessor.__call__ for text + images (return_tensors="pt"), without constructing it.
+    videos: the video processor's output {"pixel_values_videos", "video_grid_thw"[,
+    "second_per_grid_ts"]} (tests/test_video.py builds it); each <|video_pad|> is expanded the
+    same way and its tokens get mm_token_type_ids 2."""
     import torch
 
     out = {}
+    if videos is not None:
+        out.update(videos)
+        counts = [int(g.prod()) // 4 for g in videos["video_grid_thw"]]
+        parts = prompt.split("<|video_pad|>")
+        assert len(parts) == len(counts) + 1, "one <|video_pad|> per video"
+        prompt = parts[0] + "".join("<|video_pad|>" * n + p for n, p in zip(counts, parts[1:]))
     if images:
         img = image_processor(list(images), return_tensors="pt", **image_kwargs)
         out["pixel_values"] = img["pixel_values"]
@@ -137,7 +165,9 @@ def hf_processor_inputs(tokenizer, image_processor, prompt: str, images=(), **im
     out["input_ids"] = enc["input_ids"]
     out["attention_mask"] = enc["attention_mask"]
     image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    out["mm_token_type_ids"] = (enc["input_ids"] == image_id).to(torch.int32)
+    video_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    out["mm_token_type_ids"] = ((enc["input_ids"] == image_id).to(torch.int32)
+                                + 2 * (enc["input_ids"] == video_id).to(torch.int32))
     return out
 
 

@@ -58,8 +58,10 @@ def auto_reference_up_to(score_bytes: int):
 
 
 def _on_gpu() -> bool:
-    from mmjax.backend import current_platform
-    return current_platform() in ("gpu", "cuda", "rocm")
+    """Pick the Pallas flash kernel? (a CUDA GPU, and not inside a step sharded over a mesh:
+    mmjax.backend.pallas_kernels_enabled)"""
+    from mmjax.backend import pallas_kernels_enabled
+    return pallas_kernels_enabled()
 
 
 def _cudnn_attention(q, k, v, *, causal, segment_ids, lengths, window, scale):

@@ -163,8 +163,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     window = normalize_window(window)
     q_seg, kv_seg = split_segment_ids(segment_ids, b, sq, sk)
     lengths = check_lengths(lengths, b)
-    if interpret is None:
-        interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
+    if interpret is None:   # the platform compiled for (a CUDA export on a CPU host gets the real kernel)
+        from mmjax.backend import current_platform
+        interpret = current_platform() not in ("gpu", "cuda", "rocm")
     dp = _padded_head_dim(d)
     bs = block_sizes or FlashBlockSizes.for_head_dim(d)
     # Short sequences: shrink tiles (still powers of two) instead of padding to a full block.

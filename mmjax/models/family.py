@@ -6,6 +6,10 @@ imports the engine:
 - loading: config parsing and weight-name mapping (`load(path, hf_cfg) -> (family, params)` in
   the family's module, registered in `mmjax.models.FAMILIES`);
 - host image preparation with the exact token count known before any compute (`prepare_image`);
+- for families that take video: a frame plan from the container metadata (`plan_video`: which
+  frames, token count, before decoding) and the preparation of the decoded frames
+  (`prepare_video`); a prepared video is an `ImageInput` with kind "video" that goes through the
+  same encode plan, caches and placement as images, its tokens being `video_token_id`;
 - an encode plan (how prepared images group into bucketed compiled calls, `encode_plan`) and the
   pure encode function the runner jits (`encode`);
 - prompt positions (1-D RoPE or M-RoPE rows, `positions`);
@@ -22,7 +26,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mmjax.errors import InvalidRequestError, PromptError
+from mmjax.errors import InvalidRequestError, PromptError, UnsupportedModelError
 from mmjax.models.text import TextModel
 
 
@@ -41,6 +45,8 @@ class ImageInput:
     grid: tuple[int, int, int]
     post: Callable[[np.ndarray], np.ndarray] | None = None
     token_grid: tuple[int, int, int] | None = None
+    kind: str = "image"            # "image" | "video" (its prompt tokens are Family.video_token_id)
+    video: Any = None              # a video's mmjax.video.VideoPlan (frames, sampled fps) for positions
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,45 @@ class ImageOptions:
                    pan_and_scan=None if pas is None else bool(pas))
 
 
+@dataclass(frozen=True)
+class VideoOptions:
+    """Per-video options (the offline API's `video_options`).
+
+    min_pixels / max_pixels: per-frame resize bounds (the video processor's size range).
+    max_tokens: the most LLM tokens this video may take (ContextLengthError above, before decoding).
+    fps: frames sampled per second of video (None: the checkpoint's video processor setting).
+    """
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_tokens: int | None = None
+    fps: float | None = None
+
+    @classmethod
+    def from_dict(cls, opts: dict | None) -> "VideoOptions":
+        """{"min_pixels", "max_pixels", "video_max_tokens" | "max_tokens", "fps"} -> VideoOptions;
+        an unknown key or a non-positive value is an InvalidRequestError naming it."""
+        opts = dict(opts or {})
+        if "video_max_tokens" in opts:
+            opts["max_tokens"] = opts.pop("video_max_tokens")
+        out = {}
+        for k, v in opts.items():
+            if k not in ("min_pixels", "max_pixels", "max_tokens", "fps"):
+                raise InvalidRequestError(f"unknown video option {k!r} (known: min_pixels, max_pixels, "
+                                          "video_max_tokens, fps)", param=f"video_options.{k}")
+            if v is None:
+                continue
+            ok = isinstance(v, (int, np.integer, float)) and not isinstance(v, bool) and v > 0
+            if k != "fps":
+                ok = ok and isinstance(v, (int, np.integer))
+            if not ok or (k == "fps" and not np.isfinite(v)):
+                name = "video_max_tokens" if k == "max_tokens" else k
+                raise InvalidRequestError(f"video option {name} must be a positive "
+                                          f"{'number' if k == 'fps' else 'integer'}, got {v!r}",
+                                          param=f"video_options.{name}")
+            out[k] = float(v) if k == "fps" else int(v)
+        return cls(**out)
+
+
 @dataclass
 class EncodeCall:
     """One compiled encode call: `bucket` names its compiled shape (a key of the runner's
@@ -107,6 +152,30 @@ class Family(abc.ABC):
     # Each maximal run of consecutive image tokens attends to itself in both directions during
     # prefill (Gemma 3's token_type_ids mask); the engine keeps prefill chunk boundaries out of runs.
     bidirectional_images: bool = False
+    # Video: the prompt placeholder for one video and its token id (None: the family takes no video).
+    video_token: str | None = None
+    video_token_id: int | None = None
+
+    @property
+    def media_token_ids(self) -> tuple[int, ...]:
+        """Token ids whose prompt positions take encoder features (image, then video if any)."""
+        return (self.image_token_id,) + (() if self.video_token_id is None else (self.video_token_id,))
+
+    def token_id_of(self, item: ImageInput) -> int:
+        """The prompt token id of a prepared input's tokens (its placeholder's id)."""
+        return self.video_token_id if item.kind == "video" else self.image_token_id
+
+    # ---- host: videos --------------------------------------------------------------------------
+    def plan_video(self, meta, opts: VideoOptions = VideoOptions()):
+        """Container metadata (mmjax.video.VideoMeta) -> mmjax.video.VideoPlan: which frames to
+        decode and the exact token count, before any pixel is decoded; over-budget videos raise
+        ContextLengthError. Families without video raise UnsupportedModelError."""
+        raise UnsupportedModelError(f"{self.name} does not take video input", param="video_url")
+
+    def prepare_video(self, frames: np.ndarray, plan, key: str) -> ImageInput:
+        """Decoded uint8 frames [n, H, W, 3] (the plan's indices) -> ImageInput(kind="video");
+        `key` is the video's content hash."""
+        raise UnsupportedModelError(f"{self.name} does not take video input", param="video_url")
 
     # ---- host: images --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -172,9 +241,10 @@ class Family(abc.ABC):
         tokens in order: image i owns the next counts[i] of them (one run, or several, e.g. the
         crops of one image). Image tokens that no image accounts for (e.g. bare image-token ids
         in a token-id prompt) are a PromptError."""
-        where = np.flatnonzero(ids == self.image_token_id)
+        where = np.flatnonzero(np.isin(ids, self.media_token_ids))
         if len(where) != sum(counts):
-            raise PromptError(f"prompt has {len(where)} image tokens but the images need {sum(counts)}",
+            what = "image tokens" if self.video_token_id is None else "image and video tokens"
+            raise PromptError(f"prompt has {len(where)} {what} but the inputs need {sum(counts)}",
                               param="images")
         return [int(where[o]) for o in np.cumsum([0] + list(counts))[:-1]]
 

@@ -6,6 +6,16 @@ text model with M-RoPE (temporal / height / width position rows, `positions` bel
 Images never change shape inside a compiled step: the token count of an image is known from its
 size before the vision tower runs (`Qwen2VLImagePolicy.num_tokens`), so over-budget requests
 (`image_max_tokens`) are rejected in `prepare_image` with a ContextLengthError.
+
+Video (`<|video_pad|>` tokens): `plan_video` samples frames and sizes them from the container
+metadata (`mmjax.video.processors.Qwen2VLVideoPolicy`, Qwen2VLVideoProcessor's rules), so the
+token count and the `video_max_tokens` check come before decoding; the decoded frames become
+patches with grid t = frames / temporal_patch_size and go through the same packed encode as
+images (one attention segment per temporal patch, as HF's cu_seqlens). Positions follow HF
+5.23's get_rope_index: Qwen2-VL counts temporal patches 0, 1, 2...; Qwen2.5-VL spaces them by
+`tokens_per_second * second_per_grid_t` (absolute time, second_per_grid_t =
+temporal_patch_size / sampled fps); text resumes at start + max(grid_h, grid_w) / merge after
+any image or video (HF 5.23; Qwen's original code resumed after the largest position).
 """
 from __future__ import annotations
 
@@ -21,12 +31,13 @@ from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.processors import Qwen2VLImagePolicy, digest, find_image_processor_config, load_policy, patchify
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VideoOptions
 from mmjax.models.hf_config import tie_word_embeddings
 from mmjax.models.text import TextModel
 from mmjax.models.text.llama import LlamaConfig, LlamaTextModel
 from mmjax.models.vision.qwen2_vl import (QwenVisionConfig, load_vision_params, make_encode_fn, pack_images,
                                           patch_ladder, unpack_features)
+from mmjax.video.processors import Qwen2VLVideoPolicy, VideoPlan, find_video_processor_config
 
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # HF's default when the config has none
 
@@ -38,6 +49,8 @@ class QwenVLConfig:
     image_token_id: int
     vision_start_token_id: int | None
     model_type: str
+    video_token_id: int | None = None
+    tokens_per_second: float = 4.0   # Qwen2.5-VL: M-RoPE temporal positions per second of video
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "QwenVLConfig":
@@ -64,8 +77,12 @@ class QwenVLConfig:
         token = cfg.get("image_token_id", (cfg.get("text_config") or {}).get("image_token_id"))
         if token is None:
             raise CheckpointError("config.json: image_token_id is missing", param="image_token_id")
+        video = cfg.get("video_token_id", (cfg.get("text_config") or {}).get("video_token_id"))
+        tps = (cfg.get("vision_config") or {}).get("tokens_per_second")
         return cls(vision=vision, text=text, image_token_id=int(token),
-                   vision_start_token_id=cfg.get("vision_start_token_id"), model_type=mt)
+                   vision_start_token_id=cfg.get("vision_start_token_id"), model_type=mt,
+                   video_token_id=None if video is None else int(video),
+                   tokens_per_second=4.0 if tps is None else float(tps))
 
 
 def normalize_name(name: str) -> str:
@@ -108,6 +125,9 @@ class QwenLimits:
     max_pixels: int | None = None
     image_max_tokens: int | None = None
     max_encode_patches: int = 16384
+    video_max_tokens: int | None = None      # None: image_max_tokens (one video fits one encode call)
+    video_min_pixels: int | None = None      # None: the video processor config's size range
+    video_max_pixels: int | None = None
 
 
 @dataclass(eq=False)
@@ -118,6 +138,10 @@ class QwenVLFamily(Family):
     limits: QwenLimits = field(default_factory=QwenLimits)
     attn_impl: str = "auto"
     image_token: str = "<|image_pad|>"
+    video_policy: Qwen2VLVideoPolicy = field(default_factory=Qwen2VLVideoPolicy)
+    # devices one encode call is split over (a replica's devices; the runner sets it): each gets
+    # its own packed group of whole images, [shards, n_pad, ...] arrays split on axis 0
+    encode_shards: int = 1
 
     @property
     def name(self) -> str:
@@ -131,14 +155,26 @@ class QwenVLFamily(Family):
     def image_token_id(self) -> int:
         return self.cfg.image_token_id
 
+    @property
+    def video_token_id(self) -> int | None:
+        return self.cfg.video_token_id
+
+    @property
+    def video_token(self) -> str | None:
+        return None if self.cfg.video_token_id is None else "<|video_pad|>"
+
     # ---- limits ----------------------------------------------------------------------------
     def configure(self, *, min_pixels: int | None = None, max_pixels: int | None = None,
-                  image_max_tokens: int | None = None, max_encode_patches: int | None = None) -> "QwenVLFamily":
-        """Set server-wide image limits (before serving; changes the encode bucket ladder)."""
+                  image_max_tokens: int | None = None, max_encode_patches: int | None = None,
+                  video_max_tokens: int | None = None, video_min_pixels: int | None = None,
+                  video_max_pixels: int | None = None) -> "QwenVLFamily":
+        """Set server-wide image / video limits (before serving; changes the encode bucket ladder)."""
         lim = dataclasses.replace(self.limits, **{k: v for k, v in dict(
             min_pixels=min_pixels, max_pixels=max_pixels, image_max_tokens=image_max_tokens,
-            max_encode_patches=max_encode_patches).items() if v is not None})
-        for name in ("image_max_tokens", "max_encode_patches"):
+            max_encode_patches=max_encode_patches, video_max_tokens=video_max_tokens,
+            video_min_pixels=video_min_pixels, video_max_pixels=video_max_pixels).items() if v is not None})
+        self.video_policy.bounds(lim.video_min_pixels, lim.video_max_pixels)  # validates
+        for name in ("image_max_tokens", "max_encode_patches", "video_max_tokens"):
             v = getattr(lim, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
                 raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}", param=name)
@@ -174,7 +210,16 @@ class QwenVLFamily(Family):
         real photos land just under it) and one at the token cap."""
         m2 = self.cfg.vision.merge_size ** 2
         cap = self.image_max_tokens * m2
-        return patch_ladder(max(self.limits.max_encode_patches, cap), extra=(self.default_image_tokens * m2, cap))
+        top = max(self.limits.max_encode_patches, cap, self.video_max_tokens * m2)
+        return patch_ladder(top, extra=(self.default_image_tokens * m2, cap, self.video_max_tokens * m2))
+
+    @property
+    def video_max_tokens(self) -> int:
+        """Hard cap on the LLM tokens of one video (default: image_max_tokens)."""
+        if self.video_token_id is None:
+            return 0
+        v = self.limits.video_max_tokens
+        return self.image_max_tokens if v is None else int(v)
 
     # ---- host: images -------------------------------------------------------------------------
     def num_tokens(self, height: int, width: int, opts: ImageOptions = ImageOptions()) -> int:
@@ -221,11 +266,43 @@ class QwenVLFamily(Family):
         p = self.policy
         return patchify(np.asarray(pixels), p.patch_size, p.merge_size, p.temporal_patch_size)
 
+    # ---- host: videos -----------------------------------------------------------------------------
+    def plan_video(self, meta, opts: VideoOptions = VideoOptions()) -> VideoPlan:
+        """Container metadata -> frames to decode, grid and token count (no decoding); a video
+        over `video_max_tokens` (or the request's lower max_tokens) is a ContextLengthError."""
+        if self.video_token_id is None:
+            return super().plan_video(meta, opts)
+        lo = opts.min_pixels if opts.min_pixels is not None else self.limits.video_min_pixels
+        hi = opts.max_pixels if opts.max_pixels is not None else self.limits.video_max_pixels
+        plan = self.video_policy.plan(meta, min_pixels=lo, max_pixels=hi, fps=opts.fps)
+        budget = self.video_max_tokens if opts.max_tokens is None else min(self.video_max_tokens, opts.max_tokens)
+        if plan.num_tokens > budget:
+            raise ContextLengthError(
+                f"video of {meta.width}x{meta.height} pixels and {meta.total_frames} frames samples "
+                f"{len(plan.indices)} frames resized to {plan.size[1]}x{plan.size[0]}, which need {plan.num_tokens} "
+                f"video tokens, over video_max_tokens={budget}; lower fps or max_pixels, or raise video_max_tokens",
+                param="video_max_tokens")
+        return plan
+
+    def prepare_video(self, frames: np.ndarray, plan: VideoPlan, key: str) -> ImageInput:
+        """Decoded frames [n, H, W, 3] uint8 -> ImageInput(kind="video") with temporal patches."""
+        patches = self.video_policy(frames, plan)
+        return ImageInput(pixels=patches, num_tokens=plan.num_tokens,
+                          key=f"{self.name}:{key}:{digest(plan.key)}", grid=plan.grid, kind="video", video=plan)
+
+    def second_per_grid_t(self, item: ImageInput) -> float:
+        """Seconds one temporal patch spans (Qwen2_5_VLProcessor's second_per_grid_ts)."""
+        return self.video_policy.temporal_patch_size / item.video.sampled_fps
+
     # ---- encode ---------------------------------------------------------------------------------
     def encode(self, params: dict, packed: tuple) -> jax.Array:
         """The compiled encode step: packed (patches, pos_hw, image_seg, window_seg) -> merged
-        tokens [n_pad / merge**2, lm_hidden] (window order for Qwen2.5-VL)."""
-        return make_encode_fn(self.cfg.vision, self.attn_impl)(params, packed)
+        tokens [n_pad / merge**2, lm_hidden] (window order for Qwen2.5-VL); with a leading
+        [shards] axis on every array (`encode_shards` > 1), one packed group per shard."""
+        fn = make_encode_fn(self.cfg.vision, self.attn_impl)
+        if packed[0].ndim == 3:
+            return jax.vmap(fn, in_axes=(None, 0))(params, packed)
+        return fn(params, packed)
 
     def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
         """Pack images (in order) into as few calls as the per-call patch budget allows, each
@@ -233,13 +310,17 @@ class QwenVLFamily(Family):
         does not apply: packing is by patches)."""
         ladder = self.encode_ladder
         cap = self.limits.max_encode_patches
-        groups, cur, n = [], [], 0
         for im in images:
             k = int(np.prod(im.grid))
             if k > ladder[-1]:
                 raise ContextLengthError(f"image with grid {im.grid} has {k} patches, over the largest encode "
                                          f"bucket {ladder[-1]} (image_max_tokens={self.image_max_tokens})",
                                          param="image_max_tokens")
+        if self.encode_shards > 1:
+            return self._sharded_plan(images, ladder, cap)
+        groups, cur, n = [], [], 0
+        for im in images:
+            k = int(np.prod(im.grid))
             if cur and n + k > cap:
                 groups.append(cur)
                 cur, n = [], 0
@@ -255,7 +336,43 @@ class QwenVLFamily(Family):
                                     lambda f, packed=packed: unpack_features(packed, f)))
         return calls
 
+    def _sharded_plan(self, images: list[ImageInput], ladder: tuple[int, ...], cap: int) -> list[EncodeCall]:
+        """Images (in order) to the least-loaded of `encode_shards` packed groups, at most `cap`
+        patches per group; a call ends when the least-loaded group cannot take the next image.
+        Each call pads every group to one bucket (the fullest group's); the split puts each
+        image's features back in request order."""
+        d = self.encode_shards
+        calls: list[EncodeCall] = []
+        groups: list[list[ImageInput]] = [[] for _ in range(d)]
+        totals, where = [0] * d, []
+
+        def flush():
+            packs = [pack_images(g, self.cfg.vision, bucket_for(max(totals), ladder)) for g in groups]
+            arrays = tuple(np.stack(x) for x in zip(*(p.arrays() for p in packs)))
+
+            def split(feats, packs=packs, where=tuple(where)):
+                per_group = [unpack_features(p, f) for p, f in zip(packs, feats)]
+                return [per_group[g][i] for g, i in where]
+            calls.append(EncodeCall((d, packs[0].n_pad), arrays, split))
+
+        for im in images:
+            k = int(np.prod(im.grid))
+            g = int(np.argmin(totals))
+            if groups[g] and totals[g] + k > cap:
+                flush()
+                groups, totals, where, g = [[] for _ in range(d)], [0] * d, [], 0
+            where.append((g, len(groups[g])))
+            groups[g].append(im)
+            totals[g] += k
+        if where:
+            flush()
+        return calls
+
     def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+        if self.encode_shards > 1:
+            return [EncodeCall((self.encode_shards, n), tuple(np.stack([x] * self.encode_shards)
+                                                               for x in self.dummy_packed(n)), list)
+                    for n in self.encode_ladder]
         return [EncodeCall((n,), self.dummy_packed(n), list) for n in self.encode_ladder]
 
     def dummy_packed(self, n_pad: int) -> tuple:
@@ -280,7 +397,12 @@ class QwenVLFamily(Family):
             pos[:, prev:s] = cur + np.arange(n_text)
             cur += n_text
             lt, lh, lw = self.token_grid(im)
-            tt, hh, ww = np.meshgrid(np.arange(lt), np.arange(lh), np.arange(lw), indexing="ij")
+            t_pos = np.arange(lt)
+            if im.kind == "video" and self.cfg.model_type == "qwen2_5_vl":
+                # HF: (arange(t) * (tokens_per_second * second_per_grid_t)).long(), float32 tensors
+                interval = np.float32(self.cfg.tokens_per_second) * np.float32(self.second_per_grid_t(im))
+                t_pos = (np.arange(lt, dtype=np.float32) * interval).astype(np.int64)
+            tt, hh, ww = np.meshgrid(t_pos, np.arange(lh), np.arange(lw), indexing="ij")
             n = lt * lh * lw
             pos[0, s:s + n] = cur + tt.ravel()
             pos[1, s:s + n] = cur + hh.ravel()
@@ -297,6 +419,7 @@ def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
     cfg = QwenVLConfig.from_hf(hf_cfg)
     params = load_params(TensorSource(path, normalize_name), cfg)
     policy = load_policy(find_image_processor_config(path))
+    video_policy = Qwen2VLVideoPolicy.from_config(find_video_processor_config(path))
     if not isinstance(policy, Qwen2VLImagePolicy):
         raise CheckpointError(f"{cfg.model_type} needs a Qwen2VLImageProcessor, the checkpoint has "
                               f"{type(policy).__name__}", param="image_processor_type")
@@ -306,4 +429,8 @@ def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
         raise CheckpointError("image processor patch_size/merge_size/temporal_patch_size "
                               f"{(policy.patch_size, policy.merge_size, policy.temporal_patch_size)} do not match "
                               f"config.json {(v.patch_size, v.merge_size, v.temporal_patch_size)}", param="patch_size")
-    return QwenVLFamily(cfg, policy), params
+    if (video_policy.patch_size, video_policy.merge_size, video_policy.temporal_patch_size) != (
+            v.patch_size, v.merge_size, v.temporal_patch_size):
+        raise CheckpointError("video processor patch_size/merge_size/temporal_patch_size do not match config.json",
+                              param="video_preprocessor_config.patch_size")
+    return QwenVLFamily(cfg, policy, video_policy=video_policy), params

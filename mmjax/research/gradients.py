@@ -62,7 +62,7 @@ def _layout(vlm, p: PromptInputs) -> tuple[list[np.ndarray], _Layout]:
         calls.append((treedef, pix))
         leaves.append([np.rint(np.asarray(leaf)).astype(np.int32) if i in pix else np.asarray(leaf)
                        for i, leaf in enumerate(flat)])
-        shape = jax.eval_shape(family.encode, runner.params, call.inputs).shape
+        shape = jax.eval_shape(runner.encode_fn, runner.params, call.inputs).shape
         rows = int(np.prod(shape[:-1]))
         per_image += [np.asarray(r).reshape(-1) for r in call.split(
             (row0 + np.arange(rows)).reshape(shape[:-1] + (1,)))]
@@ -77,7 +77,8 @@ def _logprob_fn(vlm, calls: tuple, n_answer: int):
     if key in fns:
         return fns[key]
     family = vlm.family
-    tm = vlm.engine.runner.text_model          # as placed (tensor-parallel layout on a mesh)
+    runner = vlm.engine.runner
+    tm = runner.text_model                     # as placed (tensor-parallel layout on a mesh)
     from mmjax.serving.runner import image_mask_spec
 
     def fn(params, pixels, leaves, feat_index, ids, positions, spans, image_pos):
@@ -89,7 +90,7 @@ def _logprob_fn(vlm, calls: tuple, n_answer: int):
             outs = []
             for (treedef, pix), call_leaves in zip(calls, leaves):
                 args = [flat[leaf] if i in pix else leaf for i, leaf in enumerate(call_leaves)]
-                f = family.encode(params, jax.tree.unflatten(treedef, args))
+                f = runner.encode_fn(params, jax.tree.unflatten(treedef, args))
                 outs.append(f.reshape(-1, f.shape[-1]))
             feats = jnp.concatenate(outs)[feat_index]
             embeds = embeds.at[image_pos].set(feats.astype(embeds.dtype))

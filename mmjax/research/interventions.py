@@ -127,7 +127,8 @@ class Prune(Intervention):
     (`RequestOutput.pruned_tokens`). keep: a count over the request's image tokens, or a
     fraction in (0, 1] of them. The prompt is prefilled in one call (it must fit prefill_chunk)
     and its KV is not shared through the prefix cache. Text models with `supports_prune`
-    (the Llama-style decoders: LLaVA, Qwen2-VL, Qwen2.5-VL)."""
+    (every decoder here); `layer` at most the text model's `max_prune_layer` (Gemma 4's KV-shared
+    layers must read caches written after the prune)."""
     keep: int | float
     layer: int = 2
 

@@ -39,7 +39,8 @@ def prompt_inputs(vlm, prompt: Any, images: Iterable[Any] = (), *, answer: str |
     inputs = vlm.prepare_images(images, image_options, intervention=intervention)
     family = vlm.family
     counts = [im.num_tokens for im in inputs]
-    ids = vlm.tokenizer.encode_prompt(prompt, counts, [family.image_prompt(im) for im in inputs])
+    ids = vlm.tokenizer.encode_prompt(prompt, counts, [family.image_prompt(im) for im in inputs],
+                                      [family.token_id_of(im) for im in inputs])
     prompt_len = len(ids)
     if answer is not None:
         answer_ids = vlm.tokenizer.encode(answer, add_special_tokens=False)
@@ -49,5 +50,5 @@ def prompt_inputs(vlm, prompt: Any, images: Iterable[Any] = (), *, answer: str |
     ids = np.asarray(ids, np.int32)
     starts = family.image_starts(ids, counts)
     positions, _ = family.positions(ids, inputs, starts)
-    return PromptInputs(ids, inputs, np.flatnonzero(ids == family.image_token_id), positions,
+    return PromptInputs(ids, inputs, np.flatnonzero(np.isin(ids, family.media_token_ids)), positions,
                         run_spans(ids, family.image_token_id), prompt_len)

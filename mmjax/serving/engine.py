@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, UnsupportedModelError
+from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError, UnsupportedModelError
 from mmjax.models.family import ImageInput, image_runs, run_spans
 from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
 from mmjax.serving.output import append_token
@@ -43,7 +43,8 @@ class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
-                 enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False):
+                 enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
+                 vision_offload: bool = False, memory_budget: int | float | None = None):
         self.model = model
         self.tokenizer = model.tokenizer
         self.family = model.family
@@ -55,7 +56,9 @@ class Engine:
         self.runner = ModelRunner(model.family, model.params, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                   max_encode_batch=max_encode_batch, mesh=mesh,
-                                  vision_tensor_parallel=vision_tensor_parallel)
+                                  vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
+                                  memory_budget=memory_budget)
+        max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
@@ -65,7 +68,7 @@ class Engine:
         self._seed_rng = np.random.default_rng()
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                          "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
-                         "images_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
+                         "images_encoded": 0, "videos_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
                          "tokens_pruned": 0}
 
     def _min_resume(self):
@@ -120,7 +123,8 @@ class Engine:
                 raise ContextLengthError(f"prompt text is {n_bytes} bytes, more than any prompt that fits the "
                                          f"context of {self.max_model_len} tokens can hold "
                                          f"({self.max_prompt_bytes} bytes)", param="messages")
-            ids = self.tokenizer.encode_prompt(prompt, counts, [self.family.image_prompt(im) for im in images])
+            ids = self.tokenizer.encode_prompt(prompt, counts, [self.family.image_prompt(im) for im in images],
+                                               [self.family.token_id_of(im) for im in images])
         else:
             ids = list(prompt)
         ids = np.asarray(ids, np.int32)
@@ -130,6 +134,10 @@ class Engine:
             raise ContextLengthError(f"prompt is {len(ids)} tokens (including {sum(counts)} image tokens); "
                                      f"the context is {self.max_model_len} tokens", param="messages")
         starts = self.family.image_starts(ids, counts)
+        for i, (im, st) in enumerate(zip(images, starts)):
+            if counts[i] and ids[st] != self.family.token_id_of(im):
+                raise PromptError(f"input {i} is {'a video' if im.kind == 'video' else 'an image'} but its "
+                                  "placeholder tokens are not", param="videos" if im.kind == "video" else "images")
         runs = None
         if self.family.bidirectional_images:
             runs = image_runs(ids, self.family.image_token_id)
@@ -138,7 +146,7 @@ class Engine:
                 raise ContextLengthError(f"an image of {longest} tokens must be prefilled in one chunk, but "
                                          f"prefill_chunk is {self.prefill_chunk}", param="images")
         positions, rope_delta = self.family.positions(ids, images, starts)
-        image_pos = np.flatnonzero(ids == self.family.image_token_id)
+        image_pos = np.flatnonzero(np.isin(ids, self.family.media_token_ids))
         if prune is not None:
             self._check_prune(prune, len(ids), len(image_pos))
         seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
@@ -156,9 +164,10 @@ class Engine:
             raise UnsupportedModelError(f"token pruning is not implemented for {type(tm).__name__}",
                                         param="intervention")
         layer, keep = prune
-        if not 0 <= layer < tm.num_layers - 1:
-            raise InvalidRequestError(f"Prune.layer must lie in [0, {tm.num_layers - 1}) (a later layer must "
-                                      f"remain), got {layer}", param="intervention.layer")
+        last = getattr(tm, "max_prune_layer", tm.num_layers - 2)     # a later layer must remain
+        if not 0 <= layer <= last:
+            raise InvalidRequestError(f"Prune.layer must lie in [0, {last}] for this model, got {layer}",
+                                      param="intervention.layer")
         if not 1 <= keep <= n_image:
             raise InvalidRequestError(f"Prune.keep must lie in [1, {n_image}] (the prompt's image tokens), "
                                       f"got {keep}", param="intervention.keep")
@@ -280,12 +289,13 @@ class Engine:
             n += im.num_tokens
         for group in groups + ([cur] if cur else []):
             feats.update(zip((im.key for im in group), self.runner.encode_images(group)))
-            self.counters["images_encoded"] += len(group)
+            self.counters["images_encoded"] += sum(im.kind != "video" for im in group)
+            self.counters["videos_encoded"] += sum(im.kind == "video" for im in group)
         return feats
 
     def _image_embeds(self, req: Request, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray]:
         """Rows [lo, hi) of the prompt's image embeddings [hi - lo, hidden] and mask [hi - lo]."""
-        mask = req.prompt_ids[lo:hi] == self.family.image_token_id
+        mask = np.isin(req.prompt_ids[lo:hi], self.family.media_token_ids)
         if not mask.any():
             return None, mask
         emb = np.zeros((hi - lo, self.runner.hidden_size), np.float32)

@@ -33,9 +33,10 @@ class RequestOutput:
     text: str
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
-    num_image_tokens: int = 0
+    num_image_tokens: int = 0        # image tokens in the prompt (videos' not included)
     cached_tokens: int = 0
     pruned_tokens: int = 0           # image tokens FastV pruning dropped after its layer
+    num_video_tokens: int = 0        # video tokens in the prompt
 
 
 @dataclass
@@ -73,7 +74,12 @@ class Request:
 
     @property
     def num_image_tokens(self) -> int:
-        return sum(im.num_tokens for im in self.images)
+        """Image tokens (videos' not included)."""
+        return sum(im.num_tokens for im in self.images if im.kind != "video")
+
+    @property
+    def num_video_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images if im.kind == "video")
 
     def image_end(self, i: int) -> int:
         """Prompt index just past image i's last token."""
@@ -82,7 +88,7 @@ class Request:
     @property
     def pruned_tokens(self) -> int:
         """Image tokens FastV pruning removes from the layers after its layer."""
-        return 0 if self.prune is None else self.num_image_tokens - self.prune[1]
+        return 0 if self.prune is None else sum(im.num_tokens for im in self.images) - self.prune[1]
 
     def kv_positions(self, layer: int) -> int:
         """Cache positions this request uses in `layer` (prompt + output tokens, less what
@@ -96,4 +102,5 @@ class Request:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.id, self.prompt_ids.tolist(), list(self.output_ids), self.text, self.logprobs,
-                             self.finish_reason, self.num_image_tokens, self.cached_tokens, self.pruned_tokens)
+                             self.finish_reason, self.num_image_tokens, self.cached_tokens, self.pruned_tokens,
+                             self.num_video_tokens)

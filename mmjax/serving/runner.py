@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, fields
 
@@ -20,12 +21,13 @@ import numpy as np
 
 from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
+from mmjax.errors import InvalidRequestError
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmjax.sharding import MODEL, Placement, per_device_bytes, step_shardings
+from mmjax.sharding import MODEL, Placement, fetch_to_device, offload_to_host, per_device_bytes, step_shardings
 
 log = logging.getLogger("mmjax.runner")
 
@@ -124,20 +126,21 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
 
 def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds, image_mask, positions, slot, n_valid,
-    rope_delta, sampling, key, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
+    rope_delta, sampling, key, spans, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
     prompt (from cache index 0) in one call with FastV pruning after decoder `layer` (static, as
     are `keep` image tokens and the `out_len` rows later layers compute); text models with
     `supports_prune` only. `tm` as in prefill."""
     tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, n_valid,
-                rope_delta, sampling, key, *, layer, keep, out_len):
+                rope_delta, sampling, key, spans, *, layer, keep, out_len):
         text = params["text"]
         c = token_ids.shape[0]
         embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
         prune = Prune(layer, keep, out_len, image_mask[None], (n_valid - 1)[None])
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), c,
-                         slots=slot[None], ids=token_ids[None], prune=prune, reduce_small=tune.reduce_small_attention)
+                         slots=slot[None], mask=image_mask_spec(family, spans[None]), ids=token_ids[None], prune=prune,
+                         reduce_small=tune.reduce_small_attention)
         dropped = out.intermediates["pruned"][0]
         logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1 - dropped,
                                                                         keepdims=True)), logits_sharding)
@@ -173,6 +176,23 @@ def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None
     return decode
 
 
+def _shard_bytes(x) -> int:
+    """Bytes one device holds of an abstract array (its sharding's shard shape, else all of it)."""
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+    return int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+
+
+def device_memory_bytes(x) -> int:
+    """Memory of the device holding x: the allocator's limit where the backend reports one (GPUs),
+    else the host's physical memory (CPU: device memory is host memory)."""
+    device = next(iter(x.devices()))
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None):
     """A jittable (params, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t],
     spans [t] int32 (image-token run ids, see models.family.run_spans; None: no runs)) ->
@@ -199,24 +219,35 @@ class ModelRunner:
 
     def __init__(self, family: Family, params: dict, *, max_num_seqs: int, max_model_len: int,
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
-                 vision_tensor_parallel: bool = False):
+                 vision_tensor_parallel: bool = False, vision_offload: bool = False,
+                 memory_budget: int | float | None = None):
         self.family = family
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
         self.text_model = self.placement.text_model(family.text_model)
-        self.tuning = tuning(platform)
+        self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1)
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
+        if hasattr(family, "encode_shards") and not vision_tensor_parallel:
+            family.encode_shards = self.placement.num_devices   # packed encodes split per device
         params = self.placement.layout_params(params, self.text_model)
         self.param_shardings = self.placement.param_shardings(params, self.text_model)
         self.params = self.placement.place_params(params, self.text_model)
+        # --vision-offload: ViT + projector in host memory, fetched to the device inside encode only
+        self._offloaded = None
+        if vision_offload:
+            self.params, self._offloaded = offload_to_host(self.params)
         self.hidden_size = self.text_model.hidden_size
-        self.num_slots = max_num_seqs
         self.max_model_len = max_model_len
         self.max_encode_batch = max_encode_batch
+        self.prefill_chunk = prefill_chunk
+        self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set()}
+        self._memory_plan: dict | None = None
+        if memory_budget is not None:   # sized before anything big is allocated
+            max_num_seqs = self._fit_slots(memory_budget, max_num_seqs)
+        self.num_slots = max_num_seqs
         self.buckets = Buckets.make(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs)
-        self.cache_shardings = self.placement.cache_shardings(jax.eval_shape(
-            lambda: self.text_model.init_cache(max_num_seqs, max_model_len, self.dtype,
-                                               max_chunk=self.buckets.prefill[-1])))
+        self.cache_shardings = self._cache_shardings(max_num_seqs)
+        self._jit_steps()
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
         # measured now, while no step holds the (donated) cache: stats() may run on any thread
@@ -226,25 +257,42 @@ class ModelRunner:
         from mmjax import distributed
         index = distributed.register(self)
         self._announce = distributed.Leader(index) if index is not None and distributed.is_leader() else None
-        # shapes compiled so far; "prefill_pruned": (chunk, layer, keep, out_len) of FastV prefills
-        self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set()}
+        # shapes compiled so far (`compiled`, set above); "prefill_pruned": (chunk, layer, keep,
+        # out_len) of FastV prefills
         self.compile_seconds = 0.0
         self.calls = {k: 0 for k in self.compiled}  # compiled-step invocations
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
         self.step_seconds = {k: 0.0 for k in self.compiled}
-        p, t = self.placement, self.tuning
+
+    def _cache_shardings(self, num_slots: int):
+        return self.placement.cache_shardings(jax.eval_shape(
+            lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.dtype,
+                                               max_chunk=Buckets.make(prefill_chunk=self.prefill_chunk,
+                                                                      max_num_seqs=num_slots).prefill[-1])))
+
+    def _jit_steps(self) -> None:
+        """The jitted steps (their shapes come from the arguments: one set serves any slot count)."""
+        family, p, t = self.family, self.placement, self.tuning
         outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
-        self._encode = jax.jit(family.encode, out_shardings=p.sharding("outputs"),
+        self._encode = jax.jit(t.traced(self.encode_fn), out_shardings=p.sharding("outputs"),
                                compiler_options=t.compiler_options("encode"))
         gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
-        self._prefill = jax.jit(make_prefill_step(family, t, self.text_model, gather), donate_argnums=(1, 2),
+        self._prefill = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather)), donate_argnums=(1, 2),
                                 out_shardings=outs, compiler_options=t.compiler_options("prefill"))
-        self._decode = jax.jit(make_decode_step(family, t, self.text_model, gather), static_argnames=("rows",),
+        self._decode = jax.jit(t.traced(make_decode_step(family, t, self.text_model, gather)), static_argnames=("rows",),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
-        self._prefill_pruned = jax.jit(make_pruned_prefill_step(family, t, self.text_model, gather),
+        self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, self.text_model, gather)),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
+
+    def encode_fn(self, params: dict, inputs) -> jax.Array:
+        """The family's pure encode over this runner's params as placed (offloaded vision weights
+        are fetched to the device first): what the encode step jits, and what research code
+        differentiates through."""
+        if self._offloaded is not None:
+            params = fetch_to_device(params, self._offloaded)
+        return self.family.encode(params, inputs)
 
     def fresh_cache(self):
         return self.text_model.init_cache(self.num_slots, self.max_model_len, self.dtype,
@@ -309,12 +357,17 @@ class ModelRunner:
         out: list[np.ndarray] = []
         for call in calls:
             inputs = call.inputs
-            s = self.placement.encode_input_sharding(np.shape(inputs)) if isinstance(inputs, np.ndarray) else None
-            if s is not None:   # data-parallel vision tower: the images of the call split over devices
-                inputs = jax.device_put(inputs, s)
+            if isinstance(inputs, np.ndarray) or getattr(self.family, "encode_shards", 1) > 1:
+                # data-parallel vision tower: the images of the call (or the family's packed
+                # groups, one per device) split over the replica's devices
+                inputs = jax.tree.map(self._encode_input, inputs)
             feats = np.asarray(self._track("encode", call.bucket, self._encode, self.params, inputs))
             out.extend(call.split(feats))
         return out
+
+    def _encode_input(self, x: np.ndarray):
+        s = self.placement.encode_input_sharding(np.shape(x))
+        return x if s is None else jax.device_put(x, s)
 
     def encode_images(self, images: list) -> list[np.ndarray]:
         """Prepared images -> features [num_tokens, hidden] (the family's plan, then `encode`, then
@@ -355,7 +408,7 @@ class ModelRunner:
             self.cache, self.state, out = self._track(
                 "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
                 self.state, ids, emb, mask, pos, np.int32(slot), np.int32(n), np.int32(rope_delta), sampling,
-                np.asarray(key, np.uint32), layer=layer, keep=keep, out_len=out_len)
+                np.asarray(key, np.uint32), spans, layer=layer, keep=keep, out_len=out_len)
             return StepOutput(*(np.asarray(x) for x in out))
         self.cache, self.state, out = self._track(
             "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
@@ -389,18 +442,23 @@ class ModelRunner:
         for r in self.buckets.decode:
             self.decode(1, r)
 
-    def step_signatures(self) -> list[tuple[str, object, tuple, dict]]:
+    def step_signatures(self, num_slots: int | None = None) -> list[tuple[str, object, tuple, dict]]:
         """(name, jitted step, abstract args, static kwargs) for every compiled shape this runner
-        can produce: what tests/test_cuda_lowering.py exports for CUDA."""
+        can produce: what tests/test_cuda_lowering.py exports for CUDA. num_slots: the shapes a
+        runner with that many slots would have (nothing allocated; memory planning)."""
         mesh = self.placement.mesh
+        cache, state, buckets = self._abstract_device_state(num_slots)
 
         def spec(x, sharding=None):
             # with a mesh, the abstract args carry the placed arrays' shardings (what export sees)
-            sharding = sharding or (getattr(x, "sharding", None) if mesh is not None else None)
+            # (and so do offloaded weights: their host memory kind is part of the signature)
+            placed = getattr(x, "sharding", None)
+            offloaded = placed is not None and placed.memory_kind not in (None, "device")
+            sharding = sharding or (placed if mesh is not None or offloaded else None)
             return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
                                         sharding=sharding)
 
-        params, cache, state = (jax.tree.map(spec, t) for t in (self.params, self.cache, self.state))
+        params, cache, state = (jax.tree.map(spec, t) for t in (self.params, cache, state))
         out = []
         for call in self.family.warmup_plan(self.max_encode_batch):
             inputs = call.inputs
@@ -412,28 +470,115 @@ class ModelRunner:
         rows = self.text_model.position_rows
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
-        for c in self.buckets.prefill:
+        for c in buckets.prefill:
             args = (params, cache, state, jax.ShapeDtypeStruct((c,), jnp.int32),
                     jax.ShapeDtypeStruct((c, self.hidden_size), self.dtype), jax.ShapeDtypeStruct((c,), jnp.bool_),
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
                     jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
             out.append((f"prefill[{c}]", self._prefill, args, {}))
-            if c == self.buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
+            if c == buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
                 # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
-                pruned = args[:8] + (i32, i32) + args[11:13]
+                pruned = args[:8] + (i32, i32) + args[11:]
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
-                            {"layer": 0, "keep": 1, "out_len": self.buckets.prefill[0]}))
-        for r in self.buckets.decode:
+                            {"layer": 0, "keep": 1, "out_len": buckets.prefill[0]}))
+        for r in buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
             out.append((f"decode[{r}]", self._decode, (params, cache, state, lens), {"rows": r}))
         return out
+
+    def _abstract_device_state(self, num_slots: int | None):
+        """(cache, state, buckets): this runner's, or abstract ones for `num_slots` slots carrying
+        the shardings they would be placed with."""
+        if num_slots is None:
+            return self.cache, self.state, self.buckets
+        buckets = Buckets.make(prefill_chunk=self.prefill_chunk, max_num_seqs=num_slots)
+        shape = jax.eval_shape(lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.dtype,
+                                                                  max_chunk=buckets.prefill[-1]))
+        shardings = self._cache_shardings(num_slots)
+        with_sharding = (lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)) if shardings is not None \
+            else (lambda x, sh: x)
+        cache = jax.tree.map(with_sharding, shape, shardings) if shardings is not None else shape
+        state = jax.eval_shape(lambda: DecodeState.zeros(num_slots))
+        return cache, state, buckets
+
+    def step_temp_bytes(self, num_slots: int | None = None) -> dict[str, int]:
+        """Temporary device bytes of the largest compiled step of each kind (the largest encode
+        bucket, prefill chunk and decode rows), from XLA's own `memory_analysis()` of steps
+        compiled ahead of time for `num_slots` slots (default: this runner's)."""
+        largest: dict[str, tuple] = {}
+        for name, fn, args, kw in self.step_signatures(num_slots):
+            kind = name.split("[")[0].split("(")[0]
+            if kind in ("encode", "prefill", "decode"):
+                largest[kind] = (fn, args, kw)       # each kind's signatures go smallest to largest
+        out = {}
+        with compiling_for(self.tuning.platform):
+            for kind, (fn, args, kw) in largest.items():
+                analysis = fn.lower(*args, **kw).compile().memory_analysis()
+                out[kind] = 0 if analysis is None else int(analysis.temp_size_in_bytes)
+        return out
+
+    def _plan_for(self, num_slots: int, temp: dict[str, int]) -> dict:
+        """The device memory plan, bytes per device (the most loaded one): weights by part, KV
+        cache and decode state for `num_slots` slots, each step kind's temporaries, and the peak.
+        Offloaded vision weights occupy the device only during encode (counted there)."""
+        parts = {k: max(per_device_bytes(v).values(), default=0) for k, v in self.params.items()}
+        host = sum(parts[k] for k in (self._offloaded or {}))
+        vision = sum(v for k, v in parts.items() if k != "text")
+        cache, state, _ = self._abstract_device_state(num_slots)
+        kv = sum(_shard_bytes(x) for x in jax.tree.leaves(cache))
+        st = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+        resident = parts["text"] + vision - host + kv + st
+        step = max(temp.get("encode", 0) + host, temp.get("prefill", 0), temp.get("decode", 0))
+        return {"slots": num_slots, "weights_text": parts["text"], "weights_vision": vision,
+                "vision_offloaded": self._offloaded is not None, "kv_cache": kv, "decode_state": st,
+                "temp_encode": temp.get("encode", 0), "temp_prefill": temp.get("prefill", 0),
+                "temp_decode": temp.get("decode", 0), "peak": resident + step}
+
+    def memory_plan(self) -> dict:
+        """This runner's device memory plan (`_plan_for`; the steps' temporaries are compiled for it
+        once, on first call: the server does it at startup)."""
+        if self._memory_plan is None:
+            self._memory_plan = self._plan_for(self.num_slots, self.step_temp_bytes())
+        return dict(self._memory_plan)
+
+    def _fit_slots(self, budget: int | float, most: int) -> int:
+        """The most slots (<= `most`) whose plan's peak fits `budget` bytes per device (a float in
+        (0, 1]: that fraction of the device's memory): vLLM's gpu_memory_utilization, computed
+        from the compiled steps' memory analysis instead of a profiling run."""
+        if isinstance(budget, float):
+            if not 0 < budget <= 1:
+                raise InvalidRequestError(f"memory_budget as a fraction must lie in (0, 1], got {budget}",
+                                          param="memory_budget")
+            budget = int(budget * device_memory_bytes(jax.tree.leaves(self.params["text"])[0]))
+        self.cache_shardings = self._cache_shardings(most)
+        self._jit_steps()
+        slots = most
+        for _ in range(3):     # temporaries shrink with the slot count: settle in a few rounds
+            temp = self.step_temp_bytes(slots)
+            one, two = self._plan_for(1, temp), self._plan_for(2, temp)
+            per_slot = two["peak"] - one["peak"]
+            fit = min(most, 1 + (budget - one["peak"]) // max(per_slot, 1))
+            if fit < 1:
+                raise InvalidRequestError(
+                    f"memory budget {budget:,} bytes is too small: weights {one['weights_text'] + one['weights_vision']:,}"
+                    f" + one sequence's KV cache {one['kv_cache']:,} + decode state and the largest step's temporaries "
+                    f"{one['peak'] - one['weights_text'] - one['weights_vision'] - one['kv_cache']:,} = "
+                    f"{one['peak']:,} bytes per device", param="memory_budget")
+            if fit == slots:
+                break
+            slots = fit
+        self._memory_plan = self._plan_for(slots, temp) if fit == slots else None
+        return int(slots)
 
     def memory_report(self) -> dict:
         """The mesh and the bytes of weights and KV cache on each device (addressable shards;
         computed once: shapes and shardings never change)."""
         if self._memory is None:
             self._memory = self._measure_memory()
-        return dict(self._memory)
+        out = dict(self._memory)
+        if self._memory_plan is not None:
+            out["memory_plan"] = dict(self._memory_plan)
+        return out
 
     def _measure_memory(self) -> dict:
         w, kv = per_device_bytes(self.params), per_device_bytes(self.cache)

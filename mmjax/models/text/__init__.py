@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from mmjax.errors import UnsupportedModelError
 
@@ -59,6 +60,28 @@ class Prune:
 
 
 jax.tree_util.register_dataclass(Prune, data_fields=["image_mask", "query"], meta_fields=["layer", "keep", "out_len"])
+
+
+def prune_order(probs: jax.Array, prune: Prune) -> tuple[jax.Array, jax.Array]:
+    """FastV's choice from the scoring layer's attention probs [b, heads, t, t]: (order [b,
+    out_len], the rows of the call that stay, kept tokens first in their order: every
+    non-image token and the `keep` image tokens prune.query's head-averaged attention favours;
+    dropped [b] int32, the image tokens that leave)."""
+    b, t = prune.image_mask.shape
+    row = jnp.take_along_axis(probs.mean(axis=1), prune.query[:, None, None], axis=1)[:, 0]   # [b, t]
+    score = jnp.where(prune.image_mask, row, -jnp.inf)
+    _, top = jax.lax.top_k(score, prune.keep)                                                  # [b, keep]
+    chosen = jnp.zeros((b, t), bool).at[jnp.arange(b)[:, None], top].set(True)
+    kept = ~prune.image_mask | chosen
+    order = jnp.argsort(~kept, axis=1, stable=True)[:, :prune.out_len]
+    return order, prune.image_mask.sum(axis=1).astype(jnp.int32) - prune.keep
+
+
+def take_rows(a: jax.Array, order: jax.Array, axis: int = 1) -> jax.Array:
+    """a [..., b (axis - 1), t (axis), ...] gathered along `axis` by order [b, n]."""
+    shape = [1] * a.ndim
+    shape[axis - 1], shape[axis] = order.shape
+    return jnp.take_along_axis(a, order.reshape(shape), axis=axis)
 
 
 @dataclass(frozen=True)
@@ -121,7 +144,8 @@ class TextModel(Protocol):
     # `held_len` positions (cache built with `max_chunk`) can resume from (ring-buffer layers drop
     # old positions); absent = any prefix.
     # Optional: `supports_prune = True` when `forward` takes `prune: Prune` and `dropped: Dropped`
-    # (FastV image-token pruning, mmjax.research.Prune).
+    # (FastV image-token pruning, mmjax.research.Prune), and `max_prune_layer` (default
+    # num_layers - 2) when pruning after later layers is not defined.
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array: ...
 

@@ -47,7 +47,7 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import activation, dense
-from mmjax.models.text import Capture, ConfigShape, MaskSpec, Output
+from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.llama import (_grouped_dense, _split_grouped_qkv, allocate_cache, cache_attention,
                                      cache_kv_heads, check_tensor_parallel, init_kv_cache, split_grouped_gate_up,
                                      tp_layout)
@@ -379,29 +379,50 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
 
 def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: jax.Array, cache: list,
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
-            capture: Capture | None = None, reduce_small: bool = False) -> Output:
+            capture: Capture | None = None, reduce_small: bool = False, prune: Prune | None = None,
+            dropped: Dropped | None = None) -> Output:
     """embeds [b, t, hidden] (already scaled: `embed`), positions [1, b, t], starts [b] (cache
     index of each row's first token), slots [b] or None, kv_len bounds the full layers' segments
-    read. mask.spans [b, t]: image runs (bidirectional within a run). Returns Output(final-normed
-    hidden [b, t, hidden], cache, intermediates as `Capture` asks: "hidden", and "attn" /
-    "attn_out" per captured layer, which needs a static kv_len)."""
+    read. mask.spans [b, t]: image runs (bidirectional within a run). prune / dropped: FastV as in
+    llama.forward (kept image tokens keep their runs; later layers index the compacted sequence,
+    so windows count kept positions). Returns Output(final-normed hidden [b, t, hidden], cache,
+    intermediates as `Capture` asks: "hidden", and "attn" / "attn_out" per captured layer, which
+    needs a static kv_len; "pruned" [b] under prune)."""
     capture = capture or Capture()
+    if prune is not None and (capture.any or dropped is not None):
+        raise ValueError("prune cannot be combined with capture or dropped")
     t = embeds.shape[1]
-    q_index = starts[:, None] + jnp.arange(t)[None, :]
     valid = _valid_tokens(positions)
-    ropes = {kind: rope_cos_sin(jnp.asarray(rope_inv_freq(r, cfg.head_dim)), positions)
-             for kind, r in ((SLIDING, cfg.rope_local), (FULL, cfg.rope_global))}
-    x, hidden, new_cache, attn, attn_out = embeds, [embeds], [], {}, {}
+
+    def ropes_at(pos):
+        return {kind: rope_cos_sin(jnp.asarray(rope_inv_freq(r, cfg.head_dim)), pos)
+                for kind, r in ((SLIDING, cfg.rope_local), (FULL, cfg.rope_global))}
+
+    ropes = ropes_at(positions)
+    x, hidden, new_cache, attn, attn_out, inter = embeds, [embeds], [], {}, {}, {}
     for i, (layer, kind, kv) in enumerate(zip(params["layers"], cfg.layer_types, cache)):
-        x, kv, cap = layer_forward(layer, cfg, kind, x, kv, ropes[kind], q_index, valid, kv_len, slots=slots,
-                                   mask=mask, starts=starts, reduce_small=reduce_small,
-                                   capture_attn=i in capture.attn_layers)
+        layer_starts, layer_kv_len = starts, kv_len
+        if dropped is not None:      # rows pruned after an earlier layer index a shorter sequence here
+            layer_starts = starts - jnp.where(i > dropped.after, dropped.count, 0)
+            layer_kv_len = dropped.kv_lens[i]
+        q_index = layer_starts[:, None] + jnp.arange(t)[None, :]
+        scoring = prune is not None and i == prune.layer
+        x, kv, cap = layer_forward(layer, cfg, kind, x, kv, ropes[kind], q_index, valid, layer_kv_len, slots=slots,
+                                   mask=mask, starts=layer_starts, reduce_small=reduce_small,
+                                   capture_attn=i in capture.attn_layers or scoring)
         new_cache.append(kv)
-        hidden.append(x)
-        if cap is not None:
+        if scoring:
+            order, inter["pruned"] = prune_order(cap[0], prune)
+            x, positions, t = take_rows(x, order), take_rows(positions, order, axis=2), prune.out_len
+            valid, ropes, kv_len = _valid_tokens(positions), ropes_at(positions), t
+            if mask is not None and mask.spans is not None:
+                mask = dataclasses.replace(mask, spans=take_rows(mask.spans, order))
+        elif cap is not None:
             attn[i], attn_out[i] = cap
+        hidden.append(x)
     out = gemma_rms_norm(params["norm"], x, cfg.rms_norm_eps)
-    inter = {"hidden": hidden[:-1] + [out]} if capture.hidden else {}
+    if capture.hidden:
+        inter["hidden"] = hidden[:-1] + [out]
     if capture.attn_layers:
         inter["attn"], inter["attn_out"] = attn, attn_out
     return Output(out, new_cache, inter)
@@ -413,6 +434,7 @@ class Gemma3TextModel(ConfigShape):
     cfg: Gemma3TextConfig
     position_rows: int = 1
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
+    supports_prune = True
 
     @property
     def cache_cfg(self) -> Gemma3TextConfig:
@@ -452,9 +474,10 @@ class Gemma3TextModel(ConfigShape):
 
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache, starts: jax.Array, kv_len, *,
                 slots: jax.Array | None = None, mask: MaskSpec | None = None, ids: jax.Array | None = None,
-                capture: Capture | None = None, reduce_small: bool = False) -> Output:
+                capture: Capture | None = None, reduce_small: bool = False, prune: Prune | None = None,
+                dropped: Dropped | None = None) -> Output:
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
-                       capture=capture, reduce_small=reduce_small)
+                       capture=capture, reduce_small=reduce_small, prune=prune, dropped=dropped)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         z = (hidden @ params["lm_head"]).astype(jnp.float32)

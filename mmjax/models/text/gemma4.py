@@ -43,7 +43,7 @@ from mmjax.checkpoint import TensorSource
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import activation
-from mmjax.models.text import Capture, ConfigShape, MaskSpec, Output
+from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.llama import (_grouped_dense, _host, allocate_cache, cache_attention, explicit_attention,
                                      group_gate_up, group_heads, kv_segments, pad_vocab, scatter_kv,
                                      split_grouped_gate_up, tp_kv_index)
@@ -450,12 +450,15 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
 
 def forward(params: dict, cfg: Gemma4TextConfig, embeds: jax.Array, positions: jax.Array, cache: list,
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
-            capture: Capture | None = None, reduce_small: bool = False, ids: jax.Array | None = None) -> Output:
+            capture: Capture | None = None, reduce_small: bool = False, ids: jax.Array | None = None,
+            prune: Prune | None = None, dropped: Dropped | None = None) -> Output:
     """Run the decoder on new tokens [b, t] and write their K/V into the cache (llama.forward's
-    contract). ids [b, t]: the new tokens' ids (image positions may hold the image token id),
-    needed when the model has per-layer input embeddings. mask.spans: image runs, applied in
-    sliding layers when the config enables bidirectional vision attention."""
+    contract, prune / dropped included). ids [b, t]: the new tokens' ids (image positions may hold
+    the image token id), needed when the model has per-layer input embeddings. mask.spans: image
+    runs, applied in sliding layers when the config enables bidirectional vision attention."""
     capture = capture or Capture()
+    if prune is not None and (capture.any or dropped is not None):
+        raise ValueError("prune cannot be combined with capture or dropped")
     b, t, _ = embeds.shape
     if not cfg.bidirectional_vision and mask is not None and mask.spans is not None:
         mask = dataclasses.replace(mask, spans=None)
@@ -464,26 +467,41 @@ def forward(params: dict, cfg: Gemma4TextConfig, embeds: jax.Array, positions: j
         if ids is None:
             raise ValueError("Gemma 4 with per-layer input embeddings needs the token ids (forward(..., ids=))")
         ple = per_layer_inputs(params, cfg, ids, embeds)
-    q_index = starts[:, None] + jnp.arange(t)[None, :]
-    ropes = {kind: rope_cos_sin(jnp.asarray(r.inv_freq(_head_dim(cfg, kind))), positions)
-             for kind, r in cfg.rope}
+
+    def ropes_at(pos):
+        return {kind: rope_cos_sin(jnp.asarray(r.inv_freq(_head_dim(cfg, kind))), pos) for kind, r in cfg.rope}
+
+    ropes = ropes_at(positions)
     where = {layer: n for n, layer in enumerate(cfg.cached_layers)}
     new_cache = list(cache)
     x = embeds
-    hidden, attn, attn_out = [x], {}, {}
+    hidden, attn, attn_out, inter = [x], {}, {}, {}
     for i, (p, spec) in enumerate(zip(params["layers"], cfg.layers)):
         c = where[spec.kv_source]
         own = spec.kv_source == i
-        x, kv, probs = _layer(p, cfg, spec, x, new_cache[c], own, ropes[spec.kind], q_index, kv_len,
-                              None if ple is None else ple[:, :, i], slots=slots, mask=mask, starts=starts,
-                              reduce_small=reduce_small, capture_attn=i in capture.attn_layers)
+        layer_starts, layer_kv_len = starts, kv_len
+        if dropped is not None:      # rows pruned after an earlier layer index a shorter sequence here
+            layer_starts = starts - jnp.where(i > dropped.after, dropped.count, 0)
+            layer_kv_len = dropped.kv_lens[i]
+        q_index = layer_starts[:, None] + jnp.arange(t)[None, :]
+        scoring = prune is not None and i == prune.layer
+        x, kv, probs = _layer(p, cfg, spec, x, new_cache[c], own, ropes[spec.kind], q_index, layer_kv_len,
+                              None if ple is None else ple[:, :, i], slots=slots, mask=mask, starts=layer_starts,
+                              reduce_small=reduce_small, capture_attn=i in capture.attn_layers or scoring)
         if own:
             new_cache[c] = kv
-        if probs is not None:
+        if scoring:
+            order, inter["pruned"] = prune_order(probs[0], prune)
+            x, positions, t, kv_len = take_rows(x, order), take_rows(positions, order, axis=2), prune.out_len, \
+                prune.out_len
+            ropes = ropes_at(positions)
+            ple = None if ple is None else take_rows(ple, order)
+            if mask is not None and mask.spans is not None:
+                mask = dataclasses.replace(mask, spans=take_rows(mask.spans, order))
+        elif probs is not None:
             attn[i], attn_out[i] = probs
         hidden.append(x)
     out = norm(params["norm"], x, cfg.rms_norm_eps)
-    inter = {}
     if capture.hidden:
         inter["hidden"] = hidden[:-1] + [out]
     if capture.attn_layers:
@@ -512,6 +530,14 @@ class Gemma4TextModel(ConfigShape):
     cfg: Gemma4TextConfig
     position_rows: int = 1
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
+    supports_prune = True
+
+    @property
+    def max_prune_layer(self) -> int:
+        """KV-shared layers read an earlier layer's cache: pruning must happen before every such
+        source, or a shared layer would attend over the dropped tokens' K/V."""
+        sources = [sp.kv_source for i, sp in enumerate(self.cfg.layers) if sp.kv_source != i]
+        return min(sources, default=self.cfg.num_layers - 1) - 1
 
     def load_params(self, src: TensorSource, prefix: str = "model.language_model.",
                     lm_head_name: str = "lm_head.weight") -> dict:
@@ -537,9 +563,10 @@ class Gemma4TextModel(ConfigShape):
 
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache, starts: jax.Array, kv_len, *,
                 slots: jax.Array | None = None, mask: MaskSpec | None = None, capture: Capture | None = None,
-                reduce_small: bool = False, ids: jax.Array | None = None) -> Output:
+                reduce_small: bool = False, ids: jax.Array | None = None, prune: Prune | None = None,
+                dropped: Dropped | None = None) -> Output:
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
-                       capture=capture, reduce_small=reduce_small, ids=ids)
+                       capture=capture, reduce_small=reduce_small, ids=ids, prune=prune, dropped=dropped)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         return logits(params, self.cfg, hidden)

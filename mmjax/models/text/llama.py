@@ -29,7 +29,7 @@ from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import dense, rms_norm
-from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune
+from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
@@ -215,6 +215,8 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     n = t * g
     small = reduce_small and n <= SMALL_N and b * kvh >= SMALL_N_MIN_CALLS
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
+    if t == 1 and slots is None and (mask is None or mask.spans is None) and _gpu_decode_kernel(hd):
+        return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale).reshape(b, 1, h, hd).astype(q.dtype)
     if starts is None:
         starts = q_index[:, 0]
 
@@ -256,6 +258,35 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     _, total, out = carry
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
+
+
+def _gpu_decode_kernel(head_dim: int) -> bool:
+    """Decode attention on a GPU goes to the ragged Pallas kernel (mmjax.attention.decode): no
+    per-segment lax.cond, which a GPU runs as a host sync per segment and layer."""
+    from mmjax.attention.decode import supported
+    from mmjax.backend import pallas_kernels_enabled
+    return pallas_kernels_enabled() and supported(head_dim)
+
+
+def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
+                   scale: float | None) -> jax.Array:
+    """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache, each row
+    reading keys (q_pos - window, q_pos] only -> [b, kvh, g, hd] float32."""
+    from mmjax.attention.decode import merge_partials, ragged_decode_attention
+    hd = qn.shape[-1]
+    window = mask.sliding_window if mask is not None else None
+    first = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
+    part, start = None, 0
+    for kt, v in zip(kts, vs):
+        size = v.shape[2]
+        if isinstance(kv_len, int) and start >= kv_len:
+            break
+        lo, hi = jnp.clip(first - start, 0, size), jnp.clip(q_pos + 1 - start, 0, size)
+        seg = ragged_decode_attention(qn, kt, v, lo, hi, scale=1 / np.sqrt(hd) if scale is None else scale)
+        part = seg if part is None else merge_partials(part, seg)
+        start += size
+    _, total, out = part
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len: int,
@@ -336,21 +367,13 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
 
 
 def _prune_tokens(x: jax.Array, rope: tuple, probs: jax.Array, prune: Prune) -> tuple:
-    """Keep prune.keep image tokens by the attention prune.query pays them (probs [b, heads, t,
-    t], head-averaged) and every other token: (x, rope) gathered to prune.out_len rows, kept
-    tokens first in their order, cache indexes 0.., and the dropped count [b]."""
-    b, t = prune.image_mask.shape
-    row = jnp.take_along_axis(probs.mean(axis=1), prune.query[:, None, None], axis=1)[:, 0]   # [b, t]
-    score = jnp.where(prune.image_mask, row, -jnp.inf)
-    _, top = jax.lax.top_k(score, prune.keep)                                                  # [b, keep]
-    chosen = jnp.zeros((b, t), bool).at[jnp.arange(b)[:, None], top].set(True)
-    kept = ~prune.image_mask | chosen
-    order = jnp.argsort(~kept, axis=1, stable=True)[:, :prune.out_len]                          # [b, out_len]
+    """FastV after the scoring layer (`prune_order`): (x, rope) gathered to prune.out_len rows,
+    cache indexes 0.., and the dropped count [b]."""
+    order, dropped = prune_order(probs, prune)
     cos, sin, _ = rope
-    gather = lambda a: jnp.take_along_axis(a, order.reshape(b, -1, *([1] * (a.ndim - 2))), axis=1)
+    b = order.shape[0]
     q_index = jnp.broadcast_to(jnp.arange(prune.out_len)[None], (b, prune.out_len))
-    dropped = prune.image_mask.sum(axis=1).astype(jnp.int32) - prune.keep
-    return gather(x), (gather(cos), gather(sin), q_index), dropped
+    return take_rows(x, order), (take_rows(cos, order), take_rows(sin, order), q_index), dropped
 
 
 def rope_for(cfg: LlamaConfig, positions: jax.Array, starts: jax.Array, t: int,

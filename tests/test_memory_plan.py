@@ -1,0 +1,94 @@
+"""The device memory plan (weights by part, KV cache, decode state, the compiled steps' temporaries
+from XLA's memory analysis, the peak), `memory_budget` sizing the decode slots from it, and
+`vision_offload` (vision tower + projector in host memory, fetched inside the encode step), on the
+tiny LLaVA checkpoint."""
+import argparse
+
+import jax
+import numpy as np
+import pytest
+
+import mmjax
+from conftest import noise_image
+from mmjax.errors import InvalidRequestError
+
+ENGINE = dict(max_num_seqs=8, max_model_len=256, prefill_chunk=64)
+
+
+@pytest.fixture(scope="module")
+def plain(llava_dirs):
+    return mmjax.load(llava_dirs["gqa"], **ENGINE)
+
+
+def test_memory_budget_sizes_the_slots_from_the_plan(plain, llava_dirs):
+    plan = plain.engine.runner.memory_plan()
+    r = plain.engine.runner
+    kv_leaves = jax.tree.leaves(r.cache)
+    assert plan["slots"] == 8 and plan["kv_cache"] == sum(x.nbytes for x in kv_leaves)
+    assert plan["weights_text"] == sum(x.nbytes for x in jax.tree.leaves(r.params["text"]))
+    assert plan["weights_vision"] == sum(x.nbytes for k, v in r.params.items() if k != "text"
+                                         for x in jax.tree.leaves(v))
+    assert min(plan["temp_encode"], plan["temp_prefill"], plan["temp_decode"]) > 0
+    assert plan["peak"] == (plan["weights_text"] + plan["weights_vision"] + plan["kv_cache"] + plan["decode_state"]
+                            + max(plan["temp_encode"], plan["temp_prefill"], plan["temp_decode"]))
+    assert plain.engine.stats()["memory_plan"] == plan
+    from serve.metrics import EngineCollector
+    got = {s.labels["part"]: s.value for m in EngineCollector(plain.engine.stats).collect()
+           if m.name == "mmjax_memory_plan_bytes" for s in m.samples}
+    assert got["peak"] == plan["peak"] and got["kv_cache"] == plan["kv_cache"]
+
+    # room for 4.5 sequences' KV and state below the 8-slot peak: 4 slots fit, and their plan is under it
+    per_slot = (plan["kv_cache"] + plan["decode_state"]) // 8
+    budget = plan["peak"] - int(3.5 * per_slot)
+    vlm = mmjax.load(llava_dirs["gqa"], memory_budget=budget, **ENGINE)
+    four = vlm.engine.runner.memory_plan()
+    assert vlm.engine.runner.num_slots == four["slots"] == 4 and len(vlm.engine.scheduler.slots) == 4
+    assert four["peak"] <= budget < four["peak"] + per_slot
+    out = vlm.generate(["USER: hello ASSISTANT:"] * 6, mmjax.SamplingParams(max_tokens=3, temperature=0.0))
+    assert all(len(o.token_ids) == 3 for o in out)          # 6 requests through 4 slots
+    with pytest.raises(InvalidRequestError, match="memory budget 1,000 bytes is too small"):
+        mmjax.load(llava_dirs["gqa"], memory_budget=1000, **ENGINE).engine
+    with pytest.raises(InvalidRequestError, match="fraction"):
+        mmjax.load(llava_dirs["gqa"], memory_budget=1.5, **ENGINE).engine
+
+
+def test_vision_offload_keeps_outputs_and_lowers_for_cuda(plain, llava_dirs):
+    from mmjax.api import load_model
+    from mmjax.backend import compiling_for
+    from mmjax.serving.runner import ModelRunner
+    vlm = mmjax.load(llava_dirs["gqa"], vision_offload=True, **ENGINE)
+    r = vlm.engine.runner
+    kinds = {k: {x.sharding.memory_kind for x in jax.tree.leaves(v)} for k, v in r.params.items()}
+    assert kinds == {"text": {"device"}, "vision": {"pinned_host"}, "projector": {"pinned_host"}}
+    img = noise_image(5, 45, 30)
+    np.testing.assert_array_equal(vlm.encode([img])[0], plain.encode([img])[0])
+    prompt, images = plain.render_chat([{"role": "user", "content": [{"type": "image", "image": img},
+                                                                     {"type": "text", "text": "what?"}]}])
+    sp = mmjax.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    req = [{"prompt": prompt, "images": images}]
+    assert vlm.generate(req, sp)[0].token_ids == plain.generate(req, sp)[0].token_ids
+    off, on = vlm.engine.runner.memory_plan(), plain.engine.runner.memory_plan()
+    assert off["vision_offloaded"] and off["peak"] == on["peak"] - off["weights_vision"] + max(
+        0, off["temp_encode"] + off["weights_vision"] - max(off["temp_prefill"], off["temp_decode"]))
+
+    # bf16 for CUDA: the encode step takes the vision weights from pinned host memory and moves them
+    model = load_model(llava_dirs["gqa"], "bfloat16")
+    cuda = ModelRunner(model.family, model.params, max_num_seqs=2, max_model_len=128, prefill_chunk=32,
+                       max_encode_batch=2, dtype=model.dtype, platform="cuda", vision_offload=True)
+    with compiling_for("cuda"):
+        name, fn, args, kw = next(s for s in cuda.step_signatures() if s[0].startswith("encode"))
+        text = jax.export.export(fn, platforms=("cuda",), disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args, **kw).mlir_module()
+    n_host = sum(len(jax.tree.leaves(v)) for k, v in model.params.items() if k != "text")
+    main = next(ln for ln in text.splitlines() if "func.func public @main" in ln)
+    assert main.count('mhlo.memory_kind = "pinned_host"') == n_host
+    assert text.count("annotate_device_placement") >= n_host
+
+
+def test_memory_budget_flag_parses_bytes_and_fractions():
+    from serve.cli import _memory_budget
+    assert _memory_budget("0.9") == 0.9 and _memory_budget("20GiB") == 20 * 2**30
+    assert _memory_budget("512MiB") == 512 * 2**20 and _memory_budget("2e10") == 20_000_000_000
+    for bad in ("-1", "lots", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _memory_budget(bad)
