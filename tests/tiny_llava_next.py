@@ -84,7 +84,7 @@ def build_llava_next(out_dir: str | os.PathLike, *, variant: str = "next", seed:
     elif variant == "onevision":
         vision = SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                                     image_size=16, patch_size=4, vision_use_head=False)
-        text = Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        text = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                            rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                            pad_token_id=3)
