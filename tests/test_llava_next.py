@@ -150,11 +150,11 @@ def test_greedy_generation_and_logprobs_match(pair):
             assert abs(v - hf_lp[step][tok]) <= 1e-4
 
 
-def test_engine_batched_alone_and_caches_off(pair):
+def test_engine_batched_alone_and_caches_off(pair, llava_next_dirs):
     """Tiled images of up to 88 tokens through 16-token prefill chunks; batched == one at a time
     == caches off; a repeat resumes from the prefix cache and reuses the encoded tiles."""
     name, _, _, vlm = pair
-    off = vlm_for(_path_of(vlm), enable_prefix_cache=False, encoder_cache_bytes=0)
+    off = vlm_for(llava_next_dirs[name], enable_prefix_cache=False, encoder_cache_bytes=0)
     imgs = [noise_image(20 + i, w, h) for i, (w, h) in enumerate((WIDE, TALL, SQUARE, BIG))]
     reqs = [{"prompt": prompt(2, "compare them"), "images": imgs[:2]},
             {"prompt": prompt(1, "tell me the color of the left one please"), "images": imgs[2:3]},
@@ -173,13 +173,7 @@ def test_engine_batched_alone_and_caches_off(pair):
     assert alone[2].cached_tokens == len(alone[2].prompt_token_ids) - 1 > ENGINE["prefill_chunk"]
     assert stats["encoder_cache_hits"] > 0 and off.engine.stats()["encoder_cache_hits"] == 0
     assert all(o.cached_tokens == 0 for o in cold)
-
-
-def _path_of(vlm):
-    for (p, kw), v in _VLMS.items():
-        if v is vlm:
-            return p
-    raise KeyError("vlm not built by vlm_for")
+    assert min(len(o.prompt_token_ids) for o in alone[:3]) > 2 * ENGINE["prefill_chunk"]   # several chunks each
 
 
 def test_encode_cost_counts_tiles_not_images(llava_next_dirs):
