@@ -166,7 +166,9 @@ class VLM:
                 for v in videos]
 
     def encode(self, images: Iterable[Any]) -> list[np.ndarray]:
-        """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]."""
+        """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]
+        ([n, (1 + n_deepstack) * lm_hidden] for Qwen3-VL: the embeddings, then each DeepStack
+        layer's features)."""
         # each image on its own: a list of images here is not one prompt (prompt_options)
         return self.engine.runner.encode_images([self.prepare_images([im])[0] for im in images])
 
@@ -298,7 +300,7 @@ class VLM:
         through the jitted whole-prompt forward (one compile per capture and length)."""
         from mmjax.serving.runner import make_prompt_forward
 
-        emb = np.zeros((len(p.ids), self.family.text_model.hidden_size), np.float32)
+        emb = np.zeros((len(p.ids), self.engine.runner.feature_width), np.float32)
         if p.images:
             # the prompt's image tokens, in order, take the images' features in order
             emb[p.image_pos] = np.concatenate(self.engine.runner.encode_images(p.images))

@@ -166,6 +166,7 @@ class Tokenizer:
                             f"messages[{i}] text contains the reserved {what} placeholder {token!r}; "
                             f"{what}s must be sent as {what} parts", param=f"messages[{i}].content")
         plain = self._render(messages, add_generation_prompt, kwargs)
+        plain, messages = self._parts_if_dropped(messages, plain, add_generation_prompt, kwargs)
         if not any(t.strip() for m in messages for t in self._text_parts(m)):
             return ChatPrompt(plain)
         cp = _SENTINEL_BASE
@@ -188,6 +189,32 @@ class Tokenizer:
                         "transforms message text, so it cannot be kept apart from the template's own "
                         "special tokens", param=f"messages[{i}].content")
         return ChatPrompt(plain)
+
+    def _parts_if_dropped(self, messages: list, plain: str, add_generation_prompt: bool, kwargs: dict
+                          ) -> tuple[str, list]:
+        """Templates that only iterate content parts (Idefics3, SmolVLM: `for line in
+        message['content']`) render a plain-string content as nothing. Probed with a sentinel
+        character as every string content: when no trace of it is rendered, and rendered as one
+        text part it shows (and the list is not printed as a Python repr), string contents
+        become one text part each (vLLM's "openai" content format); else the render stays."""
+        if not any(isinstance(m, dict) and isinstance(m.get("content"), str) and m["content"].strip()
+                   for m in messages):
+            return plain, messages
+        probe = "\U0010fffc"
+
+        def swap(content_of):
+            return [{**m, "content": content_of(m["content"])}
+                    if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
+        try:
+            if probe in self._render(swap(lambda c: probe), add_generation_prompt, kwargs):
+                return plain, messages
+            shown = self._render(swap(lambda c: [{"type": "text", "text": probe}]), add_generation_prompt, kwargs)
+        except PromptError:
+            return plain, messages
+        if probe not in shown or "'type'" in shown:
+            return plain, messages
+        as_parts = swap(lambda c: [{"type": "text", "text": c}])
+        return self._render(as_parts, add_generation_prompt, kwargs), as_parts
 
     def _render(self, messages: list, add_generation_prompt: bool, kwargs: dict) -> str:
         try:

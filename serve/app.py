@@ -61,7 +61,7 @@ class ServerConfig:
     image_max_tokens: int | None = None        # per-image token budget
     low_detail_image_tokens: int = 256         # budget of image_url.detail="low" (dynamic-res families)
     pan_and_scan: bool | None = None           # Gemma 3 pan-and-scan for detail="auto" (None: the checkpoint's)
-    max_image_tiles: int | None = None         # tiles per image, detail "high"/"auto" (tiling families; None: all)
+    max_image_tiles: int | None = None         # tiles per image, detail "auto"/"high" (tiling families; None: all)
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     allow_private_media_urls: bool = False

@@ -78,8 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Gemma 3 pan-and-scan crops for images with detail 'auto' ('high' always, 'low' never; "
                         "default: the checkpoint's processor setting)")
     p.add_argument("--max-image-tiles", type=_non_negative_int, default=None,
-                   help="high-resolution tiles per image for detail 'high'/'auto' (LLaVA-NeXT, LLaVA-OneVision: grids "
-                        "over the cap are not used; 0 = overview only, as detail 'low'; default: the checkpoint's)")
+                   help="tiles per image for image_url detail 'auto'/'high' in tiling families (Idefics3, SmolVLM: "
+                        "fewer tiles by a lower resize; LLaVA-NeXT / OneVision: grids over the cap are not used; 0: the global image alone, as detail 'low'; default: all)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="allow file:// image URLs under this directory (default: refused)")
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
@@ -187,7 +187,8 @@ def config_from_args(args, model_path: str):
         api_key=args.api_key or None, limit_images=args.limit_images, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, image_max_tokens=args.image_max_tokens,
         low_detail_image_tokens=args.low_detail_image_tokens, pan_and_scan=args.pan_and_scan,
-        max_image_tiles=args.max_image_tiles, allowed_local_media_path=args.allowed_local_media_path,
+        max_image_tiles=args.max_image_tiles,
+        allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
         allow_private_media_urls=args.allow_private_media_urls, media_fetch_timeout=args.media_fetch_timeout,
         media_max_redirects=args.media_max_redirects, max_queue=args.max_queue,

@@ -97,7 +97,7 @@ class MediaConfig:
     image_max_tokens: int | None = None     # per-image token budget
     low_detail_tokens: int = 256            # resolution budget of detail="low" (dynamic-res families)
     pan_and_scan: bool | None = None        # pan-and-scan for detail="auto" (Gemma 3; None: the checkpoint's)
-    max_tiles: int | None = None            # tiles per image for detail="high"/"auto" (tiling families; None: all)
+    max_tiles: int | None = None            # tiles per image for detail "auto"/"high" (tiling families; None: all)
     decode_workers: int = 4                 # workers decoding + resizing images (not the tokenization pool)
     decode_workers_per_request: int = 2     # images of one request decoding at once; its others wait
     max_decode_queue: int = 64              # images waiting for a decode worker; beyond: 503 decode_queue_full
@@ -881,9 +881,10 @@ class MediaFetcher:
         """detail -> the family's options for the token budget (dynamic-resolution families
         resize to fit it; fixed-size families have one size, so detail is a no-op there).
         Pan-and-scan (families that crop, Gemma 3): "high" turns it on, "low" off, "auto" takes
-        the server's --pan-and-scan; a budget too small for the crops turns it off.
-        Tiling families (LLaVA-NeXT, OneVision): "low" is the overview only (max_tiles=0),
-        "high"/"auto" the checkpoint's tiling capped by --max-image-tiles."""
+        the server's --pan-and-scan; a budget too small for the crops turns it off. Tiling
+        (Idefics3 / SmolVLM, LLaVA-NeXT / OneVision): "low" is the global image / overview alone
+        (max_tiles 0), "auto"/"high" the checkpoint's tiling capped by --max-image-tiles. Last,
+        the family's per-prompt rule (`prompt_options`: OneVision's multi-image prompts)."""
         tokens = self.cfg.image_max_tokens
         if detail == "low":
             tokens = min(tokens or self.cfg.low_detail_tokens, self.cfg.low_detail_tokens)
@@ -891,9 +892,8 @@ class MediaFetcher:
         pas = {"high": True, "low": False}.get(detail, self.cfg.pan_and_scan)
         if pas is not None and opts.pan_and_scan is None:
             opts = dataclasses.replace(opts, pan_and_scan=pas)
-        tiles = 0 if detail == "low" else self.cfg.max_tiles
-        if tiles is not None and (opts.max_tiles is None or tiles < opts.max_tiles):
-            opts = dataclasses.replace(opts, max_tiles=tiles)
+        caps = [c for c in (opts.max_tiles, 0 if detail == "low" else self.cfg.max_tiles) if c is not None]
+        opts = dataclasses.replace(opts, max_tiles=min(caps)) if caps else opts
         return self.family.prompt_options(opts, n_images)
 
     def local_path(self, url: str, what: str = "image") -> str:

@@ -30,6 +30,15 @@ def qwen_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_dirs(tmp_path_factory):
+    """Tiny Qwen3-VL checkpoints: {"dense": path, "moe": path} (see tiny_qwen3.build_qwen3)."""
+    from tiny_qwen3 import build_qwen3
+    root = tmp_path_factory.mktemp("qwen3")
+    # seeds whose greedy continuations vary (a tied tiny head otherwise repeats one token)
+    return {k: build_qwen3(root / k, kind=k, seed=s) for k, s in (("dense", 0), ("moe", 2))}
+
+
+@pytest.fixture(scope="session")
 def gemma3_dirs(tmp_path_factory):
     """Tiny Gemma 3 checkpoints: {"window": path, "softcap": path} (see tiny_gemma.build_gemma3)."""
     from tiny_gemma import build_gemma3
@@ -52,6 +61,15 @@ def llava_next_dirs(tmp_path_factory):
     from tiny_llava_next import build_llava_next
     root = tmp_path_factory.mktemp("llava_next")
     return {v: build_llava_next(root / v, variant=v, seed=i) for i, v in enumerate(("next", "onevision"))}
+
+
+@pytest.fixture(scope="session")
+def idefics3_dirs(tmp_path_factory):
+    """Tiny Idefics3 and SmolVLM checkpoints: {"idefics3": path, "smolvlm": path} (see
+    tiny_idefics3.build_idefics3)."""
+    from tiny_idefics3 import build_idefics3
+    root = tmp_path_factory.mktemp("idefics3")
+    return {v: build_idefics3(root / v, variant=v, seed=i) for i, v in enumerate(("idefics3", "smolvlm"))}
 
 
 def noise_image(seed: int, width: int, height: int):

@@ -276,16 +276,17 @@ def test_serve_bench_against_mmjax_server(tmp_path, llava_dirs, capsys):
             proc.kill()
 
 
-@pytest.mark.slow
 def test_gpu_bench_smoke(tmp_path):
-    """`mmjax bench gpu` off a GPU: every section runs at toy size and reports its fields."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke"], cwd=ROOT, env=_env(tmp_path),
+    """`mmjax bench gpu` off a GPU: the attention, decode and TTFT sections at toy size report their
+    fields (the engine and Qwen 4K sections reuse benchmarks/engine.py's clients, smoke-tested
+    above, and the runner's encode; skipped here for CI time)."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke", "--skip", "engine", "qwen4k"],
+                         cwd=ROOT, env=_env(tmp_path),
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     r = _last_json(out.stdout)
     assert r["smoke"] and _finite(r["copy_bw_bytes_s"])
     assert {row["impl"] for row in r["attention"]["rows"]} == {"reference", "chunked"}
     assert [d["batch"] for d in r["decode"]] == [1, 2] and all(_finite(d["tok_s"]) for d in r["decode"])
-    assert _finite(r["ttft_s"]) and r["engine"][0]["concurrency"] == 2 and _finite(r["engine"][0]["output_tok_s"])
-    assert r["qwen_4k_encode"]["tokens"] > 0 and _finite(r["qwen_4k_encode"]["encode_s"])
+    assert _finite(r["ttft_s"]) and "engine" not in r and "qwen_4k_encode" not in r
     assert "SMOKE" in out.stdout

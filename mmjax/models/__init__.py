@@ -15,10 +15,14 @@ FAMILIES: dict[str, str] = {
     "llava": "mmjax.models.llava",
     "qwen2_vl": "mmjax.models.qwen2_vl",
     "qwen2_5_vl": "mmjax.models.qwen2_vl",
+    "qwen3_vl": "mmjax.models.qwen3_vl",
+    "qwen3_vl_moe": "mmjax.models.qwen3_vl",
     "gemma3": "mmjax.models.gemma3",
     "gemma4": "mmjax.models.gemma4",
     "llava_next": "mmjax.models.llava_next",
     "llava_onevision": "mmjax.models.llava_next",
+    "idefics3": "mmjax.models.idefics3",
+    "smolvlm": "mmjax.models.idefics3",
 }
 
 

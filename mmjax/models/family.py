@@ -58,9 +58,10 @@ class ImageOptions:
     max_tokens: the most LLM tokens this image may take; a larger one is a ContextLengthError.
     pan_and_scan: Gemma 3's pan-and-scan crops on (True) / off (False) for this image; None: the
         checkpoint's processor default (the server's --pan-and-scan, `detail: "high"`).
-    max_tiles: the most high-resolution tiles for tiling families (LLaVA-NeXT, LLaVA-OneVision):
-        0 = the low-resolution overview only (`detail: "low"`); None: the checkpoint's full
-        tiling (the server's --max-image-tiles caps it).
+    max_tiles: the most tiles a tiling family (Idefics3 / SmolVLM, LLaVA-NeXT / OneVision) cuts
+        this image into, besides its global image / overview; 0: the global image / overview
+        alone (`detail: "low"`); None: the checkpoint's full tiling (capped by the server's
+        --max-image-tiles).
     """
     min_pixels: int | None = None
     max_pixels: int | None = None
@@ -71,7 +72,7 @@ class ImageOptions:
     @classmethod
     def from_dict(cls, opts: dict | None) -> "ImageOptions":
         """{"min_pixels", "max_pixels", "image_max_tokens" | "max_tokens", "pan_and_scan",
-        "max_tiles"} -> ImageOptions; an unknown key, a non-positive size, a negative max_tiles or
+        "max_tiles"} -> ImageOptions; an unknown key, a non-positive size (negative max_tiles) or
         a non-bool pan_and_scan is an InvalidRequestError naming it."""
         opts = dict(opts or {})
         if "image_max_tokens" in opts:
@@ -84,11 +85,11 @@ class ImageOptions:
             if k not in names:
                 raise InvalidRequestError(f"unknown image option {k!r} (known: min_pixels, max_pixels, "
                                           "image_max_tokens, pan_and_scan, max_tiles)", param=f"image_options.{k}")
-            lo = 0 if k == "max_tiles" else 1
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                  or v < (0 if k == "max_tiles" else 1)):
                 name = "image_max_tokens" if k == "max_tokens" else k
-                what = "a non-negative" if lo == 0 else "a positive"
-                raise InvalidRequestError(f"{name} must be {what} integer, got {v!r}", param=name)
+                kind = "a non-negative" if k == "max_tiles" else "a positive"
+                raise InvalidRequestError(f"{name} must be {kind} integer, got {v!r}", param=name)
         return cls(**{k: (None if v is None else int(v)) for k, v in opts.items()},
                    pan_and_scan=None if pas is None else bool(pas))
 

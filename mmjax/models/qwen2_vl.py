@@ -299,10 +299,14 @@ class QwenVLFamily(Family):
         """The compiled encode step: packed (patches, pos_hw, image_seg, window_seg) -> merged
         tokens [n_pad / merge**2, lm_hidden] (window order for Qwen2.5-VL); with a leading
         [shards] axis on every array (`encode_shards` > 1), one packed group per shard."""
-        fn = make_encode_fn(self.cfg.vision, self.attn_impl)
+        fn = self.encode_fn()
         if packed[0].ndim == 3:
             return jax.vmap(fn, in_axes=(None, 0))(params, packed)
         return fn(params, packed)
+
+    def encode_fn(self):
+        """The pure (params, one packed group) -> merged tokens of this family's tower."""
+        return make_encode_fn(self.cfg.vision, self.attn_impl)
 
     def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
         """Pack images (in order) into as few calls as the per-call patch budget allows, each
@@ -331,10 +335,14 @@ class QwenVLFamily(Family):
         calls = []
         for group in groups:
             total = sum(int(np.prod(im.grid)) for im in group)
-            packed = pack_images(group, self.cfg.vision, bucket_for(total, ladder))
+            packed = self.pack(group, bucket_for(total, ladder))
             calls.append(EncodeCall((packed.n_pad,), packed.arrays(),
                                     lambda f, packed=packed: unpack_features(packed, f)))
         return calls
+
+    def pack(self, images: list[ImageInput], n_pad: int):
+        """One encode call's images packed into `n_pad` patches (a PackedImages)."""
+        return pack_images(images, self.cfg.vision, n_pad)
 
     def _sharded_plan(self, images: list[ImageInput], ladder: tuple[int, ...], cap: int) -> list[EncodeCall]:
         """Images (in order) to the least-loaded of `encode_shards` packed groups, at most `cap`
@@ -347,7 +355,7 @@ class QwenVLFamily(Family):
         totals, where = [0] * d, []
 
         def flush():
-            packs = [pack_images(g, self.cfg.vision, bucket_for(max(totals), ladder)) for g in groups]
+            packs = [self.pack(g, bucket_for(max(totals), ladder)) for g in groups]
             arrays = tuple(np.stack(x) for x in zip(*(p.arrays() for p in packs)))
 
             def split(feats, packs=packs, where=tuple(where)):
@@ -414,12 +422,9 @@ class QwenVLFamily(Family):
         return pos.astype(np.int32), delta
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
-    """config.json + safetensors + preprocessor config -> (family, numpy params)."""
-    cfg = QwenVLConfig.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, normalize_name), cfg)
+def checked_policy(path: Path, cfg: QwenVLConfig) -> Qwen2VLImagePolicy:
+    """The checkpoint's image processor, checked against the vision config's patch geometry."""
     policy = load_policy(find_image_processor_config(path))
-    video_policy = Qwen2VLVideoPolicy.from_config(find_video_processor_config(path))
     if not isinstance(policy, Qwen2VLImagePolicy):
         raise CheckpointError(f"{cfg.model_type} needs a Qwen2VLImageProcessor, the checkpoint has "
                               f"{type(policy).__name__}", param="image_processor_type")
@@ -429,8 +434,22 @@ def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
         raise CheckpointError("image processor patch_size/merge_size/temporal_patch_size "
                               f"{(policy.patch_size, policy.merge_size, policy.temporal_patch_size)} do not match "
                               f"config.json {(v.patch_size, v.merge_size, v.temporal_patch_size)}", param="patch_size")
+    return policy
+
+
+def checked_video_policy(path: Path, cfg: QwenVLConfig) -> Qwen2VLVideoPolicy:
+    """The checkpoint's video processor (defaults where it has none), checked like the image one."""
+    video_policy = Qwen2VLVideoPolicy.from_config(find_video_processor_config(path))
+    v = cfg.vision
     if (video_policy.patch_size, video_policy.merge_size, video_policy.temporal_patch_size) != (
             v.patch_size, v.merge_size, v.temporal_patch_size):
         raise CheckpointError("video processor patch_size/merge_size/temporal_patch_size do not match config.json",
                               param="video_preprocessor_config.patch_size")
-    return QwenVLFamily(cfg, policy, video_policy=video_policy), params
+    return video_policy
+
+
+def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
+    """config.json + safetensors + preprocessor configs -> (family, numpy params)."""
+    cfg = QwenVLConfig.from_hf(hf_cfg)
+    params = load_params(TensorSource(path, normalize_name), cfg)
+    return QwenVLFamily(cfg, checked_policy(path, cfg), video_policy=checked_video_policy(path, cfg)), params

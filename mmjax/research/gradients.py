@@ -79,12 +79,15 @@ def _logprob_fn(vlm, calls: tuple, n_answer: int):
     family = vlm.family
     runner = vlm.engine.runner
     tm = runner.text_model                     # as placed (tensor-parallel layout on a mesh)
+    from mmjax.models.text import image_feature_width, image_inputs
     from mmjax.serving.runner import image_mask_spec
 
     def fn(params, pixels, leaves, feat_index, ids, positions, spans, image_pos):
         """params, pixels (list of [..., H, W, C]) -> log p(answer tokens) (sum, float32)."""
         text = params["text"]
-        embeds = tm.embed(text, ids)
+        dtype = tm.embed(text, ids[:1]).dtype
+        # image tokens' features (with per-layer blocks for DeepStack decoders: models/text image_inputs)
+        feats = jnp.zeros((ids.shape[0], image_feature_width(tm)), dtype)
         if pixels:
             flat = jnp.concatenate([jnp.zeros((1,), jnp.float32)] + [x.reshape(-1).astype(jnp.float32) for x in pixels])
             outs = []
@@ -92,12 +95,13 @@ def _logprob_fn(vlm, calls: tuple, n_answer: int):
                 args = [flat[leaf] if i in pix else leaf for i, leaf in enumerate(call_leaves)]
                 f = runner.encode_fn(params, jax.tree.unflatten(treedef, args))
                 outs.append(f.reshape(-1, f.shape[-1]))
-            feats = jnp.concatenate(outs)[feat_index]
-            embeds = embeds.at[image_pos].set(feats.astype(embeds.dtype))
+            feats = feats.at[image_pos].set(jnp.concatenate(outs)[feat_index].astype(dtype))
+        mask = jnp.zeros(ids.shape, bool).at[image_pos].set(True)
+        embeds, extra = image_inputs(tm, text, ids[None], feats[None], mask[None])
         t = ids.shape[0]
         cache = tm.init_cache(1, t, embeds.dtype, max_chunk=t)
-        out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
-                         mask=image_mask_spec(family, spans[None]), ids=ids[None])
+        out = tm.forward(text, embeds, positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
+                         mask=image_mask_spec(family, spans[None]), ids=ids[None], **extra)
         logits = tm.logits(text, out.hidden[0, t - n_answer - 1:t - 1])            # [n_answer, vocab]
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return jnp.take_along_axis(lp, ids[t - n_answer:, None], axis=1).sum()

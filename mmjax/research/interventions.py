@@ -148,3 +148,39 @@ class Prune(Intervention):
         """The engine's `prune=(layer, keep)` for a request with this many image tokens."""
         keep = self.keep if isinstance(self.keep, int) else max(1, round(self.keep * num_image_tokens))
         return {"prune": (self.layer, int(keep))}
+
+
+def intervention_from_json(obj, param: str = "intervention") -> Intervention:
+    """The server's request field: {"type": "prune", "keep": 0.25 | 16, "layer": 2},
+    {"type": "pool", "factor": 2} or {"type": "ablate", "tokens": [..] | null, "mode": "zero" |
+    "mean" | "noise", "scale": 1.0, "seed": 0} -> the intervention (InvalidRequestError naming
+    the bad field otherwise)."""
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(f"{param} must be an object with a 'type'", param=param)
+    kinds = {"prune": (Prune, {"keep", "layer"}), "pool": (Pool, {"factor"}),
+             "ablate": (Ablate, {"tokens", "mode", "scale", "seed"})}
+    kind = obj.get("type")
+    if kind not in kinds:
+        raise InvalidRequestError(f"{param}.type must be one of {sorted(kinds)}, got {kind!r}", param=f"{param}.type")
+    cls, allowed = kinds[kind]
+    extra = set(obj) - allowed - {"type"}
+    if extra:
+        raise InvalidRequestError(f"{param}: unknown field(s) {sorted(extra)} for type {kind!r} "
+                                  f"(allowed: {sorted(allowed)})", param=f"{param}.{sorted(extra)[0]}")
+    kw = {k: v for k, v in obj.items() if k != "type"}
+    if kind == "prune" and "keep" not in kw:
+        raise InvalidRequestError(f"{param}.keep is required for type 'prune'", param=f"{param}.keep")
+    if kind == "ablate":
+        toks = kw.get("tokens")
+        if toks is not None and (not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                        for t in toks)):
+            raise InvalidRequestError(f"{param}.tokens must be a list of integers or null", param=f"{param}.tokens")
+        for name, types in (("scale", (int, float)), ("seed", (int,))):
+            if name in kw and (isinstance(kw[name], bool) or not isinstance(kw[name], types)):
+                raise InvalidRequestError(f"{param}.{name} must be a number", param=f"{param}.{name}")
+    try:
+        return cls(**kw)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(str(e).replace("intervention.", f"{param}."), param=e.param) from None
+    except TypeError as e:
+        raise InvalidRequestError(f"{param}: {e}", param=param) from None

@@ -294,11 +294,11 @@ class Engine:
         return feats
 
     def _image_embeds(self, req: Request, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray]:
-        """Rows [lo, hi) of the prompt's image embeddings [hi - lo, hidden] and mask [hi - lo]."""
+        """Rows [lo, hi) of the prompt's image embeddings [hi - lo, feature width] and mask [hi - lo]."""
         mask = np.isin(req.prompt_ids[lo:hi], self.family.media_token_ids)
         if not mask.any():
             return None, mask
-        emb = np.zeros((hi - lo, self.runner.hidden_size), np.float32)
+        emb = np.zeros((hi - lo, self.runner.feature_width), np.float32)
         first, last = np.searchsorted(req.image_pos, [lo, hi])   # image tokens [first, last) are here
         offset = 0
         for feats, im in zip(req.feats, req.images):

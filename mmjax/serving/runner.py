@@ -23,7 +23,7 @@ from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
 from mmjax.models.family import EncodeCall, Family
-from mmjax.models.text import Capture, Dropped, MaskSpec, Prune
+from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs
 from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -96,7 +96,8 @@ def _gathered(logits: jax.Array, shardings) -> jax.Array:
 
 
 def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
-    """(params, cache, state, token_ids [c], image_embeds [c, hidden], image_mask [c], positions
+    """(params, cache, state, token_ids [c], image_embeds [c, width] (width: the text model's
+    `image_feature_width`, hidden or more with per-layer image features), image_mask [c], positions
     [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
     scalars), key [2] uint32, spans [c] int32) -> (cache, state, sample outputs).
 
@@ -109,10 +110,10 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, start, n_valid,
                 rope_delta, sampling, key, spans):
         text = params["text"]
-        embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
-        out = tm.forward(text, embeds[None], positions[:, None, :], cache, start[None],
+        embeds, extra = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
+        out = tm.forward(text, embeds, positions[:, None, :], cache, start[None],
                          start + token_ids.shape[0], slots=slot[None], mask=image_mask_spec(family, spans[None]),
-                         ids=token_ids[None], reduce_small=tune.reduce_small_attention)
+                         ids=token_ids[None], reduce_small=tune.reduce_small_attention, **extra)
         logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True)),
                            logits_sharding)
         key, sub = jax.random.split(key)
@@ -136,9 +137,9 @@ def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_shard
                 rope_delta, sampling, key, spans, *, layer, keep, out_len):
         text = params["text"]
         c = token_ids.shape[0]
-        embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
+        embeds, _ = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
         prune = Prune(layer, keep, out_len, image_mask[None], (n_valid - 1)[None])
-        out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), c,
+        out = tm.forward(text, embeds, positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), c,
                          slots=slot[None], mask=image_mask_spec(family, spans[None]), ids=token_ids[None], prune=prune,
                          reduce_small=tune.reduce_small_attention)
         dropped = out.intermediates["pruned"][0]
@@ -204,11 +205,11 @@ def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None):
     def fn(params, ids, image_embeds, image_mask, positions, spans=None):
         text = params["text"]
         t = ids.shape[0]
-        embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, ids))
+        embeds, extra = image_inputs(tm, text, ids[None], image_embeds[None], image_mask[None])
         cache = tm.init_cache(1, t, image_embeds.dtype, max_chunk=t)
         mask = None if spans is None else image_mask_spec(family, spans[None])
-        out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
-                         mask=mask, ids=ids[None], capture=capture)
+        out = tm.forward(text, embeds, positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
+                         mask=mask, ids=ids[None], capture=capture, **extra)
         return tm.logits(text, out.hidden[0]), out.intermediates
     return fn
 
@@ -237,6 +238,8 @@ class ModelRunner:
         if vision_offload:
             self.params, self._offloaded = offload_to_host(self.params)
         self.hidden_size = self.text_model.hidden_size
+        # columns of one image token's features (hidden, or more with per-layer image features)
+        self.feature_width = image_feature_width(self.text_model)
         self.max_model_len = max_model_len
         self.max_encode_batch = max_encode_batch
         self.prefill_chunk = prefill_chunk
@@ -395,7 +398,7 @@ class ModelRunner:
         pad = c - n
         ids = np.pad(np.asarray(token_ids, np.int32), (0, pad))
         mask = np.pad(np.asarray(image_mask, bool), (0, pad))
-        emb = np.zeros((c, self.hidden_size), self.dtype) if image_embeds is None else \
+        emb = np.zeros((c, self.feature_width), self.dtype) if image_embeds is None else \
             np.pad(np.asarray(image_embeds, self.dtype), ((0, pad), (0, 0)))
         pos = np.pad(np.asarray(positions, np.int32), ((0, 0), (0, pad)), mode="edge")
         spans = np.full(c, -1, np.int32) if spans is None else np.pad(np.asarray(spans, np.int32), (0, pad),
@@ -472,7 +475,7 @@ class ModelRunner:
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
         for c in buckets.prefill:
             args = (params, cache, state, jax.ShapeDtypeStruct((c,), jnp.int32),
-                    jax.ShapeDtypeStruct((c, self.hidden_size), self.dtype), jax.ShapeDtypeStruct((c,), jnp.bool_),
+                    jax.ShapeDtypeStruct((c, self.feature_width), self.dtype), jax.ShapeDtypeStruct((c,), jnp.bool_),
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
                     jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
             out.append((f"prefill[{c}]", self._prefill, args, {}))

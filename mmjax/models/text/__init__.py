@@ -13,6 +13,13 @@ them (big_vision's `(x, out)` style), so the serving steps compile to the same H
 `MaskSpec` says which cached keys a new token sees beyond plain causality: a sliding window, and
 bidirectional spans (e.g. an image's tokens attending to each other).
 
+Per-layer image features (Qwen3-VL's DeepStack): a text model with `image_feature_layers = n > 0`
+takes image features [tokens, (1 + n) * hidden] (the input embedding, then one addition per
+layer); `image_inputs` splits them into the embeddings and `forward(..., layer_adds=[n, b, t,
+hidden])`, added to the residual stream after layers 0..n-1 at image tokens (zeros elsewhere).
+The features are per token, so chunked prefill, the encoder cache and prefix-cache resume carry
+them like plain features.
+
 `text_model_for(hf_text_config)` picks the implementation by the text config's `model_type`
 (one registration per architecture in `TEXT_MODELS`).
 """
@@ -146,6 +153,8 @@ class TextModel(Protocol):
     # Optional: `supports_prune = True` when `forward` takes `prune: Prune` and `dropped: Dropped`
     # (FastV image-token pruning, mmjax.research.Prune), and `max_prune_layer` (default
     # num_layers - 2) when pruning after later layers is not defined.
+    # Optional: `image_feature_layers = n > 0` when `forward` takes `layer_adds` (see the module
+    # docstring; absent = 0).
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array: ...
 
@@ -157,6 +166,27 @@ class TextModel(Protocol):
         that embed per layer (Gemma 4); others ignore them."""
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array: ...
+
+
+def image_feature_width(tm: TextModel) -> int:
+    """Columns of one image token's features: hidden_size x (1 + image_feature_layers)."""
+    return tm.hidden_size * (1 + getattr(tm, "image_feature_layers", 0))
+
+
+def image_inputs(tm: TextModel, params: dict, ids: jax.Array, image_embeds: jax.Array,
+                 image_mask: jax.Array) -> tuple[jax.Array, dict]:
+    """(ids [..., t], image features [..., t, image_feature_width], image_mask [..., t]) -> the
+    input embeddings [..., t, hidden] (image tokens take their features' first block) and the
+    extra `forward` kwargs: {"layer_adds": [n, ..., t, hidden]} (zero at text tokens) for text
+    models with image_feature_layers = n > 0, else {}."""
+    d = tm.hidden_size
+    embeds = jnp.where(image_mask[..., None], image_embeds[..., :d], tm.embed(params, ids))
+    n = getattr(tm, "image_feature_layers", 0)
+    if not n:
+        return embeds, {}
+    adds = image_embeds[..., d:].reshape(*image_embeds.shape[:-1], n, d)
+    adds = jnp.where(image_mask[..., None, None], adds, 0)
+    return embeds, {"layer_adds": jnp.moveaxis(adds, -2, 0)}
 
 
 class ConfigShape:

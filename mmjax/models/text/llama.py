@@ -1,5 +1,6 @@
-"""Llama-style decoder (Llama / Mistral / Qwen2, and Qwen2-VL's M-RoPE variant) over an explicit
-slot KV cache: the first implementation of the `mmjax.models.text.TextModel` protocol.
+"""Llama-style decoder (Llama / Mistral / Qwen2, Qwen2-VL's M-RoPE variant, and Qwen3 / Qwen3-VL:
+QK-norm, interleaved M-RoPE, DeepStack image features, sparse-MoE feed-forward layers) over an
+explicit slot KV cache: the first implementation of the `mmjax.models.text.TextModel` protocol.
 
 KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
 segments (`kv_segments`: 128 positions each up to 1024, then doubling), K
@@ -30,6 +31,7 @@ from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import dense, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
+from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
@@ -57,6 +59,11 @@ class LlamaConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    qk_norm: bool = False                 # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    moe: MoeConfig | None = None          # sparse-MoE feed-forward layers (Qwen3-MoE)
+    # per-layer image features added after the first `image_feature_layers` layers (Qwen3-VL's
+    # DeepStack): image features are then [tokens, (1 + this) * hidden] (models/text `layer_adds`)
+    image_feature_layers: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str = "text_config", **overrides) -> "LlamaConfig":
@@ -70,11 +77,12 @@ class LlamaConfig:
         window = cfg.get("sliding_window")
         if cfg.get("model_type", "llama").startswith("qwen2") and not cfg.get("use_sliding_window", False):
             window = None
+        num_layers = int(require(cfg, "num_hidden_layers", where))
         parsed = dict(
             vocab_size=int(require(cfg, "vocab_size", where)),
             hidden_size=hidden,
             intermediate_size=int(require(cfg, "intermediate_size", where)),
-            num_layers=int(require(cfg, "num_hidden_layers", where)),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -85,6 +93,8 @@ class LlamaConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,
+            qk_norm=cfg.get("model_type", "").startswith("qwen3"),
+            moe=MoeConfig.from_hf(cfg, where, num_layers),
         )
         return cls(**{**parsed, **overrides})
 
@@ -97,15 +107,22 @@ def load_params(src: TensorSource, cfg: LlamaConfig, prefix: str, lm_head_name: 
     layers = []
     for n in range(cfg.num_layers):
         lp = f"{prefix}layers.{n}."
-        layers.append({
+        layer = {
             "ln1": src.take(lp + "input_layernorm.weight", (d,)),
             "qkv": fused_linear(src, [lp + f"self_attn.{x}_proj" for x in "qkv"], d,
                                 [q_out, kv_out, kv_out], cfg.attention_bias),
             "o": linear(src, lp + "self_attn.o_proj", q_out, d, False),
             "ln2": src.take(lp + "post_attention_layernorm.weight", (d,)),
-            "gate_up": fused_linear(src, [lp + "mlp.gate_proj", lp + "mlp.up_proj"], d, [i, i], cfg.mlp_bias),
-            "down": linear(src, lp + "mlp.down_proj", i, d, cfg.mlp_bias),
-        })
+        }
+        if cfg.qk_norm:
+            layer["q_norm"] = src.take(lp + "self_attn.q_norm.weight", (hd,))
+            layer["k_norm"] = src.take(lp + "self_attn.k_norm.weight", (hd,))
+        if cfg.moe is not None and n in cfg.moe.layers:
+            layer["moe"] = load_moe(src, lp + "mlp.", d, cfg.moe)
+        else:
+            layer["gate_up"] = fused_linear(src, [lp + "mlp.gate_proj", lp + "mlp.up_proj"], d, [i, i], cfg.mlp_bias)
+            layer["down"] = linear(src, lp + "mlp.down_proj", i, d, cfg.mlp_bias)
+        layers.append(layer)
     embed = src.take(prefix + "embed_tokens.weight", (cfg.vocab_size, d))
     if cfg.tie_word_embeddings and not src.has(lm_head_name):
         lm_head = np.ascontiguousarray(embed.T)
@@ -318,7 +335,7 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
             capture: Capture | None = None, reduce_small: bool = False,
             inv_freq: jax.Array | None = None, prune: Prune | None = None,
-            dropped: Dropped | None = None) -> Output:
+            dropped: Dropped | None = None, layer_adds: jax.Array | None = None) -> Output:
     """Run the decoder on new tokens and write their K/V into the cache.
 
     embeds [b, t, hidden]; positions [rows, b, t] rope positions (rows 3 for M-RoPE); starts [b]:
@@ -330,13 +347,15 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
     prune (a prefill from cache index 0): FastV pruning after layer prune.layer (see `Prune`);
     the returned hidden then has prune.out_len rows, kept tokens first, and intermediates
     "pruned" [b] (image tokens dropped). dropped: rows pruned earlier (decode; see `Dropped`).
+    layer_adds [n, b, t, hidden]: added to the residual stream after layers 0..n-1 (DeepStack
+    image features; zeros at other tokens).
     Returns Output(final-normed hidden [b, t, hidden], updated cache, intermediates).
     """
     if cfg.sliding_window is not None and (mask is None or mask.sliding_window is None):
         mask = dataclasses.replace(mask or MaskSpec(), sliding_window=cfg.sliding_window)
     capture = capture or Capture()
-    if prune is not None and (capture.any or dropped is not None):
-        raise ValueError("prune cannot be combined with capture or dropped")
+    if prune is not None and (capture.any or dropped is not None or layer_adds is not None):
+        raise ValueError("prune cannot be combined with capture, dropped or layer_adds")
     x = embeds
     rope = rope_for(cfg, positions, starts, embeds.shape[1], inv_freq)
     hidden, attn, attn_out, new_cache, inter = [x], {}, {}, [], {}
@@ -357,7 +376,9 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
             mask, kv_len = None, prune.out_len
         elif probs is not None:
             attn[i], attn_out[i] = probs
-        hidden.append(x)
+        hidden.append(x)                    # HF's hidden_states: the layer's output, before DeepStack
+        if layer_adds is not None and i < layer_adds.shape[0]:
+            x = x + layer_adds[i].astype(x.dtype)
     out = rms_norm(params["norm"], x, cfg.rms_norm_eps)
     if capture.hidden:
         inter["hidden"] = hidden[:-1] + [out]
@@ -382,7 +403,7 @@ def rope_for(cfg: LlamaConfig, positions: jax.Array, starts: jax.Array, t: int,
     positions [rows, b, t]."""
     if inv_freq is None:
         inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
-    cos, sin = rope_cos_sin(inv_freq, positions, cfg.rope.mrope_section)
+    cos, sin = rope_cos_sin(inv_freq, positions, cfg.rope.mrope_section, cfg.rope.mrope_interleaved)
     return cos, sin, starts[:, None] + jnp.arange(t)[None, :]
 
 
@@ -407,6 +428,8 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
         q = qkv[..., : h * hd].reshape(b, t, h, hd)
         k = qkv[..., h * hd: (h + kvh) * hd].reshape(b, t, kvh, hd)
         v = qkv[..., (h + kvh) * hd:].reshape(b, t, kvh, hd)
+    if "q_norm" in layer:   # Qwen3's QK-norm: per head, before RoPE
+        q, k = rms_norm(layer["q_norm"], q, cfg.rms_norm_eps), rms_norm(layer["k_norm"], k, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Each new token goes to the segment holding its cache index; indexes outside a segment
     # (and padded tail tokens of a bucketed chunk past max_len) map to distinct positions past
@@ -427,6 +450,8 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
                                reduce_small=reduce_small)
     x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
     hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
+    if "moe" in layer:      # sparse MoE feed-forward (replicated under tensor parallelism)
+        return x + moe_mlp(layer["moe"], cfg.moe, hn), {"k": new_k, "v": new_v}, captured
     if layer["gate_up"]["w"].ndim == 3:   # tensor-parallel layout [hidden, tp, gate|up of one shard]
         gu = _grouped_dense(layer["gate_up"], hn)                       # [b, t, tp, 2 * mlp / tp]
         half = gu.shape[-1] // 2
@@ -566,8 +591,10 @@ def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
     out = dict(params)
     out["embed"] = pad_vocab(params["embed"], 0, cfg.vocab_size, tp)
     out["lm_head"] = pad_vocab(params["lm_head"], 1, cfg.vocab_size, tp)
+    # MoE layers keep their experts whole (replicated: no "gate_up" to regroup)
     out["layers"] = [{**lp, "qkv": {k: qkv(v) for k, v in lp["qkv"].items()},
-                      "gate_up": {k: group_gate_up(v, tp) for k, v in lp["gate_up"].items()}}
+                      **({"gate_up": {k: group_gate_up(v, tp) for k, v in lp["gate_up"].items()}}
+                         if "gate_up" in lp else {})}
                      for lp in params["layers"]]
     return out
 
@@ -585,8 +612,16 @@ def embed_tokens(params: dict, token_ids: jax.Array) -> jax.Array:
 class LlamaTextModel(ConfigShape):
     """`TextModel` for Llama-style decoders: binds a config to the functions above."""
     cfg: LlamaConfig
-    supports_prune = True
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
+
+    @property
+    def supports_prune(self) -> bool:
+        """FastV pruning; not with per-layer image features (DeepStack adds after the prune)."""
+        return self.cfg.image_feature_layers == 0
+
+    @property
+    def image_feature_layers(self) -> int:
+        return self.cfg.image_feature_layers
 
     @property
     def position_rows(self) -> int:
@@ -620,10 +655,12 @@ class LlamaTextModel(ConfigShape):
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache: KVCache, starts: jax.Array,
                 kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
                 ids: jax.Array | None = None, capture: Capture | None = None, reduce_small: bool = False,
-                prune: Prune | None = None, dropped: Dropped | None = None) -> Output:
+                prune: Prune | None = None, dropped: Dropped | None = None,
+                layer_adds: jax.Array | None = None) -> Output:
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
-                       capture=capture, reduce_small=reduce_small, inv_freq=inv_freq, prune=prune, dropped=dropped)
+                       capture=capture, reduce_small=reduce_small, inv_freq=inv_freq, prune=prune, dropped=dropped,
+                       layer_adds=layer_adds)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         out = lm_logits(params, hidden)

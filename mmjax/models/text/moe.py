@@ -11,16 +11,29 @@ active width at decode batch 1). So when compiling for CPU with few rows (decode
 run in a compiled loop that skips (`lax.cond`) every expert no row routes to: each active
 expert's weights are read once, idle experts cost nothing (`impl="skip"`).
 
-Routing is Gemma 4's (transformers Gemma4TextRouter): RMSNorm without scale, times a learned
-scale and hidden**-0.5, linear to expert logits, softmax in float32, top-k, the k weights
-renormalised to sum to 1, then multiplied by a learned per-expert scale. Other routers plug in
-through `route`'s output (weights [n, k], expert ids [n, k]).
+Routers (each returns weights [n, k] and expert ids [n, k], what `experts_forward` takes):
+- `gemma4_route` (transformers Gemma4TextRouter): RMSNorm without scale, times a learned scale and
+  hidden**-0.5, linear to expert logits, softmax in float32, top-k, the k weights renormalised to
+  sum to 1, then multiplied by a learned per-expert scale.
+- `softmax_topk_route` (Qwen3-MoE / Qwen3-VL-MoE / Mixtral's TopKRouter): linear to expert
+  logits, softmax in float32, top-k, renormalised when `norm_topk_prob`.
+
+`MoeConfig` + `load_moe` + `moe_mlp` are the whole sparse-MoE feed-forward layer of the Qwen MoE
+line (softmax router, SiLU-gated experts, optional sigmoid-gated shared expert, HF weight names),
+which a decoder drops in for its dense MLP (models/text/llama.py does, for Qwen3-VL-MoE).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mmjax.checkpoint import TensorSource, fused_linear, linear
+from mmjax.errors import CheckpointError, UnsupportedModelError
+from mmjax.models.hf_config import require
+from mmjax.models.layers import dense
 
 
 def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Array, jax.Array]:
@@ -36,6 +49,19 @@ def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Arr
     w, idx = jax.lax.top_k(probs, top_k)
     w = w / w.sum(-1, keepdims=True)
     return w * p["per_expert_scale"][idx].astype(jnp.float32), idx.astype(jnp.int32)
+
+
+def softmax_topk_route(w: jax.Array, x: jax.Array, top_k: int, normalize: bool = True
+                       ) -> tuple[jax.Array, jax.Array]:
+    """x [n, d], router weight w [d, experts] -> (weights [n, k] in x's dtype, expert ids [n, k]
+    int32): softmax over the experts in float32, the top k, renormalised to sum to 1 when
+    `normalize` (HF's norm_topk_prob), then cast to the logits' dtype as HF does."""
+    logits = x @ w
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, top_k)
+    if normalize:
+        top = top / top.sum(-1, keepdims=True)
+    return top.astype(logits.dtype), idx.astype(jnp.int32)
 
 
 SKIP_MAX_ROWS = 64   # CPU: token-expert assignments up to which impl "auto" takes the skip loop
@@ -95,3 +121,84 @@ def _skip_idle_experts(p: dict, x: jax.Array, weights: jax.Array, idx: jax.Array
     out = jax.lax.fori_loop(0, e, body, jnp.zeros((n * k, d), x.dtype))
     out = out * weights.reshape(-1)[:, None].astype(out.dtype)
     return out.reshape(n, k, d).sum(axis=1).astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Sparse-MoE feed-forward (Qwen2-MoE / Qwen3-MoE / Qwen3-VL-MoE): in `layers` the MLP is
+    `num_experts` gated experts of width `intermediate_size`, `top_k` per token (softmax router,
+    renormalised when `norm_topk_prob`), plus, when `shared_intermediate_size` > 0, a shared
+    expert (a gated MLP of that width every token takes, scaled by a sigmoid gate: Qwen2-MoE);
+    the other layers keep the dense MLP."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str, num_layers: int) -> "MoeConfig | None":
+        """HF's num_experts (num_local_experts) / num_experts_per_tok / moe_intermediate_size /
+        decoder_sparse_step / mlp_only_layers / norm_topk_prob / shared_expert_intermediate_size;
+        None without experts."""
+        # transformers 5 saves num_experts as num_local_experts (its attribute_map)
+        e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if e <= 0:
+            return None
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(int(i) for i in (cfg.get("mlp_only_layers") or ()))
+        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        k = int(require(cfg, "num_experts_per_tok", where))
+        if not 0 < k <= e:
+            raise UnsupportedModelError(f"config.json: {where}.num_experts_per_tok={k} must be in 1..{e}",
+                                        param=f"{where}.num_experts_per_tok")
+        return cls(num_experts=e, top_k=k, intermediate_size=int(require(cfg, "moe_intermediate_size", where)),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), layers=layers,
+                   shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+
+
+def load_moe(src: TensorSource, prefix: str, d: int, moe: MoeConfig) -> dict:
+    """HF's fused expert tensors -> {"router": {"w": [d, E]}, "experts": {"gate_up": [E, d, 2f],
+    "down": [E, f, d]}} (models/text/moe.py's layout), and with a shared expert "shared":
+    {"gate_up", "down", "gate": [d, 1]}. Hub files keep experts as [E, d, 2f] /
+    [E, f, d]; transformers 5's in-memory layout is transposed ([E, 2f, d] / [E, d, f]): both are
+    read (the hub shape first)."""
+    e, f = moe.num_experts, moe.intermediate_size
+
+    def take(name: str, hub: tuple, v5: tuple) -> np.ndarray:
+        try:
+            return src.take(name, hub)
+        except CheckpointError:
+            if hub == v5:
+                raise
+            return src.take(name, v5).transpose(0, 2, 1)
+
+    gu = take(prefix + "experts.gate_up_proj", (e, d, 2 * f), (e, 2 * f, d))
+    down = take(prefix + "experts.down_proj", (e, f, d), (e, d, f))
+    router = src.take(prefix + "gate.weight", (e, d))
+    out = {"router": {"w": np.ascontiguousarray(router.T)},
+           "experts": {"gate_up": np.ascontiguousarray(gu), "down": np.ascontiguousarray(down)}}
+    s = moe.shared_intermediate_size
+    if s:
+        sp = prefix + "shared_expert."
+        out["shared"] = {"gate_up": fused_linear(src, [sp + "gate_proj", sp + "up_proj"], d, [s, s], False),
+                         "down": linear(src, sp + "down_proj", s, d, False),
+                         "gate": linear(src, prefix + "shared_expert_gate", d, 1, False)}
+    return out
+
+
+def moe_mlp(p: dict, moe: MoeConfig, x: jax.Array) -> jax.Array:
+    """x [b, t, hidden] -> the sparse-MoE feed-forward output [b, t, hidden] (models/text/moe.py:
+    softmax top-k router, SwiGLU experts as grouped matmuls; plus the sigmoid-gated shared expert
+    where the config has one)."""
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    w, idx = softmax_topk_route(p["router"]["w"], flat, moe.top_k, moe.norm_topk_prob)
+    out = experts_forward(p["experts"], flat, w, idx, jax.nn.silu)
+    if "shared" in p:
+        sh = p["shared"]
+        gu = dense(sh["gate_up"], flat)
+        f = gu.shape[-1] // 2
+        out = out + jax.nn.sigmoid(dense(sh["gate"], flat)) * dense(sh["down"], jax.nn.silu(gu[:, :f]) * gu[:, f:])
+    return out.reshape(b, t, d)

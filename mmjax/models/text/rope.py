@@ -22,6 +22,9 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: frequency j takes the height row if j % 3 == 1, the width row if j % 3 == 2
+    # (within 3 * section), else the temporal row; False: contiguous sections (Qwen2-VL)
+    mrope_interleaved: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str) -> "RopeConfig":
@@ -46,7 +49,8 @@ class RopeConfig:
                    high_freq_factor=float(params.get("high_freq_factor", 4.0)),
                    original_max_position_embeddings=int(params.get(
                        "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))),
-                   mrope_section=tuple(section) if section else None)
+                   mrope_section=tuple(section) if section else None,
+                   mrope_interleaved=bool(params.get("mrope_interleaved", False)))
 
 
 
@@ -69,18 +73,31 @@ def rope_inv_freq(r: RopeConfig, dim: int) -> np.ndarray:
     return inv
 
 
-def rope_cos_sin(inv_freq: jax.Array, positions: jax.Array, mrope_section=None):
+def mrope_rows(mrope_section, half: int) -> np.ndarray:
+    """[half] int: the position row (0 temporal, 1 height, 2 width) of each frequency in
+    Qwen3-VL's interleaved M-RoPE (transformers' Qwen3VLTextRotaryEmbedding): row r in 1, 2 takes
+    frequencies r, r + 3, ... below 3 * mrope_section[r]; the rest stay temporal."""
+    rows = np.zeros(half, np.int32)
+    for r in (1, 2):
+        rows[r:3 * mrope_section[r]:3] = r
+    return rows
+
+
+def rope_cos_sin(inv_freq: jax.Array, positions: jax.Array, mrope_section=None, interleaved: bool = False):
     """positions [rows, b, t] -> cos, sin [b, t, head_dim] in float32. One row: plain RoPE.
 
     M-RoPE (three rows, `mrope_section` set): frequency band i of the section takes its angle
     from the temporal, height or width position row (Qwen2-VL), each section repeated for both
-    rotated halves.
+    rotated halves; `interleaved`: the rows alternate over the frequencies (`mrope_rows`, Qwen3-VL).
     """
     if mrope_section is None:
         positions = positions[0]
     pos = positions.astype(jnp.float32)
     freqs = pos[..., None] * inv_freq  # [..., b, t, hd/2]
-    if mrope_section is not None:
+    if mrope_section is not None and interleaved:
+        rows = mrope_rows(mrope_section, freqs.shape[-1])
+        freqs = jnp.where(rows == 1, freqs[1], jnp.where(rows == 2, freqs[2], freqs[0]))
+    elif mrope_section is not None:
         bands, start = [], 0
         for axis, width in enumerate(mrope_section):
             bands.append(freqs[axis, ..., start:start + width])

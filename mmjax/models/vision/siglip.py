@@ -1,4 +1,5 @@
-"""SigLIP vision transformer (Gemma 3, PaliGemma, ...): a plain pre-LN ViT without class token.
+"""SigLIP vision transformer (Gemma 3, PaliGemma, Idefics3 / SmolVLM, ...): a plain pre-LN ViT
+without class token.
 
 Patch embedding (a stride-p conv with bias, as a matmul on flattened patches), learned position
 embeddings, pre-LN blocks (MHA with biases, GELU-tanh MLP), and the final `post_layernorm`
@@ -21,6 +22,12 @@ from mmjax.models.layers import activation, dense, layer_norm
 from mmjax.models.vision.clip import patchify
 
 
+# Vision configs whose tower is this SigLIP ViT. Idefics3's (SmolVLM's) is SigLIP with NaViT-style
+# position ids for padded images; its processors only produce full square tiles, whose position
+# ids are the plain row-major ones used here.
+SIGLIP_TYPES = ("siglip_vision_model", "siglip", "idefics3_vision", "smolvlm_vision")
+
+
 @dataclass(frozen=True)
 class SiglipVisionConfig:
     hidden_size: int
@@ -36,9 +43,9 @@ class SiglipVisionConfig:
     @classmethod
     def from_hf(cls, cfg: dict, where: str = "vision_config") -> "SiglipVisionConfig":
         mt = cfg.get("model_type", "siglip_vision_model")
-        if mt not in ("siglip_vision_model", "siglip"):
+        if mt not in SIGLIP_TYPES:
             raise UnsupportedModelError(f"config.json: {where}.model_type={mt!r} is not supported "
-                                        "(siglip_vision_model)", param=f"{where}.model_type")
+                                        f"({', '.join(SIGLIP_TYPES)})", param=f"{where}.model_type")
         size, patch = require(cfg, "image_size", where, 224), require(cfg, "patch_size", where, 16)
         if isinstance(size, (list, tuple)) or isinstance(patch, (list, tuple)):
             raise UnsupportedModelError(f"config.json: {where}: non-square image_size / patch_size is not supported",

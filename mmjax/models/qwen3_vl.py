@@ -1,0 +1,119 @@
+"""Qwen3-VL and Qwen3-VL-MoE (Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration).
+
+Everything host-side is Qwen2-VL's (models/qwen2_vl.py: smart_resize preprocessing, exact token
+counts, patch-ladder packed encoding, M-RoPE prompt positions, limits), so the family subclasses
+it. What differs:
+- the vision tower (models/vision/qwen3_vl.py): learned position embeddings resampled to each
+  grid, DeepStack features from intermediate layers, each through its own merger;
+- the decoder: Qwen3 (Llama text model with QK-norm) with interleaved M-RoPE, DeepStack's
+  per-layer image features added after the first decoder layers (`image_feature_layers`), and for
+  the MoE variant sparse-MoE feed-forward layers (models/text/moe.py).
+
+Image features are [tokens, (1 + n_deepstack) * hidden]: the input embedding, then one block per
+DeepStack layer. They travel as one per-token array through the encoder cache and the prefill
+chunks (models/text `image_inputs` splits them in the compiled step).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mmjax.checkpoint import TensorSource
+from mmjax.errors import CheckpointError, UnsupportedModelError
+from mmjax.models.family import ImageInput
+from mmjax.models.hf_config import tie_word_embeddings
+from mmjax.models.qwen2_vl import QwenVLConfig, QwenVLFamily, checked_policy, normalize_name
+from mmjax.models.text.llama import LlamaConfig, LlamaTextModel
+from mmjax.models.vision.qwen3_vl import Qwen3VisionConfig, load_vision_params, make_encode_fn, pack
+
+DEFAULT_MROPE_SECTION = (24, 20, 20)  # HF's Qwen3VLTextRotaryEmbedding default
+
+
+@dataclass(frozen=True)
+class Qwen3VLConfig(QwenVLConfig):
+    vision: Qwen3VisionConfig
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Qwen3VLConfig":
+        mt = cfg.get("model_type")
+        if mt not in ("qwen3_vl", "qwen3_vl_moe"):
+            raise UnsupportedModelError(f"config.json: model_type={mt!r} is not Qwen3-VL", param="model_type")
+        tc = cfg.get("text_config")
+        if not isinstance(tc, dict):
+            raise CheckpointError("config.json: text_config is missing", param="text_config")
+        vision = Qwen3VisionConfig.from_hf(cfg.get("vision_config") or {})
+        text_mt = "qwen3_vl_moe_text" if mt == "qwen3_vl_moe" else "qwen3_vl_text"
+        tc = {**tc, "model_type": text_mt}
+        # transformers' defaults where a config leaves them out: theta 5e5 (Qwen3VLTextConfig's
+        # default_theta), and for the dense text config head_dim 128 (MoE: hidden / heads)
+        rope = {**(tc.get("rope_scaling") or {}), **(tc.get("rope_parameters") or {})}
+        if "rope_theta" not in rope and tc.get("rope_theta") is None:
+            tc["rope_theta"] = 500000.0
+        if mt == "qwen3_vl" and tc.get("head_dim") is None:
+            tc["head_dim"] = 128
+        text = LlamaConfig.from_hf(tc, "text_config",
+                                   tie_word_embeddings=tie_word_embeddings(cfg, tc),
+                                   image_feature_layers=len(vision.deepstack_visual_indexes))
+        if text.moe is None and mt == "qwen3_vl_moe":
+            raise CheckpointError("config.json: text_config.num_experts is missing", param="text_config.num_experts")
+        if text.moe is not None:   # Qwen3-VL-MoE's router always renormalises (no norm_topk_prob flag)
+            text = dataclasses.replace(text, moe=dataclasses.replace(text.moe, norm_topk_prob=True))
+        # HF's Qwen3-VL rotary always interleaves the sections (mrope_interleaved is informative)
+        section = text.rope.mrope_section or DEFAULT_MROPE_SECTION
+        if len(section) != 3 or sum(section) != text.head_dim // 2:
+            raise CheckpointError(f"config.json: rope_parameters.mrope_section={list(section)} must be three sections "
+                                  f"summing to head_dim/2={text.head_dim // 2}",
+                                  param="text_config.rope_parameters.mrope_section")
+        text = dataclasses.replace(text, rope=dataclasses.replace(text.rope, mrope_section=tuple(section),
+                                                                  mrope_interleaved=True))
+        if vision.out_hidden_size != text.hidden_size:
+            raise CheckpointError(f"config.json: vision out_hidden_size {vision.out_hidden_size} != text hidden size "
+                                  f"{text.hidden_size}", param="vision_config.out_hidden_size")
+        token = cfg.get("image_token_id", tc.get("image_token_id"))
+        if token is None:
+            raise CheckpointError("config.json: image_token_id is missing", param="image_token_id")
+        return cls(vision=vision, text=text, image_token_id=int(token),
+                   vision_start_token_id=cfg.get("vision_start_token_id"), model_type=mt)
+
+
+def load_params(src: TensorSource, cfg: Qwen3VLConfig) -> dict:
+    params = {"vision": load_vision_params(src, cfg.vision),
+              "text": LlamaTextModel(cfg.text).load_params(src, "model.", "lm_head.weight")}
+    src.check_all_used()
+    return params
+
+
+@dataclass(eq=False)
+class Qwen3VLFamily(QwenVLFamily):
+    """A loaded Qwen3-VL / Qwen3-VL-MoE model's family (Qwen2-VL's host side, Qwen3-VL's tower)."""
+    @property
+    def video_token_id(self) -> int | None:
+        """No video yet: Qwen3-VL's processor writes per-frame timestamp text ("<t seconds>") around
+        each temporal patch, which Qwen2-VL's video path does not; a video is a clear 400 until
+        that is built rather than a silently different prompt."""
+        return None
+
+    def encode_fn(self):
+        """(params, packed (patches, pos_hw, image_seg, sizes_hw)) -> [n_pad / merge**2, (1 +
+        n_deepstack) * hidden] (final merger, then DeepStack blocks); `encode` adds the
+        per-device groups (QwenVLFamily.encode)."""
+        return make_encode_fn(self.cfg.vision, self.attn_impl)
+
+    def pack(self, images: list[ImageInput], n_pad: int):
+        return pack(images, self.cfg.vision, n_pad)
+
+    def dummy_packed(self, n_pad: int) -> tuple:
+        v = self.cfg.vision
+        return (np.zeros((n_pad, v.patch_dim), np.float32), np.zeros((n_pad, 2), np.int32),
+                np.zeros((n_pad,), np.int32), np.ones((n_pad, 2), np.int32))
+
+
+def load(path: Path, hf_cfg: dict) -> tuple[Qwen3VLFamily, dict]:
+    """config.json + safetensors + preprocessor config -> (family, numpy params)."""
+    cfg = Qwen3VLConfig.from_hf(hf_cfg)
+    params = load_params(TensorSource(path, normalize_name), cfg)
+    return Qwen3VLFamily(cfg, checked_policy(path, cfg)), params

@@ -1,0 +1,226 @@
+"""Qwen3-VL (dense) and Qwen3-VL-MoE parity with transformers on tiny random checkpoints (float32),
+against the real Qwen3VLProcessor (tiny_qwen3.hf_processor).
+
+Checked: pixel patches (max abs <= 1e-5; measured 0), grids, token counts and prompt ids exact;
+image features and every DeepStack feature block rel <= 1e-4 (measured ~1e-6; one packed call of
+three non-square images; packed == one at a time); interleaved M-RoPE cos/sin (rel <= 1e-6) and
+prompt positions exact; logits of a two-image prompt rel <= 1e-4 (measured <= 2.2e-6; whole
+prompt at once: the MoE layers take the grouped ragged_dot path) and every layer's hidden state
+as HF numbers them; 32 greedy tokens identical and logprobs within 1e-4 (measured <= 1.7e-6) for
+a one-image and a two-image prompt through the engine with 16-token prefill chunks (every
+prompt has an image across a chunk edge; the MoE chunk and decode steps take the
+skip-idle-experts path); batched == one at a time == caches off, with repeated requests resumed
+from the prefix cache and a third request resuming its text prefix, then prefilling both images
+from encoder-cached features. Also: the MoE layer with a shared expert against transformers'
+Qwen2MoeSparseMoeBlock, and the text models' tensor-parallel layout.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import mmjax
+from conftest import noise_image, rel_err
+from mmjax.errors import CheckpointError
+from mmjax.models import qwen3_vl as Q3
+from mmjax.models.family import image_runs
+from mmjax.models.text import Capture
+from mmjax.models.text.rope import rope_cos_sin, rope_inv_freq
+from mmjax.serving.caches import EncoderCache
+from tiny_qwen3 import hf_processor
+
+KINDS = ("dense", "moe")
+ONE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
+       "<|im_start|>assistant\n")
+TWO = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>Picture 2: "
+       "<|vision_start|><|image_pad|><|vision_end|>Compare the two images.<|im_end|>\n<|im_start|>assistant\n")
+SIZES = [(150, 110), (90, 200), (230, 75)]   # (width, height), non-square
+CHUNK = 16
+ENGINE = dict(max_num_seqs=2, max_model_len=512, prefill_chunk=CHUNK)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, qwen3_dirs):
+    from transformers import AutoModelForImageTextToText
+    path = qwen3_dirs[request.param]
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return request.param, hf, hf_processor(path), mmjax.load(path, **ENGINE)
+
+
+def test_config_rope_and_errors(pair):
+    kind, hf, _, vlm = pair
+    assert type(hf).__name__ == {"dense": "Qwen3VLForConditionalGeneration",
+                                 "moe": "Qwen3VLMoeForConditionalGeneration"}[kind]
+    fam = vlm.family
+    assert fam.name == hf.config.model_type and fam.image_token_id == hf.config.image_token_id
+    text = fam.cfg.text
+    n_deep = len(hf.config.vision_config.deepstack_visual_indexes)
+    assert text.qk_norm and text.rope.mrope_interleaved and text.image_feature_layers == n_deep
+    assert vlm.engine.runner.feature_width == 64 * (1 + n_deep)
+    assert not fam.text_model.supports_prune
+    if kind == "moe":
+        assert text.moe.layers == (0, 2) and text.moe.top_k == 2 and text.tie_word_embeddings
+    else:
+        assert text.moe is None and not text.tie_word_embeddings
+    # interleaved M-RoPE cos/sin == transformers' Qwen3VL text rotary for random 3-row positions
+    pos = torch.randint(0, 300, (3, 2, 7))
+    cos, sin = hf.model.language_model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+    ours = rope_cos_sin(rope_inv_freq(text.rope, text.head_dim), pos.numpy(), text.rope.mrope_section, True)
+    assert rel_err(ours[0], cos.numpy()) <= 1e-6 and rel_err(ours[1], sin.numpy()) <= 1e-6
+    # config errors name the field
+    cfg = hf.config.to_dict()
+    cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 3, 3]
+    with pytest.raises(CheckpointError) as e:
+        Q3.Qwen3VLConfig.from_hf(cfg)
+    assert "mrope_section" in e.value.param
+
+
+def test_pixels_features_and_deepstack(pair):
+    _, hf, proc, vlm = pair
+    imgs = [noise_image(10 + i, w, h) for i, (w, h) in enumerate(SIZES)]
+    ref = proc.image_processor(imgs, return_tensors="pt")
+    inputs = vlm.prepare_images(imgs)
+    assert [im.grid for im in inputs] == [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    assert [im.num_tokens for im in inputs] == [int(g.prod()) // 4 for g in ref["image_grid_thw"]]
+    assert np.abs(np.concatenate([im.pixels for im in inputs]) - ref["pixel_values"].numpy()).max() <= 1e-5
+    runner = vlm.engine.runner
+    packed = runner.encode_images(inputs)                  # one packed call
+    alone = [runner.encode_images([im])[0] for im in inputs]
+    with torch.no_grad():
+        out = hf.model.get_image_features(pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"])
+    d = 64
+    for i, (p, a) in enumerate(zip(packed, alone)):
+        theirs = [out.pooler_output[i]] + [f[i] for f in out.deepstack_features]
+        assert p.shape == (inputs[i].num_tokens, d * len(theirs))
+        for k, t in enumerate(theirs):
+            assert rel_err(p[:, k * d:(k + 1) * d], t.numpy()) <= 1e-4
+        assert np.abs(p - a).max() <= 1e-5 * max(np.abs(a).max(), 1.0)
+
+
+def test_positions_and_logits_two_images(pair):
+    _, hf, proc, vlm = pair
+    imgs = [noise_image(30, *SIZES[0]), noise_image(31, *SIZES[2])]
+    x = proc(text=[TWO], images=imgs, return_tensors="pt")
+    inputs = vlm.prepare_images(imgs)
+    counts = [im.num_tokens for im in inputs]
+    ids = np.asarray(vlm.tokenizer.encode_prompt(TWO, counts), np.int32)
+    assert ids.tolist() == x["input_ids"][0].tolist()
+    ours, delta = vlm.family.positions(ids, inputs, vlm.family.image_starts(ids, counts))
+    theirs, hf_delta = hf.model.get_rope_index(x["input_ids"], x["mm_token_type_ids"], x["image_grid_thw"])
+    np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+    assert delta == int(hf_delta[0, 0]) < 0
+    with torch.no_grad():
+        out = hf(**x, output_hidden_states=True)
+    ref = out.logits[0].numpy()
+    got, inter = vlm.logits(TWO, imgs, capture=Capture(hidden=True))
+    assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4
+    # per-layer hidden states as HF numbers them (a layer's output before its DeepStack addition)
+    assert len(inter["hidden"]) == len(out.hidden_states)
+    for ours, theirs in zip(inter["hidden"], out.hidden_states):
+        assert rel_err(ours[0], theirs[0].numpy()) <= 1e-4
+
+
+@pytest.mark.slow   # ~10-30 s per config with cold compiles
+def test_generation_chunks_batching_and_caches(pair):
+    """32 greedy tokens == transformers (logprobs within 1e-4) for a one-image and a two-image
+    prompt; batched == one at a time == caches off; images straddle the 16-token chunk edges; a
+    repeated request resumes from the prefix cache, and a third request reuses both its images'
+    features (DeepStack blocks included) from the encoder cache."""
+    _, hf, proc, vlm = pair
+    a, b = noise_image(40, 260, 190), noise_image(41, *SIZES[2])   # 48 and 14 image tokens
+    reqs = [{"prompt": ONE, "images": [a]}, {"prompt": TWO, "images": [b, a]}, {"prompt": TWO, "images": [a, b]}]
+    sp = mmjax.SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True)
+    engine = vlm.engine
+    together = vlm.generate(reqs[:2], sp)
+    hits = engine.stats()["encoder_cache_hits"]
+    alone = [vlm.generate([r], sp)[0] for r in reqs]            # caches hot
+    assert engine.stats()["encoder_cache_hits"] - hits == 2      # the third request's images
+    # the repeats resume from the prefix cache; the third request resumes its shared text prefix
+    # (up to its first image), then prefills its images from encoder-cached features
+    assert [o.cached_tokens == len(o.prompt_token_ids) - 1 for o in alone] == [True, True, False]
+    assert 0 < alone[2].cached_tokens <= image_runs(np.asarray(alone[2].prompt_token_ids),
+                                                     vlm.family.image_token_id)[0, 0], alone[2].cached_tokens
+    saved = engine.encoder_cache, engine.prefix_cache.enabled
+    try:                                                         # both caches off
+        engine.encoder_cache, engine.prefix_cache.enabled = EncoderCache(0), False
+        engine.prefix_cache.clear()
+        cold = [vlm.generate([r], sp)[0] for r in reqs]
+        assert engine.stats()["encoder_cache_hits"] == 0 and all(o.cached_tokens == 0 for o in cold)
+    finally:
+        engine.encoder_cache, engine.prefix_cache.enabled = saved
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone[:2]]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in cold]
+    for x, y in zip(together + alone, alone[:2] + cold):
+        np.testing.assert_allclose([x.logprobs[i][t] for i, t in enumerate(x.token_ids)],
+                                   [y.logprobs[i][t] for i, t in enumerate(y.token_ids)], atol=1e-5)
+    runs = [image_runs(np.asarray(o.prompt_token_ids), vlm.family.image_token_id) for o in together]
+    assert all(any(s < k < e for s, e in rs for k in range(CHUNK, 512, CHUNK)) for rs in runs), runs
+    for r, o in zip(reqs[:2], together):
+        x = proc(text=[r["prompt"]], images=r["images"], return_tensors="pt")
+        assert x["input_ids"][0].tolist() == list(o.prompt_token_ids)
+        with torch.no_grad():
+            g = hf.generate(**x, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
+                            return_dict_in_generate=True, pad_token_id=hf.config.text_config.pad_token_id)
+        expected = g.sequences[0, x["input_ids"].shape[1]:].tolist()
+        assert len(set(expected)) > 2 and o.token_ids == expected
+        for ours, ref in zip(o.logprobs, g.logits):
+            ref = torch.log_softmax(ref[0].double(), -1).numpy()
+            assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+
+
+def test_moe_block_with_shared_expert_matches_transformers(tmp_path):
+    """The sparse-MoE layer as a unit against transformers' Qwen2MoeSparseMoeBlock: softmax top-k
+    router without renormalisation (norm_topk_prob False) plus the sigmoid-gated shared expert,
+    weights read from a file in transformers 5's layout; grouped (ragged_dot) and skip-idle-experts
+    paths."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from mmjax.checkpoint import TensorSource
+    from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
+
+    cfg = Qwen2MoeConfig(hidden_size=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=40, norm_topk_prob=False, num_hidden_layers=1)
+    torch.manual_seed(0)
+    block = Qwen2MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    save_file({f"mlp.{k}": v.contiguous() for k, v in block.state_dict().items()}, tmp_path / "model.safetensors")
+    moe = MoeConfig.from_hf(cfg.to_dict(), "text_config", 1)
+    assert moe.shared_intermediate_size == 40 and not moe.norm_topk_prob and moe.layers == (0,)
+    src = TensorSource(tmp_path)
+    params = load_moe(src, "mlp.", 32, moe)
+    src.check_all_used()
+    fn = jax.jit(moe_mlp, static_argnums=1)
+    for shape in ((1, 40, 32), (3, 1, 32)):        # 80 assignments: ragged_dot; 6: skip idle experts
+        x = torch.randn(shape)
+        with torch.no_grad():
+            ref = block(x).numpy()
+        assert rel_err(fn(params, moe, x.numpy()), ref) <= 1e-5
+
+
+def test_tensor_parallel_layout_keeps_the_math(qwen3_dirs):
+    """The Qwen3 text models (QK-norm, interleaved M-RoPE, DeepStack layer_adds; MoE layers
+    replicated) under tensor_parallel(2) + tp_layout, run on one device: the one-device logits.
+    (KV-head replication for tp > KV heads is llama.py's, tests/test_sharding.py.)"""
+    from mmjax.api import load_model
+
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(5, 300, (2, 14)), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 40, (3, 2, 14)), jnp.int32)
+    for kind, path in qwen3_dirs.items():
+        model = load_model(path)
+        tm, params = model.family.text_model, model.params["text"]
+        adds = jnp.asarray(rng.standard_normal((tm.image_feature_layers, 2, 14, 64)), jnp.float32)
+
+        def run(tm, p):
+            def fn(p):
+                out = tm.forward(p, tm.embed(p, ids), pos, tm.init_cache(2, 32, jnp.float32), jnp.zeros(2, jnp.int32),
+                                 14, layer_adds=adds)
+                return tm.logits(p, out.hidden)
+            return np.asarray(jax.jit(fn)(p))
+        tp_tm = tm.tensor_parallel(2)
+        np.testing.assert_allclose(run(tp_tm, jax.tree.map(jnp.asarray, tp_tm.tp_layout(params, 2))), run(tm, params),
+                                   rtol=1e-5, atol=1e-5, err_msg=kind)
