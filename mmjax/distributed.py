@@ -10,7 +10,7 @@ runner on a mesh that spans processes sends the call's host inputs to the others
 same runner method with the same inputs, so all processes launch the same compiled steps in the
 same order, as SPMD needs. Only the leader reads results.
 
-What is announced: the runner's `encode`, `prefill`, `decode`, `park` and `reset_device_state` (all the
+What is announced: the runner's `encode`, `prefill`, `decode`, `fill_cross`, `park` and `reset_device_state` (all the
 engine and the server use). `VLM.logits` (a research call with its own jit) is not: use it in
 single-process runs only.
 
@@ -154,6 +154,8 @@ def follow() -> int:
             runner.reset_device_state()
         elif op == "park":
             runner.park(*args)
+        elif op == "fill_cross":
+            runner.fill_cross(*args)
         else:
             raise RuntimeError(f"unknown step {op!r} from the leader")
         n += 1

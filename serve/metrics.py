@@ -68,6 +68,12 @@ class EngineCollector:
             for k, v in sorted((mesh.get("axes") or {"devices": mesh.get("devices", 1)}).items()):
                 m.add_metric([k], v)
             yield m
+        if "cross_attention_cache_bytes" in s:   # cross-attention families (Mllama)
+            for key, doc in (("cross_attention_cache_bytes", "Bytes of the per-slot cross-attention K/V cache."),
+                             ("cross_attention_slots", "Slots holding a request's image K/V.")):
+                g = GaugeMetricFamily(f"mmjax_{key}", doc)
+                g.add_metric([], s[key])
+                yield g
         for key, name, doc in (("weight_bytes_per_device", "weight_bytes", "Bytes of weights held by each device."),
                                ("kv_cache_bytes_per_device", "kv_cache_bytes", "Bytes of KV cache held by each device.")):
             per = s.get(key) or {}

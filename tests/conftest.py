@@ -72,6 +72,22 @@ def idefics3_dirs(tmp_path_factory):
     return {v: build_idefics3(root / v, variant=v, seed=i) for i, v in enumerate(("idefics3", "smolvlm"))}
 
 
+@pytest.fixture(scope="session")
+def mistral3_dirs(tmp_path_factory):
+    """Tiny Mistral 3 / Pixtral checkpoints: {"merge2", "merge1", "llava"} (see tiny_mistral3.build_mistral3)."""
+    from tiny_mistral3 import build_mistral3
+    root = tmp_path_factory.mktemp("mistral3")
+    return {v: build_mistral3(root / v, variant=v, seed=i) for i, v in enumerate(("merge2", "merge1", "llava"))}
+
+
+@pytest.fixture(scope="session")
+def mllama_dirs(tmp_path_factory):
+    """Tiny Llama 3.2 Vision checkpoints: {"tiles4", "tiles2"} (see tiny_mllama.build_mllama)."""
+    from tiny_mllama import build_mllama
+    root = tmp_path_factory.mktemp("mllama")
+    return {v: build_mllama(root / v, variant=v, seed=i) for i, v in enumerate(("tiles4", "tiles2"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

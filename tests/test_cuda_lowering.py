@@ -2,7 +2,8 @@
 
 For each family's tiny checkpoints (LLaVA GQA and MHA, Qwen2-VL, Qwen2.5-VL, Gemma 3 with and
 without tied embeddings / softcapping config, Gemma 4 dense and MoE, Idefics3, SmolVLM, Qwen3-VL dense
-and MoE, LLaVA-NeXT, LLaVA-OneVision) and the shipped
+and MoE, Mistral 3 with spatial merge 2 and 1, Llama 3.2 Vision with 4 and 2 tiles, LLaVA-NeXT,
+LLaVA-OneVision) and the shipped
 mmjax-shapes model, in float32 and bfloat16, a runner built for platform "cuda" lists every
 compiled shape it can produce (`ModelRunner.step_signatures`: every encode bucket of the family's
 plan, every prefill chunk bucket, every decode row bucket) and each one is exported with
@@ -23,17 +24,20 @@ TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 
 @pytest.fixture(scope="module")
-def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, qwen3_dirs, llava_next_dirs):
+def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, qwen3_dirs, mistral3_dirs, mllama_dirs,
+                llava_next_dirs):
     return {"llava-gqa": llava_dirs["gqa"], "llava-mha": llava_dirs["mha"], "mmjax-shapes": None, **qwen_dirs,
             "gemma3-window": gemma3_dirs["window"], "gemma3-softcap": gemma3_dirs["softcap"],
             "gemma4-dense": gemma4_dirs["dense"], "gemma4-moe": gemma4_dirs["moe"], **idefics3_dirs,
             "qwen3-dense": qwen3_dirs["dense"], "qwen3-moe": qwen3_dirs["moe"],
+            "mistral3-merge2": mistral3_dirs["merge2"], "mistral3-merge1": mistral3_dirs["merge1"],
+            "mllama-tiles4": mllama_dirs["tiles4"], "mllama-tiles2": mllama_dirs["tiles2"],
             "llava-next": llava_next_dirs["next"], "llava-onevision": llava_next_dirs["onevision"]}
 
 
 def _export_all(path, dtype: str) -> dict[str, jax.export.Exported]:
     model = load_model(path, dtype)
-    if hasattr(model.family, "limits"):   # keep the Qwen patch ladder short: every rung is the same graph
+    if hasattr(model.family, "limits"):   # keep the Qwen / Pixtral patch ladder short: every rung is the same graph
         model.family.configure(max_encode_patches=1024, image_max_tokens=256)
     runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
                          max_encode_batch=2, dtype=model.dtype, platform="cuda")
@@ -48,13 +52,15 @@ def _export_all(path, dtype: str) -> dict[str, jax.export.Exported]:
 @pytest.mark.parametrize("name", ["llava-gqa", "llava-mha", "mmjax-shapes", "qwen2_vl", "qwen2_5_vl",
                                   "gemma3-window", "gemma3-softcap", "gemma4-dense", "gemma4-moe",
                                   "idefics3", "smolvlm", "qwen3-dense", "qwen3-moe",
+                                  "mistral3-merge2", "mistral3-merge1", "mllama-tiles4", "mllama-tiles2",
                                   "llava-next", "llava-onevision"])
 def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     exported = _export_all(checkpoints[name], dtype)
     kinds = {k.split("[")[0].split("(")[0] for k in exported}
-    # one FastV prefill (every decoder but those with DeepStack per-layer image features)
-    fastv = set() if name.startswith("qwen3") else {"prefill_pruned"}
-    assert kinds == {"encode", "prefill", "decode"} | fastv
+    # one FastV prefill (every decoder but DeepStack's per-layer image features and cross-attention)
+    fastv = set() if name.startswith(("qwen3", "mllama")) else {"prefill_pruned"}
+    cross = {"fill_cross"} if name.startswith("mllama") else set()      # the per-slot cross-attention K/V
+    assert kinds == {"encode", "prefill", "decode"} | fastv | cross
     assert sum(k.startswith("decode") for k in exported) == 3          # rows 1, 2, 4
     assert sum(k.startswith("prefill[") for k in exported) == 3        # chunks 16, 32, 64
     for step, exp in exported.items():

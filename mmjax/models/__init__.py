@@ -23,6 +23,8 @@ FAMILIES: dict[str, str] = {
     "llava_onevision": "mmjax.models.llava_next",
     "idefics3": "mmjax.models.idefics3",
     "smolvlm": "mmjax.models.idefics3",
+    "mistral3": "mmjax.models.mistral3",
+    "mllama": "mmjax.models.mllama",
 }
 
 

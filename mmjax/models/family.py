@@ -14,7 +14,8 @@ imports the engine:
   pure encode function the runner jits (`encode`);
 - prompt positions (1-D RoPE or M-RoPE rows, `positions`);
 - how features enter the sequence (`feature_placement`: "replace" = image placeholder tokens
-  take the features; cross-attention families will say otherwise);
+  take the features; "cross_attention" = the decoder's cross-attention layers read them from a
+  per-slot cache the engine fills once per request, Mllama);
 - which text model it runs (`text_model`, a `mmjax.models.text.TextModel`).
 """
 from __future__ import annotations
@@ -177,6 +178,18 @@ class Family(abc.ABC):
         """Decoded uint8 frames [n, H, W, 3] (the plan's indices) -> ImageInput(kind="video");
         `key` is the video's content hash."""
         raise UnsupportedModelError(f"{self.name} does not take video input", param="video_url")
+
+    @property
+    def cross_attention(self) -> bool:
+        """Images enter through the decoder's cross-attention (Mllama), not the token sequence:
+        the engine fills the text model's per-slot cross cache once per request (`fill_cross`)
+        and passes `cross_ranges` per prefill token in MaskSpec.spans."""
+        return self.feature_placement == "cross_attention"
+
+    def cross_ranges(self, ids: np.ndarray, images: list) -> np.ndarray | None:
+        """Cross-attention families: [len(ids)] int32, each token's packed image range (the text
+        model's encoding). Others: None."""
+        return None
 
     # ---- host: images --------------------------------------------------------------------------
     @abc.abstractmethod

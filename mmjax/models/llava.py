@@ -191,6 +191,9 @@ class LlavaFamily(Family):
 
 def load(path: Path, hf_cfg: dict) -> tuple[LlavaFamily, dict]:
     """config.json + safetensors + image processor config -> (family, numpy params)."""
+    if (hf_cfg.get("vision_config") or {}).get("model_type") == "pixtral":  # Pixtral-12B: native resolution
+        from mmjax.models import mistral3
+        return mistral3.load(path, hf_cfg)
     cfg = LlavaConfig.from_hf(hf_cfg)
     params = load_params(TensorSource(path, normalize_name), cfg)
     policy = load_policy(find_image_processor_config(path))

@@ -36,6 +36,10 @@ def prompt_inputs(vlm, prompt: Any, images: Iterable[Any] = (), *, answer: str |
         if list(images):
             raise InvalidRequestError("pass images inside the messages or as `images`, not both", param="images")
         prompt, images = vlm.render_chat(prompt)
+    if vlm.family.cross_attention:
+        from mmjax.errors import UnsupportedModelError
+        raise UnsupportedModelError(f"{vlm.family.name}: whole-prompt logits / research tools are not implemented for "
+                                    "cross-attention families (generation is)", param="model")
     inputs = vlm.prepare_images(images, image_options, intervention=intervention)
     family = vlm.family
     counts = [im.num_tokens for im in inputs]

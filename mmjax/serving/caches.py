@@ -13,7 +13,8 @@ from mmjax.models.family import ImageInput
 IMAGE_KEY_BIT = np.int64(1) << np.int64(62)
 
 
-def token_keys(ids: np.ndarray, images: list[ImageInput], image_pos: np.ndarray) -> np.ndarray:
+def token_keys(ids: np.ndarray, images: list[ImageInput], image_pos: np.ndarray,
+               all_images_first: bool = False) -> np.ndarray:
     """Prefix-cache key per prompt token [prompt_len] int64: text tokens are their id; image
     token j of an image is (content hash of that image + preprocessing) + j with bit 62 set, so
     two different images of the same size never share KV (vllm#20261, sglang#6583).
@@ -25,6 +26,12 @@ def token_keys(ids: np.ndarray, images: list[ImageInput], image_pos: np.ndarray)
         where = image_pos[offset:offset + im.num_tokens]
         keys[where] = IMAGE_KEY_BIT | np.int64(h << 5) + np.arange(im.num_tokens, dtype=np.int64)
         offset += im.num_tokens
+    if all_images_first and images and len(keys):
+        # cross-attention families: every token's KV depends on all of the request's images
+        # (Mllama's text before the first image attends to them all), so the first token's key
+        # names them all and no prefix is shared across different image sets
+        h = int.from_bytes(hashlib.sha256("|".join(im.key for im in images).encode()).digest()[:7], "little")
+        keys[0] = IMAGE_KEY_BIT | np.int64(h << 5)
     return keys
 
 

@@ -146,6 +146,7 @@ class Engine:
                 raise ContextLengthError(f"an image of {longest} tokens must be prefilled in one chunk, but "
                                          f"prefill_chunk is {self.prefill_chunk}", param="images")
         positions, rope_delta = self.family.positions(ids, images, starts)
+        cross = self.family.cross_ranges(ids, images) if self.family.cross_attention else None
         image_pos = np.flatnonzero(np.isin(ids, self.family.media_token_ids))
         if prune is not None:
             self._check_prune(prune, len(ids), len(image_pos))
@@ -154,7 +155,9 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
-                       detok=IncrementalDetokenizer(self.tokenizer), keys=token_keys(ids, images, image_pos),
+                       detok=IncrementalDetokenizer(self.tokenizer),
+                       keys=token_keys(ids, images, image_pos, all_images_first=cross is not None),
+                       cross=cross,
                        logprobs=[] if sampling.logprobs is not None else None, feats=[None] * len(images),
                        image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune))
 
@@ -246,7 +249,9 @@ class Engine:
         todo: dict[str, ImageInput] = {}
         for r in reqs:
             for i, im in enumerate(r.images):
-                if r.feats[i] is not None or im.key in todo or r.image_end(i) <= r.prefilled:
+                # cross-attention: every image is needed by the request's first chunk
+                done = r.image_end(i) <= r.prefilled and not self.family.cross_attention
+                if r.feats[i] is not None or im.key in todo or done:
                     continue
                 cached = self.encoder_cache.get(im.key)
                 if cached is not None:
@@ -296,7 +301,8 @@ class Engine:
     def _image_embeds(self, req: Request, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray]:
         """Rows [lo, hi) of the prompt's image embeddings [hi - lo, feature width] and mask [hi - lo]."""
         mask = np.isin(req.prompt_ids[lo:hi], self.family.media_token_ids)
-        if not mask.any():
+        if not mask.any() or self.family.cross_attention:  # cross-attention: <|image|> keeps its embedding
+            mask[:] = False
             return None, mask
         emb = np.zeros((hi - lo, self.runner.feature_width), np.float32)
         first, last = np.searchsorted(req.image_pos, [lo, hi])   # image tokens [first, last) are here
@@ -313,6 +319,12 @@ class Engine:
         try:
             emb, mask = self._image_embeds(req, lo, hi)
             spans = None if req.runs is None else run_spans(req.prompt_ids[lo:hi], self.family.image_token_id)
+            if req.cross is not None:
+                if not req.cross_filled:   # the request's images' K/V, once, before its first chunk
+                    self.runner.fill_cross(req.slot, list(req.feats), [im.grid[0] for im in req.images],
+                                           int(req.cross[-1]))
+                    req.cross_filled = True
+                spans = req.cross[lo:hi]
             out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
                                       req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans,
                                       prune=req.prune)
@@ -370,7 +382,7 @@ class Engine:
                     f"internal error: the device state was lost while running request {culprit.id}"), deltas)
             else:
                 self.scheduler.slots[r.slot] = None
-                r.slot, r.prefilled, r.cached_tokens = None, 0, 0
+                r.slot, r.prefilled, r.cached_tokens, r.cross_filled = None, 0, 0, False
                 r.feats = [None] * len(r.images)
                 self.scheduler.waiting.appendleft(r)
         self.reset_device_state()
@@ -416,6 +428,9 @@ class Engine:
                 "encoder_cache_hits": self.encoder_cache.hits, "encoder_cache_misses": self.encoder_cache.misses,
                 "encoder_cache_entries": len(self.encoder_cache), "encoder_cache_bytes": self.encoder_cache.bytes,
                 "compiled_shapes": r.compiled_counts(), "compiled_shapes_bound": r.max_compilations(),
+                **({"cross_attention_cache_bytes": r.text_model.cross_cache_bytes(r.num_slots, r.dtype),
+                    "cross_attention_slots": int(sum(1 for q in self.scheduler.active() if q.images))}
+                   if self.family.cross_attention else {}),
                 "compile_seconds": round(r.compile_seconds, 3),
                 "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()},
                 **r.memory_report()}

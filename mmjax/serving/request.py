@@ -54,6 +54,8 @@ class Request:
     image_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # prompt index of
     #                                  each image token, in order (image i owns the next num_tokens)
     runs: np.ndarray | None = None   # [n, 2] bidirectional image-token runs (start, end), if any
+    cross: np.ndarray | None = None  # [prompt_len] packed image ranges (cross-attention families)
+    cross_filled: bool = False       # its images' cross-attention K/V are in its slot
     prune: tuple[int, int] | None = None   # FastV (layer, keep): image tokens kept after `layer`
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None

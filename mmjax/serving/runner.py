@@ -79,7 +79,7 @@ class StepOutput:
 def image_mask_spec(family: Family, spans: jax.Array) -> MaskSpec | None:
     """The prefill mask for spans [b, t] (image-token run ids, -1 elsewhere): bidirectional runs
     for families that want them, else None (plain causal: `spans` goes unused and jit drops it)."""
-    return MaskSpec(spans=spans) if family.bidirectional_images else None
+    return MaskSpec(spans=spans) if family.bidirectional_images or family.cross_attention else None
 
 
 def _gathered(logits: jax.Array, shardings) -> jax.Array:
@@ -244,6 +244,8 @@ class ModelRunner:
         self.max_encode_batch = max_encode_batch
         self.prefill_chunk = prefill_chunk
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set()}
+        if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
+            self.compiled["fill_cross"] = set()
         self._memory_plan: dict | None = None
         if memory_budget is not None:   # sized before anything big is allocated
             max_num_seqs = self._fit_slots(memory_budget, max_num_seqs)
@@ -285,6 +287,10 @@ class ModelRunner:
         self._decode = jax.jit(t.traced(make_decode_step(family, t, self.text_model, gather)), static_argnames=("rows",),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
+        if family.cross_attention:
+            tm = self.text_model
+            self._fill_cross = jax.jit(t.traced(lambda params, cache, *a: tm.fill_cross(params["text"], cache, *a)),
+                                       donate_argnums=(1,), out_shardings=self.cache_shardings)
         self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, self.text_model, gather)),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
@@ -419,6 +425,28 @@ class ModelRunner:
             np.asarray(key, np.uint32), spans)
         return StepOutput(*(np.asarray(x) for x in out))
 
+    def fill_cross(self, slot: int, feats: list[np.ndarray], n_tiles: list[int], dec: int) -> None:
+        """Cross-attention families: write one request's images (feats: per image [vision tokens,
+        hidden]; none for a text-only request) into cache row `slot`'s cross-attention K/V,
+        once per request; `dec`: its decode tokens' packed image range."""
+        if self._announce is not None:
+            return self._announce("fill_cross", (slot, feats, n_tiles, dec),
+                                  lambda: self._fill_cross_row(slot, feats, n_tiles, dec))
+        self._fill_cross_row(slot, feats, n_tiles, dec)
+
+    def _fill_cross_row(self, slot, feats, n_tiles, dec) -> None:
+        tm = self.text_model
+        if len(feats) > tm.max_images:
+            raise InvalidRequestError(f"{len(feats)} images in one request; the cross-attention cache holds "
+                                      f"{tm.max_images}", param="images", code="too_many_images")
+        x = np.zeros((tm.n_vis, self.hidden_size), self.dtype)
+        if feats:
+            x[:sum(len(f) for f in feats)] = np.concatenate(feats)
+        tiles = np.zeros(tm.max_images, np.int32)
+        tiles[:len(n_tiles)] = n_tiles
+        self.cache = self._track("fill_cross", (), self._fill_cross, self.params, self.cache, np.int32(slot), x,
+                                 np.int32(len(feats)), tiles, np.int32(dec))
+
     def decode(self, max_length: int | np.ndarray, active_rows: int | None = None) -> StepOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
         by one token; `max_length` = longest active sequence after the step (per layer
@@ -438,6 +466,8 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile every bucket of every step (leaves garbage in slot 0: reset afterwards)."""
         self.encode(self.family.warmup_plan(self.max_encode_batch))
+        if self.family.cross_attention:
+            self.fill_cross(0, [], [], 0)
         rows = self.text_model.position_rows
         for c in self.buckets.prefill:
             self.prefill(0, 0, np.zeros(c, np.int32), None, np.zeros(c, bool), np.zeros((rows, c), np.int32), 0,
@@ -479,6 +509,11 @@ class ModelRunner:
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
                     jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
             out.append((f"prefill[{c}]", self._prefill, args, {}))
+            if c == buckets.prefill[0] and self.family.cross_attention:
+                tm = self.text_model
+                out.append(("fill_cross", self._fill_cross,
+                            (params, cache, i32, jax.ShapeDtypeStruct((tm.n_vis, self.hidden_size), self.dtype), i32,
+                             jax.ShapeDtypeStruct((tm.max_images,), jnp.int32), i32), {}))
             if c == buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
                 # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
                 pruned = args[:8] + (i32, i32) + args[11:]
@@ -597,4 +632,5 @@ class ModelRunner:
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
-                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode)}
+                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode),
+                **({"fill_cross": 1} if self.family.cross_attention else {})}

@@ -276,7 +276,9 @@ class PackedImages:
 
 
 def pack_images(images: list, cfg: QwenVisionConfig, n_pad: int | None = None) -> PackedImages:
-    """ImageInputs (pixels = patches [t*h*w, patch_dim] in HF order, grid_thw) -> PackedImages."""
+    """ImageInputs (pixels = patches [t*h*w, patch_dim] in HF order, grid_thw) -> PackedImages.
+    cfg: anything with patch_dim, merge_size and windowed (merge_window when windowed): a
+    QwenVisionConfig, or the Pixtral family's packing spec (models/mistral3.py)."""
     m2 = cfg.merge_size ** 2
     total = sum(int(np.prod(im.grid)) for im in images)
     n_pad = total if n_pad is None else n_pad

@@ -1,0 +1,187 @@
+"""Llama 3.2 Vision (MllamaForConditionalGeneration) parity with transformers on tiny random
+checkpoints (float32, tests/tiny_mllama.py: up to 4 and up to 2 tiles, cross-attention at two
+decoder layers), through transformers' MllamaProcessor: pixels, aspect-ratio ids and tile counts
+(exact), vision features (rel <= 1e-4), whole-prompt logits of the decoder with its gated
+cross-attention layers (rel <= 1e-4: one image, two images, text only); the engine (per-slot
+cross-attention K/V filled once per request, read by every prefill chunk and decode step) gives
+transformers' 32 greedy tokens (logprobs within 1e-4) in one batch == one at a time == caches
+off, with image and text-only requests in the same decode batch; the prefix cache never shares
+KV across different images (not even the text before the image, which attends to them); the
+cross-attention cache is in engine.stats() and /metrics; the server streams a multi-turn chat.
+"""
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import mmjax
+from conftest import noise_image, rel_err
+from mmjax.errors import InvalidRequestError, UnsupportedModelError
+from mmjax.models.mllama import MllamaFamily
+from mmjax.models.text.mllama import forward_full, span_key_mask
+from mmjax.serving.caches import EncoderCache
+from tiny_mllama import hf_processor
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+ENGINE = dict(max_num_seqs=2, max_model_len=128, prefill_chunk=16)
+PROMPTS = ["hello <|image|> what is this", "a b <|image|> first <|image|> second one", "just text here"]
+SIZES = [(70, 41), (33, 120), (20, 20), (300, 20)]
+_VLMS: dict = {}
+
+
+def vlm_for(path) -> "mmjax.VLM":
+    if str(path) not in _VLMS:
+        _VLMS[str(path)] = mmjax.load(path, **ENGINE)
+    return _VLMS[str(path)]
+
+
+@contextlib.contextmanager
+def caches_off(vlm):
+    """The same engine (same compiled steps) with its prefix and encoder caches off."""
+    eng = vlm.engine
+    saved = eng.encoder_cache
+    eng.prefix_cache.clear()
+    eng.prefix_cache.enabled, eng.encoder_cache = False, EncoderCache(0)
+    try:
+        yield vlm
+    finally:
+        eng.prefix_cache.enabled, eng.encoder_cache = True, saved
+
+
+@pytest.fixture(scope="module", params=["tiles4", "tiles2"])
+def pair(request, mllama_dirs):
+    from transformers import MllamaForConditionalGeneration
+    path = mllama_dirs[request.param]
+    hf = MllamaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return request.param, path, hf, hf_processor(path), vlm_for(path)
+
+
+def test_pixels_features_and_logits(pair):
+    name, _, hf, proc, vlm = pair
+    fam = vlm.family
+    assert type(fam) is MllamaFamily and fam.cross_attention
+    v = fam.cfg.vision
+    params = jax.tree.map(jax.numpy.asarray, vlm.params)
+    imgs = [noise_image(seed, w, h) for seed, (w, h) in enumerate(SIZES)]
+    inputs = [fam.prepare_image(img) for img in imgs]
+    feats = vlm.engine.runner.encode_images(inputs)          # one call, four images
+    worst = 0.0
+    for img, im, f in zip(imgs, inputs, feats):
+        x = proc.image_processor(img, return_tensors="np")
+        assert (fam.aspect_ratio_id(im), im.grid[0]) == (int(x["aspect_ratio_ids"][0, 0]), int(x["num_tiles"][0][0]))
+        assert np.abs(im.pixels - x["pixel_values"][0, 0].transpose(0, 2, 3, 1)).max() == 0
+        with torch.no_grad():
+            states = hf.model.vision_model(pixel_values=torch.tensor(x["pixel_values"]),
+                                           aspect_ratio_ids=torch.tensor(x["aspect_ratio_ids"]),
+                                           aspect_ratio_mask=torch.tensor(x["aspect_ratio_mask"])).last_hidden_state
+            ref = hf.model.multi_modal_projector(states)[0, 0].reshape(len(f), -1)
+        worst = max(worst, rel_err(f, ref.numpy()))
+    assert worst <= 1e-4
+    tcfg, d = fam.cfg.text, fam.cfg.text.base.hidden_size
+    full = jax.jit(lambda *a: forward_full(params["text"], tcfg, *a))
+    logit_err = 0.0
+    for i, prompt in enumerate(PROMPTS[1:]):   # (one image: the engine test below)
+        imgs = [noise_image(10 + i * 2 + j, *SIZES[j]) for j in range(prompt.count("<|image|>"))]
+        x = proc(text=prompt, images=[imgs] if imgs else None, return_tensors="pt")
+        with torch.no_grad():
+            ref = hf(**x).logits[0].numpy()
+        ids = x["input_ids"][0].numpy()
+        n_vis = max(1, len(imgs)) * fam.cfg.vision_tokens_per_image
+        if imgs:
+            inputs = [fam.prepare_image(im) for im in imgs]
+            feats = np.concatenate(vlm.engine.runner.encode_images(inputs))[None]
+            mask = span_key_mask(ids.tolist(), fam.image_token_id, [im.grid[0] for im in inputs], v.max_num_tiles,
+                                 v.num_patches)
+            assert not mask[0].any()                       # text before the image sees none
+        else:
+            feats, mask = np.zeros((1, n_vis, d), np.float32), np.zeros((len(ids), n_vis), bool)
+        got = np.asarray(full(ids[None], feats, mask[None], np.asarray([bool(imgs)]))[0])
+        assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4
+        logit_err = max(logit_err, rel_err(got, ref))
+    print(f"\n{name}: features rel {worst:.2e}, logits rel {logit_err:.2e}")
+
+
+def hf_generate(hf, proc, prompt, images, n=32):
+    x = proc(text=prompt, images=[images] if images else None, return_tensors="pt")
+    with torch.no_grad():
+        g = hf.generate(**x, max_new_tokens=n, do_sample=False, eos_token_id=None, output_logits=True,
+                        return_dict_in_generate=True, pad_token_id=3)
+    return (x["input_ids"][0].tolist(), g.sequences[0, x["input_ids"].shape[1]:].tolist(),
+            [torch.log_softmax(l[0].double(), -1).numpy() for l in g.logits])
+
+
+@pytest.mark.slow
+def test_engine_greedy_batched_and_caches(pair):
+    """One image, two images, text only, and the one-image text with another image: 32 greedy
+    tokens equal transformers' generate (logprobs within 1e-4) in one batch (image and
+    text-only rows in the same decode steps) == one at a time == caches off."""
+    name, _, hf, proc, vlm = pair
+    imgs = [noise_image(40 + j, *SIZES[j]) for j in range(4)]
+    cases = [(PROMPTS[0], imgs[:1]), (PROMPTS[1], imgs[1:3]), (PROMPTS[2], []), (PROMPTS[0], imgs[3:4])]
+    refs = [hf_generate(hf, proc, p, i) for p, i in cases]
+    # the processor's ids (its prompt gets a second BOS); token-id prompts go in as they are
+    reqs = [{"prompt": ids, "images": i} for (ids, _, _), (_, i) in zip(refs, cases)]
+    sp = mmjax.SamplingParams(max_tokens=32, logprobs=2, **GREEDY)
+    together = vlm.generate(reqs, sp)
+    alone = [vlm.generate([r], sp)[0] for r in reqs]
+    with caches_off(vlm):
+        cold = [vlm.generate([r], sp)[0] for r in reqs]
+        assert vlm.engine.encoder_cache.hits == 0
+    worst = 0.0
+    for (_, exp, lps), a, b, c in zip(refs, together, alone, cold):
+        assert a.token_ids == b.token_ids == c.token_ids == exp and len(exp) == 32
+        for ours, ref in zip(a.logprobs, lps):
+            worst = max(worst, max(abs(v - ref[t]) for t, v in ours.items()))
+    assert worst <= 1e-4
+    first = [together[i].logprobs[0][together[i].token_ids[0]] for i in (0, 3)]
+    assert abs(first[0] - first[1]) > 1e-3                               # the image matters
+    print(f"\n{name}: greedy 32 tokens identical, logprobs max diff {worst:.2e}")
+    # prefix cache: a repeat resumes; the same text with another image shares nothing
+    again = [vlm.generate([reqs[0]], sp)[0] for _ in range(2)][1]
+    assert again.cached_tokens == len(again.prompt_token_ids) - 1 and again.token_ids == refs[0][1]
+    other = vlm.generate([reqs[3]], sp)[0]
+    assert other.cached_tokens == 0 and other.token_ids == refs[3][1]
+    st = vlm.engine.stats()
+    tm = vlm.family.text_model
+    c = tm.cfg.base
+    per_slot = 2 * len(tm.cfg.cross_layers) * tm.n_vis * c.num_kv_heads * c.head_dim * 4
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vlm.engine.runner.cache["cross"]))
+    assert st["cross_attention_cache_bytes"] == held >= ENGINE["max_num_seqs"] * per_slot
+    assert st["compiled_shapes"]["fill_cross"] == 1
+    with pytest.raises(InvalidRequestError):
+        vlm.generate([{"prompt": "<|image|>" * 3, "images": imgs[:3]}], sp)
+    with pytest.raises(UnsupportedModelError):
+        vlm.logits(PROMPTS[0], imgs[:1])
+
+
+def test_serve_multiturn_stream_and_metrics(mllama_dirs):
+    import urllib.request
+
+    from mmjax.image.decode import load_image
+    from serve.app import ServerConfig
+    from test_serve import Server, data_uri, img_part
+    vlm = vlm_for(mllama_dirs["tiles4"])
+    uri = data_uri(31, w=50, h=40)
+    msgs = [{"role": "user", "content": [img_part(uri), {"type": "text", "text": "what is it"}]},
+            {"role": "assistant", "content": "a square"},
+            {"role": "user", "content": "and the color?"}]
+    prompt, _ = vlm.render_chat(msgs)
+    with caches_off(vlm):   # offline first: the server's engine loop then owns the engine
+        off = vlm.generate([{"prompt": prompt, "images": [load_image(uri)]}],
+                           mmjax.SamplingParams(max_tokens=8, **GREEDY))[0]
+    server = Server(vlm, ServerConfig(served_model_name="ml", log_stats_interval=0))
+    try:
+        c = server.client()
+        full = c.chat.completions.create(model="ml", messages=msgs, max_tokens=8, temperature=0)
+        chunks = list(c.chat.completions.create(model="ml", messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert full.choices[0].message.content == text == off.text
+        assert full.usage.prompt_tokens == len(off.prompt_token_ids) and chunks[-1].usage.completion_tokens == 8
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(off.prompt_token_ids) - 1  # the repeat
+        metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        assert "mmjax_cross_attention_cache_bytes" in metrics
+    finally:
+        server.close()
