@@ -138,9 +138,12 @@ class VLM:
     def prepare_images(self, images: Iterable[Any], options: dict | ImageOptions | None = None,
                        intervention=None) -> list[ImageInput]:
         """PIL images / bytes / paths / data URIs -> ImageInputs (decode, validate, resize).
-        options: {"min_pixels", "max_pixels", "image_max_tokens"} (dynamic-resolution families).
+        options: {"min_pixels", "max_pixels", "image_max_tokens"} (dynamic-resolution families),
+        {"max_tiles"} (tiling families: 0 = overview only).
         intervention: a `mmjax.research` intervention (Ablate, Pool) applied to every image."""
         opts = options if isinstance(options, ImageOptions) else ImageOptions.from_dict(options)
+        images = list(images)
+        opts = self.family.prompt_options(opts, len(images))
         out = [im if isinstance(im, ImageInput) else self.family.prepare_image(load_image(im, self.image_limits), opts)
                for im in images]
         if intervention is not None:
@@ -166,7 +169,8 @@ class VLM:
         """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]
         ([n, (1 + n_deepstack) * lm_hidden] for Qwen3-VL: the embeddings, then each DeepStack
         layer's features)."""
-        return self.engine.runner.encode_images(self.prepare_images(images))
+        # each image on its own: a list of images here is not one prompt (prompt_options)
+        return self.engine.runner.encode_images([self.prepare_images([im])[0] for im in images])
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, requests, sampling: SamplingParams | list[SamplingParams] | None = None) -> list:

@@ -52,7 +52,7 @@ def cmd_convert(args) -> int:
     return 0
 
 
-_BENCHES = {"kernel", "engine", "serve", "attention", "sharding", "gpu"}
+_BENCHES = {"kernel", "engine", "serve", "attention", "sharding", "gpu", "tiling"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # serve and bench own their flags: dispatched before parsing (see _DELEGATES).
     sub.add_parser("serve", help="OpenAI-compatible server (mmjax serve --help)", add_help=False)
-    b = sub.add_parser("bench", help="benchmarks: kernel | engine | serve | attention | sharding | gpu", add_help=False)
+    b = sub.add_parser("bench", help="benchmarks: kernel | engine | serve | attention | sharding | gpu | tiling", add_help=False)
     b.add_argument("which", choices=sorted(_BENCHES))
 
     args = parser.parse_args(argv)

@@ -659,7 +659,8 @@ async def _load_images(st: State, refs) -> list:
     rest. Every task's outcome is retrieved, whichever way this returns."""
     if not refs:
         return []
-    tasks = [asyncio.ensure_future(st.fetcher.load(r)) for r in refs]
+    n_images = sum(getattr(r, "kind", "image") == "image" for r in refs)    # a prompt's images (not videos)
+    tasks = [asyncio.ensure_future(st.fetcher.load(r, n_images=n_images)) for r in refs]
     for t in tasks:
         t.add_done_callback(_retrieve)
     try:

@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "default: the checkpoint's processor setting)")
     p.add_argument("--max-image-tiles", type=_non_negative_int, default=None,
                    help="tiles per image for image_url detail 'auto'/'high' in tiling families (Idefics3, SmolVLM: "
-                        "fewer tiles by a lower resize; 0: the global image alone, as detail 'low'; default: all)")
+                        "fewer tiles by a lower resize; LLaVA-NeXT / OneVision: grids over the cap are not used; 0: the global image alone, as detail 'low'; default: all)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="allow file:// image URLs under this directory (default: refused)")
     p.add_argument("--allowed-media-domains", nargs="*", default=[],

@@ -769,7 +769,8 @@ class MediaFetcher:
     async def load_all(self, refs) -> list:
         """All images of one request (one group); the first failure cancels the rest."""
         g = self.new_group()
-        tasks = [asyncio.ensure_future(self.load(r, g)) for r in refs]
+        n_images = sum(getattr(r, "kind", "image") == "image" for r in refs)
+        tasks = [asyncio.ensure_future(self.load(r, g, n_images=n_images)) for r in refs]
         g.seal()
         try:
             return list(await asyncio.gather(*tasks))
@@ -778,8 +779,9 @@ class MediaFetcher:
                 t.cancel()
 
     # ---- sources --------------------------------------------------------------------------------
-    def load(self, ref, group: ImageGroup | None = None):
-        """ImageRef -> awaitable ImageInput (raises typed errors naming ref.param).
+    def load(self, ref, group: ImageGroup | None = None, n_images: int = 1):
+        """ImageRef -> awaitable ImageInput (raises typed errors naming ref.param). n_images: the
+        images of its request (a family may prepare the images of a multi-image prompt apart).
 
         The image joins `group`, or else the group of the calling request (see `_caller_group`);
         await (or cancel) every awaitable of a group: its images wait for each other's headers.
@@ -788,9 +790,9 @@ class MediaFetcher:
             return self.load_video(ref)
         if group is None:
             group = self._caller_group()
-        return self._load(ref, group, group.add(ref.param))
+        return self._load(ref, group, group.add(ref.param), n_images)
 
-    async def _load(self, ref, group: ImageGroup, idx: int) -> Any:
+    async def _load(self, ref, group: ImageGroup, idx: int, n_images: int = 1) -> Any:
         url = ref.url
         try:
             try:
@@ -813,7 +815,7 @@ class MediaFetcher:
                 raise
             group.report(idx, size)
             await group.wait_headers()
-            return await self.pool.run(group, data, self._options(ref.detail), self.cfg.image_max_tokens)
+            return await self.pool.run(group, data, self._options(ref.detail, n_images), self.cfg.image_max_tokens)
         except InvalidRequestError as e:
             if e.param == "image_max_tokens" and isinstance(e, ContextLengthError):
                 e.code = "image_token_budget_exceeded"
@@ -875,13 +877,14 @@ class MediaFetcher:
         """One image, decoded and prepared in the calling thread (no pool)."""
         return prepare_image(self.family, self.cfg.limits, source, self._options(detail), self.cfg.image_max_tokens)
 
-    def _options(self, detail: str) -> ImageOptions:
+    def _options(self, detail: str, n_images: int = 1) -> ImageOptions:
         """detail -> the family's options for the token budget (dynamic-resolution families
         resize to fit it; fixed-size families have one size, so detail is a no-op there).
         Pan-and-scan (families that crop, Gemma 3): "high" turns it on, "low" off, "auto" takes
         the server's --pan-and-scan; a budget too small for the crops turns it off. Tiling
-        (Idefics3 / SmolVLM): "low" is the global image alone (max_tiles 0), "auto"/"high" the
-        checkpoint's tiling capped by --max-image-tiles."""
+        (Idefics3 / SmolVLM, LLaVA-NeXT / OneVision): "low" is the global image / overview alone
+        (max_tiles 0), "auto"/"high" the checkpoint's tiling capped by --max-image-tiles. Last,
+        the family's per-prompt rule (`prompt_options`: OneVision's multi-image prompts)."""
         tokens = self.cfg.image_max_tokens
         if detail == "low":
             tokens = min(tokens or self.cfg.low_detail_tokens, self.cfg.low_detail_tokens)
@@ -890,7 +893,8 @@ class MediaFetcher:
         if pas is not None and opts.pan_and_scan is None:
             opts = dataclasses.replace(opts, pan_and_scan=pas)
         caps = [c for c in (opts.max_tiles, 0 if detail == "low" else self.cfg.max_tiles) if c is not None]
-        return dataclasses.replace(opts, max_tiles=min(caps)) if caps else opts
+        opts = dataclasses.replace(opts, max_tiles=min(caps)) if caps else opts
+        return self.family.prompt_options(opts, n_images)
 
     def local_path(self, url: str, what: str = "image") -> str:
         root = self.cfg.allowed_local_path

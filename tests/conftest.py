@@ -55,6 +55,15 @@ def gemma4_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def llava_next_dirs(tmp_path_factory):
+    """Tiny LLaVA-NeXT and LLaVA-OneVision checkpoints: {"next": path, "onevision": path}
+    (see tiny_llava_next.build_llava_next)."""
+    from tiny_llava_next import build_llava_next
+    root = tmp_path_factory.mktemp("llava_next")
+    return {v: build_llava_next(root / v, variant=v, seed=i) for i, v in enumerate(("next", "onevision"))}
+
+
+@pytest.fixture(scope="session")
 def idefics3_dirs(tmp_path_factory):
     """Tiny Idefics3 and SmolVLM checkpoints: {"idefics3": path, "smolvlm": path} (see
     tiny_idefics3.build_idefics3)."""

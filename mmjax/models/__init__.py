@@ -19,6 +19,8 @@ FAMILIES: dict[str, str] = {
     "qwen3_vl_moe": "mmjax.models.qwen3_vl",
     "gemma3": "mmjax.models.gemma3",
     "gemma4": "mmjax.models.gemma4",
+    "llava_next": "mmjax.models.llava_next",
+    "llava_onevision": "mmjax.models.llava_next",
     "idefics3": "mmjax.models.idefics3",
     "smolvlm": "mmjax.models.idefics3",
     "mistral3": "mmjax.models.mistral3",

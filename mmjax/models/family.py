@@ -59,9 +59,10 @@ class ImageOptions:
     max_tokens: the most LLM tokens this image may take; a larger one is a ContextLengthError.
     pan_and_scan: Gemma 3's pan-and-scan crops on (True) / off (False) for this image; None: the
         checkpoint's processor default (the server's --pan-and-scan, `detail: "high"`).
-    max_tiles: the most tiles a tiling family (Idefics3 / SmolVLM) cuts this image into, besides
-        its global image; 0: the global image alone (`detail: "low"`); None: the checkpoint's
-        full tiling (capped by the server's --max-image-tiles).
+    max_tiles: the most tiles a tiling family (Idefics3 / SmolVLM, LLaVA-NeXT / OneVision) cuts
+        this image into, besides its global image / overview; 0: the global image / overview
+        alone (`detail: "low"`); None: the checkpoint's full tiling (capped by the server's
+        --max-image-tiles).
     """
     min_pixels: int | None = None
     max_pixels: int | None = None
@@ -200,6 +201,11 @@ class Family(abc.ABC):
         """Options that make an image take at most `max_tokens` tokens where the family can
         resize (the server's `detail: low` and --image-max-tokens); fixed-size families: none."""
         return ImageOptions()
+
+    def prompt_options(self, opts: ImageOptions, n_images: int) -> ImageOptions:
+        """The options for each image of a prompt holding `n_images` images (LLaVA-OneVision's
+        processor does not tile the images of a multi-image prompt). Default: `opts`."""
+        return opts
 
     def configure(self, *, image_max_tokens: int | None = None) -> None:
         """Server-wide limits, set before the engine exists (they may shape encode buckets)."""

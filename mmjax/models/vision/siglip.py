@@ -110,11 +110,20 @@ def siglip_block(p: dict, x: jax.Array, cfg: SiglipVisionConfig) -> jax.Array:
     return x + dense(p["fc2"], activation(cfg.hidden_act)(dense(p["fc1"], h)))
 
 
+def siglip_hidden_states(params: dict, pixels: jax.Array, cfg: SiglipVisionConfig) -> list[jax.Array]:
+    """pixels [batch, H, W, 3] -> hidden states [batch, patches, hidden] after the embeddings
+    (index 0) and after each block, without the post layernorm: index i is HF's
+    `hidden_states[i]` (what LLaVA-OneVision's vision_feature_layer selects)."""
+    x = dense(params["patch_embed"], patchify(pixels.astype(params["pos_embed"].dtype), cfg.patch_size))
+    x = x + params["pos_embed"][None]
+    states = [x]
+    for layer in params["layers"]:
+        x = siglip_block(layer, x, cfg)
+        states.append(x)
+    return states
+
+
 def siglip_features(params: dict, pixels: jax.Array, cfg: SiglipVisionConfig) -> jax.Array:
     """pixels [batch, H, W, 3] -> post-layernormed patch features [batch, patches, hidden]
     (HF's `last_hidden_state`), patches in row-major grid order."""
-    x = dense(params["patch_embed"], patchify(pixels.astype(params["pos_embed"].dtype), cfg.patch_size))
-    x = x + params["pos_embed"][None]
-    for layer in params["layers"]:
-        x = siglip_block(layer, x, cfg)
-    return layer_norm(params["post_ln"], x, cfg.layer_norm_eps)
+    return layer_norm(params["post_ln"], siglip_hidden_states(params, pixels, cfg)[-1], cfg.layer_norm_eps)
