@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
+from mmjax.serving.structured import StructuredSpec, check_spec
 from mmjax.serving.sampling import (INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                     SamplingParams)
 
@@ -228,30 +229,106 @@ def _stop_token_ids(body: dict) -> list[int]:
 
 def _unsupported(body: dict) -> None:
     """Fields whose non-default values this server cannot honour: refuse instead of ignoring."""
-    for name, default in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        v = _num(body, name, -math.inf, math.inf, default)  # typed first: false is not 0
-        if v != default:
-            raise InvalidRequestError(f"'{name}' is not supported by this server (only {default})",
-                                      param=name, code="unsupported_parameter")
-    for name in ("tools", "functions", "logit_bias"):
+    for name in ("functions",):
         if body.get(name):
-            raise InvalidRequestError(f"'{name}' is not supported by this server", param=name,
-                                      code="unsupported_parameter")
+            raise InvalidRequestError(f"'{name}' (deprecated) is not supported by this server; use 'tools'",
+                                      param=name, code="unsupported_parameter")
+    if body.get("suffix"):
+        raise InvalidRequestError("'suffix' is not supported", param="suffix", code="unsupported_parameter")
+    if body.get("tools"):
+        raise InvalidRequestError("'tools' is not supported by this server", param="tools",
+                                  code="unsupported_parameter")
     tc = body.get("tool_choice")
     if tc not in (None, "none", "auto"):
         raise InvalidRequestError("'tool_choice' is not supported by this server", param="tool_choice",
                                   code="unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise InvalidRequestError("'response_format' other than {'type': 'text'} is not supported",
-                                  param="response_format", code="unsupported_parameter")
     for name in ("n", "best_of"):  # `true == 1` in Python: type first
         v = _int(body, name, 1, INT32_MAX)
         if v is not None and v != 1:
             raise InvalidRequestError(f"'{name}' must be 1 (got {v}); send several requests instead",
                                       param=name, code="unsupported_parameter")
-    if body.get("suffix"):
-        raise InvalidRequestError("'suffix' is not supported", param="suffix", code="unsupported_parameter")
+
+
+def _token_list(body: dict, name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v:
+        raise _bad(name, "must be a non-empty list of token ids")
+    for i, t in enumerate(v):
+        if not (_is_int(t) and 0 <= t <= INT32_MAX):
+            raise _bad(f"{name}[{i}]", f"must be an integer in [0, {INT32_MAX}], got {short(t)}")
+    return v
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured(body: dict) -> StructuredSpec | None:
+    """At most one output constraint: `response_format` (json_object / json_schema), vLLM's
+    `structured_outputs` {json | regex | choice | grammar | json_object} or the older `guided_*`
+    fields. The grammar is compiled (and its errors reported) with the request."""
+    found: list[StructuredSpec] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise _bad("response_format", "must be an object with a 'type'")
+        t = rf.get("type")
+        if t == "json_object":
+            found.append(check_spec("json_object", None, "response_format"))
+        elif t == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise _bad("response_format.json_schema", "must be an object with a 'schema'")
+            schema = js.get("schema", js.get("json_schema"))
+            if schema is None:
+                raise _bad("response_format.json_schema.schema", "is required")
+            found.append(check_spec("json", schema, "response_format.json_schema.schema"))
+        elif t != "text":
+            raise _bad("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {short(t)}")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs", "must be an object")
+        for k in ("json", "regex", "choice", "grammar"):
+            if so.get(k) is not None:
+                found.append(check_spec(k, so[k], f"structured_outputs.{k}"))
+        if so.get("json_object"):
+            found.append(check_spec("json_object", None, "structured_outputs.json_object"))
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append(check_spec(kind, body[name], name))
+    if len(found) > 1:
+        raise InvalidRequestError(f"only one output constraint may be given; got {', '.join(f.param for f in found)}",
+                                  param=found[1].param)
+    return found[0] if found else None
+
+
+def _penalties(body: dict) -> dict:
+    """presence/frequency/repetition penalties, logit_bias, min_tokens, allowed_token_ids,
+    bad_words: types here, ranges in SamplingParams."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if body.get(name) is not None:
+            out[name] = _num(body, name, -math.inf, math.inf, 0.0)
+    if body.get("min_tokens") is not None:
+        out["min_tokens"] = _int(body, "min_tokens", 0, INT32_MAX)
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise _bad("logit_bias", "must be an object mapping token ids to biases")
+        out["logit_bias"] = lb
+    ati = _token_list(body, "allowed_token_ids")
+    if ati is not None:
+        out["allowed_token_ids"] = ati
+    bw = body.get("bad_words")
+    if bw is not None:
+        if isinstance(bw, str):
+            bw = [bw]
+        if not isinstance(bw, list):
+            raise _bad("bad_words", "must be a string or a list of strings")
+        out["bad_words"] = [_text(w, f"bad_words[{i}]") for i, w in enumerate(bw)]
+    return out
 
 
 def _common(body: dict, req: ParsedRequest) -> None:
@@ -268,6 +345,8 @@ def _common(body: dict, req: ParsedRequest) -> None:
     stop = _stop(body)
     sti = _stop_token_ids(body)
     fields_ = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if body.get(k) is not None}
+    fields_.update(_penalties(body))
+    fields_["structured"] = _structured(body)
     req.sampling = SamplingParams(max_tokens=1, stop=stop, stop_token_ids=list(sti),
                                   ignore_eos=_bool(body, "ignore_eos"), logprobs=req.logprobs, **fields_)
     req.stream = _bool(body, "stream")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +67,8 @@ class Request:
     error: MMJaxError | None = None
     first_token_time: float | None = None
     feats: list = field(default_factory=list)  # per image: np.ndarray [tokens, hidden] once encoded
+    vrow: Any = None                 # sampling.VocabRow of penalties / bias / token limits (None: none)
+    constraints: list = field(default_factory=list)  # host TokenConstraints (bad words, grammar)
 
     @property
     def prompt_len(self) -> int:

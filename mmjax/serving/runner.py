@@ -22,7 +22,7 @@ from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune
-from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
+from mmjax.serving.sampling import SamplingParams, SlotHistory, SlotSampling, VocabRow, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmjax.sharding import MODEL, Placement, per_device_bytes, step_shardings
@@ -35,7 +35,8 @@ class DecodeState:
     """Per-slot decode state [slots]: the last sampled token, tokens in cache, the RoPE offset
     (decode position = cache index + rope_delta), sampling parameters and PRNG key [slots, 2];
     for rows whose image tokens were pruned (FastV), the layer after which `dropped` positions
-    left the cache (`drop_after` = num_layers: never)."""
+    left the cache (`drop_after` = num_layers: never); `hist`: what penalties, logit_bias,
+    allowed tokens and min_tokens read (vocab-sized rows, see sampling.SlotHistory)."""
     tokens: jax.Array
     lengths: jax.Array
     rope_delta: jax.Array
@@ -43,13 +44,14 @@ class DecodeState:
     sampling: SlotSampling
     drop_after: jax.Array
     dropped: jax.Array
+    hist: SlotHistory
 
     @classmethod
-    def zeros(cls, num_slots: int) -> "DecodeState":
+    def zeros(cls, num_slots: int, vocab: int) -> "DecodeState":
         return cls(jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots,), jnp.int32),
                    jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots, 2), jnp.uint32),
                    SlotSampling.zeros(num_slots), jnp.zeros((num_slots,), jnp.int32),
-                   jnp.zeros((num_slots,), jnp.int32))
+                   jnp.zeros((num_slots,), jnp.int32), SlotHistory.zeros(num_slots, vocab))
 
     def head(self, rows: int) -> "DecodeState":
         """The first `rows` slots."""
@@ -93,10 +95,23 @@ def _gathered(logits: jax.Array, shardings) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, replicated)
 
 
+def _first_token(logits, key, sampling, vrow, bits):
+    """Sample a sequence's first token from logits [1, vocab] -> (key, sample outputs, the
+    slot's SlotHistory row after it)."""
+    key, sub = jax.random.split(key)
+    one = jax.tree.map(lambda x: x[None], sampling)
+    vocab = logits.shape[-1]
+    hist = SlotHistory(jax.tree.map(lambda x: x[None], vrow), jnp.zeros((1, vocab), jnp.int32),
+                       jnp.zeros((1,), jnp.int32))
+    res = sample(logits, sub[None], one, hist, bits[None])
+    return key, res, jax.tree.map(lambda x: x[0], hist.after(res[0]))
+
+
 def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds [c, hidden], image_mask [c], positions
     [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
-    scalars), key [2] uint32, spans [c] int32) -> (cache, state, sample outputs).
+    scalars), key [2] uint32, spans [c] int32, vrow (VocabRow of [vocab] rows), bits [words]
+    uint32 (the first token's allowed-token bitmask)) -> (cache, state, sample outputs).
 
     One chunk of one sequence into cache row `slot`. The first token is sampled from the logits
     of the chunk's last valid token and the slot's decode-state row is set up (the host only uses
@@ -105,7 +120,7 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
     tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, start, n_valid,
-                rope_delta, sampling, key, spans):
+                rope_delta, sampling, key, spans, vrow, bits):
         text = params["text"]
         embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, start[None],
@@ -113,25 +128,23 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
                          ids=token_ids[None], reduce_small=tune.reduce_small_attention)
         logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True)),
                            logits_sharding)
-        key, sub = jax.random.split(key)
-        one = jax.tree.map(lambda x: x[None], sampling)
-        res = sample(logits, sub[None], one)
+        key, res, hist = _first_token(logits, key, sampling, vrow, bits)
         row = DecodeState(res[0][0], start + n_valid, rope_delta, key, sampling, jnp.int32(tm.num_layers),
-                          jnp.int32(0))
+                          jnp.int32(0), hist)
         return out.cache, state.set_slot(slot, row), res
     return prefill
 
 
 def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds, image_mask, positions, slot, n_valid,
-    rope_delta, sampling, key, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
+    rope_delta, sampling, key, vrow, bits, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
     prompt (from cache index 0) in one call with FastV pruning after decoder `layer` (static, as
     are `keep` image tokens and the `out_len` rows later layers compute); text models with
     `supports_prune` only. `tm` as in prefill."""
     tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, n_valid,
-                rope_delta, sampling, key, *, layer, keep, out_len):
+                rope_delta, sampling, key, vrow, bits, *, layer, keep, out_len):
         text = params["text"]
         c = token_ids.shape[0]
         embeds = jnp.where(image_mask[:, None], image_embeds, tm.embed(text, token_ids))
@@ -141,23 +154,23 @@ def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_shard
         dropped = out.intermediates["pruned"][0]
         logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1 - dropped,
                                                                         keepdims=True)), logits_sharding)
-        key, sub = jax.random.split(key)
-        res = sample(logits, sub[None], jax.tree.map(lambda x: x[None], sampling))
-        row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped)
+        key, res, hist = _first_token(logits, key, sampling, vrow, bits)
+        row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped, hist)
         return out.cache, state.set_slot(slot, row), res
     return prefill
 
 
 def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
-    """(params, cache, state, kv_lens, *, rows) -> (cache, state, sample outputs): one token for
-    each of the first `rows` slots (static); the other slots' cache and state rows are
+    """(params, cache, state, kv_lens, bits, *, rows) -> (cache, state, sample outputs): one token
+    for each of the first `rows` slots (static); bits [rows, words] uint32: each row's
+    allowed-token bitmask (all ones: unconstrained); the other slots' cache and state rows are
     untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_lens
     [num_layers] int32: cache positions the active rows use after the step, per layer (they
     differ after pruned layers). `tm` as in prefill."""
     tm = tm or family.text_model
     prunable = getattr(tm, "supports_prune", False)
 
-    def decode(params, cache, state, kv_lens, *, rows):
+    def decode(params, cache, state, kv_lens, bits, *, rows):
         text = params["text"]
         st = state.head(rows)
         embeds = tm.embed(text, st.tokens)[:, None]
@@ -167,8 +180,9 @@ def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None
                          reduce_small=tune.reduce_small_attention, **extra)
         logits = _gathered(tm.logits(text, out.hidden[:, 0]), logits_sharding)
         split = jax.vmap(jax.random.split)(st.keys)
-        res = sample(logits, split[:, 1], st.sampling)
-        st = dataclasses.replace(st, tokens=res[0], lengths=st.lengths + 1, keys=split[:, 0])
+        res = sample(logits, split[:, 1], st.sampling, st.hist, bits)
+        st = dataclasses.replace(st, tokens=res[0], lengths=st.lengths + 1, keys=split[:, 0],
+                                 hist=st.hist.after(res[0]))
         return out.cache, state.set_head(rows, st), res
     return decode
 
@@ -210,6 +224,10 @@ class ModelRunner:
         self.param_shardings = self.placement.param_shardings(params, self.text_model)
         self.params = self.placement.place_params(params, self.text_model)
         self.hidden_size = self.text_model.hidden_size
+        self.vocab_size = int(family.text_model.vocab_size)    # logits columns
+        self.bit_words = (self.vocab_size + 31) // 32           # words of a token bitmask row
+        v = self.vocab_size
+        self._default_row = VocabRow(np.zeros(v, np.float32), np.zeros(v, bool), np.zeros(v, bool))
         self.num_slots = max_num_seqs
         self.max_model_len = max_model_len
         self.max_encode_batch = max_encode_batch
@@ -251,7 +269,16 @@ class ModelRunner:
                                           sharding=self.cache_shardings, max_chunk=self.buckets.prefill[-1])
 
     def fresh_state(self) -> DecodeState:
-        return self.placement.place(DecodeState.zeros(self.num_slots), "state")
+        return self.placement.place(DecodeState.zeros(self.num_slots, self.vocab_size), "state")
+
+    def default_row(self) -> VocabRow:
+        """The VocabRow of a request without penalties, bias or token limits."""
+        return self._default_row
+
+    def all_allowed(self, rows: int | None = None) -> np.ndarray:
+        """An unconstrained token bitmask: [bit_words] (rows None) or [rows, bit_words] uint32."""
+        shape = (self.bit_words,) if rows is None else (rows, self.bit_words)
+        return np.full(shape, 0xFFFFFFFF, np.uint32)
 
     def reset_device_state(self) -> None:
         """Fresh KV cache and decode state (after a failed step may have consumed donated buffers)."""
@@ -324,20 +351,25 @@ class ModelRunner:
 
     def prefill(self, slot: int, start: int, token_ids: np.ndarray, image_embeds: np.ndarray | None,
                 image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: SlotSampling,
-                key: np.ndarray, spans: np.ndarray | None = None, prune: tuple[int, int] | None = None
-                ) -> StepOutput:
+                key: np.ndarray, spans: np.ndarray | None = None, prune: tuple[int, int] | None = None,
+                vrow: VocabRow | None = None, bits: np.ndarray | None = None) -> StepOutput:
         """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index
         `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none).
         prune (layer, keep): FastV pruning of the image tokens after `layer` (the whole prompt,
-        start 0; later layers compute the remaining tokens' bucket)."""
-        args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key, spans, prune)
+        start 0; later layers compute the remaining tokens' bucket). vrow: the request's VocabRow
+        (None: no penalties/bias/limits); bits [bit_words] uint32: the first token's allowed-token
+        bitmask (None: all)."""
+        args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key, spans, prune,
+                vrow, bits)
         if self._announce is not None:
             return self._announce("prefill", args, lambda: self._prefill_chunk(*args))
         return self._prefill_chunk(*args)
 
     def _prefill_chunk(self, slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling,
-                       key, spans=None, prune=None) -> StepOutput:
+                       key, spans=None, prune=None, vrow=None, bits=None) -> StepOutput:
         n = len(token_ids)
+        vrow = self.default_row() if vrow is None else vrow
+        bits = self.all_allowed() if bits is None else np.asarray(bits, np.uint32)
         c = bucket_for(n, self.buckets.prefill)
         pad = c - n
         ids = np.pad(np.asarray(token_ids, np.int32), (0, pad))
@@ -355,28 +387,35 @@ class ModelRunner:
             self.cache, self.state, out = self._track(
                 "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
                 self.state, ids, emb, mask, pos, np.int32(slot), np.int32(n), np.int32(rope_delta), sampling,
-                np.asarray(key, np.uint32), layer=layer, keep=keep, out_len=out_len)
+                np.asarray(key, np.uint32), vrow, bits, layer=layer, keep=keep, out_len=out_len)
             return StepOutput(*(np.asarray(x) for x in out))
         self.cache, self.state, out = self._track(
             "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
             np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
-            np.asarray(key, np.uint32), spans)
+            np.asarray(key, np.uint32), spans, vrow, bits)
         return StepOutput(*(np.asarray(x) for x in out))
 
-    def decode(self, max_length: int | np.ndarray, active_rows: int | None = None) -> StepOutput:
+    def decode(self, max_length: int | np.ndarray, active_rows: int | None = None,
+               bits: np.ndarray | None = None) -> StepOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
         by one token; `max_length` = longest active sequence after the step (per layer
-        [num_layers] where pruned rows make later layers shorter). Outputs have one row per
-        advanced slot."""
+        [num_layers] where pruned rows make later layers shorter); bits [>= active_rows,
+        bit_words] uint32: allowed-token bitmasks of the slots (None: all allowed; missing rows
+        are unconstrained). Outputs have one row per advanced slot."""
         if self._announce is not None:
-            return self._announce("decode", (max_length, active_rows), lambda: self._decode_rows(max_length, active_rows))
-        return self._decode_rows(max_length, active_rows)
+            return self._announce("decode", (max_length, active_rows, bits),
+                                  lambda: self._decode_rows(max_length, active_rows, bits))
+        return self._decode_rows(max_length, active_rows, bits)
 
-    def _decode_rows(self, max_length: int | np.ndarray, active_rows: int | None) -> StepOutput:
+    def _decode_rows(self, max_length: int | np.ndarray, active_rows: int | None, bits=None) -> StepOutput:
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
         kv_lens = np.broadcast_to(np.asarray(max_length, np.int32), (self.text_model.num_layers,))
+        full = self.all_allowed(rows)
+        if bits is not None:
+            k = min(rows, len(bits))
+            full[:k] = bits[:k]
         self.cache, self.state, out = self._track("decode", rows, self._decode, self.params, self.cache,
-                                                  self.state, np.ascontiguousarray(kv_lens), rows=rows)
+                                                  self.state, np.ascontiguousarray(kv_lens), full, rows=rows)
         return StepOutput(*(np.asarray(x) for x in out))
 
     def warmup(self) -> None:
@@ -412,20 +451,24 @@ class ModelRunner:
         rows = self.text_model.position_rows
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
+        vrow = jax.tree.map(spec, self.default_row())
+        bits = jax.ShapeDtypeStruct((self.bit_words,), jnp.uint32)
         for c in self.buckets.prefill:
             args = (params, cache, state, jax.ShapeDtypeStruct((c,), jnp.int32),
                     jax.ShapeDtypeStruct((c, self.hidden_size), self.dtype), jax.ShapeDtypeStruct((c,), jnp.bool_),
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
-                    jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
+                    jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32), vrow, bits)
             out.append((f"prefill[{c}]", self._prefill, args, {}))
             if c == self.buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
                 # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
-                pruned = args[:8] + (i32, i32) + args[11:13]
+                pruned = args[:8] + (i32, i32) + args[11:13] + (vrow, bits)
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
                             {"layer": 0, "keep": 1, "out_len": self.buckets.prefill[0]}))
         for r in self.buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
-            out.append((f"decode[{r}]", self._decode, (params, cache, state, lens), {"rows": r}))
+            out.append((f"decode[{r}]", self._decode, (params, cache, state, lens,
+                                                       jax.ShapeDtypeStruct((r, self.bit_words), jnp.uint32)),
+                        {"rows": r}))
         return out
 
     def memory_report(self) -> dict:

@@ -1,0 +1,189 @@
+"""The OpenAI surface beyond plain sampling (issue 26): penalties, logit_bias, min_tokens,
+allowed_token_ids and bad_words (against a numpy reference of vLLM's rules on the same logits),
+structured output, n > 1, /tokenize, /detokenize, unknown fields; engine level and through the
+official openai client."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mmjax
+from mmjax.serving.constraints import bad_word_ids
+from mmjax.serving.sampling import SamplingParams, SlotHistory, SlotSampling, VocabRow, process_logits, vocab_row
+
+GREEDY = dict(temperature=0.0)
+
+
+# ---- the numpy reference (vLLM's rules, written from its definitions) ------------------------------
+
+def ref_process(logits: np.ndarray, sp: SamplingParams, prompt_ids, out_ids: list[int], eos_ids,
+                bad_seqs: list[list[int]] = (), bits_allowed: np.ndarray | None = None) -> np.ndarray:
+    """The logits one request samples its next token from, given the tokens it generated."""
+    x = logits.astype(np.float64).copy()
+    v = x.shape[-1]
+    if bits_allowed is not None:
+        x[~bits_allowed] = -np.inf
+    if sp.allowed_token_ids:
+        keep = np.zeros(v, bool)
+        keep[sp.allowed_token_ids] = True
+        x[~keep] = -np.inf
+    for s in bad_seqs:                         # a word's last token, when the rest was just generated
+        if len(s) == 1 or (len(out_ids) >= len(s) - 1 and out_ids[len(out_ids) - len(s) + 1:] == s[:-1]):
+            x[s[-1]] = -np.inf
+    if len(out_ids) < sp.min_tokens:
+        for t in set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)):
+            x[t] = -np.inf
+    for t, b in (sp.logit_bias or {}).items():
+        x[t] += b
+    counts = np.bincount(np.asarray(out_ids, np.int64), minlength=v)
+    seen = counts > 0
+    rep = np.where(seen | np.isin(np.arange(v), prompt_ids), sp.repetition_penalty, 1.0)
+    x = np.where(x > 0, x / rep, x * rep)
+    return x - sp.frequency_penalty * counts - sp.presence_penalty * seen
+
+
+def test_process_logits_matches_numpy_reference():
+    """Four rows with different rules in one call of the compiled processing."""
+    rng = np.random.default_rng(0)
+    vocab, eos = 70, {2}
+    logits = rng.normal(0, 3, (4, vocab)).astype(np.float32)
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4, logit_bias={5: 3.0, 9: -100}),
+              SamplingParams(repetition_penalty=1.7, min_tokens=5, stop_token_ids=[7]),
+              SamplingParams(allowed_token_ids=[1, 2, 3, 40, 41], repetition_penalty=0.6, min_tokens=1),
+              SamplingParams()]
+    prompts = [rng.integers(0, vocab, 9) for _ in params]
+    outs = [list(rng.integers(0, vocab, k)) for k in (6, 3, 0, 4)]
+    bits = np.full((4, 3), 0xFFFFFFFF, np.uint32)
+    bits[3, 1] = 0x0F0F0F0F                      # a grammar row: some of tokens 32..63 only
+    allowed3 = np.unpackbits(bits[3].view(np.uint8), bitorder="little")[:vocab].astype(bool)
+    rows = [vocab_row(sp, vocab, p, eos) for sp, p in zip(params, prompts)]
+    counts = np.stack([np.bincount(np.asarray(o, np.int64), minlength=vocab) for o in outs]).astype(np.int32)
+    hist = SlotHistory(VocabRow(*(np.stack([getattr(r, f) for r in rows]) for f in ("bias", "prompt", "stops"))),
+                       counts, np.asarray([len(o) for o in outs], np.int32))
+    sps = [SlotSampling.from_params(sp) for sp in params]
+    slot = SlotSampling(*(np.stack([getattr(s, f) for s in sps]) for f in SlotSampling.__dataclass_fields__))
+    got = np.asarray(process_logits(logits, slot, hist, bits))
+    for i, sp in enumerate(params):
+        want = ref_process(logits[i], sp, prompts[i], outs[i], eos, bits_allowed=allowed3 if i == 3 else None)
+        assert np.array_equal(np.isinf(got[i]), np.isinf(want)), i
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-6, atol=1e-5)
+    assert np.isinf(got[1, 7]) and np.isinf(got[1, 2]) and np.isinf(got[2, 2]) and np.isfinite(got[2, 3])
+
+
+@pytest.fixture(scope="module")
+def vlm(llava_dirs):
+    return mmjax.load(llava_dirs["gqa"], max_num_seqs=4, max_model_len=128)
+
+
+def _forward_logits(vlm, ids: np.ndarray) -> np.ndarray:
+    """Next-token logits [t, vocab] after each prefix of a text-only sequence (one forward)."""
+    from mmjax.models.family import run_spans
+    from mmjax.research.prompt import PromptInputs
+
+    fam = vlm.family
+    positions, _ = fam.positions(ids, [], [])
+    p = PromptInputs(ids, [], np.zeros(0, np.int64), positions, run_spans(ids, fam.image_token_id), len(ids))
+    return vlm.prompt_forward(p)[0]
+
+
+def test_engine_applies_each_requests_rules_in_one_batch(vlm):
+    """Greedy requests with different penalties / biases / limits run together in one batch;
+    every generated token is the argmax of the numpy rule applied to the model's logits after
+    the same prefix (one full forward over prompt + output)."""
+    tok = vlm.tokenizer
+    eos = set(vlm.model.eos_token_ids)
+    prompt = "USER: describe the red circle and the blue square ASSISTANT:"
+    bad = ["color", "the", "photo", "red", "is"]
+    cases = [SamplingParams(max_tokens=10, frequency_penalty=1.5, presence_penalty=0.5, logit_bias={88: 4.0},
+                            ignore_eos=True, **GREEDY),
+             SamplingParams(max_tokens=10, repetition_penalty=1.8, min_tokens=4, logit_bias={2: 100.0}, **GREEDY),
+             SamplingParams(max_tokens=10, allowed_token_ids=list(range(200, 230)) + [2], presence_penalty=-1.0,
+                            ignore_eos=True, **GREEDY),
+             SamplingParams(max_tokens=10, bad_words=bad, logit_bias={71: 6.0, 88: 6.0, 353: 8.0, 299: 8.0},
+                            ignore_eos=True, **GREEDY)]
+    outs = vlm.generate([prompt] * len(cases), cases)
+    seqs = bad_word_ids(tok, bad)
+    assert any(len(s) > 1 for s in seqs) and any(len(s) == 1 for s in seqs)
+    # min_tokens with EOS pushed up by +100: exactly 4 tokens, then EOS
+    assert len(outs[1].token_ids) == 5 and outs[1].token_ids[-1] in eos and outs[1].finish_reason == "stop"
+    assert set(outs[2].token_ids) <= set(range(200, 230))
+    for sp, o in zip(cases, outs):
+        ids = np.asarray(list(o.prompt_token_ids) + list(o.token_ids[:-1]), np.int32)
+        logits = _forward_logits(vlm, ids)[len(o.prompt_token_ids) - 1:]
+        for k, t in enumerate(o.token_ids):
+            ref = ref_process(logits[k], sp, o.prompt_token_ids, list(o.token_ids[:k]), eos,
+                              seqs if sp.bad_words else ())
+            assert int(np.argmax(ref)) == t, (sp, k)
+    out3 = outs[3].token_ids
+    for s in seqs:    # no bad word anywhere in the output
+        assert not any(out3[i:i + len(s)] == s for i in range(len(out3)))
+    # the biases actually bite: without bad_words, request 3's rule makes a bad word
+    free = vlm.generate([prompt], SamplingParams(max_tokens=10, logit_bias={71: 6.0, 88: 6.0, 353: 8.0, 299: 8.0},
+                                                 ignore_eos=True, **GREEDY))[0].token_ids
+    assert any(free[i:i + len(s)] == s for s in seqs for i in range(len(free)))
+
+
+def test_token_rule_errors(vlm):
+    from mmjax.errors import InvalidRequestError
+    for kw, param in ((dict(logit_bias={400: 1.0}), "logit_bias"), (dict(allowed_token_ids=[5, 10**6]),
+                                                                       "allowed_token_ids")):
+        with pytest.raises(InvalidRequestError) as e:
+            vlm.engine.make_request("hi", sampling=SamplingParams(**kw))
+        assert e.value.param == param
+    for kw, param in ((dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+                      (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={1: 101}), "logit_bias"),
+                      (dict(min_tokens=-1), "min_tokens"), (dict(bad_words=[""]), "bad_words")):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(**kw)
+        assert e.value.param == param
+
+
+# ---- structured output (engine) ---------------------------------------------------------------------
+
+SHAPES_SCHEMA = {"type": "object", "properties": {
+    "shape": {"enum": ["circle", "square", "triangle"]}, "color": {"enum": ["red", "green", "blue"]},
+    "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["shape", "color", "count"], "additionalProperties": False}
+
+
+def test_structured_outputs_always_parse(vlm):
+    """Random-weight model, sampled at temperature 1 with different seeds: every constrained
+    answer is complete and valid (JSON schema, json_object, regex, choice, Lark grammar) while
+    the same requests unconstrained are not; all in one batch with an unconstrained row."""
+    import json
+    import re
+
+    import jsonschema
+
+    from mmjax.serving.structured import StructuredSpec
+
+    specs = [StructuredSpec("json", SHAPES_SCHEMA), StructuredSpec("regex", r"[a-c]{3}-[0-9]{2}"),
+             StructuredSpec("choice", ["red", "blue", "green light"]),
+             StructuredSpec("grammar", 'start: "yes" | "no" " " NUM\nNUM: /[0-9]/'), None]
+    prompts, params = [], []
+    for seed in range(3):
+        for s in specs:
+            prompts.append("USER: what is it? ASSISTANT:")
+            params.append(SamplingParams(max_tokens=40, temperature=1.0, seed=seed, structured=s))
+    outs = vlm.generate(prompts, params)
+    for sp, o in zip(params, outs):
+        s = sp.structured
+        if s is None:
+            assert o.finish_reason == "length"          # gibberish until the limit
+            continue
+        assert o.finish_reason == "stop", (s.kind, o.text)
+        if s.kind == "json":
+            jsonschema.validate(json.loads(o.text), SHAPES_SCHEMA)
+        elif s.kind == "regex":
+            assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", o.text), o.text
+        elif s.kind == "choice":
+            assert o.text in s.value
+        else:
+            assert re.fullmatch(r"yes|no [0-9]", o.text), o.text
+    assert len({o.text for o, sp in zip(outs, params) if sp.structured is specs[0]}) > 1   # sampled, not fixed
+    from mmjax.errors import InvalidRequestError
+    for bad in (StructuredSpec("json", {"type": "object", "properties": {"a": {"type": "nonsense"}}}),
+                StructuredSpec("regex", "([a-z"), StructuredSpec("grammar", "start: undefined_rule")):
+        with pytest.raises(InvalidRequestError):
+            vlm.engine.make_request("hi", sampling=SamplingParams(structured=bad))
