@@ -187,3 +187,99 @@ def test_structured_outputs_always_parse(vlm):
                 StructuredSpec("regex", "([a-z"), StructuredSpec("grammar", "start: undefined_rule")):
         with pytest.raises(InvalidRequestError):
             vlm.engine.make_request("hi", sampling=SamplingParams(structured=bad))
+
+
+def test_json_schema_on_mmjax_shapes():
+    """The shipped model (never trained on JSON) answers its three single-value questions with a
+    {"count", "shape", "color"} schema: every answer parses and matches the schema; the field the
+    question asks for is right about as often as the free-text answer (measured: 84/90 vs 90/90
+    with 30 per type; the test asserts >= 80% of the free-text hits on 8 per type)."""
+    import json
+
+    import jsonschema
+
+    from mmjax.demo import default_model_path
+    from mmjax.demo import shapes as S
+    from mmjax.serving.structured import StructuredSpec
+
+    shapes = mmjax.load(default_model_path(), max_num_seqs=8, max_model_len=256)
+    # count first, spaced separators (x-guidance): closest to the answers the model was trained on
+    schema = {"x-guidance": {"key_separator": ": ", "item_separator": ", "}, "type": "object",
+              "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "shape": {"enum": list(S.SHAPES)}, "color": {"enum": list(S.COLORS)}},
+              "required": ["count", "shape", "color"], "additionalProperties": False}
+    plain = {k: v for k, v in schema.items() if k != "x-guidance"}
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    exs = [S.make_example(rng, qt, client_roundtrip=False) for qt in ("shape", "color", "count") for _ in range(8)]
+    reqs = []
+    for ex in exs:
+        prompt, images = shapes.render_chat([{"role": "user", "content": [
+            {"type": "image", "image": ex["image"]}, {"type": "text", "text": ex["question"]}]}])
+        reqs.append({"prompt": prompt, "images": images})
+    free = shapes.generate(reqs, SamplingParams(max_tokens=24, temperature=0.0))
+    js = shapes.generate(reqs, SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredSpec("json", schema)))
+    free_hits = json_hits = 0
+    for ex, f, j in zip(exs, free, js):
+        obj = json.loads(j.text)
+        jsonschema.validate(obj, plain)
+        field = {S.Q_SHAPE: "shape", S.Q_COLOR: "color", S.Q_COUNT: "count"}[ex["question"]]
+        free_hits += S.answer_matches(f.text, ex["answer"])
+        json_hits += str(obj[field]) == ex["answer"]
+    assert json_hits >= 0.8 * free_hits, (json_hits, free_hits)
+
+
+# ---- through the server and the official openai client -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(llava_dirs):
+    from test_serve import ENGINE_KW, Server
+
+    from serve.app import ServerConfig
+    s = Server(mmjax.load(llava_dirs["gqa"], **ENGINE_KW), ServerConfig(served_model_name="tiny", log_stats_interval=0))
+    yield s
+    s.close()
+
+
+def test_server_sampling_fields_and_structured_output(server, vlm):
+    import json
+
+    import jsonschema
+    import openai
+
+    c = server.client()
+    prompt = "USER: describe the red circle ASSISTANT:"
+    rules = dict(presence_penalty=0.8, frequency_penalty=0.6, logit_bias={"88": 5.0, "353": -100})
+    extra = dict(repetition_penalty=1.3, min_tokens=3, bad_words=["color"], allowed_token_ids=list(range(60, 390)))
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra, **rules)
+    want = vlm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, logit_bias={88: 5.0, 353: -100},
+                                                 presence_penalty=0.8, frequency_penalty=0.6, **extra))[0]
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
+
+    msgs = [{"role": "user", "content": "what is it?"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "shape", "schema": SHAPES_SCHEMA, "strict": True}}
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=1.0, seed=3,
+                                  response_format=rf)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SHAPES_SCHEMA)
+    text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=40, temperature=1.0, seed=3, response_format=rf, stream=True)
+        if ch.choices)
+    assert text == r.choices[0].message.content
+    for extra, check in ((dict(structured_outputs={"choice": ["left", "right"]}), lambda t: t in ("left", "right")),
+                         (dict(guided_regex="[0-9]{3}"), lambda t: len(t) == 3 and t.isdigit()),
+                         (dict(guided_json={"type": "array", "items": {"type": "boolean"}, "maxItems": 2}),
+                          lambda t: isinstance(json.loads(t), list))):
+        t = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=1.0,
+                                      extra_body=extra).choices[0].message.content
+        assert check(t), (extra, t)
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    for body, param in ((dict(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}),
+                         "response_format.json_schema.schema"),
+                        (dict(extra_body={"guided_regex": "(", "guided_choice": ["a"]}), "guided_choice"),
+                        (dict(extra_body={"guided_regex": "(("}), "guided_regex"),
+                        (dict(presence_penalty=5), "presence_penalty"),
+                        (dict(logit_bias={"100000": 1}), "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, **body)
+        assert e.value.body["param"] == param, (body, e.value.body)
