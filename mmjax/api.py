@@ -156,7 +156,8 @@ class VLM:
         max_pixels / image_max_tokens for dynamic-resolution families, "intervention" (a
         `mmjax.research` Ablate / Pool / Prune) and "sampling").
         sampling: one SamplingParams for all, or a list with one per request (vLLM's convention).
-        Returns RequestOutputs in order."""
+        Returns RequestOutputs in order; with SamplingParams.n > 1 each holds choices 1..n-1 in
+        `.siblings` (they share the prompt's KV: prefilled once)."""
         if isinstance(requests, (str, dict)):
             requests = [requests]
         requests = list(requests)
@@ -177,8 +178,16 @@ class VLM:
             iv = r.get("intervention")
             images = self.prepare_images(r.get("images", ()), r.get("image_options"), iv)
             extra = iv.engine_args(sum(im.num_tokens for im in images)) if iv is not None else {}
-            ids.append(self.engine.add_request(r["prompt"], images, sp, **extra))
-        return self.engine.run_until_done(ids)
+            req = self.engine.make_request(r["prompt"], images, sp, **extra)
+            ids.append([self.engine.submit(q) for q in self.engine.siblings(req, sp.n)])
+        outs = self.engine.run_until_done([i for group in ids for i in group])
+        it = iter(outs)
+        result = []
+        for group in ids:                 # n > 1: choices 1..n-1 ride on choice 0
+            first = next(it)
+            first.siblings = [next(it) for _ in group[1:]]
+            result.append(first)
+        return result
 
     def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **template_kw):
         """OpenAI-style messages; image parts as {"type": "image", "image": PIL/bytes/path} or

@@ -154,6 +154,8 @@ def follow() -> int:
             runner.reset_device_state()
         elif op == "park":
             runner.park(*args)
+        elif op == "copy_slot":
+            runner.copy_slot(*args)
         else:
             raise RuntimeError(f"unknown step {op!r} from the leader")
         n += 1

@@ -160,6 +160,8 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     app[STATE] = st
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
@@ -487,7 +489,7 @@ async def _error_middleware(request: web.Request, handler):
 @web.middleware
 async def _auth_middleware(request: web.Request, handler):
     key = request.app[STATE].config.api_key
-    if key and request.path.startswith("/v1"):
+    if key and (request.path.startswith("/v1") or request.path in ("/tokenize", "/detokenize")):
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if not given:
@@ -533,6 +535,62 @@ async def metrics_route(request: web.Request) -> web.Response:
 
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# ---- /tokenize, /detokenize (vLLM's extension routes) ------------------------------------------------
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{"prompt" (+ "images") | "messages", "add_special_tokens", "add_generation_prompt",
+    "chat_template_kwargs", "mm_processor_kwargs", "return_token_strs"} -> {"count", "max_model_len",
+    "tokens", "image_tokens" (per image), "token_strs"?}: exactly the ids generation would see."""
+    st = request.app[STATE]
+    body = await _read_json(request, st)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", param=None)
+    if "messages" in body:
+        chat = {k: v for k, v in body.items() if k in ("model", "messages", "chat_template_kwargs",
+                                                          "add_generation_prompt", "mm_processor_kwargs")}
+        parsed = schema.parse_chat(chat, limits=st.limits)
+    else:
+        comp = {k: v for k, v in body.items() if k in ("model", "prompt", "images", "mm_processor_kwargs")}
+        parsed = schema.parse_completion(comp, limits=st.limits)
+    _check_model(st, parsed.model)
+    _warn_ignored(schema.unknown_fields(body, schema.TOKENIZE_FIELDS), request.path)
+    add_special = schema._bool(body, "add_special_tokens", True)
+    strs = schema._bool(body, "return_token_strs", False)
+    for ref in parsed.images:
+        ref.options = parsed.image_options
+    images = await _load_images(st, parsed.images)
+
+    def run():
+        if parsed.kind == "completion" and isinstance(parsed.prompt, str) and not images and not add_special:
+            ids = st.vlm.tokenizer.encode(parsed.prompt, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in _build_request(st, parsed, images, "tokenize")[0].prompt_ids]
+        out = {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids,
+               "image_tokens": [im.num_tokens for im in images]}
+        if strs:
+            out["token_strs"] = [st.vlm.tokenizer.id_to_token(t) for t in ids]
+        return out
+    return web.json_response(await asyncio.get_running_loop().run_in_executor(st.executor, run))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{"tokens": [ids]} -> {"prompt": text} (special tokens kept, as vLLM)."""
+    st = request.app[STATE]
+    body = await _read_json(request, st)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", param=None)
+    _check_model(st, body.get("model"))
+    _warn_ignored(schema.unknown_fields(body, schema.DETOKENIZE_FIELDS), request.path)
+    toks = body.get("tokens")
+    vocab = st.vlm.tokenizer.vocab_size
+    if not isinstance(toks, list) or len(toks) > st.engine.max_model_len * 4 or not all(
+            schema._is_int(t) and 0 <= t < vocab for t in toks):
+        raise InvalidRequestError(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+    text = await asyncio.get_running_loop().run_in_executor(
+        st.executor, lambda: st.vlm.tokenizer.decode(toks, skip_special_tokens=False))
+    return web.json_response({"prompt": text})
 
 
 # ---- generation ---------------------------------------------------------------------------------------
@@ -648,11 +706,18 @@ async def _load_images(st: State, refs) -> list:
                 t.cancel()
 
 
+def _warn_ignored(names: list[str], path: str) -> None:
+    """Unknown request fields are ignored with a warning (vLLM's policy, every endpoint)."""
+    if names:
+        log.warning("%s: the following fields were present in the request but ignored: %s", path, names)
+
+
 def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: str):
     """Runs in the thread pool: template, tokenize, validate, size the completion."""
     eng = st.engine
     if parsed.kind == "chat":
-        prompt = st.vlm.tokenizer.render_chat(parsed.messages, add_generation_prompt=True)
+        prompt = st.vlm.tokenizer.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
+                                              **parsed.template_kwargs)
     else:
         prompt = parsed.prompt
         tok = st.vlm.tokenizer
@@ -687,7 +752,7 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
             f"'{parsed.max_tokens_param}')", param=parsed.max_tokens_param)
     else:
         req.sampling.max_tokens = parsed.max_tokens
-    return req
+    return eng.siblings(req, parsed.n)
 
 
 class _Acc:
@@ -790,19 +855,27 @@ class Generation:
 
     def _account(self) -> None:
         m, a = self.st.metrics, self.acc
-        m.prompt_tokens.inc(self.req.prompt_len)
-        m.image_tokens.inc(self.image_tokens)
-        m.cached_tokens.inc(self.req.cached_tokens)
+        if self.req.index == 0:       # n > 1: the prompt counts once
+            m.prompt_tokens.inc(self.req.prompt_len)
+            m.image_tokens.inc(self.image_tokens)
+            m.cached_tokens.inc(self.req.cached_tokens)
         m.completion_tokens.inc(a.n_tokens)
 
     def usage(self) -> dict:
-        return schema.usage(self.req.prompt_len, self.acc.n_tokens, int(self.req.cached_tokens), self.image_tokens)
+        return usage_of([self])
 
     async def close(self) -> None:
         await self.gen.aclose()
 
     def logprob_entries(self, d) -> list:
         return _chat_lp(self.st, d, self.parsed.logprobs or 0) if d.logprobs is not None else []
+
+
+def usage_of(gens: list[Generation]) -> dict:
+    """OpenAI usage of one request's choices: the prompt once, the completions summed."""
+    g = gens[0]
+    return schema.usage(g.req.prompt_len, sum(x.acc.n_tokens for x in gens), int(g.req.cached_tokens),
+                        g.image_tokens)
 
 
 def _completion_lp(entries: list[dict], offset: int) -> tuple[dict, int]:
@@ -835,106 +908,139 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     parsed = schema.parse_chat(body, limits=st.limits) if kind == "chat" else \
         schema.parse_completion(body, limits=st.limits)
     _check_model(st, parsed.model)
+    _warn_ignored(parsed.ignored, request.path)
+    for ref in parsed.images:
+        ref.options = parsed.image_options
     st.metrics.images.inc(len(parsed.images))
     images = await _load_images(st, parsed.images)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
-    req = await loop.run_in_executor(st.executor, _build_request, st, parsed, images, rid)
+    reqs = await loop.run_in_executor(st.executor, _build_request, st, parsed, images, rid)
     if st.draining:
         raise UnavailableError("the server is shutting down and accepts no new requests")
-    g = Generation(st, parsed, req, _route_name(request), t0, rid)
+    route = _route_name(request)
+    gens = [Generation(st, parsed, r, route, t0, rid) for r in reqs]
     st.active.add(rid)
     st.metrics.in_flight.inc()
     try:
-        first = await g.next()   # QueueFullError / engine failure surface here, before any header
+        # QueueFullError / engine failure surface here, before any header
+        firsts = [await g.next() for g in gens]
         if parsed.stream:
-            return await _stream(request, g, first, kind)
-        return await _collect(g, first, kind)
+            return await _stream(request, gens, firsts, kind)
+        return await _collect(gens, firsts, kind)
     except asyncio.CancelledError:
         st.metrics.disconnects.inc()
         raise
     finally:
         st.active.discard(rid)
         st.metrics.in_flight.dec()
-        await g.close()
+        for g in gens:
+            await g.close()
 
 
-async def _collect(g: Generation, d, kind: str) -> web.Response:
+async def _collect_one(g: Generation, d, kind: str) -> dict:
     entries = []
     while d is not None:
         entries.extend(g.logprob_entries(d))
         if d.finished:
             break
         d = await g.next()
-    a, st = g.acc, g.st
+    a = g.acc
     text = "".join(a.text)
     lp = None
     if g.parsed.logprobs is not None:
         lp = schema.chat_logprobs(entries) if kind == "chat" else _completion_lp(entries, 0)[0]
+    i = g.req.index
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                  "finish_reason": a.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": a.finish_reason}
-        obj = "text_completion"
+        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                "finish_reason": a.finish_reason}
+    return {"index": i, "text": text, "logprobs": lp, "finish_reason": a.finish_reason}
+
+
+async def _collect(gens: list[Generation], firsts: list, kind: str) -> web.Response:
+    choices = await asyncio.gather(*(_collect_one(g, d, kind) for g, d in zip(gens, firsts)))
+    g, st = gens[0], gens[0].st
+    obj = "chat.completion" if kind == "chat" else "text_completion"
     return web.json_response({"id": g.rid, "object": obj, "created": schema.now(),
-                              "model": st.config.served_model_name, "choices": [choice], "usage": g.usage()})
+                              "model": st.config.served_model_name, "choices": list(choices),
+                              "usage": usage_of(gens)})
 
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _stream(request: web.Request, g: Generation, d, kind: str) -> web.StreamResponse:
-    st = g.st
+async def _pump(i: int, g: Generation, d, q: asyncio.Queue) -> None:
+    """Feed one choice's deltas into the request's stream queue: (i, delta, None), an error as
+    (i, None, error), and (i, None, None) when it is done."""
+    try:
+        while d is not None:
+            await q.put((i, d, None))
+            if d.finished:
+                break
+            d = await g.next()
+    except MMJaxError as e:
+        await q.put((i, None, e))
+    await q.put((i, None, None))
+
+
+async def _stream(request: web.Request, gens: list[Generation], firsts: list, kind: str) -> web.StreamResponse:
+    g0 = gens[0]
+    st = g0.st
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     created = schema.now()
     model = st.config.served_model_name
-    include_usage = g.parsed.include_usage
-    want_lp = g.parsed.logprobs is not None
-    offset = 0
+    include_usage = g0.parsed.include_usage
+    want_lp = g0.parsed.logprobs is not None
+    offsets = [0] * len(gens)
 
     def chunk(choice: dict | None) -> dict:
-        obj = {"id": g.rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        obj = {"id": g0.rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                "created": created, "model": model, "choices": [choice] if choice is not None else []}
         if include_usage:
             obj["usage"] = None
         return obj
 
+    q: asyncio.Queue = asyncio.Queue()
+    pumps: list[asyncio.Task] = []
     try:
         await resp.prepare(request)  # inside: a client that resets before the headers is a disconnect too
         if kind == "chat":
-            await resp.write(_sse(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None})))
-        while d is not None:
+            for g in gens:
+                await resp.write(_sse(chunk({"index": g.req.index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None})))
+        pumps = [asyncio.ensure_future(_pump(i, g, d, q)) for i, (g, d) in enumerate(zip(gens, firsts))]
+        running, failed = len(gens), False
+        while running:
+            i, d, err = await q.get()
+            if d is None:
+                if err is not None:  # after the headers: report in-band
+                    log.warning("request %s failed mid-stream: %s", g0.rid, err.message)
+                    await resp.write(_sse(err.to_openai()))
+                    failed = True
+                    break
+                running -= 1
+                continue
+            g = gens[i]
             lp = None
             if want_lp:
                 entries = g.logprob_entries(d)
                 if kind == "chat":
                     lp = schema.chat_logprobs(entries)
                 else:
-                    lp, offset = _completion_lp(entries, offset)
+                    lp, offsets[i] = _completion_lp(entries, offsets[i])
             if d.text or lp is not None or d.finished:
                 fr = d.finish_reason if d.finished else None
                 if kind == "chat":
                     delta = {"content": d.text} if d.text else {}
-                    c = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}
+                    c = {"index": g.req.index, "delta": delta, "logprobs": lp, "finish_reason": fr}
                 else:
-                    c = {"index": 0, "text": d.text, "logprobs": lp, "finish_reason": fr}
+                    c = {"index": g.req.index, "text": d.text, "logprobs": lp, "finish_reason": fr}
                 await resp.write(_sse(chunk(c)))
-            if d.finished:
-                break
-            try:
-                d = await g.next()
-            except MMJaxError as e:  # after the headers: report in-band
-                log.warning("request %s failed mid-stream: %s", g.rid, e.message)
-                await resp.write(_sse(e.to_openai()))
-                break
-        if include_usage and g.acc.finish_reason is not None:
+        if include_usage and not failed and all(g.acc.finish_reason is not None for g in gens):
             u = chunk(None)
-            u["usage"] = g.usage()
+            u["usage"] = usage_of(gens)
             await resp.write(_sse(u))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -943,7 +1049,11 @@ async def _stream(request: web.Request, g: Generation, d, kind: str) -> web.Stre
         if isinstance(e, RuntimeError) and "closing" not in str(e).lower():
             raise
         st.metrics.disconnects.inc()
-        log.info("client disconnected from %s; request aborted", g.rid)
+        log.info("client disconnected from %s; request aborted", g0.rid)
+    finally:
+        for p in pumps:
+            if not p.done():
+                p.cancel()
     return resp
 
 

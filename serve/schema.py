@@ -15,7 +15,7 @@ from typing import Any
 
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
 from mmjax.serving.structured import StructuredSpec, check_spec
-from mmjax.serving.sampling import (INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
+from mmjax.serving.sampling import (MAX_N, INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                     SamplingParams)
 
 DETAILS = ("auto", "low", "high")
@@ -86,6 +86,7 @@ class ImageRef:
     url: str
     detail: str = "auto"
     param: str = "image_url"   # JSON path, for error messages
+    options: Any = None        # the request's mm_processor_kwargs (ImageOptions), if any
 
 
 @dataclass
@@ -102,6 +103,11 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    n: int = 1                                 # choices (siblings sharing the prompt's KV)
+    template_kwargs: dict = field(default_factory=dict)   # chat_template_kwargs (+ add_generation_prompt)
+    add_generation_prompt: bool = True
+    image_options: Any = None                  # mm_processor_kwargs as models.family.ImageOptions
+    ignored: list[str] = field(default_factory=list)      # unknown fields (logged, as vLLM)
 
 
 # ---- small typed getters ----------------------------------------------------------------------
@@ -235,6 +241,10 @@ def _unsupported(body: dict) -> None:
                                       param=name, code="unsupported_parameter")
     if body.get("suffix"):
         raise InvalidRequestError("'suffix' is not supported", param="suffix", code="unsupported_parameter")
+    if body.get("chat_template") is not None:
+        raise InvalidRequestError("a per-request 'chat_template' is not accepted (the server's --chat-template "
+                                  "applies); use 'chat_template_kwargs'", param="chat_template",
+                                  code="unsupported_parameter")
     if body.get("tools"):
         raise InvalidRequestError("'tools' is not supported by this server", param="tools",
                                   code="unsupported_parameter")
@@ -242,11 +252,10 @@ def _unsupported(body: dict) -> None:
     if tc not in (None, "none", "auto"):
         raise InvalidRequestError("'tool_choice' is not supported by this server", param="tool_choice",
                                   code="unsupported_parameter")
-    for name in ("n", "best_of"):  # `true == 1` in Python: type first
-        v = _int(body, name, 1, INT32_MAX)
-        if v is not None and v != 1:
-            raise InvalidRequestError(f"'{name}' must be 1 (got {v}); send several requests instead",
-                                      param=name, code="unsupported_parameter")
+    v = _int(body, "best_of", 1, INT32_MAX)  # `true == 1` in Python: type first
+    if v is not None and v != _int(body, "n", 1, INT32_MAX, 1):
+        raise InvalidRequestError(f"'best_of' other than n is not supported (got {v}); use n and pick by logprobs",
+                                  param="best_of", code="unsupported_parameter")
 
 
 def _token_list(body: dict, name: str) -> list[int] | None:
@@ -304,6 +313,71 @@ def _structured(body: dict) -> StructuredSpec | None:
     return found[0] if found else None
 
 
+# Every field the server reads, honours or refuses on purpose; anything else is ignored with a
+# logged warning (vLLM's policy), the same way on every endpoint. ACCEPTED_NO_EFFECT: OpenAI
+# fields that do not change what this server computes (bookkeeping for OpenAI's platform).
+ACCEPTED_NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
+                      "reasoning_effort", "modalities", "prediction", "audio", "web_search_options")
+COMMON_FIELDS = frozenset((
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "min_tokens", "allowed_token_ids", "bad_words", "response_format", "structured_outputs", "n", "best_of",
+    "logprobs", "mm_processor_kwargs", "functions", "tools", "tool_choice", "suffix", "prompt_logprobs",
+    *GUIDED, *ACCEPTED_NO_EFFECT))
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+                               "add_generation_prompt", "chat_template"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "images", "echo"}
+TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
+                             "chat_template_kwargs", "mm_processor_kwargs", "return_token_strs", "images",
+                             *ACCEPTED_NO_EFFECT))
+DETOKENIZE_FIELDS = frozenset(("model", "tokens", *ACCEPTED_NO_EFFECT))
+MAX_IGNORED_NAMES = 32       # unknown field names named in one warning
+
+
+def unknown_fields(body: dict, known: frozenset) -> list[str]:
+    """Names of `body`'s fields this endpoint does not know (cut to a few, shortened)."""
+    return [short(k, 64) for k in body if k not in known][:MAX_IGNORED_NAMES]
+
+
+# Template variables the server itself sets: chat_template_kwargs cannot override them.
+RESERVED_TEMPLATE_KEYS = frozenset(("messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                                    "raise_exception", "strftime_now"))
+
+
+def template_kwargs(body: dict, req: "ParsedRequest") -> None:
+    """chat_template_kwargs (JSON values passed to the chat template, e.g. enable_thinking) and
+    add_generation_prompt."""
+    ctk = body.get("chat_template_kwargs")
+    if ctk is not None:
+        if not isinstance(ctk, dict):
+            raise _bad("chat_template_kwargs", "must be an object")
+        for k in ctk:
+            if not isinstance(k, str) or not k.isidentifier() or k in RESERVED_TEMPLATE_KEYS:
+                name = k if isinstance(k, str) and len(k) <= 40 else short(k, 40)
+                raise _bad(f"chat_template_kwargs.{name}", "is not a template variable a request may set")
+        req.template_kwargs = dict(ctk)
+    req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+
+
+def image_options(body: dict):
+    """mm_processor_kwargs -> ImageOptions ({min_pixels, max_pixels, max_image_tokens,
+    do_pan_and_scan | pan_and_scan}); the server's limits still bound every image."""
+    from mmjax.models.family import ImageOptions
+
+    v = body.get("mm_processor_kwargs")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("mm_processor_kwargs", "must be an object")
+    alias = {"do_pan_and_scan": "pan_and_scan", "max_image_tokens": "image_max_tokens"}
+    opts = {alias.get(k, k): x for k, x in v.items()}
+    try:
+        return ImageOptions.from_dict(opts)
+    except InvalidRequestError as e:
+        e.param = f"mm_processor_kwargs.{(e.param or '').split('.')[-1]}"
+        raise
+
+
 def _penalties(body: dict) -> dict:
     """presence/frequency/repetition penalties, logit_bias, min_tokens, allowed_token_ids,
     bad_words: types here, ranges in SamplingParams."""
@@ -346,6 +420,9 @@ def _common(body: dict, req: ParsedRequest) -> None:
     sti = _stop_token_ids(body)
     fields_ = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if body.get(k) is not None}
     fields_.update(_penalties(body))
+    req.n = _int(body, "n", 1, MAX_N, 1)
+    req.image_options = image_options(body)
+    req.ignored = unknown_fields(body, CHAT_FIELDS if req.kind == "chat" else COMPLETION_FIELDS)
     fields_["structured"] = _structured(body)
     req.sampling = SamplingParams(max_tokens=1, stop=stop, stop_token_ids=list(sti),
                                   ignore_eos=_bool(body, "ignore_eos"), logprobs=req.logprobs, **fields_)
@@ -451,6 +528,7 @@ def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLim
     _check_len(msgs, limits.max_messages, "messages", "messages")
     budget = _TextBudget(limits, "messages")
     req.messages = [_message(req, m, f"messages[{i}]", limits, budget) for i, m in enumerate(msgs)]
+    template_kwargs(body, req)
     mct = _int(body, "max_completion_tokens", 1, INT32_MAX)
     mt = _int(body, "max_tokens", 1, INT32_MAX)
     req.max_tokens = mct if mct is not None else mt

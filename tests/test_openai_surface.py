@@ -283,3 +283,120 @@ def test_server_sampling_fields_and_structured_output(server, vlm):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, **body)
         assert e.value.body["param"] == param, (body, e.value.body)
+
+
+# ---- n > 1 ------------------------------------------------------------------------------------------
+
+def test_n_siblings_share_the_prompt_kv(vlm):
+    """The prompt is prefilled once (siblings copy its cache row and recompute its last token);
+    greedy siblings equal a lone greedy request (the copied KV is right); sampled siblings
+    differ from each other, the same seed gives the same choices, another seed others."""
+    eng = vlm.engine
+    prompt = "USER: " + "describe the picture please " * 6 + "ASSISTANT:"
+    lone = vlm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    eng.prefix_cache.clear()
+    before = dict(eng.counters)
+    g = vlm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=3))[0]
+    assert [o.token_ids for o in [g] + g.siblings] == [lone.token_ids] * 3
+    assert [o.index for o in [g] + g.siblings] == [0, 1, 2]
+    assert eng.counters["tokens_prefilled"] - before["tokens_prefilled"] == len(lone.prompt_token_ids) + 2
+    assert eng.runner.compiled_counts()["copy_slot"] == 1
+
+    def choices(seed):
+        o = vlm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True, n=3))[0]
+        return [tuple(x.token_ids) for x in [o] + o.siblings]
+    a, b, c = choices(7), choices(7), choices(8)
+    assert a == b and a != c and len(set(a)) == 3
+    solo = vlm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert a[0] == tuple(solo.token_ids)
+
+
+def test_server_n_choices(server):
+    import openai
+
+    c = server.client()
+    msgs = [{"role": "user", "content": "describe the picture please, describe it"}]
+    kw = dict(model="tiny", messages=msgs, max_tokens=6, temperature=1.0, n=3)
+    r1 = c.chat.completions.create(seed=5, **kw)
+    r2 = c.chat.completions.create(seed=5, **kw)
+    r3 = c.chat.completions.create(seed=6, **kw)
+    texts = lambda r: [ch.message.content for ch in sorted(r.choices, key=lambda ch: ch.index)]  # noqa: E731
+    assert [ch.index for ch in r1.choices] == [0, 1, 2] and texts(r1) == texts(r2) and texts(r1) != texts(r3)
+    assert len(set(texts(r1))) == 3
+    one = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=1.0, seed=5)
+    assert r1.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r1.usage.completion_tokens == 18 and texts(r1)[0] == one.choices[0].message.content
+    got: dict[int, str] = {}
+    stream = c.chat.completions.create(seed=5, stream=True, stream_options={"include_usage": True}, **kw)
+    usage = None
+    for ch in stream:
+        for choice in ch.choices:
+            got[choice.index] = got.get(choice.index, "") + (choice.delta.content or "")
+        usage = ch.usage or usage
+    assert [got[i] for i in range(3)] == texts(r1) and usage.completion_tokens == 18
+    r = c.completions.create(model="tiny", prompt="USER: hi ASSISTANT:", max_tokens=4, temperature=0, n=2,
+                             logprobs=1)
+    assert r.choices[0].text == r.choices[1].text and r.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2, best_of=3)
+
+
+# ---- /tokenize, /detokenize, template and processor kwargs, unknown fields ------------------------
+
+def test_server_tokenize_templates_and_unknown_fields(server, vlm, caplog):
+    import openai
+
+    import logging
+
+    from conftest import noise_image
+    from test_serve import data_uri
+
+    c = server.client()
+    img = data_uri(1)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": img}},
+                                         {"type": "text", "text": "what is it?"}]}]
+    t = server.post("/tokenize", {"model": "tiny", "messages": msgs, "return_token_strs": True}).json()
+    prompt, _ = vlm.render_chat([{"role": "user", "content": [{"type": "image", "image": noise_image(0, 8, 8)},
+                                                              {"type": "text", "text": "what is it?"}]}])
+    req = vlm.engine.make_request(prompt, vlm.prepare_images([noise_image(0, 8, 8)]))
+    assert t["tokens"] == req.prompt_ids.tolist() and t["count"] == len(req.prompt_ids)
+    assert t["image_tokens"] == [req.num_image_tokens] and len(t["token_strs"]) == t["count"]
+    # the ids are what generation sees: usage agrees
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    assert r.usage.prompt_tokens == t["count"]
+    d = server.post("/detokenize", {"model": "tiny", "tokens": t["tokens"][1:8]}).json()
+    assert d["prompt"] == vlm.tokenizer.decode(t["tokens"][1:8], skip_special_tokens=False)
+    t2 = server.post("/tokenize", {"prompt": "hello world", "add_special_tokens": False}).json()
+    assert t2["tokens"] == vlm.tokenizer.encode("hello world", add_special_tokens=False)
+    assert server.post("/detokenize", {"tokens": [10**7]}).status_code == 400
+
+    # chat_template_kwargs reach the template; add_generation_prompt=false drops the assistant prefix
+    tok = server.state.vlm.tokenizer
+    old = tok.chat_template
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!!{% endif %}" \
+                        "{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+    try:
+        base = {"messages": [{"role": "user", "content": "hi"}]}
+        ids = lambda **kw: server.post("/tokenize", {**base, **kw}).json()["tokens"]  # noqa: E731
+        plain, shout, bare = ids(), ids(chat_template_kwargs={"shout": True}), ids(add_generation_prompt=False)
+        assert tok.decode(shout).endswith("!! ASSISTANT:") and not tok.decode(bare).endswith("ASSISTANT:")
+        assert plain != shout
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=base["messages"], max_tokens=1,
+                                      extra_body={"chat_template_kwargs": {"messages": []}})
+        assert e.value.body["param"] == "chat_template_kwargs.messages"
+    finally:
+        tok.chat_template = old
+
+    # unknown fields: ignored with one warning naming them, on every endpoint
+    with caplog.at_level(logging.WARNING, logger="mmjax.serve"):
+        r = c.chat.completions.create(model="tiny", messages=base["messages"], max_tokens=1,
+                                      extra_body={"frobnicate": 1}, user="u1")
+        c.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"wibble": True})
+        server.post("/tokenize", {"prompt": "hi", "zork": 1})
+    text = caplog.text
+    assert "frobnicate" in text and "wibble" in text and "zork" in text and "'user'" not in text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=base["messages"], max_tokens=1,
+                                  extra_body={"mm_processor_kwargs": {"max_pixels": -3}})
+    assert e.value.body["param"] == "mm_processor_kwargs.max_pixels"

@@ -13,6 +13,7 @@ that had produced nothing yet go back to the queue.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -154,6 +155,45 @@ class Engine:
                        logprobs=[] if sampling.logprobs is not None else None, feats=[None] * len(images),
                        image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune),
                        vrow=vrow, constraints=constraints)
+
+    def siblings(self, req: Request, n: int) -> list[Request]:
+        """n > 1: `req` and n - 1 copies sampling the same prompt (ids `{id}-1` ...), each with its
+        own PRNG stream (with a seed: (i, seed), so the same seed gives the same choices; request
+        0 keeps the key a lone request with that seed has). The copies wait until `req`'s prompt
+        is in the cache, then copy its cache row and recompute only the last prompt token."""
+        out = [req]
+        seed = req.sampling.seed
+        for i in range(1, n):
+            sp = dataclasses.replace(req.sampling)
+            key = (np.asarray([i, seed & 0xFFFFFFFF], np.uint32) if seed is not None
+                   else np.asarray([0, int(self._seed_rng.integers(2**31))], np.uint32))
+            vrow, constraints = self._token_rules(sp, req.prompt_ids)
+            out.append(dataclasses.replace(
+                req, id=f"{req.id}-{i}", sampling=sp, key=key, detok=IncrementalDetokenizer(self.tokenizer),
+                logprobs=[] if sp.logprobs is not None else None, feats=list(req.feats), vrow=vrow,
+                constraints=constraints, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
+        return out
+
+    def _fork(self, parent: Request) -> None:
+        """`parent`'s prompt is now in its cache row: waiting siblings take free slots holding a
+        copy of that row (all but the last prompt token count as cached)."""
+        n = parent.prompt_len - 1
+        # a pruned row is compacted, a ring-buffer row may not resume that late: prefill apart
+        if parent.prune is not None or n < self.scheduler.min_resume(parent.prompt_len):
+            return
+        for sib in [r for r in self.scheduler.waiting if r.parent is parent]:
+            slot = self.scheduler.fork_slot()
+            if slot is None:
+                return
+            try:
+                self.runner.copy_slot(parent.slot, slot)
+            except Exception as e:
+                self._device_failure(None, _as_error(e, "copying a prompt's cache row"), [])
+                return
+            self.scheduler.waiting.remove(sib)
+            self.scheduler.place(sib, slot, n)
+            self.prefix_cache.retain(slot, parent.keys[:n])
+            self.counters["tokens_cached"] += n
 
     def _token_rules(self, sp: SamplingParams, prompt_ids: np.ndarray):
         """(VocabRow or None, host constraints) of a request: penalties, logit_bias,
@@ -354,6 +394,7 @@ class Engine:
         if not req.prefilling:
             req.feats = []  # the KV cache holds them now
             req.first_token_time = time.monotonic()
+            self._fork(req)
             self._emit_token(req, out, 0, deltas)
 
     def _decode(self, running: list[Request], deltas: list[Delta]) -> None:

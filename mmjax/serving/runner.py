@@ -245,7 +245,8 @@ class ModelRunner:
         index = distributed.register(self)
         self._announce = distributed.Leader(index) if index is not None and distributed.is_leader() else None
         # shapes compiled so far; "prefill_pruned": (chunk, layer, keep, out_len) of FastV prefills
-        self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set()}
+        self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set(),
+                                         "copy_slot": set()}
         self.compile_seconds = 0.0
         self.calls = {k: 0 for k in self.compiled}  # compiled-step invocations
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
@@ -260,6 +261,8 @@ class ModelRunner:
         self._decode = jax.jit(make_decode_step(family, t, self.text_model, gather), static_argnames=("rows",),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
+        self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
+                             donate_argnums=(0,), out_shardings=self.cache_shardings)
         self._prefill_pruned = jax.jit(make_pruned_prefill_step(family, t, self.text_model, gather),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
@@ -289,6 +292,16 @@ class ModelRunner:
     def _reset(self) -> None:
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy cache row `src` into row `dst` (n > 1 siblings share their prompt's KV). Every
+        text model's cache leaves have the slot axis first (models/text TextModel.init_cache)."""
+        if self._announce is not None:
+            return self._announce("copy_slot", (src, dst), lambda: self._copy_slot(src, dst))
+        self._copy_slot(src, dst)
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        self.cache = self._track("copy_slot", 0, self._copy, self.cache, np.int32(src), np.int32(dst))
 
     def park(self, slot: int) -> None:
         """A released slot's decode row points past the cache (length max_model_len): the decode
@@ -427,6 +440,7 @@ class ModelRunner:
                          SlotSampling.from_params(SamplingParams(temperature=0.0)), np.zeros(2, np.uint32))
         for r in self.buckets.decode:
             self.decode(1, r)
+        self.copy_slot(0, 0)
 
     def step_signatures(self) -> list[tuple[str, object, tuple, dict]]:
         """(name, jitted step, abstract args, static kwargs) for every compiled shape this runner
@@ -464,6 +478,7 @@ class ModelRunner:
                 pruned = args[:8] + (i32, i32) + args[11:13] + (vrow, bits)
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
                             {"layer": 0, "keep": 1, "out_len": self.buckets.prefill[0]}))
+        out.append(("copy_slot", self._copy, (cache, i32, i32), {}))
         for r in self.buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
             out.append((f"decode[{r}]", self._decode, (params, cache, state, lens,
@@ -487,9 +502,9 @@ class ModelRunner:
 
     def compiled_counts(self) -> dict[str, int]:
         """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran)."""
-        return {k: len(v) for k, v in self.compiled.items() if v or k != "prefill_pruned"}
+        return {k: len(v) for k, v in self.compiled.items() if v or k not in ("prefill_pruned", "copy_slot")}
 
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
-                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode)}
+                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode), "copy_slot": 1}

@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024   # checked per generated token: bounded so no request slows every step
 MAX_LOGIT_BIAS = 1024       # logit_bias entries per request
 MAX_BAD_WORDS = 256
+MAX_N = 16                  # choices per request (each takes a decode slot)
 MAX_ALLOWED_TOKEN_IDS = 2**20
 
 
@@ -58,6 +59,7 @@ class SamplingParams:
     bad_words: list[str] | None = None           # never generate these words (as vLLM: each word's
     #                                              token sequence, with and without a leading space)
     structured: Any = None                       # a structured-output spec (serving.structured)
+    n: int = 1                                   # choices sampled from one prompt (its KV shared)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -89,6 +91,7 @@ class SamplingParams:
              "must be in [-2, 2]"),
             (_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
              "must be in (0, 2]"),
+            (_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]"),
             (_is_int(self.min_tokens) and 0 <= self.min_tokens <= INT32_MAX, "min_tokens",
              f"must be an integer in [0, {INT32_MAX}]"),
             (self.bad_words is None or isinstance(self.bad_words, (list, tuple))
