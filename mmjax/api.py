@@ -132,11 +132,17 @@ class VLM:
     # ---- images ------------------------------------------------------------------------------
     def prepare_images(self, images: Iterable[Any], options: dict | ImageOptions | None = None,
                        intervention=None) -> list[ImageInput]:
-        """PIL images / bytes / paths / data URIs -> ImageInputs (decode, validate, resize).
+        """PIL images / bytes / paths / data URIs -> ImageInputs (decode, validate, resize); an
+        {"image_embeds": np.ndarray [tokens, lm hidden], "image_grid_thw": (t, h, w) (M-RoPE
+        families)} item is a precomputed image (the vision tower is skipped).
         options: {"min_pixels", "max_pixels", "image_max_tokens"} (dynamic-resolution families).
         intervention: a `mmjax.research` intervention (Ablate, Pool) applied to every image."""
+        from mmjax.image.embeds import image_from_embeds
+
         opts = options if isinstance(options, ImageOptions) else ImageOptions.from_dict(options)
-        out = [self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
+        out = [image_from_embeds(self.family, im["image_embeds"], im.get("image_grid_thw"))
+               if isinstance(im, dict) and "image_embeds" in im else
+               self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
         if intervention is not None:
             from mmjax.research.interventions import Intervention
             if not isinstance(intervention, Intervention):
@@ -247,18 +253,68 @@ class VLM:
     def prompt_forward(self, p, capture: Capture = Capture()):
         """(logits [t, vocab] float32, intermediates) for `mmjax.research.prompt.PromptInputs`,
         through the jitted whole-prompt forward (one compile per capture and length)."""
+        return self._prompt_run(p, capture, hidden=False)
+
+    def _prompt_run(self, p, capture: Capture, hidden: bool, pad_to: int | None = None):
+        """(logits or hidden [t, ...], intermediates) of PromptInputs `p`, optionally padded to
+        `pad_to` tokens (outputs cut back to the prompt)."""
         from mmjax.serving.runner import make_prompt_forward
 
         emb = np.zeros((len(p.ids), self.family.text_model.hidden_size), np.float32)
         if p.images:
             # the prompt's image tokens, in order, take the images' features in order
-            emb[p.image_pos] = np.concatenate(self.engine.runner.encode_images(p.images))
-        if capture not in self._forward:
-            self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture,
-                                                                 self.engine.runner.text_model))
-        logits, inter = self._forward[capture](self.engine.runner.params, p.ids, emb.astype(self.model.dtype),
-                                               p.ids == self.family.image_token_id, p.positions, p.spans)
-        return np.asarray(logits), jax.tree.map(np.asarray, inter)
+            todo = [im for im in p.images if im.embeds is None]
+            enc = iter(self.engine.runner.encode_images(todo) if todo else [])
+            emb[p.image_pos] = np.concatenate([im.embeds if im.embeds is not None else next(enc)
+                                               for im in p.images])
+        ids, pos, spans = p.ids, p.positions, p.spans
+        if pad_to is not None and pad_to > len(ids):   # causal: padding after the prompt changes nothing before it
+            k = pad_to - len(ids)
+            ids = np.pad(ids, (0, k))
+            emb = np.pad(emb, ((0, k), (0, 0)))
+            pos = np.pad(pos, ((0, 0), (0, k)), mode="edge")
+            spans = None if spans is None else np.pad(spans, (0, k), constant_values=-1)
+        key = (capture, hidden)
+        if key not in self._forward:
+            self._forward[key] = jax.jit(make_prompt_forward(self.family, capture, self.engine.runner.text_model,
+                                                             hidden=hidden))
+        out, inter = self._forward[key](self.engine.runner.params, ids, emb.astype(self.model.dtype),
+                                        ids == self.family.image_token_id, pos, spans)
+        return np.asarray(out)[:len(p.ids)], jax.tree.map(np.asarray, inter)
+
+    def embed(self, inputs, pooling: str = "last", normalize: bool = True) -> np.ndarray:
+        """Embeddings [len(inputs), hidden] (float32) of prompts: each a raw prompt string, a list
+        of OpenAI-style messages (rendered with the chat template and a generation prompt), or
+        {"prompt", "images"} (images as in `generate`, {"image_embeds": ...} included). The
+        final normed hidden state of the last token (pooling="last", vLLM's default for decoder
+        models) or the mean over all tokens ("mean"); L2-normalised unless normalize=False.
+        Prompts are padded to a power of two (at least 16): one compile per length bucket."""
+        from mmjax.research.prompt import prompt_inputs
+
+        if pooling not in ("last", "mean"):
+            raise InvalidRequestError(f"pooling must be 'last' or 'mean', got {pooling!r}", param="pooling")
+        if isinstance(inputs, (str, dict)):
+            inputs = [inputs]
+        out = []
+        for x in inputs:
+            p = prompt_inputs(self, x["prompt"], x.get("images", ())) if isinstance(x, dict) else \
+                prompt_inputs(self, x)
+            n = len(p.ids)
+            if n >= self.engine.max_model_len:
+                from mmjax.errors import ContextLengthError
+                raise ContextLengthError(f"input is {n} tokens; the context is {self.engine.max_model_len} tokens",
+                                         param="input")
+            out.append(self.embed_prompt(p, pooling, normalize))
+        return np.stack(out)
+
+    def embed_prompt(self, p, pooling: str = "last", normalize: bool = True) -> np.ndarray:
+        """The embedding [hidden] of `mmjax.research.prompt.PromptInputs` (see `embed`)."""
+        n = len(p.ids)
+        h, _ = self._prompt_run(p, Capture(), hidden=True, pad_to=max(16, 1 << (n - 1).bit_length()))
+        v = h[-1] if pooling == "last" else h.mean(axis=0)
+        if normalize:
+            v = v / max(float(np.linalg.norm(v)), 1e-12)
+        return v.astype(np.float32)
 
     # ---- research (mmjax.research) --------------------------------------------------------------
     def trace(self, prompt: Any, images: Iterable[Any] = (), **kw):

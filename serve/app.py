@@ -14,11 +14,13 @@ write; either way the stream generator's `finally` aborts the request and frees 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +57,8 @@ class ServerConfig:
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     allow_private_media_urls: bool = False
+    enable_image_embeds: bool = False          # accept image_embeds content parts (off: a client could feed
+    #                                            arbitrary features past the vision tower)
     media_fetch_timeout: float = 10.0
     media_max_redirects: int = 3
     max_queue: int = 256                       # engine waiting queue -> 503 beyond
@@ -102,6 +106,7 @@ class State:
     text_room: int = 0                                 # body bytes outside image data URIs
     limits: RequestLimits = field(default_factory=RequestLimits)
     stats_prev: Any = None                             # (engine stats, time) of the last log line
+    embed_lock: Any = field(default_factory=threading.Lock)  # one embedding forward at a time
 
 
 STATE = web.AppKey("mmjax_state", State)
@@ -155,11 +160,12 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     st.body_cap, st.text_room = body_budget(cfg, engine.max_prompt_bytes)
     st.limits = RequestLimits(limit_images=cfg.limit_images, max_messages=cfg.max_messages,
                               max_content_parts=cfg.max_content_parts, max_text_bytes=engine.max_prompt_bytes,
-                              max_model_len=engine.max_model_len)
+                              max_model_len=engine.max_model_len, image_embeds=cfg.enable_image_embeds)
     app = web.Application(middlewares=[_error_middleware, _auth_middleware], client_max_size=st.body_cap)
     app[STATE] = st
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", list_models)
@@ -537,6 +543,76 @@ async def metrics_route(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+# ---- /v1/embeddings --------------------------------------------------------------------------------
+
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI embeddings: "input" (a string, a list of strings, token ids or lists of them) or
+    vLLM's multimodal form "messages" (chat messages with images, rendered with the template).
+    Extensions: "pooling" ("last", default, or "mean"), "normalize" (default true). Each input's
+    final normed hidden state (VLM.embed's rule); encoding_format "float" or "base64"."""
+    st = request.app[STATE]
+    if st.draining:
+        raise UnavailableError("the server is shutting down and accepts no new requests")
+    body = await _read_json(request, st)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", param=None)
+    _check_model(st, body.get("model"))
+    _warn_ignored(schema.unknown_fields(body, schema.EMBEDDING_FIELDS), request.path)
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise InvalidRequestError("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    pooling = body.get("pooling", "last")
+    if pooling not in ("last", "mean"):
+        raise InvalidRequestError("'pooling' must be 'last' or 'mean'", param="pooling")
+    normalize = schema._bool(body, "normalize", True)
+    if body.get("dimensions") is not None:
+        raise InvalidRequestError("'dimensions' is not supported (the embedding is the model's hidden size)",
+                                  param="dimensions", code="unsupported_parameter")
+    if "messages" in body:
+        chat = {k: v for k, v in body.items() if k in ("model", "messages", "chat_template_kwargs",
+                                                          "add_generation_prompt", "mm_processor_kwargs")}
+        parsed = [schema.parse_chat(chat, limits=st.limits)]
+    else:
+        inp = body.get("input")
+        items = inp if isinstance(inp, list) and inp and not all(schema._is_int(t) for t in inp) else [inp]
+        if not items or len(items) > 256:
+            raise InvalidRequestError("'input' must be a string, token ids, or a list of at most 256 of them",
+                                      param="input")
+        parsed = []
+        for i, x in enumerate(items):
+            try:
+                parsed.append(schema.parse_completion({"prompt": x}, limits=st.limits))
+            except InvalidRequestError as e:
+                e.param = f"input[{i}]" if len(items) > 1 else "input"
+                raise
+    for p in parsed:
+        for ref in p.images:
+            ref.options = p.image_options
+    images = [await _load_images(st, p.images) for p in parsed]
+
+    def run():
+        from mmjax.models.family import run_spans
+        from mmjax.research.prompt import PromptInputs
+
+        vecs, n_tok = [], 0
+        fam = st.vlm.family
+        for p, ims in zip(parsed, images):
+            req = _build_request(st, p, ims, "embed")[0]
+            pi = PromptInputs(req.prompt_ids, req.images, req.image_pos, req.positions,
+                              run_spans(req.prompt_ids, fam.image_token_id), req.prompt_len)
+            with st.embed_lock:
+                vecs.append(st.vlm.embed_prompt(pi, pooling, normalize))
+            n_tok += req.prompt_len
+        return vecs, n_tok
+    vecs, n_tok = await asyncio.get_running_loop().run_in_executor(st.executor, run)
+    data = []
+    for i, v in enumerate(vecs):
+        emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else [float(x) for x in v]
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return web.json_response({"object": "list", "data": data, "model": st.config.served_model_name,
+                              "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
+
+
 # ---- /tokenize, /detokenize (vLLM's extension routes) ------------------------------------------------
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -686,12 +762,24 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
+async def _load_embeds(st: State, ref):
+    """An image_embeds part -> ImageInput (base64 .npy decoded and checked in the pool)."""
+    from mmjax.image.embeds import decode_npy, image_from_embeds
+
+    b64, grid = ref.embeds
+
+    def run():
+        return image_from_embeds(st.vlm.family, decode_npy(b64, st.config.max_image_bytes, ref.param), grid,
+                                 param=ref.param)
+    return await asyncio.get_running_loop().run_in_executor(st.executor, run)
+
+
 async def _load_images(st: State, refs) -> list:
     """Fetch + decode all images concurrently; the first failure (in prompt order) cancels the
     rest. Every task's outcome is retrieved, whichever way this returns."""
     if not refs:
         return []
-    tasks = [asyncio.ensure_future(st.fetcher.load(r)) for r in refs]
+    tasks = [asyncio.ensure_future(_load_embeds(st, r) if r.embeds is not None else st.fetcher.load(r)) for r in refs]
     for t in tasks:
         t.add_done_callback(_retrieve)
     try:

@@ -74,6 +74,7 @@ class RequestLimits:
     max_content_parts: int = 512            # per message
     max_text_bytes: int | None = None       # UTF-8 bytes of prompt text, per message and per request
     max_model_len: int | None = None        # context tokens: token-id prompts must be shorter
+    image_embeds: bool = False              # accept {"type": "image_embeds"} parts (--enable-image-embeds)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -87,6 +88,7 @@ class ImageRef:
     detail: str = "auto"
     param: str = "image_url"   # JSON path, for error messages
     options: Any = None        # the request's mm_processor_kwargs (ImageOptions), if any
+    embeds: Any = None         # an image_embeds part: (base64 .npy, image_grid_thw or None)
 
 
 @dataclass
@@ -327,6 +329,9 @@ COMMON_FIELDS = frozenset((
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
                                "add_generation_prompt", "chat_template"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "images", "echo"}
+EMBEDDING_FIELDS = frozenset(("model", "input", "messages", "encoding_format", "pooling", "normalize",
+                              "add_special_tokens", "add_generation_prompt", "chat_template_kwargs",
+                              "mm_processor_kwargs", "dimensions", *ACCEPTED_NO_EFFECT))
 TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
                              "chat_template_kwargs", "mm_processor_kwargs", "return_token_strs", "images",
                              *ACCEPTED_NO_EFFECT))
@@ -493,8 +498,20 @@ def _content_parts(req: ParsedRequest, content: list, p: str, limits: RequestLim
         elif kind == "image_url":
             _add_image(req, _image_ref(part, pp), limits, "messages")
             parts.append({"type": "image"})
+        elif kind == "image_embeds":
+            if not limits.image_embeds:
+                raise InvalidRequestError("image_embeds input is disabled on this server (start it with "
+                                          "--enable-image-embeds)", param=f"{pp}.type", code="unsupported_parameter")
+            v = part.get("image_embeds")
+            grid = None
+            if isinstance(v, dict):
+                v, grid = v.get("image_embeds"), v.get("image_grid_thw")
+            if not isinstance(v, str):
+                raise _bad(f"{pp}.image_embeds", "must be a base64 .npy string (or {'image_embeds', 'image_grid_thw'})")
+            _add_image(req, ImageRef(url="", param=f"{pp}.image_embeds", embeds=(v, grid)), limits, "messages")
+            parts.append({"type": "image"})
         else:
-            raise _bad(f"{pp}.type", f"must be 'text' or 'image_url', got {short(kind)}")
+            raise _bad(f"{pp}.type", f"must be 'text', 'image_url' or 'image_embeds', got {short(kind)}")
     return parts
 
 

@@ -356,9 +356,9 @@ def test_server_tokenize_templates_and_unknown_fields(server, vlm, caplog):
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": img}},
                                          {"type": "text", "text": "what is it?"}]}]
     t = server.post("/tokenize", {"model": "tiny", "messages": msgs, "return_token_strs": True}).json()
-    prompt, _ = vlm.render_chat([{"role": "user", "content": [{"type": "image", "image": noise_image(0, 8, 8)},
+    prompt, _ = vlm.render_chat([{"role": "user", "content": [{"type": "image", "image": noise_image(1, 40, 30)},
                                                               {"type": "text", "text": "what is it?"}]}])
-    req = vlm.engine.make_request(prompt, vlm.prepare_images([noise_image(0, 8, 8)]))
+    req = vlm.engine.make_request(prompt, vlm.prepare_images([noise_image(1, 40, 30)]))
     assert t["tokens"] == req.prompt_ids.tolist() and t["count"] == len(req.prompt_ids)
     assert t["image_tokens"] == [req.num_image_tokens] and len(t["token_strs"]) == t["count"]
     # the ids are what generation sees: usage agrees
@@ -400,3 +400,88 @@ def test_server_tokenize_templates_and_unknown_fields(server, vlm, caplog):
         c.chat.completions.create(model="tiny", messages=base["messages"], max_tokens=1,
                                   extra_body={"mm_processor_kwargs": {"max_pixels": -3}})
     assert e.value.body["param"] == "mm_processor_kwargs.max_pixels"
+
+
+# ---- embeddings and image embeddings as input --------------------------------------------------------
+
+def test_embed_and_image_embeds_input(vlm):
+    """vlm.embed: last-token pooling is the final normed hidden state (the LM head on the padded
+    run's vector gives the unpadded prompt's last logits); an image given as its features
+    ({"image_embeds"}) embeds and generates exactly as the image itself."""
+    from conftest import noise_image, rel_err
+    from mmjax.research.prompt import prompt_inputs
+
+    img = noise_image(3, 40, 28)
+    prompt = "USER: <image>\nwhat is this? ASSISTANT:"
+    feats = vlm.encode([img])[0]
+    raw = vlm.embed([{"prompt": prompt, "images": [img]}], normalize=False)[0]
+    logits = vlm.prompt_forward(prompt_inputs(vlm, prompt, [img]))[0]
+    text = vlm.engine.runner.params["text"]
+    head = np.asarray(vlm.engine.runner.text_model.logits(text, raw[None]))[0]
+    assert rel_err(head, logits[-1]) < 1e-4
+    unit = vlm.embed([{"prompt": prompt, "images": [img]}])[0]
+    assert abs(np.linalg.norm(unit) - 1) < 1e-5 and rel_err(unit, raw / np.linalg.norm(raw)) < 1e-6
+    via_feats = vlm.embed([{"prompt": prompt, "images": [{"image_embeds": feats}]}], normalize=False)[0]
+    assert rel_err(via_feats, raw) < 1e-5
+    short = "USER: hi ASSISTANT:"
+    a, b = vlm.embed([short, short + " ok ok ok ok ok ok ok ok ok ok"], pooling="mean", normalize=False)
+    assert a.shape == (vlm.family.text_model.hidden_size,) and rel_err(a, b) > 1e-3
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    g1 = vlm.generate([{"prompt": prompt, "images": [img]}], sp)[0]
+    g2 = vlm.generate([{"prompt": prompt, "images": [{"image_embeds": feats}]}], sp)[0]
+    assert g1.token_ids == g2.token_ids
+    from mmjax.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError):
+        vlm.prepare_images([{"image_embeds": feats[:, :5]}])
+
+
+def test_server_embeddings(server, vlm):
+    import base64
+    import dataclasses
+
+    import openai
+
+    from conftest import noise_image, rel_err
+    from test_serve import data_uri
+
+    c = server.client()
+    texts = ["USER: hi ASSISTANT:", "USER: describe the red circle ASSISTANT:"]
+    r = c.embeddings.create(model="tiny", input=texts)
+    want = vlm.embed(texts)
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == sum(
+        len(vlm.engine.make_request(t).prompt_ids) for t in texts)
+    for d, w in zip(r.data, want):
+        assert rel_err(np.asarray(d.embedding), w) < 1e-5
+    b = c.embeddings.create(model="tiny", input=texts[0], encoding_format="base64", extra_body={"pooling": "mean"})
+    got = np.frombuffer(base64.b64decode(b.data[0].embedding), "<f4")
+    assert rel_err(got, vlm.embed([texts[0]], pooling="mean")[0]) < 1e-5
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(1)}},
+                                         {"type": "text", "text": "what is it?"}]}]
+    m = server.post("/v1/embeddings", {"model": "tiny", "messages": msgs}).json()
+    offline = vlm.embed([[{"role": "user", "content": [{"type": "image", "image": noise_image(1, 40, 30)},
+                                                       {"type": "text", "text": "what is it?"}]}]])[0]
+    assert rel_err(np.asarray(m["data"][0]["embedding"]), offline) < 1e-5
+    # image embeddings as a content part: off by default, then as good as the image
+    feats = vlm.encode([noise_image(1, 40, 30)])[0]
+    buf = __import__("io").BytesIO()
+    np.save(buf, feats)
+    part = {"type": "image_embeds", "image_embeds": base64.b64encode(buf.getvalue()).decode()}
+    emb_msgs = [{"role": "user", "content": [part, {"type": "text", "text": "what is it?"}]}]
+    r = server.post("/v1/chat/completions", {"model": "tiny", "messages": emb_msgs, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    st = server.state
+    st.limits = dataclasses.replace(st.limits, image_embeds=True)
+    try:
+        a = server.post("/v1/chat/completions", {"model": "tiny", "messages": emb_msgs, "max_tokens": 4,
+                                                 "temperature": 0}).json()
+        b = server.post("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 4,
+                                                 "temperature": 0}).json()
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+        bad = dict(part, image_embeds=base64.b64encode(b"not npy").decode())
+        r = server.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": [bad]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].image_embeds"
+    finally:
+        st.limits = dataclasses.replace(st.limits, image_embeds=False)
+    with pytest.raises(openai.BadRequestError):
+        c.embeddings.create(model="tiny", input=texts[0], dimensions=8)

@@ -41,6 +41,7 @@ class ImageInput:
     grid: tuple[int, int, int]
     post: Callable[[np.ndarray], np.ndarray] | None = None
     token_grid: tuple[int, int, int] | None = None
+    embeds: np.ndarray | None = None     # precomputed features [num_tokens, lm hidden] (image_embeds input)
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ class Engine:
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
                        detok=IncrementalDetokenizer(self.tokenizer), keys=token_keys(ids, images, image_pos),
-                       logprobs=[] if sampling.logprobs is not None else None, feats=[None] * len(images),
+                       logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
                        image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune),
                        vrow=vrow, constraints=constraints)
 
@@ -447,7 +447,7 @@ class Engine:
             else:
                 self.scheduler.slots[r.slot] = None
                 r.slot, r.prefilled, r.cached_tokens = None, 0, 0
-                r.feats = [None] * len(r.images)
+                r.feats = [im.embeds for im in r.images]
                 self.scheduler.waiting.appendleft(r)
         self.reset_device_state()
 

@@ -187,12 +187,13 @@ def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None
     return decode
 
 
-def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None):
+def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None, hidden: bool = False):
     """A jittable (params, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t],
     spans [t] int32 (image-token run ids, see models.family.run_spans; None: no runs)) ->
     (logits [t, vocab] float32, intermediates) over a whole prompt with a private one-slot cache
     (research / parity use; `capture` picks the intermediates, see models/text.Capture; `tm`:
-    the text model as placed, default the family's)."""
+    the text model as placed, default the family's). hidden=True: the final (normed) hidden
+    states [t, hidden] instead of the logits (embeddings)."""
     tm = tm or family.text_model
 
     def fn(params, ids, image_embeds, image_mask, positions, spans=None):
@@ -203,7 +204,7 @@ def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None):
         mask = None if spans is None else image_mask_spec(family, spans[None])
         out = tm.forward(text, embeds[None], positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
                          mask=mask, ids=ids[None], capture=capture)
-        return tm.logits(text, out.hidden[0]), out.intermediates
+        return (out.hidden[0] if hidden else tm.logits(text, out.hidden[0])), out.intermediates
     return fn
 
 
