@@ -35,7 +35,7 @@ from mmjax.api import VLM
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError
 from mmjax.image.decode import ImageLimits
 from mmjax.serving import AsyncEngine, Engine
-from serve import schema
+from serve import schema, tools
 from serve.media import MediaConfig, MediaFetcher
 from serve.metrics import ServerMetrics
 from serve.schema import (AuthError, NotFoundError, RequestLimits, RequestTimeoutError, RequestTooLargeError,
@@ -804,8 +804,11 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
     """Runs in the thread pool: template, tokenize, validate, size the completion."""
     eng = st.engine
     if parsed.kind == "chat":
-        prompt = st.vlm.tokenizer.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
-                                              **parsed.template_kwargs)
+        kw = dict(parsed.template_kwargs)
+        if parsed.tools is not None and parsed.tools.template_tools:
+            kw["tools"] = parsed.tools.template_tools
+        prompt = st.vlm.tokenizer.render_chat(tools.normalize_messages(parsed.messages),
+                                              add_generation_prompt=parsed.add_generation_prompt, **kw)
     else:
         prompt = parsed.prompt
         tok = st.vlm.tokenizer
@@ -1040,8 +1043,13 @@ async def _collect_one(g: Generation, d, kind: str) -> dict:
         lp = schema.chat_logprobs(entries) if kind == "chat" else _completion_lp(entries, 0)[0]
     i = g.req.index
     if kind == "chat":
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": a.finish_reason}
+        msg, fr = {"role": "assistant", "content": text}, a.finish_reason
+        if g.parsed.tools is not None and g.parsed.tools.parse:
+            content, calls = tools.parse_calls(text)
+            if calls:
+                msg = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                fr = "tool_calls" if fr == "stop" else fr
+        return {"index": i, "message": msg, "logprobs": lp, "finish_reason": fr}
     return {"index": i, "text": text, "logprobs": lp, "finish_reason": a.finish_reason}
 
 
@@ -1090,6 +1098,8 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
             obj["usage"] = None
         return obj
 
+    parse_tools = kind == "chat" and g0.parsed.tools is not None and g0.parsed.tools.parse
+    full, sent = [""] * len(gens), [0] * len(gens)
     q: asyncio.Queue = asyncio.Queue()
     pumps: list[asyncio.Task] = []
     try:
@@ -1118,10 +1128,25 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
                     lp = schema.chat_logprobs(entries)
                 else:
                     lp, offsets[i] = _completion_lp(entries, offsets[i])
-            if d.text or lp is not None or d.finished:
-                fr = d.finish_reason if d.finished else None
+            text = d.text
+            fr = d.finish_reason if d.finished else None
+            calls = None
+            if parse_tools:        # content streams until a tool call starts; calls come whole at the end
+                full[i] += d.text
+                k = full[i].find(tools.OPEN)
+                if d.finished:
+                    _, calls = tools.parse_calls(full[i])
+                    upto = (k if k >= 0 else len(full[i])) if calls else len(full[i])
+                    fr = "tool_calls" if calls and fr == "stop" else fr
+                else:
+                    upto = k if k >= 0 else len(full[i]) - tools.held_back(full[i])
+                text = full[i][sent[i]:max(sent[i], upto)]
+                sent[i] = max(sent[i], upto)
+            if text or lp is not None or d.finished:
                 if kind == "chat":
-                    delta = {"content": d.text} if d.text else {}
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
                     c = {"index": g.req.index, "delta": delta, "logprobs": lp, "finish_reason": fr}
                 else:
                     c = {"index": g.req.index, "text": d.text, "logprobs": lp, "finish_reason": fr}

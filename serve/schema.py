@@ -8,6 +8,7 @@ prompt, image references in order, sampling parameters) or raises an `InvalidReq
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,11 +16,12 @@ from typing import Any
 
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
 from mmjax.serving.structured import StructuredSpec, check_spec
+from serve.tools import choice_grammar, parse_tools
 from mmjax.serving.sampling import (MAX_N, INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                     SamplingParams)
 
 DETAILS = ("auto", "low", "high")
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class NotFoundError(MMJaxError):
@@ -110,6 +112,7 @@ class ParsedRequest:
     add_generation_prompt: bool = True
     image_options: Any = None                  # mm_processor_kwargs as models.family.ImageOptions
     ignored: list[str] = field(default_factory=list)      # unknown fields (logged, as vLLM)
+    tools: Any = None                          # serve.tools.ToolRequest (chat)
 
 
 # ---- small typed getters ----------------------------------------------------------------------
@@ -247,12 +250,8 @@ def _unsupported(body: dict) -> None:
         raise InvalidRequestError("a per-request 'chat_template' is not accepted (the server's --chat-template "
                                   "applies); use 'chat_template_kwargs'", param="chat_template",
                                   code="unsupported_parameter")
-    if body.get("tools"):
-        raise InvalidRequestError("'tools' is not supported by this server", param="tools",
-                                  code="unsupported_parameter")
-    tc = body.get("tool_choice")
-    if tc not in (None, "none", "auto"):
-        raise InvalidRequestError("'tool_choice' is not supported by this server", param="tool_choice",
+    if body.get("tools") and "messages" not in body:
+        raise InvalidRequestError("'tools' needs the chat completions API", param="tools",
                                   code="unsupported_parameter")
     v = _int(body, "best_of", 1, INT32_MAX)  # `true == 1` in Python: type first
     if v is not None and v != _int(body, "n", 1, INT32_MAX, 1):
@@ -526,12 +525,39 @@ def _message(req: ParsedRequest, m: Any, p: str, limits: RequestLimits, budget: 
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
+    extra = {}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        extra["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls", budget)
+    if role == "tool":
+        tid = m.get("tool_call_id")
+        if tid is not None:
+            extra["tool_call_id"] = _text(tid, f"{p}.tool_call_id")
+        if m.get("name") is not None:
+            extra["name"] = _text(m["name"], f"{p}.name")
     if isinstance(content, str):
         budget.take(content, f"{p}.content")
-        return {"role": role, "content": content}
+        return {"role": role, "content": content, **extra}
     if not isinstance(content, list):
         raise _bad(f"{p}.content", "must be a string or a list of content parts")
-    return {"role": role, "content": _content_parts(req, content, p, limits, budget)}
+    return {"role": role, "content": _content_parts(req, content, p, limits, budget), **extra}
+
+
+def _tool_calls(v: Any, p: str, budget: _TextBudget) -> list[dict]:
+    """An assistant message's earlier tool calls (OpenAI shape), text counted in the budget."""
+    if not isinstance(v, list) or len(v) > 128:
+        raise _bad(p, "must be a list of at most 128 tool calls")
+    out = []
+    for i, c in enumerate(v):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise _bad(f"{p}[{i}]", "must be {'id', 'type': 'function', 'function': {'name', 'arguments'}}")
+        args = f.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise _bad(f"{p}[{i}].function.arguments", "must be a JSON string")
+        budget.take(f["name"] + (args if isinstance(args, str) else json.dumps(args)), f"{p}[{i}].function")
+        out.append({"id": str(c.get("id", f"call_{i}")), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
 
 
 def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLimits | None = None) -> ParsedRequest:
@@ -546,6 +572,7 @@ def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLim
     budget = _TextBudget(limits, "messages")
     req.messages = [_message(req, m, f"messages[{i}]", limits, budget) for i, m in enumerate(msgs)]
     template_kwargs(body, req)
+    req.tools = parse_tools(body)
     mct = _int(body, "max_completion_tokens", 1, INT32_MAX)
     mt = _int(body, "max_tokens", 1, INT32_MAX)
     req.max_tokens = mct if mct is not None else mt
@@ -558,6 +585,12 @@ def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLim
     elif top:
         raise _bad("top_logprobs", "requires 'logprobs': true")
     _common(body, req)
+    spec = choice_grammar(req.tools) if req.tools is not None else None
+    if spec is not None:
+        if req.sampling.structured is not None:
+            raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with another "
+                                      "output constraint", param="tool_choice")
+        req.sampling.structured = spec
     return req
 
 

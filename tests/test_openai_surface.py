@@ -485,3 +485,84 @@ def test_server_embeddings(server, vlm):
         st.limits = dataclasses.replace(st.limits, image_embeds=False)
     with pytest.raises(openai.BadRequestError):
         c.embeddings.create(model="tiny", input=texts[0], dimensions=8)
+
+
+# ---- tools ----------------------------------------------------------------------------------------
+
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}TOOL RESULT: {{ m['content'] }}\n"
+    "{% elif m.get('tool_calls') %}ASSISTANT: {% for c in m['tool_calls'] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}\n"
+    "{% else %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+              "type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}}, "required": ["city"],
+              "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+              "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def test_tool_call_parsing():
+    from serve.tools import held_back, parse_calls
+
+    content, calls = parse_calls('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+                                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["add", "get_weather"]
+    assert calls[0]["function"]["arguments"] == '{"a": 1, "b": 2}' and calls[0]["type"] == "function"
+    assert parse_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert held_back("hello <tool_") == len("<tool_") and held_back("hello") == 0
+
+
+def test_server_tools(server):
+    import json
+
+    import jsonschema
+    import openai
+
+    c = server.client()
+    tok = server.state.vlm.tokenizer
+    old = tok.chat_template
+    tok.chat_template = TOOL_TEMPLATE
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    try:
+        msgs = [{"role": "user", "content": "add two numbers"}]
+        kw = dict(model="tiny", messages=msgs, tools=TOOLS, max_tokens=220, temperature=1.0)
+        for seed in (1, 2):
+            r = c.chat.completions.create(tool_choice="required", seed=seed, **kw)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, (ch.message.content, r.usage)
+            for call in ch.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        named = {"type": "function", "function": {"name": "add"}}
+        r = c.chat.completions.create(tool_choice=named, seed=3, **kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+        # streamed: the same calls arrive as delta.tool_calls
+        calls, fr = {}, None
+        for chunk in c.chat.completions.create(tool_choice=named, seed=3, stream=True, **kw):
+            for choice in chunk.choices:
+                for tc in choice.delta.tool_calls or []:
+                    calls[tc.index] = (tc.function.name, tc.function.arguments)
+                fr = choice.finish_reason or fr
+        assert calls == {0: ("add", call.function.arguments)} and fr == "tool_calls"
+        # the tools reach the template ("none" leaves them out); tool results and earlier calls render
+        with_tools = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=1)
+        without = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=1)
+        assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 4
+        history = msgs + [{"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 40, "b": 2}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+        ids = server.post("/tokenize", {"messages": history}).json()["tokens"]
+        text = tok.decode(ids)
+        assert 'TOOL RESULT: 42' in text and '"arguments": {"a": 40, "b": 2}' in text
+        assert c.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=2).choices
+        for bad, param in ((dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                           (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice")):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(**{**kw, **bad})
+            assert e.value.body["param"] == param
+    finally:
+        tok.chat_template = old
