@@ -921,6 +921,7 @@ class Generation:
         self.st, self.parsed, self.req, self.route, self.t0, self.rid = st, parsed, req, route, t0, rid
         self.acc = _Acc()
         self.gen = st.aengine.stream(req)
+        self.scores: dict | None = None      # the prompt's own logprobs (prompt_logprobs, echo)
         self.n_images = len(req.images)
         self.image_tokens = sum(im.num_tokens for im in req.images)
 
@@ -969,12 +970,83 @@ def usage_of(gens: list[Generation]) -> dict:
                         g.image_tokens)
 
 
+def _prompt_scores(st: State, req, k: int) -> dict:
+    """Runs in the pool: the prompt's own logprobs (one more forward over the prompt, the engine's
+    prefill keeps only the last position's logits): for each prompt token after the first, its
+    logprob given the tokens before, its rank, and the top-k alternatives."""
+    import numpy as np
+
+    from mmjax.models.family import run_spans
+    from mmjax.research.prompt import PromptInputs
+    from mmjax.models.text import Capture
+
+    ids = req.prompt_ids
+    p = PromptInputs(ids, req.images, req.image_pos, req.positions, run_spans(ids, st.vlm.family.image_token_id),
+                     req.prompt_len)
+    n = len(ids)
+    with st.embed_lock:
+        logits, _ = st.vlm._prompt_run(p, Capture(), hidden=False, pad_to=max(16, 1 << (n - 1).bit_length()))
+    x = logits[:-1].astype(np.float64)
+    lp = x - x.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    nxt = ids[1:].astype(np.int64)
+    chosen = lp[np.arange(n - 1), nxt]
+    rank = (lp > chosen[:, None]).sum(-1) + 1
+    top = np.argsort(-lp, axis=-1)[:, :k] if k else np.zeros((n - 1, 0), np.int64)
+    return {"ids": ids.tolist(), "chosen": chosen.tolist(), "rank": rank.tolist(), "top": top.tolist(),
+            "top_lp": np.take_along_axis(lp, top, -1).tolist()}
+
+
+def _prompt_token_str(st: State, tid: int) -> str:
+    """A prompt token as text; image tokens show as the model's image placeholder."""
+    if tid == st.vlm.family.image_token_id and st.vlm.tokenizer.image_token:
+        return st.vlm.tokenizer.image_token
+    return _token_str(st, tid)
+
+
+def _vllm_prompt_logprobs(st: State, sc: dict) -> list:
+    """vLLM's `prompt_logprobs`: None for the first token, then {id: {logprob, rank,
+    decoded_token}} holding the prompt token and the top-k."""
+    out: list = [None]
+    for j, tid in enumerate(sc["ids"][1:]):
+        d = {str(tid): {"logprob": sc["chosen"][j], "rank": sc["rank"][j], "decoded_token": _prompt_token_str(st, tid)}}
+        for r, (a, v) in enumerate(zip(sc["top"][j], sc["top_lp"][j])):
+            d.setdefault(str(a), {"logprob": v, "rank": r + 1, "decoded_token": _prompt_token_str(st, a)})
+        out.append(d)
+    return out
+
+
+def _echo_entries(st: State, sc: dict | None, ids: list[int], k: int | None) -> list[dict]:
+    """Completion logprob entries of the echoed prompt (the first token has none)."""
+    entries = []
+    for j, tid in enumerate(ids):
+        e = {"token": _prompt_token_str(st, tid), "logprob": None, "top_logprobs": []}
+        if j and sc is not None:
+            e["logprob"] = sc["chosen"][j - 1]
+            e["top_logprobs"] = [{"token": _prompt_token_str(st, a), "logprob": v}
+                                 for a, v in zip(sc["top"][j - 1][:k or 0], sc["top_lp"][j - 1][:k or 0])]
+        entries.append(e)
+    return entries
+
+
+def _echo_text(st: State, parsed: schema.ParsedRequest, req) -> str:
+    """The prompt as echoed: a string prompt as given (with the image placeholders the server
+    prepended, if any), token ids decoded (special tokens kept)."""
+    if isinstance(parsed.prompt, str):
+        tok = st.vlm.tokenizer
+        if parsed.images and tok.image_token and tok.image_token not in parsed.prompt:
+            return (tok.image_token + "\n") * len(parsed.images) + parsed.prompt
+        return parsed.prompt
+    return st.vlm.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
+
+
 def _completion_lp(entries: list[dict], offset: int) -> tuple[dict, int]:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
-        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                                   if e["logprob"] is not None else None)
         out["text_offset"].append(offset)
         offset += len(e["token"])
     return out, offset
@@ -1011,6 +1083,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         raise UnavailableError("the server is shutting down and accepts no new requests")
     route = _route_name(request)
     gens = [Generation(st, parsed, r, route, t0, rid) for r in reqs]
+    scores = None
+    echo_lp = parsed.kind == "completion" and parsed.echo and parsed.logprobs is not None
+    if parsed.prompt_logprobs is not None or echo_lp:
+        scores = await loop.run_in_executor(st.executor, _prompt_scores, st, reqs[0],
+                                            max(parsed.prompt_logprobs or 0, parsed.logprobs or 0))
+    for g in gens:
+        g.scores = scores
     st.active.add(rid)
     st.metrics.in_flight.inc()
     try:
@@ -1039,8 +1118,16 @@ async def _collect_one(g: Generation, d, kind: str) -> dict:
     a = g.acc
     text = "".join(a.text)
     lp = None
+    echo = kind == "completion" and g.parsed.echo
+    if echo:
+        text = _echo_text(g.st, g.parsed, g.req) + text
     if g.parsed.logprobs is not None:
-        lp = schema.chat_logprobs(entries) if kind == "chat" else _completion_lp(entries, 0)[0]
+        if kind == "chat":
+            lp = schema.chat_logprobs(entries)
+        else:
+            if echo:
+                entries = _echo_entries(g.st, g.scores, g.req.prompt_ids.tolist(), g.parsed.logprobs) + entries
+            lp = _completion_lp(entries, 0)[0]
     i = g.req.index
     if kind == "chat":
         msg, fr = {"role": "assistant", "content": text}, a.finish_reason
@@ -1057,9 +1144,11 @@ async def _collect(gens: list[Generation], firsts: list, kind: str) -> web.Respo
     choices = await asyncio.gather(*(_collect_one(g, d, kind) for g, d in zip(gens, firsts)))
     g, st = gens[0], gens[0].st
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    return web.json_response({"id": g.rid, "object": obj, "created": schema.now(),
-                              "model": st.config.served_model_name, "choices": list(choices),
-                              "usage": usage_of(gens)})
+    out = {"id": g.rid, "object": obj, "created": schema.now(), "model": st.config.served_model_name,
+           "choices": list(choices), "usage": usage_of(gens)}
+    if g.parsed.prompt_logprobs is not None:
+        out["prompt_logprobs"] = _vllm_prompt_logprobs(st, g.scores)
+    return web.json_response(out)
 
 
 def _sse(obj: Any) -> bytes:
@@ -1108,6 +1197,18 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
             for g in gens:
                 await resp.write(_sse(chunk({"index": g.req.index, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None})))
+        if kind == "completion" and g0.parsed.echo:
+            for i, g in enumerate(gens):
+                lp = None
+                if want_lp:
+                    lp, offsets[i] = _completion_lp(_echo_entries(st, g.scores, g.req.prompt_ids.tolist(),
+                                                                  g.parsed.logprobs), 0)
+                await resp.write(_sse(chunk({"index": g.req.index, "text": _echo_text(st, g.parsed, g.req),
+                                             "logprobs": lp, "finish_reason": None})))
+        if g0.parsed.prompt_logprobs is not None:
+            first = chunk(None)
+            first["prompt_logprobs"] = _vllm_prompt_logprobs(st, g0.scores)
+            await resp.write(_sse(first))
         pumps = [asyncio.ensure_future(_pump(i, g, d, q)) for i, (g, d) in enumerate(zip(gens, firsts))]
         running, failed = len(gens), False
         while running:

@@ -113,6 +113,7 @@ class ParsedRequest:
     image_options: Any = None                  # mm_processor_kwargs as models.family.ImageOptions
     ignored: list[str] = field(default_factory=list)      # unknown fields (logged, as vLLM)
     tools: Any = None                          # serve.tools.ToolRequest (chat)
+    prompt_logprobs: int | None = None         # top-k alternatives per prompt token (vLLM's extension)
 
 
 # ---- small typed getters ----------------------------------------------------------------------
@@ -425,6 +426,7 @@ def _common(body: dict, req: ParsedRequest) -> None:
     fields_ = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if body.get(k) is not None}
     fields_.update(_penalties(body))
     req.n = _int(body, "n", 1, MAX_N, 1)
+    req.prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     req.image_options = image_options(body)
     req.ignored = unknown_fields(body, CHAT_FIELDS if req.kind == "chat" else COMPLETION_FIELDS)
     fields_["structured"] = _structured(body)
@@ -630,8 +632,6 @@ def parse_completion(body: Any, *, limit_images: int | None = None,
     req.max_tokens = _int(body, "max_tokens", 1, INT32_MAX, 16)
     req.logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     req.echo = _bool(body, "echo")
-    if req.echo:
-        raise InvalidRequestError("'echo' is not supported", param="echo", code="unsupported_parameter")
     _common(body, req)
     return req
 

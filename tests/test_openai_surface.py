@@ -566,3 +566,46 @@ def test_server_tools(server):
             assert e.value.body["param"] == param
     finally:
         tok.chat_template = old
+
+
+# ---- prompt_logprobs and echo -------------------------------------------------------------------------
+
+def test_server_prompt_logprobs_and_echo(server, vlm):
+    from test_serve import data_uri
+    from conftest import noise_image
+
+    c = server.client()
+    prompt = "USER: <image>\nwhat is it? ASSISTANT:"
+    img = data_uri(1)
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                             extra_body={"images": [img], "prompt_logprobs": 2})
+    ch = r.choices[0]
+    logits = vlm.logits(prompt, [noise_image(1, 40, 30)])
+    lp = logits - logits.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    req = vlm.engine.make_request(prompt, vlm.prepare_images([noise_image(1, 40, 30)]))
+    ids = req.prompt_ids
+    want = lp[np.arange(len(ids) - 1), ids[1:]]
+    plp = r.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    got = np.asarray([plp[j + 1][str(t)]["logprob"] for j, t in enumerate(ids[1:])])
+    assert np.abs(got - want).max() < 1e-4
+    assert all(len(d) >= 2 and min(v["rank"] for v in d.values()) == 1 for d in plp[1:])
+    # echo: the prompt text first, its tokens (image tokens as the placeholder) in the logprobs
+    assert ch.text.startswith(prompt) and len(ch.text) > len(prompt)
+    toks = ch.logprobs.tokens
+    assert len(toks) == len(ids) + 3 and ch.logprobs.token_logprobs[0] is None
+    n_img = int((ids == vlm.family.image_token_id).sum())
+    assert toks.count("<image>") == n_img > 0
+    assert np.abs(np.asarray(ch.logprobs.token_logprobs[1:len(ids)]) - want).max() < 1e-4
+    plain = c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                 extra_body={"images": [img]})
+    assert ch.text == prompt + plain.choices[0].text
+    streamed = "".join(x.choices[0].text for x in c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True,
+        extra_body={"images": [img]}) if x.choices)
+    assert streamed == ch.text
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                     extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == \
+        chat.usage.prompt_tokens
