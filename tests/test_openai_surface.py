@@ -609,3 +609,21 @@ def test_server_prompt_logprobs_and_echo(server, vlm):
                                      extra_body={"prompt_logprobs": 0})
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == \
         chat.usage.prompt_tokens
+
+
+def test_grammars_follow_every_familys_tokenizer(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs):
+    """llguidance's tokenizer built from each family's tokenizer.json accepts exactly the token
+    sequences that spell schema-valid JSON (byte-level BPE and byte-fallback vocabularies)."""
+    from mmjax.serving.structured import GrammarCompiler, StructuredSpec
+    from mmjax.tokenizer import Tokenizer
+
+    schema = {"type": "object", "properties": {"shape": {"enum": ["circle", "square"]}, "n": {"type": "integer"}},
+              "required": ["shape", "n"], "additionalProperties": False}
+    for d in (llava_dirs["gqa"], qwen_dirs["qwen2_vl"], gemma3_dirs["window"], gemma4_dirs["dense"]):
+        tok = Tokenizer(d, None)
+        comp = GrammarCompiler(tok, tok.vocab_size, [tok.eos_id])
+        good = tok.encode('{"shape":"circle","n":42}', add_special_tokens=False)
+        m = comp.matcher(StructuredSpec("json", schema))
+        assert m.consume_tokens(good) and m.is_accepting(), d
+        bad = tok.encode('{"shape":"hexagon","n":4}', add_special_tokens=False)
+        assert comp.matcher(StructuredSpec("json", schema)).validate_tokens(bad) < len(bad), d
