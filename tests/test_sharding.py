@@ -96,9 +96,13 @@ def test_sharded_steps_lower_for_cuda(tp_checkpoints):
     res = run_worker("export", tp_checkpoints)
     for fam, steps in res.items():
         kinds = {k.split("[")[0].split("(")[0] for k in steps}
-        assert kinds == {"encode", "prefill", "decode", "prefill_pruned"}, fam    # + one FastV prefill
+        # + one FastV prefill, + the cache-row copy of n > 1 siblings
+        assert kinds == {"encode", "prefill", "decode", "prefill_pruned", "copy_slot"}, fam
         for step, s in steps.items():
             assert s["platforms"] == ["cuda"] and s["nr_devices"] == 8, (fam, step)
+            if step == "copy_slot":       # the KV cache in and out, sharded over "model"; no matmul
+                assert s["model_sharded_args"] == 2 * 2 * 2 * 2, (fam, s)
+                continue
             assert s["bf16_dot"], (fam, step)
             # prefill / decode: the decoder's weights and the KV cache arrive sharded over "model"
             # (encode reads only the replicated vision tower)

@@ -204,8 +204,9 @@ class SlotHistory:
 
     def after(self, tokens: jax.Array) -> "SlotHistory":
         """The history once `tokens` [slots] were generated."""
-        onehot = jax.nn.one_hot(tokens, self.counts.shape[-1], dtype=jnp.int32)
-        return dataclasses.replace(self, counts=self.counts + onehot, generated=self.generated + 1)
+        rows = jnp.arange(tokens.shape[0])
+        # a scatter of one count per row: no [rows, vocab] one-hot temporary per step
+        return dataclasses.replace(self, counts=self.counts.at[rows, tokens].add(1), generated=self.generated + 1)
 
 
 jax.tree_util.register_dataclass(SlotHistory, data_fields=["row", "counts", "generated"], meta_fields=[])
