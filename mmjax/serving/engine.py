@@ -178,8 +178,10 @@ class Engine:
         """`parent`'s prompt is now in its cache row: waiting siblings take free slots holding a
         copy of that row (all but the last prompt token count as cached)."""
         n = parent.prompt_len - 1
-        # a pruned row is compacted, a ring-buffer row may not resume that late: prefill apart
-        if parent.prune is not None or n < self.scheduler.min_resume(parent.prompt_len):
+        # a pruned row is compacted, a ring-buffer row may not resume that late, a last token
+        # that is an image token needs its features again: those siblings prefill themselves
+        if (parent.prune is not None or n < self.scheduler.min_resume(parent.prompt_len)
+                or parent.prompt_ids[-1] == self.family.image_token_id):
             return
         for sib in [r for r in self.scheduler.waiting if r.parent is parent]:
             slot = self.scheduler.fork_slot()
