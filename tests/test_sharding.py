@@ -192,7 +192,11 @@ def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
             assert set(counts) == {"all-reduce", "all-gather"}, f"{where}: {counts}"
         assert by_mesh["tp2"]["weight_bytes_max_device"] > by_mesh["tp4"]["weight_bytes_max_device"], fam
         for step, s in out["export"][fam].items():
-            assert s["platforms"] == ["cuda"] and s["nr_devices"] == 4 and s["bf16_dot"], (fam, step)
+            assert s["platforms"] == ["cuda"] and s["nr_devices"] == 4, (fam, step)
+            if step == "copy_slot":             # n > 1 cache-row copy: the cache in and out, no matmul
+                assert s["model_sharded_args"] == 2 * cache[fam], (fam, step, s)
+                continue
+            assert s["bf16_dot"], (fam, step)
             if not step.startswith("encode"):   # cache: an argument and a result (256 positions)
                 assert s["model_sharded_args"] == weights[fam] + 2 * cache[fam], (fam, step, s)
 
