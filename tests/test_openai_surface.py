@@ -182,6 +182,10 @@ def test_structured_outputs_always_parse(vlm):
         else:
             assert re.fullmatch(r"yes|no [0-9]", o.text), o.text
     assert len({o.text for o, sp in zip(outs, params) if sp.structured is specs[0]}) > 1   # sampled, not fixed
+    g = vlm.generate(["USER: what is it? ASSISTANT:"], SamplingParams(max_tokens=40, temperature=1.0, seed=9, n=2,
+                                                                      structured=specs[0]))[0]
+    for o in [g] + g.siblings:          # n > 1: each choice follows its own copy of the grammar
+        jsonschema.validate(json.loads(o.text), SHAPES_SCHEMA)
     from mmjax.errors import InvalidRequestError
     for bad in (StructuredSpec("json", {"type": "object", "properties": {"a": {"type": "nonsense"}}}),
                 StructuredSpec("regex", "([a-z"), StructuredSpec("grammar", "start: undefined_rule")):
