@@ -118,7 +118,7 @@ def decode_figures(tm, text_params, tp: int, slots: int, max_len: int, dtype) ->
     cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, cs)
     rep = pl.sharding("state")
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
-                         jax.eval_shape(lambda: DecodeState.zeros(slots)))
+                         jax.eval_shape(lambda: DecodeState.zeros(slots, tm.vocab_size)))
     gather = (NamedSharding(mesh, PartitionSpec(None, MODEL)), pl.sharding("outputs")) if tp > 1 else None
 
     class _Fam:                      # make_decode_step only reads the text model
@@ -126,7 +126,8 @@ def decode_figures(tm, text_params, tp: int, slots: int, max_len: int, dtype) ->
     fn = jax.jit(make_decode_step(_Fam, tuning("cpu"), tm, gather), static_argnames=("rows",),
                  donate_argnums=(1, 2), out_shardings=step_shardings(cs, rep, pl.sharding("outputs")))
     kv_lens = jax.ShapeDtypeStruct((tm.num_layers,), jax.numpy.int32)     # per layer (FastV-pruned layers)
-    compiled = fn.lower(params, cache, state, kv_lens, rows=slots).compile()
+    bits = jax.ShapeDtypeStruct((slots, (tm.vocab_size + 31) // 32), jax.numpy.uint32)
+    compiled = fn.lower(params, cache, state, kv_lens, bits, rows=slots).compile()
     return {"weight_bytes": bytes_per_device(params), "kv_bytes": bytes_per_device(cache),
             "comm": collectives(compiled.as_text(), tp)}
 

@@ -137,15 +137,21 @@ class VLM:
     # ---- images ------------------------------------------------------------------------------
     def prepare_images(self, images: Iterable[Any], options: dict | ImageOptions | None = None,
                        intervention=None) -> list[ImageInput]:
-        """PIL images / bytes / paths / data URIs -> ImageInputs (decode, validate, resize).
+        """PIL images / bytes / paths / data URIs -> ImageInputs (decode, validate, resize); an
+        {"image_embeds": np.ndarray [tokens, lm hidden], "image_grid_thw": (t, h, w) (M-RoPE
+        families)} item is a precomputed image (the vision tower is skipped).
         options: {"min_pixels", "max_pixels", "image_max_tokens"} (dynamic-resolution families),
         {"max_tiles"} (tiling families: 0 = overview only).
         intervention: a `mmjax.research` intervention (Ablate, Pool) applied to every image."""
+        from mmjax.image.embeds import image_from_embeds
+
         opts = options if isinstance(options, ImageOptions) else ImageOptions.from_dict(options)
         images = list(images)
         opts = self.family.prompt_options(opts, len(images))
-        out = [im if isinstance(im, ImageInput) else self.family.prepare_image(load_image(im, self.image_limits), opts)
-               for im in images]
+        out = [im if isinstance(im, ImageInput) else
+               image_from_embeds(self.family, im["image_embeds"], im.get("image_grid_thw"))
+               if isinstance(im, dict) and "image_embeds" in im else
+               self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
         if intervention is not None:
             from mmjax.research.interventions import Intervention
             if not isinstance(intervention, Intervention):
@@ -181,7 +187,8 @@ class VLM:
         max_pixels / image_max_tokens for dynamic-resolution families, "intervention" (a
         `mmjax.research` Ablate / Pool / Prune) and "sampling").
         sampling: one SamplingParams for all, or a list with one per request (vLLM's convention).
-        Returns RequestOutputs in order."""
+        Returns RequestOutputs in order; with SamplingParams.n > 1 each holds choices 1..n-1 in
+        `.siblings` (they share the prompt's KV: prefilled once)."""
         if isinstance(requests, (str, dict)):
             requests = [requests]
         requests = list(requests)
@@ -205,8 +212,16 @@ class VLM:
                 images = self._in_prompt_order(r["prompt"], images,
                                                self.prepare_videos(r["videos"], r.get("video_options")))
             extra = iv.engine_args(sum(im.num_tokens for im in images)) if iv is not None else {}
-            ids.append(self.engine.add_request(r["prompt"], images, sp, **extra))
-        return self.engine.run_until_done(ids)
+            req = self.engine.make_request(r["prompt"], images, sp, **extra)
+            ids.append([self.engine.submit(q) for q in self.engine.siblings(req, sp.n)])
+        outs = self.engine.run_until_done([i for group in ids for i in group])
+        it = iter(outs)
+        result = []
+        for group in ids:                 # n > 1: choices 1..n-1 ride on choice 0
+            first = next(it)
+            first.siblings = [next(it) for _ in group[1:]]
+            result.append(first)
+        return result
 
     def _in_prompt_order(self, prompt, images: list[ImageInput], videos: list[ImageInput]) -> list[ImageInput]:
         """Images and videos interleaved in the order of their placeholders in the prompt (the
@@ -298,18 +313,68 @@ class VLM:
     def prompt_forward(self, p, capture: Capture = Capture()):
         """(logits [t, vocab] float32, intermediates) for `mmjax.research.prompt.PromptInputs`,
         through the jitted whole-prompt forward (one compile per capture and length)."""
+        return self._prompt_run(p, capture, hidden=False)
+
+    def _prompt_run(self, p, capture: Capture, hidden: bool, pad_to: int | None = None):
+        """(logits or hidden [t, ...], intermediates) of PromptInputs `p`, optionally padded to
+        `pad_to` tokens (outputs cut back to the prompt)."""
         from mmjax.serving.runner import make_prompt_forward
 
         emb = np.zeros((len(p.ids), self.engine.runner.feature_width), np.float32)
         if p.images:
             # the prompt's image tokens, in order, take the images' features in order
-            emb[p.image_pos] = np.concatenate(self.engine.runner.encode_images(p.images))
-        if capture not in self._forward:
-            self._forward[capture] = jax.jit(make_prompt_forward(self.family, capture,
-                                                                 self.engine.runner.text_model))
-        logits, inter = self._forward[capture](self.engine.runner.params, p.ids, emb.astype(self.model.dtype),
-                                               np.isin(p.ids, self.family.media_token_ids), p.positions, p.spans)
-        return np.asarray(logits), jax.tree.map(np.asarray, inter)
+            todo = [im for im in p.images if im.embeds is None]
+            enc = iter(self.engine.runner.encode_images(todo) if todo else [])
+            emb[p.image_pos] = np.concatenate([im.embeds if im.embeds is not None else next(enc)
+                                               for im in p.images])
+        ids, pos, spans = p.ids, p.positions, p.spans
+        if pad_to is not None and pad_to > len(ids):   # causal: padding after the prompt changes nothing before it
+            k = pad_to - len(ids)
+            ids = np.pad(ids, (0, k))
+            emb = np.pad(emb, ((0, k), (0, 0)))
+            pos = np.pad(pos, ((0, 0), (0, k)), mode="edge")
+            spans = None if spans is None else np.pad(spans, (0, k), constant_values=-1)
+        key = (capture, hidden)
+        if key not in self._forward:
+            self._forward[key] = jax.jit(make_prompt_forward(self.family, capture, self.engine.runner.text_model,
+                                                             hidden=hidden))
+        out, inter = self._forward[key](self.engine.runner.params, ids, emb.astype(self.model.dtype),
+                                        np.isin(ids, self.family.media_token_ids), pos, spans)
+        return np.asarray(out)[:len(p.ids)], jax.tree.map(np.asarray, inter)
+
+    def embed(self, inputs, pooling: str = "last", normalize: bool = True) -> np.ndarray:
+        """Embeddings [len(inputs), hidden] (float32) of prompts: each a raw prompt string, a list
+        of OpenAI-style messages (rendered with the chat template and a generation prompt), or
+        {"prompt", "images"} (images as in `generate`, {"image_embeds": ...} included). The
+        final normed hidden state of the last token (pooling="last", vLLM's default for decoder
+        models) or the mean over all tokens ("mean"); L2-normalised unless normalize=False.
+        Prompts are padded to a power of two (at least 16): one compile per length bucket."""
+        from mmjax.research.prompt import prompt_inputs
+
+        if pooling not in ("last", "mean"):
+            raise InvalidRequestError(f"pooling must be 'last' or 'mean', got {pooling!r}", param="pooling")
+        if isinstance(inputs, (str, dict)):
+            inputs = [inputs]
+        out = []
+        for x in inputs:
+            p = prompt_inputs(self, x["prompt"], x.get("images", ())) if isinstance(x, dict) else \
+                prompt_inputs(self, x)
+            n = len(p.ids)
+            if n >= self.engine.max_model_len:
+                from mmjax.errors import ContextLengthError
+                raise ContextLengthError(f"input is {n} tokens; the context is {self.engine.max_model_len} tokens",
+                                         param="input")
+            out.append(self.embed_prompt(p, pooling, normalize))
+        return np.stack(out)
+
+    def embed_prompt(self, p, pooling: str = "last", normalize: bool = True) -> np.ndarray:
+        """The embedding [hidden] of `mmjax.research.prompt.PromptInputs` (see `embed`)."""
+        n = len(p.ids)
+        h, _ = self._prompt_run(p, Capture(), hidden=True, pad_to=max(16, 1 << (n - 1).bit_length()))
+        v = h[-1] if pooling == "last" else h.mean(axis=0)
+        if normalize:
+            v = v / max(float(np.linalg.norm(v)), 1e-12)
+        return v.astype(np.float32)
 
     # ---- research (mmjax.research) --------------------------------------------------------------
     def trace(self, prompt: Any, images: Iterable[Any] = (), **kw):

@@ -156,6 +156,8 @@ def follow() -> int:
             runner.park(*args)
         elif op == "fill_cross":
             runner.fill_cross(*args)
+        elif op == "copy_slot":
+            runner.copy_slot(*args)
         else:
             raise RuntimeError(f"unknown step {op!r} from the leader")
         n += 1

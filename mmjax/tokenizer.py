@@ -143,6 +143,10 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(int(i))
 
+    def to_json_str(self) -> str:
+        """The tokenizer.json text (for grammar engines that build their own tokenizer)."""
+        return self._tok.to_str()
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> ChatPrompt:
         """OpenAI-style messages (content: str or list of {"type": "text"|"image", ...}) -> prompt.
 

@@ -14,11 +14,13 @@ write; either way the stream generator's `finally` aborts the request and frees 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +36,7 @@ from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, Pr
 from mmjax.image.decode import ImageLimits
 from mmjax.video import VideoLimits
 from mmjax.serving import AsyncEngine, Engine
-from serve import schema
+from serve import schema, tools
 from serve.media import MediaConfig, MediaFetcher
 from serve.metrics import ServerMetrics
 from serve.schema import (AuthError, NotFoundError, RequestLimits, RequestTimeoutError, RequestTooLargeError,
@@ -65,6 +67,8 @@ class ServerConfig:
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     allow_private_media_urls: bool = False
+    enable_image_embeds: bool = False          # accept image_embeds content parts (off: a client could feed
+    #                                            arbitrary features past the vision tower)
     media_fetch_timeout: float = 10.0
     media_max_redirects: int = 3
     max_queue: int = 256                       # engine waiting queue -> 503 beyond
@@ -112,6 +116,7 @@ class State:
     text_room: int = 0                                 # body bytes outside image data URIs
     limits: RequestLimits = field(default_factory=RequestLimits)
     stats_prev: Any = None                             # (engine stats, time) of the last log line
+    embed_lock: Any = field(default_factory=threading.Lock)  # one embedding forward at a time
 
 
 STATE = web.AppKey("mmjax_state", State)
@@ -180,11 +185,14 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     st.limits = RequestLimits(limit_images=cfg.limit_images, max_messages=cfg.max_messages,
                               limit_videos=cfg.limit_videos,
                               max_content_parts=cfg.max_content_parts, max_text_bytes=engine.max_prompt_bytes,
-                              max_model_len=engine.max_model_len)
+                              max_model_len=engine.max_model_len, image_embeds=cfg.enable_image_embeds)
     app = web.Application(middlewares=[_error_middleware, _auth_middleware], client_max_size=st.body_cap)
     app[STATE] = st
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
@@ -513,7 +521,7 @@ async def _error_middleware(request: web.Request, handler):
 @web.middleware
 async def _auth_middleware(request: web.Request, handler):
     key = request.app[STATE].config.api_key
-    if key and request.path.startswith("/v1"):
+    if key and (request.path.startswith("/v1") or request.path in ("/tokenize", "/detokenize")):
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if not given:
@@ -559,6 +567,132 @@ async def metrics_route(request: web.Request) -> web.Response:
 
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# ---- /v1/embeddings --------------------------------------------------------------------------------
+
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI embeddings: "input" (a string, a list of strings, token ids or lists of them) or
+    vLLM's multimodal form "messages" (chat messages with images, rendered with the template).
+    Extensions: "pooling" ("last", default, or "mean"), "normalize" (default true). Each input's
+    final normed hidden state (VLM.embed's rule); encoding_format "float" or "base64"."""
+    st = request.app[STATE]
+    if st.draining:
+        raise UnavailableError("the server is shutting down and accepts no new requests")
+    body = await _read_json(request, st)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", param=None)
+    _check_model(st, body.get("model"))
+    _warn_ignored(schema.unknown_fields(body, schema.EMBEDDING_FIELDS), request.path)
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise InvalidRequestError("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    pooling = body.get("pooling", "last")
+    if pooling not in ("last", "mean"):
+        raise InvalidRequestError("'pooling' must be 'last' or 'mean'", param="pooling")
+    normalize = schema._bool(body, "normalize", True)
+    if body.get("dimensions") is not None:
+        raise InvalidRequestError("'dimensions' is not supported (the embedding is the model's hidden size)",
+                                  param="dimensions", code="unsupported_parameter")
+    if "messages" in body:
+        chat = {k: v for k, v in body.items() if k in ("model", "messages", "chat_template_kwargs",
+                                                          "add_generation_prompt", "mm_processor_kwargs")}
+        parsed = [schema.parse_chat(chat, limits=st.limits)]
+    else:
+        inp = body.get("input")
+        items = inp if isinstance(inp, list) and inp and not all(schema._is_int(t) for t in inp) else [inp]
+        if not items or len(items) > 256:
+            raise InvalidRequestError("'input' must be a string, token ids, or a list of at most 256 of them",
+                                      param="input")
+        parsed = []
+        for i, x in enumerate(items):
+            try:
+                parsed.append(schema.parse_completion({"prompt": x}, limits=st.limits))
+            except InvalidRequestError as e:
+                e.param = f"input[{i}]" if len(items) > 1 else "input"
+                raise
+    for p in parsed:
+        for ref in p.images:
+            ref.options = p.image_options
+    images = [await _load_images(st, p.images) for p in parsed]
+
+    def run():
+        from mmjax.models.family import run_spans
+        from mmjax.research.prompt import PromptInputs
+
+        vecs, n_tok = [], 0
+        fam = st.vlm.family
+        for p, ims in zip(parsed, images):
+            req = _build_request(st, p, ims, "embed")[0]
+            pi = PromptInputs(req.prompt_ids, req.images, req.image_pos, req.positions,
+                              run_spans(req.prompt_ids, fam.image_token_id), req.prompt_len)
+            with st.embed_lock:
+                vecs.append(st.vlm.embed_prompt(pi, pooling, normalize))
+            n_tok += req.prompt_len
+        return vecs, n_tok
+    vecs, n_tok = await asyncio.get_running_loop().run_in_executor(st.executor, run)
+    data = []
+    for i, v in enumerate(vecs):
+        emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else [float(x) for x in v]
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return web.json_response({"object": "list", "data": data, "model": st.config.served_model_name,
+                              "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
+
+
+# ---- /tokenize, /detokenize (vLLM's extension routes) ------------------------------------------------
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{"prompt" (+ "images") | "messages", "add_special_tokens", "add_generation_prompt",
+    "chat_template_kwargs", "mm_processor_kwargs", "return_token_strs"} -> {"count", "max_model_len",
+    "tokens", "image_tokens" (per image), "token_strs"?}: exactly the ids generation would see."""
+    st = request.app[STATE]
+    body = await _read_json(request, st)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", param=None)
+    if "messages" in body:
+        chat = {k: v for k, v in body.items() if k in ("model", "messages", "chat_template_kwargs",
+                                                          "add_generation_prompt", "mm_processor_kwargs")}
+        parsed = schema.parse_chat(chat, limits=st.limits)
+    else:
+        comp = {k: v for k, v in body.items() if k in ("model", "prompt", "images", "mm_processor_kwargs")}
+        parsed = schema.parse_completion(comp, limits=st.limits)
+    _check_model(st, parsed.model)
+    _warn_ignored(schema.unknown_fields(body, schema.TOKENIZE_FIELDS), request.path)
+    add_special = schema._bool(body, "add_special_tokens", True)
+    strs = schema._bool(body, "return_token_strs", False)
+    for ref in parsed.images:
+        ref.options = parsed.image_options
+    images = await _load_images(st, parsed.images)
+
+    def run():
+        if parsed.kind == "completion" and isinstance(parsed.prompt, str) and not images and not add_special:
+            ids = st.vlm.tokenizer.encode(parsed.prompt, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in _build_request(st, parsed, images, "tokenize")[0].prompt_ids]
+        out = {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids,
+               "image_tokens": [im.num_tokens for im in images]}
+        if strs:
+            out["token_strs"] = [st.vlm.tokenizer.id_to_token(t) for t in ids]
+        return out
+    return web.json_response(await asyncio.get_running_loop().run_in_executor(st.executor, run))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{"tokens": [ids]} -> {"prompt": text} (special tokens kept, as vLLM)."""
+    st = request.app[STATE]
+    body = await _read_json(request, st)
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", param=None)
+    _check_model(st, body.get("model"))
+    _warn_ignored(schema.unknown_fields(body, schema.DETOKENIZE_FIELDS), request.path)
+    toks = body.get("tokens")
+    vocab = st.vlm.tokenizer.vocab_size
+    if not isinstance(toks, list) or len(toks) > st.engine.max_model_len * 4 or not all(
+            schema._is_int(t) and 0 <= t < vocab for t in toks):
+        raise InvalidRequestError(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+    text = await asyncio.get_running_loop().run_in_executor(
+        st.executor, lambda: st.vlm.tokenizer.decode(toks, skip_special_tokens=False))
+    return web.json_response({"prompt": text})
 
 
 # ---- generation ---------------------------------------------------------------------------------------
@@ -654,13 +788,26 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
+async def _load_embeds(st: State, ref):
+    """An image_embeds part -> ImageInput (base64 .npy decoded and checked in the pool)."""
+    from mmjax.image.embeds import decode_npy, image_from_embeds
+
+    b64, grid = ref.embeds
+
+    def run():
+        return image_from_embeds(st.vlm.family, decode_npy(b64, st.config.max_image_bytes, ref.param), grid,
+                                 param=ref.param)
+    return await asyncio.get_running_loop().run_in_executor(st.executor, run)
+
+
 async def _load_images(st: State, refs) -> list:
     """Fetch + decode all images concurrently; the first failure (in prompt order) cancels the
     rest. Every task's outcome is retrieved, whichever way this returns."""
     if not refs:
         return []
     n_images = sum(getattr(r, "kind", "image") == "image" for r in refs)    # a prompt's images (not videos)
-    tasks = [asyncio.ensure_future(st.fetcher.load(r, n_images=n_images)) for r in refs]
+    tasks = [asyncio.ensure_future(_load_embeds(st, r) if r.embeds is not None else st.fetcher.load(r, n_images=n_images))
+             for r in refs]
     for t in tasks:
         t.add_done_callback(_retrieve)
     try:
@@ -675,11 +822,21 @@ async def _load_images(st: State, refs) -> list:
                 t.cancel()
 
 
+def _warn_ignored(names: list[str], path: str) -> None:
+    """Unknown request fields are ignored with a warning (vLLM's policy, every endpoint)."""
+    if names:
+        log.warning("%s: the following fields were present in the request but ignored: %s", path, names)
+
+
 def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: str):
     """Runs in the thread pool: template, tokenize, validate, size the completion."""
     eng = st.engine
     if parsed.kind == "chat":
-        prompt = st.vlm.tokenizer.render_chat(parsed.messages, add_generation_prompt=True)
+        kw = dict(parsed.template_kwargs)
+        if parsed.tools is not None and parsed.tools.template_tools:
+            kw["tools"] = parsed.tools.template_tools
+        prompt = st.vlm.tokenizer.render_chat(tools.normalize_messages(parsed.messages),
+                                              add_generation_prompt=parsed.add_generation_prompt, **kw)
     else:
         prompt = parsed.prompt
         tok = st.vlm.tokenizer
@@ -714,7 +871,7 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
             f"'{parsed.max_tokens_param}')", param=parsed.max_tokens_param)
     else:
         req.sampling.max_tokens = parsed.max_tokens
-    return req
+    return eng.siblings(req, parsed.n)
 
 
 class _Acc:
@@ -792,6 +949,7 @@ class Generation:
         self.st, self.parsed, self.req, self.route, self.t0, self.rid = st, parsed, req, route, t0, rid
         self.acc = _Acc()
         self.gen = st.aengine.stream(req)
+        self.scores: dict | None = None      # the prompt's own logprobs (prompt_logprobs, echo)
         self.n_images = len(req.images)
         self.image_tokens = req.num_image_tokens
         self.video_tokens = req.num_video_tokens
@@ -818,15 +976,15 @@ class Generation:
 
     def _account(self) -> None:
         m, a = self.st.metrics, self.acc
-        m.prompt_tokens.inc(self.req.prompt_len)
-        m.image_tokens.inc(self.image_tokens)
-        m.video_tokens.inc(self.video_tokens)
-        m.cached_tokens.inc(self.req.cached_tokens)
+        if self.req.index == 0:       # n > 1: the prompt counts once
+            m.prompt_tokens.inc(self.req.prompt_len)
+            m.image_tokens.inc(self.image_tokens)
+            m.video_tokens.inc(self.video_tokens)
+            m.cached_tokens.inc(self.req.cached_tokens)
         m.completion_tokens.inc(a.n_tokens)
 
     def usage(self) -> dict:
-        return schema.usage(self.req.prompt_len, self.acc.n_tokens, int(self.req.cached_tokens), self.image_tokens,
-                            self.video_tokens)
+        return usage_of([self])
 
     async def close(self) -> None:
         await self.gen.aclose()
@@ -835,12 +993,90 @@ class Generation:
         return _chat_lp(self.st, d, self.parsed.logprobs or 0) if d.logprobs is not None else []
 
 
+def usage_of(gens: list[Generation]) -> dict:
+    """OpenAI usage of one request's choices: the prompt once, the completions summed."""
+    g = gens[0]
+    return schema.usage(g.req.prompt_len, sum(x.acc.n_tokens for x in gens), int(g.req.cached_tokens),
+                        g.image_tokens, g.video_tokens)
+
+
+def _prompt_scores(st: State, req, k: int) -> dict:
+    """Runs in the pool: the prompt's own logprobs (one more forward over the prompt, the engine's
+    prefill keeps only the last position's logits): for each prompt token after the first, its
+    logprob given the tokens before, its rank, and the top-k alternatives."""
+    import numpy as np
+
+    from mmjax.models.family import run_spans
+    from mmjax.research.prompt import PromptInputs
+    from mmjax.models.text import Capture
+
+    ids = req.prompt_ids
+    p = PromptInputs(ids, req.images, req.image_pos, req.positions, run_spans(ids, st.vlm.family.image_token_id),
+                     req.prompt_len)
+    n = len(ids)
+    with st.embed_lock:
+        logits, _ = st.vlm._prompt_run(p, Capture(), hidden=False, pad_to=max(16, 1 << (n - 1).bit_length()))
+    x = logits[:-1].astype(np.float64)
+    lp = x - x.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    nxt = ids[1:].astype(np.int64)
+    chosen = lp[np.arange(n - 1), nxt]
+    rank = (lp > chosen[:, None]).sum(-1) + 1
+    top = np.argsort(-lp, axis=-1)[:, :k] if k else np.zeros((n - 1, 0), np.int64)
+    return {"ids": ids.tolist(), "chosen": chosen.tolist(), "rank": rank.tolist(), "top": top.tolist(),
+            "top_lp": np.take_along_axis(lp, top, -1).tolist()}
+
+
+def _prompt_token_str(st: State, tid: int) -> str:
+    """A prompt token as text; image tokens show as the model's image placeholder."""
+    if tid == st.vlm.family.image_token_id and st.vlm.tokenizer.image_token:
+        return st.vlm.tokenizer.image_token
+    return _token_str(st, tid)
+
+
+def _vllm_prompt_logprobs(st: State, sc: dict) -> list:
+    """vLLM's `prompt_logprobs`: None for the first token, then {id: {logprob, rank,
+    decoded_token}} holding the prompt token and the top-k."""
+    out: list = [None]
+    for j, tid in enumerate(sc["ids"][1:]):
+        d = {str(tid): {"logprob": sc["chosen"][j], "rank": sc["rank"][j], "decoded_token": _prompt_token_str(st, tid)}}
+        for r, (a, v) in enumerate(zip(sc["top"][j], sc["top_lp"][j])):
+            d.setdefault(str(a), {"logprob": v, "rank": r + 1, "decoded_token": _prompt_token_str(st, a)})
+        out.append(d)
+    return out
+
+
+def _echo_entries(st: State, sc: dict | None, ids: list[int], k: int | None) -> list[dict]:
+    """Completion logprob entries of the echoed prompt (the first token has none)."""
+    entries = []
+    for j, tid in enumerate(ids):
+        e = {"token": _prompt_token_str(st, tid), "logprob": None, "top_logprobs": []}
+        if j and sc is not None:
+            e["logprob"] = sc["chosen"][j - 1]
+            e["top_logprobs"] = [{"token": _prompt_token_str(st, a), "logprob": v}
+                                 for a, v in zip(sc["top"][j - 1][:k or 0], sc["top_lp"][j - 1][:k or 0])]
+        entries.append(e)
+    return entries
+
+
+def _echo_text(st: State, parsed: schema.ParsedRequest, req) -> str:
+    """The prompt as echoed: a string prompt as given (with the image placeholders the server
+    prepended, if any), token ids decoded (special tokens kept)."""
+    if isinstance(parsed.prompt, str):
+        tok = st.vlm.tokenizer
+        if parsed.images and tok.image_token and tok.image_token not in parsed.prompt:
+            return (tok.image_token + "\n") * len(parsed.images) + parsed.prompt
+        return parsed.prompt
+    return st.vlm.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
+
+
 def _completion_lp(entries: list[dict], offset: int) -> tuple[dict, int]:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
-        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                                   if e["logprob"] is not None else None)
         out["text_offset"].append(offset)
         offset += len(e["token"])
     return out, offset
@@ -865,107 +1101,191 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     parsed = schema.parse_chat(body, limits=st.limits) if kind == "chat" else \
         schema.parse_completion(body, limits=st.limits)
     _check_model(st, parsed.model)
+    _warn_ignored(parsed.ignored, request.path)
+    for ref in parsed.images:
+        ref.options = parsed.image_options
     st.metrics.images.inc(sum(r.kind == "image" for r in parsed.images))
     st.metrics.videos.inc(sum(r.kind == "video" for r in parsed.images))
     images = await _load_images(st, parsed.images)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
-    req = await loop.run_in_executor(st.executor, _build_request, st, parsed, images, rid)
+    reqs = await loop.run_in_executor(st.executor, _build_request, st, parsed, images, rid)
     if st.draining:
         raise UnavailableError("the server is shutting down and accepts no new requests")
-    g = Generation(st, parsed, req, _route_name(request), t0, rid)
+    route = _route_name(request)
+    gens = [Generation(st, parsed, r, route, t0, rid) for r in reqs]
+    scores = None
+    echo_lp = parsed.kind == "completion" and parsed.echo and parsed.logprobs is not None
+    if parsed.prompt_logprobs is not None or echo_lp:
+        scores = await loop.run_in_executor(st.executor, _prompt_scores, st, reqs[0],
+                                            max(parsed.prompt_logprobs or 0, parsed.logprobs or 0))
+    for g in gens:
+        g.scores = scores
     st.active.add(rid)
     st.metrics.in_flight.inc()
     try:
-        first = await g.next()   # QueueFullError / engine failure surface here, before any header
+        # QueueFullError / engine failure surface here, before any header
+        firsts = [await g.next() for g in gens]
         if parsed.stream:
-            return await _stream(request, g, first, kind)
-        return await _collect(g, first, kind)
+            return await _stream(request, gens, firsts, kind)
+        return await _collect(gens, firsts, kind)
     except asyncio.CancelledError:
         st.metrics.disconnects.inc()
         raise
     finally:
         st.active.discard(rid)
         st.metrics.in_flight.dec()
-        await g.close()
+        for g in gens:
+            await g.close()
 
 
-async def _collect(g: Generation, d, kind: str) -> web.Response:
+async def _collect_one(g: Generation, d, kind: str) -> dict:
     entries = []
     while d is not None:
         entries.extend(g.logprob_entries(d))
         if d.finished:
             break
         d = await g.next()
-    a, st = g.acc, g.st
+    a = g.acc
     text = "".join(a.text)
     lp = None
+    echo = kind == "completion" and g.parsed.echo
+    if echo:
+        text = _echo_text(g.st, g.parsed, g.req) + text
     if g.parsed.logprobs is not None:
-        lp = schema.chat_logprobs(entries) if kind == "chat" else _completion_lp(entries, 0)[0]
+        if kind == "chat":
+            lp = schema.chat_logprobs(entries)
+        else:
+            if echo:
+                entries = _echo_entries(g.st, g.scores, g.req.prompt_ids.tolist(), g.parsed.logprobs) + entries
+            lp = _completion_lp(entries, 0)[0]
+    i = g.req.index
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                  "finish_reason": a.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": a.finish_reason}
-        obj = "text_completion"
-    return web.json_response({"id": g.rid, "object": obj, "created": schema.now(),
-                              "model": st.config.served_model_name, "choices": [choice], "usage": g.usage()})
+        msg, fr = {"role": "assistant", "content": text}, a.finish_reason
+        if g.parsed.tools is not None and g.parsed.tools.parse:
+            content, calls = tools.parse_calls(text)
+            if calls:
+                msg = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                fr = "tool_calls" if fr == "stop" else fr
+        return {"index": i, "message": msg, "logprobs": lp, "finish_reason": fr}
+    return {"index": i, "text": text, "logprobs": lp, "finish_reason": a.finish_reason}
+
+
+async def _collect(gens: list[Generation], firsts: list, kind: str) -> web.Response:
+    choices = await asyncio.gather(*(_collect_one(g, d, kind) for g, d in zip(gens, firsts)))
+    g, st = gens[0], gens[0].st
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    out = {"id": g.rid, "object": obj, "created": schema.now(), "model": st.config.served_model_name,
+           "choices": list(choices), "usage": usage_of(gens)}
+    if g.parsed.prompt_logprobs is not None:
+        out["prompt_logprobs"] = _vllm_prompt_logprobs(st, g.scores)
+    return web.json_response(out)
 
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _stream(request: web.Request, g: Generation, d, kind: str) -> web.StreamResponse:
-    st = g.st
+async def _pump(i: int, g: Generation, d, q: asyncio.Queue) -> None:
+    """Feed one choice's deltas into the request's stream queue: (i, delta, None), an error as
+    (i, None, error), and (i, None, None) when it is done."""
+    try:
+        while d is not None:
+            await q.put((i, d, None))
+            if d.finished:
+                break
+            d = await g.next()
+    except MMJaxError as e:
+        await q.put((i, None, e))
+    await q.put((i, None, None))
+
+
+async def _stream(request: web.Request, gens: list[Generation], firsts: list, kind: str) -> web.StreamResponse:
+    g0 = gens[0]
+    st = g0.st
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     created = schema.now()
     model = st.config.served_model_name
-    include_usage = g.parsed.include_usage
-    want_lp = g.parsed.logprobs is not None
-    offset = 0
+    include_usage = g0.parsed.include_usage
+    want_lp = g0.parsed.logprobs is not None
+    offsets = [0] * len(gens)
 
     def chunk(choice: dict | None) -> dict:
-        obj = {"id": g.rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        obj = {"id": g0.rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                "created": created, "model": model, "choices": [choice] if choice is not None else []}
         if include_usage:
             obj["usage"] = None
         return obj
 
+    parse_tools = kind == "chat" and g0.parsed.tools is not None and g0.parsed.tools.parse
+    full, sent = [""] * len(gens), [0] * len(gens)
+    q: asyncio.Queue = asyncio.Queue()
+    pumps: list[asyncio.Task] = []
     try:
         await resp.prepare(request)  # inside: a client that resets before the headers is a disconnect too
         if kind == "chat":
-            await resp.write(_sse(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None})))
-        while d is not None:
+            for g in gens:
+                await resp.write(_sse(chunk({"index": g.req.index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None})))
+        if kind == "completion" and g0.parsed.echo:
+            for i, g in enumerate(gens):
+                lp = None
+                if want_lp:
+                    lp, offsets[i] = _completion_lp(_echo_entries(st, g.scores, g.req.prompt_ids.tolist(),
+                                                                  g.parsed.logprobs), 0)
+                await resp.write(_sse(chunk({"index": g.req.index, "text": _echo_text(st, g.parsed, g.req),
+                                             "logprobs": lp, "finish_reason": None})))
+        if g0.parsed.prompt_logprobs is not None:
+            first = chunk(None)
+            first["prompt_logprobs"] = _vllm_prompt_logprobs(st, g0.scores)
+            await resp.write(_sse(first))
+        pumps = [asyncio.ensure_future(_pump(i, g, d, q)) for i, (g, d) in enumerate(zip(gens, firsts))]
+        running, failed = len(gens), False
+        while running:
+            i, d, err = await q.get()
+            if d is None:
+                if err is not None:  # after the headers: report in-band
+                    log.warning("request %s failed mid-stream: %s", g0.rid, err.message)
+                    await resp.write(_sse(err.to_openai()))
+                    failed = True
+                    break
+                running -= 1
+                continue
+            g = gens[i]
             lp = None
             if want_lp:
                 entries = g.logprob_entries(d)
                 if kind == "chat":
                     lp = schema.chat_logprobs(entries)
                 else:
-                    lp, offset = _completion_lp(entries, offset)
-            if d.text or lp is not None or d.finished:
-                fr = d.finish_reason if d.finished else None
-                if kind == "chat":
-                    delta = {"content": d.text} if d.text else {}
-                    c = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}
+                    lp, offsets[i] = _completion_lp(entries, offsets[i])
+            text = d.text
+            fr = d.finish_reason if d.finished else None
+            calls = None
+            if parse_tools:        # content streams until a tool call starts; calls come whole at the end
+                full[i] += d.text
+                k = full[i].find(tools.OPEN)
+                if d.finished:
+                    _, calls = tools.parse_calls(full[i])
+                    upto = (k if k >= 0 else len(full[i])) if calls else len(full[i])
+                    fr = "tool_calls" if calls and fr == "stop" else fr
                 else:
-                    c = {"index": 0, "text": d.text, "logprobs": lp, "finish_reason": fr}
+                    upto = k if k >= 0 else len(full[i]) - tools.held_back(full[i])
+                text = full[i][sent[i]:max(sent[i], upto)]
+                sent[i] = max(sent[i], upto)
+            if text or lp is not None or d.finished:
+                if kind == "chat":
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+                    c = {"index": g.req.index, "delta": delta, "logprobs": lp, "finish_reason": fr}
+                else:
+                    c = {"index": g.req.index, "text": d.text, "logprobs": lp, "finish_reason": fr}
                 await resp.write(_sse(chunk(c)))
-            if d.finished:
-                break
-            try:
-                d = await g.next()
-            except MMJaxError as e:  # after the headers: report in-band
-                log.warning("request %s failed mid-stream: %s", g.rid, e.message)
-                await resp.write(_sse(e.to_openai()))
-                break
-        if include_usage and g.acc.finish_reason is not None:
+        if include_usage and not failed and all(g.acc.finish_reason is not None for g in gens):
             u = chunk(None)
-            u["usage"] = g.usage()
+            u["usage"] = usage_of(gens)
             await resp.write(_sse(u))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -974,7 +1294,11 @@ async def _stream(request: web.Request, g: Generation, d, kind: str) -> web.Stre
         if isinstance(e, RuntimeError) and "closing" not in str(e).lower():
             raise
         st.metrics.disconnects.inc()
-        log.info("client disconnected from %s; request aborted", g.rid)
+        log.info("client disconnected from %s; request aborted", g0.rid)
+    finally:
+        for p in pumps:
+            if not p.done():
+                p.cancel()
     return resp
 
 

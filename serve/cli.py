@@ -84,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="allow file:// image URLs under this directory (default: refused)")
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
                    help="only fetch http(s) images from these hosts ('*.example.com' for subdomains)")
+    p.add_argument("--enable-image-embeds", action="store_true",
+                   help="accept {'type': 'image_embeds'} content parts (precomputed image features, base64 .npy)")
     p.add_argument("--allow-private-media-urls", action="store_true",
                    help="allow image URLs resolving to loopback/private/link-local addresses (refused by default)")
     p.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
@@ -190,7 +192,7 @@ def config_from_args(args, model_path: str):
         max_image_tiles=args.max_image_tiles,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
-        allow_private_media_urls=args.allow_private_media_urls, media_fetch_timeout=args.media_fetch_timeout,
+        allow_private_media_urls=args.allow_private_media_urls, enable_image_embeds=args.enable_image_embeds, media_fetch_timeout=args.media_fetch_timeout,
         media_max_redirects=args.media_max_redirects, max_queue=args.max_queue,
         decode_workers=args.decode_workers, decode_workers_per_request=args.decode_workers_per_request,
         max_decode_queue=args.max_decode_queue, max_request_image_pixels=args.max_request_image_pixels,

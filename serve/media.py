@@ -815,7 +815,8 @@ class MediaFetcher:
                 raise
             group.report(idx, size)
             await group.wait_headers()
-            return await self.pool.run(group, data, self._options(ref.detail, n_images), self.cfg.image_max_tokens)
+            opts = self._options(ref.detail, getattr(ref, "options", None), n_images)
+            return await self.pool.run(group, data, opts, self.cfg.image_max_tokens)
         except InvalidRequestError as e:
             if e.param == "image_max_tokens" and isinstance(e, ContextLengthError):
                 e.code = "image_token_budget_exceeded"
@@ -877,7 +878,7 @@ class MediaFetcher:
         """One image, decoded and prepared in the calling thread (no pool)."""
         return prepare_image(self.family, self.cfg.limits, source, self._options(detail), self.cfg.image_max_tokens)
 
-    def _options(self, detail: str, n_images: int = 1) -> ImageOptions:
+    def _options(self, detail: str, request: ImageOptions | None = None, n_images: int = 1) -> ImageOptions:
         """detail -> the family's options for the token budget (dynamic-resolution families
         resize to fit it; fixed-size families have one size, so detail is a no-op there).
         Pan-and-scan (families that crop, Gemma 3): "high" turns it on, "low" off, "auto" takes
@@ -892,6 +893,16 @@ class MediaFetcher:
         pas = {"high": True, "low": False}.get(detail, self.cfg.pan_and_scan)
         if pas is not None and opts.pan_and_scan is None:
             opts = dataclasses.replace(opts, pan_and_scan=pas)
+        if request is not None:    # mm_processor_kwargs: its bounds, under the server's token budget
+            cap = opts.max_tokens
+            mine = request.max_tokens
+            opts = dataclasses.replace(
+                opts, min_pixels=request.min_pixels or opts.min_pixels,
+                max_pixels=min(x for x in (request.max_pixels, opts.max_pixels) if x) if (
+                    request.max_pixels or opts.max_pixels) else None,
+                max_tokens=min(x for x in (cap, mine) if x) if (cap or mine) else None,
+                pan_and_scan=request.pan_and_scan if request.pan_and_scan is not None else opts.pan_and_scan,
+                max_tiles=request.max_tiles if request.max_tiles is not None else opts.max_tiles)
         caps = [c for c in (opts.max_tiles, 0 if detail == "low" else self.cfg.max_tiles) if c is not None]
         opts = dataclasses.replace(opts, max_tiles=min(caps)) if caps else opts
         return self.family.prompt_options(opts, n_images)

@@ -8,17 +8,20 @@ prompt, image references in order, sampling parameters) or raises an `InvalidReq
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
-from mmjax.serving.sampling import (INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
+from mmjax.serving.structured import StructuredSpec, check_spec
+from serve.tools import choice_grammar, parse_tools
+from mmjax.serving.sampling import (MAX_N, INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                     SamplingParams)
 
 DETAILS = ("auto", "low", "high")
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class NotFoundError(MMJaxError):
@@ -74,6 +77,7 @@ class RequestLimits:
     max_content_parts: int = 512            # per message
     max_text_bytes: int | None = None       # UTF-8 bytes of prompt text, per message and per request
     max_model_len: int | None = None        # context tokens: token-id prompts must be shorter
+    image_embeds: bool = False              # accept {"type": "image_embeds"} parts (--enable-image-embeds)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -88,6 +92,8 @@ class ImageRef:
     detail: str = "auto"
     param: str = "image_url"   # JSON path, for error messages
     kind: str = "image"        # "image" | "video"
+    options: Any = None        # the request's mm_processor_kwargs (ImageOptions), if any
+    embeds: Any = None         # an image_embeds part: (base64 .npy, image_grid_thw or None)
 
 
 @dataclass
@@ -104,6 +110,13 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    n: int = 1                                 # choices (siblings sharing the prompt's KV)
+    template_kwargs: dict = field(default_factory=dict)   # chat_template_kwargs (+ add_generation_prompt)
+    add_generation_prompt: bool = True
+    image_options: Any = None                  # mm_processor_kwargs as models.family.ImageOptions
+    ignored: list[str] = field(default_factory=list)      # unknown fields (logged, as vLLM)
+    tools: Any = None                          # serve.tools.ToolRequest (chat)
+    prompt_logprobs: int | None = None         # top-k alternatives per prompt token (vLLM's extension)
 
 
 # ---- small typed getters ----------------------------------------------------------------------
@@ -231,30 +244,173 @@ def _stop_token_ids(body: dict) -> list[int]:
 
 def _unsupported(body: dict) -> None:
     """Fields whose non-default values this server cannot honour: refuse instead of ignoring."""
-    for name, default in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        v = _num(body, name, -math.inf, math.inf, default)  # typed first: false is not 0
-        if v != default:
-            raise InvalidRequestError(f"'{name}' is not supported by this server (only {default})",
-                                      param=name, code="unsupported_parameter")
-    for name in ("tools", "functions", "logit_bias"):
+    for name in ("functions",):
         if body.get(name):
-            raise InvalidRequestError(f"'{name}' is not supported by this server", param=name,
-                                      code="unsupported_parameter")
-    tc = body.get("tool_choice")
-    if tc not in (None, "none", "auto"):
-        raise InvalidRequestError("'tool_choice' is not supported by this server", param="tool_choice",
-                                  code="unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise InvalidRequestError("'response_format' other than {'type': 'text'} is not supported",
-                                  param="response_format", code="unsupported_parameter")
-    for name in ("n", "best_of"):  # `true == 1` in Python: type first
-        v = _int(body, name, 1, INT32_MAX)
-        if v is not None and v != 1:
-            raise InvalidRequestError(f"'{name}' must be 1 (got {v}); send several requests instead",
+            raise InvalidRequestError(f"'{name}' (deprecated) is not supported by this server; use 'tools'",
                                       param=name, code="unsupported_parameter")
     if body.get("suffix"):
         raise InvalidRequestError("'suffix' is not supported", param="suffix", code="unsupported_parameter")
+    if body.get("chat_template") is not None:
+        raise InvalidRequestError("a per-request 'chat_template' is not accepted (the server's --chat-template "
+                                  "applies); use 'chat_template_kwargs'", param="chat_template",
+                                  code="unsupported_parameter")
+    if body.get("tools") and "messages" not in body:
+        raise InvalidRequestError("'tools' needs the chat completions API", param="tools",
+                                  code="unsupported_parameter")
+    v = _int(body, "best_of", 1, INT32_MAX)  # `true == 1` in Python: type first
+    if v is not None and v != _int(body, "n", 1, INT32_MAX, 1):
+        raise InvalidRequestError(f"'best_of' other than n is not supported (got {v}); use n and pick by logprobs",
+                                  param="best_of", code="unsupported_parameter")
+
+
+def _token_list(body: dict, name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v:
+        raise _bad(name, "must be a non-empty list of token ids")
+    for i, t in enumerate(v):
+        if not (_is_int(t) and 0 <= t <= INT32_MAX):
+            raise _bad(f"{name}[{i}]", f"must be an integer in [0, {INT32_MAX}], got {short(t)}")
+    return v
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured(body: dict) -> StructuredSpec | None:
+    """At most one output constraint: `response_format` (json_object / json_schema), vLLM's
+    `structured_outputs` {json | regex | choice | grammar | json_object} or the older `guided_*`
+    fields. The grammar is compiled (and its errors reported) with the request."""
+    found: list[StructuredSpec] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise _bad("response_format", "must be an object with a 'type'")
+        t = rf.get("type")
+        if t == "json_object":
+            found.append(check_spec("json_object", None, "response_format"))
+        elif t == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise _bad("response_format.json_schema", "must be an object with a 'schema'")
+            schema = js.get("schema", js.get("json_schema"))
+            if schema is None:
+                raise _bad("response_format.json_schema.schema", "is required")
+            found.append(check_spec("json", schema, "response_format.json_schema.schema"))
+        elif t != "text":
+            raise _bad("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {short(t)}")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs", "must be an object")
+        for k in ("json", "regex", "choice", "grammar"):
+            if so.get(k) is not None:
+                found.append(check_spec(k, so[k], f"structured_outputs.{k}"))
+        if so.get("json_object"):
+            found.append(check_spec("json_object", None, "structured_outputs.json_object"))
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append(check_spec(kind, body[name], name))
+    if len(found) > 1:
+        raise InvalidRequestError(f"only one output constraint may be given; got {', '.join(f.param for f in found)}",
+                                  param=found[1].param)
+    return found[0] if found else None
+
+
+# Every field the server reads, honours or refuses on purpose; anything else is ignored with a
+# logged warning (vLLM's policy), the same way on every endpoint. ACCEPTED_NO_EFFECT: OpenAI
+# fields that do not change what this server computes (bookkeeping for OpenAI's platform).
+ACCEPTED_NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
+                      "reasoning_effort", "modalities", "prediction", "audio", "web_search_options")
+COMMON_FIELDS = frozenset((
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "min_tokens", "allowed_token_ids", "bad_words", "response_format", "structured_outputs", "n", "best_of",
+    "logprobs", "mm_processor_kwargs", "functions", "tools", "tool_choice", "suffix", "prompt_logprobs",
+    *GUIDED, *ACCEPTED_NO_EFFECT))
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+                               "add_generation_prompt", "chat_template"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "images", "echo"}
+EMBEDDING_FIELDS = frozenset(("model", "input", "messages", "encoding_format", "pooling", "normalize",
+                              "add_special_tokens", "add_generation_prompt", "chat_template_kwargs",
+                              "mm_processor_kwargs", "dimensions", *ACCEPTED_NO_EFFECT))
+TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
+                             "chat_template_kwargs", "mm_processor_kwargs", "return_token_strs", "images",
+                             *ACCEPTED_NO_EFFECT))
+DETOKENIZE_FIELDS = frozenset(("model", "tokens", *ACCEPTED_NO_EFFECT))
+MAX_IGNORED_NAMES = 32       # unknown field names named in one warning
+
+
+def unknown_fields(body: dict, known: frozenset) -> list[str]:
+    """Names of `body`'s fields this endpoint does not know (cut to a few, shortened)."""
+    return [short(k, 64) for k in body if k not in known][:MAX_IGNORED_NAMES]
+
+
+# Template variables the server itself sets: chat_template_kwargs cannot override them.
+RESERVED_TEMPLATE_KEYS = frozenset(("messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                                    "raise_exception", "strftime_now"))
+
+
+def template_kwargs(body: dict, req: "ParsedRequest") -> None:
+    """chat_template_kwargs (JSON values passed to the chat template, e.g. enable_thinking) and
+    add_generation_prompt."""
+    ctk = body.get("chat_template_kwargs")
+    if ctk is not None:
+        if not isinstance(ctk, dict):
+            raise _bad("chat_template_kwargs", "must be an object")
+        for k in ctk:
+            if not isinstance(k, str) or not k.isidentifier() or k in RESERVED_TEMPLATE_KEYS:
+                name = k if isinstance(k, str) and len(k) <= 40 else short(k, 40)
+                raise _bad(f"chat_template_kwargs.{name}", "is not a template variable a request may set")
+        req.template_kwargs = dict(ctk)
+    req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+
+
+def image_options(body: dict):
+    """mm_processor_kwargs -> ImageOptions ({min_pixels, max_pixels, max_image_tokens,
+    do_pan_and_scan | pan_and_scan}); the server's limits still bound every image."""
+    from mmjax.models.family import ImageOptions
+
+    v = body.get("mm_processor_kwargs")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("mm_processor_kwargs", "must be an object")
+    alias = {"do_pan_and_scan": "pan_and_scan", "max_image_tokens": "image_max_tokens"}
+    opts = {alias.get(k, k): x for k, x in v.items()}
+    try:
+        return ImageOptions.from_dict(opts)
+    except InvalidRequestError as e:
+        e.param = f"mm_processor_kwargs.{(e.param or '').split('.')[-1]}"
+        raise
+
+
+def _penalties(body: dict) -> dict:
+    """presence/frequency/repetition penalties, logit_bias, min_tokens, allowed_token_ids,
+    bad_words: types here, ranges in SamplingParams."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if body.get(name) is not None:
+            out[name] = _num(body, name, -math.inf, math.inf, 0.0)
+    if body.get("min_tokens") is not None:
+        out["min_tokens"] = _int(body, "min_tokens", 0, INT32_MAX)
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise _bad("logit_bias", "must be an object mapping token ids to biases")
+        out["logit_bias"] = lb
+    ati = _token_list(body, "allowed_token_ids")
+    if ati is not None:
+        out["allowed_token_ids"] = ati
+    bw = body.get("bad_words")
+    if bw is not None:
+        if isinstance(bw, str):
+            bw = [bw]
+        if not isinstance(bw, list):
+            raise _bad("bad_words", "must be a string or a list of strings")
+        out["bad_words"] = [_text(w, f"bad_words[{i}]") for i, w in enumerate(bw)]
+    return out
 
 
 def _common(body: dict, req: ParsedRequest) -> None:
@@ -271,6 +427,12 @@ def _common(body: dict, req: ParsedRequest) -> None:
     stop = _stop(body)
     sti = _stop_token_ids(body)
     fields_ = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if body.get(k) is not None}
+    fields_.update(_penalties(body))
+    req.n = _int(body, "n", 1, MAX_N, 1)
+    req.prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+    req.image_options = image_options(body)
+    req.ignored = unknown_fields(body, CHAT_FIELDS if req.kind == "chat" else COMPLETION_FIELDS)
+    fields_["structured"] = _structured(body)
     req.sampling = SamplingParams(max_tokens=1, stop=stop, stop_token_ids=list(sti),
                                   ignore_eos=_bool(body, "ignore_eos"), logprobs=req.logprobs, **fields_)
     req.stream = _bool(body, "stream")
@@ -368,8 +530,20 @@ def _content_parts(req: ParsedRequest, content: list, p: str, limits: RequestLim
         elif kind == "video_url":
             _add_video(req, _video_ref(part, pp), limits, "messages")
             parts.append({"type": "video"})
+        elif kind == "image_embeds":
+            if not limits.image_embeds:
+                raise InvalidRequestError("image_embeds input is disabled on this server (start it with "
+                                          "--enable-image-embeds)", param=f"{pp}.type", code="unsupported_parameter")
+            v = part.get("image_embeds")
+            grid = None
+            if isinstance(v, dict):
+                v, grid = v.get("image_embeds"), v.get("image_grid_thw")
+            if not isinstance(v, str):
+                raise _bad(f"{pp}.image_embeds", "must be a base64 .npy string (or {'image_embeds', 'image_grid_thw'})")
+            _add_image(req, ImageRef(url="", param=f"{pp}.image_embeds", embeds=(v, grid)), limits, "messages")
+            parts.append({"type": "image"})
         else:
-            raise _bad(f"{pp}.type", f"must be 'text', 'image_url' or 'video_url', got {short(kind)}")
+            raise _bad(f"{pp}.type", f"must be 'text', 'image_url', 'video_url' or 'image_embeds', got {short(kind)}")
     return parts
 
 
@@ -384,12 +558,39 @@ def _message(req: ParsedRequest, m: Any, p: str, limits: RequestLimits, budget: 
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
+    extra = {}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        extra["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls", budget)
+    if role == "tool":
+        tid = m.get("tool_call_id")
+        if tid is not None:
+            extra["tool_call_id"] = _text(tid, f"{p}.tool_call_id")
+        if m.get("name") is not None:
+            extra["name"] = _text(m["name"], f"{p}.name")
     if isinstance(content, str):
         budget.take(content, f"{p}.content")
-        return {"role": role, "content": content}
+        return {"role": role, "content": content, **extra}
     if not isinstance(content, list):
         raise _bad(f"{p}.content", "must be a string or a list of content parts")
-    return {"role": role, "content": _content_parts(req, content, p, limits, budget)}
+    return {"role": role, "content": _content_parts(req, content, p, limits, budget), **extra}
+
+
+def _tool_calls(v: Any, p: str, budget: _TextBudget) -> list[dict]:
+    """An assistant message's earlier tool calls (OpenAI shape), text counted in the budget."""
+    if not isinstance(v, list) or len(v) > 128:
+        raise _bad(p, "must be a list of at most 128 tool calls")
+    out = []
+    for i, c in enumerate(v):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise _bad(f"{p}[{i}]", "must be {'id', 'type': 'function', 'function': {'name', 'arguments'}}")
+        args = f.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise _bad(f"{p}[{i}].function.arguments", "must be a JSON string")
+        budget.take(f["name"] + (args if isinstance(args, str) else json.dumps(args)), f"{p}[{i}].function")
+        out.append({"id": str(c.get("id", f"call_{i}")), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
 
 
 def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLimits | None = None) -> ParsedRequest:
@@ -403,6 +604,8 @@ def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLim
     _check_len(msgs, limits.max_messages, "messages", "messages")
     budget = _TextBudget(limits, "messages")
     req.messages = [_message(req, m, f"messages[{i}]", limits, budget) for i, m in enumerate(msgs)]
+    template_kwargs(body, req)
+    req.tools = parse_tools(body)
     mct = _int(body, "max_completion_tokens", 1, INT32_MAX)
     mt = _int(body, "max_tokens", 1, INT32_MAX)
     req.max_tokens = mct if mct is not None else mt
@@ -415,6 +618,12 @@ def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLim
     elif top:
         raise _bad("top_logprobs", "requires 'logprobs': true")
     _common(body, req)
+    spec = choice_grammar(req.tools) if req.tools is not None else None
+    if spec is not None:
+        if req.sampling.structured is not None:
+            raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with another "
+                                      "output constraint", param="tool_choice")
+        req.sampling.structured = spec
     return req
 
 
@@ -454,8 +663,6 @@ def parse_completion(body: Any, *, limit_images: int | None = None,
     req.max_tokens = _int(body, "max_tokens", 1, INT32_MAX, 16)
     req.logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     req.echo = _bool(body, "echo")
-    if req.echo:
-        raise InvalidRequestError("'echo' is not supported", param="echo", code="unsupported_parameter")
     _common(body, req)
     return req
 

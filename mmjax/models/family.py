@@ -48,6 +48,7 @@ class ImageInput:
     token_grid: tuple[int, int, int] | None = None
     kind: str = "image"            # "image" | "video" (its prompt tokens are Family.video_token_id)
     video: Any = None              # a video's mmjax.video.VideoPlan (frames, sampled fps) for positions
+    embeds: np.ndarray | None = None     # precomputed features [num_tokens, lm hidden] (image_embeds input)
 
 
 @dataclass(frozen=True)

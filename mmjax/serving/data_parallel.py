@@ -98,6 +98,9 @@ class DataParallelEngine:
     def make_request(self, *args, **kw) -> Request:
         return self.replicas[0].make_request(*args, **kw)
 
+    def siblings(self, req: Request, n: int) -> list[Request]:
+        return self.replicas[0].siblings(req, n)
+
     def add_request(self, prompt, images=(), sampling=None, request_id=None) -> str:
         return self.submit(self.make_request(prompt, images, sampling, request_id))
 

@@ -13,6 +13,7 @@ that had produced nothing yet go back to the queue.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -26,8 +27,10 @@ from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
 from mmjax.serving.output import append_token
 from mmjax.serving.request import Delta, Request, RequestOutput
 from mmjax.serving.runner import ModelRunner
-from mmjax.serving.sampling import SamplingParams, SlotSampling
+from mmjax.serving.constraints import BadWords, bad_word_ids
+from mmjax.serving.sampling import SamplingParams, SlotSampling, vocab_row
 from mmjax.serving.scheduler import Scheduler
+from mmjax.serving.structured import GrammarCompiler, grammar_constraint
 from mmjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("mmjax.engine")
@@ -63,6 +66,7 @@ class Engine:
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
                                    min_resume=self._min_resume())
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
@@ -153,13 +157,85 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
         key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
         rid = request_id or f"req-{next(self._ids)}"
+        vrow, constraints = self._token_rules(sampling, ids)
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
                        detok=IncrementalDetokenizer(self.tokenizer),
                        keys=token_keys(ids, images, image_pos, all_images_first=cross is not None),
                        cross=cross,
-                       logprobs=[] if sampling.logprobs is not None else None, feats=[None] * len(images),
-                       image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune))
+                       logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
+                       image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune),
+                       vrow=vrow, constraints=constraints)
+
+    def siblings(self, req: Request, n: int) -> list[Request]:
+        """n > 1: `req` and n - 1 copies sampling the same prompt (ids `{id}-1` ...), each with its
+        own PRNG stream (with a seed: (i, seed), so the same seed gives the same choices; request
+        0 keeps the key a lone request with that seed has). The copies wait until `req`'s prompt
+        is in the cache, then copy its cache row and recompute only the last prompt token."""
+        out = [req]
+        seed = req.sampling.seed
+        for i in range(1, n):
+            sp = dataclasses.replace(req.sampling)
+            key = (np.asarray([i, seed & 0xFFFFFFFF], np.uint32) if seed is not None
+                   else np.asarray([0, int(self._seed_rng.integers(2**31))], np.uint32))
+            vrow, constraints = self._token_rules(sp, req.prompt_ids)
+            out.append(dataclasses.replace(
+                req, id=f"{req.id}-{i}", sampling=sp, key=key, detok=IncrementalDetokenizer(self.tokenizer),
+                logprobs=[] if sp.logprobs is not None else None, feats=list(req.feats), vrow=vrow,
+                constraints=constraints, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
+        return out
+
+    def _fork(self, parent: Request) -> None:
+        """`parent`'s prompt is now in its cache row: waiting siblings take free slots holding a
+        copy of that row (all but the last prompt token count as cached)."""
+        n = parent.prompt_len - 1
+        # a pruned row is compacted, a ring-buffer row may not resume that late, a last token
+        # that is an image token needs its features again: those siblings prefill themselves
+        if (parent.prune is not None or n < self.scheduler.min_resume(parent.prompt_len)
+                or parent.prompt_ids[-1] in self.family.media_token_ids):
+            return
+        for sib in [r for r in self.scheduler.waiting if r.parent is parent]:
+            slot = self.scheduler.fork_slot()
+            if slot is None:
+                return
+            try:
+                self.runner.copy_slot(parent.slot, slot)
+            except Exception as e:
+                self._device_failure(None, _as_error(e, "copying a prompt's cache row"), [])
+                return
+            self.scheduler.waiting.remove(sib)
+            self.scheduler.place(sib, slot, n)
+            self.prefix_cache.retain(slot, parent.keys[:n])
+            self.counters["tokens_cached"] += n
+
+    def _token_rules(self, sp: SamplingParams, prompt_ids: np.ndarray):
+        """(VocabRow or None, host constraints) of a request: penalties, logit_bias,
+        allowed_token_ids, min_tokens and bad words (token ids checked against the vocabulary),
+        and its structured-output grammar, if any."""
+        vocab = self.runner.vocab_size
+        for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("allowed_token_ids", sp.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{name} holds token id {bad[0]}, out of the vocabulary (size {vocab})",
+                                          param=name)
+        constraints: list = []
+        single: list[int] = []
+        if sp.bad_words:
+            seqs = bad_word_ids(self.tokenizer, sp.bad_words)
+            single = [s[0] for s in seqs if len(s) == 1]
+            if any(len(s) > 1 for s in seqs):
+                constraints.append(BadWords(seqs))
+        if sp.structured is not None:
+            constraints.append(grammar_constraint(self, sp.structured))
+        vrow = None
+        if sp.needs_vocab_row:
+            vrow = vocab_row(sp, vocab, prompt_ids, self.model.eos_token_ids, single)
+        return vrow, constraints
+
+    def _bits(self, req: Request, out: np.ndarray) -> None:
+        """AND `req`'s host constraints into its bitmask row out [bit_words]."""
+        for c in req.constraints:
+            c.fill(out, req.output_ids)
 
     def _check_prune(self, prune, prompt_len: int, n_image: int) -> None:
         tm = self.family.text_model
@@ -325,9 +401,13 @@ class Engine:
                                            int(req.cross[-1]))
                     req.cross_filled = True
                 spans = req.cross[lo:hi]
+            bits = None
+            if req.constraints and hi == req.prompt_len:   # the first token's mask
+                bits = self.runner.all_allowed()
+                self._bits(req, bits)
             out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
                                       req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans,
-                                      prune=req.prune)
+                                      prune=req.prune, vrow=req.vrow, bits=bits)
         except Exception as e:
             self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
             return
@@ -338,6 +418,7 @@ class Engine:
         if not req.prefilling:
             req.feats = []  # the KV cache holds them now
             req.first_token_time = time.monotonic()
+            self._fork(req)
             self._emit_token(req, out, 0, deltas)
 
     def _decode(self, running: list[Request], deltas: list[Delta]) -> None:
@@ -347,8 +428,15 @@ class Engine:
         if any(r.prune is not None for r in running):
             lens = np.asarray([max(r.kv_positions(i) for r in running)
                                for i in range(self.family.text_model.num_layers)])
+        rows = max(r.slot for r in running) + 1
+        bits = None
+        if any(r.constraints for r in running):
+            bits = self.runner.all_allowed(rows)
+            for r in running:
+                if r.constraints:
+                    self._bits(r, bits[r.slot])
         try:
-            out = self.runner.decode(lens, max(r.slot for r in running) + 1)
+            out = self.runner.decode(lens, rows, bits)
         except Exception as e:
             self._device_failure(None, _as_error(e, "decoding"), deltas)
             return
@@ -383,7 +471,7 @@ class Engine:
             else:
                 self.scheduler.slots[r.slot] = None
                 r.slot, r.prefilled, r.cached_tokens, r.cross_filled = None, 0, 0, False
-                r.feats = [None] * len(r.images)
+                r.feats = [im.embeds for im in r.images]
                 self.scheduler.waiting.appendleft(r)
         self.reset_device_state()
 

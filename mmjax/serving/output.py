@@ -18,13 +18,18 @@ def append_token(req: Request, out: StepOutput, row: int, eos_ids: frozenset[int
         req.logprobs.append(lp)
     sp = req.sampling
     reason = None
-    if not sp.ignore_eos and tok in eos_ids:
+    early = len(req.output_ids) < sp.min_tokens   # min_tokens: no stop of any kind before it
+    for c in req.constraints:
+        c.advance(tok)
+    if not sp.ignore_eos and tok in eos_ids and not early:
         reason = "stop"
-    elif tok in sp.stop_token_set:
+    elif tok in sp.stop_token_set and not early:
         reason = "stop"
     else:
         req.text += req.detok.add(tok)
-    if reason is None and sp.stop:
+    if reason is None and any(c.finished() for c in req.constraints):
+        reason = "stop"                # a grammar that is complete: only the end may follow
+    if reason is None and sp.stop and not early:
         hit = min((req.text.find(s) for s in sp.stop if s in req.text), default=-1)
         if hit >= 0:
             req.text = req.text[:hit]

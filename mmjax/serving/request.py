@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class RequestOutput:
     cached_tokens: int = 0
     pruned_tokens: int = 0           # image tokens FastV pruning dropped after its layer
     num_video_tokens: int = 0        # video tokens in the prompt
+    index: int = 0                   # choice index (n > 1)
+    siblings: list["RequestOutput"] = field(default_factory=list)  # n > 1: choices 1..n-1 (offline API)
 
 
 @dataclass
@@ -69,6 +72,16 @@ class Request:
     error: MMJaxError | None = None
     first_token_time: float | None = None
     feats: list = field(default_factory=list)  # per image: np.ndarray [tokens, hidden] once encoded
+    vrow: Any = None                 # sampling.VocabRow of penalties / bias / token limits (None: none)
+    constraints: list = field(default_factory=list)  # host TokenConstraints (bad words, grammar)
+    parent: "Request | None" = None  # n > 1: the sibling whose prompt KV this one copies (see Engine.siblings)
+    index: int = 0                   # choice index among its siblings
+
+    def waits_for_parent(self) -> bool:
+        """A sibling is admitted once its parent's prompt is in the cache (then copied), unless
+        the parent ended first."""
+        p = self.parent
+        return p is not None and p.finish_reason is None and (p.slot is None or p.prefilling)
 
     @property
     def prompt_len(self) -> int:
@@ -105,4 +118,4 @@ class Request:
     def output(self) -> RequestOutput:
         return RequestOutput(self.id, self.prompt_ids.tolist(), list(self.output_ids), self.text, self.logprobs,
                              self.finish_reason, self.num_image_tokens, self.cached_tokens, self.pruned_tokens,
-                             self.num_video_tokens)
+                             num_video_tokens=self.num_video_tokens, index=self.index)

@@ -24,7 +24,7 @@ from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs
-from mmjax.serving.sampling import SamplingParams, SlotSampling, sample
+from mmjax.serving.sampling import SamplingParams, SlotHistory, SlotSampling, VocabRow, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmjax.sharding import MODEL, Placement, fetch_to_device, offload_to_host, per_device_bytes, step_shardings
@@ -37,7 +37,8 @@ class DecodeState:
     """Per-slot decode state [slots]: the last sampled token, tokens in cache, the RoPE offset
     (decode position = cache index + rope_delta), sampling parameters and PRNG key [slots, 2];
     for rows whose image tokens were pruned (FastV), the layer after which `dropped` positions
-    left the cache (`drop_after` = num_layers: never)."""
+    left the cache (`drop_after` = num_layers: never); `hist`: what penalties, logit_bias,
+    allowed tokens and min_tokens read (vocab-sized rows, see sampling.SlotHistory)."""
     tokens: jax.Array
     lengths: jax.Array
     rope_delta: jax.Array
@@ -45,13 +46,14 @@ class DecodeState:
     sampling: SlotSampling
     drop_after: jax.Array
     dropped: jax.Array
+    hist: SlotHistory
 
     @classmethod
-    def zeros(cls, num_slots: int) -> "DecodeState":
+    def zeros(cls, num_slots: int, vocab: int) -> "DecodeState":
         return cls(jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots,), jnp.int32),
                    jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots, 2), jnp.uint32),
                    SlotSampling.zeros(num_slots), jnp.zeros((num_slots,), jnp.int32),
-                   jnp.zeros((num_slots,), jnp.int32))
+                   jnp.zeros((num_slots,), jnp.int32), SlotHistory.zeros(num_slots, vocab))
 
     def head(self, rows: int) -> "DecodeState":
         """The first `rows` slots."""
@@ -95,11 +97,24 @@ def _gathered(logits: jax.Array, shardings) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, replicated)
 
 
+def _first_token(logits, key, sampling, vrow, bits):
+    """Sample a sequence's first token from logits [1, vocab] -> (key, sample outputs, the
+    slot's SlotHistory row after it)."""
+    key, sub = jax.random.split(key)
+    one = jax.tree.map(lambda x: x[None], sampling)
+    vocab = logits.shape[-1]
+    hist = SlotHistory(jax.tree.map(lambda x: x[None], vrow), jnp.zeros((1, vocab), jnp.int32),
+                       jnp.zeros((1,), jnp.int32))
+    res = sample(logits, sub[None], one, hist, bits[None])
+    return key, res, jax.tree.map(lambda x: x[0], hist.after(res[0]))
+
+
 def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds [c, width] (width: the text model's
     `image_feature_width`, hidden or more with per-layer image features), image_mask [c], positions
     [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
-    scalars), key [2] uint32, spans [c] int32) -> (cache, state, sample outputs).
+    scalars), key [2] uint32, spans [c] int32, vrow (VocabRow of [vocab] rows), bits [words]
+    uint32 (the first token's allowed-token bitmask)) -> (cache, state, sample outputs).
 
     One chunk of one sequence into cache row `slot`. The first token is sampled from the logits
     of the chunk's last valid token and the slot's decode-state row is set up (the host only uses
@@ -108,7 +123,7 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
     tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, start, n_valid,
-                rope_delta, sampling, key, spans):
+                rope_delta, sampling, key, spans, vrow, bits):
         text = params["text"]
         embeds, extra = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
         out = tm.forward(text, embeds, positions[:, None, :], cache, start[None],
@@ -116,25 +131,23 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
                          ids=token_ids[None], reduce_small=tune.reduce_small_attention, **extra)
         logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True)),
                            logits_sharding)
-        key, sub = jax.random.split(key)
-        one = jax.tree.map(lambda x: x[None], sampling)
-        res = sample(logits, sub[None], one)
+        key, res, hist = _first_token(logits, key, sampling, vrow, bits)
         row = DecodeState(res[0][0], start + n_valid, rope_delta, key, sampling, jnp.int32(tm.num_layers),
-                          jnp.int32(0))
+                          jnp.int32(0), hist)
         return out.cache, state.set_slot(slot, row), res
     return prefill
 
 
 def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
     """(params, cache, state, token_ids [c], image_embeds, image_mask, positions, slot, n_valid,
-    rope_delta, sampling, key, spans, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
+    rope_delta, sampling, key, spans, vrow, bits, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
     prompt (from cache index 0) in one call with FastV pruning after decoder `layer` (static, as
     are `keep` image tokens and the `out_len` rows later layers compute); text models with
     `supports_prune` only. `tm` as in prefill."""
     tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, n_valid,
-                rope_delta, sampling, key, spans, *, layer, keep, out_len):
+                rope_delta, sampling, key, spans, vrow, bits, *, layer, keep, out_len):
         text = params["text"]
         c = token_ids.shape[0]
         embeds, _ = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
@@ -145,23 +158,23 @@ def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_shard
         dropped = out.intermediates["pruned"][0]
         logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1 - dropped,
                                                                         keepdims=True)), logits_sharding)
-        key, sub = jax.random.split(key)
-        res = sample(logits, sub[None], jax.tree.map(lambda x: x[None], sampling))
-        row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped)
+        key, res, hist = _first_token(logits, key, sampling, vrow, bits)
+        row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped, hist)
         return out.cache, state.set_slot(slot, row), res
     return prefill
 
 
 def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
-    """(params, cache, state, kv_lens, *, rows) -> (cache, state, sample outputs): one token for
-    each of the first `rows` slots (static); the other slots' cache and state rows are
+    """(params, cache, state, kv_lens, bits, *, rows) -> (cache, state, sample outputs): one token
+    for each of the first `rows` slots (static); bits [rows, words] uint32: each row's
+    allowed-token bitmask (all ones: unconstrained); the other slots' cache and state rows are
     untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_lens
     [num_layers] int32: cache positions the active rows use after the step, per layer (they
     differ after pruned layers). `tm` as in prefill."""
     tm = tm or family.text_model
     prunable = getattr(tm, "supports_prune", False)
 
-    def decode(params, cache, state, kv_lens, *, rows):
+    def decode(params, cache, state, kv_lens, bits, *, rows):
         text = params["text"]
         st = state.head(rows)
         embeds = tm.embed(text, st.tokens)[:, None]
@@ -171,8 +184,9 @@ def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None
                          reduce_small=tune.reduce_small_attention, **extra)
         logits = _gathered(tm.logits(text, out.hidden[:, 0]), logits_sharding)
         split = jax.vmap(jax.random.split)(st.keys)
-        res = sample(logits, split[:, 1], st.sampling)
-        st = dataclasses.replace(st, tokens=res[0], lengths=st.lengths + 1, keys=split[:, 0])
+        res = sample(logits, split[:, 1], st.sampling, st.hist, bits)
+        st = dataclasses.replace(st, tokens=res[0], lengths=st.lengths + 1, keys=split[:, 0],
+                                 hist=st.hist.after(res[0]))
         return out.cache, state.set_head(rows, st), res
     return decode
 
@@ -194,12 +208,13 @@ def device_memory_bytes(x) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None):
+def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None, hidden: bool = False):
     """A jittable (params, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t],
     spans [t] int32 (image-token run ids, see models.family.run_spans; None: no runs)) ->
     (logits [t, vocab] float32, intermediates) over a whole prompt with a private one-slot cache
     (research / parity use; `capture` picks the intermediates, see models/text.Capture; `tm`:
-    the text model as placed, default the family's)."""
+    the text model as placed, default the family's). hidden=True: the final (normed) hidden
+    states [t, hidden] instead of the logits (embeddings)."""
     tm = tm or family.text_model
 
     def fn(params, ids, image_embeds, image_mask, positions, spans=None):
@@ -210,7 +225,7 @@ def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None):
         mask = None if spans is None else image_mask_spec(family, spans[None])
         out = tm.forward(text, embeds, positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
                          mask=mask, ids=ids[None], capture=capture, **extra)
-        return tm.logits(text, out.hidden[0]), out.intermediates
+        return (out.hidden[0] if hidden else tm.logits(text, out.hidden[0])), out.intermediates
     return fn
 
 
@@ -240,10 +255,15 @@ class ModelRunner:
         self.hidden_size = self.text_model.hidden_size
         # columns of one image token's features (hidden, or more with per-layer image features)
         self.feature_width = image_feature_width(self.text_model)
+        self.vocab_size = int(family.text_model.vocab_size)    # logits columns
+        self.bit_words = (self.vocab_size + 31) // 32           # words of a token bitmask row
+        v = self.vocab_size
+        self._default_row = VocabRow(np.zeros(v, np.float32), np.zeros(v, bool), np.zeros(v, bool))
         self.max_model_len = max_model_len
         self.max_encode_batch = max_encode_batch
         self.prefill_chunk = prefill_chunk
-        self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set()}
+        self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set(),
+                                         "copy_slot": set()}
         if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
             self.compiled["fill_cross"] = set()
         self._memory_plan: dict | None = None
@@ -291,6 +311,8 @@ class ModelRunner:
             tm = self.text_model
             self._fill_cross = jax.jit(t.traced(lambda params, cache, *a: tm.fill_cross(params["text"], cache, *a)),
                                        donate_argnums=(1,), out_shardings=self.cache_shardings)
+        self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
+                             donate_argnums=(0,), out_shardings=self.cache_shardings)
         self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, self.text_model, gather)),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
@@ -308,7 +330,16 @@ class ModelRunner:
                                           sharding=self.cache_shardings, max_chunk=self.buckets.prefill[-1])
 
     def fresh_state(self) -> DecodeState:
-        return self.placement.place(DecodeState.zeros(self.num_slots), "state")
+        return self.placement.place(DecodeState.zeros(self.num_slots, self.vocab_size), "state")
+
+    def default_row(self) -> VocabRow:
+        """The VocabRow of a request without penalties, bias or token limits."""
+        return self._default_row
+
+    def all_allowed(self, rows: int | None = None) -> np.ndarray:
+        """An unconstrained token bitmask: [bit_words] (rows None) or [rows, bit_words] uint32."""
+        shape = (self.bit_words,) if rows is None else (rows, self.bit_words)
+        return np.full(shape, 0xFFFFFFFF, np.uint32)
 
     def reset_device_state(self) -> None:
         """Fresh KV cache and decode state (after a failed step may have consumed donated buffers)."""
@@ -319,6 +350,16 @@ class ModelRunner:
     def _reset(self) -> None:
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy cache row `src` into row `dst` (n > 1 siblings share their prompt's KV). Every
+        text model's cache leaves have the slot axis first (models/text TextModel.init_cache)."""
+        if self._announce is not None:
+            return self._announce("copy_slot", (src, dst), lambda: self._copy_slot(src, dst))
+        self._copy_slot(src, dst)
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        self.cache = self._track("copy_slot", 0, self._copy, self.cache, np.int32(src), np.int32(dst))
 
     def park(self, slot: int) -> None:
         """A released slot's decode row points past the cache (length max_model_len): the decode
@@ -386,20 +427,25 @@ class ModelRunner:
 
     def prefill(self, slot: int, start: int, token_ids: np.ndarray, image_embeds: np.ndarray | None,
                 image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: SlotSampling,
-                key: np.ndarray, spans: np.ndarray | None = None, prune: tuple[int, int] | None = None
-                ) -> StepOutput:
+                key: np.ndarray, spans: np.ndarray | None = None, prune: tuple[int, int] | None = None,
+                vrow: VocabRow | None = None, bits: np.ndarray | None = None) -> StepOutput:
         """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index
         `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none).
         prune (layer, keep): FastV pruning of the image tokens after `layer` (the whole prompt,
-        start 0; later layers compute the remaining tokens' bucket)."""
-        args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key, spans, prune)
+        start 0; later layers compute the remaining tokens' bucket). vrow: the request's VocabRow
+        (None: no penalties/bias/limits); bits [bit_words] uint32: the first token's allowed-token
+        bitmask (None: all)."""
+        args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key, spans, prune,
+                vrow, bits)
         if self._announce is not None:
             return self._announce("prefill", args, lambda: self._prefill_chunk(*args))
         return self._prefill_chunk(*args)
 
     def _prefill_chunk(self, slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling,
-                       key, spans=None, prune=None) -> StepOutput:
+                       key, spans=None, prune=None, vrow=None, bits=None) -> StepOutput:
         n = len(token_ids)
+        vrow = self.default_row() if vrow is None else vrow
+        bits = self.all_allowed() if bits is None else np.asarray(bits, np.uint32)
         c = bucket_for(n, self.buckets.prefill)
         pad = c - n
         ids = np.pad(np.asarray(token_ids, np.int32), (0, pad))
@@ -417,12 +463,12 @@ class ModelRunner:
             self.cache, self.state, out = self._track(
                 "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
                 self.state, ids, emb, mask, pos, np.int32(slot), np.int32(n), np.int32(rope_delta), sampling,
-                np.asarray(key, np.uint32), spans, layer=layer, keep=keep, out_len=out_len)
+                np.asarray(key, np.uint32), spans, vrow, bits, layer=layer, keep=keep, out_len=out_len)
             return StepOutput(*(np.asarray(x) for x in out))
         self.cache, self.state, out = self._track(
             "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
             np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
-            np.asarray(key, np.uint32), spans)
+            np.asarray(key, np.uint32), spans, vrow, bits)
         return StepOutput(*(np.asarray(x) for x in out))
 
     def fill_cross(self, slot: int, feats: list[np.ndarray], n_tiles: list[int], dec: int) -> None:
@@ -447,20 +493,27 @@ class ModelRunner:
         self.cache = self._track("fill_cross", (), self._fill_cross, self.params, self.cache, np.int32(slot), x,
                                  np.int32(len(feats)), tiles, np.int32(dec))
 
-    def decode(self, max_length: int | np.ndarray, active_rows: int | None = None) -> StepOutput:
+    def decode(self, max_length: int | np.ndarray, active_rows: int | None = None,
+               bits: np.ndarray | None = None) -> StepOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
         by one token; `max_length` = longest active sequence after the step (per layer
-        [num_layers] where pruned rows make later layers shorter). Outputs have one row per
-        advanced slot."""
+        [num_layers] where pruned rows make later layers shorter); bits [>= active_rows,
+        bit_words] uint32: allowed-token bitmasks of the slots (None: all allowed; missing rows
+        are unconstrained). Outputs have one row per advanced slot."""
         if self._announce is not None:
-            return self._announce("decode", (max_length, active_rows), lambda: self._decode_rows(max_length, active_rows))
-        return self._decode_rows(max_length, active_rows)
+            return self._announce("decode", (max_length, active_rows, bits),
+                                  lambda: self._decode_rows(max_length, active_rows, bits))
+        return self._decode_rows(max_length, active_rows, bits)
 
-    def _decode_rows(self, max_length: int | np.ndarray, active_rows: int | None) -> StepOutput:
+    def _decode_rows(self, max_length: int | np.ndarray, active_rows: int | None, bits=None) -> StepOutput:
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
         kv_lens = np.broadcast_to(np.asarray(max_length, np.int32), (self.text_model.num_layers,))
+        full = self.all_allowed(rows)
+        if bits is not None:
+            k = min(rows, len(bits))
+            full[:k] = bits[:k]
         self.cache, self.state, out = self._track("decode", rows, self._decode, self.params, self.cache,
-                                                  self.state, np.ascontiguousarray(kv_lens), rows=rows)
+                                                  self.state, np.ascontiguousarray(kv_lens), full, rows=rows)
         return StepOutput(*(np.asarray(x) for x in out))
 
     def warmup(self) -> None:
@@ -474,6 +527,7 @@ class ModelRunner:
                          SlotSampling.from_params(SamplingParams(temperature=0.0)), np.zeros(2, np.uint32))
         for r in self.buckets.decode:
             self.decode(1, r)
+        self.copy_slot(0, 0)
 
     def step_signatures(self, num_slots: int | None = None) -> list[tuple[str, object, tuple, dict]]:
         """(name, jitted step, abstract args, static kwargs) for every compiled shape this runner
@@ -503,11 +557,13 @@ class ModelRunner:
         rows = self.text_model.position_rows
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
+        vrow = jax.tree.map(spec, self.default_row())
+        bits = jax.ShapeDtypeStruct((self.bit_words,), jnp.uint32)
         for c in buckets.prefill:
             args = (params, cache, state, jax.ShapeDtypeStruct((c,), jnp.int32),
                     jax.ShapeDtypeStruct((c, self.feature_width), self.dtype), jax.ShapeDtypeStruct((c,), jnp.bool_),
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
-                    jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32))
+                    jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32), vrow, bits)
             out.append((f"prefill[{c}]", self._prefill, args, {}))
             if c == buckets.prefill[0] and self.family.cross_attention:
                 tm = self.text_model
@@ -519,9 +575,12 @@ class ModelRunner:
                 pruned = args[:8] + (i32, i32) + args[11:]
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
                             {"layer": 0, "keep": 1, "out_len": buckets.prefill[0]}))
+        out.append(("copy_slot", self._copy, (cache, i32, i32), {}))
         for r in buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
-            out.append((f"decode[{r}]", self._decode, (params, cache, state, lens), {"rows": r}))
+            out.append((f"decode[{r}]", self._decode, (params, cache, state, lens,
+                                                       jax.ShapeDtypeStruct((r, self.bit_words), jnp.uint32)),
+                        {"rows": r}))
         return out
 
     def _abstract_device_state(self, num_slots: int | None):
@@ -536,7 +595,7 @@ class ModelRunner:
         with_sharding = (lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)) if shardings is not None \
             else (lambda x, sh: x)
         cache = jax.tree.map(with_sharding, shape, shardings) if shardings is not None else shape
-        state = jax.eval_shape(lambda: DecodeState.zeros(num_slots))
+        state = jax.eval_shape(lambda: DecodeState.zeros(num_slots, self.vocab_size))
         return cache, state, buckets
 
     def step_temp_bytes(self, num_slots: int | None = None) -> dict[str, int]:
@@ -627,10 +686,10 @@ class ModelRunner:
 
     def compiled_counts(self) -> dict[str, int]:
         """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran)."""
-        return {k: len(v) for k, v in self.compiled.items() if v or k != "prefill_pruned"}
+        return {k: len(v) for k, v in self.compiled.items() if v or k not in ("prefill_pruned", "copy_slot")}
 
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
-                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode),
+                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode), "copy_slot": 1,
                 **({"fill_cross": 1} if self.family.cross_attention else {})}

@@ -49,18 +49,30 @@ class Scheduler:
             free = [i for i, s in enumerate(self.slots) if s is None]
             if not free:
                 break
-            req = self.waiting.popleft()
+            # n > 1 siblings wait for their parent's prompt (Engine forks them from its cache row)
+            req = next((r for r in self.waiting if not r.waits_for_parent()), None)
+            if req is None:
+                break
+            self.waiting.remove(req)
             busy_rows = max((i + 1 for i, s in enumerate(self.slots) if s is not None), default=0)
             match = {i: self._resumable(i, req) for i in free}
             slot = max(free, key=lambda i: (match[i] if match[i] >= MIN_PREFIX_HIT else 0,
                                             -bucket_for(max(busy_rows, i + 1), self.decode_ladder),
                                             -self.prefix.last_used[i]))
             cached = match[slot]
-            req.slot, req.prefilled, req.cached_tokens = slot, cached, cached
-            self.slots[slot] = req
-            self.prefix.truncate(slot, cached)
+            self.place(req, slot, cached)
             admitted.append(req)
         return admitted
+
+    def place(self, req: Request, slot: int, cached: int) -> None:
+        """Put `req` into free `slot` whose row holds the KV of its first `cached` prompt tokens."""
+        req.slot, req.prefilled, req.cached_tokens = slot, cached, cached
+        self.slots[slot] = req
+        self.prefix.truncate(slot, cached)
+
+    def fork_slot(self) -> int | None:
+        """A free slot for a sibling (the lowest: the decode step's row count grows least)."""
+        return next((i for i, s in enumerate(self.slots) if s is None), None)
 
     def _resumable(self, slot: int, req: Request) -> int:
         """Prompt tokens whose KV `slot` holds and that `req` can start after (at least one prompt
