@@ -383,7 +383,7 @@ def invalid_request(model: str | None, rng: random.Random, tiny_image: str) -> t
         ("too_many_tokens", CHAT, {**m, "messages": msgs, "max_tokens": 1_000_000}),
         ("prompt_too_long", COMPLETIONS, {**m, "prompt": "red circle " * 3000, "max_tokens": 8}),
         ("empty_prompt", COMPLETIONS, {**m, "prompt": "", "max_tokens": 8}),
-        ("n_3", CHAT, {**m, "messages": msgs, "n": 3}),
+        ("n_17", CHAT, {**m, "messages": msgs, "n": 17}),   # over the server's n limit (16)
         ("bad_image", CHAT, {**m, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
         ("too_many_images", CHAT, {**m, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] + [

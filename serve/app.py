@@ -850,8 +850,12 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
                                           param="prompt")
         elif images and tok.image_token and tok.image_token not in prompt:
             prompt = (tok.image_token + "\n") * len(images) + prompt
+    extra = {}
+    if parsed.intervention is not None:      # research extension: Pool / Ablate on the features, Prune in the LLM
+        images = [parsed.intervention.apply(st.vlm.family, im) for im in images]
+        extra = parsed.intervention.engine_args(sum(im.num_tokens for im in images))
     try:
-        req = eng.make_request(prompt, images, dataclasses.replace(parsed.sampling), request_id=rid)
+        req = eng.make_request(prompt, images, dataclasses.replace(parsed.sampling), request_id=rid, **extra)
     except ContextLengthError as e:
         if parsed.kind == "completion" and e.param == "messages":
             e.param = "prompt"
@@ -996,8 +1000,11 @@ class Generation:
 def usage_of(gens: list[Generation]) -> dict:
     """OpenAI usage of one request's choices: the prompt once, the completions summed."""
     g = gens[0]
-    return schema.usage(g.req.prompt_len, sum(x.acc.n_tokens for x in gens), int(g.req.cached_tokens),
-                        g.image_tokens, g.video_tokens)
+    out = schema.usage(g.req.prompt_len, sum(x.acc.n_tokens for x in gens), int(g.req.cached_tokens),
+                       g.image_tokens, g.video_tokens)
+    if g.req.pruned_tokens:   # the `intervention` extension's FastV: image tokens dropped after its layer
+        out["prompt_tokens_details"]["pruned_tokens"] = int(g.req.pruned_tokens)
+    return out
 
 
 def _prompt_scores(st: State, req, k: int) -> dict:
@@ -1299,6 +1306,9 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
         for p in pumps:
             if not p.done():
                 p.cancel()
+        # the pumps must have left their generators before _generate closes them (aclose() on a
+        # generator another task is still running raises)
+        await asyncio.gather(*pumps, return_exceptions=True)
     return resp
 
 

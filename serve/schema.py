@@ -117,6 +117,7 @@ class ParsedRequest:
     ignored: list[str] = field(default_factory=list)      # unknown fields (logged, as vLLM)
     tools: Any = None                          # serve.tools.ToolRequest (chat)
     prompt_logprobs: int | None = None         # top-k alternatives per prompt token (vLLM's extension)
+    intervention: Any = None                   # mmjax.research intervention on the request's images (extension)
 
 
 # ---- small typed getters ----------------------------------------------------------------------
@@ -328,7 +329,7 @@ COMMON_FIELDS = frozenset((
     "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "min_tokens", "allowed_token_ids", "bad_words", "response_format", "structured_outputs", "n", "best_of",
     "logprobs", "mm_processor_kwargs", "functions", "tools", "tool_choice", "suffix", "prompt_logprobs",
-    *GUIDED, *ACCEPTED_NO_EFFECT))
+    "intervention", *GUIDED, *ACCEPTED_NO_EFFECT))
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
                                "add_generation_prompt", "chat_template"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "images", "echo"}
@@ -431,6 +432,9 @@ def _common(body: dict, req: ParsedRequest) -> None:
     req.n = _int(body, "n", 1, MAX_N, 1)
     req.prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     req.image_options = image_options(body)
+    if body.get("intervention") is not None:
+        from mmjax.research.interventions import intervention_from_json
+        req.intervention = intervention_from_json(body["intervention"])
     req.ignored = unknown_fields(body, CHAT_FIELDS if req.kind == "chat" else COMPLETION_FIELDS)
     fields_["structured"] = _structured(body)
     req.sampling = SamplingParams(max_tokens=1, stop=stop, stop_token_ids=list(sti),

@@ -208,7 +208,7 @@ def test_options_config_and_server_flags(llava_next_dirs):
         f = MediaFetcher(MediaConfig(max_tiles=2), vlm_for(llava_next_dirs[name]).family)
         assert f._options("auto").max_tiles == f._options("high").max_tiles == 2
         assert f._options("low").max_tiles == 0
-        assert f._options("auto", 2).max_tiles == multi       # OneVision: multi-image prompts are overview only
+        assert f._options("auto", n_images=2).max_tiles == multi       # OneVision: multi-image prompts are overview only
     # --image-max-tokens: the tile cap under which every grid fits, even without unpadding
     fam = vlm_for(llava_next_dirs["next"]).family
     caps = {n: MediaFetcher(MediaConfig(image_max_tokens=n), fam)._options("auto").max_tiles for n in (17, 60, 80, 88)}

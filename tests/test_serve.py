@@ -271,6 +271,28 @@ def test_chat_image_stream_equals_nonstream_equals_offline(server, ref):
             or last.usage.prompt_tokens_details.cached_tokens > 16)
 
 
+def test_intervention_extension_field(server, ref):
+    """The research `intervention` extension: Pool shrinks the image tokens usage reports, Prune
+    reports its dropped tokens, both give the offline API's answer with the same intervention; a
+    malformed one is a 400 naming the field."""
+    from mmjax.research import Pool, Prune
+    msgs = [{"role": "user", "content": [img_part(data_uri(3)), {"type": "text", "text": "what is this?"}]}]
+    c = server.client()
+    prompt, images = ref.render_chat(msgs)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for body, iv in (({"type": "pool", "factor": 2}, Pool(2)), ({"type": "prune", "keep": 4, "layer": 0}, Prune(4, 0))):
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"intervention": body})
+        off = ref.generate([{"prompt": prompt, "images": images, "intervention": iv}], sp)[0]
+        assert r.choices[0].message.content == off.text
+        details = r.usage.model_dump()["prompt_tokens_details"]
+        assert details["image_tokens"] == off.num_image_tokens == (4 if body["type"] == "pool" else 16)
+        assert details.get("pruned_tokens", 0) == off.pruned_tokens == (12 if body["type"] == "prune" else 0)
+    bad = server.post("/v1/chat/completions", {"model": "tiny", "messages": msgs,
+                                               "intervention": {"type": "pool", "factor": 0}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "intervention.factor"
+
+
 def test_two_images_text_before_and_after(server, ref):
     msgs = [{"role": "system", "content": "You answer briefly."},
             {"role": "user", "content": [{"type": "text", "text": "left"}, img_part(data_uri(2, "JPEG")),
