@@ -150,11 +150,12 @@ class Prune(Intervention):
         return {"prune": (self.layer, int(keep))}
 
 
-def intervention_from_json(obj, param: str = "intervention") -> Intervention:
+def intervention_from_json(obj) -> Intervention:
     """The server's request field: {"type": "prune", "keep": 0.25 | 16, "layer": 2},
     {"type": "pool", "factor": 2} or {"type": "ablate", "tokens": [..] | null, "mode": "zero" |
     "mean" | "noise", "scale": 1.0, "seed": 0} -> the intervention (InvalidRequestError naming
     the bad field otherwise)."""
+    param = "intervention"
     if not isinstance(obj, dict):
         raise InvalidRequestError(f"{param} must be an object with a 'type'", param=param)
     kinds = {"prune": (Prune, {"keep", "layer"}), "pool": (Pool, {"factor"}),
@@ -178,9 +179,4 @@ def intervention_from_json(obj, param: str = "intervention") -> Intervention:
         for name, types in (("scale", (int, float)), ("seed", (int,))):
             if name in kw and (isinstance(kw[name], bool) or not isinstance(kw[name], types)):
                 raise InvalidRequestError(f"{param}.{name} must be a number", param=f"{param}.{name}")
-    try:
-        return cls(**kw)
-    except InvalidRequestError as e:
-        raise InvalidRequestError(str(e).replace("intervention.", f"{param}."), param=e.param) from None
-    except TypeError as e:
-        raise InvalidRequestError(f"{param}: {e}", param=param) from None
+    return cls(**kw)     # the dataclasses check their values (InvalidRequestError naming the field)

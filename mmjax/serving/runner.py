@@ -267,12 +267,14 @@ class ModelRunner:
         if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
             self.compiled["fill_cross"] = set()
         self._memory_plan: dict | None = None
+        # the slots axis is never sharded: one set of cache shardings and jitted steps serves
+        # every slot count, so they exist before memory_budget sizes the slots
+        self.cache_shardings = self._cache_shardings(max_num_seqs)
+        self._jit_steps()
         if memory_budget is not None:   # sized before anything big is allocated
             max_num_seqs = self._fit_slots(memory_budget, max_num_seqs)
         self.num_slots = max_num_seqs
         self.buckets = Buckets.make(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs)
-        self.cache_shardings = self._cache_shardings(max_num_seqs)
-        self._jit_steps()
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
         # measured now, while no step holds the (donated) cache: stats() may run on any thread
@@ -647,8 +649,6 @@ class ModelRunner:
                 raise InvalidRequestError(f"memory_budget as a fraction must lie in (0, 1], got {budget}",
                                           param="memory_budget")
             budget = int(budget * device_memory_bytes(jax.tree.leaves(self.params["text"])[0]))
-        self.cache_shardings = self._cache_shardings(most)
-        self._jit_steps()
         slots = most
         for _ in range(3):     # temporaries shrink with the slot count: settle in a few rounds
             temp = self.step_temp_bytes(slots)
