@@ -97,6 +97,8 @@ def test_tiles_tokens_features_and_logits(pair):
         ours = vlm.logits(text, images)
         assert ours.shape == theirs.shape
         assert rel_err(ours, theirs) <= 1e-4
+        other = [noise_image(90 + i, *im.size) for i, im in enumerate(images)]    # same sizes, same tokens
+        assert rel_err(vlm.logits(text, other), ours) > 1e-3                      # the images reach the logits
         if name == "onevision" and len(images) > 1:
             assert counts == [17, 17]                # multi-image prompt: overview + newline each
 

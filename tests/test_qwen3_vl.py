@@ -115,6 +115,8 @@ def test_positions_and_logits_two_images(pair):
     ref = out.logits[0].numpy()
     got, inter = vlm.logits(TWO, imgs, capture=Capture(hidden=True))
     assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4
+    other = vlm.logits(TWO, [noise_image(32, *SIZES[0]), noise_image(33, *SIZES[2])])   # same sizes
+    assert rel_err(other, got) > 1e-3                          # the images reach the logits
     # per-layer hidden states as HF numbers them (a layer's output before its DeepStack addition)
     assert len(inter["hidden"]) == len(out.hidden_states)
     for ours, theirs in zip(inter["hidden"], out.hidden_states):
