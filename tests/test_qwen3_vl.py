@@ -28,7 +28,8 @@ from mmjax.models.family import image_runs
 from mmjax.models.text import Capture
 from mmjax.models.text.rope import rope_cos_sin, rope_inv_freq
 from mmjax.serving.caches import EncoderCache
-from tiny_qwen3 import hf_processor
+from tiny_qwen3 import hf_processor, torchvision_stand_in
+from tiny_video import write_video
 
 KINDS = ("dense", "moe")
 ONE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
@@ -226,3 +227,89 @@ def test_tensor_parallel_layout_keeps_the_math(qwen3_dirs):
         tp_tm = tm.tensor_parallel(2)
         np.testing.assert_allclose(run(tp_tm, jax.tree.map(jnp.asarray, tp_tm.tp_layout(params, 2))), run(tm, params),
                                    rtol=1e-5, atol=1e-5, err_msg=kind)
+
+
+# ------------------------------------------------------------------------------------------------
+# Video (Qwen3VLVideoProcessor + Qwen3VLProcessor's timestamps, run as transformers' own code in
+# tiny_qwen3.torchvision_stand_in)
+# ------------------------------------------------------------------------------------------------
+
+VIDEO = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What is in the picture ?<|im_end|>\n"
+         "<|im_start|>assistant\n")
+MIXED = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>Video 1: "
+         "<|vision_start|><|video_pad|><|vision_end|>Compare the two .<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    """a: 24 frames at 8 fps, 112x64 (6 sampled: 0, 5, 9, 14, 18, 23); a2: a with other shapes'
+    phases (same size, frames, timestamps); b: 15 frames at 6 fps, 80x48 (5 sampled: an odd
+    count, the last frame repeated into the third temporal patch; dense: resized up to the size
+    range's floor)."""
+    d = tmp_path_factory.mktemp("qwen3_videos")
+    return {"a": write_video(d / "a.mp4", 24, 8, 112, 64, seed=0), "a2": write_video(d / "a2.mp4", 24, 8, 112, 64, seed=5),
+            "b": write_video(d / "b.mp4", 15, 6, 80, 48, seed=1)}
+
+
+def _hf_video_inputs(proc, text: str, images: list, video) -> dict:
+    """Qwen3VLProcessor(text, images, videos) for one video: a path, frames [T, H, W, 3] (no
+    rate: HF assumes 24 fps) or {"frames": [...], "fps": x} (passed as video_metadata)."""
+    meta = None
+    if isinstance(video, dict):
+        video, meta = np.stack(video["frames"]), [{"fps": video["fps"], "total_num_frames": len(video["frames"])}]
+    with torchvision_stand_in():
+        return proc(text=[text], images=images or None, videos=[video], video_metadata=meta, return_tensors="pt")
+
+
+def _video_ids(vlm, text: str, items: list) -> np.ndarray:
+    fam = vlm.family
+    return np.asarray(vlm.tokenizer.encode_prompt(text, [im.num_tokens for im in items],
+                                                  [fam.image_prompt(im) for im in items],
+                                                  [fam.token_id_of(im) for im in items]), np.int32)
+
+
+def test_video_pixels_prompt_positions_features_and_logits(pair, clips):
+    """Against the real Qwen3VLVideoProcessor + Qwen3VLProcessor: sampled frames, pixel patches,
+    grids, token counts and the prompt ids with their "<t seconds>" text, for two files (the MoE
+    checkpoint caps pixels per frame), four frames without a rate and eight with one; then for a
+    video prompt and an image + video prompt the M-RoPE positions (each frame placed on its own),
+    the video features with every DeepStack block, and the logits; another video of the same
+    geometry changes the logits; the video takes an image encode bucket (no new compiled step)."""
+    _, hf, proc, vlm = pair
+    fam = vlm.family
+    frames = np.stack([np.asarray(noise_image(70 + i, 200, 130)) for i in range(4)])
+    for src in (clips["a"], clips["b"], frames, {"frames": list(frames[:3]) + [frames[3]] * 5, "fps": 3.0}):
+        x = _hf_video_inputs(proc, VIDEO, [], src)
+        item = vlm.prepare_videos([src])[0]
+        assert item.kind == "video" and item.grid == tuple(x["video_grid_thw"][0].tolist())
+        assert item.num_tokens == int(x["video_grid_thw"][0].prod()) // 4
+        assert np.abs(item.pixels - x["pixel_values_videos"].numpy()).max() <= 1e-5
+        assert _video_ids(vlm, VIDEO, [item]).tolist() == x["input_ids"][0].tolist()
+    assert vlm.prepare_videos([clips["a"]])[0].video.indices == (0, 5, 9, 14, 18, 23)
+    assert "<2.6 seconds><|vision_start|><|video_pad|>" in fam.image_prompt(vlm.prepare_videos([clips["a"]])[0])
+    for text, images, src in ((VIDEO, [], clips["a"]), (MIXED, [noise_image(5, 150, 100)], clips["b"])):
+        x = _hf_video_inputs(proc, text, images, src)
+        items = vlm.prepare_images(images) + vlm.prepare_videos([src])
+        ids = _video_ids(vlm, text, items)
+        assert ids.tolist() == x["input_ids"][0].tolist()
+        ours, delta = fam.positions(ids, items, fam.image_starts(ids, [im.num_tokens for im in items]))
+        theirs, hf_delta = hf.model.get_rope_index(x["input_ids"], x["mm_token_type_ids"], x.get("image_grid_thw"),
+                                                   x["video_grid_thw"])
+        np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+        assert delta == int(hf_delta[0, 0])
+        with torch.no_grad():
+            out = hf.model.get_video_features(x["pixel_values_videos"], x["video_grid_thw"])
+            ref = hf(**x).logits[0].numpy()
+        feats = vlm.engine.runner.encode_images([items[-1]])[0]
+        blocks = [out.pooler_output[0]] + [f[0] for f in out.deepstack_features]
+        assert feats.shape == (items[-1].num_tokens, 64 * len(blocks))
+        for k, t in enumerate(blocks):
+            assert rel_err(feats[:, k * 64:(k + 1) * 64], t.numpy()) <= 1e-4
+        got = vlm.logits(text, items)
+        assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4
+        calls = fam.encode_plan(items, 8)
+        assert len(calls) == 1 and calls[0].bucket in {c.bucket for c in fam.warmup_plan(8)}
+    other = vlm.prepare_videos([clips["a2"]])
+    first = vlm.prepare_videos([clips["a"]])
+    assert (other[0].grid, other[0].video.timestamps) == (first[0].grid, first[0].video.timestamps)
+    assert rel_err(vlm.logits(VIDEO, other), vlm.logits(VIDEO, first)) > 1e-3
