@@ -234,8 +234,8 @@ def test_tensor_parallel_layout_keeps_the_math(qwen3_dirs):
 # tiny_qwen3.torchvision_stand_in)
 # ------------------------------------------------------------------------------------------------
 
-VIDEO = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What is in the picture ?<|im_end|>\n"
-         "<|im_start|>assistant\n")
+VIDEO = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+         "<|vision_start|><|video_pad|><|vision_end|>What is in the picture ?<|im_end|>\n<|im_start|>assistant\n")
 MIXED = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>Video 1: "
          "<|vision_start|><|video_pad|><|vision_end|>Compare the two .<|im_end|>\n<|im_start|>assistant\n")
 
@@ -313,3 +313,59 @@ def test_video_pixels_prompt_positions_features_and_logits(pair, clips):
     first = vlm.prepare_videos([clips["a"]])
     assert (other[0].grid, other[0].video.timestamps) == (first[0].grid, first[0].video.timestamps)
     assert rel_err(vlm.logits(VIDEO, other), vlm.logits(VIDEO, first)) > 1e-3
+
+
+def test_video_generation_batched_and_served(pair, clips):
+    """32 greedy tokens (logprobs within 1e-4) for a video prompt and an image + video prompt in
+    one engine batch == transformers == one at a time (16-token prefill chunks cut through the
+    frames and their timestamp text); then a `video_url` chat through the openai client,
+    streamed == non-streamed == offline chat, usage counting the video tokens (timestamps are
+    text)."""
+    import base64
+
+    from serve.app import ServerConfig
+    from test_serve import Server
+
+    _, hf, proc, vlm = pair
+    img = noise_image(6, 150, 100)
+    reqs = [{"prompt": VIDEO, "images": [], "videos": [clips["a"]]},
+            {"prompt": MIXED, "images": [img], "videos": [clips["b"]]}]
+    sp = mmjax.SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True)
+    together = vlm.generate(reqs, sp)
+    alone = [vlm.generate([r], sp)[0] for r in reqs]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in together]
+    for r, o in zip(reqs, together):
+        x = _hf_video_inputs(proc, r["prompt"], r["images"], r["videos"][0])
+        assert list(o.prompt_token_ids) == x["input_ids"][0].tolist()
+        with torch.no_grad():
+            g = hf.generate(**x, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
+                            return_dict_in_generate=True, pad_token_id=hf.config.text_config.pad_token_id)
+        expected = g.sequences[0, x["input_ids"].shape[1]:].tolist()
+        assert len(set(expected)) > 2 and o.token_ids == expected
+        for ours, ref in zip(o.logprobs, g.logits):
+            ref = torch.log_softmax(ref[0].double(), -1).numpy()
+            assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+        assert o.num_video_tokens == int(x["video_grid_thw"][0].prod()) // 4
+        assert o.num_image_tokens == sum(im.num_tokens for im in vlm.prepare_images(r["images"]))
+
+    uri = "data:video/mp4;base64," + base64.b64encode(open(clips["a"], "rb").read()).decode()
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    msgs = [system, {"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}},
+                                                 {"type": "text", "text": "What is in the picture ?"}]}]
+    off = vlm.chat([system, {"role": "user", "content": [{"type": "video", "video": clips["a"]},
+                                                         {"type": "text", "text": "What is in the picture ?"}]}],
+                   mmjax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert list(off.prompt_token_ids) == list(together[0].prompt_token_ids)   # the template writes VIDEO
+    s = Server(vlm, ServerConfig(served_model_name="qwen3", log_stats_interval=0))
+    try:
+        c = s.client()
+        kw = dict(model="qwen3", messages=msgs, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        r = c.chat.completions.create(**kw)
+        chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    finally:
+        s.close()
+    assert r.choices[0].message.content == off.text
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == off.text
+    for u in (r.usage, chunks[-1].usage):
+        assert u.prompt_tokens == len(off.prompt_token_ids)
+        assert u.prompt_tokens_details.video_tokens == off.num_video_tokens == together[0].num_video_tokens
