@@ -369,12 +369,15 @@ class Tokenizer:
         if self.image_token is None:
             raise PromptError("this model takes no images", param="images")
         starts = [a for a, _ in spans]
+        # by kind: a family's image token id may be another token than the placeholder (Gemma 3's
+        # soft token vs <start_of_image>); videos are the inputs whose token is the video token
         names = {self.image_token: self.image_token_id}
         if self.video_token:
             names[self.video_token] = self.video_token_id
         pattern = "|".join(re.escape(t) for t in sorted(names, key=len, reverse=True))
         hits = [m for m in re.finditer(pattern, text) if not _overlaps(spans, starts, m.start(), m.end())]
-        given = [self.image_token_id] * len(image_texts) if token_ids is None else list(token_ids)
+        given = [self.video_token_id if self.video_token_id is not None and t == self.video_token_id
+                 else self.image_token_id for t in (token_ids or [None] * len(image_texts))]
         if [names[m.group()] for m in hits] != given:
             raise self._placeholder_error([names[m.group()] for m in hits], given)
         pieces, prev, shifts = [], 0, []

@@ -22,12 +22,13 @@ import torch
 
 import mmjax
 from conftest import noise_image, rel_err
-from mmjax.errors import CheckpointError
+from mmjax.errors import CheckpointError, UnsupportedModelError, VideoError
 from mmjax.models import qwen3_vl as Q3
 from mmjax.models.family import image_runs
 from mmjax.models.text import Capture
 from mmjax.models.text.rope import rope_cos_sin, rope_inv_freq
 from mmjax.serving.caches import EncoderCache
+from mmjax.video.processors import Qwen3VLVideoPolicy
 from tiny_qwen3 import hf_processor, torchvision_stand_in
 from tiny_video import write_video
 
@@ -286,6 +287,14 @@ def test_video_pixels_prompt_positions_features_and_logits(pair, clips):
         assert np.abs(item.pixels - x["pixel_values_videos"].numpy()).max() <= 1e-5
         assert _video_ids(vlm, VIDEO, [item]).tolist() == x["input_ids"][0].tolist()
     assert vlm.prepare_videos([clips["a"]])[0].video.indices == (0, 5, 9, 14, 18, 23)
+    # the same frames at another rate: same frames sampled, other timestamps (not a video-cache hit)
+    eight = list(frames[:3]) + [frames[3]] * 5
+    at3, at32 = (vlm.prepare_videos([{"frames": eight, "fps": r}])[0] for r in (3.0, 3.2))
+    assert at3.video.indices == at32.video.indices and at3.video.timestamps != at32.video.timestamps
+    with pytest.raises(VideoError, match="at least 2 sampled frames"):   # HF's smart_resize refuses it too
+        vlm.prepare_videos([[frames[0]]])
+    with pytest.raises(UnsupportedModelError, match="mutually exclusive"):
+        Qwen3VLVideoPolicy.from_config({"fps": 2, "num_frames": 8})
     assert "<2.6 seconds><|vision_start|><|video_pad|>" in fam.image_prompt(vlm.prepare_videos([clips["a"]])[0])
     for text, images, src in ((VIDEO, [], clips["a"]), (MIXED, [noise_image(5, 150, 100)], clips["b"])):
         x = _hf_video_inputs(proc, text, images, src)
