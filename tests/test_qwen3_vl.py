@@ -13,6 +13,17 @@ skip-idle-experts path); batched == one at a time == caches off, with repeated r
 from the prefix cache and a third request resuming its text prefix, then prefilling both images
 from encoder-cached features. Also: the MoE layer with a shared expert against transformers'
 Qwen2MoeSparseMoeBlock, and the text models' tensor-parallel layout.
+
+Video, against the real Qwen3VLVideoProcessor + Qwen3VLProcessor (transformers' own code with
+the torchvision calls stood in for, tiny_qwen3.torchvision_stand_in): sampled frames, pixel
+patches (measured 0 difference) and grids, token counts and prompt ids with the "<t seconds>"
+timestamp text exact (two files, frames without and with a rate; the MoE checkpoint caps pixels
+per frame); M-RoPE positions exact (each temporal patch placed like an image); video features
+and every DeepStack block rel <= 1e-4 (measured <= 1.2e-6); logits of a video prompt and an
+image + video prompt rel <= 1e-4 (measured <= 2.4e-6); 32 greedy tokens identical and logprobs
+within 1e-4 (measured <= 1.9e-6), batched == one at a time; a `video_url` chat through the
+openai client with usage video_tokens. A video takes the image encode buckets (no new compiled
+step, so test_cuda_lowering.py already covers it).
 """
 import jax
 import jax.numpy as jnp

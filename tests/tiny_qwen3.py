@@ -38,7 +38,8 @@ def build_qwen3(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int = 
     0 and 1, a 6x6 position table, 2 decoder layers, untied head. "moe":
     Qwen3VLMoeForConditionalGeneration, 2 vision blocks (DeepStack after block 0), a 4x4 table,
     3 decoder layers of which layer 1 is dense (mlp_only_layers), 8 experts top-2, tied
-    embeddings (the flag at the top level only, as transformers saves it)."""
+    embeddings (the flag at the top level only, as transformers saves it). Each has a
+    Qwen3VLVideoProcessor config (`VIDEO[kind]`)."""
     import torch
     from transformers import Qwen2VLImageProcessorPil
     # the module's class (the top-level name is a dummy that demands torchvision)
