@@ -33,7 +33,7 @@ import torch
 
 import mmjax
 from conftest import noise_image, rel_err
-from mmjax.errors import CheckpointError, UnsupportedModelError, VideoError
+from mmjax.errors import CheckpointError, PromptError, UnsupportedModelError, VideoError
 from mmjax.models import qwen3_vl as Q3
 from mmjax.models.family import image_runs
 from mmjax.models.text import Capture
@@ -306,6 +306,8 @@ def test_video_pixels_prompt_positions_features_and_logits(pair, clips):
         vlm.prepare_videos([[frames[0]]])
     with pytest.raises(UnsupportedModelError, match="mutually exclusive"):
         Qwen3VLVideoPolicy.from_config({"fps": 2, "num_frames": 8})
+    with pytest.raises(PromptError, match="1 video"):   # a video where the prompt has an image placeholder
+        _video_ids(vlm, VIDEO.replace("video_pad", "image_pad"), vlm.prepare_videos([clips["b"]]))
     assert "<2.6 seconds><|vision_start|><|video_pad|>" in fam.image_prompt(vlm.prepare_videos([clips["a"]])[0])
     for text, images, src in ((VIDEO, [], clips["a"]), (MIXED, [noise_image(5, 150, 100)], clips["b"])):
         x = _hf_video_inputs(proc, text, images, src)
