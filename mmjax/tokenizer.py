@@ -320,7 +320,7 @@ class Tokenizer:
         if image_texts is not None and any(t is not None for t in image_texts):
             if len(image_texts) != len(image_token_counts) or any(t is None for t in image_texts):
                 raise ValueError("image_texts must give one text per image")
-            text, spans = self._expand_placeholders(text, spans, image_texts)
+            text, spans = self._expand_placeholders(text, spans, image_texts, token_ids)
             image_token_counts = []
         starts = [a for a, _ in spans]
         add_special = not (self.bos_token and text.startswith(self.bos_token)
@@ -337,17 +337,9 @@ class Tokenizer:
         media = {self.image_token_id} | ({self.video_token_id} if self.video_token_id is not None else set())
         where = [i for i, t in enumerate(ids) if t in media]
         token_ids = [self.image_token_id] * len(image_token_counts) if token_ids is None else list(token_ids)
-        if [ids[i] for i in where] != token_ids:
-            n_img, n_vid = (sum(ids[i] == self.image_token_id for i in where),
-                            sum(ids[i] == self.video_token_id for i in where))
-            g_img, g_vid = token_ids.count(self.image_token_id), len(token_ids) - token_ids.count(self.image_token_id)
-            if (n_img, n_vid) == (g_img, g_vid):
-                raise PromptError("the prompt's image and video placeholders are not in the order of the inputs",
-                                  param="images")
-            raise PromptError(f"prompt has {n_img} image placeholder(s) {self.image_token!r}"
-                              + (f" and {n_vid} video placeholder(s) {self.video_token!r}" if self.video_token else "")
-                              + f" but {g_img} image(s)" + (f" and {g_vid} video(s)" if self.video_token else "")
-                              + " were given", param="videos" if n_img == g_img else "images")
+        found = [ids[i] for i in where]
+        if found != token_ids:
+            raise self._placeholder_error(found, token_ids)
         out: list[int] = []
         prev = 0
         for pos, n in zip(where, image_token_counts):
@@ -357,22 +349,42 @@ class Tokenizer:
         out.extend(ids[prev:])
         return out
 
-    def _expand_placeholders(self, text: str, spans: tuple, image_texts: list[str]) -> tuple[str, tuple]:
-        """`text` with its i-th image placeholder (outside message text) replaced by image_texts[i],
-        and the message-text spans moved to match."""
+    def _placeholder_error(self, found: list[int], given: list[int]) -> PromptError:
+        """The error for a prompt whose placeholders (token ids, in order) are not the inputs'."""
+        n_img, n_vid = found.count(self.image_token_id), len(found) - found.count(self.image_token_id)
+        g_img, g_vid = given.count(self.image_token_id), len(given) - given.count(self.image_token_id)
+        if (n_img, n_vid) == (g_img, g_vid):
+            return PromptError("the prompt's image and video placeholders are not in the order of the inputs",
+                               param="images")
+        return PromptError(f"prompt has {n_img} image placeholder(s) {self.image_token!r}"
+                           + (f" and {n_vid} video placeholder(s) {self.video_token!r}" if self.video_token else "")
+                           + f" but {g_img} image(s)" + (f" and {g_vid} video(s)" if self.video_token else "")
+                           + " were given", param="videos" if n_img == g_img else "images")
+
+    def _expand_placeholders(self, text: str, spans: tuple, image_texts: list[str],
+                             token_ids: list[int] | None = None) -> tuple[str, tuple]:
+        """`text` with its i-th image / video placeholder (outside message text) replaced by
+        image_texts[i], and the message-text spans moved to match. token_ids: each input's
+        placeholder token id (default: all images); placeholder i must be input i's kind."""
         if self.image_token is None:
             raise PromptError("this model takes no images", param="images")
         starts = [a for a, _ in spans]
-        where = [m.start() for m in re.finditer(re.escape(self.image_token), text)
-                 if not _overlaps(spans, starts, m.start(), m.end())]
-        if len(where) != len(image_texts):
-            raise PromptError(f"prompt has {len(where)} image placeholder(s) {self.image_token!r} but "
-                              f"{len(image_texts)} image(s) were given", param="images")
+        # by kind: a family's image token id may be another token than the placeholder (Gemma 3's
+        # soft token vs <start_of_image>); videos are the inputs whose token is the video token
+        names = {self.image_token: self.image_token_id}
+        if self.video_token:
+            names[self.video_token] = self.video_token_id
+        pattern = "|".join(re.escape(t) for t in sorted(names, key=len, reverse=True))
+        hits = [m for m in re.finditer(pattern, text) if not _overlaps(spans, starts, m.start(), m.end())]
+        given = [self.video_token_id if self.video_token_id is not None and t == self.video_token_id
+                 else self.image_token_id for t in (token_ids or [None] * len(image_texts))]
+        if [names[m.group()] for m in hits] != given:
+            raise self._placeholder_error([names[m.group()] for m in hits], given)
         pieces, prev, shifts = [], 0, []
-        for pos, rep in zip(where, image_texts):
-            pieces += [text[prev:pos], rep]
-            prev = pos + len(self.image_token)
-            shifts.append((pos, len(rep) - len(self.image_token)))
+        for m, rep in zip(hits, image_texts):
+            pieces += [text[prev:m.start()], rep]
+            prev = m.end()
+            shifts.append((m.start(), len(rep) - (m.end() - m.start())))
         pieces.append(text[prev:])
 
         def moved(i: int) -> int:

@@ -13,6 +13,17 @@ skip-idle-experts path); batched == one at a time == caches off, with repeated r
 from the prefix cache and a third request resuming its text prefix, then prefilling both images
 from encoder-cached features. Also: the MoE layer with a shared expert against transformers'
 Qwen2MoeSparseMoeBlock, and the text models' tensor-parallel layout.
+
+Video, against the real Qwen3VLVideoProcessor + Qwen3VLProcessor (transformers' own code with
+the torchvision calls stood in for, tiny_qwen3.torchvision_stand_in): sampled frames, pixel
+patches (measured 0 difference) and grids, token counts and prompt ids with the "<t seconds>"
+timestamp text exact (two files, frames without and with a rate; the MoE checkpoint caps pixels
+per frame); M-RoPE positions exact (each temporal patch placed like an image); video features
+and every DeepStack block rel <= 1e-4 (measured <= 1.2e-6); logits of a video prompt and an
+image + video prompt rel <= 1e-4 (measured <= 2.4e-6); 32 greedy tokens identical and logprobs
+within 1e-4 (measured <= 1.9e-6), batched == one at a time; a `video_url` chat through the
+openai client with usage video_tokens. A video takes the image encode buckets (no new compiled
+step, so test_cuda_lowering.py already covers it).
 """
 import jax
 import jax.numpy as jnp
@@ -22,13 +33,15 @@ import torch
 
 import mmjax
 from conftest import noise_image, rel_err
-from mmjax.errors import CheckpointError
+from mmjax.errors import CheckpointError, PromptError, UnsupportedModelError, VideoError
 from mmjax.models import qwen3_vl as Q3
 from mmjax.models.family import image_runs
 from mmjax.models.text import Capture
 from mmjax.models.text.rope import rope_cos_sin, rope_inv_freq
 from mmjax.serving.caches import EncoderCache
-from tiny_qwen3 import hf_processor
+from mmjax.video.processors import Qwen3VLVideoPolicy
+from tiny_qwen3 import hf_processor, torchvision_stand_in
+from tiny_video import write_video
 
 KINDS = ("dense", "moe")
 ONE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
@@ -226,3 +239,155 @@ def test_tensor_parallel_layout_keeps_the_math(qwen3_dirs):
         tp_tm = tm.tensor_parallel(2)
         np.testing.assert_allclose(run(tp_tm, jax.tree.map(jnp.asarray, tp_tm.tp_layout(params, 2))), run(tm, params),
                                    rtol=1e-5, atol=1e-5, err_msg=kind)
+
+
+# ------------------------------------------------------------------------------------------------
+# Video (Qwen3VLVideoProcessor + Qwen3VLProcessor's timestamps, run as transformers' own code in
+# tiny_qwen3.torchvision_stand_in)
+# ------------------------------------------------------------------------------------------------
+
+VIDEO = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+         "<|vision_start|><|video_pad|><|vision_end|>What is in the picture ?<|im_end|>\n<|im_start|>assistant\n")
+MIXED = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>Video 1: "
+         "<|vision_start|><|video_pad|><|vision_end|>Compare the two .<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    """a: 24 frames at 8 fps, 112x64 (6 sampled: 0, 5, 9, 14, 18, 23); a2: a with other shapes'
+    phases (same size, frames, timestamps); b: 15 frames at 6 fps, 80x48 (5 sampled: an odd
+    count, the last frame repeated into the third temporal patch; dense: resized up to the size
+    range's floor)."""
+    d = tmp_path_factory.mktemp("qwen3_videos")
+    return {"a": write_video(d / "a.mp4", 24, 8, 112, 64, seed=0), "a2": write_video(d / "a2.mp4", 24, 8, 112, 64, seed=5),
+            "b": write_video(d / "b.mp4", 15, 6, 80, 48, seed=1)}
+
+
+def _hf_video_inputs(proc, text: str, images: list, video) -> dict:
+    """Qwen3VLProcessor(text, images, videos) for one video: a path, frames [T, H, W, 3] (no
+    rate: HF assumes 24 fps) or {"frames": [...], "fps": x} (passed as video_metadata)."""
+    meta = None
+    if isinstance(video, dict):
+        video, meta = np.stack(video["frames"]), [{"fps": video["fps"], "total_num_frames": len(video["frames"])}]
+    with torchvision_stand_in():
+        return proc(text=[text], images=images or None, videos=[video], video_metadata=meta, return_tensors="pt")
+
+
+def _video_ids(vlm, text: str, items: list) -> np.ndarray:
+    fam = vlm.family
+    return np.asarray(vlm.tokenizer.encode_prompt(text, [im.num_tokens for im in items],
+                                                  [fam.image_prompt(im) for im in items],
+                                                  [fam.token_id_of(im) for im in items]), np.int32)
+
+
+def test_video_pixels_prompt_positions_features_and_logits(pair, clips):
+    """Against the real Qwen3VLVideoProcessor + Qwen3VLProcessor: sampled frames, pixel patches,
+    grids, token counts and the prompt ids with their "<t seconds>" text, for two files (the MoE
+    checkpoint caps pixels per frame), four frames without a rate and eight with one; then for a
+    video prompt and an image + video prompt the M-RoPE positions (each frame placed on its own),
+    the video features with every DeepStack block, and the logits; another video of the same
+    geometry changes the logits; the video takes an image encode bucket (no new compiled step)."""
+    _, hf, proc, vlm = pair
+    fam = vlm.family
+    frames = np.stack([np.asarray(noise_image(70 + i, 200, 130)) for i in range(4)])
+    for src in (clips["a"], clips["b"], frames, {"frames": list(frames[:3]) + [frames[3]] * 5, "fps": 3.0}):
+        x = _hf_video_inputs(proc, VIDEO, [], src)
+        item = vlm.prepare_videos([src])[0]
+        assert item.kind == "video" and item.grid == tuple(x["video_grid_thw"][0].tolist())
+        assert item.num_tokens == int(x["video_grid_thw"][0].prod()) // 4
+        assert np.abs(item.pixels - x["pixel_values_videos"].numpy()).max() <= 1e-5
+        assert _video_ids(vlm, VIDEO, [item]).tolist() == x["input_ids"][0].tolist()
+    assert vlm.prepare_videos([clips["a"]])[0].video.indices == (0, 5, 9, 14, 18, 23)
+    # the same frames at another rate: same frames sampled, other timestamps (not a video-cache hit)
+    eight = list(frames[:3]) + [frames[3]] * 5
+    at3, at32 = (vlm.prepare_videos([{"frames": eight, "fps": r}])[0] for r in (3.0, 3.2))
+    assert at3.video.indices == at32.video.indices and at3.video.timestamps != at32.video.timestamps
+    with pytest.raises(VideoError, match="at least 2 sampled frames"):   # HF's smart_resize refuses it too
+        vlm.prepare_videos([[frames[0]]])
+    with pytest.raises(UnsupportedModelError, match="mutually exclusive"):
+        Qwen3VLVideoPolicy.from_config({"fps": 2, "num_frames": 8})
+    with pytest.raises(PromptError, match="1 video"):   # a video where the prompt has an image placeholder
+        _video_ids(vlm, VIDEO.replace("video_pad", "image_pad"), vlm.prepare_videos([clips["b"]]))
+    assert "<2.6 seconds><|vision_start|><|video_pad|>" in fam.image_prompt(vlm.prepare_videos([clips["a"]])[0])
+    for text, images, src in ((VIDEO, [], clips["a"]), (MIXED, [noise_image(5, 150, 100)], clips["b"])):
+        x = _hf_video_inputs(proc, text, images, src)
+        items = vlm.prepare_images(images) + vlm.prepare_videos([src])
+        ids = _video_ids(vlm, text, items)
+        assert ids.tolist() == x["input_ids"][0].tolist()
+        ours, delta = fam.positions(ids, items, fam.image_starts(ids, [im.num_tokens for im in items]))
+        theirs, hf_delta = hf.model.get_rope_index(x["input_ids"], x["mm_token_type_ids"], x.get("image_grid_thw"),
+                                                   x["video_grid_thw"])
+        np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+        assert delta == int(hf_delta[0, 0])
+        with torch.no_grad():
+            out = hf.model.get_video_features(x["pixel_values_videos"], x["video_grid_thw"])
+            ref = hf(**x).logits[0].numpy()
+        feats = vlm.engine.runner.encode_images([items[-1]])[0]
+        blocks = [out.pooler_output[0]] + [f[0] for f in out.deepstack_features]
+        assert feats.shape == (items[-1].num_tokens, 64 * len(blocks))
+        for k, t in enumerate(blocks):
+            assert rel_err(feats[:, k * 64:(k + 1) * 64], t.numpy()) <= 1e-4
+        got = vlm.logits(text, items)
+        assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4
+        calls = fam.encode_plan(items, 8)
+        assert len(calls) == 1 and calls[0].bucket in {c.bucket for c in fam.warmup_plan(8)}
+    other = vlm.prepare_videos([clips["a2"]])
+    first = vlm.prepare_videos([clips["a"]])
+    assert (other[0].grid, other[0].video.timestamps) == (first[0].grid, first[0].video.timestamps)
+    assert rel_err(vlm.logits(VIDEO, other), vlm.logits(VIDEO, first)) > 1e-3
+
+
+def test_video_generation_batched_and_served(pair, clips):
+    """32 greedy tokens (logprobs within 1e-4) for a video prompt and an image + video prompt in
+    one engine batch == transformers == one at a time (16-token prefill chunks cut through the
+    frames and their timestamp text); then a `video_url` chat through the openai client,
+    streamed == non-streamed == offline chat, usage counting the video tokens (timestamps are
+    text)."""
+    import base64
+
+    from serve.app import ServerConfig
+    from test_serve import Server
+
+    _, hf, proc, vlm = pair
+    img = noise_image(6, 150, 100)
+    reqs = [{"prompt": VIDEO, "images": [], "videos": [clips["a"]]},
+            {"prompt": MIXED, "images": [img], "videos": [clips["b"]]}]
+    sp = mmjax.SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True)
+    together = vlm.generate(reqs, sp)
+    alone = [vlm.generate([r], sp)[0] for r in reqs]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in together]
+    for r, o in zip(reqs, together):
+        x = _hf_video_inputs(proc, r["prompt"], r["images"], r["videos"][0])
+        assert list(o.prompt_token_ids) == x["input_ids"][0].tolist()
+        with torch.no_grad():
+            g = hf.generate(**x, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
+                            return_dict_in_generate=True, pad_token_id=hf.config.text_config.pad_token_id)
+        expected = g.sequences[0, x["input_ids"].shape[1]:].tolist()
+        assert len(set(expected)) > 2 and o.token_ids == expected
+        for ours, ref in zip(o.logprobs, g.logits):
+            ref = torch.log_softmax(ref[0].double(), -1).numpy()
+            assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+        assert o.num_video_tokens == int(x["video_grid_thw"][0].prod()) // 4
+        assert o.num_image_tokens == sum(im.num_tokens for im in vlm.prepare_images(r["images"]))
+
+    uri = "data:video/mp4;base64," + base64.b64encode(open(clips["a"], "rb").read()).decode()
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    msgs = [system, {"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}},
+                                                 {"type": "text", "text": "What is in the picture ?"}]}]
+    off = vlm.chat([system, {"role": "user", "content": [{"type": "video", "video": clips["a"]},
+                                                         {"type": "text", "text": "What is in the picture ?"}]}],
+                   mmjax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert list(off.prompt_token_ids) == list(together[0].prompt_token_ids)   # the template writes VIDEO
+    s = Server(vlm, ServerConfig(served_model_name="qwen3", log_stats_interval=0))
+    try:
+        c = s.client()
+        kw = dict(model="qwen3", messages=msgs, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        r = c.chat.completions.create(**kw)
+        chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    finally:
+        s.close()
+    assert r.choices[0].message.content == off.text
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == off.text
+    for u in (r.usage, chunks[-1].usage):
+        assert u.prompt_tokens == len(off.prompt_token_ids)
+        assert u.prompt_tokens_details.video_tokens == off.num_video_tokens == together[0].num_video_tokens

@@ -7,9 +7,19 @@ Qwen3VLProcessor cannot be constructed without torchvision (its video-processor 
 pixel values, grids and mm_token_type_ids are the processor's own. Geometry is the real one
 (patch 16, merge 2, temporal patch 2, mean/std 0.5); the pixel bounds are smaller (64..256 tokens)
 to keep the tests fast.
+
+Video: the checkpoints carry a Qwen3VLVideoProcessor config (small size ranges; the MoE one turns
+on `cap_pixels_per_frame`), and `hf_processor` includes the real Qwen3VLVideoProcessor. It runs
+as transformers' own code (sample_frames, its smart_resize, patchify, the processor's timestamp
+text and mm_token_type_ids) inside `torchvision_stand_in`, which replaces only the torchvision
+calls (torchvision is not installable here) by the torch code they run: the uint8 bicubic
+antialiased resize (`torch.nn.functional.interpolate`, the CPU kernel tvF.resize dispatches
+to), tvF.normalize's `sub(mean).div_(std)`, grayscale_to_rgb (frames are RGB already), and
+decoding with transformers' PyAV loader (`load_video(backend="pyav")`) instead of torchcodec.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -17,6 +27,10 @@ from pathlib import Path
 from tiny_qwen import QWEN_CHAT_TEMPLATE, QWEN_SPECIAL, train_qwen_tokenizer
 
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 96
+# video size ranges bound t * h * w (all sampled frames together)
+VIDEO = {"dense": dict(size={"shortest_edge": 32 * 32 * 20, "longest_edge": 32 * 32 * 64}),
+         "moe": dict(size={"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 64}, cap_pixels_per_frame=True,
+                     max_video_tokens=10)}
 
 
 def build_qwen3(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int = 0) -> Path:
@@ -24,9 +38,12 @@ def build_qwen3(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int = 
     0 and 1, a 6x6 position table, 2 decoder layers, untied head. "moe":
     Qwen3VLMoeForConditionalGeneration, 2 vision blocks (DeepStack after block 0), a 4x4 table,
     3 decoder layers of which layer 1 is dense (mlp_only_layers), 8 experts top-2, tied
-    embeddings (the flag at the top level only, as transformers saves it)."""
+    embeddings (the flag at the top level only, as transformers saves it). Each has a
+    Qwen3VLVideoProcessor config (`VIDEO[kind]`)."""
     import torch
     from transformers import Qwen2VLImageProcessorPil
+    # the module's class (the top-level name is a dummy that demands torchvision)
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +89,7 @@ def build_qwen3(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int = 
     Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
                              image_std=[0.5] * 3,
                              size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}).save_pretrained(out)
+    Qwen3VLVideoProcessor(**VIDEO[kind]).save_pretrained(out)
     gen = {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
            "pad_token_id": text["pad_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen))
@@ -79,14 +97,56 @@ def build_qwen3(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int = 
 
 
 def hf_processor(path: str | os.PathLike):
-    """The real Qwen3VLProcessor over the checkpoint's tokenizer and image processor (no video
-    processor: only the torchvision-dependent class check is skipped)."""
+    """The real Qwen3VLProcessor over the checkpoint's tokenizer, image processor and video
+    processor (only the torchvision-dependent class check is skipped; videos need
+    `torchvision_stand_in`)."""
     from unittest import mock
 
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.processing_utils import ProcessorMixin
 
     tok = AutoTokenizer.from_pretrained(path)
     ip = Qwen2VLImageProcessorPil.from_pretrained(path)
+    vp = Qwen3VLVideoProcessor.from_pretrained(path)
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None):
-        return Qwen3VLProcessor(image_processor=ip, tokenizer=tok, video_processor=None)
+        return Qwen3VLProcessor(image_processor=ip, tokenizer=tok, video_processor=vp)
+
+
+@contextlib.contextmanager
+def torchvision_stand_in():
+    """transformers' video processors with the torchvision calls they make replaced by the torch
+    code those calls run (module docstring)."""
+    from unittest import mock
+
+    import torch
+    from transformers.image_processing_backends import TorchvisionBackend
+    from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
+    from transformers.video_utils import load_video
+
+    def resize(self, image, size, resample=None, antialias=True, **kwargs):
+        assert int(resample) == 3 and antialias and image.dtype == torch.uint8   # bicubic, uint8 frames
+        x = image.reshape(-1, *image.shape[-3:])
+        x = torch.nn.functional.interpolate(x, size=(size.height, size.width), mode="bicubic", antialias=True,
+                                            align_corners=False)
+        return x.reshape(*image.shape[:-2], size.height, size.width)
+
+    def normalize(self, image, mean, std, inplace=False, **kwargs):
+        mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
+        std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
+        return (image.sub_(mean) if inplace else image.sub(mean)).div_(std)
+
+    def convert_to_rgb(self, video):
+        assert video.shape[-3] == 3
+        return video
+
+    def fetch_videos(self, urls, sample_indices_fn=None):
+        if isinstance(urls, list):
+            return list(zip(*[fetch_videos(self, u, sample_indices_fn) for u in urls]))
+        return load_video(urls, backend="pyav", sample_indices_fn=sample_indices_fn)
+
+    with mock.patch.object(TorchvisionBackend, "resize", resize), \
+            mock.patch.object(TorchvisionBackend, "normalize", normalize), \
+            mock.patch.object(BaseVideoProcessor, "convert_to_rgb", convert_to_rgb), \
+            mock.patch.object(VideoProcessorMixin, "fetch_videos", fetch_videos):
+        yield

@@ -437,9 +437,9 @@ def checked_policy(path: Path, cfg: QwenVLConfig) -> Qwen2VLImagePolicy:
     return policy
 
 
-def checked_video_policy(path: Path, cfg: QwenVLConfig) -> Qwen2VLVideoPolicy:
-    """The checkpoint's video processor (defaults where it has none), checked like the image one."""
-    video_policy = Qwen2VLVideoPolicy.from_config(find_video_processor_config(path))
+def checked_video_policy(path: Path, cfg: QwenVLConfig, policy_cls: type = Qwen2VLVideoPolicy) -> Qwen2VLVideoPolicy:
+    """The checkpoint's video processor (`policy_cls`' defaults where it has none), checked like the image one."""
+    video_policy = policy_cls.from_config(find_video_processor_config(path))
     v = cfg.vision
     if (video_policy.patch_size, video_policy.merge_size, video_policy.temporal_patch_size) != (
             v.patch_size, v.merge_size, v.temporal_patch_size):

@@ -12,6 +12,15 @@ it. What differs:
 Image features are [tokens, (1 + n_deepstack) * hidden]: the input embedding, then one block per
 DeepStack layer. They travel as one per-token array through the encoder cache and the prefill
 chunks (models/text `image_inputs` splits them in the compiled step).
+
+Video (`<|video_pad|>`): Qwen3VLVideoProcessor's sampling and sizing
+(`mmjax.video.processors.Qwen3VLVideoPolicy`), encoded by the same packed tower (one attention
+segment per temporal patch, DeepStack blocks included: HF's visual_pos_masks covers image and
+video tokens). Qwen3VLProcessor writes each temporal patch as text, `<{t:.1f} seconds>` +
+`<|vision_start|>` + its tokens + `<|vision_end|>` in place of the `<|video_pad|>` placeholder
+(`image_prompt`; images expand to their `<|image_pad|>` run the same way, so mixed prompts
+tokenize as HF's). Positions (HF get_rope_index): the video grid is split into frames of t = 1,
+each placed like an image after the timestamp text before it.
 """
 from __future__ import annotations
 
@@ -24,11 +33,13 @@ import numpy as np
 
 from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, UnsupportedModelError
+from mmjax.errors import PromptError
 from mmjax.models.family import ImageInput
 from mmjax.models.hf_config import tie_word_embeddings
-from mmjax.models.qwen2_vl import QwenVLConfig, QwenVLFamily, checked_policy, normalize_name
+from mmjax.models.qwen2_vl import QwenVLConfig, QwenVLFamily, checked_policy, checked_video_policy, normalize_name
 from mmjax.models.text.llama import LlamaConfig, LlamaTextModel
 from mmjax.models.vision.qwen3_vl import Qwen3VisionConfig, load_vision_params, make_encode_fn, pack
+from mmjax.video.processors import Qwen3VLVideoPolicy
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)  # HF's Qwen3VLTextRotaryEmbedding default
 
@@ -76,8 +87,10 @@ class Qwen3VLConfig(QwenVLConfig):
         token = cfg.get("image_token_id", tc.get("image_token_id"))
         if token is None:
             raise CheckpointError("config.json: image_token_id is missing", param="image_token_id")
+        video = cfg.get("video_token_id", tc.get("video_token_id"))
         return cls(vision=vision, text=text, image_token_id=int(token),
-                   vision_start_token_id=cfg.get("vision_start_token_id"), model_type=mt)
+                   vision_start_token_id=cfg.get("vision_start_token_id"), model_type=mt,
+                   video_token_id=None if video is None else int(video))
 
 
 def load_params(src: TensorSource, cfg: Qwen3VLConfig) -> dict:
@@ -90,12 +103,53 @@ def load_params(src: TensorSource, cfg: Qwen3VLConfig) -> dict:
 @dataclass(eq=False)
 class Qwen3VLFamily(QwenVLFamily):
     """A loaded Qwen3-VL / Qwen3-VL-MoE model's family (Qwen2-VL's host side, Qwen3-VL's tower)."""
-    @property
-    def video_token_id(self) -> int | None:
-        """No video yet: Qwen3-VL's processor writes per-frame timestamp text ("<t seconds>") around
-        each temporal patch, which Qwen2-VL's video path does not; a video is a clear 400 until
-        that is built rather than a silently different prompt."""
-        return None
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
+
+    def image_prompt(self, image: ImageInput) -> str:
+        """Qwen3VLProcessor's text for one input: an image's `<|image_pad|>` run; a video's
+        temporal patches, each `<{t:.1f} seconds><|vision_start|>` + its tokens + `<|vision_end|>`
+        (replace_video_token; the template's own vision_start / vision_end stay around it)."""
+        if image.kind != "video":
+            return self.image_token * image.num_tokens
+        lt, lh, lw = self.token_grid(image)
+        frame = self.vision_start + self.video_token * (lh * lw) + self.vision_end
+        stamps = image.video.timestamps
+        if len(stamps) != lt:
+            raise PromptError(f"video has {lt} temporal patches but {len(stamps)} timestamps", param="videos")
+        return "".join(f"<{t:.1f} seconds>" + frame for t in stamps)
+
+    def positions(self, ids: np.ndarray, images: list[ImageInput], image_starts: list[int]
+                  ) -> tuple[np.ndarray, int]:
+        """M-RoPE positions [3, prompt_len] and the decode offset (HF Qwen3-VL get_rope_index).
+
+        As Qwen2-VL's, except that a video is split into its temporal patches (grid t = 1 each;
+        the timestamp text between them advances the text positions): each frame's tokens at
+        text position s take (s, s + row, s + col) and text resumes at s + max(rows, cols)."""
+        media = np.flatnonzero(np.isin(ids, self.media_token_ids))
+        pos = np.zeros((3, len(ids)), np.int64)
+        cur, prev, k = 0, 0, 0
+        for im in images:
+            lt, lh, lw = self.token_grid(im)
+            frames = lt if im.kind == "video" else 1
+            n = lt * lh * lw // frames
+            rows, cols = np.meshgrid(np.arange(lh), np.arange(lw), indexing="ij")
+            rows, cols = np.tile(rows.ravel(), lt // frames), np.tile(cols.ravel(), lt // frames)
+            for _ in range(frames):
+                s = int(media[k])
+                if int(media[k + n - 1]) != s + n - 1:
+                    raise PromptError(f"the tokens of one {im.kind} frame must be contiguous in the prompt",
+                                      param="videos" if im.kind == "video" else "images")
+                pos[:, prev:s] = cur + np.arange(s - prev)
+                cur += s - prev
+                pos[0, s:s + n] = cur
+                pos[1, s:s + n] = cur + rows
+                pos[2, s:s + n] = cur + cols
+                cur += max(lh, lw)
+                prev, k = s + n, k + n
+        pos[:, prev:] = cur + np.arange(len(ids) - prev)
+        delta = int(pos.max()) + 1 - len(ids) if len(ids) else 0
+        return pos.astype(np.int32), delta
 
     def encode_fn(self):
         """(params, packed (patches, pos_hw, image_seg, sizes_hw)) -> [n_pad / merge**2, (1 +
@@ -116,4 +170,5 @@ def load(path: Path, hf_cfg: dict) -> tuple[Qwen3VLFamily, dict]:
     """config.json + safetensors + preprocessor config -> (family, numpy params)."""
     cfg = Qwen3VLConfig.from_hf(hf_cfg)
     params = load_params(TensorSource(path, normalize_name), cfg)
-    return Qwen3VLFamily(cfg, checked_policy(path, cfg)), params
+    return Qwen3VLFamily(cfg, checked_policy(path, cfg),
+                         video_policy=checked_video_policy(path, cfg, Qwen3VLVideoPolicy)), params

@@ -7,6 +7,13 @@
 (bit-exact port in `mmjax.video.resample`), rescale + normalize, and the temporal patchify (the
 last frame repeated up to a multiple of `temporal_patch_size`). The frame plan and token count
 come from the container metadata alone (`plan`), before any frame is decoded.
+
+`Qwen3VLVideoPolicy` is `Qwen3VLVideoProcessor` (Qwen3-VL, Qwen3-VL-MoE): the same resize and
+patchify, but its own sampling (`int(frames / video_fps * fps)` frames within [min_frames,
+max_frames] at `np.linspace(0, total - 1, n).round()`, no rounding to the temporal patch), its own
+smart_resize (the size range bounds all the sampled frames together, `t * h * w`), patch 16 and
+mean / std 0.5, and the per-temporal-patch timestamps Qwen3VLProcessor writes into the prompt
+(`VideoPlan.timestamps`, `_calculate_timestamps`).
 """
 from __future__ import annotations
 
@@ -37,6 +44,9 @@ class VideoPlan:
     num_tokens: int
     sampled_fps: float
     key: tuple = ()
+    # Qwen3-VL: seconds of each temporal patch (the mean time of its first and last frame), the
+    # "<t seconds>" text Qwen3VLProcessor writes before each frame's tokens; () for other families
+    timestamps: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,8 +168,9 @@ class Qwen2VLVideoPolicy:
             sampled_fps = n / meta.total_frames * meta.fps
         else:
             sampled_fps = meta.fps or 24.0
-        key = ("qwen2_vl_video", tuple(int(i) for i in indices), lo, hi, self.patch_size, self.temporal_patch_size,
-               self.merge_size, self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean,
+        # meta.fps: a list of frames' hash does not cover the rate it was given with (sampled_fps)
+        key = ("qwen2_vl_video", tuple(int(i) for i in indices), meta.fps, lo, hi, self.patch_size,
+               self.temporal_patch_size, self.merge_size, self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean,
                self.image_std)
         return VideoPlan(tuple(int(i) for i in indices), (rh, rw), (gt, gh, gw),
                          gt * gh * gw // self.merge_size ** 2, float(sampled_fps), key)
@@ -180,6 +191,137 @@ class Qwen2VLVideoPolicy:
         elif self.do_normalize:
             x = (x - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
         return patchify_video(x, self.patch_size, self.merge_size, self.temporal_patch_size)
+
+
+QWEN3_MEAN = QWEN3_STD = (0.5, 0.5, 0.5)   # IMAGENET_STANDARD_MEAN / _STD
+QWEN3_VIDEO_FPS_UNKNOWN = 24.0             # HF's rate for frames given without one (sampling and timestamps)
+
+
+@dataclass(frozen=True)
+class Qwen3VLVideoPolicy(Qwen2VLVideoPolicy):
+    """transformers Qwen3VLVideoProcessor + Qwen3VLProcessor's timestamps (module docstring).
+
+    min_pixels / max_pixels (size.shortest_edge / longest_edge) bound t_bar * h * w, all the
+    sampled frames together (t_bar: their count rounded to the temporal patch), as the
+    processor's smart_resize does. cap_pixels_per_frame / max_video_tokens: the processor's
+    optional per-frame cap (off unless the config turns it on)."""
+    patch_size: int = 16
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 32 * 32 * 768
+    image_mean: tuple[float, float, float] = QWEN3_MEAN
+    image_std: tuple[float, float, float] = QWEN3_STD
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
+
+    @classmethod
+    def from_config(cls, cfg: dict | None) -> "Qwen3VLVideoPolicy":
+        """From the checkpoint's video processor config (None: Qwen3VLVideoProcessor's class
+        defaults). `fps` and `num_frames` both set is the processor's own error."""
+        d = cls()
+        if not cfg:
+            return d
+        size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+
+        def get(key: str, default: Any) -> Any:
+            v = cfg.get(key)
+            return default if v is None else v
+
+        fps = cfg.get("fps", d.fps)            # an explicit null turns fps sampling off
+        num_frames = cfg.get("num_frames")
+        if fps is not None and num_frames is not None:
+            raise UnsupportedModelError("Qwen3-VL video processor config sets both fps and num_frames (mutually "
+                                        "exclusive in Qwen3VLVideoProcessor.sample_frames)", param="num_frames")
+        return cls(patch_size=int(get("patch_size", d.patch_size)),
+                   temporal_patch_size=int(get("temporal_patch_size", d.temporal_patch_size)),
+                   merge_size=int(get("merge_size", d.merge_size)),
+                   min_pixels=int(size.get("shortest_edge") or d.min_pixels),
+                   max_pixels=int(size.get("longest_edge") or d.max_pixels),
+                   min_frames=int(get("min_frames", d.min_frames)), max_frames=int(get("max_frames", d.max_frames)),
+                   fps=None if fps is None else float(fps), num_frames=None if num_frames is None else int(num_frames),
+                   do_sample_frames=bool(get("do_sample_frames", True)),
+                   do_rescale=bool(get("do_rescale", d.do_rescale)),
+                   rescale_factor=float(get("rescale_factor", d.rescale_factor)),
+                   do_normalize=bool(get("do_normalize", d.do_normalize)),
+                   image_mean=_channel_triple(cfg.get("image_mean"), d.image_mean, "image_mean"),
+                   image_std=_channel_triple(cfg.get("image_std"), d.image_std, "image_std"),
+                   cap_pixels_per_frame=bool(get("cap_pixels_per_frame", False)),
+                   max_video_tokens=int(get("max_video_tokens", d.max_video_tokens)))
+
+    def sample_indices(self, total: int, video_fps: float | None, fps: float | None = None) -> np.ndarray:
+        """Qwen3VLVideoProcessor.sample_frames: n = int(total / video_fps * fps) clamped to
+        [min_frames, min(max_frames, total)] (or `num_frames`), indices
+        np.linspace(0, total - 1, n).round() (round half to even; repeats when n > total).
+        A rate-less video counts as 24 fps, as HF's metadata default. `fps` (a request's)
+        replaces the config's num_frames."""
+        if not self.do_sample_frames:
+            return np.arange(total)
+        num_frames = self.num_frames if fps is None else None
+        fps = self.fps if fps is None else fps
+        if num_frames is None and fps is not None:
+            n = int(total / (video_fps or QWEN3_VIDEO_FPS_UNKNOWN) * fps)
+            num_frames = min(max(n, self.min_frames), self.max_frames, total)
+        if num_frames is None:
+            num_frames = min(max(total, self.min_frames), self.max_frames)
+        return np.linspace(0, total - 1, num_frames).round().astype(int)
+
+    def resized_size(self, n_frames: int, height: int, width: int, lo: int, hi: int) -> tuple[int, int]:
+        """Qwen3VLVideoProcessor.resize's size: the optional per-frame cap, then its smart_resize
+        (transformers' video_processing_qwen3_vl.smart_resize, line for line)."""
+        factor, tf = self.factor, self.temporal_patch_size
+        if self.cap_pixels_per_frame:
+            frame_cap = self.max_video_tokens * factor * factor
+            hi = max(min(frame_cap, hi // n_frames), int(lo * 1.05)) * n_frames
+        if n_frames < tf:
+            raise VideoError(f"a Qwen3-VL video needs at least {tf} sampled frames (temporal_patch_size), got "
+                             f"{n_frames}", param=PARAM)
+        if height <= 0 or width <= 0:
+            raise VideoError(f"video frames have zero size ({width}x{height})", param=PARAM)
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        if max(height, width) / min(height, width) > 200:
+            raise VideoError(f"video frames of {width}x{height}: aspect ratio must be at most 200:1", param=PARAM)
+        h_bar = round(height / factor) * factor
+        w_bar = round(width / factor) * factor
+        t_bar = round(n_frames / tf) * tf
+        if t_bar * h_bar * w_bar > hi:
+            beta = math.sqrt((n_frames * height * width) / hi)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif t_bar * h_bar * w_bar < lo:
+            beta = math.sqrt(lo / (n_frames * height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def timestamps(self, indices, video_fps: float) -> tuple[float, ...]:
+        """Qwen3VLProcessor._calculate_timestamps: frame index / fps, the indices padded with the
+        last up to a multiple of temporal_patch_size, then the mean of each patch's first and
+        last frame time (Python floats, as HF; the prompt prints them with one decimal)."""
+        tp = self.temporal_patch_size
+        idx = [int(i) for i in indices]
+        if len(idx) % tp:
+            idx += [idx[-1]] * (tp - len(idx) % tp)
+        t = [i / video_fps for i in idx]
+        return tuple((t[i] + t[i + tp - 1]) / 2 for i in range(0, len(t), tp))
+
+    def plan(self, meta: VideoMeta, *, min_pixels: int | None = None, max_pixels: int | None = None,
+             fps: float | None = None) -> VideoPlan:
+        """Frames, resized size, grid, token count and timestamps from the metadata alone."""
+        lo, hi = self.bounds(min_pixels, max_pixels)
+        video_fps = float(meta.fps) if meta.fps else QWEN3_VIDEO_FPS_UNKNOWN
+        indices = [int(i) for i in self.sample_indices(meta.total_frames, video_fps, fps)]
+        if not indices:
+            raise VideoError("video has no frames to sample", param=PARAM)
+        n = len(indices)
+        rh, rw = self.resized_size(n, meta.height, meta.width, lo, hi)
+        gt = (n + (-n % self.temporal_patch_size)) // self.temporal_patch_size
+        gh, gw = rh // self.patch_size, rw // self.patch_size
+        key = ("qwen3_vl_video", tuple(indices), video_fps, lo, hi, self.cap_pixels_per_frame, self.max_video_tokens,
+               self.patch_size, self.temporal_patch_size, self.merge_size, self.do_rescale, self.rescale_factor,
+               self.do_normalize, self.image_mean, self.image_std)
+        return VideoPlan(tuple(indices), (rh, rw), (gt, gh, gw), gt * gh * gw // self.merge_size ** 2,
+                         n / meta.total_frames * video_fps, key, self.timestamps(indices, video_fps))
 
 
 def patchify_video(frames: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
