@@ -82,6 +82,7 @@ class ServerConfig:
     log_stats_interval: float = 1.0            # seconds; 0 = no step log lines
     drain_timeout: float = 30.0
     chat_template: str | None = None           # template text (overrides the checkpoint's)
+    tool_call_parser: str | None = None        # hermes | llama3_json | mistral (None: from the template)
     max_body_bytes: int | None = None          # default: text room + limit_images base64 images (body_budget)
     max_messages: int = 4096                   # chat messages per request
     max_content_parts: int = 512               # content parts per message
@@ -117,6 +118,16 @@ class State:
     limits: RequestLimits = field(default_factory=RequestLimits)
     stats_prev: Any = None                             # (engine stats, time) of the last log line
     embed_lock: Any = field(default_factory=threading.Lock)  # one embedding forward at a time
+    _tool_parser: Any = None                           # (chat template, ToolParser) last chosen
+
+    def tool_parser(self):
+        """The tool-call format: --tool-call-parser, else chosen from the chat template and
+        vocabulary (serve/tool_parsers.choose), again whenever the template changes."""
+        tok = self.vlm.tokenizer
+        if self._tool_parser is None or self._tool_parser[0] != tok.chat_template:
+            from serve.tool_parsers import choose
+            self._tool_parser = (tok.chat_template, choose(tok, self.config.tool_call_parser))
+        return self._tool_parser[1]
 
 
 STATE = web.AppKey("mmjax_state", State)
@@ -1105,7 +1116,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     if not st.aengine.alive():
         raise UnavailableError("the engine loop stopped; the server must be restarted")
     body = await _read_json(request, st)
-    parsed = schema.parse_chat(body, limits=st.limits) if kind == "chat" else \
+    parsed = schema.parse_chat(body, limits=st.limits, tool_parser=st.tool_parser()) if kind == "chat" else \
         schema.parse_completion(body, limits=st.limits)
     _check_model(st, parsed.model)
     _warn_ignored(parsed.ignored, request.path)
@@ -1170,7 +1181,7 @@ async def _collect_one(g: Generation, d, kind: str) -> dict:
     if kind == "chat":
         msg, fr = {"role": "assistant", "content": text}, a.finish_reason
         if g.parsed.tools is not None and g.parsed.tools.parse:
-            content, calls = tools.parse_calls(text)
+            content, calls = g.parsed.tools.parser.parse(text)
             if calls:
                 msg = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 fr = "tool_calls" if fr == "stop" else fr
@@ -1226,6 +1237,7 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
         return obj
 
     parse_tools = kind == "chat" and g0.parsed.tools is not None and g0.parsed.tools.parse
+    parser = g0.parsed.tools.parser if parse_tools else None
     full, sent = [""] * len(gens), [0] * len(gens)
     q: asyncio.Queue = asyncio.Queue()
     pumps: list[asyncio.Task] = []
@@ -1272,13 +1284,13 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
             calls = None
             if parse_tools:        # content streams until a tool call starts; calls come whole at the end
                 full[i] += d.text
-                k = full[i].find(tools.OPEN)
+                k = parser.find(full[i])
                 if d.finished:
-                    _, calls = tools.parse_calls(full[i])
+                    _, calls = parser.parse(full[i])
                     upto = (k if k >= 0 else len(full[i])) if calls else len(full[i])
                     fr = "tool_calls" if calls and fr == "stop" else fr
                 else:
-                    upto = k if k >= 0 else len(full[i]) - tools.held_back(full[i])
+                    upto = k if k >= 0 else len(full[i]) - parser.held_back(full[i])
                 text = full[i][sent[i]:max(sent[i], upto)]
                 sent[i] = max(sent[i], upto)
             if text or lp is not None or d.finished:

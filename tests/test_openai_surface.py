@@ -509,15 +509,94 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
               "required": ["a", "b"], "additionalProperties": False}}}]
 
 
-def test_tool_call_parsing():
-    from serve.tools import held_back, parse_calls
+# Llama 3.x and Mistral style templates (the tool-call format each family's parser reads)
+LLAMA3_TOOL_TEMPLATE = (
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "{{ {'name': c['function']['name'], 'parameters': c['function']['arguments']} | tojson }}{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+MISTRAL_TOOL_TEMPLATE = (   # the [ARGS] form (v11+ tokenizers); without [ARGS]: the JSON-list form
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]"
+    "{% for t in tools %}{{ t['function']['name'] }} {% endfor %}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m['content'] }}[/INST]"
+    "{% elif m.get('tool_calls') %}{% for c in m['tool_calls'] %}[TOOL_CALLS]{{ c['function']['name'] }}[ARGS]"
+    "{{ c['function']['arguments'] | tojson }}{% endfor %}</s>"
+    "{% elif m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]"
+    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
 
-    content, calls = parse_calls('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-                                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}')
-    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["add", "get_weather"]
+
+def test_tool_call_formats(llava_dirs):
+    """Each format's parser (hermes, llama3_json, mistral in both forms), the choice per chat
+    template / vocabulary, and grammars that name special-token markers by id: the forced token
+    sequence is accepted and its text (special tokens kept) parses back to the call."""
+    import json
+
+    from mmjax.serving.structured import GrammarCompiler, StructuredSpec
+    from mmjax.tokenizer import Tokenizer
+    from serve.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, choose
+
+    def names(calls):
+        return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+    h = HermesParser()
+    content, calls = h.parse('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+                             '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert content == "Sure." and names(calls) == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Paris"})]
     assert calls[0]["function"]["arguments"] == '{"a": 1, "b": 2}' and calls[0]["type"] == "function"
-    assert parse_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
-    assert held_back("hello <tool_") == len("<tool_") and held_back("hello") == 0
+    assert h.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert h.held_back("hello <tool_") == len("<tool_") and h.held_back("hello") == 0
+    ll = Llama3JsonParser()
+    assert names(ll.parse(' {"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "f", "arguments": {}}')[1]) == \
+        [("add", {"a": 1, "b": 2}), ("f", {})]
+    assert names(ll.parse('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}')[1]) == [("f", {"x": "y"})]
+    for text in ('The answer is {"name": "f"}', '{"name": "f", "parameters": {}} and more', '{"a": 1}'):
+        assert ll.parse(text) == (text, []), text
+    assert ll.held_back("  ") == 2 and ll.held_back("<|pyth") == 6 and ll.held_back("Hi") == 0 and ll.find("Hi {") == -1
+    m = MistralParser()
+    assert m.parse('ok [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "f", "arguments": {}}]') \
+        [0] == "ok"
+    assert names(m.parse('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]')[1]) == [("add", {"a": 1})]
+    assert names(m.parse('[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]f[ARGS]{}')[1]) == \
+        [("add", {"a": 1, "b": 2}), ("f", {})]
+    assert m.parse("[TOOL_CALLS]add[ARGS]{oops") == ("[TOOL_CALLS]add[ARGS]{oops", [])
+    assert m.held_back("x [TOOL_") == len("[TOOL_") and m.find("no calls") == -1
+
+    tok = Tokenizer(llava_dirs["gqa"], None)
+    choices = {}
+    for tpl in (TOOL_TEMPLATE, LLAMA3_TOOL_TEMPLATE, MISTRAL_TOOL_TEMPLATE, "[INST]{{ messages }}[/INST]"):
+        tok.chat_template = tpl
+        p = choose(tok)
+        choices[p.name] = choices.get(p.name, []) + [getattr(p, "args_form", None)]
+    assert choices == {"hermes": [None, None], "llama3_json": [None], "mistral": [True]}
+    assert choose(tok, "llama3_json").name == "llama3_json"
+    with pytest.raises(ValueError):
+        choose(tok, "pythonic")
+    # a vocabulary holding the markers as special tokens (as Mistral's): the grammar emits the
+    # token ids; the text, special tokens kept, parses back
+    tok._tok.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    tok.chat_template = "{{ messages }}"
+    tc, args = tok.token_id("[TOOL_CALLS]"), tok.token_id("[ARGS]")
+    p = choose(tok)
+    assert p.name == "mistral" and p.args_form and tc is not None
+    comp = GrammarCompiler(tok, tok._tok.get_vocab_size(True), [tok.eos_id])
+    add = [t for t in TOOLS if t["function"]["name"] == "add"]
+    for parser, calls in ((p, [("add", {"a": 4, "b": 5})]), (MistralParser(tok), [("add", {"a": 4, "b": 5})]),
+                          (Llama3JsonParser(tok), [("add", {"a": 4, "b": 5})]), (HermesParser(tok), None)):
+        if parser.name == "mistral" and parser.args_form:
+            ids = [tc] + tok.encode("add", False) + [args] + tok.encode('{"a": 4, "b": 5}', False)
+        elif parser.name == "mistral":
+            ids = [tc] + tok.encode('[{"name": "add", "arguments": {"a": 4, "b": 5}}]', False)
+        elif parser.name == "llama3_json":
+            ids = tok.encode('{"name": "add", "parameters": {"a": 4, "b": 5}}', False)
+        else:
+            ids = tok.encode('<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>', False)
+        mt = comp.matcher(StructuredSpec("grammar", parser.grammar(add, many=False), "tool_choice"))
+        assert mt.consume_tokens(ids) and mt.is_accepting(), parser.name
+        assert names(parser.parse(tok.decode(ids, skip_special_tokens=False))[1]) == [("add", {"a": 4, "b": 5})]
+        bad = comp.matcher(StructuredSpec("grammar", parser.grammar(add, many=True), "tool_choice"))
+        assert bad.validate_tokens(tok.encode('{"a": 4}', False)) == 0 or parser.name == "llama3_json"
 
 
 def test_server_tools(server):
@@ -568,6 +647,32 @@ def test_server_tools(server):
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(**{**kw, **bad})
             assert e.value.body["param"] == param
+        # Llama 3.x JSON and Mistral [TOOL_CALLS] (both forms): the parser follows the template;
+        # required / named calls forced through each format's grammar parse back, stream and not
+        mistral_list = MISTRAL_TOOL_TEMPLATE.replace(
+            "{% for c in m['tool_calls'] %}[TOOL_CALLS]{{ c['function']['name'] }}[ARGS]"
+            "{{ c['function']['arguments'] | tojson }}{% endfor %}", "[TOOL_CALLS]{{ m['tool_calls'] | tojson }}")
+        for tpl, name in ((LLAMA3_TOOL_TEMPLATE, "llama3_json"), (MISTRAL_TOOL_TEMPLATE, "mistral"),
+                          (mistral_list, "mistral")):
+            tok.chat_template = tpl
+            assert server.state.tool_parser().name == name
+            r = c.chat.completions.create(tool_choice="required", seed=5, **{**kw, "max_tokens": 64})
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, (name, ch.message.content)
+            for call in ch.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            r = c.chat.completions.create(tool_choice=named, seed=6, **{**kw, "max_tokens": 64})
+            (call,) = r.choices[0].message.tool_calls
+            assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+            streamed = {}
+            for chunk in c.chat.completions.create(tool_choice=named, seed=6, stream=True, **{**kw, "max_tokens": 64}):
+                for choice in chunk.choices:
+                    assert not choice.delta.content, (name, choice.delta.content)   # the call is not content
+                    for tc in choice.delta.tool_calls or []:
+                        streamed[tc.index] = (tc.function.name, tc.function.arguments)
+            assert streamed == {0: ("add", call.function.arguments)}, name
+            ids = server.post("/tokenize", {"messages": history}).json()["tokens"]
+            assert '"a": 40' in tok.decode(ids, skip_special_tokens=False)
     finally:
         tok.chat_template = old
 

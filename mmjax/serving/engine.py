@@ -160,7 +160,7 @@ class Engine:
         vrow, constraints = self._token_rules(sampling, ids)
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
-                       detok=IncrementalDetokenizer(self.tokenizer),
+                       detok=IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens),
                        keys=token_keys(ids, images, image_pos, all_images_first=cross is not None),
                        cross=cross,
                        logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
@@ -180,7 +180,7 @@ class Engine:
                    else np.asarray([0, int(self._seed_rng.integers(2**31))], np.uint32))
             vrow, constraints = self._token_rules(sp, req.prompt_ids)
             out.append(dataclasses.replace(
-                req, id=f"{req.id}-{i}", sampling=sp, key=key, detok=IncrementalDetokenizer(self.tokenizer),
+                req, id=f"{req.id}-{i}", sampling=sp, key=key, detok=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens),
                 logprobs=[] if sp.logprobs is not None else None, feats=list(req.feats), vrow=vrow,
                 constraints=constraints, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
         return out
