@@ -631,16 +631,15 @@ async def embeddings(request: web.Request) -> web.Response:
         from mmjax.models.family import run_spans
         from mmjax.research.prompt import PromptInputs
 
-        vecs, n_tok = [], 0
+        ps, n_tok = [], 0
         fam = st.vlm.family
         for p, ims in zip(parsed, images):
             req = _build_request(st, p, ims, "embed")[0]
-            pi = PromptInputs(req.prompt_ids, req.images, req.image_pos, req.positions,
-                              run_spans(req.prompt_ids, fam.image_token_id), req.prompt_len)
-            with st.embed_lock:
-                vecs.append(st.vlm.embed_prompt(pi, pooling, normalize))
+            ps.append(PromptInputs(req.prompt_ids, req.images, req.image_pos, req.positions,
+                                   run_spans(req.prompt_ids, fam.image_token_id), req.prompt_len))
             n_tok += req.prompt_len
-        return vecs, n_tok
+        with st.embed_lock:     # every input in one batched forward (split over data-parallel replicas)
+            return st.vlm.embed_prompts(ps, pooling, normalize), n_tok
     vecs, n_tok = await asyncio.get_running_loop().run_in_executor(st.executor, run)
     data = []
     for i, v in enumerate(vecs):

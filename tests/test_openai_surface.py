@@ -430,6 +430,13 @@ def test_embed_and_image_embeds_input(vlm):
     short = "USER: hi ASSISTANT:"
     a, b = vlm.embed([short, short + " ok ok ok ok ok ok ok ok ok ok"], pooling="mean", normalize=False)
     assert a.shape == (vlm.family.text_model.hidden_size,) and rel_err(a, b) > 1e-3
+    # batched (one padded forward, image encoded with the batch) == one at a time
+    mixed = [short, {"prompt": prompt, "images": [img]}, short + " ok ok ok ok ok ok ok ok ok ok"]
+    for pooling in ("last", "mean"):
+        together = vlm.embed(mixed, pooling=pooling, normalize=False)
+        alone = [vlm.embed([x], pooling=pooling, normalize=False)[0] for x in mixed]
+        assert max(rel_err(g, w) for g, w in zip(together, alone)) < 1e-5, pooling
+    assert rel_err(vlm.embed(mixed, normalize=False)[1], raw) < 1e-5
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     g1 = vlm.generate([{"prompt": prompt, "images": [img]}], sp)[0]
     g2 = vlm.generate([{"prompt": prompt, "images": [{"image_embeds": feats}]}], sp)[0]

@@ -229,6 +229,29 @@ def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None, h
     return fn
 
 
+def make_embed_forward(family: Family, tm=None):
+    """A jittable (params, ids [b, t], image_embeds [b, t, d], image_mask [b, t], positions
+    [rows, b, t], spans [b, t] int32 or None, lengths [b] int32) -> (last [b, hidden], mean
+    [b, hidden]) float32: the final normed hidden state of each prompt's last token and its mean
+    over the prompt's tokens, for b prompts right-padded to t tokens (causal: padding after a
+    prompt changes nothing before it) in one forward (embeddings)."""
+    tm = tm or family.text_model
+
+    def fn(params, ids, image_embeds, image_mask, positions, spans, lengths):
+        text = params["text"]
+        b, t = ids.shape
+        embeds, extra = image_inputs(tm, text, ids, image_embeds, image_mask)
+        cache = tm.init_cache(b, t, image_embeds.dtype, max_chunk=t)
+        mask = None if spans is None else image_mask_spec(family, spans)
+        h = tm.forward(text, embeds, positions, cache, jnp.zeros((b,), jnp.int32), t, mask=mask, ids=ids,
+                       **extra).hidden.astype(jnp.float32)
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        valid = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
+        mean = (h * valid[..., None]).sum(1) / lengths[:, None].astype(jnp.float32)
+        return last, mean
+    return fn
+
+
 class ModelRunner:
     """Owns the params, KV cache and decode state of one model on its devices, and the jitted
     steps over them."""
