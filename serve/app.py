@@ -661,7 +661,7 @@ async def tokenize(request: web.Request) -> web.Response:
         raise InvalidRequestError("request body must be a JSON object", param=None)
     if "messages" in body:
         chat = {k: v for k, v in body.items() if k in ("model", "messages", "chat_template_kwargs",
-                                                          "add_generation_prompt", "mm_processor_kwargs")}
+                                                          "add_generation_prompt", "mm_processor_kwargs", "tools")}
         parsed = schema.parse_chat(chat, limits=st.limits)
     else:
         comp = {k: v for k, v in body.items() if k in ("model", "prompt", "images", "mm_processor_kwargs")}
@@ -1180,7 +1180,7 @@ async def _collect_one(g: Generation, d, kind: str) -> dict:
     if kind == "chat":
         msg, fr = {"role": "assistant", "content": text}, a.finish_reason
         if g.parsed.tools is not None and g.parsed.tools.parse:
-            content, calls = g.parsed.tools.parser.parse(text)
+            content, calls = tools.parse_output(g.parsed.tools, text)
             if calls:
                 msg = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 fr = "tool_calls" if fr == "stop" else fr
@@ -1285,7 +1285,7 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
                 full[i] += d.text
                 k = parser.find(full[i])
                 if d.finished:
-                    _, calls = parser.parse(full[i])
+                    _, calls = tools.parse_output(g0.parsed.tools, full[i])
                     upto = (k if k >= 0 else len(full[i])) if calls else len(full[i])
                     fr = "tool_calls" if calls and fr == "stop" else fr
                 else:

@@ -29,6 +29,7 @@ class ToolRequest:
     tools: list[dict]            # validated OpenAI tool objects
     choice: str | dict           # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     parser: ToolParser | None = None   # the checkpoint's format (set by schema.parse_chat)
+    parallel: bool = True        # parallel_tool_calls: false -> at most one call
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -73,7 +74,10 @@ def parse_tools(body: dict) -> ToolRequest | None:
                                       "{'name': ...}}")
     elif choice not in ("none", "auto", "required"):
         raise _bad("tool_choice", "must be 'none', 'auto', 'required' or a named function")
-    return ToolRequest([dict(t, type="function") for t in tools], choice)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "must be a boolean")
+    return ToolRequest([dict(t, type="function") for t in tools], choice, parallel=parallel is not False)
 
 
 def choice_grammar(tr: ToolRequest, parser: ToolParser) -> StructuredSpec | None:
@@ -85,7 +89,14 @@ def choice_grammar(tr: ToolRequest, parser: ToolParser) -> StructuredSpec | None
         name = tr.choice["function"]["name"]
         return StructuredSpec("grammar", parser.grammar([t for t in tr.tools if t["function"]["name"] == name],
                                                         many=False), "tool_choice")
-    return StructuredSpec("grammar", parser.grammar(tr.tools, many=True), "tool_choice")
+    return StructuredSpec("grammar", parser.grammar(tr.tools, many=tr.parallel), "tool_choice")
+
+
+def parse_output(tr: ToolRequest, text: str) -> tuple[str, list[dict]]:
+    """(content, tool_calls) of a finished answer in the request's format; with
+    parallel_tool_calls false only the first call is kept (vLLM)."""
+    content, calls = tr.parser.parse(text)
+    return content, calls if tr.parallel else calls[:1]
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:

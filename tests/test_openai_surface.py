@@ -649,8 +649,17 @@ def test_server_tools(server):
         text = tok.decode(ids)
         assert 'TOOL RESULT: 42' in text and '"arguments": {"a": 40, "b": 2}' in text
         assert c.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=2).choices
+        # parallel_tool_calls false: "required" admits exactly one call; /tokenize renders the tools
+        r = c.chat.completions.create(tool_choice="required", seed=1, parallel_tool_calls=False, **kw)
+        assert len(r.choices[0].message.tool_calls) == 1
+        assert server.post("/tokenize", {"messages": msgs, "tools": TOOLS}).json()["count"] == \
+            with_tools.usage.prompt_tokens
         for bad, param in ((dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
-                           (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice")):
+                           (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+                           (dict(parallel_tool_calls="no"), "parallel_tool_calls"),
+                           (dict(extra_body={"function_call": "auto"}), "function_call"),
+                           (dict(modalities=["text", "audio"]), "modalities"),
+                           (dict(extra_body={"web_search_options": {}}), "web_search_options")):
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(**{**kw, **bad})
             assert e.value.body["param"] == param
