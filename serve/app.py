@@ -1017,31 +1017,17 @@ def usage_of(gens: list[Generation]) -> dict:
     return out
 
 
-def _prompt_scores(st: State, req, k: int) -> dict:
-    """Runs in the pool: the prompt's own logprobs (one more forward over the prompt, the engine's
-    prefill keeps only the last position's logits): for each prompt token after the first, its
+def _prompt_scores(req, k: int) -> dict | None:
+    """The prompt's own logprobs, as the engine's prefill computed them from its logits of every
+    prompt position (SamplingParams.prompt_logprobs): for each prompt token after the first, its
     logprob given the tokens before, its rank, and the top-k alternatives."""
     import numpy as np
 
-    from mmjax.models.family import run_spans
-    from mmjax.research.prompt import PromptInputs
-    from mmjax.models.text import Capture
-
-    ids = req.prompt_ids
-    p = PromptInputs(ids, req.images, req.image_pos, req.positions, run_spans(ids, st.vlm.family.image_token_id),
-                     req.prompt_len)
-    n = len(ids)
-    with st.embed_lock:
-        logits, _ = st.vlm._prompt_run(p, Capture(), hidden=False, pad_to=max(16, 1 << (n - 1).bit_length()))
-    x = logits[:-1].astype(np.float64)
-    lp = x - x.max(-1, keepdims=True)
-    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
-    nxt = ids[1:].astype(np.int64)
-    chosen = lp[np.arange(n - 1), nxt]
-    rank = (lp > chosen[:, None]).sum(-1) + 1
-    top = np.argsort(-lp, axis=-1)[:, :k] if k else np.zeros((n - 1, 0), np.int64)
-    return {"ids": ids.tolist(), "chosen": chosen.tolist(), "rank": rank.tolist(), "top": top.tolist(),
-            "top_lp": np.take_along_axis(lp, top, -1).tolist()}
+    if not req.prompt_scores:
+        return None
+    chosen, rank, top, top_lp = (np.concatenate(x)[:req.prompt_len - 1] for x in zip(*req.prompt_scores))
+    return {"ids": req.prompt_ids.tolist(), "chosen": chosen.tolist(), "rank": rank.tolist(),
+            "top": top[:, :k].tolist(), "top_lp": top_lp[:, :k].tolist()}
 
 
 def _prompt_token_str(st: State, tid: int) -> str:
@@ -1126,23 +1112,24 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     images = await _load_images(st, parsed.images)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
+    echo_lp = parsed.kind == "completion" and parsed.echo and parsed.logprobs is not None
+    k_prompt = max(parsed.prompt_logprobs or 0, parsed.logprobs or 0)
+    if parsed.prompt_logprobs is not None or echo_lp:     # from the prefill's logits of every prompt position
+        parsed.sampling.prompt_logprobs = k_prompt
     reqs = await loop.run_in_executor(st.executor, _build_request, st, parsed, images, rid)
     if st.draining:
         raise UnavailableError("the server is shutting down and accepts no new requests")
     route = _route_name(request)
     gens = [Generation(st, parsed, r, route, t0, rid) for r in reqs]
-    scores = None
-    echo_lp = parsed.kind == "completion" and parsed.echo and parsed.logprobs is not None
-    if parsed.prompt_logprobs is not None or echo_lp:
-        scores = await loop.run_in_executor(st.executor, _prompt_scores, st, reqs[0],
-                                            max(parsed.prompt_logprobs or 0, parsed.logprobs or 0))
-    for g in gens:
-        g.scores = scores
     st.active.add(rid)
     st.metrics.in_flight.inc()
     try:
         # QueueFullError / engine failure surface here, before any header
         firsts = [await g.next() for g in gens]
+        if parsed.sampling.prompt_logprobs is not None:     # choice 0's prefill wrote them before its first token
+            scores = _prompt_scores(reqs[0], k_prompt)
+            for g in gens:
+                g.scores = scores
         if parsed.stream:
             return await _stream(request, gens, firsts, kind)
         return await _collect(gens, firsts, kind)

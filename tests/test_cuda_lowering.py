@@ -63,8 +63,8 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     # one FastV prefill (every decoder but DeepStack's per-layer image features and cross-attention)
     fastv = set() if name.startswith(("qwen3", "mllama")) else {"prefill_pruned"}
     cross = {"fill_cross"} if name.startswith("mllama") else set()      # the per-slot cross-attention K/V
-    # copy_slot: n > 1 siblings copy the prompt's cache row
-    assert kinds == {"encode", "prefill", "decode", "copy_slot"} | fastv | cross
+    # copy_slot: n > 1 siblings copy the prompt's cache row; prefill_scores: prompt_logprobs
+    assert kinds == {"encode", "prefill", "decode", "copy_slot", "prefill_scores"} | fastv | cross
     assert sum(k.startswith("decode") for k in exported) == 3          # rows 1, 2, 4
     assert sum(k.startswith("prefill[") for k in exported) == 3        # chunks 16, 32, 64
     for step, exp in exported.items():

@@ -716,6 +716,19 @@ def test_server_prompt_logprobs_and_echo(server, vlm):
     got = np.asarray([plp[j + 1][str(t)]["logprob"] for j, t in enumerate(ids[1:])])
     assert np.abs(got - want).max() < 1e-4
     assert all(len(d) >= 2 and min(v["rank"] for v in d.values()) == 1 for d in plp[1:])
+    # taken from the prefill's logits (no extra forward), chunk by chunk, never from the prefix
+    # cache: the same prompt again, prefilled in 16-token chunks, gives the same figures
+    runner, sched = server.state.engine.runner, server.state.engine.scheduler
+    calls, chunk = runner.calls["prefill_scores"], sched.prefill_chunk
+    sched.prefill_chunk = 16
+    try:
+        again = c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                     extra_body={"images": [img], "prompt_logprobs": 2}).model_extra["prompt_logprobs"]
+    finally:
+        sched.prefill_chunk = chunk
+    assert runner.calls["prefill_scores"] - calls >= len(ids) // 16
+    got2 = np.asarray([again[j + 1][str(t)]["logprob"] for j, t in enumerate(ids[1:])])
+    assert np.abs(got2 - want).max() < 1e-4
     # echo: the prompt text first, its tokens (image tokens as the placeholder) in the logprobs
     assert ch.text.startswith(prompt) and len(ch.text) > len(prompt)
     toks = ch.logprobs.tokens
