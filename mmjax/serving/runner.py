@@ -748,7 +748,8 @@ class ModelRunner:
                 "kv_cache_bytes_max_device": max(kv.values(), default=0)}
 
     def compiled_counts(self) -> dict[str, int]:
-        """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran)."""
+        """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran,
+        "prefill_scores" once a prompt_logprobs request did: neither is part of warmup)."""
         return {k: len(v) for k, v in self.compiled.items()
                 if v or k not in ("prefill_pruned", "copy_slot", "prefill_scores")}
 
@@ -756,5 +757,4 @@ class ModelRunner:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
                 "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode), "copy_slot": 1,
-                "prefill_scores": len(self.buckets.prefill),
                 **({"fill_cross": 1} if self.family.cross_attention else {})}
