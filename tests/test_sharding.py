@@ -99,8 +99,8 @@ def test_sharded_steps_lower_for_cuda(tp_checkpoints):
     res = run_worker("export", tp_checkpoints)
     for fam, steps in res.items():
         kinds = {k.split("[")[0].split("(")[0] for k in steps}
-        # + one FastV prefill, + the cache-row copy of n > 1 siblings
-        assert kinds == {"encode", "prefill", "decode", "prefill_pruned", "copy_slot"}, fam
+        # + one FastV prefill, + the cache-row copy of n > 1 siblings, + prompt_logprobs' prefill
+        assert kinds == {"encode", "prefill", "decode", "prefill_pruned", "copy_slot", "prefill_scores"}, fam
         for step, s in steps.items():
             assert s["platforms"] == ["cuda"] and s["nr_devices"] == 8, (fam, step)
             if step == "copy_slot":       # the KV cache in and out, sharded over "model"; no matmul
