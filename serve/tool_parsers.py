@@ -1,18 +1,19 @@
 """Tool-call formats: one parser per chat-template family, each reading its calls out of the
 generated text and writing the grammar that enforces tool_choice "required" / a named function.
 
-| name          | templates            | what the model writes                                              |
-|---------------|----------------------|--------------------------------------------------------------------|
-| `hermes`      | Qwen2 / 2.5 (-VL)    | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call |
-| `llama3_json` | Llama 3.1 / 3.2      | `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`), calls joined by `; ` |
-| `mistral`     | Mistral / Pixtral    | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (older) or `[TOOL_CALLS]name[ARGS]{...}` per call (tokenizers with an `[ARGS]` token) |
+- `hermes` (Qwen2 / 2.5 / -VL): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  one block per call;
+- `llama3_json` (Llama 3.1 / 3.2): `{"name": ..., "parameters": {...}}` (optionally after
+  `<|python_tag|>`), calls joined by `; `;
+- `mistral` (Mistral / Pixtral): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (older), or
+  `[TOOL_CALLS]name[ARGS]{...}` per call (tokenizers / templates with an `[ARGS]` token).
 
 The names are vLLM's `--tool-call-parser` names. `choose` picks one per checkpoint from its chat
-template and vocabulary (the server's `--tool-call-parser` overrides). Markers that are special
-tokens of the vocabulary (`[TOOL_CALLS]`, `[ARGS]`, `<|python_tag|>`) are dropped by the usual
-detokenization, so `keep_special` asks the request to keep special tokens in its text; the
-grammar names such markers by token id (`<[id]>`) so the model emits the one token a real
-checkpoint would.
+template and vocabulary (the server's `--tool-call-parser` overrides). Mistral's markers
+(`[TOOL_CALLS]`, `[ARGS]`) are special tokens in its vocabularies, dropped by the usual
+detokenization, so `keep_special` asks such a request to keep special tokens in its text, and
+the grammar names a marker that is one token by its id (`<[id]>`), so the model emits the token
+a real checkpoint would. (Llama's `<|python_tag|>` may be dropped: the JSON alone parses.)
 """
 from __future__ import annotations
 

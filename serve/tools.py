@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from mmjax.errors import InvalidRequestError
 from mmjax.serving.structured import StructuredSpec
-from serve.tool_parsers import MAX_CALLS, ToolParser  # noqa: F401 - MAX_CALLS re-exported
+from serve.tool_parsers import ToolParser
 
 MAX_TOOLS = 128
 
@@ -81,7 +81,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
 
 
 def choice_grammar(tr: ToolRequest, parser: ToolParser) -> StructuredSpec | None:
-    """The grammar enforcing tool_choice "required" (1 to MAX_CALLS calls of any tools) or a named
+    """The grammar enforcing tool_choice "required" (1 to tool_parsers.MAX_CALLS calls of any tools) or a named
     function (exactly one call of it), in `parser`'s format; None for "auto" / "none"."""
     if tr.choice in ("auto", "none"):
         return None

@@ -230,7 +230,8 @@ def test_json_schema_on_mmjax_shapes():
     exs = [S.make_example(rng, qt, client_roundtrip=False) for qt in ("shape", "color", "count") for _ in range(8)]
     free_reqs, json_reqs = [], []
     for ex in exs:
-        user = {"role": "user", "content": [{"type": "image", "image": ex["image"]}, {"type": "text", "text": ex["question"]}]}
+        user = {"role": "user", "content": [{"type": "image", "image": ex["image"]},
+                                            {"type": "text", "text": ex["question"]}]}
         prompt, images = shapes.render_chat([user])
         free_reqs.append({"prompt": prompt, "images": images})
         prompt, images = shapes.render_chat([{"role": "system", "content": "Answer the question in JSON."}, user])
@@ -548,7 +549,8 @@ LLAMA3_TOOL_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
 MISTRAL_TOOL_TEMPLATE = (   # the [ARGS] form (v11+ tokenizers); without [ARGS]: the JSON-list form
     "{% for m in messages %}{% if m['role'] == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]"
-    "{% for t in tools %}{{ t['function']['name'] }} {% endfor %}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m['content'] }}[/INST]"
+    "{% for t in tools %}{{ t['function']['name'] }} {% endfor %}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST]{{ m['content'] }}[/INST]"
     "{% elif m.get('tool_calls') %}{% for c in m['tool_calls'] %}[TOOL_CALLS]{{ c['function']['name'] }}[ARGS]"
     "{{ c['function']['arguments'] | tojson }}{% endfor %}</s>"
     "{% elif m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]"

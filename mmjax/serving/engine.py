@@ -183,7 +183,8 @@ class Engine:
                    else np.asarray([0, int(self._seed_rng.integers(2**31))], np.uint32))
             vrow, constraints = self._token_rules(sp, req.prompt_ids)
             out.append(dataclasses.replace(
-                req, id=f"{req.id}-{i}", sampling=sp, key=key, detok=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens),
+                req, id=f"{req.id}-{i}", sampling=sp, key=key,
+                detok=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens),
                 logprobs=[] if sp.logprobs is not None else None, feats=list(req.feats), vrow=vrow,
                 constraints=constraints, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
         return out

@@ -351,9 +351,10 @@ class ModelRunner:
         gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
         self._prefill = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather)), donate_argnums=(1, 2),
                                 out_shardings=outs, compiler_options=t.compiler_options("prefill"))
+        scores_outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"),
+                                     p.sharding("outputs"))
         self._prefill_scores = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather, scores=True)),
-                                       donate_argnums=(1, 2), out_shardings=step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"),
-                                                                    p.sharding("outputs")),
+                                       donate_argnums=(1, 2), out_shardings=scores_outs,
                                        compiler_options=t.compiler_options("prefill"))
         self._decode = jax.jit(t.traced(make_decode_step(family, t, self.text_model, gather)), static_argnames=("rows",),
                                donate_argnums=(1, 2), out_shardings=outs,
