@@ -378,6 +378,10 @@ class VLM:
         padded tokens per forward (one compile per (rows, tokens) bucket). With data-parallel
         replicas (`load(data_parallel=M)`) the batches are split over the replicas, which run at
         the same time, each on its own devices and params copy."""
+        if self.family.cross_attention:
+            from mmjax.errors import UnsupportedModelError
+            raise UnsupportedModelError(f"{self.family.name}: embeddings are not implemented for cross-attention "
+                                        "families (generation is)", param="model")
         if not ps:
             return np.zeros((0, self.family.text_model.hidden_size), np.float32)
         runners = [e.runner for e in getattr(self.engine, "replicas", [self.engine])]
