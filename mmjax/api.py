@@ -348,14 +348,14 @@ class VLM:
         {"prompt", "images"} (images as in `generate`, {"image_embeds": ...} included). The
         final normed hidden state of the last token (pooling="last", vLLM's default for decoder
         models) or the mean over all tokens ("mean"); L2-normalised unless normalize=False.
-        Prompts are padded to a power of two (at least 16): one compile per length bucket."""
+        Computed in batches (`embed_prompts`)."""
         from mmjax.research.prompt import prompt_inputs
 
         if pooling not in ("last", "mean"):
             raise InvalidRequestError(f"pooling must be 'last' or 'mean', got {pooling!r}", param="pooling")
         if isinstance(inputs, (str, dict)):
             inputs = [inputs]
-        out = []
+        ps = []
         for x in inputs:
             p = prompt_inputs(self, x["prompt"], x.get("images", ())) if isinstance(x, dict) else \
                 prompt_inputs(self, x)
@@ -364,17 +364,85 @@ class VLM:
                 from mmjax.errors import ContextLengthError
                 raise ContextLengthError(f"input is {n} tokens; the context is {self.engine.max_model_len} tokens",
                                          param="input")
-            out.append(self.embed_prompt(p, pooling, normalize))
-        return np.stack(out)
+            ps.append(p)
+        return self.embed_prompts(ps, pooling, normalize)
 
     def embed_prompt(self, p, pooling: str = "last", normalize: bool = True) -> np.ndarray:
         """The embedding [hidden] of `mmjax.research.prompt.PromptInputs` (see `embed`)."""
-        n = len(p.ids)
-        h, _ = self._prompt_run(p, Capture(), hidden=True, pad_to=max(16, 1 << (n - 1).bit_length()))
-        v = h[-1] if pooling == "last" else h.mean(axis=0)
+        return self.embed_prompts([p], pooling, normalize)[0]
+
+    def embed_prompts(self, ps: list, pooling: str = "last", normalize: bool = True,
+                      max_batch_tokens: int = 16384) -> np.ndarray:
+        """Embeddings [len(ps), hidden] of PromptInputs, batched: prompts right-padded to a
+        power of two (at least 16) tokens, rows to a power of two, at most `max_batch_tokens`
+        padded tokens per forward (one compile per (rows, tokens) bucket). With data-parallel
+        replicas (`load(data_parallel=M)`) the batches are split over the replicas, which run at
+        the same time, each on its own devices and params copy."""
+        if self.family.cross_attention:
+            from mmjax.errors import UnsupportedModelError
+            raise UnsupportedModelError(f"{self.family.name}: embeddings are not implemented for cross-attention "
+                                        "families (generation is)", param="model")
+        if not ps:
+            return np.zeros((0, self.family.text_model.hidden_size), np.float32)
+        runners = [e.runner for e in getattr(self.engine, "replicas", [self.engine])]
+        order = sorted(range(len(ps)), key=lambda i: len(ps[i].ids))     # similar lengths batch together
+        batches, cur = [], []
+        for i in order:
+            t = max(16, 1 << (len(ps[i].ids) - 1).bit_length())
+            if cur and (1 << len(cur).bit_length()) * t > max(max_batch_tokens, t):
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        batches.append(cur)
+        if len(runners) > 1 and len(batches) < len(runners):     # one batch per replica at least
+            flat = [i for b in batches for i in b]
+            k = -(-len(flat) // len(runners))
+            batches = [flat[j:j + k] for j in range(0, len(flat), k)]
+        work = [(runners[j % len(runners)], [ps[i] for i in b]) for j, b in enumerate(batches)]
+        if len(runners) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(len(runners)) as pool:     # jax releases the GIL: replicas overlap
+                results = list(pool.map(lambda w: self._embed_batch(*w), work))
+        else:
+            results = [self._embed_batch(*w) for w in work]
+        out = np.zeros((len(ps), self.family.text_model.hidden_size), np.float32)
+        for b, (last, mean) in zip(batches, results):
+            out[b] = last if pooling == "last" else mean
         if normalize:
-            v = v / max(float(np.linalg.norm(v)), 1e-12)
-        return v.astype(np.float32)
+            out /= np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+        return out
+
+    def _embed_batch(self, runner, ps: list) -> tuple[np.ndarray, np.ndarray]:
+        """(last, mean) [len(ps), hidden] of one padded batch on `runner`'s devices."""
+        from mmjax.serving.runner import make_embed_forward
+
+        t = max(16, 1 << (max(len(p.ids) for p in ps) - 1).bit_length())
+        b = 1 << (len(ps) - 1).bit_length()
+        rows = ps[0].positions.shape[0]
+        ids = np.zeros((b, t), np.int32)
+        emb = np.zeros((b, t, runner.feature_width), np.float32)
+        pos = np.zeros((rows, b, t), np.int32)
+        spans = np.full((b, t), -1, np.int32)
+        lens = np.ones(b, np.int32)
+        todo = [im for p in ps for im in p.images if im.embeds is None]
+        enc = iter(runner.encode_images(todo) if todo else [])     # every image of the batch in one encode
+        for r, p in enumerate(ps):
+            n = len(p.ids)
+            ids[r, :n], lens[r] = p.ids, n
+            pos[:, r, :n] = p.positions
+            pos[:, r, n:] = p.positions[:, -1:]
+            if p.spans is not None:
+                spans[r, :n] = p.spans
+            if p.images:
+                emb[r, p.image_pos] = np.concatenate([im.embeds if im.embeds is not None else next(enc)
+                                                      for im in p.images])
+        key = ("embed", id(runner))
+        if key not in self._forward:
+            self._forward[key] = jax.jit(make_embed_forward(self.family, runner.text_model))
+        last, mean = self._forward[key](runner.params, ids, emb.astype(self.model.dtype),
+                                        np.isin(ids, self.family.media_token_ids), pos,
+                                        None if all(p.spans is None for p in ps) else spans, lens)
+        return np.asarray(last)[:len(ps)], np.asarray(mean)[:len(ps)]
 
     # ---- research (mmjax.research) --------------------------------------------------------------
     def trace(self, prompt: Any, images: Iterable[Any] = (), **kw):

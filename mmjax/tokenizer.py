@@ -143,6 +143,10 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(int(i))
 
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` if the vocabulary holds it as one token (e.g. a special marker)."""
+        return self._tok.token_to_id(text)
+
     def to_json_str(self) -> str:
         """The tokenizer.json text (for grammar engines that build their own tokenizer)."""
         return self._tok.to_str()
@@ -457,14 +461,15 @@ class IncrementalDetokenizer:
     """Streams text for a growing list of ids without ever emitting half a UTF-8 character
     (a pending byte-level token decodes to U+FFFD until its sequence completes)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tok = tokenizer
+        self.skip = skip_special_tokens   # False: special tokens (e.g. tool-call markers) stay in the text
         self.ids: list[int] = []
         self.text = ""  # text emitted so far
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        full = self.tok.decode(self.ids)
+        full = self.tok.decode(self.ids, self.skip)
         if full.endswith("\ufffd"):
             return ""
         delta = full[len(self.text):] if full.startswith(self.text) else ""
@@ -472,7 +477,7 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        full = self.tok.decode(self.ids)
+        full = self.tok.decode(self.ids, self.skip)
         delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += delta
         return delta

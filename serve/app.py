@@ -82,6 +82,7 @@ class ServerConfig:
     log_stats_interval: float = 1.0            # seconds; 0 = no step log lines
     drain_timeout: float = 30.0
     chat_template: str | None = None           # template text (overrides the checkpoint's)
+    tool_call_parser: str | None = None        # hermes | llama3_json | mistral (None: from the template)
     max_body_bytes: int | None = None          # default: text room + limit_images base64 images (body_budget)
     max_messages: int = 4096                   # chat messages per request
     max_content_parts: int = 512               # content parts per message
@@ -117,6 +118,16 @@ class State:
     limits: RequestLimits = field(default_factory=RequestLimits)
     stats_prev: Any = None                             # (engine stats, time) of the last log line
     embed_lock: Any = field(default_factory=threading.Lock)  # one embedding forward at a time
+    _tool_parser: Any = None                           # (chat template, ToolParser) last chosen
+
+    def tool_parser(self):
+        """The tool-call format: --tool-call-parser, else chosen from the chat template and
+        vocabulary (serve/tool_parsers.choose), again whenever the template changes."""
+        tok = self.vlm.tokenizer
+        if self._tool_parser is None or self._tool_parser[0] != tok.chat_template:
+            from serve.tool_parsers import choose
+            self._tool_parser = (tok.chat_template, choose(tok, self.config.tool_call_parser))
+        return self._tool_parser[1]
 
 
 STATE = web.AppKey("mmjax_state", State)
@@ -620,16 +631,15 @@ async def embeddings(request: web.Request) -> web.Response:
         from mmjax.models.family import run_spans
         from mmjax.research.prompt import PromptInputs
 
-        vecs, n_tok = [], 0
+        ps, n_tok = [], 0
         fam = st.vlm.family
         for p, ims in zip(parsed, images):
             req = _build_request(st, p, ims, "embed")[0]
-            pi = PromptInputs(req.prompt_ids, req.images, req.image_pos, req.positions,
-                              run_spans(req.prompt_ids, fam.image_token_id), req.prompt_len)
-            with st.embed_lock:
-                vecs.append(st.vlm.embed_prompt(pi, pooling, normalize))
+            ps.append(PromptInputs(req.prompt_ids, req.images, req.image_pos, req.positions,
+                                   run_spans(req.prompt_ids, fam.image_token_id), req.prompt_len))
             n_tok += req.prompt_len
-        return vecs, n_tok
+        with st.embed_lock:     # every input in one batched forward (split over data-parallel replicas)
+            return st.vlm.embed_prompts(ps, pooling, normalize), n_tok
     vecs, n_tok = await asyncio.get_running_loop().run_in_executor(st.executor, run)
     data = []
     for i, v in enumerate(vecs):
@@ -651,7 +661,7 @@ async def tokenize(request: web.Request) -> web.Response:
         raise InvalidRequestError("request body must be a JSON object", param=None)
     if "messages" in body:
         chat = {k: v for k, v in body.items() if k in ("model", "messages", "chat_template_kwargs",
-                                                          "add_generation_prompt", "mm_processor_kwargs")}
+                                                          "add_generation_prompt", "mm_processor_kwargs", "tools")}
         parsed = schema.parse_chat(chat, limits=st.limits)
     else:
         comp = {k: v for k, v in body.items() if k in ("model", "prompt", "images", "mm_processor_kwargs")}
@@ -1007,31 +1017,17 @@ def usage_of(gens: list[Generation]) -> dict:
     return out
 
 
-def _prompt_scores(st: State, req, k: int) -> dict:
-    """Runs in the pool: the prompt's own logprobs (one more forward over the prompt, the engine's
-    prefill keeps only the last position's logits): for each prompt token after the first, its
+def _prompt_scores(req, k: int) -> dict | None:
+    """The prompt's own logprobs, as the engine's prefill computed them from its logits of every
+    prompt position (SamplingParams.prompt_logprobs): for each prompt token after the first, its
     logprob given the tokens before, its rank, and the top-k alternatives."""
     import numpy as np
 
-    from mmjax.models.family import run_spans
-    from mmjax.research.prompt import PromptInputs
-    from mmjax.models.text import Capture
-
-    ids = req.prompt_ids
-    p = PromptInputs(ids, req.images, req.image_pos, req.positions, run_spans(ids, st.vlm.family.image_token_id),
-                     req.prompt_len)
-    n = len(ids)
-    with st.embed_lock:
-        logits, _ = st.vlm._prompt_run(p, Capture(), hidden=False, pad_to=max(16, 1 << (n - 1).bit_length()))
-    x = logits[:-1].astype(np.float64)
-    lp = x - x.max(-1, keepdims=True)
-    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
-    nxt = ids[1:].astype(np.int64)
-    chosen = lp[np.arange(n - 1), nxt]
-    rank = (lp > chosen[:, None]).sum(-1) + 1
-    top = np.argsort(-lp, axis=-1)[:, :k] if k else np.zeros((n - 1, 0), np.int64)
-    return {"ids": ids.tolist(), "chosen": chosen.tolist(), "rank": rank.tolist(), "top": top.tolist(),
-            "top_lp": np.take_along_axis(lp, top, -1).tolist()}
+    if not req.prompt_scores:
+        return None
+    chosen, rank, top, top_lp = (np.concatenate(x)[:req.prompt_len - 1] for x in zip(*req.prompt_scores))
+    return {"ids": req.prompt_ids.tolist(), "chosen": chosen.tolist(), "rank": rank.tolist(),
+            "top": top[:, :k].tolist(), "top_lp": top_lp[:, :k].tolist()}
 
 
 def _prompt_token_str(st: State, tid: int) -> str:
@@ -1105,7 +1101,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     if not st.aengine.alive():
         raise UnavailableError("the engine loop stopped; the server must be restarted")
     body = await _read_json(request, st)
-    parsed = schema.parse_chat(body, limits=st.limits) if kind == "chat" else \
+    parsed = schema.parse_chat(body, limits=st.limits, tool_parser=st.tool_parser()) if kind == "chat" else \
         schema.parse_completion(body, limits=st.limits)
     _check_model(st, parsed.model)
     _warn_ignored(parsed.ignored, request.path)
@@ -1116,23 +1112,24 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     images = await _load_images(st, parsed.images)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
+    echo_lp = parsed.kind == "completion" and parsed.echo and parsed.logprobs is not None
+    k_prompt = max(parsed.prompt_logprobs or 0, parsed.logprobs or 0)
+    if parsed.prompt_logprobs is not None or echo_lp:     # from the prefill's logits of every prompt position
+        parsed.sampling.prompt_logprobs = k_prompt
     reqs = await loop.run_in_executor(st.executor, _build_request, st, parsed, images, rid)
     if st.draining:
         raise UnavailableError("the server is shutting down and accepts no new requests")
     route = _route_name(request)
     gens = [Generation(st, parsed, r, route, t0, rid) for r in reqs]
-    scores = None
-    echo_lp = parsed.kind == "completion" and parsed.echo and parsed.logprobs is not None
-    if parsed.prompt_logprobs is not None or echo_lp:
-        scores = await loop.run_in_executor(st.executor, _prompt_scores, st, reqs[0],
-                                            max(parsed.prompt_logprobs or 0, parsed.logprobs or 0))
-    for g in gens:
-        g.scores = scores
     st.active.add(rid)
     st.metrics.in_flight.inc()
     try:
         # QueueFullError / engine failure surface here, before any header
         firsts = [await g.next() for g in gens]
+        if parsed.sampling.prompt_logprobs is not None:     # choice 0's prefill wrote them before its first token
+            scores = _prompt_scores(reqs[0], k_prompt)
+            for g in gens:
+                g.scores = scores
         if parsed.stream:
             return await _stream(request, gens, firsts, kind)
         return await _collect(gens, firsts, kind)
@@ -1170,7 +1167,7 @@ async def _collect_one(g: Generation, d, kind: str) -> dict:
     if kind == "chat":
         msg, fr = {"role": "assistant", "content": text}, a.finish_reason
         if g.parsed.tools is not None and g.parsed.tools.parse:
-            content, calls = tools.parse_calls(text)
+            content, calls = tools.parse_output(g.parsed.tools, text)
             if calls:
                 msg = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 fr = "tool_calls" if fr == "stop" else fr
@@ -1226,6 +1223,7 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
         return obj
 
     parse_tools = kind == "chat" and g0.parsed.tools is not None and g0.parsed.tools.parse
+    parser = g0.parsed.tools.parser if parse_tools else None
     full, sent = [""] * len(gens), [0] * len(gens)
     q: asyncio.Queue = asyncio.Queue()
     pumps: list[asyncio.Task] = []
@@ -1272,13 +1270,13 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
             calls = None
             if parse_tools:        # content streams until a tool call starts; calls come whole at the end
                 full[i] += d.text
-                k = full[i].find(tools.OPEN)
+                k = parser.find(full[i])
                 if d.finished:
-                    _, calls = tools.parse_calls(full[i])
+                    _, calls = tools.parse_output(g0.parsed.tools, full[i])
                     upto = (k if k >= 0 else len(full[i])) if calls else len(full[i])
                     fr = "tool_calls" if calls and fr == "stop" else fr
                 else:
-                    upto = k if k >= 0 else len(full[i]) - tools.held_back(full[i])
+                    upto = k if k >= 0 else len(full[i]) - parser.held_back(full[i])
                 text = full[i][sent[i]:max(sent[i], upto)]
                 sent[i] = max(sent[i], upto)
             if text or lp is not None or d.finished:

@@ -104,6 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-request-decode-seconds", type=float, default=30.0,
                    help="decode seconds one request's images may use; a worker past it is killed (0 = no limit)")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the checkpoint's)")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                   help="tool-call format (default: chosen from the chat template and vocabulary)")
     p.add_argument("--warmup", action="store_true",
                    help="compile every bucket of every step (encode, prefill, decode) before listening")
     p.add_argument("--header-timeout", type=_positive_float, default=30.0,
@@ -198,7 +200,8 @@ def config_from_args(args, model_path: str):
         max_decode_queue=args.max_decode_queue, max_request_image_pixels=args.max_request_image_pixels,
         max_request_decode_seconds=args.max_request_decode_seconds, decode_processes=not args.decode_threads,
         log_stats_interval=args.log_stats_interval, max_body_bytes=args.max_body_bytes,
-        drain_timeout=args.drain_timeout, chat_template=tpl, max_messages=args.max_messages,
+        drain_timeout=args.drain_timeout, chat_template=tpl, tool_call_parser=args.tool_call_parser,
+        max_messages=args.max_messages,
         max_content_parts=args.max_content_parts, header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout,
         keepalive_max_requests=args.keepalive_max_requests, lingering_time=args.lingering_time,

@@ -16,6 +16,7 @@ from typing import Any
 
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError
 from mmjax.serving.structured import StructuredSpec, check_spec
+from serve.tool_parsers import HermesParser, ToolParser
 from serve.tools import choice_grammar, parse_tools
 from mmjax.serving.sampling import (MAX_N, INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
                                     SamplingParams)
@@ -245,12 +246,20 @@ def _stop_token_ids(body: dict) -> list[int]:
 
 def _unsupported(body: dict) -> None:
     """Fields whose non-default values this server cannot honour: refuse instead of ignoring."""
-    for name in ("functions",):
+    for name in ("functions", "function_call"):
         if body.get(name):
             raise InvalidRequestError(f"'{name}' (deprecated) is not supported by this server; use 'tools'",
                                       param=name, code="unsupported_parameter")
     if body.get("suffix"):
         raise InvalidRequestError("'suffix' is not supported", param="suffix", code="unsupported_parameter")
+    mods = body.get("modalities")
+    if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
+        raise InvalidRequestError("'modalities' other than ['text'] are not supported (text output only)",
+                                  param="modalities", code="unsupported_parameter")
+    for name in ("audio", "web_search_options"):
+        if body.get(name) is not None:
+            raise InvalidRequestError(f"'{name}' is not supported by this server", param=name,
+                                      code="unsupported_parameter")
     if body.get("chat_template") is not None:
         raise InvalidRequestError("a per-request 'chat_template' is not accepted (the server's --chat-template "
                                   "applies); use 'chat_template_kwargs'", param="chat_template",
@@ -322,21 +331,22 @@ def _structured(body: dict) -> StructuredSpec | None:
 # Every field the server reads, honours or refuses on purpose; anything else is ignored with a
 # logged warning (vLLM's policy), the same way on every endpoint. ACCEPTED_NO_EFFECT: OpenAI
 # fields that do not change what this server computes (bookkeeping for OpenAI's platform).
-ACCEPTED_NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
-                      "reasoning_effort", "modalities", "prediction", "audio", "web_search_options")
+ACCEPTED_NO_EFFECT = ("user", "metadata", "store", "service_tier", "guided_decoding_backend", "reasoning_effort",
+                      "prediction")
 COMMON_FIELDS = frozenset((
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "min_tokens", "allowed_token_ids", "bad_words", "response_format", "structured_outputs", "n", "best_of",
     "logprobs", "mm_processor_kwargs", "functions", "tools", "tool_choice", "suffix", "prompt_logprobs",
-    "intervention", *GUIDED, *ACCEPTED_NO_EFFECT))
+    "intervention", "skip_special_tokens", "function_call", "parallel_tool_calls", "modalities", "audio",
+    "web_search_options", *GUIDED, *ACCEPTED_NO_EFFECT))
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
                                "add_generation_prompt", "chat_template"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "images", "echo"}
 EMBEDDING_FIELDS = frozenset(("model", "input", "messages", "encoding_format", "pooling", "normalize",
                               "add_special_tokens", "add_generation_prompt", "chat_template_kwargs",
                               "mm_processor_kwargs", "dimensions", *ACCEPTED_NO_EFFECT))
-TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
+TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "tools", "add_generation_prompt", "add_special_tokens",
                              "chat_template_kwargs", "mm_processor_kwargs", "return_token_strs", "images",
                              *ACCEPTED_NO_EFFECT))
 DETOKENIZE_FIELDS = frozenset(("model", "tokens", *ACCEPTED_NO_EFFECT))
@@ -438,7 +448,8 @@ def _common(body: dict, req: ParsedRequest) -> None:
     req.ignored = unknown_fields(body, CHAT_FIELDS if req.kind == "chat" else COMPLETION_FIELDS)
     fields_["structured"] = _structured(body)
     req.sampling = SamplingParams(max_tokens=1, stop=stop, stop_token_ids=list(sti),
-                                  ignore_eos=_bool(body, "ignore_eos"), logprobs=req.logprobs, **fields_)
+                                  ignore_eos=_bool(body, "ignore_eos"), logprobs=req.logprobs,
+                                  skip_special_tokens=_bool(body, "skip_special_tokens", True), **fields_)
     req.stream = _bool(body, "stream")
     so = body.get("stream_options")
     if so is not None:
@@ -597,7 +608,9 @@ def _tool_calls(v: Any, p: str, budget: _TextBudget) -> list[dict]:
     return out
 
 
-def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLimits | None = None) -> ParsedRequest:
+def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLimits | None = None,
+               tool_parser: ToolParser | None = None) -> ParsedRequest:
+    """`tool_parser`: the checkpoint's tool-call format (serve/tool_parsers.py; default hermes)."""
     limits = _limits(limit_images, limits)
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", param=None)
@@ -622,7 +635,12 @@ def parse_chat(body: Any, *, limit_images: int | None = None, limits: RequestLim
     elif top:
         raise _bad("top_logprobs", "requires 'logprobs': true")
     _common(body, req)
-    spec = choice_grammar(req.tools) if req.tools is not None else None
+    parser = tool_parser or HermesParser()
+    if req.tools is not None:
+        req.tools.parser = parser
+    spec = choice_grammar(req.tools, parser) if req.tools is not None else None
+    if req.tools is not None and req.tools.parse and parser.keep_special:
+        req.sampling.skip_special_tokens = False    # the format's markers are special tokens
     if spec is not None:
         if req.sampling.structured is not None:
             raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with another "

@@ -1,27 +1,23 @@
-"""Tool calling (chat): `tools` / `tool_choice` validation, the grammar that enforces
-"required" and named choices, and parsing tool calls out of the model's text.
+"""Tool calling (chat): `tools` / `tool_choice` validation and the grammar that enforces
+"required" and named choices. The formats (hermes, llama3_json, mistral: parsing calls out of
+the model's text and writing their grammars) are in serve/tool_parsers.py.
 
-Format: hermes-style, as Qwen2/2.5(-VL) chat templates ask for it and vLLM's `hermes` parser
-reads it: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call.
 The chat template renders the tools (`tools=` template variable); "none" leaves them out of
 the prompt (vLLM's default). "required" / a named function: a grammar (llguidance Lark with
-embedded JSON schemas) admits only tool-call blocks whose arguments match the function's
-parameters.
+embedded JSON schemas) admits only tool calls, in the checkpoint's format, whose arguments
+match the function's parameters.
 """
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 from mmjax.errors import InvalidRequestError
 from mmjax.serving.structured import StructuredSpec
+from serve.tool_parsers import ToolParser
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
-MAX_CALLS = 3                # tool calls one "required" answer may hold
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 def _bad(param: str, msg: str) -> InvalidRequestError:
@@ -32,6 +28,8 @@ def _bad(param: str, msg: str) -> InvalidRequestError:
 class ToolRequest:
     tools: list[dict]            # validated OpenAI tool objects
     choice: str | dict           # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parser: ToolParser | None = None   # the checkpoint's format (set by schema.parse_chat)
+    parallel: bool = True        # parallel_tool_calls: false -> at most one call
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -76,37 +74,29 @@ def parse_tools(body: dict) -> ToolRequest | None:
                                       "{'name': ...}}")
     elif choice not in ("none", "auto", "required"):
         raise _bad("tool_choice", "must be 'none', 'auto', 'required' or a named function")
-    return ToolRequest([dict(t, type="function") for t in tools], choice)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "must be a boolean")
+    return ToolRequest([dict(t, type="function") for t in tools], choice, parallel=parallel is not False)
 
 
-def _call_schema(tool: dict) -> dict:
-    f = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": f["name"]},
-                                             "arguments": f.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def choice_grammar(tr: ToolRequest) -> StructuredSpec | None:
-    """The grammar enforcing tool_choice "required" (1 to MAX_CALLS calls of any tools) or a named
-    function (exactly one call of it); None for "auto" / "none"."""
+def choice_grammar(tr: ToolRequest, parser: ToolParser) -> StructuredSpec | None:
+    """The grammar enforcing tool_choice "required" (1 to tool_parsers.MAX_CALLS calls of any tools) or a named
+    function (exactly one call of it), in `parser`'s format; None for "auto" / "none"."""
     if tr.choice in ("auto", "none"):
         return None
     if isinstance(tr.choice, dict):
         name = tr.choice["function"]["name"]
-        tools = [t for t in tr.tools if t["function"]["name"] == name]
-        many = False
-    else:
-        tools, many = tr.tools, True
-    schema = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
-    # compact JSON (a model could otherwise pad with whitespace forever); spaced separators as
-    # hermes templates write them
-    schema["x-guidance"] = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-    nl = json.dumps("\n")
-    repeat = f" ({nl} call ({nl} call)?)?" if many else ""     # "required": one to MAX_CALLS calls
-    lark = "\n".join([f"start: call{repeat}",
-                      f"call: {json.dumps(OPEN + chr(10))} obj {json.dumps(chr(10) + CLOSE)}",
-                      f"obj: %json {json.dumps(schema)}", ""])
-    return StructuredSpec("grammar", lark, "tool_choice")
+        return StructuredSpec("grammar", parser.grammar([t for t in tr.tools if t["function"]["name"] == name],
+                                                        many=False), "tool_choice")
+    return StructuredSpec("grammar", parser.grammar(tr.tools, many=tr.parallel), "tool_choice")
+
+
+def parse_output(tr: ToolRequest, text: str) -> tuple[str, list[dict]]:
+    """(content, tool_calls) of a finished answer in the request's format; with
+    parallel_tool_calls false only the first call is kept (vLLM)."""
+    content, calls = tr.parser.parse(text)
+    return content, calls if tr.parallel else calls[:1]
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
@@ -128,32 +118,3 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             m = {**m, "tool_calls": fixed}
         out.append(m)
     return out
-
-
-def parse_calls(text: str) -> tuple[str, list[dict]]:
-    """(content outside the tool-call blocks, OpenAI tool_calls). A block that is not a JSON
-    object with a string "name" stays in the content."""
-    calls, kept, last = [], [], 0
-    for m in _BLOCK.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else
-                                   json.dumps(args, ensure_ascii=False)}})
-        kept.append(text[last:m.start()])
-        last = m.end()
-    kept.append(text[last:])
-    return ("".join(kept).strip() if calls else text), calls
-
-
-def held_back(text: str) -> int:
-    """Characters at the end of streamed text to hold while they could start a tool call."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-k:]):
-            return k
-    return 0

@@ -195,9 +195,18 @@ def test_structured_outputs_always_parse(vlm):
 
 def test_json_schema_on_mmjax_shapes():
     """The shipped model (never trained on JSON) answers its three single-value questions with a
-    {"count", "shape", "color"} schema: every answer parses and matches the schema; the field the
-    question asks for is right about as often as the free-text answer (measured: 84/90 vs 90/90
-    with 30 per type; the test asserts >= 80% of the free-text hits on 8 per type)."""
+    {"shape", "color", "count"} schema: every answer parses and matches the schema; shape and
+    colour are right at least as often as the free-text answers, counts all but once in 8.
+
+    How the model answers decides the schema: it was trained to say the asked value right after
+    "ASSISTANT: ", and each JSON token before a value moves it further from that. So the asked
+    field comes first (with count first for every question, colour answers read after a guessed
+    count fell to 25/30) and a one-line system prompt says JSON is wanted (without it colour
+    values inside JSON were right 62/75). Measured on the value's first token, 75 questions per
+    type over 3 seeds: shape 75/75 and colour 75/75 in JSON as in free text; count 71/75 vs
+    74/75. Counts stay behind because the digit follows the key's tokens ('co' 'u' 'n' 't' '"'
+    ':Ġ'), never seen in training, where the free answer follows "ASSISTANT: "; no prompt tried
+    (none, three system prompts, compact ':' separators: 49-67/75) closed that gap."""
     import json
 
     import jsonschema
@@ -207,29 +216,42 @@ def test_json_schema_on_mmjax_shapes():
     from mmjax.serving.structured import StructuredSpec
 
     shapes = mmjax.load(default_model_path(), max_num_seqs=8, max_model_len=256)
-    # count first, spaced separators (x-guidance): closest to the answers the model was trained on
-    schema = {"x-guidance": {"key_separator": ": ", "item_separator": ", "}, "type": "object",
-              "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 9},
-                             "shape": {"enum": list(S.SHAPES)}, "color": {"enum": list(S.COLORS)}},
-              "required": ["count", "shape", "color"], "additionalProperties": False}
-    plain = {k: v for k, v in schema.items() if k != "x-guidance"}
-    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    props = {"shape": {"enum": list(S.SHAPES)}, "color": {"enum": list(S.COLORS)},
+             "count": {"type": "integer", "minimum": 0, "maximum": 9}}
+    asked = {S.Q_SHAPE: "shape", S.Q_COLOR: "color", S.Q_COUNT: "count"}
+
+    def schema(first: str) -> dict:
+        order = [first] + [k for k in props if k != first]
+        # spaced separators (x-guidance), as the tokens the model saw: ":Ġ" follows "ASSISTANT"
+        return {"x-guidance": {"key_separator": ": ", "item_separator": ", "}, "type": "object",
+                "properties": {k: props[k] for k in order}, "required": order, "additionalProperties": False}
+
+    rng = np.random.default_rng(7)
     exs = [S.make_example(rng, qt, client_roundtrip=False) for qt in ("shape", "color", "count") for _ in range(8)]
-    reqs = []
+    free_reqs, json_reqs = [], []
     for ex in exs:
-        prompt, images = shapes.render_chat([{"role": "user", "content": [
-            {"type": "image", "image": ex["image"]}, {"type": "text", "text": ex["question"]}]}])
-        reqs.append({"prompt": prompt, "images": images})
-    free = shapes.generate(reqs, SamplingParams(max_tokens=24, temperature=0.0))
-    js = shapes.generate(reqs, SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredSpec("json", schema)))
-    free_hits = json_hits = 0
+        user = {"role": "user", "content": [{"type": "image", "image": ex["image"]},
+                                            {"type": "text", "text": ex["question"]}]}
+        prompt, images = shapes.render_chat([user])
+        free_reqs.append({"prompt": prompt, "images": images})
+        prompt, images = shapes.render_chat([{"role": "system", "content": "Answer the question in JSON."}, user])
+        json_reqs.append({"prompt": prompt, "images": images})
+    free = shapes.generate(free_reqs, SamplingParams(max_tokens=24, temperature=0.0))
+    js = shapes.generate(json_reqs, [SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredSpec(
+        "json", schema(asked[ex["question"]]))) for ex in exs])
+    free_hits, json_hits = {k: 0 for k in props}, {k: 0 for k in props}
     for ex, f, j in zip(exs, free, js):
         obj = json.loads(j.text)
-        jsonschema.validate(obj, plain)
-        field = {S.Q_SHAPE: "shape", S.Q_COLOR: "color", S.Q_COUNT: "count"}[ex["question"]]
-        free_hits += S.answer_matches(f.text, ex["answer"])
-        json_hits += str(obj[field]) == ex["answer"]
-    assert json_hits >= 0.8 * free_hits, (json_hits, free_hits)
+        jsonschema.validate(obj, {"type": "object", "properties": props, "required": list(props),
+                                  "additionalProperties": False})
+        field = asked[ex["question"]]
+        assert list(obj)[0] == field
+        free_hits[field] += S.answer_matches(f.text, ex["answer"])
+        json_hits[field] += str(obj[field]) == ex["answer"]
+    assert sum(free_hits.values()) >= 20, free_hits
+    for field in ("shape", "color"):
+        assert json_hits[field] >= free_hits[field], (field, json_hits, free_hits)
+    assert json_hits["count"] >= free_hits["count"] - 1, (json_hits, free_hits)
 
 
 # ---- through the server and the official openai client -----------------------------------------------
@@ -430,6 +452,13 @@ def test_embed_and_image_embeds_input(vlm):
     short = "USER: hi ASSISTANT:"
     a, b = vlm.embed([short, short + " ok ok ok ok ok ok ok ok ok ok"], pooling="mean", normalize=False)
     assert a.shape == (vlm.family.text_model.hidden_size,) and rel_err(a, b) > 1e-3
+    # batched (one padded forward, image encoded with the batch) == one at a time
+    mixed = [short, {"prompt": prompt, "images": [img]}, short + " ok ok ok ok ok ok ok ok ok ok"]
+    for pooling in ("last", "mean"):
+        together = vlm.embed(mixed, pooling=pooling, normalize=False)
+        alone = [vlm.embed([x], pooling=pooling, normalize=False)[0] for x in mixed]
+        assert max(rel_err(g, w) for g, w in zip(together, alone)) < 1e-5, pooling
+    assert rel_err(vlm.embed(mixed, normalize=False)[1], raw) < 1e-5
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     g1 = vlm.generate([{"prompt": prompt, "images": [img]}], sp)[0]
     g2 = vlm.generate([{"prompt": prompt, "images": [{"image_embeds": feats}]}], sp)[0]
@@ -509,15 +538,95 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
               "required": ["a", "b"], "additionalProperties": False}}}]
 
 
-def test_tool_call_parsing():
-    from serve.tools import held_back, parse_calls
+# Llama 3.x and Mistral style templates (the tool-call format each family's parser reads)
+LLAMA3_TOOL_TEMPLATE = (
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "{{ {'name': c['function']['name'], 'parameters': c['function']['arguments']} | tojson }}{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+MISTRAL_TOOL_TEMPLATE = (   # the [ARGS] form (v11+ tokenizers); without [ARGS]: the JSON-list form
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]"
+    "{% for t in tools %}{{ t['function']['name'] }} {% endfor %}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST]{{ m['content'] }}[/INST]"
+    "{% elif m.get('tool_calls') %}{% for c in m['tool_calls'] %}[TOOL_CALLS]{{ c['function']['name'] }}[ARGS]"
+    "{{ c['function']['arguments'] | tojson }}{% endfor %}</s>"
+    "{% elif m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]"
+    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
 
-    content, calls = parse_calls('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-                                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}')
-    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["add", "get_weather"]
+
+def test_tool_call_formats(llava_dirs):
+    """Each format's parser (hermes, llama3_json, mistral in both forms), the choice per chat
+    template / vocabulary, and grammars that name special-token markers by id: the forced token
+    sequence is accepted and its text (special tokens kept) parses back to the call."""
+    import json
+
+    from mmjax.serving.structured import GrammarCompiler, StructuredSpec
+    from mmjax.tokenizer import Tokenizer
+    from serve.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, choose
+
+    def names(calls):
+        return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+    h = HermesParser()
+    content, calls = h.parse('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+                             '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert content == "Sure." and names(calls) == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Paris"})]
     assert calls[0]["function"]["arguments"] == '{"a": 1, "b": 2}' and calls[0]["type"] == "function"
-    assert parse_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
-    assert held_back("hello <tool_") == len("<tool_") and held_back("hello") == 0
+    assert h.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert h.held_back("hello <tool_") == len("<tool_") and h.held_back("hello") == 0
+    ll = Llama3JsonParser()
+    assert names(ll.parse(' {"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "f", "arguments": {}}')[1]) == \
+        [("add", {"a": 1, "b": 2}), ("f", {})]
+    assert names(ll.parse('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}')[1]) == [("f", {"x": "y"})]
+    for text in ('The answer is {"name": "f"}', '{"name": "f", "parameters": {}} and more', '{"a": 1}'):
+        assert ll.parse(text) == (text, []), text
+    assert ll.held_back("  ") == 2 and ll.held_back("<|pyth") == 6 and ll.held_back("Hi") == 0 and ll.find("Hi {") == -1
+    m = MistralParser()
+    assert m.parse('ok [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "f", "arguments": {}}]') \
+        [0] == "ok"
+    assert names(m.parse('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]')[1]) == [("add", {"a": 1})]
+    assert names(m.parse('[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]f[ARGS]{}')[1]) == \
+        [("add", {"a": 1, "b": 2}), ("f", {})]
+    assert m.parse("[TOOL_CALLS]add[ARGS]{oops") == ("[TOOL_CALLS]add[ARGS]{oops", [])
+    assert m.held_back("x [TOOL_") == len("[TOOL_") and m.find("no calls") == -1
+
+    tok = Tokenizer(llava_dirs["gqa"], None)
+    choices = {}
+    for tpl in (TOOL_TEMPLATE, LLAMA3_TOOL_TEMPLATE, MISTRAL_TOOL_TEMPLATE, "[INST]{{ messages }}[/INST]"):
+        tok.chat_template = tpl
+        p = choose(tok)
+        choices[p.name] = choices.get(p.name, []) + [getattr(p, "args_form", None)]
+    assert choices == {"hermes": [None, None], "llama3_json": [None], "mistral": [True]}
+    assert choose(tok, "llama3_json").name == "llama3_json"
+    with pytest.raises(ValueError):
+        choose(tok, "pythonic")
+    # a vocabulary holding the markers as special tokens (as Mistral's): the grammar emits the
+    # token ids; the text, special tokens kept, parses back
+    tok._tok.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    tok.chat_template = "{{ messages }}"
+    tc, args = tok.token_id("[TOOL_CALLS]"), tok.token_id("[ARGS]")
+    p = choose(tok)
+    assert p.name == "mistral" and p.args_form and tc is not None
+    comp = GrammarCompiler(tok, tok._tok.get_vocab_size(True), [tok.eos_id])
+    add = [t for t in TOOLS if t["function"]["name"] == "add"]
+    for parser, calls in ((p, [("add", {"a": 4, "b": 5})]), (MistralParser(tok), [("add", {"a": 4, "b": 5})]),
+                          (Llama3JsonParser(tok), [("add", {"a": 4, "b": 5})]), (HermesParser(tok), None)):
+        if parser.name == "mistral" and parser.args_form:
+            ids = [tc] + tok.encode("add", False) + [args] + tok.encode('{"a": 4, "b": 5}', False)
+        elif parser.name == "mistral":
+            ids = [tc] + tok.encode('[{"name": "add", "arguments": {"a": 4, "b": 5}}]', False)
+        elif parser.name == "llama3_json":
+            ids = tok.encode('{"name": "add", "parameters": {"a": 4, "b": 5}}', False)
+        else:
+            ids = tok.encode('<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>', False)
+        mt = comp.matcher(StructuredSpec("grammar", parser.grammar(add, many=False), "tool_choice"))
+        assert mt.consume_tokens(ids) and mt.is_accepting(), parser.name
+        assert names(parser.parse(tok.decode(ids, skip_special_tokens=False))[1]) == [("add", {"a": 4, "b": 5})]
+        bad = comp.matcher(StructuredSpec("grammar", parser.grammar(add, many=True), "tool_choice"))
+        assert bad.validate_tokens(tok.encode('{"a": 4}', False)) == 0 or parser.name == "llama3_json"
 
 
 def test_server_tools(server):
@@ -563,11 +672,46 @@ def test_server_tools(server):
         text = tok.decode(ids)
         assert 'TOOL RESULT: 42' in text and '"arguments": {"a": 40, "b": 2}' in text
         assert c.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=2).choices
+        # parallel_tool_calls false: "required" admits exactly one call; /tokenize renders the tools
+        r = c.chat.completions.create(tool_choice="required", seed=1, parallel_tool_calls=False, **kw)
+        assert len(r.choices[0].message.tool_calls) == 1
+        assert server.post("/tokenize", {"messages": msgs, "tools": TOOLS}).json()["count"] == \
+            with_tools.usage.prompt_tokens
         for bad, param in ((dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
-                           (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice")):
+                           (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+                           (dict(parallel_tool_calls="no"), "parallel_tool_calls"),
+                           (dict(extra_body={"function_call": "auto"}), "function_call"),
+                           (dict(modalities=["text", "audio"]), "modalities"),
+                           (dict(extra_body={"web_search_options": {}}), "web_search_options")):
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(**{**kw, **bad})
             assert e.value.body["param"] == param
+        # Llama 3.x JSON and Mistral [TOOL_CALLS] (both forms): the parser follows the template;
+        # required / named calls forced through each format's grammar parse back, stream and not
+        mistral_list = MISTRAL_TOOL_TEMPLATE.replace(
+            "{% for c in m['tool_calls'] %}[TOOL_CALLS]{{ c['function']['name'] }}[ARGS]"
+            "{{ c['function']['arguments'] | tojson }}{% endfor %}", "[TOOL_CALLS]{{ m['tool_calls'] | tojson }}")
+        for tpl, name in ((LLAMA3_TOOL_TEMPLATE, "llama3_json"), (MISTRAL_TOOL_TEMPLATE, "mistral"),
+                          (mistral_list, "mistral")):
+            tok.chat_template = tpl
+            assert server.state.tool_parser().name == name
+            r = c.chat.completions.create(tool_choice="required", seed=5, **{**kw, "max_tokens": 64})
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, (name, ch.message.content)
+            for call in ch.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            r = c.chat.completions.create(tool_choice=named, seed=6, **{**kw, "max_tokens": 64})
+            (call,) = r.choices[0].message.tool_calls
+            assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+            streamed = {}
+            for chunk in c.chat.completions.create(tool_choice=named, seed=6, stream=True, **{**kw, "max_tokens": 64}):
+                for choice in chunk.choices:
+                    assert not choice.delta.content, (name, choice.delta.content)   # the call is not content
+                    for tc in choice.delta.tool_calls or []:
+                        streamed[tc.index] = (tc.function.name, tc.function.arguments)
+            assert streamed == {0: ("add", call.function.arguments)}, name
+            ids = server.post("/tokenize", {"messages": history}).json()["tokens"]
+            assert '"a": 40' in tok.decode(ids, skip_special_tokens=False)
     finally:
         tok.chat_template = old
 
@@ -595,6 +739,19 @@ def test_server_prompt_logprobs_and_echo(server, vlm):
     got = np.asarray([plp[j + 1][str(t)]["logprob"] for j, t in enumerate(ids[1:])])
     assert np.abs(got - want).max() < 1e-4
     assert all(len(d) >= 2 and min(v["rank"] for v in d.values()) == 1 for d in plp[1:])
+    # taken from the prefill's logits (no extra forward), chunk by chunk, never from the prefix
+    # cache: the same prompt again, prefilled in 16-token chunks, gives the same figures
+    runner, sched = server.state.engine.runner, server.state.engine.scheduler
+    calls, chunk = runner.calls["prefill_scores"], sched.prefill_chunk
+    sched.prefill_chunk = 16
+    try:
+        again = c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                     extra_body={"images": [img], "prompt_logprobs": 2}).model_extra["prompt_logprobs"]
+    finally:
+        sched.prefill_chunk = chunk
+    assert runner.calls["prefill_scores"] - calls >= len(ids) // 16
+    got2 = np.asarray([again[j + 1][str(t)]["logprob"] for j, t in enumerate(ids[1:])])
+    assert np.abs(got2 - want).max() < 1e-4
     # echo: the prompt text first, its tokens (image tokens as the placeholder) in the logprobs
     assert ch.text.startswith(prompt) and len(ch.text) > len(prompt)
     toks = ch.logprobs.tokens

@@ -99,8 +99,8 @@ def test_sharded_steps_lower_for_cuda(tp_checkpoints):
     res = run_worker("export", tp_checkpoints)
     for fam, steps in res.items():
         kinds = {k.split("[")[0].split("(")[0] for k in steps}
-        # + one FastV prefill, + the cache-row copy of n > 1 siblings
-        assert kinds == {"encode", "prefill", "decode", "prefill_pruned", "copy_slot"}, fam
+        # + one FastV prefill, + the cache-row copy of n > 1 siblings, + prompt_logprobs' prefill
+        assert kinds == {"encode", "prefill", "decode", "prefill_pruned", "copy_slot", "prefill_scores"}, fam
         for step, s in steps.items():
             assert s["platforms"] == ["cuda"] and s["nr_devices"] == 8, (fam, step)
             if step == "copy_slot":       # the KV cache in and out, sharded over "model"; no matmul
@@ -366,6 +366,15 @@ def test_serve_flags_tensor_and_data_parallel(tp_checkpoints):
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.loads(r.read())
         assert out["usage"]["completion_tokens"] == 8
+        # /v1/embeddings: the inputs in one call, split over the two replicas, == one device
+        texts = ["USER: hi ASSISTANT:", "USER: describe the red circle ASSISTANT:", "hello world"]
+        body = json.dumps({"model": "tiny", "input": texts, "normalize": False}).encode()
+        req = urllib.request.Request(url + "/v1/embeddings", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            got = np.asarray([d["embedding"] for d in json.loads(r.read())["data"]])
+        import mmjax
+        want = mmjax.load(tp_checkpoints[0], max_num_seqs=1, max_model_len=128).embed(texts, normalize=False)
+        assert got.shape == want.shape and np.abs(got - want).max() / np.abs(want).max() < 1e-4
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
             metrics = r.read().decode()
         assert 'mmjax_mesh_axis_size{axis="data"} 2.0' in metrics

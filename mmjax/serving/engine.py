@@ -154,13 +154,16 @@ class Engine:
         image_pos = np.flatnonzero(np.isin(ids, self.family.media_token_ids))
         if prune is not None:
             self._check_prune(prune, len(ids), len(image_pos))
+            if sampling.prompt_logprobs is not None:
+                raise InvalidRequestError("prompt_logprobs cannot be combined with image-token pruning",
+                                          param="prompt_logprobs")
         seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
         key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
         rid = request_id or f"req-{next(self._ids)}"
         vrow, constraints = self._token_rules(sampling, ids)
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
-                       detok=IncrementalDetokenizer(self.tokenizer),
+                       detok=IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens),
                        keys=token_keys(ids, images, image_pos, all_images_first=cross is not None),
                        cross=cross,
                        logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
@@ -175,12 +178,13 @@ class Engine:
         out = [req]
         seed = req.sampling.seed
         for i in range(1, n):
-            sp = dataclasses.replace(req.sampling)
+            sp = dataclasses.replace(req.sampling, prompt_logprobs=None)   # choice 0 carries the prompt's
             key = (np.asarray([i, seed & 0xFFFFFFFF], np.uint32) if seed is not None
                    else np.asarray([0, int(self._seed_rng.integers(2**31))], np.uint32))
             vrow, constraints = self._token_rules(sp, req.prompt_ids)
             out.append(dataclasses.replace(
-                req, id=f"{req.id}-{i}", sampling=sp, key=key, detok=IncrementalDetokenizer(self.tokenizer),
+                req, id=f"{req.id}-{i}", sampling=sp, key=key,
+                detok=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens),
                 logprobs=[] if sp.logprobs is not None else None, feats=list(req.feats), vrow=vrow,
                 constraints=constraints, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
         return out
@@ -405,9 +409,15 @@ class Engine:
             if req.constraints and hi == req.prompt_len:   # the first token's mask
                 bits = self.runner.all_allowed()
                 self._bits(req, bits)
+            nxt = None
+            if req.sampling.prompt_logprobs is not None and req.parent is None:   # siblings share choice 0's
+                nxt = np.zeros(hi - lo, np.int32)
+                nxt[:len(req.prompt_ids[lo + 1:hi + 1])] = req.prompt_ids[lo + 1:hi + 1]
             out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
                                       req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans,
-                                      prune=req.prune, vrow=req.vrow, bits=bits)
+                                      prune=req.prune, vrow=req.vrow, bits=bits, next_ids=nxt)
+            if out.scores is not None:
+                req.prompt_scores = (req.prompt_scores or []) + [out.scores]
         except Exception as e:
             self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
             return

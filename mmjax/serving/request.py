@@ -73,6 +73,7 @@ class Request:
     first_token_time: float | None = None
     feats: list = field(default_factory=list)  # per image: np.ndarray [tokens, hidden] once encoded
     vrow: Any = None                 # sampling.VocabRow of penalties / bias / token limits (None: none)
+    prompt_scores: list | None = None  # prompt_logprobs: per prefill chunk, runner.prompt_scores arrays
     constraints: list = field(default_factory=list)  # host TokenConstraints (bad words, grammar)
     parent: "Request | None" = None  # n > 1: the sibling whose prompt KV this one copies (see Engine.siblings)
     index: int = 0                   # choice index among its siblings

@@ -24,7 +24,7 @@ from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs
-from mmjax.serving.sampling import SamplingParams, SlotHistory, SlotSampling, VocabRow, sample
+from mmjax.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams, SlotHistory, SlotSampling, VocabRow, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmjax.sharding import MODEL, Placement, fetch_to_device, offload_to_host, per_device_bytes, step_shardings
@@ -76,6 +76,7 @@ class StepOutput:
     logprobs: np.ndarray    # [rows] float32, logprob of the chosen token
     top_logprobs: np.ndarray  # [rows, 20]
     top_ids: np.ndarray     # [rows, 20]
+    scores: tuple | None = None   # prefill with next_ids: prompt_scores (chosen, rank, top_ids, top_lp) [n, ...]
 
 
 def image_mask_spec(family: Family, spans: jax.Array) -> MaskSpec | None:
@@ -109,7 +110,18 @@ def _first_token(logits, key, sampling, vrow, bits):
     return key, res, jax.tree.map(lambda x: x[0], hist.after(res[0]))
 
 
-def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
+def prompt_scores(logits: jax.Array, next_ids: jax.Array) -> tuple[jax.Array, ...]:
+    """The prompt's own logprobs from a chunk's logits [c, vocab]: for each position the log-prob
+    of the prompt's next token next_ids [c], its rank (1 = the argmax) and the top
+    MAX_TOP_LOGPROBS (ids, logprobs): (chosen [c], rank [c], top_ids [c, K], top_lp [c, K])."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, next_ids[:, None], axis=-1)[:, 0]
+    rank = (lp > chosen[:, None]).sum(-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+    return chosen, rank, top_ids.astype(jnp.int32), top_lp
+
+
+def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None, scores: bool = False):
     """(params, cache, state, token_ids [c], image_embeds [c, width] (width: the text model's
     `image_feature_width`, hidden or more with per-layer image features), image_mask [c], positions
     [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
@@ -119,21 +131,31 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
     One chunk of one sequence into cache row `slot`. The first token is sampled from the logits
     of the chunk's last valid token and the slot's decode-state row is set up (the host only uses
     it after the final chunk). spans: image-token run ids (-1 elsewhere), used by families with
-    bidirectional image attention. `tm`: the text model as placed (default: the family's)."""
+    bidirectional image attention. `tm`: the text model as placed (default: the family's).
+
+    scores=True (prompt_logprobs): one more argument, next_ids [c] int32 (each position's next
+    prompt token), and one more output, `prompt_scores` of the logits of every chunk position
+    (the forward computed their hidden states anyway: the LM head runs over c rows, not 1)."""
     tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, start, n_valid,
-                rope_delta, sampling, key, spans, vrow, bits):
+                rope_delta, sampling, key, spans, vrow, bits, next_ids=None):
         text = params["text"]
         embeds, extra = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
         out = tm.forward(text, embeds, positions[:, None, :], cache, start[None],
                          start + token_ids.shape[0], slots=slot[None], mask=image_mask_spec(family, spans[None]),
                          ids=token_ids[None], reduce_small=tune.reduce_small_attention, **extra)
-        logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1, keepdims=True)),
-                           logits_sharding)
+        if scores:
+            every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [c, vocab]
+            logits = jax.lax.dynamic_index_in_dim(every, n_valid - 1, keepdims=True)
+        else:
+            logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1,
+                                                                            keepdims=True)), logits_sharding)
         key, res, hist = _first_token(logits, key, sampling, vrow, bits)
         row = DecodeState(res[0][0], start + n_valid, rope_delta, key, sampling, jnp.int32(tm.num_layers),
                           jnp.int32(0), hist)
+        if scores:
+            return out.cache, state.set_slot(slot, row), res, prompt_scores(every, next_ids)
         return out.cache, state.set_slot(slot, row), res
     return prefill
 
@@ -229,6 +251,29 @@ def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None, h
     return fn
 
 
+def make_embed_forward(family: Family, tm=None):
+    """A jittable (params, ids [b, t], image_embeds [b, t, d], image_mask [b, t], positions
+    [rows, b, t], spans [b, t] int32 or None, lengths [b] int32) -> (last [b, hidden], mean
+    [b, hidden]) float32: the final normed hidden state of each prompt's last token and its mean
+    over the prompt's tokens, for b prompts right-padded to t tokens (causal: padding after a
+    prompt changes nothing before it) in one forward (embeddings)."""
+    tm = tm or family.text_model
+
+    def fn(params, ids, image_embeds, image_mask, positions, spans, lengths):
+        text = params["text"]
+        b, t = ids.shape
+        embeds, extra = image_inputs(tm, text, ids, image_embeds, image_mask)
+        cache = tm.init_cache(b, t, image_embeds.dtype, max_chunk=t)
+        mask = None if spans is None else image_mask_spec(family, spans)
+        h = tm.forward(text, embeds, positions, cache, jnp.zeros((b,), jnp.int32), t, mask=mask, ids=ids,
+                       **extra).hidden.astype(jnp.float32)
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        valid = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
+        mean = (h * valid[..., None]).sum(1) / lengths[:, None].astype(jnp.float32)
+        return last, mean
+    return fn
+
+
 class ModelRunner:
     """Owns the params, KV cache and decode state of one model on its devices, and the jitted
     steps over them."""
@@ -263,7 +308,7 @@ class ModelRunner:
         self.max_encode_batch = max_encode_batch
         self.prefill_chunk = prefill_chunk
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set(),
-                                         "copy_slot": set()}
+                                         "copy_slot": set(), "prefill_scores": set()}
         if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
             self.compiled["fill_cross"] = set()
         self._memory_plan: dict | None = None
@@ -306,6 +351,11 @@ class ModelRunner:
         gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
         self._prefill = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather)), donate_argnums=(1, 2),
                                 out_shardings=outs, compiler_options=t.compiler_options("prefill"))
+        scores_outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"),
+                                     p.sharding("outputs"))
+        self._prefill_scores = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather, scores=True)),
+                                       donate_argnums=(1, 2), out_shardings=scores_outs,
+                                       compiler_options=t.compiler_options("prefill"))
         self._decode = jax.jit(t.traced(make_decode_step(family, t, self.text_model, gather)), static_argnames=("rows",),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
@@ -430,21 +480,23 @@ class ModelRunner:
     def prefill(self, slot: int, start: int, token_ids: np.ndarray, image_embeds: np.ndarray | None,
                 image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: SlotSampling,
                 key: np.ndarray, spans: np.ndarray | None = None, prune: tuple[int, int] | None = None,
-                vrow: VocabRow | None = None, bits: np.ndarray | None = None) -> StepOutput:
+                vrow: VocabRow | None = None, bits: np.ndarray | None = None,
+                next_ids: np.ndarray | None = None) -> StepOutput:
         """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index
         `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none).
         prune (layer, keep): FastV pruning of the image tokens after `layer` (the whole prompt,
         start 0; later layers compute the remaining tokens' bucket). vrow: the request's VocabRow
         (None: no penalties/bias/limits); bits [bit_words] uint32: the first token's allowed-token
-        bitmask (None: all)."""
+        bitmask (None: all). next_ids [n] (prompt_logprobs): each position's next prompt token;
+        the output's `scores` then holds `prompt_scores` of the chunk's positions (no pruning)."""
         args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key, spans, prune,
-                vrow, bits)
+                vrow, bits, next_ids)
         if self._announce is not None:
             return self._announce("prefill", args, lambda: self._prefill_chunk(*args))
         return self._prefill_chunk(*args)
 
     def _prefill_chunk(self, slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling,
-                       key, spans=None, prune=None, vrow=None, bits=None) -> StepOutput:
+                       key, spans=None, prune=None, vrow=None, bits=None, next_ids=None) -> StepOutput:
         n = len(token_ids)
         vrow = self.default_row() if vrow is None else vrow
         bits = self.all_allowed() if bits is None else np.asarray(bits, np.uint32)
@@ -467,6 +519,15 @@ class ModelRunner:
                 self.state, ids, emb, mask, pos, np.int32(slot), np.int32(n), np.int32(rope_delta), sampling,
                 np.asarray(key, np.uint32), spans, vrow, bits, layer=layer, keep=keep, out_len=out_len)
             return StepOutput(*(np.asarray(x) for x in out))
+        if next_ids is not None:
+            if prune is not None:
+                raise ValueError("prompt scores of a pruned prefill are not defined")
+            nxt = np.pad(np.asarray(next_ids, np.int32), (0, pad))
+            self.cache, self.state, out, sc = self._track(
+                "prefill_scores", c, self._prefill_scores, self.params, self.cache, self.state, ids, emb, mask, pos,
+                np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
+                np.asarray(key, np.uint32), spans, vrow, bits, nxt)
+            return StepOutput(*(np.asarray(x) for x in out), scores=tuple(np.asarray(x)[:n] for x in sc))
         self.cache, self.state, out = self._track(
             "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
             np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
@@ -567,6 +628,9 @@ class ModelRunner:
                     jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
                     jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32), vrow, bits)
             out.append((f"prefill[{c}]", self._prefill, args, {}))
+            if c == buckets.prefill[0]:     # prompt_logprobs: the same prefill with every position's logits
+                out.append((f"prefill_scores[{c}]", self._prefill_scores,
+                            args + (jax.ShapeDtypeStruct((c,), jnp.int32),), {}))
             if c == buckets.prefill[0] and self.family.cross_attention:
                 tm = self.text_model
                 out.append(("fill_cross", self._fill_cross,
@@ -685,8 +749,10 @@ class ModelRunner:
                 "kv_cache_bytes_max_device": max(kv.values(), default=0)}
 
     def compiled_counts(self) -> dict[str, int]:
-        """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran)."""
-        return {k: len(v) for k, v in self.compiled.items() if v or k not in ("prefill_pruned", "copy_slot")}
+        """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran,
+        "prefill_scores" once a prompt_logprobs request did: neither is part of warmup)."""
+        return {k: len(v) for k, v in self.compiled.items()
+                if v or k not in ("prefill_pruned", "copy_slot", "prefill_scores")}
 
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""

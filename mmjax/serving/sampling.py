@@ -60,6 +60,9 @@ class SamplingParams:
     #                                              token sequence, with and without a leading space)
     structured: Any = None                       # a structured-output spec (serving.structured)
     n: int = 1                                   # choices sampled from one prompt (its KV shared)
+    skip_special_tokens: bool = True             # False: special tokens generated stay in the text
+    prompt_logprobs: int | None = None           # the prompt's own logprobs (+ top-k), from the prefill's
+    #                                              logits (no prefix-cache reuse for such a request)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -85,6 +88,10 @@ class SamplingParams:
              and all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
              "stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean"),
+            (isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean"),
+            (self.prompt_logprobs is None or _is_int(self.prompt_logprobs)
+             and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS, "prompt_logprobs",
+             f"must be an integer in [0, {MAX_TOP_LOGPROBS}]"),
             (_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
              "must be in [-2, 2]"),
             (_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",

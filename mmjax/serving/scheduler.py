@@ -79,6 +79,8 @@ class Scheduler:
         token is recomputed for the first token's logits)."""
         if req.prune is not None:       # pruned: the whole prompt in one call from index 0
             return 0
+        if req.sampling.prompt_logprobs is not None:   # every prompt position's logits are computed
+            return 0
         n = min(self.prefix.match(slot, req.keys), req.prompt_len - 1)
         return n if n >= self.min_resume(len(self.prefix.keys[slot])) else 0
 
