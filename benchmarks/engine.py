@@ -170,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     ap.add_argument("--no-hf-sequential", action="store_true",
                     help="skip transformers one request at a time (keep the batched peer)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="the engine waits for every step before queuing the next (A/B of overlapped steps)")
     ap.add_argument("--decode-only", action="store_true",
                     help="only time the decode step over rows x cache length in use (A/B of decode changes)")
     args = ap.parse_args(argv)
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
     path = args.model or str(build_llava("smoke" if args.smoke else "default"))
     threads = args.threads or os.cpu_count()
     vlm = mmjax.load(path, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
-                     prefill_chunk=64 if args.smoke else 256, max_encode_batch=8)
+                     prefill_chunk=64 if args.smoke else 256, max_encode_batch=8, overlap=not args.no_overlap)
     size = vlm.family.cfg.vision.image_size
     t0 = time.perf_counter()
     compiled = vlm.engine.warmup()
@@ -230,7 +232,8 @@ def main(argv=None) -> int:
         rows.append({"concurrency": c, "requests": args.requests, **stats(r),
                      "vs_hf_sequential": tps(r) / hf_tps if hf_tps else None,
                      "vs_hf_batched": tps(r) / hfb_tps if hfb_tps else None, "step_s": r["step_s"]})
-    print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, float32, {threads} threads)")
+    print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, float32, {threads} threads, "
+          f"{'synchronous' if args.no_overlap else 'overlapped'} engine steps)")
     print(f"warmup: {sum(compiled.values())} compiled shapes {compiled} in {compile_s:.1f}s (excluded below)")
     print(f"{'who':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'lat. p50':>10}"
           f"{'vs HF seq':>11}{'vs HF batch':>13}")
@@ -254,6 +257,7 @@ def main(argv=None) -> int:
     print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads,
+               "overlap": not args.no_overlap,
                "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,
                "mmjax": rows, "decode_steps": decode_steps,
                "hf_sequential": None if not hf else stats(hf),
