@@ -203,6 +203,16 @@ def test_prefill_budget_cuts_only_the_first_prompt(path):
                     ([150, 40, 0, 0], 2),    # its tail (22) + a whole short one (40); 20 > 2 left
                     ([150, 40, 20, 30], 2)]  # 20 + 30 <= 64
     assert all(o.finish_reason == "length" for o in eng.run_until_done(ids))
+    # images are encoded for the step whose prefill takes them, not all on admission (three
+    # ~45-token image prompts: one per step)
+    prompt = "USER: <image>\nsay one two three four five ASSISTANT:"
+    ids = [eng.add_request(prompt, vlm.prepare_images([noise_image(70 + i, 30, 30)]), sp) for i in range(3)]
+    seen = []
+    for _ in range(3):
+        eng.step()
+        seen.append((eng.stats()["images_encoded"], sum(eng.requests[i].prefilled > 0 for i in ids)))
+    assert seen == [(1, 1), (2, 2), (3, 3)], seen
+    assert all(o.finish_reason == "length" for o in eng.run_until_done(ids))
 
 
 def test_stop_strings_and_streamed_text(path):

@@ -1,7 +1,8 @@
 """Continuous batching over decode slots: the step loop.
 
-Each `step()`: admit waiting requests into free slots (scheduler); encode every image not in the
-encoder cache, batched across requests; prefill chunks up to `prefill_chunk` tokens in total (a
+Each `step()`: admit waiting requests into free slots (scheduler); plan this step's prefill
+chunks and encode the images of those requests not in the encoder cache, batched across
+requests (not every admitted request's: TTFT); prefill chunks up to `prefill_chunk` tokens in total (a
 long image prompt is spread over several steps and never freezes running streams); one decode
 step over the lowest slots that cover every running one (the decode ladder's rows). Host-only
 work (tokenizing, stop strings, detokenizing) stays on the host (serving/output.py).
@@ -309,8 +310,11 @@ class Engine:
         deltas: list[Delta] = []
         for req in self.scheduler.admit():
             self.counters["tokens_cached"] += req.cached_tokens
-        self._encode_missing([r for r in self.scheduler.active() if r.prefilling], deltas)
-        for req, n in self.scheduler.prefill_plan():
+        plan = self.scheduler.prefill_plan()
+        # only the images this step's prefill chunks need: encoding every admitted request's
+        # images up front would put all of them before the first request's first token
+        self._encode_missing([r for r, _ in plan], deltas)
+        for req, n in plan:
             if req.finish_reason is None:
                 self._prefill(req, n, deltas)
         running = self.scheduler.decoding()
