@@ -97,10 +97,10 @@ def _hf_prompt(proc, q: str) -> str:
     return proc.apply_chat_template(msgs, add_generation_prompt=True)
 
 
-def run_hf(path, requests, new_tokens: int, threads: int):
-    """transformers, one request at a time."""
+def run_hf(hf, requests, new_tokens: int):
+    """transformers, one request at a time; hf: (model, processor) from _hf_model."""
     import torch
-    model, proc = _hf_model(path, threads)
+    model, proc = hf
     ttfts, latencies, tokens = [], [], 0
     t0 = time.perf_counter()
     for img, q in requests:
@@ -116,16 +116,15 @@ def run_hf(path, requests, new_tokens: int, threads: int):
     return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts, "latency": latencies}
 
 
-def run_hf_batched(path, requests, new_tokens: int, threads: int):
+def run_hf_batched(hf, requests, new_tokens: int):
     """transformers, every request in one left-padded batch through one `generate` call (what a
     transformers user does with a list of prompts): preprocessing of the whole batch included;
     every request gets its first token at the batch's first step and ends with the batch."""
     import torch
-    model, proc = _hf_model(path, threads)
-    proc.tokenizer.padding_side = "left"     # decoder-only generation pads on the left
+    model, proc = hf
     t0 = time.perf_counter()
     inputs = proc(text=[_hf_prompt(proc, q) for _, q in requests], images=[img for img, _ in requests],
-                  return_tensors="pt", padding=True)
+                  return_tensors="pt", padding=True, padding_side="left")  # decoder-only: pad on the left
     stamps = _Stamps()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=3, streamer=stamps)
@@ -213,10 +212,10 @@ def main(argv=None) -> int:
     finally:
         ae.shutdown()
     top = max(args.concurrency)       # the batched peer gets the same requests as mmjax's top level
-    hfb = None if args.no_hf else run_hf_batched(path, make_requests(args.requests, size, seed=top), args.new_tokens,
-                                                 threads)
-    hf = None if args.no_hf or args.no_hf_sequential else run_hf(path, make_requests(args.requests, size, seed=99),
-                                                                 args.new_tokens, threads)
+    peer = None if args.no_hf else _hf_model(path, threads)
+    hfb = None if args.no_hf else run_hf_batched(peer, make_requests(args.requests, size, seed=top), args.new_tokens)
+    hf = None if args.no_hf or args.no_hf_sequential else run_hf(peer, make_requests(args.requests, size, seed=99),
+                                                                 args.new_tokens)
 
     def tps(r):
         return r["tokens"] / r["wall_s"] if r else None
