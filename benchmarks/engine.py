@@ -4,9 +4,13 @@ On one random-weight LLaVA-architecture checkpoint (default ~342M params: CLIP V
 16-layer Llama hidden 1024; `--smoke` for a toy one), the same requests (a distinct 224x224 image
 + ~32-token question each, 64 new tokens, greedy, EOS ignored) are run:
   - by mmjax's AsyncEngine with 1, 4 and 16 concurrent closed-loop clients (continuous batching),
+  - by transformers `generate` on one left-padded batch of the same requests as mmjax's highest
+    concurrency level (same images, prompts, max_new_tokens, greedy: the way a transformers user
+    batches; the strongest ordinary peer),
   - one at a time through transformers `generate` (the sequential peer), in the same run.
-Reports output tokens/s, TTFT p50/p99 (submit -> first token, preprocessing included), and the
-ratio to transformers; plus what the decode step pays for: one decode step of 1 row vs every slot,
+Reports output tokens/s, TTFT p50/p99 (submit -> first token, preprocessing included), per-request
+latency p50 (submit -> last token; a batch's requests all end with the batch), and the ratios to
+both transformers runs; plus what the decode step pays for: one decode step of 1 row vs every slot,
 with 128 cache positions in use vs the whole max_model_len. Compile time (warmup) is reported apart.
 Prints a table, then one JSON line.
 """
@@ -40,7 +44,7 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
     import mmjax
     sp = mmjax.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     queue = list(requests)
-    ttfts, tokens = [], 0
+    ttfts, latencies, tokens = [], [], 0
 
     async def client():
         nonlocal tokens
@@ -56,44 +60,78 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
                     ttfts.append(time.perf_counter() - t0)
                     first = False
                 tokens += len(d.token_ids)
+            latencies.append(time.perf_counter() - t0)
 
     before = dict(vlm.engine.runner.step_seconds)
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     steps = {k: v - before[k] for k, v in vlm.engine.runner.step_seconds.items()}
-    return {"wall_s": wall, "tokens": tokens, "ttft": ttfts, "step_s": steps}
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttfts, "latency": latencies, "step_s": steps}
 
 
-def run_hf(path, requests, new_tokens: int, threads: int):
+class _Stamps:
+    """A generate() streamer that only records when each put() arrives (the first is the prompt)."""
+
+    def __init__(self):
+        self.t: list[float] = []
+
+    def put(self, value):
+        self.t.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _hf_model(path, threads: int):
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
     torch.set_num_threads(threads)
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    proc = AutoProcessor.from_pretrained(path)
-    ttfts, tokens = [], 0
+    return model, AutoProcessor.from_pretrained(path)
+
+
+def _hf_prompt(proc, q: str) -> str:
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
+    return proc.apply_chat_template(msgs, add_generation_prompt=True)
+
+
+def run_hf(hf, requests, new_tokens: int):
+    """transformers, one request at a time; hf: (model, processor) from _hf_model."""
+    import torch
+    model, proc = hf
+    ttfts, latencies, tokens = [], [], 0
     t0 = time.perf_counter()
     for img, q in requests:
         t1 = time.perf_counter()
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
-        inputs = proc(text=proc.apply_chat_template(msgs, add_generation_prompt=True), images=img,
-                      return_tensors="pt")
-        stamps = []
-
-        class Streamer:
-            def put(self, value):
-                stamps.append(time.perf_counter())
-
-            def end(self):
-                pass
-
+        inputs = proc(text=_hf_prompt(proc, q), images=img, return_tensors="pt")
+        stamps = _Stamps()
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=3,
-                                 streamer=Streamer())
-        ttfts.append(stamps[1] - t1)  # stamps[0] is the prompt
+                                 streamer=stamps)
+        ttfts.append(stamps.t[1] - t1)  # stamps.t[0] is the prompt
+        latencies.append(time.perf_counter() - t1)
         tokens += out.shape[1] - inputs["input_ids"].shape[1]
-    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts}
+    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts, "latency": latencies}
+
+
+def run_hf_batched(hf, requests, new_tokens: int):
+    """transformers, every request in one left-padded batch through one `generate` call (what a
+    transformers user does with a list of prompts): preprocessing of the whole batch included;
+    every request gets its first token at the batch's first step and ends with the batch."""
+    import torch
+    model, proc = hf
+    t0 = time.perf_counter()
+    inputs = proc(text=[_hf_prompt(proc, q) for _, q in requests], images=[img for img, _ in requests],
+                  return_tensors="pt", padding=True, padding_side="left")  # decoder-only: pad on the left
+    stamps = _Stamps()
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=3, streamer=stamps)
+    wall = time.perf_counter() - t0
+    n = len(requests)
+    return {"wall_s": wall, "tokens": n * (out.shape[1] - inputs["input_ids"].shape[1]),
+            "ttft": [stamps.t[1] - t0] * n, "latency": [wall] * n, "batch": n}
 
 
 def decode_step_times(vlm, repeats: int = 5, grid: bool = False) -> list[dict]:
@@ -128,7 +166,11 @@ def main(argv=None) -> int:
                     help="output tokens per request (128, as vLLM's random benchmark dataset)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
-    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--no-hf-sequential", action="store_true",
+                    help="skip transformers one request at a time (keep the batched peer)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="the engine waits for every step before queuing the next (A/B of overlapped steps)")
     ap.add_argument("--decode-only", action="store_true",
                     help="only time the decode step over rows x cache length in use (A/B of decode changes)")
     args = ap.parse_args(argv)
@@ -144,7 +186,7 @@ def main(argv=None) -> int:
     path = args.model or str(build_llava("smoke" if args.smoke else "default"))
     threads = args.threads or os.cpu_count()
     vlm = mmjax.load(path, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
-                     prefill_chunk=64 if args.smoke else 256, max_encode_batch=8)
+                     prefill_chunk=64 if args.smoke else 256, max_encode_batch=8, overlap=not args.no_overlap)
     size = vlm.family.cfg.vision.image_size
     t0 = time.perf_counter()
     compiled = vlm.engine.warmup()
@@ -169,26 +211,43 @@ def main(argv=None) -> int:
             results[c] = asyncio.run(run_mmjax(vlm, ae, reqs, c, args.new_tokens))
     finally:
         ae.shutdown()
-    hf = None if args.no_hf else run_hf(path, make_requests(args.requests, size, seed=99), args.new_tokens, threads)
+    top = max(args.concurrency)       # the batched peer gets the same requests as mmjax's top level
+    peer = None if args.no_hf else _hf_model(path, threads)
+    hfb = None if args.no_hf else run_hf_batched(peer, make_requests(args.requests, size, seed=top), args.new_tokens)
+    hf = None if args.no_hf or args.no_hf_sequential else run_hf(peer, make_requests(args.requests, size, seed=99),
+                                                                 args.new_tokens)
 
-    hf_tps = hf["tokens"] / hf["wall_s"] if hf else None
+    def tps(r):
+        return r["tokens"] / r["wall_s"] if r else None
+
+    hf_tps, hfb_tps = tps(hf), tps(hfb)
+
+    def stats(r):
+        return {"output_tok_s": tps(r), "ttft_p50_s": percentile(r["ttft"], 50), "ttft_p99_s": percentile(r["ttft"], 99),
+                "latency_p50_s": percentile(r["latency"], 50), "wall_s": r["wall_s"]}
+
     rows = []
     for c, r in results.items():
-        tps = r["tokens"] / r["wall_s"]
-        rows.append({"concurrency": c, "requests": args.requests, "output_tok_s": tps,
-                     "ttft_p50_s": percentile(r["ttft"], 50), "ttft_p99_s": percentile(r["ttft"], 99),
-                     "vs_hf_sequential": tps / hf_tps if hf_tps else None,
-                     "wall_s": r["wall_s"], "step_s": r["step_s"]})
-    print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, float32, {threads} threads)")
+        rows.append({"concurrency": c, "requests": args.requests, **stats(r),
+                     "vs_hf_sequential": tps(r) / hf_tps if hf_tps else None,
+                     "vs_hf_batched": tps(r) / hfb_tps if hfb_tps else None, "step_s": r["step_s"]})
+    print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, float32, {threads} threads, "
+          f"{'synchronous' if args.no_overlap else 'overlapped'} engine steps)")
     print(f"warmup: {sum(compiled.values())} compiled shapes {compiled} in {compile_s:.1f}s (excluded below)")
-    print(f"{'who':<22}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'vs HF seq':>11}")
+    print(f"{'who':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'lat. p50':>10}"
+          f"{'vs HF seq':>11}{'vs HF batch':>13}")
+
+    def line(who, conc, st, seq, bat):
+        x = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
+        print(f"{who:<24}{conc:>5}{st['output_tok_s']:>10.1f}{st['ttft_p50_s'] * 1e3:>8.0f}ms"
+              f"{st['ttft_p99_s'] * 1e3:>8.0f}ms{st['latency_p50_s']:>9.1f}s{x(seq):>11}{x(bat):>13}")
     for row in rows:
-        ratio = f"{row['vs_hf_sequential']:.2f}x" if row["vs_hf_sequential"] else "-"
-        print(f"{'mmjax engine':<22}{row['concurrency']:>5}{row['output_tok_s']:>10.1f}"
-              f"{row['ttft_p50_s'] * 1e3:>9.0f}ms{row['ttft_p99_s'] * 1e3:>9.0f}ms{ratio:>11}")
+        line("mmjax engine", row["concurrency"], row, row["vs_hf_sequential"], row["vs_hf_batched"])
+    if hfb:
+        line(f"transformers (batch {hfb['batch']})", hfb["batch"], stats(hfb), hfb_tps / hf_tps if hf_tps else None,
+             1.0)
     if hf:
-        print(f"{'transformers (seq.)':<22}{1:>5}{hf_tps:>10.1f}{percentile(hf['ttft'], 50) * 1e3:>9.0f}ms"
-              f"{percentile(hf['ttft'], 99) * 1e3:>9.0f}ms{'1.00x':>11}")
+        line("transformers (seq.)", 1, stats(hf), 1.0, hf_tps / hfb_tps if hfb_tps else None)
     for row in rows:
         busy = sum(row["step_s"].values())
         print(f"mmjax time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
@@ -197,10 +256,11 @@ def main(argv=None) -> int:
     print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads,
+               "overlap": not args.no_overlap,
                "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,
                "mmjax": rows, "decode_steps": decode_steps,
-               "hf_sequential": None if not hf else {"output_tok_s": hf_tps, "ttft_p50_s": percentile(hf["ttft"], 50),
-                                                     "ttft_p99_s": percentile(hf["ttft"], 99)}}
+               "hf_sequential": None if not hf else stats(hf),
+               "hf_batched": None if not hfb else {"batch": hfb["batch"], **stats(hfb)}}
     print(json.dumps(summary))
     return 0
 

@@ -15,6 +15,12 @@ usage, else the number of content chunks), p50/p90/p99 of each latency and the e
 status, error payloads, timeouts, connection failures). A table, then one JSON line.
 
   mmjax bench serve --url http://127.0.0.1:8000 --concurrency 8 --requests 64 --image-sizes 224x224,640x480
+
+`--llamacpp` adds llama.cpp's server as a peer in the same run: the same payloads against a
+llama-server with `--parallel <concurrency>` slots started from an existing build
+(benchmarks/llamacpp.py: the one ../shared/peers/llamacpp_peer.sh makes; a benchmark never builds
+it). Without a build it prints the llama.cpp figures recorded on this machine class, labeled as
+recorded.
 """
 from __future__ import annotations
 
@@ -173,7 +179,9 @@ async def run_load(args) -> dict:
     if base.endswith("/v1"):
         base = base[:-3]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    conn = aiohttp.TCPConnector(limit=args.concurrency)
+    # force_close: llama-server answers every stream with `Connection: close`; a pooled connector
+    # would reuse the dead sockets (requests lost)
+    conn = aiohttp.TCPConnector(limit=args.concurrency, force_close=getattr(args, "force_close", False))
     async with aiohttp.ClientSession(connector=conn) as session:
         model = args.model or await discover_model(session, base, headers)
         payloads = build_payloads(args, model)
@@ -251,7 +259,8 @@ def format_table(r: dict) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="mmjax bench serve", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000 (required "
+                    "unless --llamacpp)")
     ap.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--requests", type=int, default=32)
@@ -270,7 +279,18 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CI size: 4 requests, concurrency 2, 8 tokens, 64x64 images")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--force-close", action="store_true", help="a new connection per request")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="also drive llama.cpp's server (--parallel = concurrency) from an existing build; "
+                         "without one, print its recorded figures")
+    ap.add_argument("--llamacpp-dir", default=None, help="llama.cpp work dir (default $MMJAX_LLAMACPP_DIR or "
+                                                         "~/.cache/mmjax/llamacpp)")
+    ap.add_argument("--llamacpp-checkpoint", default=None, help="which converted checkpoint (default: the newest)")
+    ap.add_argument("--llamacpp-threads", type=int, default=None, help="llama-server threads (default: cores)")
+    ap.add_argument("--llamacpp-port", type=int, default=18931)
     a = ap.parse_args(argv)
+    if a.url is None and not a.llamacpp:
+        ap.error("--url is required (or --llamacpp alone)")
     if a.smoke:
         a.requests, a.concurrency, a.max_tokens = min(a.requests, 4), min(a.concurrency, 2), min(a.max_tokens, 8)
         if a.image_sizes == "224x224":
@@ -280,16 +300,51 @@ def parse_args(argv):
     return a
 
 
+def run_llamacpp(args) -> dict:
+    """The same load against llama-server from an existing build, or the recorded figures."""
+    import copy
+    import os
+    import tempfile
+
+    from benchmarks import llamacpp
+
+    build = llamacpp.find_build(args.llamacpp_dir, args.llamacpp_checkpoint)
+    if build is None:
+        print(llamacpp.recorded_table())
+        return {"peer": "llama.cpp", "measured": False, "recorded": llamacpp.RECORDED}
+    la = copy.copy(args)
+    la.force_close, la.model = True, None
+    la.extra_body = json.dumps({**json.loads(args.extra_body or "{}"), "cache_prompt": False})
+    log = os.path.join(tempfile.gettempdir(), f"llama-server-{os.getpid()}.log")
+    with llamacpp.Server(build, parallel=args.concurrency, port=args.llamacpp_port,
+                         threads=args.llamacpp_threads or os.cpu_count(), log_path=log) as srv:
+        la.url = srv.url
+        r = asyncio.run(run_load(la))
+    print(f"llama.cpp peer (measured in this run: {build.server}, --parallel {args.concurrency})")
+    print(format_table(r))
+    return {"peer": "llama.cpp", "measured": True, "server": build.server, "gguf": build.text, **r}
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    r = asyncio.run(run_load(args))
-    print(format_table(r))
+    r = {}
+    if args.url:
+        r = asyncio.run(run_load(args))
+        print(format_table(r))
+    if args.llamacpp:
+        peer = run_llamacpp(args)
+        if args.url and peer["measured"] and peer["output_tokens_per_s"]:
+            r["vs_llamacpp_tok_s"] = r["output_tokens_per_s"] / peer["output_tokens_per_s"]
+            print(f"output tok/s vs llama.cpp: {r['vs_llamacpp_tok_s']:.2f}x")
+        r["llamacpp"] = peer
     line = json.dumps(r)
     print(line, flush=True)
     if args.json_out:
         with open(args.json_out, "w") as fh:
             fh.write(line + "\n")
-    return 0 if r["completed"] > 0 else 1
+    measured = [x for x in (r if args.url else None, r.get("llamacpp") if r.get("llamacpp", {}).get("measured")
+                                                       else None) if x is not None]
+    return 0 if all(x["completed"] > 0 for x in measured) else 1
 
 
 if __name__ == "__main__":

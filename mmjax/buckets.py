@@ -16,6 +16,25 @@ def pow2_ladder(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def fine_ladder(lo: int, hi: int, fine_from: int = 128, steps: int = 8, coarse_from: int = 512) -> tuple[int, ...]:
+    """Powers of two from lo below `fine_from`, then `steps` evenly spaced rungs per octave
+    (128, 144, ..., 256, 288, ...) and half as many from `coarse_from` on (each rung is one more
+    compiled shape), always ending exactly at hi. Padding a prefill chunk is paid in compute
+    once chunks are compute-bound (about 128 tokens on CPU; weights are read once per call
+    either way): with powers of two a 230-token prompt computes 256 rows (11% waste, up to 50%
+    in general), with eight rungs per octave 240 (at most 12.5%, ~6% on average)."""
+    out, x = [], lo
+    while x < min(hi, fine_from):
+        out.append(x)
+        x *= 2
+    while x < hi:
+        out.append(x)
+        octave = 1 << (x.bit_length() - 1)          # the power of two at or below x
+        x += max(octave // (steps if octave < coarse_from else steps // 2), 1)
+    out.append(hi)
+    return tuple(out)
+
+
 def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
     """Smallest rung >= n."""
     for b in ladder:
@@ -28,7 +47,9 @@ def bucket_for(n: int, ladder: tuple[int, ...]) -> int:
 class Buckets:
     """The ladders of one engine.
 
-    prefill: chunk lengths (tokens per prefill call), up to `prefill_chunk`.
+    prefill: chunk lengths (tokens per prefill call), up to `prefill_chunk`: powers of two up to
+             128, then eight rungs per octave (`fine_ladder`), so that the last chunk of a
+             prompt pads by at most 1/8.
     decode:  slots advanced per decode call (the first `rows` cache rows), up to `max_num_seqs`;
              one running request pays for a 1-row step, not for every slot.
     The cache length in use is not a bucket: attention skips the KV segments past it at run
@@ -39,5 +60,5 @@ class Buckets:
 
     @classmethod
     def make(cls, *, prefill_chunk: int, max_num_seqs: int) -> "Buckets":
-        return cls(prefill=pow2_ladder(min(16, prefill_chunk), prefill_chunk),
+        return cls(prefill=fine_ladder(min(16, prefill_chunk), prefill_chunk),
                    decode=pow2_ladder(1, max_num_seqs))

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--vision-offload", action="store_true",
                    help="keep the vision tower and projector weights in host memory (pinned where the "
                         "backend has it) and bring them to the device only inside encode steps")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="wait for every engine step before queuing the next (default: step N + 1 is queued "
+                        "before the host reads step N's tokens; A/B and debugging)")
     p.add_argument("--memory-budget", type=_memory_budget, default=None,
                    help="device memory per device for weights + KV cache + step temporaries: bytes (e.g. "
                         "20000000000, 20GiB, 512MiB) or a fraction of the device's memory (e.g. 0.9); "
@@ -256,6 +259,7 @@ def run(args) -> int:
                      tensor_parallel=args.tensor_parallel_size, data_parallel=args.data_parallel_size,
                      **({"vision_tensor_parallel": True} if args.vision_tensor_parallel else {}),
                      **({"vision_offload": True} if args.vision_offload else {}),
+                     **({"overlap": False} if args.no_overlap else {}),
                      **({"memory_budget": args.memory_budget} if args.memory_budget is not None else {}))
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family

@@ -90,11 +90,15 @@ def test_engine_bench_smoke(tmp_path):
     assert [row["concurrency"] for row in r["mmjax"]] == [1, 4]
     for row in r["mmjax"]:
         assert all(_finite(row[k]) and row[k] > 0 for k in
-                   ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "vs_hf_sequential", "wall_s"))
+                   ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "vs_hf_sequential", "vs_hf_batched",
+                    "wall_s"))
         assert set(row["step_s"]) == {"encode", "prefill", "decode", "prefill_pruned", "copy_slot"}
         assert row["step_s"]["decode"] > 0
         assert row["step_s"]["prefill_pruned"] == 0          # no FastV request in the run
     assert _finite(r["hf_sequential"]["output_tok_s"]) and r["hf_sequential"]["output_tok_s"] > 0
+    hfb = r["hf_batched"]          # one left-padded batch of the same 4 requests
+    assert hfb["batch"] == 4 and all(_finite(hfb[k]) and hfb[k] > 0 for k in ("output_tok_s", "latency_p50_s"))
+    assert "transformers (batch 4)" in out.stdout
     assert {(d["rows"], d["kv_len"]) for d in r["decode_steps"]} == {(1, 128), (1, 256), (4, 128), (4, 256)}
     assert r["compiled_shapes"]["decode"] == 3 and "transformers (seq.)" in out.stdout  # rows 1, 2, 4
 
@@ -236,11 +240,33 @@ def test_serve_bench_counts_errors(capsys):
     assert r["output_tokens"] == 20 and not r["usage_reported"]  # counted from chunks
 
 
-def test_serve_bench_connection_refused(capsys):
+def test_serve_bench_connection_refused(capsys, tmp_path, monkeypatch):
     port = _free_port()
     rc, r = _run_serve_bench(["--url", f"http://127.0.0.1:{port}", "--model", "x", "--requests", "2",
                               "--warmup", "0", "--image-sizes", ""], capsys)
     assert rc == 1 and r["errors"] == 2 and r["completed"] == 0 and r["ttft_p50_ms"] is None
+    # --llamacpp without a llama.cpp build: its figures recorded on this machine class, labeled so
+    from benchmarks import llamacpp
+    monkeypatch.setenv("MMJAX_LLAMACPP_DIR", str(tmp_path))
+    from benchmarks import serve as bench_serve
+    rc = bench_serve.main(["--llamacpp"])
+    out = capsys.readouterr().out
+    r = _last_json(out)
+    assert rc == 0 and r["llamacpp"]["measured"] is False and r["llamacpp"]["recorded"] == llamacpp.RECORDED
+    assert "RECORDED figures" in out and "not measured in this run" in out
+    # the peer script's layout is found (server binary + converted GGUFs)
+    bin_dir = tmp_path / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "llama-server").write_text("#!/bin/sh\n")
+    (bin_dir / "llama-server").chmod(0o755)
+    assert llamacpp.find_build() is None                 # no GGUFs yet
+    g = tmp_path / "gguf" / "llava-default"
+    g.mkdir(parents=True)
+    for f in ("text-f32.gguf", "mmproj-f32.gguf"):
+        (g / f).write_bytes(b"GGUF")
+    b = llamacpp.find_build()
+    assert b.server == str(bin_dir / "llama-server") and b.text == str(g / "text-f32.gguf")
+    assert llamacpp.find_build(checkpoint="/x/other") is None
 
 
 @pytest.mark.slow

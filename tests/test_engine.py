@@ -203,6 +203,16 @@ def test_prefill_budget_cuts_only_the_first_prompt(path):
                     ([150, 40, 0, 0], 2),    # its tail (22) + a whole short one (40); 20 > 2 left
                     ([150, 40, 20, 30], 2)]  # 20 + 30 <= 64
     assert all(o.finish_reason == "length" for o in eng.run_until_done(ids))
+    # images are encoded for the step whose prefill takes them, not all on admission (three
+    # ~45-token image prompts: one per step)
+    prompt = "USER: <image>\nsay one two three four five ASSISTANT:"
+    ids = [eng.add_request(prompt, vlm.prepare_images([noise_image(70 + i, 30, 30)]), sp) for i in range(3)]
+    seen = []
+    for _ in range(3):
+        eng.step()
+        seen.append((eng.stats()["images_encoded"], sum(eng.requests[i].prefilled > 0 for i in ids)))
+    assert seen == [(1, 1), (2, 2), (3, 3)], seen
+    assert all(o.finish_reason == "length" for o in eng.run_until_done(ids))
 
 
 def test_stop_strings_and_streamed_text(path):
@@ -362,3 +372,68 @@ def test_bare_image_token_ids_are_a_prompt_error(path):
     image_id = vlm.family.image_token_id
     with pytest.raises(mmjax.PromptError, match="image tokens"):
         vlm.engine.add_request([1, 5, image_id, 7], [], mmjax.SamplingParams(max_tokens=2))
+
+
+def test_overlapped_steps_equal_synchronous_steps(path):
+    """Overlapped steps (the host reads step N's tokens after queuing step N + 1) give the same
+    outputs as waiting for every step: greedy ids and logprobs, a stop string, a stop id,
+    max_tokens, n = 2 sampled with a seed, a grammar-constrained request (its steps run
+    synchronously: nothing is left in flight while it decodes) and an abort mid-stream (at most
+    one token fewer, a prefix of the synchronous run's; the freed slot serves a new request)."""
+    from mmjax.serving.structured import StructuredSpec
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=64, enable_prefix_cache=False)
+    eng = vlm.engine
+    img = vlm.prepare_images([noise_image(61, 45, 30)])
+    # p1: 120 tokens, so that decoding crosses the cache's first KV segment (128 positions: a
+    # kv_len one short there skips the segment holding the new token)
+    p0, p1 = "USER: <image>\ndescribe it ASSISTANT:", list(range(5, 125))
+    lp = lambda n, **kw: mmjax.SamplingParams(logprobs=n, **{**GREEDY, **kw})  # noqa: E731
+    full = eng.run_until_done([eng.add_request(p0, img, lp(3, max_tokens=20)), eng.add_request(p1, [], lp(0, max_tokens=9))])
+    stop = full[0].text[len(full[0].text) // 2:][:2]
+    assert len(stop) == 2 and "\ufffd" not in stop
+    script = [  # (arrival step, prompt, images, sampling)
+        (0, p0, img, lp(3, max_tokens=20, stop=[stop])),
+        (0, p1, [], lp(0, max_tokens=9, stop_token_ids=[full[1].token_ids[4]])),
+        (1, "USER: count to ten ASSISTANT:", [], lp(None, max_tokens=40)),           # aborted at step 8
+        (2, p1, [], mmjax.SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2, logprobs=1)),
+        (3, "USER: pick ASSISTANT:", [], mmjax.SamplingParams(max_tokens=30, temperature=1.0, seed=3,
+                                                              structured=StructuredSpec("regex", "[a-c]{4,9}"))),
+        (9, p0, img, lp(2, max_tokens=6)),
+    ]
+
+    def run(overlap):
+        eng.overlap = overlap
+        ids, step, in_flight = [None] * len(script), 0, []
+        while any(i is None for i in ids) or any(eng.requests[r].finish_reason is None for g in ids for r in g):
+            for k, (at, prompt, images, sp) in enumerate(script):
+                if ids[k] is None and at <= step:
+                    ids[k] = [eng.submit(q) for q in eng.siblings(eng.make_request(prompt, images, sp), sp.n)]
+            if step == 8:
+                assert eng.abort(ids[2][0])
+            eng.step()
+            step += 1
+            grammar = any(r.constraints for r in eng.scheduler.decoding())
+            in_flight.append((grammar, len(eng._pending)))
+        assert eng.stats()["slots_used"] == 0
+        outs = [[eng.output(r) for r in g] for g in ids]
+        for g in ids:
+            for r in g:
+                eng.release(r)
+        return [o for g in outs for o in g], in_flight
+
+    ov, flight = run(True)
+    sync, sync_flight = run(False)
+    assert any(n for g, n in flight if not g) and not any(n for g, n in flight if g)  # overlapped; grammar: not
+    assert not any(n for _, n in sync_flight)
+    reasons = [o.finish_reason for o in sync]
+    assert reasons == ["stop", "stop", "abort", "length", "length", "stop", "length"], reasons
+    assert sync[1].token_ids == full[1].token_ids[:5] and sync[0].text == full[0].text[:full[0].text.find(stop)]
+    for a, b in zip(ov, sync):
+        if b.finish_reason == "abort":   # the overlapped run had read at most one step less
+            assert b.token_ids[:len(a.token_ids)] == a.token_ids and len(b.token_ids) - len(a.token_ids) in (0, 1)
+            continue
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) <= 1e-5
+    assert sync[3].token_ids != sync[4].token_ids     # n = 2: two sampled choices

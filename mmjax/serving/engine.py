@@ -1,10 +1,23 @@
 """Continuous batching over decode slots: the step loop.
 
-Each `step()`: admit waiting requests into free slots (scheduler); encode every image not in the
-encoder cache, batched across requests; prefill chunks up to `prefill_chunk` tokens in total (a
+Each `step()`: admit waiting requests into free slots (scheduler); plan this step's prefill
+chunks and encode the images of those requests not in the encoder cache, batched across
+requests (not every admitted request's: TTFT); prefill chunks up to `prefill_chunk` tokens in total (a
 long image prompt is spread over several steps and never freezes running streams); one decode
 step over the lowest slots that cover every running one (the decode ladder's rows). Host-only
 work (tokenizing, stop strings, detokenizing) stays on the host (serving/output.py).
+
+Overlapped steps (`overlap=True`, the default): a step's compiled calls are queued without
+waiting for them, and the host reads the previous step's sampled tokens (detokenizing, stop
+strings, streaming) while the device runs this one. Each decode step takes its input tokens
+from the decode state on the device (the previous step's samples), so nothing waits for the
+host. A request is known to be done at most one step late: a stop string, EOS, stop id or abort
+seen in step N's tokens leaves one more token of it in step N + 1, which is discarded (its slot
+is parked and freed after that step: every later call into the slot is ordered after it on the
+device through the donated cache). A request that must end by max_tokens / max_model_len is
+known in advance and not decoded again. Rows with host constraints (a grammar or multi-token
+bad words: their next bitmask is computed from the previous token on the host) make a step
+synchronous: while such a request decodes, the previous step is read before the next is queued.
 
 Failures stay with their culprit: an image that fails to encode fails its own request; a prefill
 that fails before it consumed the donated cache fails only its request. Only a failure that lost
@@ -47,8 +60,13 @@ class Engine:
                  prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
-                 vision_offload: bool = False, memory_budget: int | float | None = None):
+                 vision_offload: bool = False, memory_budget: int | float | None = None, overlap: bool = True):
+        """overlap: queue each step before reading the previous step's tokens (module docstring)."""
         self.model = model
+        self.overlap = overlap
+        # dispatched calls whose sampled tokens the host has not read yet, in dispatch order:
+        # (PendingOutput, [(request, output row)]); see _collect
+        self._pending: list[tuple[Any, list[tuple[Request, int]]]] = []
         self.tokenizer = model.tokenizer
         self.family = model.family
         max_model_len = max_model_len or min(model.family.text_model.max_position_embeddings, 4096)
@@ -282,7 +300,9 @@ class Engine:
         return self.runner.compiled_counts()
 
     def reset_device_state(self) -> None:
-        """Fresh KV cache and decode state; the prefix cache forgets what the old one held."""
+        """Fresh KV cache and decode state; the prefix cache forgets what the old one held (and
+        tokens of steps still in flight are dropped)."""
+        self._drop_pending()
         self.runner.reset_device_state()
         self.prefix_cache.clear()
 
@@ -294,14 +314,60 @@ class Engine:
         deltas: list[Delta] = []
         for req in self.scheduler.admit():
             self.counters["tokens_cached"] += req.cached_tokens
-        self._encode_missing([r for r in self.scheduler.active() if r.prefilling], deltas)
-        for req, n in self.scheduler.prefill_plan():
+        plan = self.scheduler.prefill_plan()
+        # only the images this step's prefill chunks need: encoding every admitted request's
+        # images up front would put all of them before the first request's first token
+        self._encode_missing([r for r, _ in plan], deltas)
+        for req, n in plan:
             if req.finish_reason is None:
                 self._prefill(req, n, deltas)
         running = self.scheduler.decoding()
-        if running:
-            self._decode(running, deltas)
+        # host constraints need the previous token for the next bitmask: no overlap then
+        sync = not self.overlap or any(r.constraints for r in running)
+        if sync:
+            self._collect(deltas)
+        running = [r for r in self.scheduler.decoding() if not self._must_end(r)]
+        queued = bool(running) and self._decode(running, deltas)
+        # read what was queued before this step's decode (the previous decode, this step's
+        # prefills) while the decode runs; synchronous: everything
+        self._collect(deltas, keep=1 if queued and not sync else 0)
         return deltas
+
+    def _must_end(self, req: Request) -> bool:
+        """Will `req` end on a token already in flight (max_tokens or the context reached)? Then
+        it is not decoded again (its row, if the step covers it, writes only its own slot)."""
+        n = len(req.output_ids) + req.inflight
+        return n >= req.sampling.max_tokens or req.prompt_len + n >= self.max_model_len
+
+    def _collect(self, deltas: list[Delta], keep: int = 0) -> None:
+        """Read the tokens of the dispatched calls, oldest first, all but the newest `keep`, and
+        hand them to their requests (rows of requests that ended meanwhile are discarded). A
+        call that failed on the device fails what it held (`_device_failure`)."""
+        while len(self._pending) > keep:
+            pending, rows = self._pending.pop(0)
+            for req, _ in rows:
+                req.inflight -= 1
+            try:
+                out = pending.result()
+            except Exception as e:
+                self._device_failure(None, _as_error(e, "running a step"), deltas)
+                return
+            for req, row in rows:
+                if req.finish_reason is None:
+                    if req.first_token_time is None:
+                        req.first_token_time = time.monotonic()
+                    self._emit_token(req, out, row, deltas)
+
+    def _drop_pending(self) -> None:
+        for _, rows in self._pending:
+            for req, _ in rows:
+                req.inflight -= 1
+        self._pending = []
+
+    def _dispatched(self, pending, rows: list[tuple[Request, int]]) -> None:
+        for req, _ in rows:
+            req.inflight += 1
+        self._pending.append((pending, rows))
 
     def fail_request(self, req: Request, err: MMJaxError, deltas: list[Delta]) -> None:
         """End `req` with `err` (an error delta is appended to `deltas`)."""
@@ -415,8 +481,8 @@ class Engine:
                 nxt[:len(req.prompt_ids[lo + 1:hi + 1])] = req.prompt_ids[lo + 1:hi + 1]
             out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
                                       req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans,
-                                      prune=req.prune, vrow=req.vrow, bits=bits, next_ids=nxt)
-            if out.scores is not None:
+                                      prune=req.prune, vrow=req.vrow, bits=bits, next_ids=nxt, wait=False)
+            if nxt is not None:   # a scores prefill has waited: its output is on the host
                 req.prompt_scores = (req.prompt_scores or []) + [out.scores]
         except Exception as e:
             self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
@@ -427,14 +493,14 @@ class Engine:
         req.prefilled = hi
         if not req.prefilling:
             req.feats = []  # the KV cache holds them now
-            req.first_token_time = time.monotonic()
             self._fork(req)
-            self._emit_token(req, out, 0, deltas)
+            self._dispatched(out, [(req, 0)])   # its first token: read in _collect
 
-    def _decode(self, running: list[Request], deltas: list[Delta]) -> None:
+    def _decode(self, running: list[Request], deltas: list[Delta]) -> bool:
+        """Queue one decode step over `running` (True) or fail what it held (False)."""
         # positions in use after this step; per layer only when a pruned request (shorter after
         # its layer) is running
-        lens = max(r.prompt_len + len(r.output_ids) for r in running)
+        lens = max(r.prompt_len + len(r.output_ids) + r.inflight for r in running)
         if any(r.prune is not None for r in running):
             lens = np.asarray([max(r.kv_positions(i) for r in running)
                                for i in range(self.family.text_model.num_layers)])
@@ -446,13 +512,13 @@ class Engine:
                 if r.constraints:
                     self._bits(r, bits[r.slot])
         try:
-            out = self.runner.decode(lens, rows, bits)
+            out = self.runner.decode(lens, rows, bits, wait=False)
         except Exception as e:
             self._device_failure(None, _as_error(e, "decoding"), deltas)
-            return
+            return False
         self.counters["decode_steps"] += 1
-        for r in running:
-            self._emit_token(r, out, r.slot, deltas)
+        self._dispatched(out, [(r, r.slot) for r in running])
+        return True
 
     def _emit_token(self, req: Request, out, row: int, deltas: list[Delta]) -> None:
         try:
@@ -470,6 +536,9 @@ class Engine:
         Otherwise every slot's KV is gone: requests that produced nothing yet go back to the
         queue (they restart from their prompt), the others fail."""
         log.error("%s (request %s)", err.message, culprit.id if culprit else "-")
+        # the calls queued before this one finished (or failed) on their own: their tokens
+        # count as produced, as if each step had been waited for
+        self._collect(deltas)
         if not self.runner.device_state_lost():
             if culprit is not None:
                 self.fail_request(culprit, err, deltas)

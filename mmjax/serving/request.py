@@ -71,6 +71,7 @@ class Request:
     finish_reason: str | None = None
     error: MMJaxError | None = None
     first_token_time: float | None = None
+    inflight: int = 0                # tokens sampled by dispatched steps the host has not read yet
     feats: list = field(default_factory=list)  # per image: np.ndarray [tokens, hidden] once encoded
     vrow: Any = None                 # sampling.VocabRow of penalties / bias / token limits (None: none)
     prompt_scores: list | None = None  # prompt_logprobs: per prefill chunk, runner.prompt_scores arrays
@@ -109,7 +110,7 @@ class Request:
     def kv_positions(self, layer: int) -> int:
         """Cache positions this request uses in `layer` (prompt + output tokens, less what
         pruning dropped there)."""
-        n = self.prompt_len + len(self.output_ids)
+        n = self.prompt_len + len(self.output_ids) + self.inflight
         return n - self.pruned_tokens if self.prune is not None and layer > self.prune[0] else n
 
     @property

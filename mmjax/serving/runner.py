@@ -78,6 +78,28 @@ class StepOutput:
     top_ids: np.ndarray     # [rows, 20]
     scores: tuple | None = None   # prefill with next_ids: prompt_scores (chosen, rank, top_ids, top_lp) [n, ...]
 
+    def result(self) -> "StepOutput":
+        """Already on the host (the PendingOutput interface, for steps that always wait)."""
+        return self
+
+
+class PendingOutput:
+    """One dispatched step's sampling results, still on the device (overlapped steps: the host
+    queues the next step before it reads these). `result()` waits for them and copies them to
+    the host once; the wait is what the host spent on this step kind (`step_seconds`)."""
+
+    def __init__(self, runner: "ModelRunner", kind: str, arrays):
+        self._runner, self._kind, self._arrays = runner, kind, arrays
+        self._out: StepOutput | None = None
+
+    def result(self) -> StepOutput:
+        if self._out is None:
+            t0 = time.perf_counter()
+            self._out = StepOutput(*(np.asarray(x) for x in self._arrays))
+            self._runner.step_seconds[self._kind] += time.perf_counter() - t0
+            self._arrays = None
+        return self._out
+
 
 def image_mask_spec(family: Family, spans: jax.Array) -> MaskSpec | None:
     """The prefill mask for spans [b, t] (image-token run ids, -1 elsewhere): bidirectional runs
@@ -432,14 +454,19 @@ class ModelRunner:
         return any(x.is_deleted() for x in jax.tree.leaves((self.cache, self.state)))
 
     # ---- host entry points -----------------------------------------------------------------
-    def _track(self, kind: str, shape, fn, *args, **kw):
+    def _track(self, kind: str, shape, fn, *args, wait: bool = True, **kw):
         """Run one compiled step and wait for it (its outputs are read on the host right after
-        anyway); the time goes to compile_seconds on a shape's first call, else step_seconds."""
+        anyway); the time goes to compile_seconds on a shape's first call, else step_seconds.
+        wait=False (overlapped steps): only dispatch it (a shape's first call still waits, so
+        that its compile time is measured); step_seconds then gets the dispatch time, and
+        `PendingOutput.result` adds the time the host waits for the outputs."""
         self.calls[kind] += 1
         first = shape not in self.compiled[kind]
         t0 = time.perf_counter()
         with compiling_for(self.tuning.platform):
-            result = jax.block_until_ready(fn(*args, **kw))
+            result = fn(*args, **kw)
+            if wait or first:
+                result = jax.block_until_ready(result)
         dt = time.perf_counter() - t0
         if first:
             self.compile_seconds += dt
@@ -481,22 +508,28 @@ class ModelRunner:
                 image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: SlotSampling,
                 key: np.ndarray, spans: np.ndarray | None = None, prune: tuple[int, int] | None = None,
                 vrow: VocabRow | None = None, bits: np.ndarray | None = None,
-                next_ids: np.ndarray | None = None) -> StepOutput:
+                next_ids: np.ndarray | None = None, wait: bool = True) -> StepOutput | PendingOutput:
         """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index
         `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none).
         prune (layer, keep): FastV pruning of the image tokens after `layer` (the whole prompt,
         start 0; later layers compute the remaining tokens' bucket). vrow: the request's VocabRow
         (None: no penalties/bias/limits); bits [bit_words] uint32: the first token's allowed-token
         bitmask (None: all). next_ids [n] (prompt_logprobs): each position's next prompt token;
-        the output's `scores` then holds `prompt_scores` of the chunk's positions (no pruning)."""
+        the output's `scores` then holds `prompt_scores` of the chunk's positions (no pruning; such
+        a step always waits). wait=False: return a PendingOutput without waiting for the step."""
         args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key, spans, prune,
                 vrow, bits, next_ids)
         if self._announce is not None:
-            return self._announce("prefill", args, lambda: self._prefill_chunk(*args))
-        return self._prefill_chunk(*args)
+            return self._announce("prefill", args, lambda: self._prefill_chunk(*args, wait=wait))
+        return self._prefill_chunk(*args, wait=wait)
+
+    def _output(self, kind: str, out, wait: bool) -> StepOutput | PendingOutput:
+        pending = PendingOutput(self, kind, out)
+        return pending.result() if wait else pending
 
     def _prefill_chunk(self, slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling,
-                       key, spans=None, prune=None, vrow=None, bits=None, next_ids=None) -> StepOutput:
+                       key, spans=None, prune=None, vrow=None, bits=None, next_ids=None, wait: bool = True
+                       ) -> StepOutput | PendingOutput:
         n = len(token_ids)
         vrow = self.default_row() if vrow is None else vrow
         bits = self.all_allowed() if bits is None else np.asarray(bits, np.uint32)
@@ -517,8 +550,8 @@ class ModelRunner:
             self.cache, self.state, out = self._track(
                 "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
                 self.state, ids, emb, mask, pos, np.int32(slot), np.int32(n), np.int32(rope_delta), sampling,
-                np.asarray(key, np.uint32), spans, vrow, bits, layer=layer, keep=keep, out_len=out_len)
-            return StepOutput(*(np.asarray(x) for x in out))
+                np.asarray(key, np.uint32), spans, vrow, bits, layer=layer, keep=keep, out_len=out_len, wait=wait)
+            return self._output("prefill_pruned", out, wait)
         if next_ids is not None:
             if prune is not None:
                 raise ValueError("prompt scores of a pruned prefill are not defined")
@@ -531,8 +564,8 @@ class ModelRunner:
         self.cache, self.state, out = self._track(
             "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
             np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
-            np.asarray(key, np.uint32), spans, vrow, bits)
-        return StepOutput(*(np.asarray(x) for x in out))
+            np.asarray(key, np.uint32), spans, vrow, bits, wait=wait)
+        return self._output("prefill", out, wait)
 
     def fill_cross(self, slot: int, feats: list[np.ndarray], n_tiles: list[int], dec: int) -> None:
         """Cross-attention families: write one request's images (feats: per image [vision tokens,
@@ -557,18 +590,22 @@ class ModelRunner:
                                  np.int32(len(feats)), tiles, np.int32(dec))
 
     def decode(self, max_length: int | np.ndarray, active_rows: int | None = None,
-               bits: np.ndarray | None = None) -> StepOutput:
+               bits: np.ndarray | None = None, wait: bool = True) -> StepOutput | PendingOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
         by one token; `max_length` = longest active sequence after the step (per layer
         [num_layers] where pruned rows make later layers shorter); bits [>= active_rows,
         bit_words] uint32: allowed-token bitmasks of the slots (None: all allowed; missing rows
-        are unconstrained). Outputs have one row per advanced slot."""
+        are unconstrained). Outputs have one row per advanced slot. The step reads each slot's
+        input token from the decode state on the device (the previous step's sample), so with
+        wait=False (a PendingOutput comes back) the next step can be queued before the host
+        reads this one's tokens."""
         if self._announce is not None:
             return self._announce("decode", (max_length, active_rows, bits),
-                                  lambda: self._decode_rows(max_length, active_rows, bits))
-        return self._decode_rows(max_length, active_rows, bits)
+                                  lambda: self._decode_rows(max_length, active_rows, bits, wait))
+        return self._decode_rows(max_length, active_rows, bits, wait)
 
-    def _decode_rows(self, max_length: int | np.ndarray, active_rows: int | None, bits=None) -> StepOutput:
+    def _decode_rows(self, max_length: int | np.ndarray, active_rows: int | None, bits=None,
+                     wait: bool = True) -> StepOutput | PendingOutput:
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
         kv_lens = np.broadcast_to(np.asarray(max_length, np.int32), (self.text_model.num_layers,))
         full = self.all_allowed(rows)
@@ -576,8 +613,9 @@ class ModelRunner:
             k = min(rows, len(bits))
             full[:k] = bits[:k]
         self.cache, self.state, out = self._track("decode", rows, self._decode, self.params, self.cache,
-                                                  self.state, np.ascontiguousarray(kv_lens), full, rows=rows)
-        return StepOutput(*(np.asarray(x) for x in out))
+                                                  self.state, np.ascontiguousarray(kv_lens), full, rows=rows,
+                                                  wait=wait)
+        return self._output("decode", out, wait)
 
     def warmup(self) -> None:
         """Compile every bucket of every step (leaves garbage in slot 0: reset afterwards)."""
