@@ -92,9 +92,9 @@ def test_engine_bench_smoke(tmp_path):
         assert all(_finite(row[k]) and row[k] > 0 for k in
                    ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "vs_hf_sequential", "vs_hf_batched",
                     "wall_s"))
-        assert set(row["step_s"]) == {"encode", "prefill", "decode", "prefill_pruned", "copy_slot"}
+        assert set(row["step_s"]) == {"encode", "prefill", "decode", "prefill_pruned", "prefill_scores", "copy_slot"}
         assert row["step_s"]["decode"] > 0
-        assert row["step_s"]["prefill_pruned"] == 0          # no FastV request in the run
+        assert row["step_s"]["prefill_pruned"] == row["step_s"]["prefill_scores"] == 0   # no FastV / prompt_logprobs
     assert _finite(r["hf_sequential"]["output_tok_s"]) and r["hf_sequential"]["output_tok_s"] > 0
     hfb = r["hf_batched"]          # one left-padded batch of the same 4 requests
     assert hfb["batch"] == 4 and all(_finite(hfb[k]) and hfb[k] > 0 for k in ("output_tok_s", "latency_p50_s"))
