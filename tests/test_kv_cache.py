@@ -275,6 +275,21 @@ def test_gpu_ragged_decode_kernel_matches_oracle(window, group, dtype):
     tol = 2e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
     if quant:      # the XLA path (CPU / sharded steps) over the same quantized cache
-        xla = decoder.cache_attention(jnp.asarray(q, dtype), kt_segs, v_segs, jnp.asarray(q_index), jnp.int32(s),
-                                      mask=mask, scales=scales)
+        args = (jnp.asarray(q, dtype), kt_segs, v_segs, jnp.asarray(q_index))
+        xla = decoder.cache_attention(*args, jnp.int32(s), mask=mask, scales=scales)
         np.testing.assert_allclose(np.asarray(xla, np.float64), want, rtol=tol, atol=tol)
+        # scales go on the scores / weights: no product has a (dequantized) K or V segment's shape
+        jaxpr = jax.make_jaxpr(lambda *a: decoder.cache_attention(*a, jnp.int32(s), mask=mask, scales=scales))(*args)
+        seg_shapes = {rows + tuple(x.shape[1:]) for x in kt_segs + v_segs for rows in ((b,), (b + 1,))}
+        muls = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "mul"]
+        assert muls and not [e for e in muls if tuple(e.outvars[0].aval.shape) in seg_shapes]
+
+
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr, sub-jaxprs (cond branches) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for j in (p if isinstance(p, (tuple, list)) else [p]):
+                if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+                    yield from _all_eqns(j.jaxpr)

@@ -41,6 +41,11 @@ def resolve(kv_cache_dtype: str | None, model_dtype) -> np.dtype:
     return np.dtype(names[kv_cache_dtype])
 
 
+def dtype_name(dtype) -> str:
+    """The `kv_cache_dtype` name of a cache element dtype ("float32", "bfloat16", "int8", "fp8")."""
+    return "fp8" if np.dtype(dtype) == np.dtype(jnp.float8_e4m3fn) else np.dtype(dtype).name
+
+
 def is_quantized(dtype) -> bool:
     """Does a cache of this element dtype carry scales?"""
     return np.dtype(dtype) in _QMAX
