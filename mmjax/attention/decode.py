@@ -52,7 +52,7 @@ def _kernel(q_ref, kt_ref, v_ref, lo_ref, hi_ref, *refs, scale_log2: float, bloc
         start = pl.multiple_of(j * block_k, block_k)
         idx = start + jnp.arange(block_k, dtype=jnp.int32)
         inside = idx < seg_len
-        zero = 0 if quantized else 0.0
+        zero = 0 if jnp.issubdtype(kt_ref.dtype, jnp.integer) else 0.0     # int8 needs an int fill
         kt = pl_triton.load(kt_ref.at[:, pl.ds(start, block_k)], mask=inside[None, :], other=zero)
         v = pl_triton.load(v_ref.at[pl.ds(start, block_k), :], mask=inside[:, None], other=zero)
         if quantized:   # int8 / fp8: the block converted in registers, scales on scores / weights
