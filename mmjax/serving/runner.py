@@ -682,7 +682,7 @@ class ModelRunner:
 
     def _measure_memory(self) -> dict:
         w, kv = per_device_bytes(self.params), per_device_bytes(self.cache)
-        return {"mesh": self.placement.describe(),
+        return {"mesh": self.placement.describe(), "kv_cache_dtype": kv_quant.dtype_name(self.kv_cache_dtype),
                 "weight_bytes_per_device": w, "kv_cache_bytes_per_device": kv,
                 "weight_bytes_max_device": max(w.values(), default=0),
                 "kv_cache_bytes_max_device": max(kv.values(), default=0)}
