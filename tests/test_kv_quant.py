@@ -5,8 +5,8 @@ machinery (chunked prefill, prefix cache, n > 1 cache-row copies) over an int8 c
 Quality, teacher-forced so every step compares the same context: a random 40-token prompt
 prefilled (the dot path), then 32 decode steps fed the float32 cache's greedy tokens (decode's
 broadcast-reduce path); per step the quantized cache's argmax must agree with float32's and the
-log-probability of float32's chosen token must stay close. LLaVA's Llama decoder (segmented
-cache) and Gemma 3 (sliding-window rings + segmented full layers)."""
+log-probability of float32's chosen token must stay close. Gemma 3: sliding-window rings and
+segmented full layers (the Llama decoder's path), one checkpoint for CI time."""
 from __future__ import annotations
 
 import jax
@@ -19,8 +19,8 @@ from mmjax.api import load_model
 from mmjax.errors import InvalidRequestError
 
 PROMPT, STEPS, MAX_LEN = 40, 32, 128
-# (agreement, max |dlogprob|). Observed (printed with -s): LLaVA int8 1.0 / 0.0013, fp8 0.94 /
-# 0.010; Gemma 3 int8 0.97 / 0.0021, fp8 0.91 / 0.015. These random-weight models' next-token
+# (agreement, max |dlogprob|). Observed (printed with -s): Gemma 3 int8 0.97 / 0.0021, fp8 0.91 /
+# 0.015 (LLaVA's decoder, measured once: int8 1.0 / 0.0013, fp8 0.94 / 0.010). These random-weight models' next-token
 # distributions are nearly flat (top-2 margins mostly < 0.1), so a near-tie flips under a 0.002
 # change: the agreement floors leave room for 3 (int8) / 4 (fp8) such flips in 32 steps.
 TOL = {"int8": (0.9, 0.01), "fp8": (0.85, 0.05)}
@@ -55,9 +55,9 @@ def _teacher_forced(model, kv_dtype, forced=None):
     return np.array(toks), np.stack(lps)
 
 
-@pytest.mark.parametrize("name", ["llava", "gemma3"])
-def test_quantized_cache_quality_against_float32(name, llava_dirs, gemma3_dirs):
-    model = load_model(llava_dirs["gqa"] if name == "llava" else gemma3_dirs["window"], "float32")
+def test_quantized_cache_quality_against_float32(gemma3_dirs):
+    name = "gemma3"
+    model = load_model(gemma3_dirs["window"], "float32")
     ref_toks, ref_lp = _teacher_forced(model, jnp.float32)
     assert len(set(ref_toks.tolist())) > 3                 # a continuation that moves, not one token
     chosen = ref_lp[np.arange(STEPS), ref_toks]
@@ -75,24 +75,23 @@ def test_quantized_cache_quality_against_float32(name, llava_dirs, gemma3_dirs):
 def test_int8_cache_through_the_engine(llava_dirs):
     """An int8 cache under the engine's machinery: a prompt longer than the prefill chunk (three
     chunked prefills), n = 2 siblings (the prompt's cache row copied, scales included), the same
-    request again served from the prefix cache: identical to the engine with the prefix cache
-    off. stats() names the dtype and counts int8 data + bfloat16 scales."""
+    request again served from the prefix cache: identical to the first (cache-free) run.
+    stats() names the dtype and counts int8 data + bfloat16 scales."""
     from mmjax.models.text.kv_quant import bytes_per_token
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         mmjax.load(llava_dirs["gqa"], kv_cache_dtype="int4")
     kw = dict(max_num_seqs=4, max_model_len=128, prefill_chunk=16, kv_cache_dtype="int8")
-    on, off = mmjax.load(llava_dirs["gqa"], **kw), mmjax.load(llava_dirs["gqa"], enable_prefix_cache=False, **kw)
+    on = mmjax.load(llava_dirs["gqa"], **kw)
     prompt = "USER: " + " ".join(f"word{i}" for i in range(14)) + " ASSISTANT:"
     sp = mmjax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)
-    first = on.generate(prompt, sp)[0]
+    want = on.generate(prompt, sp)[0]
+    cached = on.engine.stats()["tokens_cached"]           # (the sibling's copied prompt counts too)
     again = on.generate(prompt, sp)[0]
-    want = off.generate(prompt, sp)[0]
     assert len(on.tokenizer.encode(prompt)) > 2 * 16                            # chunked prefill
-    for out in (first, again):
-        assert out.token_ids == want.token_ids and len(out.token_ids) == 8
-        assert [s.token_ids for s in out.siblings] == [want.token_ids]          # the copied row decodes alike
+    assert len(want.token_ids) == 8 and [s.token_ids for s in want.siblings] == [want.token_ids]  # copied row
+    assert again.token_ids == want.token_ids and [s.token_ids for s in again.siblings] == [want.token_ids]
     st = on.engine.stats()
-    assert st["tokens_cached"] > 0 and st["kv_cache_dtype"] == "int8"
+    assert st["tokens_cached"] > cached and st["kv_cache_dtype"] == "int8"        # the prefix cache served
     cfg = on.engine.runner.text_model.cfg
     assert st["kv_cache_bytes_max_device"] == 4 * 128 * cfg.num_layers * bytes_per_token(
         cfg.num_kv_heads, cfg.head_dim, jnp.int8)
