@@ -247,7 +247,9 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     kvh = kts[0].shape[1]
     g = h // kvh
     n = t * g
-    small = reduce_small and n <= SMALL_N and b * kvh >= SMALL_N_MIN_CALLS
+    # a quantized cache always takes the reductions when they apply: they convert int8 / fp8 inside
+    # the fused multiply-reduce, where XLA:CPU's dot would first write a converted copy of the segment
+    small = reduce_small and n <= SMALL_N and (b * kvh >= SMALL_N_MIN_CALLS or scales is not None)
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
     if t == 1 and slots is None and (mask is None or mask.spans is None) and _gpu_decode_kernel(hd):
         return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
