@@ -92,6 +92,10 @@ def test_int8_cache_through_the_engine(llava_dirs):
     assert again.token_ids == want.token_ids and [s.token_ids for s in again.siblings] == [want.token_ids]
     st = on.engine.stats()
     assert st["tokens_cached"] > cached and st["kv_cache_dtype"] == "int8"        # the prefix cache served
+    from serve.metrics import EngineCollector
+    info = [(s.labels, s.value) for m in EngineCollector(on.engine.stats).collect()
+            if m.name == "mmjax_kv_cache_dtype_info" for s in m.samples]
+    assert info == [({"dtype": "int8"}, 1)]
     cfg = on.engine.runner.text_model.cfg
     assert st["kv_cache_bytes_max_device"] == 4 * 128 * cfg.num_layers * bytes_per_token(
         cfg.num_kv_heads, cfg.head_dim, jnp.int8)
