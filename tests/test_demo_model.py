@@ -130,6 +130,7 @@ def test_heldout_accuracy_through_chat(vlm, seed, questions, chat_answers):
     assert describe >= 0.90, (describe, acc, wrong[:10])
 
 
+@pytest.mark.slow
 def test_int8_kv_cache_heldout_accuracy(shipped, questions, chat_answers):
     """mmjax-shapes with an int8 KV cache (models/text/kv_quant), the same held-out questions as
     test_heldout_accuracy_through_chat, batched through one engine: overall accuracy >= 95%
