@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128,
                     help="output tokens per request (128, as vLLM's random benchmark dataset)")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8", "fp8"],
+                    help="KV cache element type (int8 / fp8: per-token, per-KV-head scales)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     ap.add_argument("--no-hf-sequential", action="store_true",
@@ -186,7 +188,8 @@ def main(argv=None) -> int:
     path = args.model or str(build_llava("smoke" if args.smoke else "default"))
     threads = args.threads or os.cpu_count()
     vlm = mmjax.load(path, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
-                     prefill_chunk=64 if args.smoke else 256, max_encode_batch=8, overlap=not args.no_overlap)
+                     prefill_chunk=64 if args.smoke else 256, max_encode_batch=8, overlap=not args.no_overlap,
+                     kv_cache_dtype=args.kv_cache_dtype)
     size = vlm.family.cfg.vision.image_size
     t0 = time.perf_counter()
     compiled = vlm.engine.warmup()

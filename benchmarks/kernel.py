@@ -129,7 +129,7 @@ class CompileLog(logging.Handler):
 
 
 class MMJaxSide:
-    def __init__(self, path: str, max_model_len: int, prefill_chunk: int):
+    def __init__(self, path: str, max_model_len: int, prefill_chunk: int, kv_cache_dtype: str = "auto"):
         import mmjax
         from mmjax.api import VLM
 
@@ -139,10 +139,10 @@ class MMJaxSide:
         lg.addHandler(self.compile_log)
         t0 = time.perf_counter()
         self.vlm1 = mmjax.load(path, "float32", max_num_seqs=1, max_model_len=max_model_len,
-                               prefill_chunk=prefill_chunk, max_encode_batch=8)
+                               prefill_chunk=prefill_chunk, max_encode_batch=8, kv_cache_dtype=kv_cache_dtype)
         self.load_s = time.perf_counter() - t0
         self.vlm8 = VLM(self.vlm1.model, max_num_seqs=8, max_model_len=max_model_len,
-                        prefill_chunk=prefill_chunk, max_encode_batch=8)
+                        prefill_chunk=prefill_chunk, max_encode_batch=8, kv_cache_dtype=kv_cache_dtype)
         self.arch = Arch.from_family(self.vlm1.family)
         self.mmjax = mmjax
 
@@ -399,7 +399,7 @@ def run(args) -> dict:
 
     probe("start")
     log("loading mmjax ...")
-    mx = MMJaxSide(path, args.max_model_len, args.prefill_chunk)
+    mx = MMJaxSide(path, args.max_model_len, args.prefill_chunk, args.kv_cache_dtype)
     hf = HFSide(path, threads) if not args.no_hf else None
     arch = mx.arch
     img_size = mx.vlm1.family.cfg.vision.image_size
@@ -611,6 +611,8 @@ def parse_args(argv):
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8", "fp8"],
+                    help="mmjax's KV cache element type (int8 / fp8: per-token, per-KV-head scales)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (mmjax + roofline only)")
     ap.add_argument("--compilation-cache", action="store_true",

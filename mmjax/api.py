@@ -480,9 +480,14 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     instead of the default: replicated weights, the encode batch split over devices),
     vision_offload (vision tower + projector weights in host memory, fetched inside encode),
     memory_budget (bytes, or a fraction of device memory, per device: sizes max_num_seqs so the
-    memory plan's peak fits; `engine.runner.memory_plan()`).
+    memory plan's peak fits; `engine.runner.memory_plan()`), kv_cache_dtype ("auto": the model's
+    dtype, "bfloat16", "int8" or "fp8": float8_e4m3fn; int8 / fp8 keep one bfloat16 scale per
+    token and KV head, mmjax.models.text.kv_quant).
     """
     enable_compilation_cache()
+    if "kv_cache_dtype" in engine_kw:      # a bad name fails here, not at the first request
+        from mmjax.models.text.kv_quant import resolve
+        resolve(engine_kw["kv_cache_dtype"], jax.numpy.float32)
     if mesh is None and (tensor_parallel or 1) * (data_parallel or 1) > 1:
         from mmjax.sharding import make_mesh
         mesh = make_mesh(tensor_parallel or 1, data_parallel or 1)

@@ -77,7 +77,9 @@ VISION_PARAM_AXES: tuple[tuple[tuple[str, ...], tuple], ...] = (
 )
 
 # K segments [slots, kv_heads, head_dim, len], V segments [slots, kv_heads, len, head_dim]
-CACHE_AXES = {"k": ("slots", "kv_heads", "head_dim", "kv_len"), "v": ("slots", "kv_heads", "kv_len", "head_dim")}
+CACHE_AXES = {"k": ("slots", "kv_heads", "head_dim", "kv_len"), "v": ("slots", "kv_heads", "kv_len", "head_dim"),
+              # int8 / fp8 caches: per-(token, KV head) scales, split with their heads (kv_quant)
+              "k_scale": ("slots", "kv_heads", "kv_len"), "v_scale": ("slots", "kv_heads", "kv_len")}
 
 
 def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, devices=None) -> Mesh:

@@ -68,6 +68,11 @@ class EngineCollector:
             for k, v in sorted((mesh.get("axes") or {"devices": mesh.get("devices", 1)}).items()):
                 m.add_metric([k], v)
             yield m
+        if s.get("kv_cache_dtype"):   # the KV cache's element type (--kv-cache-dtype), as a label
+            g = GaugeMetricFamily("mmjax_kv_cache_dtype_info", "KV cache element type (1 for the one in use).",
+                                  labels=["dtype"])
+            g.add_metric([s["kv_cache_dtype"]], 1)
+            yield g
         if "cross_attention_cache_bytes" in s:   # cross-attention families (Mllama)
             for key, doc in (("cross_attention_cache_bytes", "Bytes of the per-slot cross-attention K/V cache."),
                              ("cross_attention_slots", "Slots holding a request's image K/V.")):

@@ -222,6 +222,22 @@ def gemma_parity(paths: dict) -> dict:
     return out
 
 
+def kv_int8(paths: dict) -> dict:
+    """An int8 KV cache (per-token, per-KV-head scales) under TP 2 on LLaVA: greedy ids of the
+    batch's text requests (no encode: CI time) equal one device's int8 cache, again from the
+    prefix cache; K/V and their scales 1/TP per device."""
+    kw = dict(ENGINE, kv_cache_dtype="int8")
+    base = mmjax.load(paths["llava"], **kw)
+    reqs = [r for r in requests(base.family.image_token) if "images" not in r]
+    want = generate(base, reqs)
+    vlm = mmjax.load(paths["llava"], mesh=make_mesh(2, 1), **kw)
+    got, again = generate(vlm, reqs), generate(vlm, reqs)
+    cache = vlm.engine.runner.cache
+    return {"ids_equal": got == want, "ids_again_equal": again == want,
+            "tokens_cached": vlm.engine.stats()["tokens_cached"], "cache": shard_fractions(cache, 2),
+            "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(cache)})}
+
+
 if __name__ == "__main__":
     mode, first, second = sys.argv[1:4]
     if mode == "gemma":
@@ -229,4 +245,4 @@ if __name__ == "__main__":
         print("RESULT " + json.dumps({"parity": gemma_parity(paths), "export": export(paths, tp=4)}), flush=True)
         sys.exit(0)
     paths = {"llava": first, "qwen2_5_vl": second}
-    print("RESULT " + json.dumps({"parity": parity, "export": export}[mode](paths)), flush=True)
+    print("RESULT " + json.dumps({"parity": parity, "export": export, "kv_int8": kv_int8}[mode](paths)), flush=True)

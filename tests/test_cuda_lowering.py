@@ -35,12 +35,15 @@ def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, 
             "llava-next": llava_next_dirs["next"], "llava-onevision": llava_next_dirs["onevision"]}
 
 
-def _export_all(path, dtype: str, skip: tuple[str, ...] = ()) -> dict[str, jax.export.Exported]:
+def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list | None = None,
+                skip: tuple[str, ...] = ()) -> dict[str, jax.export.Exported]:
     model = load_model(path, dtype)
     if hasattr(model.family, "limits"):   # keep the Qwen / Pixtral patch ladder short: every rung is the same graph
         model.family.configure(max_encode_patches=1024, image_max_tokens=256)
     runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
-                         max_encode_batch=2, dtype=model.dtype, platform="cuda")
+                         max_encode_batch=2, dtype=model.dtype, platform="cuda", kv_cache_dtype=kv_cache_dtype)
+    if runner_out is not None:
+        runner_out.append(runner)
     out = {}
     with compiling_for("cuda"):
         for name, fn, args, kw in runner.step_signatures():
@@ -83,3 +86,26 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
         assert dots, step
         # the weights' dtype reaches the matmuls: bf16 operands in a bf16 model, none in f32
         assert any("bf16>" in ln for ln in dots) == (dtype == "bfloat16"), step
+
+
+# int8 / fp8 KV caches (models/text/kv_quant), bf16 models: Gemma 3 (sliding rings + segmented full
+# layers) in int8, Llama 3.2 Vision (segmented self-attention + the per-slot cross-attention
+# cache) in fp8; both decode through the ragged Pallas kernel with the scales applied inside it
+@pytest.mark.parametrize("name,kv", [("gemma3-window", "int8"), ("mllama-tiles4", "fp8")])
+def test_quantized_kv_cache_steps_lower_for_cuda(checkpoints, name, kv):
+    import numpy as np
+    runners = []
+    # the encode steps never see the cache (and lower above)
+    exported = _export_all(checkpoints[name], "bfloat16", kv, runners, skip=("encode", "prefill_scores"))
+    cache = runners[0].cache
+    stored = {np.dtype(x.dtype).name for x in jax.tree.leaves(cache) if x.ndim >= 3}
+    assert stored == {"int8" if kv == "int8" else "float8_e4m3fn", "bfloat16"}      # data + bf16 scales
+    elem = "i8" if kv == "int8" else "f8E4M3FN"
+    # (that no step multiplies a dequantized copy of the cache is checked on the jaxpr, where the
+    # shapes can be told apart: test_kv_cache's quantized ragged decode cases)
+    assert {k.split("[")[0].split("(")[0] for k in exported} >= {"prefill", "decode", "copy_slot"}
+    for step, exp in exported.items():
+        mlir = exp.mlir_module()
+        assert f"x{elem}>" in mlir, step                                     # the cache enters quantized
+        if step.startswith("decode"):
+            assert "__gpu$xla.gpu.triton" in mlir, step

@@ -130,6 +130,24 @@ def test_heldout_accuracy_through_chat(vlm, seed, questions, chat_answers):
     assert describe >= 0.90, (describe, acc, wrong[:10])
 
 
+@pytest.mark.slow
+def test_int8_kv_cache_heldout_accuracy(shipped, questions, chat_answers):
+    """mmjax-shapes with an int8 KV cache (models/text/kv_quant), the same held-out questions as
+    test_heldout_accuracy_through_chat, batched through one engine: overall accuracy >= 95%
+    (issue 25) and the answers nearly all those of the float32 cache."""
+    vlm8 = mmjax.load(shipped, max_num_seqs=4, max_model_len=256, kv_cache_dtype="int8")
+    sp = mmjax.SamplingParams(**SP)
+    reqs = []
+    for q in questions:
+        prompt, images = vlm8.render_chat(_messages(q["bytes"], q["question"]))
+        reqs.append({"prompt": prompt, "images": images})
+    answers = [o.text for o in vlm8.generate(reqs, sp)]
+    overall = np.mean([S.answer_matches(a, q["answer"]) for a, q in zip(answers, questions)])
+    same = np.mean([a == b for a, b in zip(answers, chat_answers)])
+    print(f"\nmmjax-shapes with an int8 KV cache: accuracy {overall:.3f}, answers equal to float32's {same:.3f}")
+    assert overall >= 0.95 and same >= 0.95, (overall, same)
+
+
 def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
     from test_serve import Server
     from serve.app import ServerConfig

@@ -225,13 +225,18 @@ def test_captured_intermediates_match_a_plain_layer_loop():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("window,group,dtype", [(None, 4, jnp.float32), (9, 1, jnp.float32), (None, 8, jnp.bfloat16)])
+@pytest.mark.parametrize("window,group,dtype", [(None, 4, jnp.float32), (9, 1, jnp.float32), (None, 8, jnp.bfloat16),
+                                                (None, 4, jnp.int8), (9, 2, jnp.float8_e4m3fn)])
 def test_gpu_ragged_decode_kernel_matches_oracle(window, group, dtype):
     """The GPU decode path (mmjax.attention.decode's Pallas kernel, interpreted here; the CUDA
     lowering is in test_cuda_lowering) as cache_attention takes it while compiling for CUDA: rows
     of different lengths, each reading only its own keys, over segments whose last one is not a
-    multiple of the key block, with and without a sliding window, against the float64 oracle."""
+    multiple of the key block, with and without a sliding window, against the float64 oracle.
+    int8 / fp8 caches (kv_quant: per-(token, head) scales): the kernel and the XLA path (the CPU
+    one, scales applied to scores and weights) both equal the oracle over the dequantized
+    cache to float32 rounding, so the quantization error is all in the stored values."""
     from mmjax.backend import compiling_for
+    from mmjax.models.text import kv_quant
     rng = np.random.default_rng(group)
     segments = (32, 32, 20)
     b, kvh, hd, s = 4, 2, 16, sum(segments)
@@ -240,19 +245,51 @@ def test_gpu_ragged_decode_kernel_matches_oracle(window, group, dtype):
     k = rng.standard_normal((b + 1, kvh, s, hd))          # one slot more than rows: rows [0, b) read
     v = rng.standard_normal((b + 1, kvh, s, hd))
     q_index = np.array([[0], [5], [70], [s - 1]])
-    kt_segs, v_segs = ([x.astype(dtype) for x in split_cache(k, segments, True)],
-                       [x.astype(dtype) for x in split_cache(v, segments)])
+    quant = kv_quant.is_quantized(dtype)
+    scales = None
+    if quant:
+        (kq, ks), (vq, vs) = kv_quant.quantize(jnp.asarray(k), dtype), kv_quant.quantize(jnp.asarray(v), dtype)
+        kt_segs, v_segs = split_cache(kq, segments, True), split_cache(vq, segments)
+        kt_segs, v_segs = [x.astype(dtype) for x in kt_segs], [x.astype(dtype) for x in v_segs]
+        cut = np.cumsum(segments)[:-1]
+        scales = ([jnp.asarray(x) for x in np.split(np.asarray(ks), cut, axis=2)],
+                  [jnp.asarray(x) for x in np.split(np.asarray(vs), cut, axis=2)])
+        k = kv_quant.dequantize(kq, ks, 3, jnp.float32)         # what the cache holds
+        v = kv_quant.dequantize(vq, vs, 3, jnp.float32)
+        dtype = jnp.float32                                    # the queries' (model) dtype
+    else:
+        kt_segs, v_segs = ([x.astype(dtype) for x in split_cache(k, segments, True)],
+                           [x.astype(dtype) for x in split_cache(v, segments)])
     mask = None if window is None else MaskSpec(sliding_window=window)
     with compiling_for("cuda"):
-        jaxpr = str(jax.make_jaxpr(lambda *a: decoder.cache_attention(*a, jnp.int32(s), mask=mask))(
+        jaxpr = str(jax.make_jaxpr(lambda *a: decoder.cache_attention(*a, jnp.int32(s), mask=mask, scales=scales))(
             jnp.asarray(q, dtype), kt_segs, v_segs, jnp.asarray(q_index)))
     assert "mmjax_ragged_decode_attention" in jaxpr and " cond[" not in jaxpr    # no per-segment lax.cond
     # the same path run here (outside compiling_for the kernel is interpreted)
     qn = jnp.asarray(q, dtype).reshape(b, kvh, group, hd)     # t = 1: [b, 1, kvh * g, hd] -> [b, kvh, g, hd]
-    out = decoder._ragged_decode(qn, kt_segs, v_segs, jnp.asarray(q_index[:, 0]), jnp.int32(s), mask, None)
+    out = decoder._ragged_decode(qn, kt_segs, v_segs, jnp.asarray(q_index[:, 0]), jnp.int32(s), mask, None, scales)
     out = out.reshape(b, 1, h, hd)
     want = naive_attention(q, np.asarray(jnp.asarray(k, dtype).astype(jnp.float32)),
                            np.asarray(jnp.asarray(v, dtype).astype(jnp.float32)), q_index,
                            None if window is None else lambda i, j, x: x <= q_index[i, j] and q_index[i, j] - x < window)
     tol = 2e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
+    if quant:      # the XLA path (CPU / sharded steps) over the same quantized cache
+        args = (jnp.asarray(q, dtype), kt_segs, v_segs, jnp.asarray(q_index))
+        xla = decoder.cache_attention(*args, jnp.int32(s), mask=mask, scales=scales)
+        np.testing.assert_allclose(np.asarray(xla, np.float64), want, rtol=tol, atol=tol)
+        # scales go on the scores / weights: no product has a (dequantized) K or V segment's shape
+        jaxpr = jax.make_jaxpr(lambda *a: decoder.cache_attention(*a, jnp.int32(s), mask=mask, scales=scales))(*args)
+        seg_shapes = {rows + tuple(x.shape[1:]) for x in kt_segs + v_segs for rows in ((b,), (b + 1,))}
+        muls = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "mul"]
+        assert muls and not [e for e in muls if tuple(e.outvars[0].aval.shape) in seg_shapes]
+
+
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr, sub-jaxprs (cond branches) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for j in (p if isinstance(p, (tuple, list)) else [p]):
+                if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+                    yield from _all_eqns(j.jaxpr)

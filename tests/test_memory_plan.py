@@ -92,3 +92,40 @@ def test_memory_budget_flag_parses_bytes_and_fractions():
     for bad in ("-1", "lots", "0"):
         with pytest.raises(argparse.ArgumentTypeError):
             _memory_budget(bad)
+
+
+def test_kv_cache_dtype_scales_the_planned_slots(plain, monkeypatch):
+    """Under one fixed budget the planned slot count follows the KV cache's bytes per token:
+    bfloat16 about 2x float32's slots, int8 / fp8 (one bfloat16 scale per token and KV head,
+    kv_quant) about 2x bfloat16's (exactly 2 * head_dim / (head_dim + 2) x its cache bytes). The
+    plan counts every cache leaf, scales included, against kv_quant.bytes_per_token; the step
+    temporaries are held fixed (they do not depend on the cache dtype's accounting, and compiling
+    them per dtype is the slow part)."""
+    from mmjax.models.text.kv_quant import bytes_per_token
+    from mmjax.serving.runner import ModelRunner
+    model, r = plain.model, plain.engine.runner
+    temp = {k: plain.engine.runner.memory_plan()[f"temp_{k}"] for k in ("encode", "prefill", "decode")}
+    monkeypatch.setattr(ModelRunner, "step_temp_bytes", lambda self, num_slots=None: temp)
+    cfg = r.text_model.cfg
+    max_len = 2048                                  # KV per slot >> decode state per slot
+
+    def runner(kv, budget=None, slots=4):
+        return ModelRunner(model.family, model.params, max_num_seqs=slots, max_model_len=max_len, prefill_chunk=64,
+                           max_encode_batch=2, dtype=model.dtype, kv_cache_dtype=kv, memory_budget=budget)
+
+    one = runner("auto", slots=1).memory_plan()
+    fixed = one["peak"] - one["kv_cache"] - one["decode_state"]
+    budget = fixed + 4 * (one["kv_cache"] + one["decode_state"]) + 1000      # 4 float32 slots
+    got = {}
+    for kv, dtype in (("auto", "float32"), ("bfloat16", "bfloat16"), ("int8", "int8"), ("fp8", "float8_e4m3fn")):
+        run = runner(kv, budget, slots=64)
+        plan = run.memory_plan()
+        per_token = bytes_per_token(cfg.num_kv_heads, cfg.head_dim, dtype) * cfg.num_layers
+        assert plan["kv_cache"] == plan["slots"] * max_len * per_token == sum(x.nbytes for x in jax.tree.leaves(run.cache))
+        assert plan["kv_cache_dtype"] == ("fp8" if kv == "fp8" else dtype) and plan["peak"] <= budget
+        got[kv] = plan["slots"]
+    hd = cfg.head_dim
+    assert got["auto"] == 4 and got["int8"] == got["fp8"]
+    assert 7 <= got["bfloat16"] <= 8, got                          # the decode state takes a little
+    assert int(got["bfloat16"] * 2 * hd / (hd + 2) * 0.95) <= got["int8"] <= 2 * got["bfloat16"], got
+    print(f"\nslots under one budget by KV cache dtype (head_dim {hd}): {got}")

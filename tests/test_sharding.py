@@ -92,6 +92,16 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
         assert w[0] > w[1] > w[2], f"{fam}: {w}"
 
 
+def test_int8_kv_cache_under_tensor_parallel(tp_checkpoints):
+    """An int8 KV cache (models/text/kv_quant) at TP 2: the mixed batch's greedy ids equal one
+    device's int8 cache (text requests), again from the prefix cache; every K / V segment and its
+    scales split over the model axis (1/TP per device)."""
+    r = run_worker("kv_int8", tp_checkpoints)
+    assert r["ids_equal"] and r["ids_again_equal"] and r["tokens_cached"] > 0, r
+    layers = 2       # k, v, k_scale, v_scale per layer: one 128-position segment
+    assert r["cache"] == {"sharded": 4 * layers, "bad": []} and r["dtypes"] == ["bfloat16", "int8"], r
+
+
 @pytest.mark.slow
 def test_sharded_steps_lower_for_cuda(tp_checkpoints):
     """Every compiled step of a TP 8 runner exports for CUDA (bf16) with the 8-device mesh's

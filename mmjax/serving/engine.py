@@ -60,7 +60,8 @@ class Engine:
                  prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
-                 vision_offload: bool = False, memory_budget: int | float | None = None, overlap: bool = True):
+                 vision_offload: bool = False, memory_budget: int | float | None = None,
+                 kv_cache_dtype: str = "auto", overlap: bool = True):
         """overlap: queue each step before reading the previous step's tokens (module docstring)."""
         self.model = model
         self.overlap = overlap
@@ -78,7 +79,7 @@ class Engine:
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                   max_encode_batch=max_encode_batch, mesh=mesh,
                                   vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
-                                  memory_budget=memory_budget)
+                                  memory_budget=memory_budget, kv_cache_dtype=kv_cache_dtype)
         max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
@@ -595,7 +596,7 @@ class Engine:
                 "encoder_cache_hits": self.encoder_cache.hits, "encoder_cache_misses": self.encoder_cache.misses,
                 "encoder_cache_entries": len(self.encoder_cache), "encoder_cache_bytes": self.encoder_cache.bytes,
                 "compiled_shapes": r.compiled_counts(), "compiled_shapes_bound": r.max_compilations(),
-                **({"cross_attention_cache_bytes": r.text_model.cross_cache_bytes(r.num_slots, r.dtype),
+                **({"cross_attention_cache_bytes": r.text_model.cross_cache_bytes(r.num_slots, r.kv_cache_dtype),
                     "cross_attention_slots": int(sum(1 for q in self.scheduler.active() if q.images))}
                    if self.family.cross_attention else {}),
                 "compile_seconds": round(r.compile_seconds, 3),

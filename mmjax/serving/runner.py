@@ -23,7 +23,7 @@ from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
 from mmjax.models.family import EncodeCall, Family
-from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs
+from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs, kv_quant
 from mmjax.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams, SlotHistory, SlotSampling, VocabRow, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -303,13 +303,15 @@ class ModelRunner:
     def __init__(self, family: Family, params: dict, *, max_num_seqs: int, max_model_len: int,
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
                  vision_tensor_parallel: bool = False, vision_offload: bool = False,
-                 memory_budget: int | float | None = None):
+                 memory_budget: int | float | None = None, kv_cache_dtype: str | None = None):
         self.family = family
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
         self.text_model = self.placement.text_model(family.text_model)
         self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1)
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
+        # the KV cache's element dtype: the model's ("auto"), bfloat16, or int8 / fp8 with scales
+        self.kv_cache_dtype = kv_quant.resolve(kv_cache_dtype, self.dtype)
         if hasattr(family, "encode_shards") and not vision_tensor_parallel:
             family.encode_shards = self.placement.num_devices   # packed encodes split per device
         params = self.placement.layout_params(params, self.text_model)
@@ -360,7 +362,7 @@ class ModelRunner:
 
     def _cache_shardings(self, num_slots: int):
         return self.placement.cache_shardings(jax.eval_shape(
-            lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.dtype,
+            lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype,
                                                max_chunk=Buckets.make(prefill_chunk=self.prefill_chunk,
                                                                       max_num_seqs=num_slots).prefill[-1])))
 
@@ -400,7 +402,7 @@ class ModelRunner:
         return self.family.encode(params, inputs)
 
     def fresh_cache(self):
-        return self.text_model.init_cache(self.num_slots, self.max_model_len, self.dtype,
+        return self.text_model.init_cache(self.num_slots, self.max_model_len, self.kv_cache_dtype,
                                           sharding=self.cache_shardings, max_chunk=self.buckets.prefill[-1])
 
     def fresh_state(self) -> DecodeState:
@@ -693,7 +695,7 @@ class ModelRunner:
         if num_slots is None:
             return self.cache, self.state, self.buckets
         buckets = Buckets.make(prefill_chunk=self.prefill_chunk, max_num_seqs=num_slots)
-        shape = jax.eval_shape(lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.dtype,
+        shape = jax.eval_shape(lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype,
                                                                   max_chunk=buckets.prefill[-1]))
         shardings = self._cache_shardings(num_slots)
         with_sharding = (lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)) if shardings is not None \
@@ -732,6 +734,7 @@ class ModelRunner:
         step = max(temp.get("encode", 0) + host, temp.get("prefill", 0), temp.get("decode", 0))
         return {"slots": num_slots, "weights_text": parts["text"], "weights_vision": vision,
                 "vision_offloaded": self._offloaded is not None, "kv_cache": kv, "decode_state": st,
+                "kv_cache_dtype": kv_quant.dtype_name(self.kv_cache_dtype),
                 "temp_encode": temp.get("encode", 0), "temp_prefill": temp.get("prefill", 0),
                 "temp_decode": temp.get("decode", 0), "peak": resident + step}
 
@@ -781,7 +784,7 @@ class ModelRunner:
 
     def _measure_memory(self) -> dict:
         w, kv = per_device_bytes(self.params), per_device_bytes(self.cache)
-        return {"mesh": self.placement.describe(),
+        return {"mesh": self.placement.describe(), "kv_cache_dtype": kv_quant.dtype_name(self.kv_cache_dtype),
                 "weight_bytes_per_device": w, "kv_cache_bytes_per_device": kv,
                 "weight_bytes_max_device": max(w.values(), default=0),
                 "kv_cache_bytes_max_device": max(kv.values(), default=0)}

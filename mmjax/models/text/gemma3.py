@@ -48,9 +48,10 @@ from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import activation, dense
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
+from mmjax.models.text.kv_quant import dequantize, layer_scales, operand
 from mmjax.models.text.llama import (_grouped_dense, _split_grouped_qkv, allocate_cache, cache_attention,
-                                     cache_kv_heads, check_tensor_parallel, init_kv_cache, split_grouped_gate_up,
-                                     tp_layout)
+                                     cache_kv_heads, check_tensor_parallel, init_kv_cache, kv_layer, quantize_kv,
+                                     scatter_kv, scatter_segment, split_grouped_gate_up, tp_layout)
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -210,21 +211,28 @@ def ring_visible(key_index: jax.Array, q_index: jax.Array, window: int, spans: j
 
 
 def ring_attention(q: jax.Array, kt: jax.Array, v: jax.Array, visible: jax.Array, scale: float,
-                   cap: float | None = None) -> jax.Array:
+                   cap: float | None = None, scales: tuple | None = None) -> jax.Array:
     """q [b, t, heads, hd] over ring rows kt [b, kvh, hd, R], v [b, kvh, R, hd] with visible
-    [b, t, R] -> [b, t, heads, hd]; scores in float32, zeros where nothing is visible."""
+    [b, t, R] -> [b, t, heads, hd]; scores in float32, zeros where nothing is visible.
+    scales: (k_scale, v_scale) [b, kvh, R] of an int8 / fp8 cache, applied to the scores and the
+    softmax weights (kv_quant)."""
     b, t, h, hd = q.shape
     kvh = kt.shape[1]
     g = h // kvh
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4)                # [b, kvh, t, g, hd]
-    s = jnp.einsum("bktgd,bkds->bktgs", qn, kt, preferred_element_type=jnp.float32) * scale
-    s = softcap(s, cap)
+    s = jnp.einsum("bktgd,bkds->bktgs", qn, operand(kt, q.dtype), preferred_element_type=jnp.float32)
+    if scales is not None:
+        s = s * scales[0].astype(jnp.float32)[:, :, None, None, :]
+    s = softcap(s * scale, cap)
     vis = visible[:, None, :, None, :]
     s = jnp.where(vis, s, -jnp.inf)
     top = jnp.max(s, axis=-1, keepdims=True)
     w = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
     w = w / jnp.maximum(w.sum(-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bktgs,bksd->bktgd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    dt = v.dtype
+    if scales is not None:
+        w, dt = w * scales[1].astype(jnp.float32)[:, :, None, None, :], q.dtype
+    out = jnp.einsum("bktgs,bksd->bktgd", w.astype(dt), operand(v, dt), preferred_element_type=jnp.float32)
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
@@ -248,15 +256,16 @@ def captured_attention(q: jax.Array, kt: jax.Array, v: jax.Array, key_index: jax
     return out, probs
 
 
-def softcapped_attention(q, kts, vs, q_index, kv_len, slots, *, mask, starts, scale, cap):
+def softcapped_attention(q, kts, vs, q_index, kv_len, slots, *, mask, starts, scale, cap, scales=None):
     """Full-attention layers with attn_logit_softcapping: the whole cache as one block."""
-    kt = jnp.concatenate(kts, axis=3)
-    v = jnp.concatenate(vs, axis=2)
     b = q.shape[0]
-    kt, v = (kt[:b], v[:b]) if slots is None else (kt[slots], v[slots])
+    rows = (lambda a: a[:b]) if slots is None else (lambda a: a[slots])
+    kt, v = rows(jnp.concatenate(kts, axis=3)), rows(jnp.concatenate(vs, axis=2))
+    if scales is not None:
+        scales = tuple(rows(jnp.concatenate(x, axis=2)) for x in scales)
     key_index = jnp.broadcast_to(jnp.arange(v.shape[2])[None], (b, v.shape[2]))
     vis = ring_visible(key_index, q_index, v.shape[2] + 1, mask.spans if mask else None, starts)
-    return ring_attention(q, kt, v, vis, scale, cap)
+    return ring_attention(q, kt, v, vis, scale, cap, scales)
 
 
 def init_cache(cfg: Gemma3TextConfig, num_slots: int, max_len: int, dtype, max_chunk: int | None = None) -> list:
@@ -268,8 +277,7 @@ def init_cache(cfg: Gemma3TextConfig, num_slots: int, max_len: int, dtype, max_c
         if t == FULL:
             out.append(init_kv_cache(one_layer, num_slots, max_len, dtype)[0])
         else:
-            out.append({"k": [jnp.zeros((num_slots, cfg.num_kv_heads, cfg.head_dim, ring), dtype)],
-                        "v": [jnp.zeros((num_slots, cfg.num_kv_heads, ring, cfg.head_dim), dtype)]})
+            out.append(kv_layer(num_slots, cfg.num_kv_heads, cfg.head_dim, [ring], dtype))
     return out
 
 
@@ -327,47 +335,45 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     spans = mask.spans if mask is not None else None
     if kind == SLIDING:
-        (ck,), (cv,) = kv["k"], kv["v"]
-        ring = cv.shape[2]
+        ring = kv["v"][0].shape[2]
         # padding, and rows past kv_len (decode rows of free slots, parked there by the engine),
         # are dropped (an index past the ring) so they never evict a position a later resume
         # needs; real tokens of one call are <= ring apart, so their slots are distinct
         idx = jnp.where(valid & (q_index < kv_len), jnp.mod(q_index, ring), ring + jnp.arange(t))
-        ck = ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop", unique_indices=True)
-        cv = cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True)
+        new_kv = {name: [a] for name, a in scatter_segment(kv, 0, rows, idx, quantize_kv(kv, k, v)).items()}
+        take = (lambda a: a[:b]) if slots is None else (lambda a: a[slots])
+        kts, vs = take(new_kv["k"][0]), take(new_kv["v"][0])
+        scales = layer_scales(new_kv)
+        scales = None if scales is None else (take(scales[0][0]), take(scales[1][0]))
         write_end = starts + valid.sum(axis=1).astype(starts.dtype)
-        kts, vs = (ck[:b], cv[:b]) if slots is None else (ck[slots], cv[slots])
         key_index = ring_key_index(write_end, ring)
         if capture_attn:
+            if scales is not None:    # research capture: dequantized (materialised) like the rest of it
+                kts, vs = dequantize(kts, scales[0], 2, q.dtype), dequantize(vs, scales[1], 3, q.dtype)
             attn, probs = captured_attention(q, kts, vs, key_index, q_index, cfg.sliding_window, spans, starts,
                                              cfg.scale, cfg.attn_logit_softcapping, kv_len)
         else:
             vis = ring_visible(key_index, q_index, cfg.sliding_window, spans, starts)
-            attn = ring_attention(q, kts, vs, vis, cfg.scale, cfg.attn_logit_softcapping)
-        new_kv = {"k": [ck], "v": [cv]}
+            attn = ring_attention(q, kts, vs, vis, cfg.scale, cfg.attn_logit_softcapping, scales)
     else:
-        new_k, new_v, start = [], [], 0
-        for ck, cv in zip(kv["k"], kv["v"]):
-            size = cv.shape[2]
-            idx = q_index - start
-            idx = jnp.where((idx >= 0) & (idx < size), idx, size + jnp.arange(t))
-            new_k.append(ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop", unique_indices=True))
-            new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True))
-            start += size
+        new_kv = scatter_kv(kv, k, v, q_index, rows)
+        new_k, new_v, scales = new_kv["k"], new_kv["v"], layer_scales(new_kv)
         full_mask = MaskSpec(spans=spans)
         if capture_attn:
             kt, vv = jnp.concatenate(new_k, axis=3)[..., :kv_len], jnp.concatenate(new_v, axis=2)[:, :, :kv_len]
+            if scales is not None:    # research capture: dequantized (materialised) like the rest of it
+                kt = dequantize(kt, jnp.concatenate(scales[0], axis=2)[..., :kv_len], 2, q.dtype)
+                vv = dequantize(vv, jnp.concatenate(scales[1], axis=2)[..., :kv_len], 3, q.dtype)
             kt, vv = (kt[:b], vv[:b]) if slots is None else (kt[slots], vv[slots])
             key_index = jnp.broadcast_to(jnp.arange(kv_len)[None], (b, kv_len))
             attn, probs = captured_attention(q, kt, vv, key_index, q_index, None, spans, starts, cfg.scale,
                                              cfg.attn_logit_softcapping, kv_len)
         elif cfg.attn_logit_softcapping is None:
             attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=full_mask, starts=starts,
-                                   reduce_small=reduce_small, scale=cfg.scale)
+                                   reduce_small=reduce_small, scale=cfg.scale, scales=scales)
         else:
             attn = softcapped_attention(q, new_k, new_v, q_index, kv_len, slots, mask=full_mask, starts=starts,
-                                        scale=cfg.scale, cap=cfg.attn_logit_softcapping)
-        new_kv = {"k": new_k, "v": new_v}
+                                        scale=cfg.scale, cap=cfg.attn_logit_softcapping, scales=scales)
     captured = (probs, attn) if capture_attn else None
     a = dense(layer["o"], attn.reshape(b, t, h * hd))
     x = x + gemma_rms_norm(layer["ln_post_attn"], a, cfg.rms_norm_eps)

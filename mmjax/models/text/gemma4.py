@@ -44,8 +44,9 @@ from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import activation
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
+from mmjax.models.text.kv_quant import layer_scales
 from mmjax.models.text.llama import (_grouped_dense, _host, allocate_cache, cache_attention, explicit_attention,
-                                     group_gate_up, group_heads, kv_segments, pad_vocab, scatter_kv,
+                                     group_gate_up, group_heads, kv_layer, kv_segments, pad_vocab, scatter_kv,
                                      split_grouped_gate_up, tp_kv_index)
 from mmjax.models.text.moe import experts_forward, gemma4_route
 from mmjax.models.text.rope import apply_rope, rope_cos_sin
@@ -293,8 +294,7 @@ def init_cache(cfg: Gemma4TextConfig, num_slots: int, max_len: int, dtype, tp: i
     for i in cfg.cached_layers:
         sp = cfg.layers[i]
         kvh = cache_kv_heads(sp.num_kv_heads, tp)
-        out.append({"k": [jnp.zeros((num_slots, kvh, sp.head_dim, c), dtype) for c in cuts],
-                    "v": [jnp.zeros((num_slots, kvh, c, sp.head_dim), dtype) for c in cuts]})
+        out.append(kv_layer(num_slots, kvh, sp.head_dim, cuts, dtype))
     return out
 
 
@@ -420,12 +420,11 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
         k = apply_rope(norm(p["k_norm"], k, eps), cos, sin)
         v = norm(None, v, eps)
         rows = jnp.arange(b) if slots is None else slots
-        nk, nv = scatter_kv(kv, k, v, q_index, rows)
-        kv = {"k": nk, "v": nv}
+        kv = scatter_kv(kv, k, v, q_index, rows)
     # full layers: causal only; sliding: the window over causal | image spans
     lmask = MaskSpec(sliding_window=cfg.sliding_window, spans=mask.spans if mask is not None else None) \
         if spec.kind == SLIDING else None
-    akw = dict(mask=lmask, starts=starts, scale=1.0, window_over_spans=True)
+    akw = dict(mask=lmask, starts=starts, scale=1.0, window_over_spans=True, scales=layer_scales(kv))
     captured = None
     if capture_attn:
         attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, kv_len, slots, **akw)

@@ -31,11 +31,13 @@ from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.layers import dense, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
+from mmjax.models.text.kv_quant import dequantize, is_quantized, layer_scales, operand, quantize, zero_scales
 from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
-#                              "v": [[slots, kv_heads, len_i, head_dim], ...]}
+#                              "v": [[slots, kv_heads, len_i, head_dim], ...],
+#      int8 / fp8 caches also "k_scale", "v_scale": [[slots, kv_heads, len_i], ...] (kv_quant)}
 KV_SEGMENT = 128
 # cache_attention avoids dots for <= SMALL_N queries per KV head when a batched dot would make
 # >= SMALL_N_MIN_CALLS small matmul calls (one per row and KV head)
@@ -149,12 +151,22 @@ def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype,
                   segment: int = KV_SEGMENT) -> KVCache:
     """Zero cache of `num_slots` rows, `max_len` positions cut into `kv_segments(max_len, segment)`:
     K segments [slots, kv_heads, head_dim, len] (transposed), V segments [slots, kv_heads, len,
-    head_dim]; see `cache_attention` for why."""
-    def zeros(shapes):
-        return [jnp.zeros((num_slots, cfg.num_kv_heads) + shape, dtype) for shape in shapes]
-    cuts = kv_segments(max_len, segment)
-    return [{"k": zeros([(cfg.head_dim, n) for n in cuts]), "v": zeros([(n, cfg.head_dim) for n in cuts])}
+    head_dim]; see `cache_attention` for why. An int8 / fp8 `dtype` adds per-(token, KV head)
+    scales (`kv_layer`)."""
+    return [kv_layer(num_slots, cfg.num_kv_heads, cfg.head_dim, kv_segments(max_len, segment), dtype)
             for _ in range(cfg.num_layers)]
+
+
+def kv_layer(num_slots: int, kv_heads: int, head_dim: int, cuts, dtype) -> dict:
+    """One layer's zero cache over segments of lengths `cuts`: {"k": [[slots, kv_heads, head_dim,
+    len]], "v": [[slots, kv_heads, len, head_dim]]}, plus "k_scale" / "v_scale" [[slots, kv_heads,
+    len]] when `dtype` is quantized (int8 / fp8: mmjax.models.text.kv_quant)."""
+    layer = {"k": [jnp.zeros((num_slots, kv_heads, head_dim, n), dtype) for n in cuts],
+             "v": [jnp.zeros((num_slots, kv_heads, n, head_dim), dtype) for n in cuts]}
+    if is_quantized(dtype):
+        layer["k_scale"] = zero_scales([(n,) for n in cuts], num_slots, kv_heads)
+        layer["v_scale"] = zero_scales([(n,) for n in cuts], num_slots, kv_heads)
+    return layer
 
 
 def allocate_cache(make, sharding=None):
@@ -203,7 +215,7 @@ def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None
 def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len,
                     slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
                     starts: jax.Array | None = None, reduce_small: bool = False, scale: float | None = None,
-                    window_over_spans: bool = False) -> jax.Array:
+                    window_over_spans: bool = False, scales: tuple | None = None) -> jax.Array:
     """Attention of new queries over a cache given as consecutive segments.
 
     q [b, t, heads, hd]; kts: K segments transposed [slots, kv_heads, hd, len_i], vs: V segments
@@ -225,26 +237,37 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     rows, 1.6x slower (benchmarks/README.md, "K^T decode attention"). Below SMALL_N_MIN_CALLS
     such calls the dots stay (a reduction call has the larger fixed cost). Otherwise dots on the
     same layouts: scores [n, len] = q K^T and out [n, hd] = P V, both plain row-major operands.
+
+    scales: (K scale segments, V scale segments) [slots, kv_heads, len_i] of an int8 / fp8 cache
+    (`kv_quant.layer_scales`): the quantized segments enter the dots as they are (converted to
+    q's dtype in the operand), the scores are multiplied by the key scales and the softmax
+    weights by the value scales: no dequantized copy of the cache.
     """
     b, t, h, hd = q.shape
     kvh = kts[0].shape[1]
     g = h // kvh
     n = t * g
-    small = reduce_small and n <= SMALL_N and b * kvh >= SMALL_N_MIN_CALLS
+    # a quantized cache always takes the reductions when they apply: they convert int8 / fp8 inside
+    # the fused multiply-reduce, where XLA:CPU's dot would first write a converted copy of the segment
+    small = reduce_small and n <= SMALL_N and (b * kvh >= SMALL_N_MIN_CALLS or scales is not None)
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
     if t == 1 and slots is None and (mask is None or mask.spans is None) and _gpu_decode_kernel(hd):
-        return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale).reshape(b, 1, h, hd).astype(q.dtype)
+        return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
+                              scales).reshape(b, 1, h, hd).astype(q.dtype)
     if starts is None:
         starts = q_index[:, 0]
 
-    def segment(kt, v, start, top, total, out):
+    def segment(kt, v, sc, start, top, total, out):
         # decode: rows [0, b) (a no-op slice when b == slots); prefill: gather its slots
-        kt, v = (kt[:b], v[:b]) if slots is None else (kt[slots], v[slots])
+        rows = (lambda a: a[:b]) if slots is None else (lambda a: a[slots])
+        kt, v, sc = rows(kt), rows(v), jax.tree.map(rows, sc)
         size = v.shape[2]
         if small:
             s = (kt[:, :, None].astype(jnp.float32) * qn[..., None].astype(jnp.float32)).sum(axis=3)
         else:
-            s = jnp.einsum("bknd,bkds->bkns", qn, kt, preferred_element_type=jnp.float32)
+            s = jnp.einsum("bknd,bkds->bkns", qn, operand(kt, qn.dtype), preferred_element_type=jnp.float32)
+        if sc is not None:                                    # int8 / fp8: scale per key, not per value
+            s = s * sc[0].astype(jnp.float32)[:, :, None, :]
         # scores scaled by 1/sqrt(hd), or by `scale` (None: the former; 1.0: no op at all)
         if scale is None:
             s = s / np.sqrt(hd)                                       # [b, kvh, n, len]
@@ -257,10 +280,12 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
         new_top = jnp.maximum(top, s.max(axis=3))             # [b, kvh, n]; -inf: nothing visible yet
         shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
         w = jnp.exp(s - shift[..., None])
+        wv = w if sc is None else w * sc[1].astype(jnp.float32)[:, :, None, :]
         if small:
-            pv = (w[..., None] * v[:, :, None].astype(jnp.float32)).sum(axis=3)
+            pv = (wv[..., None] * v[:, :, None].astype(jnp.float32)).sum(axis=3)
         else:
-            pv = jnp.einsum("bkns,bksd->bknd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            dt = v.dtype if sc is None else qn.dtype
+            pv = jnp.einsum("bkns,bksd->bknd", wv.astype(dt), operand(v, dt), preferred_element_type=jnp.float32)
         rescale = jnp.exp(top - shift)                        # 0 while nothing was visible
         return new_top, total * rescale + w.sum(axis=3), out * rescale[..., None] + pv
 
@@ -268,9 +293,10 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     # passes it on unchanged
     carry = (jnp.full((b, kvh, n), -jnp.inf), jnp.zeros((b, kvh, n)), jnp.zeros((b, kvh, n, hd)))
     start = 0
-    for kt, v in zip(kts, vs):
-        carry = _when(start < kv_len, lambda kt, v, *c, start=start: segment(kt, v, start, *c),
-                      lambda kt, v, *c: c, kt, v, *carry)
+    for i, (kt, v) in enumerate(zip(kts, vs)):
+        sc = None if scales is None else (scales[0][i], scales[1][i])
+        carry = _when(start < kv_len, lambda kt, v, sc, *c, start=start: segment(kt, v, sc, start, *c),
+                      lambda kt, v, sc, *c: c, kt, v, sc, *carry)
         start += v.shape[2]
     _, total, out = carry
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
@@ -286,20 +312,22 @@ def _gpu_decode_kernel(head_dim: int) -> bool:
 
 
 def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
-                   scale: float | None) -> jax.Array:
+                   scale: float | None, scales: tuple | None = None) -> jax.Array:
     """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache, each row
-    reading keys (q_pos - window, q_pos] only -> [b, kvh, g, hd] float32."""
+    reading keys (q_pos - window, q_pos] only -> [b, kvh, g, hd] float32. scales: an int8 / fp8
+    cache's scale segments (the kernel applies them to scores and weights)."""
     from mmjax.attention.decode import merge_partials, ragged_decode_attention
     hd = qn.shape[-1]
     window = mask.sliding_window if mask is not None else None
     first = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
     part, start = None, 0
-    for kt, v in zip(kts, vs):
+    for i, (kt, v) in enumerate(zip(kts, vs)):
         size = v.shape[2]
         if isinstance(kv_len, int) and start >= kv_len:
             break
         lo, hi = jnp.clip(first - start, 0, size), jnp.clip(q_pos + 1 - start, 0, size)
-        seg = ragged_decode_attention(qn, kt, v, lo, hi, scale=1 / np.sqrt(hd) if scale is None else scale)
+        seg = ragged_decode_attention(qn, kt, v, lo, hi, scale=1 / np.sqrt(hd) if scale is None else scale,
+                                      scales=None if scales is None else (scales[0][i], scales[1][i]))
         part = seg if part is None else merge_partials(part, seg)
         start += size
     _, total, out = part
@@ -309,14 +337,18 @@ def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len,
 def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len: int,
                        slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
                        starts: jax.Array | None = None, scale: float | None = None,
-                       window_over_spans: bool = False) -> tuple[jax.Array, jax.Array]:
+                       window_over_spans: bool = False, scales: tuple | None = None) -> tuple[jax.Array, jax.Array]:
     """The same attention as `cache_attention` over the first `kv_len` (static) cache positions,
     with the softmax materialised: (out [b, t, heads, hd], probs [b, heads, t, kv_len] float32).
-    For captured layers (research / training), never for serving."""
+    For captured layers (research / training), never for serving (a quantized cache, `scales`,
+    is dequantized here)."""
     b, t, h, hd = q.shape
     kvh = kts[0].shape[1]
     kt = jnp.concatenate(kts, axis=3)[..., :kv_len]
     v = jnp.concatenate(vs, axis=2)[:, :, :kv_len]
+    if scales is not None:
+        kt = dequantize(kt, jnp.concatenate(scales[0], axis=2)[..., :kv_len], 2, q.dtype)
+        v = dequantize(v, jnp.concatenate(scales[1], axis=2)[..., :kv_len], 3, q.dtype)
     kt, v = (kt[:b], v[:b]) if slots is None else (kt[slots], v[slots])
     kt = jnp.repeat(kt, h // kvh, axis=1)                          # [b, h, hd, len]
     v = jnp.repeat(v, h // kvh, axis=1)                            # [b, h, len, hd]
@@ -439,19 +471,19 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     # segment takes the scatter: a lax.cond around it made prefill slower, decode no faster
     # (benchmarks/README.md, "KV segments", "K^T decode attention"). (rows [b, 1], :, idx [b, t])
     # on V and (rows, :, :, idx) on K^T both index [b, t, kv_heads, hd].
-    new_k, new_v = scatter_kv(kv, k, v, q_index, rows)
+    kv = scatter_kv(kv, k, v, q_index, rows)
     captured = None
     if capture_attn:
-        attn, probs = explicit_attention(q, new_k, new_v, q_index, explicit_kv_len or kv_len, slots, mask=mask,
-                                         starts=starts)
+        attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, explicit_kv_len or kv_len, slots, mask=mask,
+                                         starts=starts, scales=layer_scales(kv))
         captured = (probs, attn)
     else:
-        attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=mask, starts=starts,
-                               reduce_small=reduce_small)
+        attn = cache_attention(q, kv["k"], kv["v"], q_index, kv_len, slots, mask=mask, starts=starts,
+                               reduce_small=reduce_small, scales=layer_scales(kv))
     x = x + dense(layer["o"], attn.reshape(b, t, h * hd))
     hn = rms_norm(layer["ln2"], x, cfg.rms_norm_eps)
     if "moe" in layer:      # sparse MoE feed-forward (replicated under tensor parallelism)
-        return x + moe_mlp(layer["moe"], cfg.moe, hn), {"k": new_k, "v": new_v}, captured
+        return x + moe_mlp(layer["moe"], cfg.moe, hn), kv, captured
     if layer["gate_up"]["w"].ndim == 3:   # tensor-parallel layout [hidden, tp, gate|up of one shard]
         gu = _grouped_dense(layer["gate_up"], hn)                       # [b, t, tp, 2 * mlp / tp]
         half = gu.shape[-1] // 2
@@ -461,25 +493,48 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
         gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
         act = jax.nn.silu(gate) * up
     x = x + dense(layer["down"], act)
-    return x, {"k": new_k, "v": new_v}, captured
+    return x, kv, captured
 
 
-def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array) -> tuple[list, list]:
+def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array) -> dict:
     """Write new K/V [b, t, kv_heads, hd] at cache indexes q_index [b, t] of cache rows `rows`
-    [b] into the segments of one layer's {"k", "v"} -> (new K segments, new V segments).
-    See the comment in `layer_forward` for the index scheme."""
+    [b] into the segments of one layer's {"k", "v"(, "k_scale", "v_scale")} -> the updated
+    layer dict (an int8 / fp8 cache quantizes on write: `kv_quant.quantize`). See the comment
+    in `layer_forward` for the index scheme."""
     t = k.shape[1]
-    new_k, new_v, start = [], [], 0
-    for ck, cv in zip(kv["k"], kv["v"]):
+    new = quantize_kv(kv, k, v)
+    out, start = {name: [] for name in kv}, 0
+    for i, cv in enumerate(kv["v"]):
         size = cv.shape[2]
         idx = q_index - start
         idx = jnp.where((idx >= 0) & (idx < size), idx, size + jnp.arange(t))
-        new_k.append(ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop",
-                                                         unique_indices=True))
-        new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop",
-                                                      unique_indices=True))
+        for name, seg in scatter_segment(kv, i, rows, idx, new).items():
+            out[name].append(seg)
         start += size
-    return new_k, new_v
+    return out
+
+
+def quantize_kv(kv: dict, k: jax.Array, v: jax.Array) -> tuple:
+    """New K, V [b, t, kv_heads, hd] in the storage of cache layer `kv`: (k, v, k_scale, v_scale
+    [b, t, kv_heads] or None, None when the cache is not quantized)."""
+    dtype = kv["k"][0].dtype
+    if not is_quantized(dtype):
+        return k.astype(dtype), v.astype(dtype), None, None
+    (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
+    return kq, vq, ks, vs
+
+
+def scatter_segment(kv: dict, i: int, rows: jax.Array, idx: jax.Array, new: tuple) -> dict:
+    """Segment i of cache layer `kv` with `new` (`quantize_kv`) written at rows [b] x idx [b, t]
+    (indexes past the segment are dropped) -> {"k": .., "v": .. (, "k_scale", "v_scale")}."""
+    k, v, ks, vs = new
+    put = dict(mode="drop", unique_indices=True)
+    out = {"k": kv["k"][i].at[rows[:, None], :, :, idx].set(k, **put),
+           "v": kv["v"][i].at[rows[:, None], :, idx].set(v, **put)}
+    if ks is not None:
+        out["k_scale"] = kv["k_scale"][i].at[rows[:, None], :, idx].set(ks, **put)
+        out["v_scale"] = kv["v_scale"][i].at[rows[:, None], :, idx].set(vs, **put)
+    return out
 
 
 def _grouped_dense(p: dict, x: jax.Array) -> jax.Array:

@@ -24,6 +24,7 @@ import numpy as np
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.models.layers import dense, rms_norm
 from mmjax.models.text import llama as L
+from mmjax.models.text.kv_quant import SCALE_DTYPE, bytes_per_token, is_quantized, quantize
 
 
 @dataclass(frozen=True)
@@ -186,19 +187,26 @@ class MllamaTextModel:
     def init_cache(self, num_slots: int, max_len: int, dtype, sharding=None, *, max_chunk: int | None = None):
         c = self.cfg.base
         kv = lambda: jnp.zeros((num_slots, self.n_vis, c.num_kv_heads, c.head_dim), dtype)  # noqa: E731
-        make = lambda: {"self": L.init_kv_cache(c, num_slots, max_len, dtype),  # noqa: E731
-                        "cross": {"k": [kv() for _ in self.cfg.cross_layers], "v": [kv() for _ in self.cfg.cross_layers],
-                                  "key_ok": jnp.zeros((num_slots, self.n_vis), bool),
-                                  "tile_ok": jnp.zeros((num_slots, self.n_vis), bool),
-                                  "dec": jnp.zeros((num_slots,), jnp.int32), "has": jnp.zeros((num_slots,), bool)}}
+        n = len(self.cfg.cross_layers)
+
+        def make():
+            cross = {"k": [kv() for _ in range(n)], "v": [kv() for _ in range(n)],
+                     "key_ok": jnp.zeros((num_slots, self.n_vis), bool),
+                     "tile_ok": jnp.zeros((num_slots, self.n_vis), bool),
+                     "dec": jnp.zeros((num_slots,), jnp.int32), "has": jnp.zeros((num_slots,), bool)}
+            if is_quantized(dtype):   # int8 / fp8: per (vision token, KV head) scales, like the self cache
+                scale = lambda: jnp.zeros((num_slots, self.n_vis, c.num_kv_heads), SCALE_DTYPE)  # noqa: E731
+                cross.update(k_scale=[scale() for _ in range(n)], v_scale=[scale() for _ in range(n)])
+            return {"self": L.init_kv_cache(c, num_slots, max_len, dtype), "cross": cross}
         return L.allocate_cache(make, sharding)
 
     def cross_cache_bytes(self, num_slots: int, dtype) -> int:
         """Bytes of the cross-attention part of a cache for `num_slots` slots (static: stats()
         may run on any thread, while a step holds the donated cache)."""
         c = self.cfg.base
-        kv = 2 * len(self.cfg.cross_layers) * num_slots * self.n_vis * c.num_kv_heads * c.head_dim
-        return kv * jnp.dtype(dtype).itemsize + 2 * num_slots * self.n_vis + 5 * num_slots
+        per_token = bytes_per_token(c.num_kv_heads, c.head_dim, dtype)      # K and V (+ scales)
+        return len(self.cfg.cross_layers) * num_slots * self.n_vis * per_token + 2 * num_slots * self.n_vis \
+            + 5 * num_slots
 
     def embed(self, params: dict, ids: jax.Array) -> jax.Array:
         return params["embed"][ids]
@@ -213,10 +221,17 @@ class MllamaTextModel:
         packed image range of its decode tokens. n_images == 0: a text-only request."""
         cr = dict(cache["cross"])
         ks, vs = list(cr["k"]), list(cr["v"])
+        quant = "k_scale" in cr
+        kss, vss = (list(cr["k_scale"]), list(cr["v_scale"])) if quant else ([], [])
         for i, p in enumerate(params["cross"]):
             k, v = cross_kv(p, self.cfg, feats[None])
+            if quant:    # quantized once per request, on write (kv_quant)
+                (k, k_sc), (v, v_sc) = quantize(k, ks[i].dtype), quantize(v, vs[i].dtype)
+                kss[i], vss[i] = kss[i].at[slot].set(k_sc[0]), vss[i].at[slot].set(v_sc[0])
             ks[i] = ks[i].at[slot].set(k[0].astype(ks[i].dtype))
             vs[i] = vs[i].at[slot].set(v[0].astype(vs[i].dtype))
+        if quant:
+            cr.update(k_scale=kss, v_scale=vss)
         j = jnp.arange(self.n_vis)
         img, tile = j // self.vision_tokens, (j % self.vision_tokens) // self.patches
         cr.update(k=ks, v=vs, key_ok=cr["key_ok"].at[slot].set(img < n_images),
@@ -245,8 +260,9 @@ class MllamaTextModel:
         x, new_self, si, ci = embeds, [], 0, 0
         for n in range(self.cfg.total_layers):
             if n in self.cfg.cross_layers:
+                sc = (cr["k_scale"][ci][rows], cr["v_scale"][ci][rows]) if "k_scale" in cr else None
                 x = _cross_layer_masked(params["cross"][ci], self.cfg, x, cr["k"][ci][rows], cr["v"][ci][rows],
-                                        allowed, ~empty[..., 0], has)
+                                        allowed, ~empty[..., 0], has, sc)
                 ci += 1
             else:
                 x, kv, _ = L.layer_forward(params["layers"][si], c, x, cache["self"][si], rope, kv_len, slots=slots,
@@ -257,17 +273,24 @@ class MllamaTextModel:
         return Output(out, {"self": new_self, "cross": cr}, {})
 
 
-def _cross_layer_masked(p: dict, cfg: MllamaTextConfig, x, k, v, allowed, row, has):
+def _cross_layer_masked(p: dict, cfg: MllamaTextConfig, x, k, v, allowed, row, has, scales=None):
     """`cross_layer` with the key mask already resolved: allowed [b, t, n_vis] (empty rows
-    already opened to the request's keys), row [b, t] (rows that see an image)."""
+    already opened to the request's keys), row [b, t] (rows that see an image). scales: (k_scale,
+    v_scale) [b, n_vis, kv_heads] of an int8 / fp8 cross cache, applied to the scores and the
+    softmax weights (kv_quant)."""
     c = cfg.base
     b, t, _ = x.shape
     h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
     q = rms_norm(p["q_norm"], dense(p["q"], rms_norm(p["ln1"], x, c.rms_norm_eps)).reshape(b, t, h, hd),
                  c.rms_norm_eps).reshape(b, t, kvh, h // kvh, hd)
     s = jnp.einsum("btgrd,bngd->bgrtn", q, k.astype(q.dtype)) * hd ** -0.5
+    if scales is not None:      # [b, n, g] -> [b, g, 1, 1, n]
+        s = (s.astype(jnp.float32) * scales[0].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, None]).astype(s.dtype)
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(s.dtype).min)
-    a = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(x.dtype)
+    a = jax.nn.softmax(s.astype(jnp.float32), axis=-1)
+    if scales is not None:
+        a = a * scales[1].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, None]
+    a = a.astype(x.dtype)
     out = jnp.einsum("bgrtn,bngd->btgrd", a, v.astype(x.dtype)).reshape(b, t, h * hd)
     y = x + jnp.tanh(p["attn_gate"]) * dense(p["o"], out)
     gu = dense(p["gate_up"], rms_norm(p["ln2"], y, c.rms_norm_eps))
