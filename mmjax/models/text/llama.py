@@ -29,7 +29,7 @@ import numpy as np
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import dense, rms_norm
+from mmjax.models.layers import bf16_einsum, dense, matmul, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
@@ -485,7 +485,7 @@ def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: j
 def _grouped_dense(p: dict, x: jax.Array) -> jax.Array:
     """x [b, t, in] @ w [in, groups, cols] (+ b [groups, cols]) -> [b, t, groups, cols]: a fused
     projection laid out per tensor-parallel shard (`tp_layout`), so each shard's split is local."""
-    y = jnp.einsum("btd,dgc->btgc", x, p["w"])
+    y = bf16_einsum("btd,dgc->btgc", x, p["w"])
     return y + p["b"] if "b" in p else y
 
 
@@ -601,7 +601,7 @@ def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
 
 def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
     """hidden [..., hidden] -> logits [..., vocab] in float32."""
-    return (hidden @ params["lm_head"]).astype(jnp.float32)
+    return matmul(hidden, params["lm_head"], jnp.float32)
 
 
 def embed_tokens(params: dict, token_ids: jax.Array) -> jax.Array:
