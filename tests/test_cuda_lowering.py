@@ -15,6 +15,7 @@ fails here, on CPU.
 import jax
 import pytest
 
+from hlo_dots import bf16_dot_violations, dots, elem
 from mmjax.api import load_model
 from mmjax.backend import compiling_for
 from mmjax.serving.runner import ModelRunner
@@ -35,8 +36,8 @@ def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, 
             "llava-next": llava_next_dirs["next"], "llava-onevision": llava_next_dirs["onevision"]}
 
 
-def _export_all(path, dtype: str) -> dict[str, jax.export.Exported]:
-    model = load_model(path, dtype)
+def _export_all(path, dtype: str, quantize: str | None = None) -> dict[str, jax.export.Exported]:
+    model = load_model(path, dtype, quantize=quantize)
     if hasattr(model.family, "limits"):   # keep the Qwen / Pixtral patch ladder short: every rung is the same graph
         model.family.configure(max_encode_patches=1024, image_max_tokens=256)
     runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
@@ -78,3 +79,23 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
         assert dots, step
         # the weights' dtype reaches the matmuls: bf16 operands in a bf16 model, none in f32
         assert any("bf16>" in ln for ln in dots) == (dtype == "bfloat16"), step
+        # ... as bf16 x bf16 dots with f32 results (issue 25: tensor cores / AMX accumulate in f32)
+        assert bf16_dot_violations(exp.mlir_module()) == [], step
+
+
+@pytest.mark.parametrize("quantize,elem_t,acc_t", [("fp8", "f8E4M3FN", "f32"), ("int8", "i8", "i32")])
+def test_quantized_steps_lower_for_cuda(checkpoints, quantize, elem_t, acc_t):
+    """8-bit weights (mmjax.quant) in a bf16 LLaVA: every encode / prefill / decode step lowers
+    for CUDA with its linear layers as 8-bit x 8-bit dots (per-token quantized activations) with
+    a wide result: e4m3 x e4m3 -> f32 (XLA:GPU's FP8 cuBLASLt gemm), s8 x s8 -> s32."""
+    exported = _export_all(checkpoints["llava-gqa"], "bfloat16", quantize)
+    for step, exp in exported.items():
+        if step == "copy_slot":
+            continue
+        ds = dots(exp.mlir_module())
+        q = [d for d in ds if elem(d[1]) == elem_t]
+        # encode: ViT q/k/v/o/fc1/fc2 x 2 layers + projector fc1/fc2 (patch embedding stays float);
+        # prefill/decode: qkv/o/gate_up/down x 2 layers + the LM head
+        assert len(q) == (14 if step.startswith("encode") else 9), (step, len(q))
+        assert all(elem(d[0]) == elem_t and elem(d[2]) == acc_t for d in q), step
+        assert bf16_dot_violations(exp.mlir_module()) == [], step
