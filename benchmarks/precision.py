@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from benchmarks.kernel import MMJaxSide, make_images, make_prompt, median
+from mmjax.quant import weight_bytes
 
 PRECISIONS = {"f32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("float32", "int8")}
 GOALS = {"decode_b1_bf16_vs_f32": 1.8, "decode_b1_int8_vs_f32": 3.0, "encode_b1_bf16_vs_f32": 2.5}
@@ -50,11 +51,6 @@ def compare(ref, got) -> tuple[float, float]:
             same += 1
             diffs.append(abs(la - lb))
     return same / max(sum(len(r[0]) for r in ref), 1), float(np.mean(diffs)) if diffs else float("nan")
-
-
-def weight_bytes(params) -> int:
-    import jax
-    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)))
 
 
 def run(args) -> dict:
