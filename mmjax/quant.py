@@ -45,7 +45,8 @@ class QArray:
 
     q: int8 or float8_e4m3fn [in, out]; scale: float32 [groups, out] (groups = in / group_size,
     1 for per-channel); dtype: the float dtype the model computes in (what `w.dtype` reported
-    before quantization, so code that casts inputs to a weight's dtype keeps working)."""
+    before quantization, so code that casts inputs to a weight's dtype keeps working). A stack
+    of MoE expert weights is q [experts, in, out], scale [experts, 1, out]; `w[j]` is expert j."""
     q: jax.Array
     scale: jax.Array
     dtype: Any = field(metadata=dict(static=True), default=np.dtype(np.float32))
@@ -57,6 +58,10 @@ class QArray:
     @property
     def ndim(self) -> int:
         return len(self.q.shape)
+
+    def __getitem__(self, j) -> "QArray":
+        """Expert j of a stacked [experts, in, out] weight."""
+        return QArray(self.q[j], self.scale[j], self.dtype)
 
     @property
     def kind(self) -> str:
@@ -72,6 +77,9 @@ def quantize_weight(w, kind: str = "int8", group_size: int | None = None, dtype=
         raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
     dtype = np.dtype(dtype or w.dtype)
     wf = np.asarray(w, np.float32)
+    if wf.ndim == 3:          # MoE experts [E, in, out]: per (expert, output channel) scales
+        parts = [quantize_weight(e, kind, None, dtype) for e in wf]
+        return QArray(jnp.stack([p.q for p in parts]), jnp.stack([p.scale for p in parts]), dtype)
     d_in, d_out = wf.shape
     g = _groups(d_in, group_size)
     wg = wf.reshape(g, d_in // g, d_out)
@@ -103,6 +111,18 @@ def _quantize_acts(x: jax.Array, kind: str, groups: int) -> tuple[jax.Array, jax
     return xq, s
 
 
+def qragged_dot(x: jax.Array, w: QArray, sizes: jax.Array) -> jax.Array:
+    """jax.lax.ragged_dot(x [rows, in], w [experts, in, out], sizes) for stacked expert weights:
+    rows grouped by expert (sizes[e] rows for expert e), each token quantized as in qmatmul, an
+    8-bit ragged dot with a wide accumulator, rescaled by the row's expert's channel scales."""
+    kind = w.kind
+    xq, xs = _quantize_acts(x, kind, 1)
+    acc = jax.lax.ragged_dot(xq[:, 0], w.q, sizes, preferred_element_type=jnp.int32 if kind == "int8" else jnp.float32)
+    expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")      # [rows]
+    scale = w.scale[jnp.minimum(expert, w.shape[0] - 1), 0]                                  # [rows, out]
+    return (acc.astype(jnp.float32) * xs[:, 0] * scale).astype(x.dtype)
+
+
 def qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
     """x [..., in] @ w -> [..., out] in out_dtype (default x's dtype): quantize x per token, an
     8-bit dot with a wide accumulator (s32 for int8, f32 for fp8), rescale in float32."""
@@ -124,20 +144,21 @@ def qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
 
 
 # Which leaves are quantized: the LM's and ViT's linear layers, i.e. "w" of every dense layer
-# plus the LM head and Gemma 4's bare per-layer projections. Left in float: embeddings (gathered,
-# not multiplied), patch embeddings (the first layer, tiny, sensitive), MoE routers (routing
-# decisions) and MoE expert stacks ([experts, in, out], grouped matmuls: not quantized yet).
+# plus the LM head, Gemma 4's bare per-layer projections and the MoE expert stacks
+# ([experts, in, out], per expert and channel, always without groups). Left in float: embeddings
+# (gathered, not multiplied), patch embeddings (the first layer, tiny, sensitive) and MoE routers
+# (routing decisions).
 _BARE = {"lm_head", "q", "kv", "o", "gate_up", "down", "ple_gate", "ple_proj"}
-_SKIP_PARENTS = {"patch_embed", "router", "experts", "patch"}
+_SKIP_PARENTS = {"patch_embed", "router", "patch"}
 
 
 def _wanted(path, leaf) -> bool:
     keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-    if getattr(leaf, "ndim", 0) != 2 or not jnp.issubdtype(leaf.dtype, jnp.floating):
+    if not jnp.issubdtype(leaf.dtype, jnp.floating) or any(k in _SKIP_PARENTS for k in keys):
         return False
-    if any(k in _SKIP_PARENTS for k in keys):
-        return False
-    return keys[-1] == "w" or keys[-1] in _BARE
+    if "experts" in keys:
+        return getattr(leaf, "ndim", 0) == 3 and keys[-1] in ("gate_up", "down")
+    return getattr(leaf, "ndim", 0) == 2 and (keys[-1] == "w" or keys[-1] in _BARE)
 
 
 def quantize_params(params, kind: str, group_size: int | None = None):
@@ -145,8 +166,11 @@ def quantize_params(params, kind: str, group_size: int | None = None):
     applied after loading, like gpt-fast's quantize step. Runs on the arrays' device."""
     if kind not in KINDS:
         raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: quantize_weight(x, kind, group_size) if _wanted(path, x) else x, params)
+    def one(path, x):
+        if not _wanted(path, x):
+            return x
+        return quantize_weight(x, kind, None if x.ndim == 3 else group_size)
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def weight_bytes(params) -> int:

@@ -64,7 +64,7 @@ def _float_copies(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
     return out
 
 
-def test_int8_cpu_steps_dot_the_s8_weights(llava_dirs):
+def test_int8_cpu_steps_dot_the_s8_weights(llava_dirs, qwen3_dirs):
     model = load_model(llava_dirs["gqa"], "float32", quantize="int8")
     qs = [x for x in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QArray)) if isinstance(x, QArray)]
     assert len(qs) == 2 * 6 + 2 + 2 * 4 + 1          # ViT q/k/v/o/fc1/fc2, projector, LM qkv/o/gate_up/down, head
@@ -77,6 +77,14 @@ def test_int8_cpu_steps_dot_the_s8_weights(llava_dirs):
         s8 = [ln for ln in hlo.splitlines() if re.search(r"= s32\[[\d,]+\]\{[\d,]*\} dot\(", ln)]
         assert len(s8) >= (14 if name.startswith("encode") else 9), (name, len(s8))
         assert _float_copies(hlo, shapes) == [], name
+    # MoE experts (Qwen3-VL-MoE, int8 expert stacks): the CPU decode step reads them as int8 too
+    moe = load_model(qwen3_dirs["moe"], "float32", quantize="int8")
+    stacks = [x for x in jax.tree.leaves(moe.params, is_leaf=lambda x: isinstance(x, QArray))
+              if isinstance(x, QArray) and x.ndim == 3]
+    assert len(stacks) == 4                           # gate_up and down of the 2 MoE layers
+    fn, args, kw = {n: (f, a, k) for n, f, a, k in _runner(moe).step_signatures()}["decode[1]"]
+    hlo = fn.lower(*args, **kw).compile().as_text()
+    assert _float_copies(hlo, {x.shape[1:] for x in stacks} | {x.shape for x in stacks}) == []
     # the checker catches a weight-only dequantization (XLA:CPU materializes the f32 weight)
     w = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
     q = quantize_weight(w, "int8")
@@ -116,6 +124,16 @@ def test_qmatmul_error_bounds():
     assert err["int8"] > 1e-4                     # really quantized
     y = jax.jit(qmatmul)(jnp.asarray(x, jnp.bfloat16), quantize_weight(w, "int8"))
     assert y.dtype == jnp.bfloat16 and y.shape == (2, 5, 96)
+    # MoE expert stacks [E, in, out]: the grouped (ragged) dot and one expert (the CPU skip loop)
+    from mmjax.quant import qragged_dot
+    we = rng.standard_normal((4, 32, 48)).astype(np.float32)
+    xe = rng.standard_normal((10, 32)).astype(np.float32)
+    sizes = jnp.array([3, 0, 5, 2], jnp.int32)
+    qe = quantize_weight(we, "int8")
+    assert qe.q.shape == (4, 32, 48) and qe.scale.shape == (4, 1, 48)
+    want = jax.lax.ragged_dot(jnp.asarray(xe), jnp.asarray(we), sizes)
+    assert 1e-4 < rel_err(jax.jit(qragged_dot)(jnp.asarray(xe), qe, sizes), want) < 3e-2
+    assert rel_err(qmatmul(jnp.asarray(xe), qe[2]), xe @ we[2]) < 3e-2
 
 
 def test_quality_vs_float32_and_int8_convert_roundtrip(llava_dirs, tmp_path):

@@ -65,7 +65,11 @@ def softmax_topk_route(w: jax.Array, x: jax.Array, top_k: int, normalize: bool =
 
 
 def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """ragged_dot, bf16 x bf16 with an f32 result cast back (see layers.matmul)."""
+    """ragged_dot, bf16 x bf16 with an f32 result cast back (see layers.matmul); quantized
+    expert stacks (mmjax.quant.QArray) take their 8-bit ragged dot."""
+    from mmjax.quant import QArray, qragged_dot
+    if isinstance(w, QArray):
+        return qragged_dot(x, w, sizes)
     if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
         return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     return jax.lax.ragged_dot(x, w, sizes)
