@@ -18,6 +18,9 @@ ones a GPU runs:
   rewrites to an FP8 cuBLASLt gemm on Hopper. XLA:CPU has no fp8 dot: it upcasts the operands
   (a float copy of the weight per step), so fp8 is a GPU format here and int8 the CPU one.
 
+MoE expert stacks [experts, in, out] get per (expert, channel) scales and `qragged_dot`, the
+8-bit form of the grouped `jax.lax.ragged_dot` (the CPU skip loop indexes one expert, `w[j]`).
+
 Qwix (Google's JAX quantization library) was not used: its model-level API intercepts Flax
 modules, and mmjax's steps are pure functions over plain dict pytrees restored by orbax; the
 few lines below are the whole of what the steps need.
