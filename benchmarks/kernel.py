@@ -129,7 +129,8 @@ class CompileLog(logging.Handler):
 
 
 class MMJaxSide:
-    def __init__(self, path: str, max_model_len: int, prefill_chunk: int, kv_cache_dtype: str = "auto"):
+    def __init__(self, path: str, max_model_len: int, prefill_chunk: int, kv_cache_dtype: str = "auto",
+                 dtype: str = "float32", quantize: str | None = None):
         import mmjax
         from mmjax.api import VLM
 
@@ -138,7 +139,7 @@ class MMJaxSide:
         lg.setLevel(logging.INFO)
         lg.addHandler(self.compile_log)
         t0 = time.perf_counter()
-        self.vlm1 = mmjax.load(path, "float32", max_num_seqs=1, max_model_len=max_model_len,
+        self.vlm1 = mmjax.load(path, dtype, quantize=quantize, max_num_seqs=1, max_model_len=max_model_len,
                                prefill_chunk=prefill_chunk, max_encode_batch=8, kv_cache_dtype=kv_cache_dtype)
         self.load_s = time.perf_counter() - t0
         self.vlm8 = VLM(self.vlm1.model, max_num_seqs=8, max_model_len=max_model_len,

@@ -68,19 +68,39 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     dtype: Any = jax.numpy.float32
     hf_config: dict = field(repr=False, default_factory=dict)
+    quantize: str | None = None               # None | "int8" | "fp8" (mmjax.quant)
+    quantize_group_size: int | None = None
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
-               params_dir: str | os.PathLike | None = None, on_device: bool = True) -> LoadedModel:
+               params_dir: str | os.PathLike | None = None, on_device: bool = True,
+               quantize: str | None = None, quantize_group_size: int | None = None) -> LoadedModel:
     """Resolve, parse and convert a checkpoint. `params_dir`: orbax params written by
-    `save_params` / `mmjax convert`, restored instead of converting the safetensors again.
-    on_device=False keeps the params as host numpy arrays (for placement over a mesh)."""
+    `save_params` / `mmjax convert`, restored instead of converting the safetensors again (a
+    quantized copy restores quantized: its quantization is recorded next to it).
+    on_device=False keeps the params as host numpy arrays (for placement over a mesh).
+    quantize: None, "int8" or "fp8": the linear layers' weights as 8-bit `mmjax.quant.QArray`s,
+    applied after loading (`mmjax.quant`); quantize_group_size: int8 scales per group of that many
+    input rows instead of per output channel."""
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
+    if params_dir is not None:
+        from mmjax.quant import read_quantization
+        saved = read_quantization(params_dir)
+        if saved is not None:
+            if quantize not in (None, saved["quantize"]):
+                raise InvalidRequestError(f"{params_dir} holds {saved['quantize']} weights, not {quantize}",
+                                          param="quantize")
+            quantize, quantize_group_size = saved["quantize"], saved.get("group_size")
+    if quantize is not None and not on_device:
+        raise InvalidRequestError("quantized weights are not supported over a mesh yet", param="quantize")
     path, name = resolve_model(model)
     hf_cfg = json.loads((path / "config.json").read_text())
     family, np_params = load_family(path, hf_cfg)
     params = cast_params(np_params, DTYPES[dtype], on_device=on_device)
+    if quantize is not None:
+        from mmjax.quant import quantize_params
+        params = quantize_params(params, quantize, quantize_group_size)
     if params_dir is not None:
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
@@ -92,7 +112,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
     if tokenizer.eos_id is not None and not eos_ids:
         eos_ids.add(tokenizer.eos_id)
     return LoadedModel(path, name, family, params, tokenizer, frozenset(int(e) for e in eos_ids), DTYPES[dtype],
-                       hf_cfg)
+                       hf_cfg, quantize, quantize_group_size)
 
 
 class VLM:
@@ -132,7 +152,10 @@ class VLM:
     def save_params(self, directory: str | os.PathLike) -> Path:
         """Write the converted params with orbax; reload with `mmjax.load(path, params_dir=...)`."""
         from mmjax.checkpoint import save_params
-        return save_params(self.params, directory)
+        from mmjax.quant import write_quantization
+        out = save_params(self.params, directory)
+        write_quantization(out, self.model.quantize, self.model.quantize_group_size)
+        return out
 
     # ---- images ------------------------------------------------------------------------------
     def prepare_images(self, images: Iterable[Any], options: dict | ImageOptions | None = None,
@@ -465,12 +488,16 @@ class VLM:
 
 def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
          image_limits: ImageLimits = ImageLimits(), params_dir: str | os.PathLike | None = None,
+         quantize: str | None = None, quantize_group_size: int | None = None,
          mesh=None, tensor_parallel: int | None = None, data_parallel: int | None = None,
          **engine_kw) -> VLM:
     """Load a Hugging Face-layout VLM checkpoint (local dir or hub id; None or "mmjax-shapes" for
     the shipped model) into a VLM.
 
     params_dir: converted params saved with `VLM.save_params` (orbax) for a fast reload.
+    quantize: None | "int8" | "fp8": 8-bit linear-layer weights (`mmjax.quant`: int8 with
+    per-token int8 activations, s8 dots, for CPU and GPU; fp8 e4m3 for GPUs);
+    quantize_group_size: int8 scales per group of that many input rows.
     mesh: a jax.sharding.Mesh with axes ("data", "model"), or tensor_parallel=N /
     data_parallel=M to build one over the first N x M devices (`mmjax.sharding.make_mesh`):
     the decoder is split N ways (Megatron-style tensor parallel), and M engine replicas serve
@@ -496,5 +523,6 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     if mesh is not None:
         engine_kw["mesh"] = mesh
     # over a mesh, params stay on the host until the runner places each shard on its device
-    return VLM(load_model(model, dtype, params_dir, on_device=mesh is None), image_limits=image_limits,
+    return VLM(load_model(model, dtype, params_dir, on_device=mesh is None, quantize=quantize,
+                          quantize_group_size=quantize_group_size), image_limits=image_limits,
                **engine_kw)

@@ -35,6 +35,7 @@ class TensorSource:
             raise CheckpointError(f"{d}: no *.safetensors weights found (only safetensors are supported)",
                                   param="model")
         self._handles = {}
+        self._paths: dict[str, Path] = {}
         self._where: dict[str, tuple[str, str]] = {}
         for f in files:
             path = d / f
@@ -42,6 +43,7 @@ class TensorSource:
                 raise CheckpointError(f"{d}: shard {f} named in the index is missing", param="model")
             h = safe_open(str(path), framework="numpy")
             self._handles[f] = h
+            self._paths[f] = path
             for raw in h.keys():
                 self._where[normalize(raw)] = (f, raw)
         self._used: set[str] = set()
@@ -58,12 +60,42 @@ class TensorSource:
             raise CheckpointError(f"checkpoint is missing weight '{name}' (expected shape {tuple(shape)})",
                                   param=name)
         f, raw = self._where[name]
-        arr = self._handles[f].get_tensor(raw)
+        arr = self._get(f, raw)
+        if arr.dtype == _FP8 and name.endswith(".weight"):
+            arr = self._dequantize_fp8(name, arr)
         if tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"weight '{name}' has shape {tuple(arr.shape)}, expected {tuple(shape)}",
                                   param=name)
         self._used.add(name)
         return arr
+
+    def _get(self, f: str, raw: str) -> np.ndarray:
+        try:
+            return self._handles[f].get_tensor(raw)
+        except (AttributeError, TypeError):
+            # safetensors' numpy reader has no float8: read the bytes (header offsets) ourselves
+            return _read_fp8(self._paths[f], raw)
+
+    def _dequantize_fp8(self, name: str, w: np.ndarray) -> np.ndarray:
+        """An fp8 "compressed-tensors" / FBGEMM-fp8 Linear weight [out, in] (float8_e4m3fn) with
+        its `weight_scale` ([out, 1] per channel, or one per tensor) -> float32 w * scale. The
+        per-token `input_scale` of static activation schemes is not used (activations stay in
+        the model's dtype, or are quantized per token with quantize="fp8")."""
+        base = name[: -len("weight")]
+        scale_name = base + "weight_scale"
+        if scale_name not in self._where:
+            raise CheckpointError(f"fp8 weight '{name}' has no '{scale_name}' (block-scaled fp8 is not supported)",
+                                  param=name)
+        f, raw = self._where[scale_name]
+        scale = self._get(f, raw).astype(np.float32)
+        self._used.add(scale_name)
+        self._ignored |= {n for n in (base + "input_scale", base + "input_scale_ub") if n in self._where}
+        if scale.size == 1:
+            return w.astype(np.float32) * scale.reshape(())
+        if scale.size != w.shape[0]:
+            raise CheckpointError(f"'{scale_name}' has shape {scale.shape}: expected one scale per output "
+                                  f"channel ({w.shape[0]}) or one per tensor", param=scale_name)
+        return w.astype(np.float32) * scale.reshape(-1, 1)
 
     def ignore(self, pattern: str) -> None:
         """Tensors the family knowingly does not use (e.g. CLIP's post_layernorm in LLaVA)."""
@@ -75,6 +107,26 @@ class TensorSource:
         if extra:
             shown = ", ".join(extra[:8]) + (f", ... ({len(extra)} in all)" if len(extra) > 8 else "")
             raise CheckpointError(f"checkpoint has unexpected weights: {shown}", param=extra[0])
+
+
+try:
+    import ml_dtypes
+    _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+except ImportError:  # pragma: no cover - ml_dtypes ships with jax
+    _FP8 = None
+
+
+def _read_fp8(path: Path, raw: str) -> np.ndarray:
+    """One F8_E4M3 tensor of a safetensors file, read from its header's byte offsets."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        meta = json.loads(fh.read(n))[raw]
+    if meta["dtype"] != "F8_E4M3":
+        raise CheckpointError(f"{path.name}: tensor '{raw}' has dtype {meta['dtype']}, which is not supported",
+                              param=raw)
+    b, e = meta["data_offsets"]
+    data = np.fromfile(path, dtype=np.uint8, count=e - b, offset=8 + n + b)
+    return data.view(_FP8).reshape(meta["shape"])
 
 
 def linear(src: TensorSource, name: str, d_in: int, d_out: int, bias: bool) -> dict:

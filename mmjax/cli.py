@@ -17,7 +17,7 @@ def cmd_generate(args) -> int:
     from mmjax.errors import MMJaxError
 
     t0 = time.perf_counter()
-    vlm = mmjax.load(_model_arg(args), args.dtype, max_num_seqs=1)
+    vlm = mmjax.load(_model_arg(args), args.dtype, max_num_seqs=1, quantize=args.quantize)
     sp = mmjax.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
         if vlm.tokenizer.chat_template and not args.raw:
@@ -46,13 +46,14 @@ def cmd_generate(args) -> int:
 def cmd_convert(args) -> int:
     import mmjax
 
-    vlm = mmjax.load(args.model, args.dtype)
+    vlm = mmjax.load(args.model, args.dtype, quantize=args.quantize, quantize_group_size=args.quantize_group_size)
     out = vlm.save_params(args.out)
-    print(f"saved converted params to {out}; load with mmjax.load({args.model!r}, params_dir={str(out)!r})")
+    what = f" ({args.quantize} weights)" if args.quantize else ""
+    print(f"saved converted params{what} to {out}; load with mmjax.load({args.model!r}, params_dir={str(out)!r})")
     return 0
 
 
-_BENCHES = {"kernel", "engine", "serve", "attention", "sharding", "gpu", "tiling"}
+_BENCHES = {"kernel", "engine", "serve", "attention", "sharding", "gpu", "tiling", "precision"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--quantize", default=None, choices=["int8", "fp8"], help="8-bit linear-layer weights")
     g.add_argument("--raw", action="store_true", help="send --prompt as is (with <image> placeholders), no chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="print timing and compile figures to stderr")
     g.set_defaults(fn=cmd_generate)
@@ -80,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--quantize", default=None, choices=["int8", "fp8"],
+                   help="8-bit linear-layer weights (mmjax.quant); the copy reloads quantized")
+    c.add_argument("--quantize-group-size", type=int, default=None, help="int8 scales per group of N input rows")
     c.set_defaults(fn=cmd_convert)
 
     # serve and bench own their flags: dispatched before parsing (see _DELEGATES).
     sub.add_parser("serve", help="OpenAI-compatible server (mmjax serve --help)", add_help=False)
-    b = sub.add_parser("bench", help="benchmarks: kernel | engine | serve | attention | sharding | gpu | tiling", add_help=False)
+    b = sub.add_parser("bench", help="benchmarks: kernel | engine | serve | attention | sharding | gpu | tiling | precision", add_help=False)
     b.add_argument("which", choices=sorted(_BENCHES))
 
     args = parser.parse_args(argv)

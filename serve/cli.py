@@ -29,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8", "fp8"],
                    help="KV cache element type: auto (--dtype), bfloat16, or int8 / fp8 (e4m3) with one scale per "
                         "token and KV head: about half the bytes of bfloat16, so twice the concurrent context")
+    p.add_argument("--quantize", default=None, choices=["int8", "fp8"],
+                   help="8-bit linear-layer weights (LM + ViT): int8 = int8 weights with per-channel scales and "
+                        "per-token int8 activations (s8 dots; CPU and GPU), fp8 = e4m3 weights and activations "
+                        "(GPUs; CPUs upcast)")
+    p.add_argument("--quantize-group-size", type=_positive_int, default=None,
+                   help="with --quantize int8: one scale per group of N input rows instead of per output channel")
     p.add_argument("--max-num-seqs", type=int, default=8, help="decode slots = max concurrently running requests")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="devices each engine replica's decoder is split over (Megatron-style tensor parallel)")
@@ -255,7 +261,8 @@ def run(args) -> int:
     from mmjax import distributed
     from mmjax.image.decode import ImageLimits
     multihost = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-    vlm = mmjax.load(args.model, dtype=args.dtype, image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
+    vlm = mmjax.load(args.model, dtype=args.dtype, quantize=args.quantize, quantize_group_size=args.quantize_group_size,
+                     image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels),
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      prefill_chunk=args.prefill_chunk,
                      max_images_per_request=max(args.limit_images, 1) + max(args.limit_videos, 0),

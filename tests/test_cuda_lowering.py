@@ -15,6 +15,7 @@ fails here, on CPU.
 import jax
 import pytest
 
+from hlo_dots import bf16_dot_violations, dots, elem
 from mmjax.api import load_model
 from mmjax.backend import compiling_for
 from mmjax.serving.runner import ModelRunner
@@ -36,8 +37,8 @@ def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, 
 
 
 def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list | None = None,
-                skip: tuple[str, ...] = ()) -> dict[str, jax.export.Exported]:
-    model = load_model(path, dtype)
+                skip: tuple[str, ...] = (), quantize: str | None = None) -> dict[str, jax.export.Exported]:
+    model = load_model(path, dtype, quantize=quantize)
     if hasattr(model.family, "limits"):   # keep the Qwen / Pixtral patch ladder short: every rung is the same graph
         model.family.configure(max_encode_patches=1024, image_max_tokens=256)
     runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
@@ -86,6 +87,8 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
         assert dots, step
         # the weights' dtype reaches the matmuls: bf16 operands in a bf16 model, none in f32
         assert any("bf16>" in ln for ln in dots) == (dtype == "bfloat16"), step
+        # ... as bf16 x bf16 dots with f32 results (issue 25: tensor cores / AMX accumulate in f32)
+        assert bf16_dot_violations(exp.mlir_module()) == [], step
 
 
 # int8 / fp8 KV caches (models/text/kv_quant), bf16 models: Gemma 3 (sliding rings + segmented full
@@ -109,3 +112,23 @@ def test_quantized_kv_cache_steps_lower_for_cuda(checkpoints, name, kv):
         assert f"x{elem}>" in mlir, step                                     # the cache enters quantized
         if step.startswith("decode"):
             assert "__gpu$xla.gpu.triton" in mlir, step
+
+
+# int8 is the same graph on every backend (mmjax.quant; its CPU compile is checked in
+# tests/test_precision.py): CUDA exports it too (s8 x s8 -> s32) with ("int8", "i8", "i32") here
+@pytest.mark.parametrize("quantize,elem_t,acc_t", [("fp8", "f8E4M3FN", "f32")])
+def test_quantized_steps_lower_for_cuda(checkpoints, quantize, elem_t, acc_t):
+    """fp8 weights (mmjax.quant) in a bf16 LLaVA: every encode / prefill / decode step lowers
+    for CUDA with its linear layers as e4m3 x e4m3 -> f32 dots (per-token quantized
+    activations; the form XLA:GPU rewrites to an FP8 cuBLASLt gemm on Hopper)."""
+    exported = _export_all(checkpoints["llava-gqa"], "bfloat16", quantize=quantize, skip=("prefill_scores",))
+    for step, exp in exported.items():
+        if step == "copy_slot":
+            continue
+        ds = dots(exp.mlir_module())
+        q = [d for d in ds if elem(d[1]) == elem_t]
+        # encode: ViT q/k/v/o/fc1/fc2 x 2 layers + projector fc1/fc2 (patch embedding stays float);
+        # prefill/decode: qkv/o/gate_up/down x 2 layers + the LM head
+        assert len(q) == (14 if step.startswith("encode") else 9), (step, len(q))
+        assert all(elem(d[0]) == elem_t and elem(d[2]) == acc_t for d in q), step
+        assert bf16_dot_violations(exp.mlir_module()) == [], step

@@ -131,21 +131,23 @@ def test_heldout_accuracy_through_chat(vlm, seed, questions, chat_answers):
 
 
 @pytest.mark.slow
-def test_int8_kv_cache_heldout_accuracy(shipped, questions, chat_answers):
-    """mmjax-shapes with an int8 KV cache (models/text/kv_quant), the same held-out questions as
-    test_heldout_accuracy_through_chat, batched through one engine: overall accuracy >= 95%
-    (issue 25) and the answers nearly all those of the float32 cache."""
-    vlm8 = mmjax.load(shipped, max_num_seqs=4, max_model_len=256, kv_cache_dtype="int8")
-    sp = mmjax.SamplingParams(**SP)
+def test_int8_weights_and_kv_cache_heldout_accuracy(shipped, questions, chat_answers):
+    """Issue 25: int8 weights (mmjax.quant, W8A8) and an int8 KV cache (models/text/kv_quant)
+    together, on the 300 held-out questions, batched: accuracy >= 95% overall and the same
+    answers as float32 `vlm.chat` (greedy) on >= 95%. Measured separately on the 300: int8
+    weights 0.990 / 0.980 accuracy (two runs), answers identical 300/300; int8 KV cache 0.983 /
+    0.980, identical 300/300."""
+    vlm = mmjax.load(shipped, quantize="int8", kv_cache_dtype="int8", max_num_seqs=4, max_model_len=256)
     reqs = []
     for q in questions:
-        prompt, images = vlm8.render_chat(_messages(q["bytes"], q["question"]))
+        prompt, images = vlm.render_chat(_messages(q["bytes"], q["question"]))
         reqs.append({"prompt": prompt, "images": images})
-    answers = [o.text for o in vlm8.generate(reqs, sp)]
-    overall = np.mean([S.answer_matches(a, q["answer"]) for a, q in zip(answers, questions)])
-    same = np.mean([a == b for a, b in zip(answers, chat_answers)])
-    print(f"\nmmjax-shapes with an int8 KV cache: accuracy {overall:.3f}, answers equal to float32's {same:.3f}")
-    assert overall >= 0.95 and same >= 0.95, (overall, same)
+    got = [o.text for o in vlm.generate(reqs, mmjax.SamplingParams(**SP))]
+    acc = np.mean([S.answer_matches(a, q["answer"]) for a, q in zip(got, questions)])
+    same = np.mean([a == b for a, b in zip(got, chat_answers)])
+    print(f"\nmmjax-shapes int8 weights + int8 KV cache: accuracy {acc:.3f} on {len(got)}, "
+          f"answers identical to float32: {same:.3f}")
+    assert acc >= 0.95 and same >= 0.95, (acc, same)
 
 
 def test_server_openai_client_matches_chat(shipped, questions, chat_answers):

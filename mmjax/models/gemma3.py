@@ -25,6 +25,7 @@ from mmjax.image.gemma3 import Gemma3ImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require, tie_word_embeddings
+from mmjax.models.layers import matmul
 from mmjax.models.llava import normalize_name  # Gemma 3 checkpoints use LLaVA's weight layout
 from mmjax.models.text import TextModel, text_model_for
 from mmjax.models.text.gemma3 import gemma_rms_norm
@@ -86,7 +87,7 @@ def encode_images(params: dict, pixels: jax.Array, cfg: Gemma3Config) -> jax.Arr
     side, k = cfg.vision.patches_per_side, cfg.pool
     x = x.reshape(v, side // k, k, side // k, k, d).mean(axis=(2, 4)).reshape(v, -1, d)
     x = gemma_rms_norm(params["projector"]["norm"], x, cfg.vision.layer_norm_eps)
-    return (x @ params["projector"]["w"]).astype(params["text"]["embed"].dtype)
+    return matmul(x, params["projector"]["w"]).astype(params["text"]["embed"].dtype)
 
 
 @dataclass(eq=False)

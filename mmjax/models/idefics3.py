@@ -39,6 +39,7 @@ from mmjax.image.idefics3 import Idefics3ImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require, tie_word_embeddings
+from mmjax.models.layers import matmul
 from mmjax.models.text import TextModel, text_model_for
 from mmjax.models.vision.siglip import SiglipVisionConfig, load_siglip_params, siglip_features
 
@@ -103,7 +104,7 @@ def encode_tiles(params: dict, pixels: jax.Array, cfg: Idefics3Config) -> jax.Ar
     """pixels [tiles, size, size, 3] -> [tiles, tokens_per_tile, text_hidden]: SigLIP's last
     hidden state (post-layernorm), pixel shuffle, projection (no bias)."""
     x = siglip_features(params["vision"], pixels, cfg.vision)
-    x = pixel_shuffle(x, cfg.scale_factor) @ params["projector"]
+    x = matmul(pixel_shuffle(x, cfg.scale_factor), params["projector"])
     return x.astype(params["text"]["embed"].dtype)
 
 

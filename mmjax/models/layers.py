@@ -5,9 +5,34 @@ import jax
 import jax.numpy as jnp
 
 
+def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] in out_dtype (default: the usual promotion).
+
+    Every weight matmul of the models goes through here (dense layers, LM heads, projectors,
+    patch embeddings), so the precision policy sits in one place: bf16 x bf16 runs as a dot with
+    an f32 result (`preferred_element_type`), cast back to bf16 where the activations are bf16
+    (AMX / tensor cores take bf16 operands and accumulate in f32; a bf16-result dot gains
+    nothing on CPU), and a quantized weight (`mmjax.quant.QArray`) takes its 8-bit dot."""
+    from mmjax.quant import QArray, qmatmul
+    if isinstance(w, QArray):
+        return qmatmul(x, w, out_dtype)
+    if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype or jnp.bfloat16)
+    y = x @ w
+    return y if out_dtype is None else y.astype(out_dtype)
+
+
+def bf16_einsum(spec: str, a: jax.Array, b: jax.Array, **kw) -> jax.Array:
+    """jnp.einsum with bf16 x bf16 as a dot with an f32 result cast back to bf16 (see `matmul`);
+    any other dtypes as jnp.einsum."""
+    if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16 and "preferred_element_type" not in kw:
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, **kw).astype(jnp.bfloat16)
+    return jnp.einsum(spec, a, b, **kw)
+
+
 def dense(p: dict, x: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] (+ b)."""
-    y = x @ p["w"]
+    """x [..., in] @ w [in, out] (+ b); w may be a quantized `mmjax.quant.QArray`."""
+    y = matmul(x, p["w"])
     return y + p["b"] if "b" in p else y
 
 

@@ -33,7 +33,7 @@ from mmjax.image.pixtral import PixtralImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config, patchify
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require, tie_word_embeddings
-from mmjax.models.layers import activation, dense, rms_norm
+from mmjax.models.layers import activation, dense, matmul, rms_norm
 from mmjax.models.llava import normalize_name  # same weight layout (vision_tower / multi_modal_projector)
 from mmjax.models.text import TextModel, text_model_for
 from mmjax.models.vision.pixtral import PixtralVisionConfig, load_pixtral_params, pixtral_hidden_state
@@ -125,7 +125,7 @@ def encode_packed(params: dict, cfg: Mistral3Config, packed: tuple, impl: str = 
     p = params["projector"]
     if cfg.merger:
         x = rms_norm(p["norm"], x, cfg.norm_eps)
-        x = x.reshape(-1, cfg.merge_size ** 2 * x.shape[-1]) @ p["merge"]
+        x = matmul(x.reshape(-1, cfg.merge_size ** 2 * x.shape[-1]), p["merge"])
     x = dense(p["fc2"], activation(cfg.projector_act)(dense(p["fc1"], x)))
     return x.astype(params["text"]["embed"].dtype)
 

@@ -23,6 +23,7 @@ from mmjax.image.mllama import MllamaImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require
+from mmjax.models.layers import matmul
 from mmjax.models.text.mllama import MllamaTextConfig, MllamaTextModel, load_text_params, packed_ranges
 from mmjax.models.vision.mllama import MllamaVisionConfig, load_mllama_vision_params, mllama_vision
 
@@ -71,7 +72,7 @@ def encode_images(params: dict, cfg: MllamaConfig, inputs: tuple) -> jax.Array:
     tiles, ar_ids, n_tiles = inputs
     states = mllama_vision(params["vision"], cfg.vision, tiles, ar_ids, n_tiles)
     p = params["projector"]
-    x = states @ p["w"] + p["b"]
+    x = matmul(states, p["w"]) + p["b"]
     return x.reshape(x.shape[0], -1, x.shape[-1]).astype(params["text"]["embed"].dtype)
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import activation, dense
+from mmjax.models.layers import activation, dense, matmul
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.kv_quant import dequantize, layer_scales, operand
 from mmjax.models.text.llama import (_grouped_dense, _split_grouped_qkv, allocate_cache, cache_attention,
@@ -486,7 +486,7 @@ class Gemma3TextModel(ConfigShape):
                        capture=capture, reduce_small=reduce_small, prune=prune, dropped=dropped)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        z = (hidden @ params["lm_head"]).astype(jnp.float32)
+        z = matmul(hidden, params["lm_head"], jnp.float32)
         # a vocab padded for tensor parallelism (tp_layout): the padding is not a token
         z = z if z.shape[-1] == self.cfg.vocab_size else z[..., :self.cfg.vocab_size]
         return softcap(z, self.cfg.final_logit_softcapping)

@@ -42,7 +42,7 @@ import numpy as np
 from mmjax.checkpoint import TensorSource
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import activation
+from mmjax.models.layers import activation, matmul
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.kv_quant import layer_scales
 from mmjax.models.text.llama import (_grouped_dense, _host, allocate_cache, cache_attention, explicit_attention,
@@ -276,7 +276,7 @@ def per_layer_inputs(params: dict, cfg: Gemma4TextConfig, ids: jax.Array, embeds
     L, s = cfg.num_layers, cfg.ple_size
     tok = jnp.take(params["ple_embed"], text_ids(cfg, ids), axis=0, mode="clip")
     tok = (tok * jnp.asarray(s ** 0.5, tok.dtype)).reshape(b, t, L, s)
-    proj = _scaled(embeds @ params["ple_model_proj"], cfg.hidden_size ** -0.5)
+    proj = _scaled(matmul(embeds, params["ple_model_proj"]), cfg.hidden_size ** -0.5)
     proj = norm(params["ple_proj_norm"], proj.reshape(b, t, L, s), cfg.rms_norm_eps)
     return _scaled(proj + tok, 2.0 ** -0.5)
 
@@ -389,7 +389,7 @@ def _own_kv(p: dict, spec: LayerSpec, hn: jax.Array) -> tuple[jax.Array, jax.Arr
         kc = cols if spec.k_eq_v else cols // 2
         k = kvp[..., :kc].reshape(b, t, g * kc // hd, hd)
         return k, (k if spec.k_eq_v else kvp[..., kc:].reshape(b, t, g * kc // hd, hd))
-    kvp = hn @ p["kv"]
+    kvp = matmul(hn, p["kv"])
     k = kvp[..., : kvh * hd].reshape(b, t, kvh, hd)
     v = k if spec.k_eq_v else kvp[..., kvh * hd:].reshape(b, t, kvh, hd)
     return k, v
@@ -401,7 +401,7 @@ def _gated(p: dict, spec: LayerSpec, hn: jax.Array, act) -> jax.Array:
     if p["gate_up"].ndim == 3:
         gate, up = split_grouped_gate_up(_grouped_dense({"w": p["gate_up"]}, hn))
         return act(gate) * up
-    gu = hn @ p["gate_up"]
+    gu = matmul(hn, p["gate_up"])
     f = spec.intermediate_size
     return act(gu[..., :f]) * gu[..., f:]
 
@@ -414,7 +414,7 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
     act = activation(cfg.hidden_act)
     cos, sin = rope
     hn = norm(p["ln_in"], x, eps)
-    q = apply_rope(norm(p["q_norm"], (hn @ p["q"]).reshape(b, t, h, hd), eps), cos, sin)
+    q = apply_rope(norm(p["q_norm"], matmul(hn, p["q"]).reshape(b, t, h, hd), eps), cos, sin)
     if own:
         k, v = _own_kv(p, spec, hn)
         k = apply_rope(norm(p["k_norm"], k, eps), cos, sin)
@@ -431,9 +431,9 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
         captured = (probs, attn)
     else:
         attn = cache_attention(q, kv["k"], kv["v"], q_index, kv_len, slots, reduce_small=reduce_small, **akw)
-    x = x + norm(p["ln_post_attn"], attn.reshape(b, t, h * hd) @ p["o"], eps)
+    x = x + norm(p["ln_post_attn"], matmul(attn.reshape(b, t, h * hd), p["o"]), eps)
     residual = x
-    m = _gated(p, spec, norm(p["ln_pre_ffn"], x, eps), act) @ p["down"]
+    m = matmul(_gated(p, spec, norm(p["ln_pre_ffn"], x, eps), act), p["down"])
     if cfg.moe:
         flat = residual.reshape(b * t, d)
         w, idx = gemma4_route(p["router"], flat, cfg.moe[1], eps)
@@ -442,8 +442,8 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
             norm(p["post_feedforward_layernorm_2"], e.reshape(b, t, d), eps)
     x = residual + norm(p["ln_post_ffn"], m, eps)
     if ple is not None:
-        g = act(x @ p["ple_gate"]) * ple
-        x = x + norm(p["ple_norm"], g @ p["ple_proj"], eps)
+        g = act(matmul(x, p["ple_gate"])) * ple
+        x = x + norm(p["ple_norm"], matmul(g, p["ple_proj"]), eps)
     return x * p["scalar"].astype(x.dtype), kv, captured
 
 
@@ -514,7 +514,7 @@ def _head_dim(cfg: Gemma4TextConfig, kind: str) -> int:
 
 def logits(params: dict, cfg: Gemma4TextConfig, hidden: jax.Array) -> jax.Array:
     """hidden [..., d] -> float32 logits, soft-capped: cap * tanh(logits / cap)."""
-    z = (hidden @ params["lm_head"]).astype(jnp.float32)
+    z = matmul(hidden, params["lm_head"], jnp.float32)
     # a vocab padded for tensor parallelism (tp_layout): the padding is not a token
     z = z if z.shape[-1] == cfg.vocab_size else z[..., :cfg.vocab_size]
     if cfg.final_logit_softcapping:

@@ -29,7 +29,7 @@ import numpy as np
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import dense, rms_norm
+from mmjax.models.layers import bf16_einsum, dense, matmul, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.kv_quant import dequantize, is_quantized, layer_scales, operand, quantize, zero_scales
 from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
@@ -540,7 +540,7 @@ def scatter_segment(kv: dict, i: int, rows: jax.Array, idx: jax.Array, new: tupl
 def _grouped_dense(p: dict, x: jax.Array) -> jax.Array:
     """x [b, t, in] @ w [in, groups, cols] (+ b [groups, cols]) -> [b, t, groups, cols]: a fused
     projection laid out per tensor-parallel shard (`tp_layout`), so each shard's split is local."""
-    y = jnp.einsum("btd,dgc->btgc", x, p["w"])
+    y = bf16_einsum("btd,dgc->btgc", x, p["w"])
     return y + p["b"] if "b" in p else y
 
 
@@ -656,7 +656,7 @@ def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
 
 def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
     """hidden [..., hidden] -> logits [..., vocab] in float32."""
-    return (hidden @ params["lm_head"]).astype(jnp.float32)
+    return matmul(hidden, params["lm_head"], jnp.float32)
 
 
 def embed_tokens(params: dict, token_ids: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.checkpoint import TensorSource, fused_linear, linear
-from mmjax.models.layers import dense, rms_norm
+from mmjax.models.layers import bf16_einsum, dense, matmul, rms_norm
 from mmjax.models.text import llama as L
 from mmjax.models.text.kv_quant import SCALE_DTYPE, bytes_per_token, is_quantized, quantize
 
@@ -96,10 +96,10 @@ def cross_layer(p: dict, cfg: MllamaTextConfig, x: jax.Array, k: jax.Array, v: j
     q = q.reshape(b, t, kvh, h // kvh, hd)
     row = key_mask.any(-1)                                             # [b, t]
     allowed = key_mask | ~row[..., None]                               # empty rows: every key (HF)
-    s = jnp.einsum("btgrd,bngd->bgrtn", q, k) * hd ** -0.5
+    s = bf16_einsum("btgrd,bngd->bgrtn", q, k) * hd ** -0.5
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(s.dtype).min)
     a = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(x.dtype)
-    out = jnp.einsum("bgrtn,bngd->btgrd", a, v).reshape(b, t, h * hd)
+    out = bf16_einsum("bgrtn,bngd->btgrd", a, v).reshape(b, t, h * hd)
     y = x + jnp.tanh(p["attn_gate"]) * dense(p["o"], out)
     hn = rms_norm(p["ln2"], y, c.rms_norm_eps)
     gu = dense(p["gate_up"], hn)
@@ -129,7 +129,7 @@ def forward_full(params: dict, cfg: MllamaTextConfig, ids: jax.Array, vision: ja
             x, _, _ = L.layer_forward(params["layers"][si], c, x, cache[si], rope, t, starts=starts)
             si += 1
     x = rms_norm(params["norm"], x, c.rms_norm_eps)
-    return (x @ params["lm_head"]).astype(jnp.float32)
+    return matmul(x, params["lm_head"], jnp.float32)
 
 
 def span_key_mask(ids: np.ndarray, image_token_id: int, n_tiles: list[int], max_tiles: int,
@@ -212,7 +212,7 @@ class MllamaTextModel:
         return params["embed"][ids]
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        return (hidden @ params["lm_head"]).astype(jnp.float32)
+        return matmul(hidden, params["lm_head"], jnp.float32)
 
     def fill_cross(self, params: dict, cache, slot: jax.Array, feats: jax.Array, n_images: jax.Array,
                    n_tiles: jax.Array, dec: jax.Array):
@@ -283,7 +283,7 @@ def _cross_layer_masked(p: dict, cfg: MllamaTextConfig, x, k, v, allowed, row, h
     h, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
     q = rms_norm(p["q_norm"], dense(p["q"], rms_norm(p["ln1"], x, c.rms_norm_eps)).reshape(b, t, h, hd),
                  c.rms_norm_eps).reshape(b, t, kvh, h // kvh, hd)
-    s = jnp.einsum("btgrd,bngd->bgrtn", q, k.astype(q.dtype)) * hd ** -0.5
+    s = bf16_einsum("btgrd,bngd->bgrtn", q, k.astype(q.dtype)) * hd ** -0.5
     if scales is not None:      # [b, n, g] -> [b, g, 1, 1, n]
         s = (s.astype(jnp.float32) * scales[0].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, None]).astype(s.dtype)
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(s.dtype).min)
@@ -291,7 +291,7 @@ def _cross_layer_masked(p: dict, cfg: MllamaTextConfig, x, k, v, allowed, row, h
     if scales is not None:
         a = a * scales[1].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, None]
     a = a.astype(x.dtype)
-    out = jnp.einsum("bgrtn,bngd->btgrd", a, v.astype(x.dtype)).reshape(b, t, h * hd)
+    out = bf16_einsum("bgrtn,bngd->btgrd", a, v.astype(x.dtype)).reshape(b, t, h * hd)
     y = x + jnp.tanh(p["attn_gate"]) * dense(p["o"], out)
     gu = dense(p["gate_up"], rms_norm(p["ln2"], y, c.rms_norm_eps))
     m = dense(p["down"], jax.nn.silu(gu[..., : c.intermediate_size]) * gu[..., c.intermediate_size:])

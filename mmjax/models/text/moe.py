@@ -33,7 +33,7 @@ import numpy as np
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import CheckpointError, UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import dense
+from mmjax.models.layers import dense, matmul
 
 
 def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Array, jax.Array]:
@@ -44,7 +44,7 @@ def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Arr
     xf = x.astype(jnp.float32)
     h = (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)).astype(x.dtype)
     h = ((h * p["scale"]).astype(jnp.float32) * np.float32(d ** -0.5)).astype(x.dtype)   # torch: scalar in f32
-    logits = h @ p["proj"]
+    logits = matmul(h, p["proj"])
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     w, idx = jax.lax.top_k(probs, top_k)
     w = w / w.sum(-1, keepdims=True)
@@ -56,12 +56,23 @@ def softmax_topk_route(w: jax.Array, x: jax.Array, top_k: int, normalize: bool =
     """x [n, d], router weight w [d, experts] -> (weights [n, k] in x's dtype, expert ids [n, k]
     int32): softmax over the experts in float32, the top k, renormalised to sum to 1 when
     `normalize` (HF's norm_topk_prob), then cast to the logits' dtype as HF does."""
-    logits = x @ w
+    logits = matmul(x, w)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, idx = jax.lax.top_k(probs, top_k)
     if normalize:
         top = top / top.sum(-1, keepdims=True)
     return top.astype(logits.dtype), idx.astype(jnp.int32)
+
+
+def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """ragged_dot, bf16 x bf16 with an f32 result cast back (see layers.matmul); quantized
+    expert stacks (mmjax.quant.QArray) take their 8-bit ragged dot."""
+    from mmjax.quant import QArray, qragged_dot
+    if isinstance(w, QArray):
+        return qragged_dot(x, w, sizes)
+    if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
+        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return jax.lax.ragged_dot(x, w, sizes)
 
 
 SKIP_MAX_ROWS = 64   # CPU: token-expert assignments up to which impl "auto" takes the skip loop
@@ -91,9 +102,9 @@ def experts_forward(p: dict, x: jax.Array, weights: jax.Array, idx: jax.Array, a
     order = jnp.argsort(flat, stable=True)                           # assignments grouped by expert
     rows = x[order // k]                                             # [n*k, d]
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)           # rows per expert
-    gu = jax.lax.ragged_dot(rows, p["gate_up"], sizes)               # [n*k, 2f]
+    gu = _ragged(rows, p["gate_up"], sizes)               # [n*k, 2f]
     f = gu.shape[-1] // 2
-    h = jax.lax.ragged_dot(act(gu[:, :f]) * gu[:, f:], p["down"], sizes)   # [n*k, d]
+    h = _ragged(act(gu[:, :f]) * gu[:, f:], p["down"], sizes)   # [n*k, d]
     h = h * weights.reshape(-1)[order][:, None].astype(h.dtype)
     # back to (token, slot) order, then sum each token's k expert outputs
     out = jnp.zeros_like(h).at[order].set(h, unique_indices=True)
@@ -113,8 +124,8 @@ def _skip_idle_experts(p: dict, x: jax.Array, weights: jax.Array, idx: jax.Array
 
     def body(j, acc):
         def run(acc):
-            gu = rows @ p["gate_up"][j]
-            y = (act(gu[:, :f]) * gu[:, f:]) @ p["down"][j]
+            gu = matmul(rows, p["gate_up"][j])
+            y = matmul(act(gu[:, :f]) * gu[:, f:], p["down"][j])
             return acc + jnp.where((flat == j)[:, None], y, 0)
         return jax.lax.cond(sizes[j] > 0, run, lambda a: a, acc)
 

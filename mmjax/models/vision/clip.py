@@ -13,7 +13,7 @@ from mmjax.attention import attention
 from mmjax.checkpoint import TensorSource, linear, norm
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import activation, dense, layer_norm
+from mmjax.models.layers import activation, dense, layer_norm, matmul
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def clip_hidden_states(params: dict, pixels: jax.Array, cfg: ClipVisionConfig) -
 
     Index i matches HF's `hidden_states[i]` (output_hidden_states=True).
     """
-    x = patchify(pixels.astype(params["patch_embed"].dtype), cfg.patch_size) @ params["patch_embed"]
+    x = matmul(patchify(pixels.astype(params["patch_embed"].dtype), cfg.patch_size), params["patch_embed"])
     cls = jnp.broadcast_to(params["class_embed"], (x.shape[0], 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], axis=1) + params["pos_embed"][None]
     x = layer_norm(params["pre_ln"], x, cfg.layer_norm_eps)

@@ -25,7 +25,7 @@ from mmjax.attention import attention
 from mmjax.checkpoint import TensorSource
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import activation
+from mmjax.models.layers import activation, matmul
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def _linear(p: dict, x: jax.Array) -> jax.Array:
     """Gemma4ClippableLinear: clamp input, matmul, clamp output (when the checkpoint clips)."""
     if "clip" in p:
         x = jnp.clip(x, p["clip"][0].astype(x.dtype), p["clip"][1].astype(x.dtype))
-    y = x @ p["w"]
+    y = matmul(x, p["w"])
     if "clip" in p:
         y = jnp.clip(y, p["clip"][2].astype(y.dtype), p["clip"][3].astype(y.dtype))
     return y
@@ -205,7 +205,7 @@ def encode(params: dict, cfg: Gemma4VisionConfig, pixels: jax.Array, pos: jax.Ar
     dtype = vp["patch"].dtype
     pad = jnp.all(pos == -1, axis=-1)                                             # [B, P]
     lengths = jnp.sum(~pad, axis=-1).astype(jnp.int32)
-    x = (2.0 * (pixels.astype(jnp.float32) - 0.5)).astype(dtype) @ vp["patch"]
+    x = matmul((2.0 * (pixels.astype(jnp.float32) - 0.5)).astype(dtype), vp["patch"])
     cp = jnp.maximum(pos, 0)
     pe = jnp.take(vp["pos_table"][0], cp[..., 0], axis=0) + jnp.take(vp["pos_table"][1], cp[..., 1], axis=0)
     x = x + jnp.where(pad[..., None], 0.0, pe).astype(dtype)
@@ -219,4 +219,4 @@ def encode(params: dict, cfg: Gemma4VisionConfig, pixels: jax.Array, pos: jax.Ar
     if cfg.standardize:
         pooled = (pooled - vp["std_bias"].astype(jnp.float32)) * vp["std_scale"].astype(jnp.float32)
     pooled = pooled.astype(dtype)
-    return gemma4_rms_norm(None, pooled, cfg.rms_norm_eps) @ vp["embed_proj"]
+    return matmul(gemma4_rms_norm(None, pooled, cfg.rms_norm_eps), vp["embed_proj"])

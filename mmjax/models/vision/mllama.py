@@ -23,7 +23,7 @@ import numpy as np
 
 from mmjax.checkpoint import TensorSource, linear, norm
 from mmjax.errors import CheckpointError
-from mmjax.models.layers import activation, dense, layer_norm
+from mmjax.models.layers import activation, bf16_einsum, dense, layer_norm, matmul
 
 
 @dataclass(frozen=True)
@@ -120,9 +120,9 @@ def _attend(p: dict, x: jax.Array, bias: jax.Array, cfg: MllamaVisionConfig) -> 
     b, n, d = x.shape
     h, hd = cfg.num_heads, cfg.head_dim
     q, k, v = (dense(p[w], x).reshape(b, n, h, hd) for w in "qkv")
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (hd ** -0.5) + bias[:, None]
+    s = bf16_einsum("bqhd,bkhd->bhqk", q, k) * (hd ** -0.5) + bias[:, None]
     a = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(x.dtype)
-    return dense(p["o"], jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, n, d))
+    return dense(p["o"], bf16_einsum("bhqk,bkhd->bqhd", a, v).reshape(b, n, d))
 
 
 def _block(p: dict, x: jax.Array, bias: jax.Array, cfg: MllamaVisionConfig) -> jax.Array:
@@ -147,7 +147,7 @@ def mllama_vision(params: dict, cfg: MllamaVisionConfig, tiles: jax.Array, ar_id
     p, d, n, npad = cfg.patch_size, cfg.hidden_size, cfg.num_patches, cfg.padded_patches
     g = s // p
     x = tiles.astype(params["patch_embed"].dtype).reshape(b, t, g, p, g, p, -1).transpose(0, 1, 2, 4, 6, 3, 5)
-    x = x.reshape(b, t, g * g, -1) @ params["patch_embed"]                         # [b, t, n-1, d]
+    x = matmul(x.reshape(b, t, g * g, -1), params["patch_embed"])                         # [b, t, n-1, d]
     x = x + _tile_embed(params["pre_tile"], ar_ids, cfg)
     cls = jnp.broadcast_to(params["class_embedding"].astype(x.dtype), (b, t, 1, d))
     x = jnp.concatenate([cls, x], axis=2)                                           # [b, t, n, d]

@@ -24,7 +24,7 @@ import numpy as np
 from mmjax.attention import attention
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import CheckpointError, UnsupportedModelError
-from mmjax.models.layers import activation, dense, rms_norm
+from mmjax.models.layers import activation, dense, matmul, rms_norm
 from mmjax.models.vision.qwen2_vl import _rotate
 
 PIXTRAL_EPS = 1e-5  # HF hard-codes eps=1e-5 for ln_pre and every block norm
@@ -143,7 +143,7 @@ def pixtral_hidden_state(params: dict, cfg: PixtralVisionConfig, patches: jax.Ar
     """Packed patches [N, C*p*p], pos_hw [N, 2], segment_ids [N] (-1 = padding) -> HF's
     hidden_states[layer] [N, width] (0 = ln_pre output, i = after block i; blocks past `layer`
     are not run)."""
-    x = patches.astype(params["patch_embed"].dtype) @ params["patch_embed"]
+    x = matmul(patches.astype(params["patch_embed"].dtype), params["patch_embed"])
     x = rms_norm(params["ln_pre"], x, PIXTRAL_EPS)
     cos, sin = pixtral_rope(cfg, pos_hw)
     for blk in params["blocks"][:layer]:

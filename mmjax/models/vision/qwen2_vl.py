@@ -27,7 +27,7 @@ import numpy as np
 from mmjax.attention import attention
 from mmjax.checkpoint import TensorSource, fused_linear, linear, norm
 from mmjax.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
-from mmjax.models.layers import activation, dense, layer_norm, rms_norm
+from mmjax.models.layers import activation, dense, layer_norm, matmul, rms_norm
 
 VISION_EPS = 1e-6  # HF hard-codes eps=1e-6 for every vision norm and the merger's ln_q
 
@@ -209,7 +209,7 @@ def vision_forward(params: dict, cfg: QwenVisionConfig, patches: jax.Array, pos_
     """Packed patches [N, C*t*p*p] (N a multiple of merge_size**2, every image's patches in HF's
     order — window order for Qwen2.5-VL), pos_hw [N, 2], image_seg / window_seg [N] int32 (-1 =
     padding) -> merged tokens [N / merge_size**2, out_hidden] in the same order."""
-    x = patches.astype(params["patch_embed"].dtype) @ params["patch_embed"]
+    x = matmul(patches.astype(params["patch_embed"].dtype), params["patch_embed"])
     cos, sin = vision_rope(cfg, pos_hw)
     for i, blk in enumerate(params["blocks"]):
         x = vision_block(blk, x, cos, sin, window_seg if cfg.block_is_windowed(i) else image_seg, cfg, impl)

@@ -1,0 +1,200 @@
+"""8-bit weights: int8 (W8A8, per-output-channel weight scales, optional groups along the input)
+and fp8 e4m3 (per-output-channel scales), applied to a loaded params pytree.
+
+One formulation per kind, the same on every backend, so the numerics CI checks on CPU are the
+ones a GPU runs:
+
+- int8: the weight is stored int8 with a float32 scale per output channel (per group of
+  `group_size` input rows when given); the activation is quantized per token (per token and group)
+  to int8 at run time (symmetric, amax / 127), the dot is s8 x s8 -> s32, and the result is
+  rescaled by x_scale * w_scale. Weight-only (`x @ (w.astype(f32) * s)` or `(x @ w.astype(f32)) * s`)
+  was rejected: XLA:CPU does not fuse the int8 -> float convert into its dot, it materializes a
+  float copy of every weight every step (checked on the optimized HLO; tests/test_precision.py
+  asserts the compiled CPU step's dots read the s8 weight directly). cuBLAS has s8 x s8 -> s32
+  gemms too, so the same graph serves GPUs.
+- fp8: the weight is float8_e4m3fn with a float32 scale per output channel (also what fp8
+  "compressed-tensors" / FBGEMM checkpoints store, see `from_fp8_checkpoint`); the activation is
+  quantized per token to e4m3 (amax / 448) and the dot is e4m3 x e4m3 -> f32, the form XLA:GPU
+  rewrites to an FP8 cuBLASLt gemm on Hopper. XLA:CPU has no fp8 dot: it upcasts the operands
+  (a float copy of the weight per step), so fp8 is a GPU format here and int8 the CPU one.
+
+MoE expert stacks [experts, in, out] get per (expert, channel) scales and `qragged_dot`, the
+8-bit form of the grouped `jax.lax.ragged_dot` (the CPU skip loop indexes one expert, `w[j]`).
+
+Qwix (Google's JAX quantization library) was not used: its model-level API intercepts Flax
+modules, and mmjax's steps are pure functions over plain dict pytrees restored by orbax; the
+few lines below are the whole of what the steps need.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmjax.errors import InvalidRequestError
+
+KINDS = ("int8", "fp8")
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QArray:
+    """A quantized matmul weight standing in for a float [in, out] array.
+
+    q: int8 or float8_e4m3fn [in, out]; scale: float32 [groups, out] (groups = in / group_size,
+    1 for per-channel); dtype: the float dtype the model computes in (what `w.dtype` reported
+    before quantization, so code that casts inputs to a weight's dtype keeps working). A stack
+    of MoE expert weights is q [experts, in, out], scale [experts, 1, out]; `w[j]` is expert j."""
+    q: jax.Array
+    scale: jax.Array
+    dtype: Any = field(metadata=dict(static=True), default=np.dtype(np.float32))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    def __getitem__(self, j) -> "QArray":
+        """Expert j of a stacked [experts, in, out] weight."""
+        return QArray(self.q[j], self.scale[j], self.dtype)
+
+    @property
+    def kind(self) -> str:
+        return "int8" if self.q.dtype == jnp.int8 else "fp8"
+
+
+def quantize_weight(w, kind: str = "int8", group_size: int | None = None, dtype=None) -> QArray:
+    """w [in, out] float -> QArray with symmetric scales per output channel (and per group of
+    `group_size` input rows): scale = amax / qmax, q = round(w / scale). Computed in numpy on
+    the host (no per-shape compiles), the result placed where jnp puts it (the default device)."""
+    import ml_dtypes
+    if kind not in KINDS:
+        raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
+    dtype = np.dtype(dtype or w.dtype)
+    wf = np.asarray(w, np.float32)
+    if wf.ndim == 3:          # MoE experts [E, in, out]: per (expert, output channel) scales
+        parts = [quantize_weight(e, kind, None, dtype) for e in wf]
+        return QArray(jnp.stack([p.q for p in parts]), jnp.stack([p.scale for p in parts]), dtype)
+    d_in, d_out = wf.shape
+    g = _groups(d_in, group_size)
+    wg = wf.reshape(g, d_in // g, d_out)
+    amax = np.abs(wg).max(axis=1)                                      # [g, out]
+    scale = np.where(amax > 0, amax / _QMAX[kind], 1.0).astype(np.float32)
+    x = wg / scale[:, None]
+    q = (np.clip(np.rint(x), -127, 127).astype(np.int8) if kind == "int8"
+         else x.astype(ml_dtypes.float8_e4m3fn))
+    return QArray(jnp.asarray(q.reshape(d_in, d_out)), jnp.asarray(scale), dtype)
+
+
+def _groups(d_in: int, group_size: int | None) -> int:
+    if not group_size:
+        return 1
+    if group_size <= 0 or d_in % group_size:
+        raise InvalidRequestError(f"quantize group size {group_size} must divide every quantized layer's input "
+                                  f"width (got one of {d_in})", param="quantize_group_size")
+    return d_in // group_size
+
+
+def _quantize_acts(x: jax.Array, kind: str, groups: int) -> tuple[jax.Array, jax.Array]:
+    """x [..., in] -> (xq [..., groups, in/groups] int8/e4m3, scale [..., groups, 1] float32):
+    symmetric per token (and group), computed in float32."""
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+    amax = jnp.abs(xf).max(-1, keepdims=True)
+    s = jnp.where(amax > 0, amax / _QMAX[kind], 1.0)
+    xs = xf / s
+    xq = (jnp.clip(jnp.round(xs), -127, 127) if kind == "int8" else xs).astype(_QDTYPE[kind])
+    return xq, s
+
+
+def qragged_dot(x: jax.Array, w: QArray, sizes: jax.Array) -> jax.Array:
+    """jax.lax.ragged_dot(x [rows, in], w [experts, in, out], sizes) for stacked expert weights:
+    rows grouped by expert (sizes[e] rows for expert e), each token quantized as in qmatmul, an
+    8-bit ragged dot with a wide accumulator, rescaled by the row's expert's channel scales."""
+    kind = w.kind
+    xq, xs = _quantize_acts(x, kind, 1)
+    acc = jax.lax.ragged_dot(xq[:, 0], w.q, sizes, preferred_element_type=jnp.int32 if kind == "int8" else jnp.float32)
+    expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")      # [rows]
+    scale = w.scale[jnp.minimum(expert, w.shape[0] - 1), 0]                                  # [rows, out]
+    return (acc.astype(jnp.float32) * xs[:, 0] * scale).astype(x.dtype)
+
+
+def qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
+    """x [..., in] @ w -> [..., out] in out_dtype (default x's dtype): quantize x per token, an
+    8-bit dot with a wide accumulator (s32 for int8, f32 for fp8), rescale in float32."""
+    kind = w.kind
+    g = w.scale.shape[0]
+    d_in, d_out = w.shape
+    xq, xs = _quantize_acts(x, kind, g)
+    acc_t = jnp.int32 if kind == "int8" else jnp.float32
+    k = d_in // g
+    y = None
+    # groups: one 2-D dot per contiguous row block of the weight (a batched [g, k, out] dot
+    # makes XLA:CPU copy / convert the weight every step; row slices of it are free views)
+    for i in range(g):
+        acc = jax.lax.dot_general(xq[..., i, :], w.q[i * k:(i + 1) * k], (((xq.ndim - 2,), (0,)), ((), ())),
+                                  preferred_element_type=acc_t)            # [..., out]
+        part = acc.astype(jnp.float32) * xs[..., i, :] * w.scale[i]
+        y = part if y is None else y + part
+    return y.astype(out_dtype or x.dtype)
+
+
+# Which leaves are quantized: the LM's and ViT's linear layers, i.e. "w" of every dense layer
+# plus the LM head, Gemma 4's bare per-layer projections and the MoE expert stacks
+# ([experts, in, out], per expert and channel, always without groups). Left in float: embeddings
+# (gathered, not multiplied), patch embeddings (the first layer, tiny, sensitive) and MoE routers
+# (routing decisions).
+_BARE = {"lm_head", "q", "kv", "o", "gate_up", "down", "ple_gate", "ple_proj"}
+_SKIP_PARENTS = {"patch_embed", "router", "patch"}
+
+
+def _wanted(path, leaf) -> bool:
+    keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    if not jnp.issubdtype(leaf.dtype, jnp.floating) or any(k in _SKIP_PARENTS for k in keys):
+        return False
+    if "experts" in keys:
+        return getattr(leaf, "ndim", 0) == 3 and keys[-1] in ("gate_up", "down")
+    return getattr(leaf, "ndim", 0) == 2 and (keys[-1] == "w" or keys[-1] in _BARE)
+
+
+def quantize_params(params, kind: str, group_size: int | None = None):
+    """Loaded params -> the same pytree with every linear-layer weight a QArray (see `_wanted`);
+    applied after loading, like gpt-fast's quantize step. Runs on the arrays' device."""
+    if kind not in KINDS:
+        raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
+    def one(path, x):
+        if not _wanted(path, x):
+            return x
+        return quantize_weight(x, kind, None if x.ndim == 3 else group_size)
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every array leaf (a QArray counts its 8-bit values and scales)."""
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)))
+
+
+_SIDECAR = "mmjax_quantization.json"
+
+
+def write_quantization(directory, quantize: str | None, group_size: int | None) -> None:
+    """Record next to saved params how they are quantized (`read_quantization` restores it)."""
+    import json
+    from pathlib import Path
+    if quantize is not None:
+        (Path(directory) / _SIDECAR).write_text(json.dumps({"quantize": quantize, "group_size": group_size}))
+
+
+def read_quantization(directory) -> dict | None:
+    """{"quantize": kind, "group_size": n | None} for params saved quantized, else None."""
+    import json
+    from pathlib import Path
+    f = Path(directory).absolute() / _SIDECAR
+    return json.loads(f.read_text()) if f.is_file() else None
