@@ -1225,6 +1225,7 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
     parse_tools = kind == "chat" and g0.parsed.tools is not None and g0.parsed.tools.parse
     parser = g0.parsed.tools.parser if parse_tools else None
     full, sent = [""] * len(gens), [0] * len(gens)
+    tstreams = [tools.ToolStream(g0.parsed.tools) for _ in gens] if parse_tools else []
     q: asyncio.Queue = asyncio.Queue()
     pumps: list[asyncio.Task] = []
     try:
@@ -1267,27 +1268,30 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
                     lp, offsets[i] = _completion_lp(entries, offsets[i])
             text = d.text
             fr = d.finish_reason if d.finished else None
-            calls = None
-            if parse_tools:        # content streams until a tool call starts; calls come whole at the end
+            frags: list[dict] = []
+            if parse_tools:   # content streams until a tool call starts; then the calls, argument by argument
                 full[i] += d.text
                 k = parser.find(full[i])
                 if d.finished:
                     _, calls = tools.parse_output(g0.parsed.tools, full[i])
                     upto = (k if k >= 0 else len(full[i])) if calls else len(full[i])
                     fr = "tool_calls" if calls and fr == "stop" else fr
+                    frags = tstreams[i].finish(calls)
                 else:
                     upto = k if k >= 0 else len(full[i]) - parser.held_back(full[i])
+                    frags = tstreams[i].update(full[i]) if k >= 0 else []
                 text = full[i][sent[i]:max(sent[i], upto)]
                 sent[i] = max(sent[i], upto)
-            if text or lp is not None or d.finished:
-                if kind == "chat":
-                    delta = {"content": text} if text else {}
-                    if calls:
-                        delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
-                    c = {"index": g.req.index, "delta": delta, "logprobs": lp, "finish_reason": fr}
+            if text or lp is not None or d.finished or frags:
+                if kind == "chat":   # one chunk per tool-call fragment (as vLLM); the last one finishes
+                    deltas = ([{"content": text}] if text else []) + [{"tool_calls": [f]} for f in frags] or [{}]
+                    for n, delta in enumerate(deltas):
+                        await resp.write(_sse(chunk({"index": g.req.index, "delta": delta,
+                                                     "logprobs": lp if n == 0 else None,
+                                                     "finish_reason": fr if n == len(deltas) - 1 else None})))
                 else:
-                    c = {"index": g.req.index, "text": d.text, "logprobs": lp, "finish_reason": fr}
-                await resp.write(_sse(chunk(c)))
+                    await resp.write(_sse(chunk({"index": g.req.index, "text": d.text, "logprobs": lp,
+                                                 "finish_reason": fr})))
         if include_usage and not failed and all(g.acc.finish_reason is not None for g in gens):
             u = chunk(None)
             u["usage"] = usage_of(gens)

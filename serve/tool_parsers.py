@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 
 MAX_CALLS = 3                 # tool calls one "required" answer may hold
 # compact JSON (a model could otherwise pad with whitespace forever); spaced separators as the
@@ -35,14 +36,140 @@ def _call(name: str, args) -> dict:
                          json.dumps(args, ensure_ascii=False)}}
 
 
-def _obj_call(obj, args_keys=("arguments", "parameters")) -> dict | None:
-    """{"name": str, "arguments"|"parameters": {...}} -> a call; None if it is not one."""
+def _obj_call(obj, args_keys=("arguments", "parameters"), raw: str | None = None) -> dict | None:
+    """{"name": str, "arguments"|"parameters": {...}} -> a call; None if it is not one. `raw`:
+    the object's text; an object's arguments are then its own text as generated (what the
+    stream sent, fragment by fragment), not a re-serialization."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
+    key = next((k for k in args_keys if k in obj), None)
+    args = obj[key] if key is not None else {}
     if not isinstance(args, (dict, str)):
         return None
+    if raw is not None and isinstance(args, dict):
+        scan = _scan_object(raw, 0, (key,))
+        span = scan[1].get(key) if scan is not None else None
+        if span is not None and span[1] is not None and json.loads(raw[span[0]:span[1]]) == args:
+            args = raw[span[0]:span[1]]
     return _call(obj["name"], args)
+
+
+# ---- incremental JSON scanning (streamed calls) ------------------------------------------------------
+
+@dataclass
+class PartialCall:
+    """A tool call as far as the text goes: `name` once complete, `args` the arguments text so far
+    (the JSON object's own text, a prefix of the final arguments; "" while unknown or not an
+    object), `done` once the call's text is complete."""
+    name: str | None
+    args: str
+    done: bool
+
+
+def _ws(s: str, i: int) -> int:
+    while i < len(s) and s[i].isspace():
+        i += 1
+    return i
+
+
+def _skip_string(s: str, i: int) -> int | None:
+    """s[i] == '"': the index after the closing quote (None: not closed yet)."""
+    j = i + 1
+    while j < len(s):
+        if s[j] == "\\":
+            j += 2
+        elif s[j] == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def _skip_value(s: str, i: int) -> int | None:
+    """The index after the JSON value starting at s[i] (None: not complete yet). Only
+    delimits: validity is json's business once complete."""
+    if s[i] == '"':
+        return _skip_string(s, i)
+    if s[i] in "{[":
+        depth, j = 0, i
+        while j < len(s):
+            c = s[j]
+            if c == '"':
+                j = _skip_string(s, j)
+                if j is None:
+                    return None
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i                                   # a scalar: complete once something follows it
+    while j < len(s) and s[j] not in ",}] \t\r\n":
+        j += 1
+    return j if j < len(s) else None
+
+
+def _scan_object(s: str, i: int, keys) -> tuple[str | None, dict, int | None] | None:
+    """The JSON object starting at s[i], as far as the text goes: (its "name" once complete,
+    {key in `keys`: (value start, value end or None while open)}, the index after the object or
+    None while open). None: not an object."""
+    if i >= len(s) or s[i] != "{":
+        return None
+    name, spans = None, {}
+    j = _ws(s, i + 1)
+    while j < len(s):
+        if s[j] == "}":
+            return name, spans, j + 1
+        if s[j] == ",":
+            j = _ws(s, j + 1)
+            continue
+        if s[j] != '"':
+            return None
+        k = _skip_string(s, j)
+        if k is None:
+            break
+        try:
+            key = json.loads(s[j:k])
+        except ValueError:
+            return None
+        j = _ws(s, k)
+        if j < len(s) and s[j] != ":":
+            return None
+        j = _ws(s, j + 1)
+        if j >= len(s):
+            break
+        end = _skip_value(s, j)
+        if key in keys:
+            spans[key] = (j, end)
+        if end is None:
+            break
+        if key == "name":
+            try:
+                v = json.loads(s[j:end])
+            except ValueError:
+                return None
+            name = v if isinstance(v, str) else None
+        j = _ws(s, end)
+    return name, spans, None
+
+
+def _partial_obj(s: str, i: int, keys=("arguments", "parameters")) -> tuple[PartialCall | None, int | None]:
+    """The call object at s[i] -> (PartialCall or None when it is not one, index after it)."""
+    scan = _scan_object(s, i, keys)
+    if scan is None:
+        return None, None
+    name, spans, end = scan
+    key = next((k for k in keys if k in spans), None)
+    args = ""
+    if key is not None:
+        a, b = spans[key]
+        if s[a] == "{":                 # an object streams as it grows (a string only when parsed)
+            args = s[a:b if b is not None else len(s)]
+    return PartialCall(name, args, end is not None), end
 
 
 def _suffix_prefix(text: str, marker: str) -> int:
@@ -88,6 +215,20 @@ def _repeat(item: str, sep: str, many: bool) -> str:
     return out
 
 
+def _list_items(s: str) -> list[str]:
+    """The texts of the items of the (complete) JSON list at the start of `s`."""
+    out, j = [], _ws(s, 1)
+    while j < len(s) and s[j] != "]":
+        end = _skip_value(s, j)
+        if end is None:
+            break
+        out.append(s[j:end])
+        j = _ws(s, end)
+        if j < len(s) and s[j] == ",":
+            j = _ws(s, j + 1)
+    return out
+
+
 class ToolParser:
     """One format. `parse(text)` -> (content outside the calls, OpenAI tool_calls); `find(text)`:
     where the calls start (-1: none yet); `held_back(text)`: characters at the end of streamed
@@ -106,6 +247,11 @@ class ToolParser:
         raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str, list[dict]]:
+        raise NotImplementedError
+
+    def stream(self, text: str) -> list[PartialCall]:
+        """The calls in (growing) `text` as far as they go, in order; what follows a part that
+        is not a call is left out (the finished text's `parse` decides)."""
         raise NotImplementedError
 
     def grammar(self, tools: list[dict], many: bool) -> str:
@@ -128,7 +274,7 @@ class HermesParser(ToolParser):
         calls, kept, last = [], [], 0
         for m in self._BLOCK.finditer(text):
             try:
-                call = _obj_call(json.loads(m.group(1)))
+                call = _obj_call(json.loads(m.group(1)), raw=m.group(1))
             except ValueError:
                 continue
             if call is None:
@@ -138,6 +284,21 @@ class HermesParser(ToolParser):
             last = m.end()
         kept.append(text[last:])
         return ("".join(kept).strip() if calls else text), calls
+
+    def stream(self, text: str) -> list[PartialCall]:
+        out, i = [], text.find(self.OPEN)
+        while i >= 0:
+            j = _ws(text, i + len(self.OPEN))
+            if j == len(text):
+                break
+            call, end = _partial_obj(text, j)
+            if call is None:
+                break
+            out.append(call)
+            if end is None:
+                break
+            i = text.find(self.OPEN, end)
+        return out
 
     def grammar(self, tools: list[dict], many: bool) -> str:
         return "\n".join([f"start: {_repeat('call', chr(10), many)}",
@@ -178,14 +339,34 @@ class Llama3JsonParser(ToolParser):
             if j == len(body):
                 break
             try:
-                obj, j = _DEC.raw_decode(body, j)
+                obj, end = _DEC.raw_decode(body, j)
             except ValueError:
                 return text, []
-            call = _obj_call(obj, ("parameters", "arguments"))
+            call = _obj_call(obj, ("parameters", "arguments"), raw=body[j:end])
+            j = end
             if call is None:
                 return text, []
             calls.append(call)
         return (text[:i].strip() if calls else text), calls
+
+    def stream(self, text: str) -> list[PartialCall]:
+        i = self.find(text)
+        if i < 0:
+            return []
+        j = i + len(self.TAG) if text.startswith(self.TAG, i) else i
+        out = []
+        while True:
+            while j < len(text) and (text[j].isspace() or text[j] == ";"):
+                j += 1
+            if j == len(text):
+                return out
+            call, end = _partial_obj(text, j, ("parameters", "arguments"))
+            if call is None:
+                return out
+            out.append(call)
+            if end is None:
+                return out
+            j = end
 
     def grammar(self, tools: list[dict], many: bool) -> str:
         return "\n".join([f"start: {_repeat('obj', '; ', many)}",
@@ -226,8 +407,9 @@ class MistralParser(ToolParser):
                     return text, []
                 if seg[end:].strip():
                     return text, []
-                for o in obj if isinstance(obj, list) else [obj]:
-                    call = _obj_call(o)
+                raws = _list_items(seg) if isinstance(obj, list) else [seg[:end]]
+                for o, raw in zip(obj if isinstance(obj, list) else [obj], raws):
+                    call = _obj_call(o, raw=raw)
                     if call is None:
                         return text, []
                     calls.append(call)
@@ -240,8 +422,50 @@ class MistralParser(ToolParser):
                     return text, []
                 if not sep or not name or not isinstance(obj, dict) or args.strip()[end:].strip():
                     return text, []
-                calls.append(_call(name, obj))
+                calls.append(_call(name, args.strip()[:end]))
         return (text[:i].strip() if calls else text), calls
+
+    def stream(self, text: str) -> list[PartialCall]:
+        i = text.find(self.TOOL)
+        if i < 0:
+            return []
+        out = []
+        for seg in text[i:].split(self.TOOL)[1:]:
+            j = _ws(seg, 0)
+            if j == len(seg):
+                break
+            if seg[j] in "[{":                                  # JSON list (or one object)
+                k, items = (_ws(seg, j + 1), True) if seg[j] == "[" else (j, False)
+                while k < len(seg):
+                    call, end = _partial_obj(seg, k)
+                    if call is None:
+                        return out
+                    out.append(call)
+                    if end is None:
+                        return out
+                    if not items:
+                        break
+                    k = _ws(seg, end)
+                    if k < len(seg) and seg[k] == ",":
+                        k = _ws(seg, k + 1)
+                    elif k < len(seg):
+                        break                                   # "]": this list is done
+                continue
+            name, sep, args = seg[j:].partition(self.ARGS)      # name[ARGS]{...}
+            name = name.split("[CALL_ID]")[0].strip()
+            if not sep:
+                break
+            a = _ws(args, 0)
+            if a == len(args):
+                out.append(PartialCall(name, "", False))
+                break
+            if args[a] != "{":
+                break
+            end = _skip_value(args, a)
+            out.append(PartialCall(name, args[a:end if end is not None else len(args)], end is not None))
+            if end is None:
+                break
+        return out
 
     def grammar(self, tools: list[dict], many: bool) -> str:
         tc = _marker(self.tokenizer, self.TOOL)

@@ -10,7 +10,9 @@ match the function's parameters.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import uuid
 from dataclasses import dataclass
 
 from mmjax.errors import InvalidRequestError
@@ -18,6 +20,7 @@ from mmjax.serving.structured import StructuredSpec
 from serve.tool_parsers import ToolParser
 
 MAX_TOOLS = 128
+log = logging.getLogger("mmjax.serve")
 
 
 def _bad(param: str, msg: str) -> InvalidRequestError:
@@ -97,6 +100,56 @@ def parse_output(tr: ToolRequest, text: str) -> tuple[str, list[dict]]:
     parallel_tool_calls false only the first call is kept (vLLM)."""
     content, calls = tr.parser.parse(text)
     return content, calls if tr.parallel else calls[:1]
+
+
+class ToolStream:
+    """One streamed choice's tool calls, argument by argument (vLLM's streaming): a call's first
+    fragment holds its index, id, type and name (arguments ""), then `function.arguments`
+    fragments follow as its JSON arguments are generated; `finish` sends what the finished
+    text's parse holds beyond that, so the fragments join to the non-streamed `arguments`."""
+
+    def __init__(self, tr: ToolRequest):
+        self.tr = tr
+        self.ids: list[str] = []        # ids of the calls whose first fragment went out
+        self.sent: list[str] = []       # arguments text sent per call
+
+    def _header(self, j: int, name: str, cid: str | None = None) -> dict:
+        self.ids.append(cid or f"call_{uuid.uuid4().hex[:24]}")
+        self.sent.append("")
+        return {"index": j, "id": self.ids[j], "type": "function", "function": {"name": name, "arguments": ""}}
+
+    def _args(self, j: int, args: str) -> list[dict]:
+        sent = self.sent[j]
+        if len(args) <= len(sent):
+            return []
+        if not args.startswith(sent):
+            # only an unconstrained ("auto") answer whose call text turned out malformed can get
+            # here: what went out cannot be taken back
+            log.warning("streamed tool call %d diverged from the parsed arguments", j)
+            return []
+        self.sent[j] = args
+        return [{"index": j, "function": {"arguments": args[len(sent):]}}]
+
+    def update(self, text: str) -> list[dict]:
+        """The new fragments of the (growing) answer `text`, in order."""
+        out: list[dict] = []
+        partial = self.tr.parser.stream(text)
+        for j, call in enumerate(partial if self.tr.parallel else partial[:1]):
+            if j == len(self.ids):
+                if call.name is None:
+                    break
+                out.append(self._header(j, call.name))
+            out += self._args(j, call.args)
+        return out
+
+    def finish(self, calls: list[dict]) -> list[dict]:
+        """The fragments left once the answer is done; `calls`: its parse (parse_output)."""
+        out: list[dict] = []
+        for j, c in enumerate(calls):
+            if j == len(self.ids):
+                out.append(self._header(j, c["function"]["name"], c["id"]))
+            out += self._args(j, c["function"]["arguments"])
+        return out
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:

@@ -629,6 +629,34 @@ def test_tool_call_formats(llava_dirs):
         assert bad.validate_tokens(tok.encode('{"a": 4}', False)) == 0 or parser.name == "llama3_json"
 
 
+def _stream_calls(c, **kw) -> dict:
+    """A streamed chat's tool calls, accumulated by index as clients do: {index: (name,
+    arguments)}. Checks vLLM's shape on the way: each call's first fragment carries its id, type
+    and name with empty arguments, later ones only arguments text (more than one for a
+    multi-token argument); no marker leaks into content; the last chunk finishes "tool_calls"."""
+    import json
+
+    calls, frags, fr, content = {}, {}, None, ""
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.type == "function" and tc.function.name and tc.function.arguments == ""
+                    assert tc.index == len(calls)
+                    calls[tc.index] = [tc.function.name, ""]
+                else:
+                    assert tc.id is None and tc.function.name is None and tc.function.arguments
+                    calls[tc.index][1] += tc.function.arguments
+                    frags[tc.index] = frags.get(tc.index, 0) + 1
+            fr = choice.finish_reason or fr
+    assert fr == "tool_calls" and not content.strip(), content
+    for j, (_, args) in calls.items():
+        json.loads(args)
+        assert frags[j] > 1, (args, frags)
+    return {j: tuple(v) for j, v in calls.items()}
+
+
 def test_server_tools(server):
     import json
 
@@ -653,14 +681,12 @@ def test_server_tools(server):
         r = c.chat.completions.create(tool_choice=named, seed=3, **kw)
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
-        # streamed: the same calls arrive as delta.tool_calls
-        calls, fr = {}, None
-        for chunk in c.chat.completions.create(tool_choice=named, seed=3, stream=True, **kw):
-            for choice in chunk.choices:
-                for tc in choice.delta.tool_calls or []:
-                    calls[tc.index] = (tc.function.name, tc.function.arguments)
-                fr = choice.finish_reason or fr
-        assert calls == {0: ("add", call.function.arguments)} and fr == "tool_calls"
+        # streamed argument by argument: the fragments join to the same calls
+        assert _stream_calls(c, tool_choice=named, seed=3, **kw) == {0: ("add", call.function.arguments)}
+        r = c.chat.completions.create(tool_choice="required", seed=2, **kw)
+        assert len(r.choices[0].message.tool_calls) > 1      # several calls, each streamed in turn
+        assert _stream_calls(c, tool_choice="required", seed=2, **kw) == \
+            {j: (x.function.name, x.function.arguments) for j, x in enumerate(r.choices[0].message.tool_calls)}
         # the tools reach the template ("none" leaves them out); tool results and earlier calls render
         with_tools = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=1)
         without = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=1)
@@ -703,13 +729,8 @@ def test_server_tools(server):
             r = c.chat.completions.create(tool_choice=named, seed=6, **{**kw, "max_tokens": 64})
             (call,) = r.choices[0].message.tool_calls
             assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
-            streamed = {}
-            for chunk in c.chat.completions.create(tool_choice=named, seed=6, stream=True, **{**kw, "max_tokens": 64}):
-                for choice in chunk.choices:
-                    assert not choice.delta.content, (name, choice.delta.content)   # the call is not content
-                    for tc in choice.delta.tool_calls or []:
-                        streamed[tc.index] = (tc.function.name, tc.function.arguments)
-            assert streamed == {0: ("add", call.function.arguments)}, name
+            assert _stream_calls(c, tool_choice=named, seed=6, **{**kw, "max_tokens": 64}) == \
+                {0: ("add", call.function.arguments)}, name
             ids = server.post("/tokenize", {"messages": history}).json()["tokens"]
             assert '"a": 40' in tok.decode(ids, skip_special_tokens=False)
     finally:
