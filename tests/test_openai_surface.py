@@ -593,6 +593,21 @@ def test_tool_call_formats(llava_dirs):
     assert m.parse("[TOOL_CALLS]add[ARGS]{oops") == ("[TOOL_CALLS]add[ARGS]{oops", [])
     assert m.held_back("x [TOOL_") == len("[TOOL_") and m.find("no calls") == -1
 
+    # streaming: char by char, each call's arguments only grow, and end as the parse's
+    for parser, text in ((h, 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "x}\\"y"}}}\n</tool_call>'
+                             '<tool_call>{"arguments": "{\\"k\\": 2}", "name": "s"}</tool_call>'),
+                         (ll, '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 22}}; {"name": "f"}'),
+                         (m, '[TOOL_CALLS][{"name": "add", "arguments": {"a": [1, 2]}}, {"name": "f", "arguments": {}}]'),
+                         (m, '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]f[ARGS]{"q": "z"}')):
+        final = [(c["function"]["name"], c["function"]["arguments"]) for c in parser.parse(text)[1]]
+        prev = []
+        for n in range(len(text) + 1):
+            now = parser.stream(text[:n])
+            assert all(b.args.startswith(a.args) and a.name in (None, b.name) for a, b in zip(prev, now)), text[:n]
+            prev = now
+        assert len(final) == 2 and [(p.name, p.args) for p in prev] == \
+            [(nm, a if a in text else "") for nm, a in final], text     # a string / absent: at the end
+
     tok = Tokenizer(llava_dirs["gqa"], None)
     choices = {}
     for tpl in (TOOL_TEMPLATE, LLAMA3_TOOL_TEMPLATE, MISTRAL_TOOL_TEMPLATE, "[INST]{{ messages }}[/INST]"):
