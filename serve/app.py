@@ -35,7 +35,7 @@ from mmjax.api import VLM
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError
 from mmjax.image.decode import ImageLimits
 from mmjax.video import VideoLimits
-from mmjax.serving import AsyncEngine, Engine
+from mmjax.serving import AsyncEngine, Engine, prompt_logprobs
 from serve import schema, tools
 from serve.media import MediaConfig, MediaFetcher
 from serve.metrics import ServerMetrics
@@ -1017,19 +1017,6 @@ def usage_of(gens: list[Generation]) -> dict:
     return out
 
 
-def _prompt_scores(req, k: int) -> dict | None:
-    """The prompt's own logprobs, as the engine's prefill computed them from its logits of every
-    prompt position (SamplingParams.prompt_logprobs): for each prompt token after the first, its
-    logprob given the tokens before, its rank, and the top-k alternatives."""
-    import numpy as np
-
-    if not req.prompt_scores:
-        return None
-    chosen, rank, top, top_lp = (np.concatenate(x)[:req.prompt_len - 1] for x in zip(*req.prompt_scores))
-    return {"ids": req.prompt_ids.tolist(), "chosen": chosen.tolist(), "rank": rank.tolist(),
-            "top": top[:, :k].tolist(), "top_lp": top_lp[:, :k].tolist()}
-
-
 def _prompt_token_str(st: State, tid: int) -> str:
     """A prompt token as text; image tokens show as the model's image placeholder."""
     if tid == st.vlm.family.image_token_id and st.vlm.tokenizer.image_token:
@@ -1040,13 +1027,8 @@ def _prompt_token_str(st: State, tid: int) -> str:
 def _vllm_prompt_logprobs(st: State, sc: dict) -> list:
     """vLLM's `prompt_logprobs`: None for the first token, then {id: {logprob, rank,
     decoded_token}} holding the prompt token and the top-k."""
-    out: list = [None]
-    for j, tid in enumerate(sc["ids"][1:]):
-        d = {str(tid): {"logprob": sc["chosen"][j], "rank": sc["rank"][j], "decoded_token": _prompt_token_str(st, tid)}}
-        for r, (a, v) in enumerate(zip(sc["top"][j], sc["top_lp"][j])):
-            d.setdefault(str(a), {"logprob": v, "rank": r + 1, "decoded_token": _prompt_token_str(st, a)})
-        out.append(d)
-    return out
+    return [d if d is None else {str(t): v for t, v in d.items()} for d in prompt_logprobs.per_position(
+        sc, lambda t: _prompt_token_str(st, t), lambda lp, r, s: {"logprob": lp, "rank": r, "decoded_token": s})]
 
 
 def _echo_entries(st: State, sc: dict | None, ids: list[int], k: int | None) -> list[dict]:
@@ -1127,7 +1109,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         # QueueFullError / engine failure surface here, before any header
         firsts = [await g.next() for g in gens]
         if parsed.sampling.prompt_logprobs is not None:     # choice 0's prefill wrote them before its first token
-            scores = _prompt_scores(reqs[0], k_prompt)
+            scores = prompt_logprobs.prompt_scores(reqs[0], k_prompt)
             for g in gens:
                 g.scores = scores
         if parsed.stream:

@@ -775,6 +775,20 @@ def test_server_prompt_logprobs_and_echo(server, vlm):
     got = np.asarray([plp[j + 1][str(t)]["logprob"] for j, t in enumerate(ids[1:])])
     assert np.abs(got - want).max() < 1e-4
     assert all(len(d) >= 2 and min(v["rank"] for v in d.values()) == 1 for d in plp[1:])
+    # offline: RequestOutput.prompt_logprobs, vLLM's offline shape (Logprob objects keyed by id),
+    # the same entries as the server's (image tokens as the placeholder)
+    from mmjax.serving.prompt_logprobs import Logprob
+
+    (o,) = vlm.generate([{"prompt": prompt, "images": [noise_image(1, 40, 30)]}],
+                        SamplingParams(max_tokens=1, prompt_logprobs=2, **GREEDY))
+    off = o.prompt_logprobs
+    assert off[0] is None and len(off) == len(ids) and all(isinstance(v, Logprob) for d in off[1:] for v in d.values())
+    assert np.abs(np.asarray([off[j + 1][int(t)].logprob for j, t in enumerate(ids[1:])]) - want).max() < 1e-4
+    assert [{str(t): (v.rank, v.decoded_token) for t, v in d.items()} for d in off[1:]] == \
+        [{t: (v["rank"], v["decoded_token"]) for t, v in d.items()} for d in plp[1:]]
+    assert max(abs(v.logprob - plp[j + 1][str(t)]["logprob"]) for j, d in enumerate(off[1:]) for t, v in d.items()) < 1e-4
+    assert sum(d[int(t)].decoded_token == "<image>" for d, t in zip(off[1:], ids[1:])) == \
+        int((ids[1:] == vlm.family.image_token_id).sum()) > 0
     # taken from the prefill's logits (no extra forward), chunk by chunk, never from the prefix
     # cache: the same prompt again, prefilled in 16-token chunks, gives the same figures
     runner, sched = server.state.engine.runner, server.state.engine.scheduler

@@ -37,6 +37,7 @@ import numpy as np
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError, UnsupportedModelError
 from mmjax.models.family import ImageInput, image_runs, run_spans
 from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
+from mmjax.serving import prompt_logprobs
 from mmjax.serving.output import append_token
 from mmjax.serving.request import Delta, Request, RequestOutput
 from mmjax.serving.runner import ModelRunner
@@ -565,7 +566,19 @@ class Engine:
 
     # ---- results ----------------------------------------------------------------------------
     def output(self, request_id: str) -> RequestOutput:
-        return self.requests[request_id].output()
+        req = self.requests[request_id]
+        out = req.output()
+        sc = prompt_logprobs.prompt_scores(req, req.sampling.prompt_logprobs or 0)
+        if sc is not None:
+            out.prompt_logprobs = prompt_logprobs.per_position(sc, self._prompt_token_str)
+        return out
+
+    def _prompt_token_str(self, tid: int) -> str:
+        """A prompt token's text (special tokens kept); image tokens show as the model's image
+        placeholder, as the server shows them."""
+        if tid == self.family.image_token_id and self.tokenizer.image_token:
+            return self.tokenizer.image_token
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its output has been collected)."""

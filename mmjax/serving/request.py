@@ -40,6 +40,10 @@ class RequestOutput:
     num_video_tokens: int = 0        # video tokens in the prompt
     index: int = 0                   # choice index (n > 1)
     siblings: list["RequestOutput"] = field(default_factory=list)  # n > 1: choices 1..n-1 (offline API)
+    # SamplingParams.prompt_logprobs (vLLM's offline shape): None for the first prompt token, then per
+    # position {token id: prompt_logprobs.Logprob(logprob, rank, decoded_token)} for the prompt token
+    # and the top-k; choice 0 only (siblings share its prompt)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
