@@ -594,10 +594,11 @@ def test_tool_call_formats(llava_dirs):
     assert m.held_back("x [TOOL_") == len("[TOOL_") and m.find("no calls") == -1
 
     # streaming: char by char, each call's arguments only grow, and end as the parse's
-    for parser, text in ((h, 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "x}\\"y"}}}\n</tool_call>'
-                             '<tool_call>{"arguments": "{\\"k\\": 2}", "name": "s"}</tool_call>'),
+    for parser, text in ((h, 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "x}\\"y"}}}'
+                             '\n</tool_call><tool_call>{"arguments": "{\\"k\\": 2}", "name": "s"}</tool_call>'),
                          (ll, '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 22}}; {"name": "f"}'),
-                         (m, '[TOOL_CALLS][{"name": "add", "arguments": {"a": [1, 2]}}, {"name": "f", "arguments": {}}]'),
+                         (m, '[TOOL_CALLS][{"name": "add", "arguments": {"a": [1, 2]}}, '
+                             '{"name": "f", "arguments": {}}]'),
                          (m, '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]f[ARGS]{"q": "z"}')):
         final = [(c["function"]["name"], c["function"]["arguments"]) for c in parser.parse(text)[1]]
         prev = []
@@ -786,7 +787,8 @@ def test_server_prompt_logprobs_and_echo(server, vlm):
     assert np.abs(np.asarray([off[j + 1][int(t)].logprob for j, t in enumerate(ids[1:])]) - want).max() < 1e-4
     assert [{str(t): (v.rank, v.decoded_token) for t, v in d.items()} for d in off[1:]] == \
         [{t: (v["rank"], v["decoded_token"]) for t, v in d.items()} for d in plp[1:]]
-    assert max(abs(v.logprob - plp[j + 1][str(t)]["logprob"]) for j, d in enumerate(off[1:]) for t, v in d.items()) < 1e-4
+    assert max(abs(v.logprob - plp[j + 1][str(t)]["logprob"])
+               for j, d in enumerate(off[1:]) for t, v in d.items()) < 1e-4
     assert sum(d[int(t)].decoded_token == "<image>" for d, t in zip(off[1:], ids[1:])) == \
         int((ids[1:] == vlm.family.image_token_id).sum()) > 0
     # taken from the prefill's logits (no extra forward), chunk by chunk, never from the prefix
