@@ -232,7 +232,9 @@ def _list_items(s: str) -> list[str]:
 class ToolParser:
     """One format. `parse(text)` -> (content outside the calls, OpenAI tool_calls); `find(text)`:
     where the calls start (-1: none yet); `held_back(text)`: characters at the end of streamed
-    text to hold while they could still start a call; `grammar(tools, many)`: Lark
+    text to hold while they could still start a call; `stream(text)`: the calls of a growing
+    answer so far (PartialCall: name, arguments text, for streaming argument by argument);
+    `grammar(tools, many)`: Lark
     text admitting only calls of `tools` (one, or 1 to MAX_CALLS with `many`)."""
     name = ""
     keep_special = False
