@@ -92,14 +92,34 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
         assert w[0] > w[1] > w[2], f"{fam}: {w}"
 
 
-def test_int8_kv_cache_under_tensor_parallel(tp_checkpoints):
+def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
     """An int8 KV cache (models/text/kv_quant) at TP 2: the mixed batch's greedy ids equal one
     device's int8 cache (text requests), again from the prefix cache; every K / V segment and its
-    scales split over the model axis (1/TP per device)."""
-    r = run_worker("kv_int8", tp_checkpoints)
+    scales split over the model axis (1/TP per device). int8 weights (mmjax.quant) at TP 2 and
+    DP 2: greedy ids equal one device's int8 weights, logits rel <= 1e-5 (the s8 x s8 dot is
+    exact, its s32 partial sums all-reduce exactly; only the per-token activation scale's f32
+    rounding may differ), the int8 values and their per-channel scales split with their float
+    weights' layout, no weight gathered; the TP 2 int8 prefill / decode steps export for CUDA
+    with s8 x s8 -> s32 dots and model-sharded weights (the TP 8 bf16 export is
+    test_sharded_steps_lower_for_cuda)."""
+    out = run_worker("quant", tp_checkpoints)
+    r = out["kv_int8"]
     assert r["ids_equal"] and r["ids_again_equal"] and r["tokens_cached"] > 0, r
     layers = 2       # k, v, k_scale, v_scale per layer: one 128-position segment
     assert r["cache"] == {"sharded": 4 * layers, "bad": []} and r["dtypes"] == ["bfloat16", "int8"], r
+    w = out["weights_int8"]
+    assert w["ids_equal"] and w["ids_again_equal"] and w["dp_ids_equal"] and w["dp_replicas"] == 2, w
+    assert w["logits_rel"] <= 1e-5, w
+    assert "int8" in w["weight_dtypes"], w
+    # per layer: qkv, gate_up (values + column scales), o, down (values; their scales follow the
+    # replicated output axis); + embed, lm_head values and scales
+    assert w["params"] == {"sharded": 6 * layers + 3, "bad": []}, w
+    assert w["decode"]["weight_gathers"] == [], w
+    assert set(w["export"]) == {"prefill[64]", "decode[4]"}, w["export"]
+    for step, s in w["export"].items():
+        assert s["platforms"] == ["cuda"] and s["nr_devices"] == 2 and s["s8_dot"], (step, s)
+        # the sharded int8 weights and scales, and k / v (2 segments at 256 positions) in and out
+        assert s["model_sharded_args"] == 6 * layers + 3 + 2 * (2 * layers * 2), (step, s)
 
 
 @pytest.mark.slow
