@@ -95,8 +95,8 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
 def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
     """An int8 KV cache (models/text/kv_quant) at TP 2: the mixed batch's greedy ids equal one
     device's int8 cache (text requests), again from the prefix cache; every K / V segment and its
-    scales split over the model axis (1/TP per device). int8 weights (mmjax.quant) at TP 2 and
-    DP 2: greedy ids equal one device's int8 weights, logits rel <= 1e-5 (the s8 x s8 dot is
+    scales split over the model axis (1/TP per device). int8 weights (mmjax.quant) over DP 2 x
+    TP 2: greedy ids equal one device's int8 weights, logits rel <= 1e-5 (the s8 x s8 dot is
     exact, its s32 partial sums all-reduce exactly; only the per-token activation scale's f32
     rounding may differ), the int8 values and their per-channel scales split with their float
     weights' layout, no weight gathered; the TP 2 int8 prefill / decode steps export for CUDA
@@ -108,7 +108,8 @@ def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
     layers = 2       # k, v, k_scale, v_scale per layer: one 128-position segment
     assert r["cache"] == {"sharded": 4 * layers, "bad": []} and r["dtypes"] == ["bfloat16", "int8"], r
     w = out["weights_int8"]
-    assert w["ids_equal"] and w["ids_again_equal"] and w["dp_ids_equal"] and w["dp_replicas"] == 2, w
+    assert w["ids_equal"] and w["ids_again_equal"] and w["replicas"] == 2, w
+    assert w["mesh"]["axes"] == {"data": 2, "model": 2}, w
     assert w["logits_rel"] <= 1e-5, w
     assert "int8" in w["weight_dtypes"], w
     # per layer: qkv, gate_up (values + column scales), o, down (values; their scales follow the
