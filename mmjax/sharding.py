@@ -160,6 +160,16 @@ def qarray_axes(ax: tuple, x: Any) -> Any:
     return type(x)(ax, scale, x.dtype)
 
 
+def check_quantized_tp(tp: int, group_scales: Any) -> None:
+    """Refuse int8 group scales (`quantize_group_size`) under tensor parallelism: a row-parallel
+    layer's groups would split over shards and qmatmul's per-group dots slice the sharded input
+    axis (gathers); per-channel scales shard cleanly."""
+    if tp > 1 and group_scales:
+        from mmjax.errors import InvalidRequestError
+        raise InvalidRequestError("quantize_group_size is not supported with tensor parallelism: use per-channel "
+                                  "scales (no group size) or tensor_parallel=1", param="quantize_group_size")
+
+
 def param_logical_axes(params: Any, vision_tp: bool = False) -> Any:
     """The pytree of logical-axis tuples for `params` (the PARAM_AXES table by path, for the
     decoder under "text"; everything else, e.g. the vision tower and projector, is replicated
@@ -221,14 +231,8 @@ class Placement:
         blocks, vocab padded to a multiple of tp); identity at tp == 1."""
         if self.tp == 1:
             return params
-        grouped = [x for x in jax.tree.leaves(params, is_leaf=is_qarray) if is_qarray(x) and x.ndim == 2 and x.scale.shape[0] > 1]
-        if grouped:
-            # a group's rows would be split across shards of a row-parallel layer, and the
-            # per-group dots slice the sharded input axis: per-channel scales only under TP
-            from mmjax.errors import InvalidRequestError
-            raise InvalidRequestError("quantize_group_size is not supported with tensor parallelism: "
-                                      "use per-channel scales (no group size) or tensor_parallel=1",
-                                      param="quantize_group_size")
+        groups = [x.scale.shape[0] for x in jax.tree.leaves(params, is_leaf=is_qarray) if is_qarray(x) and x.ndim == 2]
+        check_quantized_tp(self.tp, any(g > 1 for g in groups))
         return {**params, "text": tm.tp_layout(params["text"], self.tp)}
 
     def logical_axes(self, params: dict, tm=None) -> Any:

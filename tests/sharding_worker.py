@@ -260,7 +260,13 @@ def weights_int8(paths: dict) -> dict:
     got, again = generate(vlm, reqs), generate(vlm, reqs)
     replicas = vlm.engine.replicas
     runner = replicas[0].runner
-    return {"ids_equal": got == want, "ids_again_equal": again == want, "replicas": len(replicas),
+    try:   # group scales under TP: refused before loading
+        mmjax.load(paths["llava"], tensor_parallel=2, quantize="int8", quantize_group_size=16)
+        refused = None
+    except Exception as e:  # noqa: BLE001 - the test asserts the type
+        refused = f"{type(e).__name__}: {e}"
+    return {"group_size_refused": refused,
+            "ids_equal": got == want, "ids_again_equal": again == want, "replicas": len(replicas),
             "mesh": vlm.engine.stats()["mesh"], "logits_rel": rel(vlm.logits(prompt), want_logits),
             "params": shard_fractions({"text": runner.params["text"]}, 2),
             "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(runner.params["text"])}),

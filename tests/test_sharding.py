@@ -111,6 +111,7 @@ def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
     assert w["ids_equal"] and w["ids_again_equal"] and w["replicas"] == 2, w
     assert w["mesh"]["axes"] == {"data": 2, "model": 2}, w
     assert w["logits_rel"] <= 1e-5, w
+    assert w["group_size_refused"].startswith("InvalidRequestError: quantize_group_size is not supported"), w
     assert "int8" in w["weight_dtypes"], w
     # per layer: qkv, gate_up (values + column scales), o, down (values; their scales follow the
     # replicated output axis); + embed, lm_head values and scales
