@@ -241,7 +241,8 @@ def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
 def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
     """Gemma 3 (window, softcap) and Gemma 4 (dense, MoE) text models: tensor_parallel(tp) +
     tp_layout run on one device give the one-device logits (tp 2 and 4, KV heads split and
-    replicated, vocab padded); a tp that does not divide the heads is refused."""
+    replicated, vocab padded), and Gemma 4 with int8 weights at tp 2 the one-device int8 logits;
+    a tp that does not divide the heads is refused."""
     import jax
     import jax.numpy as jnp
 
@@ -265,6 +266,12 @@ def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
             np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5, err_msg=f"{path} tp{tp}")
         with pytest.raises(UnsupportedModelError, match="tensor_parallel=3"):
             tm.tensor_parallel(3)
+        if path in gemma4_dirs.values():   # int8 weights (mmjax.quant): values and scales laid out alike
+            from mmjax.quant import quantize_params
+            qp = quantize_params(params, "int8")
+            tp_tm = tm.tensor_parallel(2)
+            got = run(tp_tm, tp_tm.tp_layout(qp, 2))
+            np.testing.assert_allclose(got, run(tm, qp), rtol=1e-5, atol=1e-5, err_msg=f"{path} int8 tp2")
 
 
 @pytest.mark.slow
