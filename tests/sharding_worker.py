@@ -189,6 +189,7 @@ def export(paths: dict, tp: int = 8, quantize: str | None = None, only: tuple = 
                                "bf16_dot": any("bf16>" in ln for ln in text.splitlines() if "dot_general" in ln),
                                "s8_dot": any("xi8>" in ln and "xi32>" in ln for ln in text.splitlines()
                                              if "dot_general" in ln),
+                               "f8_dot": any("xf8E4M3FN>" in ln for ln in text.splitlines() if "dot_general" in ln),
                                "pallas_calls": text.count("__gpu$xla.gpu.triton")}
         out[name] = steps
     return out
@@ -249,7 +250,7 @@ def weights_int8(paths: dict) -> dict:
     (one mesh for both: CI time) against one device's int8 weights: greedy ids of the text
     requests (twice: prefix cache), a text prompt's logits, every model-sharded array 1/TP per
     device, no weight gathered in the decode step; and a decode and a prefill step of a TP 2
-    int8 runner exported for CUDA."""
+    int8 runner (a decode step of an fp8 one) exported for CUDA."""
     kw = dict(ENGINE, quantize="int8")
     base = mmjax.load(paths["llava"], **kw)
     reqs = [r for r in requests(base.family.image_token) if "images" not in r]
@@ -271,7 +272,8 @@ def weights_int8(paths: dict) -> dict:
             "params": shard_fractions({"text": runner.params["text"]}, 2),
             "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(runner.params["text"])}),
             "decode": decode_collectives(runner),
-            "export": export({"llava": paths["llava"]}, tp=2, quantize="int8", only=("decode[4]", "prefill[64]"))["llava"]}
+            "export": export({"llava": paths["llava"]}, tp=2, quantize="int8", only=("decode[4]", "prefill[64]"))["llava"],
+            "export_fp8": export({"llava": paths["llava"]}, tp=2, quantize="fp8", only=("decode[4]",))["llava"]}
 
 
 def quant(paths: dict) -> dict:

@@ -100,8 +100,8 @@ def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
     exact, its s32 partial sums all-reduce exactly; only the per-token activation scale's f32
     rounding may differ), the int8 values and their per-channel scales split with their float
     weights' layout, no weight gathered; the TP 2 int8 prefill / decode steps export for CUDA
-    with s8 x s8 -> s32 dots and model-sharded weights (the TP 8 bf16 export is
-    test_sharded_steps_lower_for_cuda)."""
+    with s8 x s8 -> s32 dots and model-sharded weights (fp8: a decode step, e4m3 dots; the
+    TP 8 bf16 export is test_sharded_steps_lower_for_cuda); group scales under TP are refused."""
     out = run_worker("quant", tp_checkpoints)
     r = out["kv_int8"]
     assert r["ids_equal"] and r["ids_again_equal"] and r["tokens_cached"] > 0, r
@@ -122,6 +122,8 @@ def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
         assert s["platforms"] == ["cuda"] and s["nr_devices"] == 2 and s["s8_dot"], (step, s)
         # the sharded int8 weights and scales, and k / v (2 segments at 256 positions) in and out
         assert s["model_sharded_args"] == 6 * layers + 3 + 2 * (2 * layers * 2), (step, s)
+    s = w["export_fp8"]["decode[4]"]     # fp8 weights: the same layout, e4m3 x e4m3 -> f32 dots
+    assert s["nr_devices"] == 2 and s["f8_dot"] and s["model_sharded_args"] == 6 * layers + 3 + 16, s
 
 
 @pytest.mark.slow
