@@ -524,7 +524,8 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
         raise InvalidRequestError("pass either mesh or tensor_parallel / data_parallel, not both", param="mesh")
     if mesh is not None:
         from mmjax.sharding import MODEL, axis_size, check_quantized_tp
-        check_quantized_tp(axis_size(mesh, MODEL), quantize_group_size)   # before loading (a saved copy's: at placement)
+        # before loading (a saved copy's group size: at placement)
+        check_quantized_tp(axis_size(mesh, MODEL), quantize_group_size)
         engine_kw["mesh"] = mesh
     # over a mesh, params stay on the host until the runner places each shard on its device
     return VLM(load_model(model, dtype, params_dir, on_device=mesh is None, quantize=quantize,

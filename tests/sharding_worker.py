@@ -272,7 +272,8 @@ def weights_int8(paths: dict) -> dict:
             "params": shard_fractions({"text": runner.params["text"]}, 2),
             "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(runner.params["text"])}),
             "decode": decode_collectives(runner),
-            "export": export({"llava": paths["llava"]}, tp=2, quantize="int8", only=("decode[4]", "prefill[64]"))["llava"],
+            "export": export({"llava": paths["llava"]}, tp=2, quantize="int8",
+                             only=("decode[4]", "prefill[64]"))["llava"],
             "export_fp8": export({"llava": paths["llava"]}, tp=2, quantize="fp8", only=("decode[4]",))["llava"]}
 
 

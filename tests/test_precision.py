@@ -162,7 +162,8 @@ def test_quality_vs_float32_and_int8_convert_roundtrip(llava_dirs, tmp_path):
     np.testing.assert_array_equal(np.asarray(back.logits(TEXT, [img])), int8_logits)
 
 
-BLOCK = 24   # block-scaled fp8 test checkpoints: 24 x 24 blocks, partial at the edges of 64 / 128 (128 x 128 in real ones)
+# block-scaled fp8 test checkpoints: 24 x 24 blocks, partial at the edges of 64 / 128 (real ones: 128 x 128)
+BLOCK = 24
 
 
 def _fp8_checkpoint(src, dst, method: str):
