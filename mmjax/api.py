@@ -92,15 +92,17 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
                 raise InvalidRequestError(f"{params_dir} holds {saved['quantize']} weights, not {quantize}",
                                           param="quantize")
             quantize, quantize_group_size = saved["quantize"], saved.get("group_size")
-    if quantize is not None and not on_device:
-        raise InvalidRequestError("quantized weights are not supported over a mesh yet", param="quantize")
+        elif quantize is not None:   # orbax cannot restore float arrays into 8-bit ones
+            raise InvalidRequestError(f"{params_dir} holds unquantized weights: load it without quantize={quantize!r}, "
+                                      f"or save a quantized copy (mmjax convert --quantize {quantize})",
+                                      param="quantize")
     path, name = resolve_model(model)
     hf_cfg = json.loads((path / "config.json").read_text())
     family, np_params = load_family(path, hf_cfg)
     params = cast_params(np_params, DTYPES[dtype], on_device=on_device)
     if quantize is not None:
         from mmjax.quant import quantize_params
-        params = quantize_params(params, quantize, quantize_group_size)
+        params = quantize_params(params, quantize, quantize_group_size, on_device=on_device)
     if params_dir is not None:
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
@@ -521,6 +523,9 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     elif mesh is not None and (tensor_parallel or data_parallel):
         raise InvalidRequestError("pass either mesh or tensor_parallel / data_parallel, not both", param="mesh")
     if mesh is not None:
+        from mmjax.sharding import MODEL, axis_size, check_quantized_tp
+        # before loading (a saved copy's group size: at placement)
+        check_quantized_tp(axis_size(mesh, MODEL), quantize_group_size)
         engine_kw["mesh"] = mesh
     # over a mesh, params stay on the host until the runner places each shard on its device
     return VLM(load_model(model, dtype, params_dir, on_device=mesh is None, quantize=quantize,

@@ -48,6 +48,7 @@ class TensorSource:
                 self._where[normalize(raw)] = (f, raw)
         self._used: set[str] = set()
         self._ignored: set[str] = set()
+        self._dir = d
 
     def names(self) -> list[str]:
         return sorted(self._where)
@@ -80,12 +81,15 @@ class TensorSource:
         """An fp8 "compressed-tensors" / FBGEMM-fp8 Linear weight [out, in] (float8_e4m3fn) with
         its `weight_scale` ([out, 1] per channel, or one per tensor) -> float32 w * scale. The
         per-token `input_scale` of static activation schemes is not used (activations stay in
-        the model's dtype, or are quantized per token with quantize="fp8")."""
+        the model's dtype, or are quantized per token with quantize="fp8"). Block-scaled fp8
+        (DeepSeek-V3 / Qwen3 "fp8": `weight_scale_inv` per block, `_dequantize_fp8_blocks`)."""
         base = name[: -len("weight")]
         scale_name = base + "weight_scale"
+        if scale_name not in self._where and base + "weight_scale_inv" in self._where:
+            return self._dequantize_fp8_blocks(name, w)
         if scale_name not in self._where:
-            raise CheckpointError(f"fp8 weight '{name}' has no '{scale_name}' (block-scaled fp8 is not supported)",
-                                  param=name)
+            raise CheckpointError(f"fp8 weight '{name}' has no '{scale_name}' (nor a block-scaled "
+                                  f"'{base}weight_scale_inv')", param=name)
         f, raw = self._where[scale_name]
         scale = self._get(f, raw).astype(np.float32)
         self._used.add(scale_name)
@@ -96,6 +100,33 @@ class TensorSource:
             raise CheckpointError(f"'{scale_name}' has shape {scale.shape}: expected one scale per output "
                                   f"channel ({w.shape[0]}) or one per tensor", param=scale_name)
         return w.astype(np.float32) * scale.reshape(-1, 1)
+
+    def _dequantize_fp8_blocks(self, name: str, w: np.ndarray) -> np.ndarray:
+        """A block-scaled fp8 weight [out, in] with `weight_scale_inv` [ceil(out / bo), ceil(in / bi)]
+        (quantization_config {"quant_method": "fp8", "weight_block_size": [bo, bi]}, [128, 128]
+        in DeepSeek-V3 / Qwen3 checkpoints; despite its name the tensor multiplies: w * s per
+        block, as DeepSeek's and transformers' dequantization do) -> float32 [out, in]."""
+        scale_name = name[: -len("weight")] + "weight_scale_inv"
+        f, raw = self._where[scale_name]
+        s = self._get(f, raw).astype(np.float32)
+        bo, bi = self._fp8_block_size()
+        out, d_in = w.shape
+        if s.ndim != 2 or s.shape != (-(-out // bo), -(-d_in // bi)):
+            raise CheckpointError(f"'{scale_name}' has shape {s.shape}: expected one scale per {bo}x{bi} block of "
+                                  f"the {w.shape} weight", param=scale_name)
+        self._used.add(scale_name)
+        full = np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)[:out, :d_in]
+        return w.astype(np.float32) * full
+
+    def _fp8_block_size(self) -> tuple[int, int]:
+        """quantization_config.weight_block_size of the checkpoint's config.json ([128, 128] if absent)."""
+        cfg_path = self._dir / "config.json"
+        qc = json.loads(cfg_path.read_text()).get("quantization_config", {}) if cfg_path.is_file() else {}
+        block = qc.get("weight_block_size") or (128, 128)
+        if len(block) != 2 or min(block) <= 0:
+            raise CheckpointError(f"quantization_config.weight_block_size must be [rows, cols], got {block}",
+                                  param="weight_block_size")
+        return int(block[0]), int(block[1])
 
     def ignore(self, pattern: str) -> None:
         """Tensors the family knowingly does not use (e.g. CLIP's post_layernorm in LLaVA)."""

@@ -71,18 +71,21 @@ class QArray:
         return "int8" if self.q.dtype == jnp.int8 else "fp8"
 
 
-def quantize_weight(w, kind: str = "int8", group_size: int | None = None, dtype=None) -> QArray:
+def quantize_weight(w, kind: str = "int8", group_size: int | None = None, dtype=None,
+                    on_device: bool = True) -> QArray:
     """w [in, out] float -> QArray with symmetric scales per output channel (and per group of
     `group_size` input rows): scale = amax / qmax, q = round(w / scale). Computed in numpy on
-    the host (no per-shape compiles), the result placed where jnp puts it (the default device)."""
+    the host (no per-shape compiles), the result placed where jnp puts it (the default device),
+    or left as host numpy arrays with on_device=False (placed over a mesh later)."""
     import ml_dtypes
     if kind not in KINDS:
         raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
     dtype = np.dtype(dtype or w.dtype)
     wf = np.asarray(w, np.float32)
     if wf.ndim == 3:          # MoE experts [E, in, out]: per (expert, output channel) scales
-        parts = [quantize_weight(e, kind, None, dtype) for e in wf]
-        return QArray(jnp.stack([p.q for p in parts]), jnp.stack([p.scale for p in parts]), dtype)
+        parts = [quantize_weight(e, kind, None, dtype, on_device=False) for e in wf]
+        q, scale = np.stack([p.q for p in parts]), np.stack([p.scale for p in parts])
+        return QArray(jnp.asarray(q), jnp.asarray(scale), dtype) if on_device else QArray(q, scale, dtype)
     d_in, d_out = wf.shape
     g = _groups(d_in, group_size)
     wg = wf.reshape(g, d_in // g, d_out)
@@ -91,7 +94,22 @@ def quantize_weight(w, kind: str = "int8", group_size: int | None = None, dtype=
     x = wg / scale[:, None]
     q = (np.clip(np.rint(x), -127, 127).astype(np.int8) if kind == "int8"
          else x.astype(ml_dtypes.float8_e4m3fn))
-    return QArray(jnp.asarray(q.reshape(d_in, d_out)), jnp.asarray(scale), dtype)
+    q = q.reshape(d_in, d_out)
+    return QArray(jnp.asarray(q), jnp.asarray(scale), dtype) if on_device else QArray(q, scale, dtype)
+
+
+def map_columns(fn, w):
+    """A column re-layout `fn` (one acting on the last axis only: the tensor-parallel regrouping
+    of fused q|k|v / gate|up, vocab padding) applied to a weight; a QArray's values and its
+    per-column scales [groups, out] take the same re-layout, so each column keeps its scale."""
+    return QArray(fn(w.q), fn(w.scale), w.dtype) if isinstance(w, QArray) else fn(w)
+
+
+def as_2d(w: QArray) -> QArray:
+    """A column-grouped QArray q [in, groups, cols] (tensor-parallel layout) as q [in, groups *
+    cols], scale [g, groups * cols] (a reshape of the major axes: sharding-preserving)."""
+    d_in, g, c = w.shape
+    return QArray(w.q.reshape(d_in, g * c), w.scale.reshape(w.scale.shape[0], g * c), w.dtype)
 
 
 def _groups(d_in: int, group_size: int | None) -> int:
@@ -164,15 +182,16 @@ def _wanted(path, leaf) -> bool:
     return getattr(leaf, "ndim", 0) == 2 and (keys[-1] == "w" or keys[-1] in _BARE)
 
 
-def quantize_params(params, kind: str, group_size: int | None = None):
+def quantize_params(params, kind: str, group_size: int | None = None, on_device: bool = True):
     """Loaded params -> the same pytree with every linear-layer weight a QArray (see `_wanted`);
-    applied after loading, like gpt-fast's quantize step. Runs on the arrays' device."""
+    applied after loading, like gpt-fast's quantize step. on_device=False: host numpy QArrays
+    (for placement over a mesh: `mmjax.sharding` shards them like their float weights)."""
     if kind not in KINDS:
         raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
     def one(path, x):
         if not _wanted(path, x):
             return x
-        return quantize_weight(x, kind, None if x.ndim == 3 else group_size)
+        return quantize_weight(x, kind, None if x.ndim == 3 else group_size, on_device=on_device)
     return jax.tree_util.tree_map_with_path(one, params)
 
 

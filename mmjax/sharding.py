@@ -144,18 +144,45 @@ def key_names(path) -> tuple[str, ...]:
     return tuple(_key_name(k) for k in path)
 
 
+def is_qarray(x) -> bool:
+    """An 8-bit weight (`mmjax.quant.QArray`): one leaf for the axis tables."""
+    from mmjax.quant import QArray
+    return isinstance(x, QArray)
+
+
+def qarray_axes(ax: tuple, x: Any) -> Any:
+    """Logical axes of a weight -> those of its QArray (values q split like the float weight;
+    scales [groups, ...out] split like q on every axis they span, i.e. along the output axis,
+    and along a sharded input axis only for group scales); a float weight's axes unchanged."""
+    if not is_qarray(x):
+        return ax
+    scale = tuple(a if n > 1 else None for a, n in zip(ax, x.scale.shape))
+    return type(x)(ax, scale, x.dtype)
+
+
+def check_quantized_tp(tp: int, group_scales: Any) -> None:
+    """Refuse int8 group scales (`quantize_group_size`) under tensor parallelism: a row-parallel
+    layer's groups would split over shards and qmatmul's per-group dots slice the sharded input
+    axis (gathers); per-channel scales shard cleanly."""
+    if tp > 1 and group_scales:
+        from mmjax.errors import InvalidRequestError
+        raise InvalidRequestError("quantize_group_size is not supported with tensor parallelism: use per-channel "
+                                  "scales (no group size) or tensor_parallel=1", param="quantize_group_size")
+
+
 def param_logical_axes(params: Any, vision_tp: bool = False) -> Any:
     """The pytree of logical-axis tuples for `params` (the PARAM_AXES table by path, for the
     decoder under "text"; everything else, e.g. the vision tower and projector, is replicated
-    unless `vision_tp` (VISION_PARAM_AXES); unmatched leaves get all-None axes: replicated)."""
+    unless `vision_tp` (VISION_PARAM_AXES); unmatched leaves get all-None axes: replicated).
+    An 8-bit weight (QArray) gets a QArray of axes (`qarray_axes`)."""
     def axes(path, x):
         names = key_names(path)
         table = PARAM_AXES if names[:1] == ("text",) else VISION_PARAM_AXES if vision_tp else ()
         for suffix, ax in table:
             if names[-len(suffix):] == suffix and len(ax) == np.ndim(x):
-                return ax
-        return (None,) * np.ndim(x)
-    return jax.tree_util.tree_map_with_path(axes, params)
+                return qarray_axes(ax, x)
+        return qarray_axes((None,) * np.ndim(x), x)
+    return jax.tree_util.tree_map_with_path(axes, params, is_leaf=is_qarray)
 
 
 @dataclass(frozen=True)
@@ -204,6 +231,8 @@ class Placement:
         blocks, vocab padded to a multiple of tp); identity at tp == 1."""
         if self.tp == 1:
             return params
+        groups = [x.scale.shape[0] for x in jax.tree.leaves(params, is_leaf=is_qarray) if is_qarray(x) and x.ndim == 2]
+        check_quantized_tp(self.tp, any(g > 1 for g in groups))
         return {**params, "text": tm.tp_layout(params["text"], self.tp)}
 
     def logical_axes(self, params: dict, tm=None) -> Any:

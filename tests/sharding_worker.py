@@ -4,6 +4,7 @@ before jax is imported, and the pytest process already imported jax with one dev
     python tests/sharding_worker.py parity  <llava dir> <qwen dir>   -> one JSON line of findings
     python tests/sharding_worker.py export  <llava dir> <qwen dir>   -> one JSON line
     python tests/sharding_worker.py gemma   <gemma3 dir> <gemma4 dir> -> one JSON line
+    python tests/sharding_worker.py quant   <llava dir> <qwen dir>   -> one JSON line (int8 KV, int8 weights)
 
 The worker only measures; tests/test_sharding.py asserts, so every finding is visible in the
 test's failure message.
@@ -161,15 +162,16 @@ def parity(paths: dict) -> dict:
     return out
 
 
-def export(paths: dict, tp: int = 8) -> dict:
-    """Every compiled step of a TP=tp runner (bf16) exported for CUDA with the mesh's shardings."""
+def export(paths: dict, tp: int = 8, quantize: str | None = None, only: tuple = ()) -> dict:
+    """Every compiled step of a TP=tp runner (bf16) exported for CUDA with the mesh's shardings
+    (quantize: with 8-bit weights; only: just the steps whose names start so)."""
     from mmjax.api import load_model
     from mmjax.backend import compiling_for
     from mmjax.serving.runner import ModelRunner
 
     out = {}
     for name, path in paths.items():
-        model = load_model(path, "bfloat16")
+        model = load_model(path, "bfloat16", on_device=quantize is None, quantize=quantize)
         if hasattr(model.family, "limits"):
             model.family.configure(max_encode_patches=1024, image_max_tokens=256)
         runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
@@ -177,12 +179,17 @@ def export(paths: dict, tp: int = 8) -> dict:
         steps = {}
         with compiling_for("cuda"):
             for step, fn, args, kw in runner.step_signatures():
+                if only and not step.startswith(only):
+                    continue
                 exp = jax.export.export(fn, platforms=("cuda",))(*args, **kw)
                 text = exp.mlir_module()
                 main = next(ln for ln in text.splitlines() if "func.func public @main" in ln)
                 steps[step] = {"platforms": list(exp.platforms), "nr_devices": exp.nr_devices,
                                "model_sharded_args": main.count('{"model"}'),
                                "bf16_dot": any("bf16>" in ln for ln in text.splitlines() if "dot_general" in ln),
+                               "s8_dot": any("xi8>" in ln and "xi32>" in ln for ln in text.splitlines()
+                                             if "dot_general" in ln),
+                               "f8_dot": any("xf8E4M3FN>" in ln for ln in text.splitlines() if "dot_general" in ln),
                                "pallas_calls": text.count("__gpu$xla.gpu.triton")}
         out[name] = steps
     return out
@@ -238,6 +245,43 @@ def kv_int8(paths: dict) -> dict:
             "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(cache)})}
 
 
+def weights_int8(paths: dict) -> dict:
+    """int8 weights (mmjax.quant: per-channel scales, s8 x s8 dots) over DP 2 x TP 2 on LLaVA
+    (one mesh for both: CI time) against one device's int8 weights: greedy ids of the text
+    requests (twice: prefix cache), a text prompt's logits, every model-sharded array 1/TP per
+    device, no weight gathered in the decode step; and a decode and a prefill step of a TP 2
+    int8 runner (a decode step of an fp8 one) exported for CUDA."""
+    kw = dict(ENGINE, quantize="int8")
+    base = mmjax.load(paths["llava"], **kw)
+    reqs = [r for r in requests(base.family.image_token) if "images" not in r]
+    want = generate(base, reqs)
+    prompt = "USER: what is in a red circle? ASSISTANT:"
+    want_logits = base.logits(prompt)
+    vlm = mmjax.load(paths["llava"], mesh=make_mesh(2, 2), **kw)
+    got, again = generate(vlm, reqs), generate(vlm, reqs)
+    replicas = vlm.engine.replicas
+    runner = replicas[0].runner
+    try:   # group scales under TP: refused before loading
+        mmjax.load(paths["llava"], tensor_parallel=2, quantize="int8", quantize_group_size=16)
+        refused = None
+    except Exception as e:  # noqa: BLE001 - the test asserts the type
+        refused = f"{type(e).__name__}: {e}"
+    return {"group_size_refused": refused,
+            "ids_equal": got == want, "ids_again_equal": again == want, "replicas": len(replicas),
+            "mesh": vlm.engine.stats()["mesh"], "logits_rel": rel(vlm.logits(prompt), want_logits),
+            "params": shard_fractions({"text": runner.params["text"]}, 2),
+            "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(runner.params["text"])}),
+            "decode": decode_collectives(runner),
+            "export": export({"llava": paths["llava"]}, tp=2, quantize="int8",
+                             only=("decode[4]", "prefill[64]"))["llava"],
+            "export_fp8": export({"llava": paths["llava"]}, tp=2, quantize="fp8", only=("decode[4]",))["llava"]}
+
+
+def quant(paths: dict) -> dict:
+    """The 8-bit modes in one process (CI time): int8 KV cache, int8 weights."""
+    return {"kv_int8": kv_int8(paths), "weights_int8": weights_int8(paths)}
+
+
 if __name__ == "__main__":
     mode, first, second = sys.argv[1:4]
     if mode == "gemma":
@@ -245,4 +289,4 @@ if __name__ == "__main__":
         print("RESULT " + json.dumps({"parity": gemma_parity(paths), "export": export(paths, tp=4)}), flush=True)
         sys.exit(0)
     paths = {"llava": first, "qwen2_5_vl": second}
-    print("RESULT " + json.dumps({"parity": parity, "export": export, "kv_int8": kv_int8}[mode](paths)), flush=True)
+    print("RESULT " + json.dumps({"parity": parity, "export": export, "quant": quant}[mode](paths)), flush=True)

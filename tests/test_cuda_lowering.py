@@ -115,12 +115,12 @@ def test_quantized_kv_cache_steps_lower_for_cuda(checkpoints, name, kv):
 
 
 # int8 is the same graph on every backend (mmjax.quant; its CPU compile is checked in
-# tests/test_precision.py): CUDA exports it too (s8 x s8 -> s32) with ("int8", "i8", "i32") here
-@pytest.mark.parametrize("quantize,elem_t,acc_t", [("fp8", "f8E4M3FN", "f32")])
+# tests/test_precision.py): CUDA exports it too, as s8 x s8 -> s32 dots (cuBLAS's int8 gemm)
+@pytest.mark.parametrize("quantize,elem_t,acc_t", [("fp8", "f8E4M3FN", "f32"), ("int8", "i8", "i32")])
 def test_quantized_steps_lower_for_cuda(checkpoints, quantize, elem_t, acc_t):
-    """fp8 weights (mmjax.quant) in a bf16 LLaVA: every encode / prefill / decode step lowers
-    for CUDA with its linear layers as e4m3 x e4m3 -> f32 dots (per-token quantized
-    activations; the form XLA:GPU rewrites to an FP8 cuBLASLt gemm on Hopper)."""
+    """fp8 / int8 weights (mmjax.quant) in a bf16 LLaVA: every encode / prefill / decode step
+    lowers for CUDA with its linear layers as e4m3 x e4m3 -> f32 dots (per-token quantized
+    activations; the form XLA:GPU rewrites to an FP8 cuBLASLt gemm on Hopper), or s8 x s8 -> s32."""
     exported = _export_all(checkpoints["llava-gqa"], "bfloat16", quantize=quantize, skip=("prefill_scores",))
     for step, exp in exported.items():
         if step == "copy_slot":

@@ -12,8 +12,8 @@ from safetensors.numpy import load_file, save_file
 
 import mmjax
 from conftest import noise_image, rel_err
-from mmjax.errors import (CheckpointError, ContextLengthError, ImageError, ImageTooLargeError, PromptError,
-                          UnsupportedModelError)
+from mmjax.errors import (CheckpointError, ContextLengthError, ImageError, ImageTooLargeError, InvalidRequestError,
+                          PromptError, UnsupportedModelError)
 from mmjax.image import ImageLimits
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
@@ -187,6 +187,8 @@ def test_orbax_round_trip_and_bfloat16(llava_dirs, tmp_path):
     img = noise_image(9, 40, 30)
     ref = vlm.logits("USER: <image>\nhi ASSISTANT:", [img])
     assert np.array_equal(again.logits("USER: <image>\nhi ASSISTANT:", [img]), ref)
+    with pytest.raises(InvalidRequestError, match="holds unquantized weights"):   # not an orbax error
+        mmjax.load(llava_dirs["mha"], params_dir=out, quantize="int8")
     bf = mmjax.load(llava_dirs["mha"], dtype="bfloat16")
     assert bf.params["text"]["embed"].dtype.name == "bfloat16"
     assert rel_err(bf.logits("USER: <image>\nhi ASSISTANT:", [img]), ref) < 5e-2

@@ -162,6 +162,10 @@ def test_quality_vs_float32_and_int8_convert_roundtrip(llava_dirs, tmp_path):
     np.testing.assert_array_equal(np.asarray(back.logits(TEXT, [img])), int8_logits)
 
 
+# block-scaled fp8 test checkpoints: 24 x 24 blocks, partial at the edges of 64 / 128 (real ones: 128 x 128)
+BLOCK = 24
+
+
 def _fp8_checkpoint(src, dst, method: str):
     """src's checkpoint with every decoder Linear as float8_e4m3fn + per-channel weight_scale
     [out, 1] (compressed-tensors' "channel" strategy / FBGEMM fp8), and the same weights
@@ -174,7 +178,19 @@ def _fp8_checkpoint(src, dst, method: str):
     tensors = load_file(str(src / "model.safetensors"))
     fp8, ref = {}, {}
     for name, t in tensors.items():
-        if "language_model" in name and re.search(r"layers\.\d+\..*proj\.weight$", name):
+        if "language_model" in name and re.search(r"layers\.\d+\..*proj\.weight$", name) and method == "block":
+            # DeepSeek-V3 / Qwen3 fp8: one weight_scale_inv (a multiplier) per BLOCK x BLOCK block,
+            # the edge blocks partial where a dimension is not a multiple of BLOCK
+            nb_o, nb_i = -(-t.shape[0] // BLOCK), -(-t.shape[1] // BLOCK)
+            pad = torch.zeros(nb_o * BLOCK, nb_i * BLOCK)
+            pad[:t.shape[0], :t.shape[1]] = t
+            blocks = pad.reshape(nb_o, BLOCK, nb_i, BLOCK)
+            s = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0                # [nb_o, nb_i]
+            full = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:t.shape[0], :t.shape[1]]
+            q = (t / full).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            ref[name] = q.to(torch.float32) * full
+        elif "language_model" in name and re.search(r"layers\.\d+\..*proj\.weight$", name):
             scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
             q = (t / scale).to(torch.float8_e4m3fn)
             fp8[name], fp8[name + "_scale"] = q, scale.to(torch.bfloat16 if method == "fbgemm_fp8" else torch.float32)
@@ -186,6 +202,8 @@ def _fp8_checkpoint(src, dst, method: str):
     save_file(ref, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((fp8_dir / "config.json").read_text())
     cfg["quantization_config"] = ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0} if method == "fbgemm_fp8"
+                                  else {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                        "weight_block_size": [BLOCK, BLOCK]} if method == "block"
                                   else {"quant_method": "compressed-tensors", "format": "float-quantized",
                                         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                                             "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}})
@@ -193,8 +211,12 @@ def _fp8_checkpoint(src, dst, method: str):
     return fp8_dir, ref_dir
 
 
-@pytest.mark.parametrize("method", ["compressed-tensors", "fbgemm_fp8"])
+@pytest.mark.parametrize("method", ["compressed-tensors", "fbgemm_fp8", "block"])
 def test_fp8_checkpoint_loads(llava_dirs, tmp_path, method):
+    """fp8 checkpoints dequantize on load: per channel (compressed-tensors, FBGEMM) or per block
+    (`weight_scale_inv`, here 24 x 24 blocks with partial edge blocks): logits equal the same
+    weights dequantized by hand; block-scaled with quantize="fp8" requantizes per channel, the
+    same as quantizing the dequantized copy."""
     fp8_dir, ref_dir = _fp8_checkpoint(llava_dirs["gqa"], tmp_path, method)
     img = noise_image(7, 52, 44)
     got = mmjax.load(fp8_dir, max_num_seqs=1, max_model_len=128).logits(PROMPT, [img])
@@ -202,3 +224,8 @@ def test_fp8_checkpoint_loads(llava_dirs, tmp_path, method):
     assert rel_err(got, want) <= 1e-5
     base = mmjax.load(llava_dirs["gqa"], max_num_seqs=1, max_model_len=128).logits(PROMPT, [img])
     assert rel_err(got, base) > 1e-4          # the fp8 rounding is real: not the original weights
+    if method == "block":
+        text = "USER: describe a red circle ASSISTANT:"
+        got = mmjax.load(fp8_dir, max_num_seqs=1, max_model_len=128, quantize="fp8").logits(text)
+        want = mmjax.load(ref_dir, max_num_seqs=1, max_model_len=128, quantize="fp8").logits(text)
+        assert rel_err(got, want) <= 1e-5

@@ -92,14 +92,38 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
         assert w[0] > w[1] > w[2], f"{fam}: {w}"
 
 
-def test_int8_kv_cache_under_tensor_parallel(tp_checkpoints):
+def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
     """An int8 KV cache (models/text/kv_quant) at TP 2: the mixed batch's greedy ids equal one
     device's int8 cache (text requests), again from the prefix cache; every K / V segment and its
-    scales split over the model axis (1/TP per device)."""
-    r = run_worker("kv_int8", tp_checkpoints)
+    scales split over the model axis (1/TP per device). int8 weights (mmjax.quant) over DP 2 x
+    TP 2: greedy ids equal one device's int8 weights, logits rel <= 1e-5 (the s8 x s8 dot is
+    exact, its s32 partial sums all-reduce exactly; only the per-token activation scale's f32
+    rounding may differ), the int8 values and their per-channel scales split with their float
+    weights' layout, no weight gathered; the TP 2 int8 prefill / decode steps export for CUDA
+    with s8 x s8 -> s32 dots and model-sharded weights (fp8: a decode step, e4m3 dots; the
+    TP 8 bf16 export is test_sharded_steps_lower_for_cuda); group scales under TP are refused."""
+    out = run_worker("quant", tp_checkpoints)
+    r = out["kv_int8"]
     assert r["ids_equal"] and r["ids_again_equal"] and r["tokens_cached"] > 0, r
     layers = 2       # k, v, k_scale, v_scale per layer: one 128-position segment
     assert r["cache"] == {"sharded": 4 * layers, "bad": []} and r["dtypes"] == ["bfloat16", "int8"], r
+    w = out["weights_int8"]
+    assert w["ids_equal"] and w["ids_again_equal"] and w["replicas"] == 2, w
+    assert w["mesh"]["axes"] == {"data": 2, "model": 2}, w
+    assert w["logits_rel"] <= 1e-5, w
+    assert w["group_size_refused"].startswith("InvalidRequestError: quantize_group_size is not supported"), w
+    assert "int8" in w["weight_dtypes"], w
+    # per layer: qkv, gate_up (values + column scales), o, down (values; their scales follow the
+    # replicated output axis); + embed, lm_head values and scales
+    assert w["params"] == {"sharded": 6 * layers + 3, "bad": []}, w
+    assert w["decode"]["weight_gathers"] == [], w
+    assert set(w["export"]) == {"prefill[64]", "decode[4]"}, w["export"]
+    for step, s in w["export"].items():
+        assert s["platforms"] == ["cuda"] and s["nr_devices"] == 2 and s["s8_dot"], (step, s)
+        # the sharded int8 weights and scales, and k / v (2 segments at 256 positions) in and out
+        assert s["model_sharded_args"] == 6 * layers + 3 + 2 * (2 * layers * 2), (step, s)
+    s = w["export_fp8"]["decode[4]"]     # fp8 weights: the same layout, e4m3 x e4m3 -> f32 dots
+    assert s["nr_devices"] == 2 and s["f8_dot"] and s["model_sharded_args"] == 6 * layers + 3 + 16, s
 
 
 @pytest.mark.slow
@@ -219,7 +243,8 @@ def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
 def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
     """Gemma 3 (window, softcap) and Gemma 4 (dense, MoE) text models: tensor_parallel(tp) +
     tp_layout run on one device give the one-device logits (tp 2 and 4, KV heads split and
-    replicated, vocab padded); a tp that does not divide the heads is refused."""
+    replicated, vocab padded), and Gemma 4 with int8 weights at tp 2 the one-device int8 logits;
+    a tp that does not divide the heads is refused."""
     import jax
     import jax.numpy as jnp
 
@@ -243,6 +268,12 @@ def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
             np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5, err_msg=f"{path} tp{tp}")
         with pytest.raises(UnsupportedModelError, match="tensor_parallel=3"):
             tm.tensor_parallel(3)
+        if path in gemma4_dirs.values():   # int8 weights (mmjax.quant): values and scales laid out alike
+            from mmjax.quant import quantize_params
+            qp = quantize_params(params, "int8")
+            tp_tm = tm.tensor_parallel(2)
+            got = run(tp_tm, tp_tm.tp_layout(qp, 2))
+            np.testing.assert_allclose(got, run(tm, qp), rtol=1e-5, atol=1e-5, err_msg=f"{path} int8 tp2")
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ from mmjax.models.text.llama import (_grouped_dense, _host, allocate_cache, cach
 from mmjax.models.text.moe import experts_forward, gemma4_route
 from mmjax.models.text.rope import apply_rope, rope_cos_sin
 from mmjax.models.vision.gemma4 import gemma4_rms_norm as norm
+from mmjax.quant import map_columns
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -340,14 +341,15 @@ def tp_layout(params: dict, cfg: Gemma4TextConfig, tp: int) -> dict:
 
     out = dict(params)
     out["embed"] = pad_vocab(params["embed"], 0, cfg.vocab_size, tp)
-    out["lm_head"] = pad_vocab(params["lm_head"], 1, cfg.vocab_size, tp)
+    out["lm_head"] = map_columns(lambda a: pad_vocab(a, 1, cfg.vocab_size, tp), params["lm_head"])
     if "ple_embed" in params:
         out["ple_embed"] = pad_vocab(params["ple_embed"], 0, cfg.ple_vocab_size, tp)
     layers = []
     for p, sp in zip(params["layers"], cfg.layers):
-        p = {**p, "gate_up": group_gate_up(p["gate_up"], tp)}
+        # 8-bit weights (mmjax.quant.QArray): values and per-column scales regrouped alike
+        p = {**p, "gate_up": map_columns(lambda a: group_gate_up(a, tp), p["gate_up"])}
         if "kv" in p:
-            p["kv"] = kv(p["kv"], sp)
+            p["kv"] = map_columns(lambda a, sp=sp: kv(a, sp), p["kv"])
         layers.append(p)
     out["layers"] = layers
     return out
@@ -363,7 +365,7 @@ _LAYER_AXES = {"q": ("embed", "heads"), "kv": ("embed", "kv_heads", None), "o": 
 def logical_axes(params: dict) -> dict:
     """The pytree of logical-axis tuples for the text params (tp_layout's shapes: a 2-D kv or
     gate_up, i.e. not laid out, replicates)."""
-    from mmjax.sharding import key_names
+    from mmjax.sharding import is_qarray, key_names, qarray_axes
 
     def one(path, x):
         names = key_names(path)
@@ -373,8 +375,9 @@ def logical_axes(params: dict) -> dict:
             ax = _LAYER_AXES.get(names[2])
         else:
             ax = None
-        return ax if ax is not None and len(ax) == np.ndim(x) else (None,) * np.ndim(x)
-    return jax.tree_util.tree_map_with_path(one, params)
+        ax = ax if ax is not None and len(ax) == np.ndim(x) else (None,) * np.ndim(x)
+        return qarray_axes(ax, x)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_qarray)
 
 
 def _own_kv(p: dict, spec: LayerSpec, hn: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -34,6 +34,7 @@ from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, P
 from mmjax.models.text.kv_quant import dequantize, is_quantized, layer_scales, operand, quantize, zero_scales
 from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
+from mmjax.quant import QArray, as_2d, map_columns
 
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
 #                              "v": [[slots, kv_heads, len_i, head_dim], ...],
@@ -540,7 +541,11 @@ def scatter_segment(kv: dict, i: int, rows: jax.Array, idx: jax.Array, new: tupl
 def _grouped_dense(p: dict, x: jax.Array) -> jax.Array:
     """x [b, t, in] @ w [in, groups, cols] (+ b [groups, cols]) -> [b, t, groups, cols]: a fused
     projection laid out per tensor-parallel shard (`tp_layout`), so each shard's split is local."""
-    y = bf16_einsum("btd,dgc->btgc", x, p["w"])
+    w = p["w"]
+    if isinstance(w, QArray):   # 8-bit: the grouped columns as one [in, groups * cols] weight
+        y = matmul(x, as_2d(w)).reshape(*x.shape[:-1], *w.shape[1:])
+    else:
+        y = bf16_einsum("btd,dgc->btgc", x, w)
     return y + p["b"] if "b" in p else y
 
 
@@ -623,6 +628,7 @@ def split_grouped_gate_up(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
     """Text params (numpy or jax) -> the tensor-parallel layout for tp shards, on the host, once.
+    8-bit weights (`mmjax.quant.QArray`) take the same column re-layout on values and scales.
 
     qkv w [hidden, q|k|v] -> [hidden, tp, q_s|k_s|v_s]: shard s gets its query heads
     [s h/tp, (s+1) h/tp) and the KV heads they read (kv_heads/tp of them, or, when kv_heads < tp,
@@ -643,12 +649,14 @@ def tp_layout(params: dict, cfg: LlamaConfig, tp: int) -> dict:
         v = group_heads(a[..., (h + kvh) * hd:], kvh, hd, tp, kv_index)
         return xp.concatenate([q, k, v], axis=-1)
 
+    # an 8-bit weight (mmjax.quant.QArray) regroups its values and per-column scales alike
     out = dict(params)
     out["embed"] = pad_vocab(params["embed"], 0, cfg.vocab_size, tp)
-    out["lm_head"] = pad_vocab(params["lm_head"], 1, cfg.vocab_size, tp)
+    out["lm_head"] = map_columns(lambda a: pad_vocab(a, 1, cfg.vocab_size, tp), params["lm_head"])
     # MoE layers keep their experts whole (replicated: no "gate_up" to regroup)
-    out["layers"] = [{**lp, "qkv": {k: qkv(v) for k, v in lp["qkv"].items()},
-                      **({"gate_up": {k: group_gate_up(v, tp) for k, v in lp["gate_up"].items()}}
+    out["layers"] = [{**lp, "qkv": {k: map_columns(qkv, v) for k, v in lp["qkv"].items()},
+                      **({"gate_up": {k: map_columns(lambda a: group_gate_up(a, tp), v)
+                                      for k, v in lp["gate_up"].items()}}
                          if "gate_up" in lp else {})}
                      for lp in params["layers"]]
     return out
