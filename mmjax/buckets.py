@@ -31,13 +31,17 @@ class Buckets:
     prefill: chunk lengths (tokens per prefill call), up to `prefill_chunk`.
     decode:  slots advanced per decode call (the first `rows` cache rows), up to `max_num_seqs`;
              one running request pays for a 1-row step, not for every slot.
+    segments: sequences packed into one prefill call (models/text/packing.py), up to
+             `max_segments`; a prefill call's shape is (chunk, segments).
     The cache length in use is not a bucket: attention skips the KV segments past it at run
     time (models/decoder.py), so it costs no compilations.
     """
     prefill: tuple[int, ...]
     decode: tuple[int, ...]
+    segments: tuple[int, ...] = (1,)
 
     @classmethod
-    def make(cls, *, prefill_chunk: int, max_num_seqs: int) -> "Buckets":
+    def make(cls, *, prefill_chunk: int, max_num_seqs: int, max_segments: int = 1) -> "Buckets":
         return cls(prefill=pow2_ladder(min(16, prefill_chunk), prefill_chunk),
-                   decode=pow2_ladder(1, max_num_seqs))
+                   decode=pow2_ladder(1, max_num_seqs),
+                   segments=pow2_ladder(1, max(1, min(max_segments, max_num_seqs))))

@@ -1,13 +1,15 @@
 """Continuous batching over decode slots: the step loop.
 
 Each `step()`: admit waiting requests into free slots (scheduler); encode every image not in the
-encoder cache, batched across requests; prefill chunks up to `prefill_chunk` tokens in total (a
-long image prompt is spread over several steps and never freezes running streams); one decode
+encoder cache, batched across requests; prefill chunks up to `prefill_chunk` tokens in total, the
+chunks of several requests packed into one call (`pack_prefill`; a long image prompt is spread
+over several steps and never freezes running streams); one decode
 step over the lowest slots that cover every running one (the decode ladder's rows). Host-only
 work (tokenizing, stop strings, detokenizing) stays on the host (serving/output.py).
 
 Failures stay with their culprit: an image that fails to encode fails its own request; a prefill
-that fails before it consumed the donated cache fails only its request. Only a failure that lost
+that fails before it consumed the donated cache fails only its request (a packed call that fails
+so is retried one request at a time). Only a failure that lost
 the device state (a donated cache consumed by a failed call) ends the requests it held; prompts
 that had produced nothing yet go back to the queue.
 """
@@ -26,7 +28,7 @@ from mmjax.models.family import ImageInput, image_runs, run_spans
 from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
 from mmjax.serving.output import append_token
 from mmjax.serving.request import Delta, Request, RequestOutput
-from mmjax.serving.runner import ModelRunner
+from mmjax.serving.runner import ModelRunner, PrefillChunk
 from mmjax.serving.constraints import BadWords, bad_word_ids
 from mmjax.serving.sampling import SamplingParams, SlotSampling, vocab_row
 from mmjax.serving.scheduler import Scheduler
@@ -34,6 +36,10 @@ from mmjax.serving.structured import GrammarCompiler, grammar_constraint
 from mmjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("mmjax.engine")
+
+# sequences one prefill call packs at most (pack_prefill): the call's attention pays segments x
+# tokens query rows (models/text/packing.py), its weight matmuls only the tokens
+MAX_PREFILL_SEQS = 8
 
 
 def _as_error(exc: BaseException, what: str) -> MMJaxError:
@@ -47,7 +53,7 @@ class Engine:
                  prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
-                 vision_offload: bool = False, memory_budget: int | float | None = None):
+                 vision_offload: bool = False, memory_budget: int | float | None = None, pack_prefill: bool = True):
         self.model = model
         self.tokenizer = model.tokenizer
         self.family = model.family
@@ -60,12 +66,12 @@ class Engine:
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                   max_encode_batch=max_encode_batch, mesh=mesh,
                                   vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
-                                  memory_budget=memory_budget)
+                                  memory_budget=memory_budget, max_prefill_seqs=MAX_PREFILL_SEQS if pack_prefill else 1)
         max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
-                                   min_resume=self._min_resume())
+                                   min_resume=self._min_resume(), max_segments=self.runner.buckets.segments[-1])
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -291,9 +297,13 @@ class Engine:
         for req in self.scheduler.admit():
             self.counters["tokens_cached"] += req.cached_tokens
         self._encode_missing([r for r in self.scheduler.active() if r.prefilling], deltas)
-        for req, n in self.scheduler.prefill_plan():
-            if req.finish_reason is None:
-                self._prefill(req, n, deltas)
+        plan = [(r, n) for r, n in self.scheduler.prefill_plan() if r.finish_reason is None]
+        size = self.runner.buckets.segments[-1]
+        for item in (x for x in plan if x[0].prune is not None):     # FastV: a whole prompt, its own call
+            self._prefill([item], deltas)
+        plan = [x for x in plan if x[0].prune is None]
+        for i in range(0, len(plan), size):                          # packed: one call per step
+            self._prefill(plan[i:i + size], deltas)
         running = self.scheduler.decoding()
         if running:
             self._decode(running, deltas)
@@ -390,36 +400,61 @@ class Engine:
             offset += im.num_tokens
         return emb, mask
 
-    def _prefill(self, req: Request, n: int, deltas: list[Delta]) -> None:
+    def _prefill_chunk(self, req: Request, n: int) -> PrefillChunk:
+        """The runner's input for prompt tokens [prefilled, prefilled + n) of `req` (cross-attention
+        families: its images' K/V are written into its slot first, once)."""
         lo, hi = req.prefilled, req.prefilled + n
+        emb, mask = self._image_embeds(req, lo, hi)
+        spans = None if req.runs is None else run_spans(req.prompt_ids[lo:hi], self.family.image_token_id)
+        if req.cross is not None:
+            if not req.cross_filled:   # the request's images' K/V, once, before its first chunk
+                self.runner.fill_cross(req.slot, list(req.feats), [im.grid[0] for im in req.images],
+                                       int(req.cross[-1]))
+                req.cross_filled = True
+            spans = req.cross[lo:hi]
+        bits = None
+        if req.constraints and hi == req.prompt_len:   # the first token's mask
+            bits = self.runner.all_allowed()
+            self._bits(req, bits)
+        return PrefillChunk(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi], req.rope_delta,
+                            SlotSampling.from_params(req.sampling), req.key, spans, req.vrow, bits)
+
+    def _prefill(self, items: list[tuple[Request, int]], deltas: list[Delta]) -> None:
+        """One prefill call over the chunks of `items` (request, tokens), packed (scheduler.
+        prefill_plan keeps them within one call's token and segment budget). If a packed call
+        fails and the device state survived, each chunk is retried alone, so that only a culprit
+        fails."""
+        todo, chunks = [], []
+        for req, n in items:
+            try:
+                chunks.append(self._prefill_chunk(req, n))
+                todo.append((req, n))
+            except Exception as e:
+                self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
+        if not todo:
+            return
         try:
-            emb, mask = self._image_embeds(req, lo, hi)
-            spans = None if req.runs is None else run_spans(req.prompt_ids[lo:hi], self.family.image_token_id)
-            if req.cross is not None:
-                if not req.cross_filled:   # the request's images' K/V, once, before its first chunk
-                    self.runner.fill_cross(req.slot, list(req.feats), [im.grid[0] for im in req.images],
-                                           int(req.cross[-1]))
-                    req.cross_filled = True
-                spans = req.cross[lo:hi]
-            bits = None
-            if req.constraints and hi == req.prompt_len:   # the first token's mask
-                bits = self.runner.all_allowed()
-                self._bits(req, bits)
-            out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
-                                      req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans,
-                                      prune=req.prune, vrow=req.vrow, bits=bits)
+            out = self.runner.prefill(chunks, prune=todo[0][0].prune if len(todo) == 1 else None)
         except Exception as e:
-            self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
+            if len(todo) > 1 and not self.runner.device_state_lost():
+                log.warning("packed prefill of %d requests failed (%s: %s); prefilling one at a time", len(todo),
+                            type(e).__name__, e)
+                for item in todo:
+                    self._prefill([item], deltas)
+                return
+            self._device_failure(todo[0][0] if len(todo) == 1 else None, _as_error(e, "prefilling the request"),
+                                 deltas)
             return
         self.counters["prefill_calls"] += 1
-        self.counters["tokens_prefilled"] += hi - lo
-        self.counters["tokens_pruned"] += req.pruned_tokens
-        req.prefilled = hi
-        if not req.prefilling:
-            req.feats = []  # the KV cache holds them now
-            req.first_token_time = time.monotonic()
-            self._fork(req)
-            self._emit_token(req, out, 0, deltas)
+        for row, (req, n) in enumerate(todo):
+            self.counters["tokens_prefilled"] += n
+            self.counters["tokens_pruned"] += req.pruned_tokens
+            req.prefilled += n
+            if not req.prefilling:
+                req.feats = []  # the KV cache holds them now
+                req.first_token_time = time.monotonic()
+                self._fork(req)
+                self._emit_token(req, out, row, deltas)
 
     def _decode(self, running: list[Request], deltas: list[Delta]) -> None:
         # positions in use after this step; per layer only when a pruned request (shorter after
