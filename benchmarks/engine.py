@@ -6,7 +6,9 @@ On one random-weight LLaVA-architecture checkpoint (default ~342M params: CLIP V
   - by mmjax's AsyncEngine with 1, 4 and 16 concurrent closed-loop clients (continuous batching),
   - one at a time through transformers `generate` (the sequential peer), in the same run.
 Reports output tokens/s, TTFT p50/p99 (submit -> first token, preprocessing included), and the
-ratio to transformers; plus what the decode step pays for: one decode step of 1 row vs every slot,
+ratio to transformers; `--pack-ab` also runs the same requests on an engine without packed
+prefill (one prefill call per request, `pack_prefill=False`) in the same run (`--no-pack`: only
+that one); plus what the decode step pays for: one decode step of 1 row vs every slot,
 with 128 cache positions in use vs the whole max_model_len. Compile time (warmup) is reported apart.
 Prints a table, then one JSON line.
 """
@@ -129,6 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    ap.add_argument("--no-pack", action="store_true", help="prefill one request per call (pack_prefill=False)")
+    ap.add_argument("--pack-ab", action="store_true",
+                    help="also run every concurrency level without packed prefill (A/B of TTFT in one run)")
     ap.add_argument("--decode-only", action="store_true",
                     help="only time the decode step over rows x cache length in use (A/B of decode changes)")
     args = ap.parse_args(argv)
@@ -143,8 +148,9 @@ def main(argv=None) -> int:
 
     path = args.model or str(build_llava("smoke" if args.smoke else "default"))
     threads = args.threads or os.cpu_count()
-    vlm = mmjax.load(path, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
+    engine_kw = dict(max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
                      prefill_chunk=64 if args.smoke else 256, max_encode_batch=8)
+    vlm = mmjax.load(path, pack_prefill=not args.no_pack, **engine_kw)
     size = vlm.family.cfg.vision.image_size
     t0 = time.perf_counter()
     compiled = vlm.engine.warmup()
@@ -161,21 +167,29 @@ def main(argv=None) -> int:
                           "decode_steps": decode_steps}))
         return 0
 
-    results = {}
-    ae = AsyncEngine(vlm.engine, max_waiting=10_000)
-    try:
-        for c in args.concurrency:
-            reqs = make_requests(args.requests, size, seed=c)
-            results[c] = asyncio.run(run_mmjax(vlm, ae, reqs, c, args.new_tokens))
-    finally:
-        ae.shutdown()
+    def serve(vlm):
+        out = {}
+        ae = AsyncEngine(vlm.engine, max_waiting=10_000)
+        try:
+            for c in args.concurrency:
+                out[c] = asyncio.run(run_mmjax(vlm, ae, make_requests(args.requests, size, seed=c), c,
+                                               args.new_tokens))
+        finally:
+            ae.shutdown()
+        return out
+    label = "mmjax (no pack)" if args.no_pack else "mmjax engine"
+    variants = {label: serve(vlm)}
+    if args.pack_ab and not args.no_pack:     # the same requests, one prefill call per request
+        unpacked = mmjax.load(path, pack_prefill=False, **engine_kw)
+        unpacked.engine.warmup()
+        variants["mmjax (no pack)"] = serve(unpacked)
     hf = None if args.no_hf else run_hf(path, make_requests(args.requests, size, seed=99), args.new_tokens, threads)
 
     hf_tps = hf["tokens"] / hf["wall_s"] if hf else None
     rows = []
-    for c, r in results.items():
+    for who, c, r in ((w, c, r) for w, res in variants.items() for c, r in res.items()):
         tps = r["tokens"] / r["wall_s"]
-        rows.append({"concurrency": c, "requests": args.requests, "output_tok_s": tps,
+        rows.append({"who": who, "concurrency": c, "requests": args.requests, "output_tok_s": tps,
                      "ttft_p50_s": percentile(r["ttft"], 50), "ttft_p99_s": percentile(r["ttft"], 99),
                      "vs_hf_sequential": tps / hf_tps if hf_tps else None,
                      "wall_s": r["wall_s"], "step_s": r["step_s"]})
@@ -184,14 +198,14 @@ def main(argv=None) -> int:
     print(f"{'who':<22}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'vs HF seq':>11}")
     for row in rows:
         ratio = f"{row['vs_hf_sequential']:.2f}x" if row["vs_hf_sequential"] else "-"
-        print(f"{'mmjax engine':<22}{row['concurrency']:>5}{row['output_tok_s']:>10.1f}"
+        print(f"{row['who']:<22}{row['concurrency']:>5}{row['output_tok_s']:>10.1f}"
               f"{row['ttft_p50_s'] * 1e3:>9.0f}ms{row['ttft_p99_s'] * 1e3:>9.0f}ms{ratio:>11}")
     if hf:
         print(f"{'transformers (seq.)':<22}{1:>5}{hf_tps:>10.1f}{percentile(hf['ttft'], 50) * 1e3:>9.0f}ms"
               f"{percentile(hf['ttft'], 99) * 1e3:>9.0f}ms{'1.00x':>11}")
     for row in rows:
         busy = sum(row["step_s"].values())
-        print(f"mmjax time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
+        print(f"{row['who']} time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
               + " + ".join(f"{k} {v:.2f}s" for k, v in row["step_s"].items())
               + f" + host/idle {row['wall_s'] - busy:.2f}s")
     print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"

@@ -412,7 +412,8 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     instead of the default: replicated weights, the encode batch split over devices),
     vision_offload (vision tower + projector weights in host memory, fetched inside encode),
     memory_budget (bytes, or a fraction of device memory, per device: sizes max_num_seqs so the
-    memory plan's peak fits; `engine.runner.memory_plan()`).
+    memory plan's peak fits; `engine.runner.memory_plan()`), pack_prefill (default True: the
+    prefill chunks of several requests in one packed call; False: one call per request).
     """
     enable_compilation_cache()
     if mesh is None and (tensor_parallel or 1) * (data_parallel or 1) > 1:

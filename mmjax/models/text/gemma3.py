@@ -49,8 +49,9 @@ from mmjax.models.hf_config import require
 from mmjax.models.layers import activation, dense
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.llama import (_grouped_dense, _split_grouped_qkv, allocate_cache, cache_attention,
-                                     cache_kv_heads, check_tensor_parallel, init_kv_cache, split_grouped_gate_up,
-                                     tp_layout)
+                                     cache_kv_heads, check_tensor_parallel, init_kv_cache, scatter_kv,
+                                     split_grouped_gate_up, tp_layout)
+from mmjax.models.text.packing import Packing
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -312,13 +313,18 @@ def _gate_up(layer: dict, cfg: Gemma3TextConfig, hn: jax.Array) -> tuple[jax.Arr
 
 def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, kv: dict, rope: tuple,
                   q_index: jax.Array, valid: jax.Array, kv_len, *, slots, mask: MaskSpec | None, starts,
-                  reduce_small: bool, capture_attn: bool = False) -> tuple[jax.Array, dict, tuple | None]:
+                  reduce_small: bool, capture_attn: bool = False,
+                  packing: Packing | None = None) -> tuple[jax.Array, dict, tuple | None]:
     """One decoder layer: x [b, t, hidden] -> (x, this layer's updated cache, (probs [b, h, t,
-    kv_len], per-head outputs [b, t, h, hd]) when capture_attn (kv_len static) else None)."""
+    kv_len], per-head outputs [b, t, h, hd]) when capture_attn (kv_len static) else None).
+    packing: a packed prefill (models/text/packing.py): K/V are written per token, attention
+    runs per segment (q, q_index, slots, starts, spans as the rows layout)."""
     b, t, _ = x.shape
     h, hd = cfg.num_heads, cfg.head_dim
     cos, sin = rope
     rows = jnp.arange(b) if slots is None else slots
+    if packing is not None:
+        rows = packing.token_slot[None]
     hn = gemma_rms_norm(layer["ln_in"], x, cfg.rms_norm_eps)
     q, k, v = _qkv(layer, cfg, hn)
     # per-head norms over head_dim: local to the shard holding the head under tensor parallelism
@@ -326,6 +332,12 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     k = gemma_rms_norm(layer["k_norm"], k, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     spans = mask.spans if mask is not None else None
+    # attention's view: the call's rows, or per segment of a packed row
+    aq, a_index, a_slots, a_starts, a_spans, write_end = q, q_index, slots, starts, spans, None
+    if packing is not None:
+        aq, a_index, a_slots, a_starts = packing.rows(q), packing.row_index, packing.seg_slot, packing.seg_start
+        a_spans = packing.row_mask(mask).spans if mask is not None else None
+        write_end = packing.seg_start + packing.seg_len
     if kind == SLIDING:
         (ck,), (cv,) = kv["k"], kv["v"]
         ring = cv.shape[2]
@@ -333,28 +345,23 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
         # are dropped (an index past the ring) so they never evict a position a later resume
         # needs; real tokens of one call are <= ring apart, so their slots are distinct
         idx = jnp.where(valid & (q_index < kv_len), jnp.mod(q_index, ring), ring + jnp.arange(t))
-        ck = ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop", unique_indices=True)
-        cv = cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True)
-        write_end = starts + valid.sum(axis=1).astype(starts.dtype)
-        kts, vs = (ck[:b], cv[:b]) if slots is None else (ck[slots], cv[slots])
+        r = rows[:, None] if rows.ndim == 1 else rows
+        ck = ck.at[r, :, :, idx].set(k.astype(ck.dtype), mode="drop", unique_indices=True)
+        cv = cv.at[r, :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True)
+        if write_end is None:
+            write_end = starts + valid.sum(axis=1).astype(starts.dtype)
+        kts, vs = (ck[:b], cv[:b]) if a_slots is None else (ck[a_slots], cv[a_slots])
         key_index = ring_key_index(write_end, ring)
         if capture_attn:
             attn, probs = captured_attention(q, kts, vs, key_index, q_index, cfg.sliding_window, spans, starts,
                                              cfg.scale, cfg.attn_logit_softcapping, kv_len)
         else:
-            vis = ring_visible(key_index, q_index, cfg.sliding_window, spans, starts)
-            attn = ring_attention(q, kts, vs, vis, cfg.scale, cfg.attn_logit_softcapping)
+            vis = ring_visible(key_index, a_index, cfg.sliding_window, a_spans, a_starts)
+            attn = ring_attention(aq, kts, vs, vis, cfg.scale, cfg.attn_logit_softcapping)
         new_kv = {"k": [ck], "v": [cv]}
     else:
-        new_k, new_v, start = [], [], 0
-        for ck, cv in zip(kv["k"], kv["v"]):
-            size = cv.shape[2]
-            idx = q_index - start
-            idx = jnp.where((idx >= 0) & (idx < size), idx, size + jnp.arange(t))
-            new_k.append(ck.at[rows[:, None], :, :, idx].set(k.astype(ck.dtype), mode="drop", unique_indices=True))
-            new_v.append(cv.at[rows[:, None], :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True))
-            start += size
-        full_mask = MaskSpec(spans=spans)
+        new_k, new_v = scatter_kv(kv, k, v, q_index, rows)
+        full_mask = MaskSpec(spans=a_spans)
         if capture_attn:
             kt, vv = jnp.concatenate(new_k, axis=3)[..., :kv_len], jnp.concatenate(new_v, axis=2)[:, :, :kv_len]
             kt, vv = (kt[:b], vv[:b]) if slots is None else (kt[slots], vv[slots])
@@ -362,12 +369,14 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
             attn, probs = captured_attention(q, kt, vv, key_index, q_index, None, spans, starts, cfg.scale,
                                              cfg.attn_logit_softcapping, kv_len)
         elif cfg.attn_logit_softcapping is None:
-            attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=full_mask, starts=starts,
+            attn = cache_attention(aq, new_k, new_v, a_index, kv_len, a_slots, mask=full_mask, starts=a_starts,
                                    reduce_small=reduce_small, scale=cfg.scale)
         else:
-            attn = softcapped_attention(q, new_k, new_v, q_index, kv_len, slots, mask=full_mask, starts=starts,
+            attn = softcapped_attention(aq, new_k, new_v, a_index, kv_len, a_slots, mask=full_mask, starts=a_starts,
                                         scale=cfg.scale, cap=cfg.attn_logit_softcapping)
         new_kv = {"k": new_k, "v": new_v}
+    if packing is not None:
+        attn = packing.unrows(attn)
     captured = (probs, attn) if capture_attn else None
     a = dense(layer["o"], attn.reshape(b, t, h * hd))
     x = x + gemma_rms_norm(layer["ln_post_attn"], a, cfg.rms_norm_eps)
@@ -380,19 +389,22 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
 def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: jax.Array, cache: list,
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
             capture: Capture | None = None, reduce_small: bool = False, prune: Prune | None = None,
-            dropped: Dropped | None = None) -> Output:
+            dropped: Dropped | None = None, packing: Packing | None = None) -> Output:
     """embeds [b, t, hidden] (already scaled: `embed`), positions [1, b, t], starts [b] (cache
     index of each row's first token), slots [b] or None, kv_len bounds the full layers' segments
     read. mask.spans [b, t]: image runs (bidirectional within a run). prune / dropped: FastV as in
     llama.forward (kept image tokens keep their runs; later layers index the compacted sequence,
-    so windows count kept positions). Returns Output(final-normed hidden [b, t, hidden], cache,
+    so windows count kept positions). packing: several sequences in the one row (llama.forward).
+    Returns Output(final-normed hidden [b, t, hidden], cache,
     intermediates as `Capture` asks: "hidden", and "attn" / "attn_out" per captured layer, which
     needs a static kv_len; "pruned" [b] under prune)."""
     capture = capture or Capture()
     if prune is not None and (capture.any or dropped is not None):
         raise ValueError("prune cannot be combined with capture or dropped")
+    if packing is not None and (prune is not None or dropped is not None or capture.any):
+        raise ValueError("a packed prefill takes no prune, dropped or capture")
     t = embeds.shape[1]
-    valid = _valid_tokens(positions)
+    valid = _valid_tokens(positions) if packing is None else packing.token_valid[None]
 
     def ropes_at(pos):
         return {kind: rope_cos_sin(jnp.asarray(rope_inv_freq(r, cfg.head_dim)), pos)
@@ -405,11 +417,11 @@ def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: j
         if dropped is not None:      # rows pruned after an earlier layer index a shorter sequence here
             layer_starts = starts - jnp.where(i > dropped.after, dropped.count, 0)
             layer_kv_len = dropped.kv_lens[i]
-        q_index = layer_starts[:, None] + jnp.arange(t)[None, :]
+        q_index = layer_starts[:, None] + jnp.arange(t)[None, :] if packing is None else packing.token_index[None]
         scoring = prune is not None and i == prune.layer
         x, kv, cap = layer_forward(layer, cfg, kind, x, kv, ropes[kind], q_index, valid, layer_kv_len, slots=slots,
                                    mask=mask, starts=layer_starts, reduce_small=reduce_small,
-                                   capture_attn=i in capture.attn_layers or scoring)
+                                   capture_attn=i in capture.attn_layers or scoring, packing=packing)
         new_cache.append(kv)
         if scoring:
             order, inter["pruned"] = prune_order(cap[0], prune)
@@ -435,6 +447,7 @@ class Gemma3TextModel(ConfigShape):
     position_rows: int = 1
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
     supports_prune = True
+    supports_packing = True     # forward(..., packing=): packed multi-sequence prefill
 
     @property
     def cache_cfg(self) -> Gemma3TextConfig:
@@ -475,9 +488,9 @@ class Gemma3TextModel(ConfigShape):
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache, starts: jax.Array, kv_len, *,
                 slots: jax.Array | None = None, mask: MaskSpec | None = None, ids: jax.Array | None = None,
                 capture: Capture | None = None, reduce_small: bool = False, prune: Prune | None = None,
-                dropped: Dropped | None = None) -> Output:
+                dropped: Dropped | None = None, packing: Packing | None = None) -> Output:
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
-                       capture=capture, reduce_small=reduce_small, prune=prune, dropped=dropped)
+                       capture=capture, reduce_small=reduce_small, prune=prune, dropped=dropped, packing=packing)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         z = (hidden @ params["lm_head"]).astype(jnp.float32)
