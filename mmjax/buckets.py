@@ -31,8 +31,10 @@ class Buckets:
     prefill: chunk lengths (tokens per prefill call), up to `prefill_chunk`.
     decode:  slots advanced per decode call (the first `rows` cache rows), up to `max_num_seqs`;
              one running request pays for a 1-row step, not for every slot.
-    segments: sequences packed into one prefill call (models/text/packing.py), up to
-             `max_segments`; a prefill call's shape is (chunk, segments).
+    segments: sequences one prefill call packs (models/text/packing.py): one rung,
+             min(max_segments, max_num_seqs, the smallest chunk); a prefill call's shape is
+             (chunk, segments) and a call packing fewer sequences skips the unused segments'
+             attention at run time, so the rung costs no compilations beyond the chunk ladder.
     The cache length in use is not a bucket: attention skips the KV segments past it at run
     time (models/decoder.py), so it costs no compilations.
     """
@@ -42,6 +44,6 @@ class Buckets:
 
     @classmethod
     def make(cls, *, prefill_chunk: int, max_num_seqs: int, max_segments: int = 1) -> "Buckets":
-        return cls(prefill=pow2_ladder(min(16, prefill_chunk), prefill_chunk),
-                   decode=pow2_ladder(1, max_num_seqs),
-                   segments=pow2_ladder(1, max(1, min(max_segments, max_num_seqs))))
+        prefill = pow2_ladder(min(16, prefill_chunk), prefill_chunk)
+        return cls(prefill=prefill, decode=pow2_ladder(1, max_num_seqs),
+                   segments=(max(1, min(max_segments, max_num_seqs, prefill[0])),))

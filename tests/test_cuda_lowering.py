@@ -6,8 +6,8 @@ and MoE, Mistral 3 with spatial merge 2 and 1, Llama 3.2 Vision with 4 and 2 til
 LLaVA-OneVision) and the shipped
 mmjax-shapes model, in bfloat16 (and float32 for one checkpoint per family), a runner built for platform "cuda" lists every
 compiled shape it can produce (`ModelRunner.step_signatures`: every encode bucket of the family's
-plan, every prefill chunk bucket, alone and packed two sequences to a call (the packed prefill:
-one graph for every segment count), every decode row bucket) and each one is exported with
+plan, every prefill chunk bucket (the packed prefill: up to 4 sequences per call; Mllama one),
+every decode row bucket) and each one is exported with
 `jax.export(..., platforms=("cuda",))` while tracing for CUDA (so impl="auto" attention picks the
 GPU kernels, decode attention the ragged Pallas kernel, and Pallas kernels take the Triton
 lowering, not the interpreter). Nothing runs; a step that uses an op or a kernel shape the CUDA lowering rejects
@@ -41,7 +41,7 @@ def _export_all(path, dtype: str) -> dict[str, jax.export.Exported]:
     if hasattr(model.family, "limits"):   # keep the Qwen / Pixtral patch ladder short: every rung is the same graph
         model.family.configure(max_encode_patches=1024, image_max_tokens=256)
     runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
-                         max_encode_batch=2, dtype=model.dtype, platform="cuda", max_prefill_seqs=2)
+                         max_encode_batch=2, dtype=model.dtype, platform="cuda")
     out = {}
     with compiling_for("cuda"):
         for name, fn, args, kw in runner.step_signatures():
@@ -67,8 +67,9 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     # copy_slot: n > 1 siblings copy the prompt's cache row
     assert kinds == {"encode", "prefill", "decode", "copy_slot"} | fastv | cross
     assert sum(k.startswith("decode") for k in exported) == 3          # rows 1, 2, 4
-    # chunks 16, 32, 64, each also packed with 2 sequences (not Mllama: one sequence per call)
-    assert sum(k.startswith("prefill[") for k in exported) == (3 if name.startswith("mllama") else 6)
+    # chunks 16, 32, 64 (packed: 4 sequences per call, the slot count; Mllama: one)
+    assert sum(k.startswith("prefill[") for k in exported) == 3
+    assert any(k.endswith(",4]") for k in exported) != name.startswith("mllama")
     for step, exp in exported.items():
         assert exp.platforms == ("cuda",), step
         if step == "copy_slot":                                          # a cache-row copy: no matmul

@@ -79,6 +79,7 @@ class Engine:
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                          "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
                          "images_encoded": 0, "videos_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
+                         "prefill_chunks": 0,
                          "tokens_pruned": 0}
 
     def _min_resume(self):
@@ -446,6 +447,7 @@ class Engine:
                                  deltas)
             return
         self.counters["prefill_calls"] += 1
+        self.counters["prefill_chunks"] += len(todo)        # > prefill_calls: calls were packed
         for row, (req, n) in enumerate(todo):
             self.counters["tokens_prefilled"] += n
             self.counters["tokens_pruned"] += req.pruned_tokens

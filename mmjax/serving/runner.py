@@ -617,11 +617,10 @@ class ModelRunner:
             self.fill_cross(0, [], [], 0)
         rows = self.text_model.position_rows
         for c in self.buckets.prefill:
-            for s in self.buckets.segments:
-                if s <= c:      # s chunks of c // s tokens (slots 0..s-1)
-                    self.prefill([PrefillChunk(i, 0, np.zeros(c // s, np.int32), None, np.zeros(c // s, bool),
-                                               np.zeros((rows, c // s), np.int32), 0, self._idle_sampling,
-                                               np.zeros(2, np.uint32)) for i in range(s)])
+            for s in self.buckets.segments:       # s chunks of c // s tokens (slots 0..s-1)
+                self.prefill([PrefillChunk(i, 0, np.zeros(c // s, np.int32), None, np.zeros(c // s, bool),
+                                           np.zeros((rows, c // s), np.int32), 0, self._idle_sampling,
+                                           np.zeros(2, np.uint32)) for i in range(s)])
         for r in self.buckets.decode:
             self.decode(1, r)
         self.copy_slot(0, 0)
@@ -661,8 +660,6 @@ class ModelRunner:
             tokens = (shape((c,), jnp.int32), shape((c, self.feature_width), self.dtype), shape((c,), jnp.bool_),
                       shape((rows, c), jnp.int32))
             for s in buckets.segments:
-                if s > c:
-                    continue
                 per = shape((s,), jnp.int32)
                 seg = Segments(per, per, per, per, per, jax.tree.map(lambda x: shape((s,), x.dtype), samp),
                                shape((s, 2), jnp.uint32), jax.tree.map(lambda x: shape((s,) + x.shape, x.dtype), vrow),
@@ -794,6 +791,6 @@ class ModelRunner:
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
-                "prefill": sum(s <= c for c in self.buckets.prefill for s in self.buckets.segments),
+                "prefill": len(self.buckets.prefill) * len(self.buckets.segments),
                 "decode": len(self.buckets.decode), "copy_slot": 1,
                 **({"fill_cross": 1} if self.family.cross_attention else {})}

@@ -332,12 +332,7 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     k = gemma_rms_norm(layer["k_norm"], k, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     spans = mask.spans if mask is not None else None
-    # attention's view: the call's rows, or per segment of a packed row
-    aq, a_index, a_slots, a_starts, a_spans, write_end = q, q_index, slots, starts, spans, None
-    if packing is not None:
-        aq, a_index, a_slots, a_starts = packing.rows(q), packing.row_index, packing.seg_slot, packing.seg_start
-        a_spans = packing.row_mask(mask).spans if mask is not None else None
-        write_end = packing.seg_start + packing.seg_len
+    row_spans = None if packing is None or spans is None else packing.row_mask(mask).spans
     if kind == SLIDING:
         (ck,), (cv,) = kv["k"], kv["v"]
         ring = cv.shape[2]
@@ -348,35 +343,43 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
         r = rows[:, None] if rows.ndim == 1 else rows
         ck = ck.at[r, :, :, idx].set(k.astype(ck.dtype), mode="drop", unique_indices=True)
         cv = cv.at[r, :, idx].set(v.astype(cv.dtype), mode="drop", unique_indices=True)
-        if write_end is None:
-            write_end = starts + valid.sum(axis=1).astype(starts.dtype)
-        kts, vs = (ck[:b], cv[:b]) if a_slots is None else (ck[a_slots], cv[a_slots])
+        write_end = starts + valid.sum(axis=1).astype(starts.dtype)
+        kts, vs = (ck[:b], cv[:b]) if slots is None else (ck[slots], cv[slots])
         key_index = ring_key_index(write_end, ring)
-        if capture_attn:
+
+        def ring_rows(slot, start, n, qr, ex):    # one segment of a packed row over its slot's ring
+            vis = ring_visible(ring_key_index(start + n, ring), ex[0], cfg.sliding_window, ex[1], start)
+            return ring_attention(qr, ck[slot], cv[slot], vis, cfg.scale, cfg.attn_logit_softcapping)
+        if packing is not None:
+            attn = packing.attend(ring_rows, q, (packing.row_index, row_spans))
+        elif capture_attn:
             attn, probs = captured_attention(q, kts, vs, key_index, q_index, cfg.sliding_window, spans, starts,
                                              cfg.scale, cfg.attn_logit_softcapping, kv_len)
         else:
-            vis = ring_visible(key_index, a_index, cfg.sliding_window, a_spans, a_starts)
-            attn = ring_attention(aq, kts, vs, vis, cfg.scale, cfg.attn_logit_softcapping)
+            vis = ring_visible(key_index, q_index, cfg.sliding_window, spans, starts)
+            attn = ring_attention(q, kts, vs, vis, cfg.scale, cfg.attn_logit_softcapping)
         new_kv = {"k": [ck], "v": [cv]}
     else:
         new_k, new_v = scatter_kv(kv, k, v, q_index, rows)
-        full_mask = MaskSpec(spans=a_spans)
-        if capture_attn:
+
+        def full(q, q_index, kv_len, slots, spans, starts):
+            if cfg.attn_logit_softcapping is None:
+                return cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=MaskSpec(spans=spans),
+                                       starts=starts, reduce_small=reduce_small, scale=cfg.scale)
+            return softcapped_attention(q, new_k, new_v, q_index, kv_len, slots, mask=MaskSpec(spans=spans),
+                                        starts=starts, scale=cfg.scale, cap=cfg.attn_logit_softcapping)
+        if packing is not None:
+            attn = packing.attend(lambda slot, start, n, qr, ex: full(qr, ex[0], start[0] + n, slot, ex[1], start),
+                                  q, (packing.row_index, row_spans))
+        elif capture_attn:
             kt, vv = jnp.concatenate(new_k, axis=3)[..., :kv_len], jnp.concatenate(new_v, axis=2)[:, :, :kv_len]
             kt, vv = (kt[:b], vv[:b]) if slots is None else (kt[slots], vv[slots])
             key_index = jnp.broadcast_to(jnp.arange(kv_len)[None], (b, kv_len))
             attn, probs = captured_attention(q, kt, vv, key_index, q_index, None, spans, starts, cfg.scale,
                                              cfg.attn_logit_softcapping, kv_len)
-        elif cfg.attn_logit_softcapping is None:
-            attn = cache_attention(aq, new_k, new_v, a_index, kv_len, a_slots, mask=full_mask, starts=a_starts,
-                                   reduce_small=reduce_small, scale=cfg.scale)
         else:
-            attn = softcapped_attention(aq, new_k, new_v, a_index, kv_len, a_slots, mask=full_mask, starts=a_starts,
-                                        scale=cfg.scale, cap=cfg.attn_logit_softcapping)
+            attn = full(q, q_index, kv_len, slots, spans, starts)
         new_kv = {"k": new_k, "v": new_v}
-    if packing is not None:
-        attn = packing.unrows(attn)
     captured = (probs, attn) if capture_attn else None
     a = dense(layer["o"], attn.reshape(b, t, h * hd))
     x = x + gemma_rms_norm(layer["ln_post_attn"], a, cfg.rms_norm_eps)

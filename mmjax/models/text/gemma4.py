@@ -429,10 +429,10 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
         if spec.kind == SLIDING else None
     akw = dict(mask=lmask, starts=starts, scale=1.0, window_over_spans=True)
     captured = None
-    if packing is not None:
-        attn = packing.unrows(cache_attention(packing.rows(q), kv["k"], kv["v"], packing.row_index, kv_len,
-                                              packing.seg_slot, reduce_small=reduce_small,
-                                              **{**akw, "mask": packing.row_mask(lmask), "starts": packing.seg_start}))
+    if packing is not None:         # each segment's queries over its own slot's row
+        attn = packing.attend(lambda slot, start, n, qr, ex: cache_attention(
+            qr, kv["k"], kv["v"], ex[0], start[0] + n, slot, reduce_small=reduce_small,
+            **{**akw, "mask": ex[1], "starts": start}), q, (packing.row_index, packing.row_mask(lmask)))
     elif capture_attn:
         attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, kv_len, slots, **akw)
         captured = (probs, attn)

@@ -452,9 +452,9 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     new_k, new_v = scatter_kv(kv, k, v, q_index, rows if packing is None else packing.token_slot[None])
     captured = None
     if packing is not None:         # each segment's queries over its own slot's row
-        attn = packing.unrows(cache_attention(packing.rows(q), new_k, new_v, packing.row_index, kv_len,
-                                              packing.seg_slot, mask=packing.row_mask(mask),
-                                              starts=packing.seg_start, reduce_small=reduce_small))
+        attn = packing.attend(lambda slot, start, n, qr, ex: cache_attention(
+            qr, new_k, new_v, ex[0], start[0] + n, slot, mask=ex[1], starts=start, reduce_small=reduce_small),
+            q, (packing.row_index, packing.row_mask(mask)))
     elif capture_attn:
         attn, probs = explicit_attention(q, new_k, new_v, q_index, explicit_kv_len or kv_len, slots, mask=mask,
                                          starts=starts)

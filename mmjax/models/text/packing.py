@@ -5,10 +5,11 @@ tokens (a prefill bucket), padding at the end. Everything per token (embeddings,
 weight matmuls: one [T, hidden] GEMM per weight instead of one per sequence, RoPE from each
 token's own positions, K/V writes to each token's own cache row) runs on that row as it is.
 Attention is the one place where a token must see only its own sequence: there the queries are
-gathered into `rows` [S, T] (segment s's tokens first, then padding), attend over their own
-slot's cache row exactly as a one-sequence prefill does (`starts` = each segment's first cache
-index, masks and image runs per row), and are gathered back (`unrows`). The rows layout pays S x
-T query rows of attention for T tokens; the weight matmuls, which dominate a prefill, pay T.
+gathered into `rows` [S, T] (segment s's tokens first, then padding) and `attend` runs each used
+segment's row over its own slot's cache row exactly as a one-sequence prefill does (`starts` =
+the segment's first cache index, masks and image runs per row), one segment after another
+(`lax.map`; an unused segment is skipped by `lax.cond`, so a call's attention costs what its
+sequences need whatever S is), then gathers the outputs back (`unrows`).
 
 Segments past the call's count are unused: length 0 (their rows are all padding) and a slot
 index past the cache (`num_slots`) so that every write aimed at them is dropped.
@@ -88,6 +89,19 @@ class Packing:
     def unrows(self, y: jax.Array) -> jax.Array:
         """y [S, T, ...] -> [1, T, ...]: each packed token's row entry (padding: garbage)."""
         return y[self.token_seg, self.local][None]
+
+    def attend(self, fn, q: jax.Array, extra=None) -> jax.Array:
+        """Attention per segment: fn(slot [1], start [1], n (int32 scalar), q_row [1, T, heads,
+        hd], extra_row) -> [1, T, heads, hd], one segment's queries over its own cache row (n:
+        its tokens; extra_row: `extra`, a pytree of [S, ...] arrays, at that segment, each [1,
+        ...]); q [1, T, heads, hd] packed. Used segments run one after another, unused ones
+        (n = 0) are skipped; returns the packed [1, T, heads, hd]."""
+        def one(xs):
+            n, slot, start, qr, ex = xs
+            ex = jax.tree.map(lambda x: x[None], ex)
+            return jax.lax.cond(n > 0, lambda: fn(slot[None], start[None], n, qr[None], ex)[0].astype(qr.dtype),
+                                lambda: jnp.zeros_like(qr))
+        return self.unrows(jax.lax.map(one, (self.seg_len, self.seg_slot, self.seg_start, self.rows(q), extra)))
 
     def row_mask(self, mask: MaskSpec | None) -> MaskSpec | None:
         """A packed-row mask (spans [1, T]) as the rows' mask (spans [S, T], -1 at padding)."""
