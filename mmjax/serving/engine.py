@@ -37,8 +37,8 @@ from mmjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("mmjax.engine")
 
-# sequences one prefill call packs at most (pack_prefill): the call's attention pays segments x
-# tokens query rows (models/text/packing.py), its weight matmuls only the tokens
+# requests whose chunks one prefill call packs at most (pack_prefill; models/text/packing.py):
+# each segment costs a gather and a lax.cond per layer even when unused
 MAX_PREFILL_SEQS = 8
 
 
@@ -53,7 +53,8 @@ class Engine:
                  prefill_chunk: int = 256, max_encode_batch: int = 8, max_encode_tokens: int = 4096,
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
-                 vision_offload: bool = False, memory_budget: int | float | None = None, pack_prefill: bool = True):
+                 vision_offload: bool = False, memory_budget: int | float | None = None,
+                 pack_prefill: bool = True):
         self.model = model
         self.tokenizer = model.tokenizer
         self.family = model.family
@@ -66,7 +67,8 @@ class Engine:
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                   max_encode_batch=max_encode_batch, mesh=mesh,
                                   vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
-                                  memory_budget=memory_budget, max_prefill_seqs=MAX_PREFILL_SEQS if pack_prefill else 1)
+                                  memory_budget=memory_budget,
+                                  max_prefill_seqs=MAX_PREFILL_SEQS if pack_prefill else 1)
         max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
