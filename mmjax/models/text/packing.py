@@ -8,8 +8,10 @@ Attention is the one place where a token must see only its own sequence: there t
 gathered into `rows` [S, T] (segment s's tokens first, then padding) and `attend` runs each used
 segment's row over its own slot's cache row exactly as a one-sequence prefill does (`starts` =
 the segment's first cache index, masks and image runs per row), one segment after another
-(`lax.map`; an unused segment is skipped by `lax.cond`, so a call's attention costs what its
-sequences need whatever S is), then gathers the outputs back (`unrows`).
+(`lax.map`; an unused segment is skipped by `lax.cond`, so S costs nothing while unused; a
+used segment's row is T queries long, padding included: attention pays k x T query rows for k
+packed sequences where one call each paid their own chunk buckets), then gathers the outputs
+back (`unrows`).
 
 Segments past the call's count are unused: length 0 (their rows are all padding) and a slot
 index past the cache (`num_slots`) so that every write aimed at them is dropped.
