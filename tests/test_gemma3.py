@@ -150,8 +150,9 @@ def _chunks_of(vlm):
 
 def test_engine_chunks_prefix_and_encoder_caches(gemma3_dirs):
     """prefill_chunk 32 with 16-token image runs placed across chunk edges; batched (prefills
-    packed: both slots' chunks in one call) == one at a time == caches off == transformers; a repeated request resumes from the prefix cache (its
-    whole prompt is within the rings' reach) and reuses encoded images."""
+    packed: both slots' chunks in one call) == one at a time == caches off == transformers; a
+    repeated request resumes from the prefix cache (its whole prompt is within the rings'
+    reach) and reuses encoded images."""
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
     path = gemma3_dirs["window"]
     vlm = vlm_for(path)
