@@ -10,7 +10,9 @@ On one random-weight LLaVA-architecture checkpoint (default ~342M params: CLIP V
   - one at a time through transformers `generate` (the sequential peer), in the same run.
 Reports output tokens/s, TTFT p50/p99 (submit -> first token, preprocessing included), per-request
 latency p50 (submit -> last token; a batch's requests all end with the batch), and the ratios to
-both transformers runs; plus what the decode step pays for: one decode step of 1 row vs every slot,
+both transformers runs; `--pack-ab` also runs the same requests on an engine without packed
+prefill (one prefill call per request, `pack_prefill=False`) in the same run (`--no-pack`: only
+that one); plus what the decode step pays for: one decode step of 1 row vs every slot,
 with 128 cache positions in use vs the whole max_model_len. Compile time (warmup) is reported apart.
 Prints a table, then one JSON line.
 """
@@ -173,6 +175,9 @@ def main(argv=None) -> int:
                     help="skip transformers one request at a time (keep the batched peer)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="the engine waits for every step before queuing the next (A/B of overlapped steps)")
+    ap.add_argument("--no-pack", action="store_true", help="prefill one request per call (pack_prefill=False)")
+    ap.add_argument("--pack-ab", action="store_true",
+                    help="also run every concurrency level without packed prefill (A/B of TTFT in one run)")
     ap.add_argument("--decode-only", action="store_true",
                     help="only time the decode step over rows x cache length in use (A/B of decode changes)")
     args = ap.parse_args(argv)
@@ -187,9 +192,10 @@ def main(argv=None) -> int:
 
     path = args.model or str(build_llava("smoke" if args.smoke else "default"))
     threads = args.threads or os.cpu_count()
-    vlm = mmjax.load(path, max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
+    engine_kw = dict(max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
                      prefill_chunk=64 if args.smoke else 256, max_encode_batch=8, overlap=not args.no_overlap,
                      kv_cache_dtype=args.kv_cache_dtype)
+    vlm = mmjax.load(path, pack_prefill=not args.no_pack, **engine_kw)
     size = vlm.family.cfg.vision.image_size
     t0 = time.perf_counter()
     compiled = vlm.engine.warmup()
@@ -206,14 +212,22 @@ def main(argv=None) -> int:
                           "decode_steps": decode_steps}))
         return 0
 
-    results = {}
-    ae = AsyncEngine(vlm.engine, max_waiting=10_000)
-    try:
-        for c in args.concurrency:
-            reqs = make_requests(args.requests, size, seed=c)
-            results[c] = asyncio.run(run_mmjax(vlm, ae, reqs, c, args.new_tokens))
-    finally:
-        ae.shutdown()
+    def serve(vlm):
+        out = {}
+        ae = AsyncEngine(vlm.engine, max_waiting=10_000)
+        try:
+            for c in args.concurrency:
+                out[c] = asyncio.run(run_mmjax(vlm, ae, make_requests(args.requests, size, seed=c), c,
+                                               args.new_tokens))
+        finally:
+            ae.shutdown()
+        return out
+    label = "mmjax (no pack)" if args.no_pack else "mmjax engine"
+    variants = {label: serve(vlm)}
+    if args.pack_ab and not args.no_pack:     # the same requests, one prefill call per request
+        unpacked = mmjax.load(path, pack_prefill=False, **engine_kw)
+        unpacked.engine.warmup()
+        variants["mmjax (no pack)"] = serve(unpacked)
     top = max(args.concurrency)       # the batched peer gets the same requests as mmjax's top level
     peer = None if args.no_hf else _hf_model(path, threads)
     hfb = None if args.no_hf else run_hf_batched(peer, make_requests(args.requests, size, seed=top), args.new_tokens)
@@ -230,8 +244,8 @@ def main(argv=None) -> int:
                 "latency_p50_s": percentile(r["latency"], 50), "wall_s": r["wall_s"]}
 
     rows = []
-    for c, r in results.items():
-        rows.append({"concurrency": c, "requests": args.requests, **stats(r),
+    for who, c, r in ((w, c, r) for w, res in variants.items() for c, r in res.items()):
+        rows.append({"who": who, "concurrency": c, "requests": args.requests, **stats(r),
                      "vs_hf_sequential": tps(r) / hf_tps if hf_tps else None,
                      "vs_hf_batched": tps(r) / hfb_tps if hfb_tps else None, "step_s": r["step_s"]})
     print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, float32, {threads} threads, "
@@ -245,7 +259,7 @@ def main(argv=None) -> int:
         print(f"{who:<24}{conc:>5}{st['output_tok_s']:>10.1f}{st['ttft_p50_s'] * 1e3:>8.0f}ms"
               f"{st['ttft_p99_s'] * 1e3:>8.0f}ms{st['latency_p50_s']:>9.1f}s{x(seq):>11}{x(bat):>13}")
     for row in rows:
-        line("mmjax engine", row["concurrency"], row, row["vs_hf_sequential"], row["vs_hf_batched"])
+        line(row["who"], row["concurrency"], row, row["vs_hf_sequential"], row["vs_hf_batched"])
     if hfb:
         line(f"transformers (batch {hfb['batch']})", hfb["batch"], stats(hfb), hfb_tps / hf_tps if hf_tps else None,
              1.0)
@@ -253,7 +267,7 @@ def main(argv=None) -> int:
         line("transformers (seq.)", 1, stats(hf), 1.0, hf_tps / hfb_tps if hfb_tps else None)
     for row in rows:
         busy = sum(row["step_s"].values())
-        print(f"mmjax time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
+        print(f"{row['who']} time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
               + " + ".join(f"{k} {v:.2f}s" for k, v in row["step_s"].items())
               + f" + host/idle {row['wall_s'] - busy:.2f}s")
     print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"

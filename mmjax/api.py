@@ -511,7 +511,8 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     memory_budget (bytes, or a fraction of device memory, per device: sizes max_num_seqs so the
     memory plan's peak fits; `engine.runner.memory_plan()`), kv_cache_dtype ("auto": the model's
     dtype, "bfloat16", "int8" or "fp8": float8_e4m3fn; int8 / fp8 keep one bfloat16 scale per
-    token and KV head, mmjax.models.text.kv_quant).
+    token and KV head, mmjax.models.text.kv_quant), pack_prefill (default True: the prefill
+    chunks of several requests in one packed call; False: one call per request).
     """
     enable_compilation_cache()
     if "kv_cache_dtype" in engine_kw:      # a bad name fails here, not at the first request

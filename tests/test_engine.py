@@ -51,7 +51,7 @@ def test_concurrent_random_arrivals_equal_one_at_a_time(path, monkeypatch):
         imgs = base.prepare_images([noise_image(1000 + 10 * i + j, int(rng.integers(20, 90)), int(rng.integers(20, 90)))
                                     for j in range(n_img)])
         reqs.append({"prompt": make_prompt(rng, n_words, n_img), "images": imgs,
-                     "sampling": mmjax.SamplingParams(max_tokens=int(rng.integers(1, 65)), **GREEDY)})
+                     "sampling": mmjax.SamplingParams(max_tokens=int(rng.integers(1, 65)), logprobs=1, **GREEDY)})
     lens = [len(base.tokenizer.encode_prompt(r["prompt"], [im.num_tokens for im in r["images"]])) for r in reqs]
     assert min(lens) <= 12 and max(lens) >= 500  # prompt lengths span ~5..600 tokens
     monkeypatch.setattr(decoder, "SMALL_N_MIN_CALLS", 0)
@@ -63,6 +63,10 @@ def test_concurrent_random_arrivals_equal_one_at_a_time(path, monkeypatch):
     for t, a, r in zip(together, alone, reqs):
         assert t.token_ids == a.token_ids
         assert len(t.token_ids) == r["sampling"].max_tokens
+        assert max(abs(x[i] - y[i]) for x, y, i in zip(t.logprobs, a.logprobs, t.token_ids)) <= 1e-4
+    # prefills were packed (several requests' chunks in one call), some of them after prefix hits
+    assert base.engine.counters["prefill_chunks"] > base.engine.counters["prefill_calls"]
+    assert base.engine.stats()["tokens_cached"] > 0
 
 
 def test_alternating_long_and_short_rounds(path):
@@ -184,25 +188,34 @@ def test_decode_rows_follow_busy_slots(path):
     assert eng.runner.compiled["decode"] == {1, 2, 4}
 
 
-def test_prefill_budget_cuts_only_the_first_prompt(path):
-    """Per step at most prefill_chunk prompt tokens; the first prompt in line is cut to fit (a
-    long prompt spreads over steps), a later one only starts if the rest of it fits, so short
-    prompts are never split into a padded head chunk + tail (each call reads every weight)."""
+def test_prefill_budget_packs_requests_into_one_call(path):
+    """Per step at most prefill_chunk prompt tokens, packed into one call: the chunks of several
+    requests fill the budget (a prompt is cut wherever the budget ends; a long prompt spreads
+    over steps). Without packing (one call per request) a later prompt only starts if the rest of
+    it fits, so short prompts are never split into a padded head chunk + tail (each call reads
+    every weight)."""
     vlm = mmjax.load(path, max_num_seqs=4, max_model_len=512, prefill_chunk=64,
                      enable_prefix_cache=False)
     eng = vlm.engine
     sp = mmjax.SamplingParams(max_tokens=4, **GREEDY)
-    ids = [eng.add_request(list(range(5, 5 + n)), [], sp) for n in (150, 40, 20, 30)]
-    seen = []
-    for _ in range(4):
-        calls = eng.counters["prefill_calls"]
-        eng.step()
-        seen.append(([eng.requests[i].prefilled for i in ids], eng.counters["prefill_calls"] - calls))
-    assert seen == [([64, 0, 0, 0], 1),      # the long prompt takes the whole budget
-                    ([128, 0, 0, 0], 1),
-                    ([150, 40, 0, 0], 2),    # its tail (22) + a whole short one (40); 20 > 2 left
-                    ([150, 40, 20, 30], 2)]  # 20 + 30 <= 64
-    assert all(o.finish_reason == "length" for o in eng.run_until_done(ids))
+
+    def steps(n):
+        ids = [eng.add_request(list(range(5, 5 + n)), [], sp) for n in (150, 40, 20, 30)]
+        seen = []
+        for _ in range(n):
+            calls = eng.counters["prefill_calls"]
+            eng.step()
+            seen.append(([eng.requests[i].prefilled for i in ids], eng.counters["prefill_calls"] - calls))
+        assert all(o.finish_reason == "length" for o in eng.run_until_done(ids))
+        return seen
+    assert steps(4) == [([64, 0, 0, 0], 1),      # the long prompt takes the whole budget
+                        ([128, 0, 0, 0], 1),
+                        ([150, 40, 2, 0], 1),    # its tail (22) + a whole short one (40) + 2 of the next
+                        ([150, 40, 20, 30], 1)]  # 18 + 30 <= 64
+    assert eng.counters["prefill_chunks"] - eng.counters["prefill_calls"] == 3      # 1 + 1 + 3 + 2 chunks
+    assert {s for _, s in eng.runner.compiled["prefill"]} == {4}      # one segment count: no extra shapes
+    eng.scheduler.max_segments = 1              # the plan without packing (Engine(pack_prefill=False))
+    assert [p for p, _ in steps(3)] == [[64, 0, 0, 0], [128, 0, 0, 0], [150, 40, 0, 0]]   # 20 > 2 left
     # images are encoded for the step whose prefill takes them, not all on admission (three
     # ~45-token image prompts: one per step)
     prompt = "USER: <image>\nsay one two three four five ASSISTANT:"
@@ -325,10 +338,10 @@ def test_a_failing_prefill_fails_only_its_request(path):
     real = eng.runner.prefill
     ids = [eng.add_request(p, [], sp) for p in prompts]
 
-    def prefill(slot, *a, **kw):
-        if eng.slots[slot] is not None and eng.slots[slot].id == ids[1]:
+    def prefill(chunks, *a, **kw):
+        if any(eng.slots[c.slot] is not None and eng.slots[c.slot].id == ids[1] for c in chunks):
             raise ValueError("simulated bad input")
-        return real(slot, *a, **kw)
+        return real(chunks, *a, **kw)
     eng.runner.prefill = prefill
     _step_all(eng, ids)
     eng.runner.prefill = real

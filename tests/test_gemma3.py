@@ -141,17 +141,18 @@ def test_features_logits_greedy_and_logprobs(pair):
 def _chunks_of(vlm):
     seen, prefill = [], vlm.engine.runner.prefill
 
-    def spy(slot, start, ids, *a, **kw):
-        seen.append((start, len(ids)))
-        return prefill(slot, start, ids, *a, **kw)
+    def spy(chunks, *a, **kw):
+        seen.extend((c.start, len(c.token_ids)) for c in chunks)
+        return prefill(chunks, *a, **kw)
     vlm.engine.runner.prefill = spy
     return seen
 
 
 def test_engine_chunks_prefix_and_encoder_caches(gemma3_dirs):
-    """prefill_chunk 32 with 16-token image runs placed across chunk edges; batched == one at a
-    time == caches off == transformers; a repeated request resumes from the prefix cache (its
-    whole prompt is within the rings' reach) and reuses encoded images."""
+    """prefill_chunk 32 with 16-token image runs placed across chunk edges; batched (prefills
+    packed: both slots' chunks in one call) == one at a time == caches off == transformers; a
+    repeated request resumes from the prefix cache (its whole prompt is within the rings'
+    reach) and reuses encoded images."""
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
     path = gemma3_dirs["window"]
     vlm = vlm_for(path)
@@ -171,6 +172,7 @@ def test_engine_chunks_prefix_and_encoder_caches(gemma3_dirs):
     sp = mmjax.SamplingParams(max_tokens=10, logprobs=1, **GREEDY)
     seen = _chunks_of(vlm)
     together = vlm.generate(reqs, sp)
+    assert vlm.engine.counters["prefill_chunks"] > vlm.engine.counters["prefill_calls"]   # 2 requests per call
     alone = [vlm.generate([r], sp)[0] for r in reqs]
     stats = vlm.engine.stats()
     cold = [off.generate([r], sp)[0] for r in reqs]

@@ -197,8 +197,8 @@ def test_engine_chunked_prefill_prefix_and_encoder_cache(pair):
     sp = mmjax.SamplingParams(max_tokens=6, logprobs=1, **GREEDY)
     qs = [TWO, TWO.replace("which is bigger?", "what color is it?"), "<|turn>user\nsee" + TWO[len("<|turn>user\n"):]]
     seen, prefill = [], vlm.engine.runner.prefill
-    vlm.engine.runner.prefill = lambda slot, start, ids, *a, **kw: (seen.append((start, len(ids))),
-                                                                    prefill(slot, start, ids, *a, **kw))[1]
+    vlm.engine.runner.prefill = lambda chunks, *a, **kw: (seen.extend((c.start, len(c.token_ids)) for c in chunks),
+                                                          prefill(chunks, *a, **kw))[1]
     try:
         before = vlm.engine.stats()
         outs = [vlm.generate([{"prompt": q, "images": imgs}], sp)[0] for q in qs]

@@ -36,9 +36,9 @@ def chunks_of(vlm):
     """Record (start, n) of every prefill call."""
     seen, prefill = [], vlm.engine.runner.prefill
 
-    def spy(slot, start, ids, *a, **kw):
-        seen.append((start, len(ids)))
-        return prefill(slot, start, ids, *a, **kw)
+    def spy(chunks, *a, **kw):
+        seen.extend((c.start, len(c.token_ids)) for c in chunks)
+        return prefill(chunks, *a, **kw)
     vlm.engine.runner.prefill = spy
     return seen
 

@@ -96,6 +96,17 @@ def test_int8_cache_through_the_engine(llava_dirs):
     info = [(s.labels, s.value) for m in EngineCollector(on.engine.stats).collect()
             if m.name == "mmjax_kv_cache_dtype_info" for s in m.samples]
     assert info == [({"dtype": "int8"}, 1)]
+    # packed prefill over an int8 cache (per-token quantize-on-write, each segment's scales in
+    # its attention): three prompts' chunks in shared calls == each one alone
+    prompts = [f"USER: {w} ASSISTANT:" for w in ("a b c", "hello there my friend", "one two three four five six")]
+    sp1 = mmjax.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    calls, chunks = on.engine.counters["prefill_calls"], on.engine.counters["prefill_chunks"]
+    together = on.generate(prompts, sp1)
+    assert on.engine.counters["prefill_chunks"] - chunks > on.engine.counters["prefill_calls"] - calls   # packed
+    alone = [on.generate([p], sp1)[0] for p in prompts]
+    for t, a in zip(together, alone):
+        assert t.token_ids == a.token_ids
+        assert max(abs(x[i] - y[i]) for x, y, i in zip(t.logprobs, a.logprobs, t.token_ids)) <= 1e-4
     cfg = on.engine.runner.text_model.cfg
     assert st["kv_cache_bytes_max_device"] == 4 * 128 * cfg.num_layers * bytes_per_token(
         cfg.num_kv_heads, cfg.head_dim, jnp.int8)

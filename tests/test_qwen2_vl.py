@@ -120,7 +120,7 @@ def test_mrope_positions_and_logits_match(pair, prompt, n_images):
 
 def test_greedy_generation_matches(pair):
     """32 greedy tokens for a one-image and a two-image prompt (both in one engine batch, so
-    their three images are packed into one encode call)."""
+    their three images are packed into one encode call and both prompts into one prefill call)."""
     _, hf, _, _, vlm = pair
     reqs = [(ONE, [noise_image(40, 260, 190)]), (TWO, [noise_image(41, 150, 330), noise_image(42, 333, 101)])]
     expected, hf_logprobs = [], []
@@ -134,12 +134,15 @@ def test_greedy_generation_matches(pair):
     runner = vlm.engine.runner
     encode, calls = runner._encode, []
     runner._encode = lambda *a: (calls.append(a[1][0].shape[0]), encode(*a))[1]
+    before = dict(vlm.engine.counters)
     try:
         outs = vlm.generate([{"prompt": p, "images": i} for p, i in reqs],
                             mmjax.SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True))
     finally:
         runner._encode = encode
     assert len(calls) == 1  # three images of three sizes from two requests: one packed call
+    done = {k: vlm.engine.counters[k] - before[k] for k in ("prefill_calls", "prefill_chunks")}
+    assert done["prefill_chunks"] > done["prefill_calls"]    # both prompts' chunks in one call (M-RoPE per token)
     for out, exp, lps, (_, imgs) in zip(outs, expected, hf_logprobs, reqs):
         assert len(exp) == 32
         assert out.token_ids == exp

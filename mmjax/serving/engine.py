@@ -2,8 +2,9 @@
 
 Each `step()`: admit waiting requests into free slots (scheduler); plan this step's prefill
 chunks and encode the images of those requests not in the encoder cache, batched across
-requests (not every admitted request's: TTFT); prefill chunks up to `prefill_chunk` tokens in total (a
-long image prompt is spread over several steps and never freezes running streams); one decode
+requests (not every admitted request's: TTFT); prefill chunks up to `prefill_chunk` tokens in
+total, the chunks of several requests packed into one call (`pack_prefill`; a long image prompt
+is spread over several steps and never freezes running streams); one decode
 step over the lowest slots that cover every running one (the decode ladder's rows). Host-only
 work (tokenizing, stop strings, detokenizing) stays on the host (serving/output.py).
 
@@ -20,7 +21,8 @@ bad words: their next bitmask is computed from the previous token on the host) m
 synchronous: while such a request decodes, the previous step is read before the next is queued.
 
 Failures stay with their culprit: an image that fails to encode fails its own request; a prefill
-that fails before it consumed the donated cache fails only its request. Only a failure that lost
+that fails before it consumed the donated cache fails only its request (a packed call that fails
+so is retried one request at a time). Only a failure that lost
 the device state (a donated cache consumed by a failed call) ends the requests it held; prompts
 that had produced nothing yet go back to the queue.
 """
@@ -40,7 +42,7 @@ from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
 from mmjax.serving import prompt_logprobs
 from mmjax.serving.output import append_token
 from mmjax.serving.request import Delta, Request, RequestOutput
-from mmjax.serving.runner import ModelRunner
+from mmjax.serving.runner import ModelRunner, PrefillChunk
 from mmjax.serving.constraints import BadWords, bad_word_ids
 from mmjax.serving.sampling import SamplingParams, SlotSampling, vocab_row
 from mmjax.serving.scheduler import Scheduler
@@ -48,6 +50,10 @@ from mmjax.serving.structured import GrammarCompiler, grammar_constraint
 from mmjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("mmjax.engine")
+
+# requests whose chunks one prefill call packs at most (pack_prefill; models/text/packing.py):
+# each segment costs a gather and a lax.cond per layer even when unused
+MAX_PREFILL_SEQS = 8
 
 
 def _as_error(exc: BaseException, what: str) -> MMJaxError:
@@ -62,8 +68,10 @@ class Engine:
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
                  vision_offload: bool = False, memory_budget: int | float | None = None,
-                 kv_cache_dtype: str = "auto", overlap: bool = True):
-        """overlap: queue each step before reading the previous step's tokens (module docstring)."""
+                 kv_cache_dtype: str = "auto", overlap: bool = True, pack_prefill: bool = True):
+        """overlap: queue each step before reading the previous step's tokens (module docstring).
+        pack_prefill: the prefill chunks of several requests in one packed call (False: one call
+        per request)."""
         self.model = model
         self.overlap = overlap
         # dispatched calls whose sampled tokens the host has not read yet, in dispatch order:
@@ -80,12 +88,13 @@ class Engine:
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                   max_encode_batch=max_encode_batch, mesh=mesh,
                                   vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
-                                  memory_budget=memory_budget, kv_cache_dtype=kv_cache_dtype)
+                                  memory_budget=memory_budget, kv_cache_dtype=kv_cache_dtype,
+                                  max_prefill_seqs=MAX_PREFILL_SEQS if pack_prefill else 1)
         max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
-                                   min_resume=self._min_resume())
+                                   min_resume=self._min_resume(), max_segments=self.runner.buckets.segments[-1])
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -93,6 +102,7 @@ class Engine:
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                          "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
                          "images_encoded": 0, "videos_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
+                         "prefill_chunks": 0,
                          "tokens_pruned": 0}
 
     def _min_resume(self):
@@ -320,9 +330,16 @@ class Engine:
         # only the images this step's prefill chunks need: encoding every admitted request's
         # images up front would put all of them before the first request's first token
         self._encode_missing([r for r, _ in plan], deltas)
-        for req, n in plan:
-            if req.finish_reason is None:
-                self._prefill(req, n, deltas)
+        plan = [(r, n) for r, n in plan if r.finish_reason is None]
+        # FastV (a whole prompt) and prompt_logprobs (the one-sequence scores step, which waits)
+        # take a call of their own; the rest is packed, one call per step (scheduler budget)
+        alone = [x for x in plan if x[0].prune is not None or self._scores_prompt(x[0])]
+        for item in alone:
+            self._prefill([item], deltas)
+        plan = [x for x in plan if not any(x[0] is a[0] for a in alone)]
+        size = self.runner.buckets.segments[-1]
+        for i in range(0, len(plan), size):
+            self._prefill(plan[i:i + size], deltas)
         running = self.scheduler.decoding()
         # host constraints need the previous token for the next bitmask: no overlap then
         sync = not self.overlap or any(r.constraints for r in running)
@@ -462,41 +479,78 @@ class Engine:
             offset += im.num_tokens
         return emb, mask
 
-    def _prefill(self, req: Request, n: int, deltas: list[Delta]) -> None:
+    def _prefill_chunk(self, req: Request, n: int) -> PrefillChunk:
+        """The runner's input for prompt tokens [prefilled, prefilled + n) of `req` (cross-attention
+        families: its images' K/V are written into its slot first, once)."""
         lo, hi = req.prefilled, req.prefilled + n
+        emb, mask = self._image_embeds(req, lo, hi)
+        spans = None if req.runs is None else run_spans(req.prompt_ids[lo:hi], self.family.image_token_id)
+        if req.cross is not None:
+            if not req.cross_filled:   # the request's images' K/V, once, before its first chunk
+                self.runner.fill_cross(req.slot, list(req.feats), [im.grid[0] for im in req.images],
+                                       int(req.cross[-1]))
+                req.cross_filled = True
+            spans = req.cross[lo:hi]
+        bits = None
+        if req.constraints and hi == req.prompt_len:   # the first token's mask
+            bits = self.runner.all_allowed()
+            self._bits(req, bits)
+        nxt = None
+        if self._scores_prompt(req):    # prompt_logprobs: each position's next prompt token (0 past the end)
+            nxt = np.zeros(hi - lo, np.int32)
+            nxt[:len(req.prompt_ids[lo + 1:hi + 1])] = req.prompt_ids[lo + 1:hi + 1]
+        return PrefillChunk(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi], req.rope_delta,
+                            SlotSampling.from_params(req.sampling), req.key, spans, req.vrow, bits, nxt)
+
+    @staticmethod
+    def _scores_prompt(req: Request) -> bool:
+        """Does `req`'s prefill score its prompt (prompt_logprobs; siblings share choice 0's)?"""
+        return req.sampling.prompt_logprobs is not None and req.parent is None
+
+    def _prefill(self, items: list[tuple[Request, int]], deltas: list[Delta]) -> None:
+        """One prefill call over the chunks of `items` (request, tokens), packed (scheduler.
+        prefill_plan keeps them within one call's token and segment budget). If a packed call
+        fails and the device state survived, each chunk is retried alone, so that only a culprit
+        fails."""
+        todo, chunks = [], []
+        for req, n in items:
+            try:
+                chunks.append(self._prefill_chunk(req, n))
+                todo.append((req, n))
+            except Exception as e:
+                self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
+        if not todo:
+            return
         try:
-            emb, mask = self._image_embeds(req, lo, hi)
-            spans = None if req.runs is None else run_spans(req.prompt_ids[lo:hi], self.family.image_token_id)
-            if req.cross is not None:
-                if not req.cross_filled:   # the request's images' K/V, once, before its first chunk
-                    self.runner.fill_cross(req.slot, list(req.feats), [im.grid[0] for im in req.images],
-                                           int(req.cross[-1]))
-                    req.cross_filled = True
-                spans = req.cross[lo:hi]
-            bits = None
-            if req.constraints and hi == req.prompt_len:   # the first token's mask
-                bits = self.runner.all_allowed()
-                self._bits(req, bits)
-            nxt = None
-            if req.sampling.prompt_logprobs is not None and req.parent is None:   # siblings share choice 0's
-                nxt = np.zeros(hi - lo, np.int32)
-                nxt[:len(req.prompt_ids[lo + 1:hi + 1])] = req.prompt_ids[lo + 1:hi + 1]
-            out = self.runner.prefill(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi],
-                                      req.rope_delta, SlotSampling.from_params(req.sampling), req.key, spans,
-                                      prune=req.prune, vrow=req.vrow, bits=bits, next_ids=nxt, wait=False)
-            if nxt is not None:   # a scores prefill has waited: its output is on the host
-                req.prompt_scores = (req.prompt_scores or []) + [out.scores]
+            # queued without waiting (overlapped steps); a prompt_logprobs call has waited
+            out = self.runner.prefill(chunks, prune=todo[0][0].prune if len(todo) == 1 else None, wait=False)
+            for (req, _), chunk in zip(todo, chunks):
+                if chunk.next_ids is not None:   # its output (a StepOutput) is on the host
+                    req.prompt_scores = (req.prompt_scores or []) + [out.scores]
         except Exception as e:
-            self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
+            if len(todo) > 1 and not self.runner.device_state_lost():
+                log.warning("packed prefill of %d requests failed (%s: %s); prefilling one at a time", len(todo),
+                            type(e).__name__, e)
+                for item in todo:
+                    self._prefill([item], deltas)
+                return
+            self._device_failure(todo[0][0] if len(todo) == 1 else None, _as_error(e, "prefilling the request"),
+                                 deltas)
             return
         self.counters["prefill_calls"] += 1
-        self.counters["tokens_prefilled"] += hi - lo
-        self.counters["tokens_pruned"] += req.pruned_tokens
-        req.prefilled = hi
-        if not req.prefilling:
-            req.feats = []  # the KV cache holds them now
+        self.counters["prefill_chunks"] += len(todo)        # > prefill_calls: calls were packed
+        first = []          # requests whose prompt this call finished: (request, its output row)
+        for row, (req, n) in enumerate(todo):
+            self.counters["tokens_prefilled"] += n
+            self.counters["tokens_pruned"] += req.pruned_tokens
+            req.prefilled += n
+            if not req.prefilling:
+                req.feats = []  # the KV cache holds them now
+                first.append((req, row))
+        for req, _ in first:
             self._fork(req)
-            self._dispatched(out, [(req, 0)])   # its first token: read in _collect
+        if first:
+            self._dispatched(out, first)    # their first tokens (row per request): read in _collect
 
     def _decode(self, running: list[Request], deltas: list[Delta]) -> bool:
         """Queue one decode step over `running` (True) or fail what it held (False)."""

@@ -24,6 +24,7 @@ from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs, kv_quant
+from mmjax.models.text.packing import Packing
 from mmjax.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams, SlotHistory, SlotSampling, VocabRow, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -65,6 +66,10 @@ class DecodeState:
     def set_slot(self, slot: jax.Array, row: "DecodeState") -> "DecodeState":
         return jax.tree.map(lambda x, y: x.at[slot].set(y), self, row)
 
+    def set_slots(self, slots: jax.Array, rows: "DecodeState") -> "DecodeState":
+        """Rows [n] into slots [n]; a slot index past the end (an unused segment) is dropped."""
+        return jax.tree.map(lambda x, y: x.at[slots].set(y, mode="drop"), self, rows)
+
 
 jax.tree_util.register_dataclass(DecodeState, data_fields=[f.name for f in fields(DecodeState)], meta_fields=[])
 
@@ -88,14 +93,16 @@ class PendingOutput:
     queues the next step before it reads these). `result()` waits for them and copies them to
     the host once; the wait is what the host spent on this step kind (`step_seconds`)."""
 
-    def __init__(self, runner: "ModelRunner", kind: str, arrays):
-        self._runner, self._kind, self._arrays = runner, kind, arrays
+    def __init__(self, runner: "ModelRunner", kind: str, arrays, rows: int | None = None):
+        self._runner, self._kind, self._arrays, self._rows = runner, kind, arrays, rows
         self._out: StepOutput | None = None
 
     def result(self) -> StepOutput:
+        """rows (a packed prefill): the first `rows` output rows (one per chunk; the unused
+        segments' rows are dropped)."""
         if self._out is None:
             t0 = time.perf_counter()
-            self._out = StepOutput(*(np.asarray(x) for x in self._arrays))
+            self._out = StepOutput(*(np.asarray(x)[:self._rows] for x in self._arrays))
             self._runner.step_seconds[self._kind] += time.perf_counter() - t0
             self._arrays = None
         return self._out
@@ -143,42 +150,102 @@ def prompt_scores(logits: jax.Array, next_ids: jax.Array) -> tuple[jax.Array, ..
     return chosen, rank, top_ids.astype(jnp.int32), top_lp
 
 
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk for a (packed) prefill call, host arrays: n = len(token_ids) tokens
+    at cache index `start` of cache row `slot`; image_embeds [n, feature width] or None (no
+    image token), image_mask [n] bool, positions [position rows, n]; spans [n] int32: image-run
+    ids (-1 elsewhere; None: none); sampling: SlotSampling of scalars; key [2] uint32; vrow:
+    the request's VocabRow (None: no penalties/bias/limits); bits [bit_words] uint32: the first
+    token's allowed-token bitmask (None: all); next_ids [n] int32 (prompt_logprobs): each
+    position's next prompt token (such a chunk is prefilled alone, by the `prefill_scores` step)."""
+    slot: int
+    start: int
+    token_ids: np.ndarray
+    image_embeds: np.ndarray | None
+    image_mask: np.ndarray
+    positions: np.ndarray
+    rope_delta: int
+    sampling: SlotSampling
+    key: np.ndarray
+    spans: np.ndarray | None = None
+    vrow: VocabRow | None = None
+    bits: np.ndarray | None = None
+    next_ids: np.ndarray | None = None
+
+
+@dataclass
+class Segments:
+    """The per-segment inputs of a packed prefill call, S rows each (a pytree): cache row `slot`
+    (unused segments: the slot count, so their writes are dropped), first cache index `start`,
+    `offset` in the packed row, `n_valid` tokens, `rope_delta`, sampling (SlotSampling [S]),
+    keys [S, 2] uint32, vrow (VocabRow [S, vocab]), bits [S, bit_words] uint32."""
+    slot: jax.Array
+    start: jax.Array
+    offset: jax.Array
+    n_valid: jax.Array
+    rope_delta: jax.Array
+    sampling: SlotSampling
+    keys: jax.Array
+    vrow: VocabRow
+    bits: jax.Array
+
+
+jax.tree_util.register_dataclass(Segments, data_fields=[f.name for f in fields(Segments)], meta_fields=[])
+
+
 def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None, scores: bool = False):
-    """(params, cache, state, token_ids [c], image_embeds [c, width] (width: the text model's
-    `image_feature_width`, hidden or more with per-layer image features), image_mask [c], positions
-    [rows, c], slot, start, n_valid, rope_delta (int32 scalars), sampling (SlotSampling of
-    scalars), key [2] uint32, spans [c] int32, vrow (VocabRow of [vocab] rows), bits [words]
-    uint32 (the first token's allowed-token bitmask)) -> (cache, state, sample outputs).
+    """(params, cache, state, token_ids [T], image_embeds [T, width] (width: the text model's
+    `image_feature_width`, hidden or more with per-layer image features), image_mask [T],
+    positions [rows, T], spans [T] int32, token_seg [T] int32, seg: Segments of S rows) ->
+    (cache, state, sample outputs [S]).
 
-    One chunk of one sequence into cache row `slot`. The first token is sampled from the logits
-    of the chunk's last valid token and the slot's decode-state row is set up (the host only uses
-    it after the final chunk). spans: image-token run ids (-1 elsewhere), used by families with
-    bidirectional image attention. `tm`: the text model as placed (default: the family's).
+    The chunks of S sequences packed back to back in one row of T tokens (S = 1: one chunk, the
+    plain one-sequence prefill), each into its own cache row (models/text/packing.py: one GEMM
+    per weight over all T tokens; attention per sequence). Each sequence's first token is
+    sampled from the logits of its chunk's last valid token and its slot's decode-state row is
+    set up (the host only uses it after the final chunk). spans: image-token run ids of each
+    chunk (-1 elsewhere), used by families with bidirectional image attention; token_seg: each
+    token's segment (padding: the last used one). `tm`: the text model as placed (default: the
+    family's).
 
-    scores=True (prompt_logprobs): one more argument, next_ids [c] int32 (each position's next
-    prompt token), and one more output, `prompt_scores` of the logits of every chunk position
-    (the forward computed their hidden states anyway: the LM head runs over c rows, not 1)."""
+    scores=True (prompt_logprobs; S = 1 only): one more argument, next_ids [T] int32 (each
+    position's next prompt token), and one more output, `prompt_scores` of the logits of every
+    chunk position (the forward computed their hidden states anyway: the LM head runs over T
+    rows, not 1)."""
     tm = tm or family.text_model
 
-    def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, start, n_valid,
-                rope_delta, sampling, key, spans, vrow, bits, next_ids=None):
+    def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, spans, token_seg, seg,
+                next_ids=None):
         text = params["text"]
+        t, s = token_ids.shape[0], seg.slot.shape[0]
         embeds, extra = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
-        out = tm.forward(text, embeds, positions[:, None, :], cache, start[None],
-                         start + token_ids.shape[0], slots=slot[None], mask=image_mask_spec(family, spans[None]),
-                         ids=token_ids[None], reduce_small=tune.reduce_small_attention, **extra)
-        if scores:
-            every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [c, vocab]
-            logits = jax.lax.dynamic_index_in_dim(every, n_valid - 1, keepdims=True)
+        mask = image_mask_spec(family, spans[None])
+        if s == 1:      # one sequence: the row is its chunk (no gathers around attention)
+            out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, seg.start[0] + t,
+                             slots=seg.slot, mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
+                             **extra)
         else:
-            logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1,
-                                                                            keepdims=True)), logits_sharding)
-        key, res, hist = _first_token(logits, key, sampling, vrow, bits)
-        row = DecodeState(res[0][0], start + n_valid, rope_delta, key, sampling, jnp.int32(tm.num_layers),
-                          jnp.int32(0), hist)
+            if scores:
+                raise ValueError("prompt scores come from a one-sequence prefill")
+            packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg)
+            out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, packing.kv_len, slots=seg.slot,
+                             mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
+                             packing=packing, **extra)
+        last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
         if scores:
-            return out.cache, state.set_slot(slot, row), res, prompt_scores(every, next_ids)
-        return out.cache, state.set_slot(slot, row), res
+            every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [T, vocab]
+            logits = every[last]
+        else:
+            logits = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)         # [S, vocab]
+        split = jax.vmap(jax.random.split)(seg.keys)
+        hist = SlotHistory(seg.vrow, jnp.zeros((s, logits.shape[-1]), jnp.int32), jnp.zeros((s,), jnp.int32))
+        res = sample(logits, split[:, 1], seg.sampling, hist, seg.bits)
+        rows = DecodeState(res[0], seg.start + seg.n_valid, seg.rope_delta, split[:, 0], seg.sampling,
+                           jnp.full((s,), tm.num_layers, jnp.int32), jnp.zeros((s,), jnp.int32), hist.after(res[0]))
+        if scores:
+            return out.cache, state.set_slots(seg.slot, rows), res, prompt_scores(every, next_ids)
+        return out.cache, state.set_slots(seg.slot, rows), res
     return prefill
 
 
@@ -303,7 +370,10 @@ class ModelRunner:
     def __init__(self, family: Family, params: dict, *, max_num_seqs: int, max_model_len: int,
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
                  vision_tensor_parallel: bool = False, vision_offload: bool = False,
-                 memory_budget: int | float | None = None, kv_cache_dtype: str | None = None):
+                 memory_budget: int | float | None = None, kv_cache_dtype: str | None = None,
+                 max_prefill_seqs: int = 8):
+        """max_prefill_seqs: the most sequences one prefill call packs (1: one per call; text
+        models without `supports_packing` always take one)."""
         self.family = family
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
@@ -331,6 +401,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_encode_batch = max_encode_batch
         self.prefill_chunk = prefill_chunk
+        self.max_prefill_seqs = max_prefill_seqs if getattr(self.text_model, "supports_packing", False) else 1
+        self._idle_sampling = SlotSampling.from_params(SamplingParams(temperature=0.0))   # unused segments
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set(),
                                          "copy_slot": set(), "prefill_scores": set()}
         if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
@@ -343,7 +415,7 @@ class ModelRunner:
         if memory_budget is not None:   # sized before anything big is allocated
             max_num_seqs = self._fit_slots(memory_budget, max_num_seqs)
         self.num_slots = max_num_seqs
-        self.buckets = Buckets.make(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs)
+        self.buckets = self._buckets(max_num_seqs)
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
         # measured now, while no step holds the (donated) cache: stats() may run on any thread
@@ -363,8 +435,11 @@ class ModelRunner:
     def _cache_shardings(self, num_slots: int):
         return self.placement.cache_shardings(jax.eval_shape(
             lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype,
-                                               max_chunk=Buckets.make(prefill_chunk=self.prefill_chunk,
-                                                                      max_num_seqs=num_slots).prefill[-1])))
+                                               max_chunk=self._buckets(num_slots).prefill[-1])))
+
+    def _buckets(self, num_slots: int) -> Buckets:
+        return Buckets.make(prefill_chunk=self.prefill_chunk, max_num_seqs=num_slots,
+                            max_segments=self.max_prefill_seqs)
 
     def _jit_steps(self) -> None:
         """The jitted steps (their shapes come from the arguments: one set serves any slot count)."""
@@ -506,68 +581,106 @@ class ModelRunner:
         feats = self.encode(self.family.encode_plan(images, self.max_encode_batch))
         return [f if im.post is None else im.post(f) for im, f in zip(images, feats)]
 
-    def prefill(self, slot: int, start: int, token_ids: np.ndarray, image_embeds: np.ndarray | None,
-                image_mask: np.ndarray, positions: np.ndarray, rope_delta: int, sampling: SlotSampling,
-                key: np.ndarray, spans: np.ndarray | None = None, prune: tuple[int, int] | None = None,
-                vrow: VocabRow | None = None, bits: np.ndarray | None = None,
-                next_ids: np.ndarray | None = None, wait: bool = True) -> StepOutput | PendingOutput:
-        """Prefill `len(token_ids)` (<= prefill_chunk) tokens of one sequence at cache index
-        `start`; positions [rows, n]; spans [n]: image-token run ids (-1 elsewhere; None: none).
-        prune (layer, keep): FastV pruning of the image tokens after `layer` (the whole prompt,
-        start 0; later layers compute the remaining tokens' bucket). vrow: the request's VocabRow
-        (None: no penalties/bias/limits); bits [bit_words] uint32: the first token's allowed-token
-        bitmask (None: all). next_ids [n] (prompt_logprobs): each position's next prompt token;
-        the output's `scores` then holds `prompt_scores` of the chunk's positions (no pruning; such
-        a step always waits). wait=False: return a PendingOutput without waiting for the step."""
-        args = (slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling, key, spans, prune,
-                vrow, bits, next_ids)
+    def prefill(self, chunks: list[PrefillChunk], prune: tuple[int, int] | None = None,
+                wait: bool = True) -> StepOutput | PendingOutput:
+        """Prefill the chunks of up to `buckets.segments[-1]` sequences (distinct slots, <=
+        prefill_chunk tokens together) in one call, packed into one row (one chunk: a plain
+        one-sequence prefill). prune (layer, keep): FastV pruning of the image tokens after
+        `layer` (one chunk, the whole prompt from cache index 0; later layers compute the
+        remaining tokens' bucket). A chunk with next_ids (prompt_logprobs) goes alone: its
+        output's `scores` then holds `prompt_scores` of the chunk's positions (no pruning; such a
+        step always waits). Outputs have one row per chunk, in order. wait=False: return a
+        PendingOutput without waiting for the step."""
         if self._announce is not None:
-            return self._announce("prefill", args, lambda: self._prefill_chunk(*args, wait=wait))
-        return self._prefill_chunk(*args, wait=wait)
+            return self._announce("prefill", (chunks, prune), lambda: self._prefill_call(chunks, prune, wait))
+        return self._prefill_call(chunks, prune, wait)
 
-    def _output(self, kind: str, out, wait: bool) -> StepOutput | PendingOutput:
-        pending = PendingOutput(self, kind, out)
+    def _output(self, kind: str, out, wait: bool, rows: int | None = None) -> StepOutput | PendingOutput:
+        pending = PendingOutput(self, kind, out, rows)
         return pending.result() if wait else pending
 
-    def _prefill_chunk(self, slot, start, token_ids, image_embeds, image_mask, positions, rope_delta, sampling,
-                       key, spans=None, prune=None, vrow=None, bits=None, next_ids=None, wait: bool = True
-                       ) -> StepOutput | PendingOutput:
-        n = len(token_ids)
-        vrow = self.default_row() if vrow is None else vrow
-        bits = self.all_allowed() if bits is None else np.asarray(bits, np.uint32)
+    def _prefill_call(self, chunks: list[PrefillChunk], prune=None, wait: bool = True) -> StepOutput | PendingOutput:
+        if prune is not None:
+            if len(chunks) != 1 or chunks[0].start != 0:
+                raise ValueError("a pruned prefill takes one whole prompt from cache index 0")
+            if chunks[0].next_ids is not None:
+                raise ValueError("prompt scores of a pruned prefill are not defined")
+            return self._prefill_pruned_call(chunks[0], prune, wait)
+        k = len(chunks)
+        scoring = any(c.next_ids is not None for c in chunks)
+        if scoring and k != 1:
+            raise ValueError("a prompt_logprobs chunk is prefilled alone")
+        # the scores step is the one-sequence graph (S = 1) whatever the segment rung
+        s = 1 if scoring else bucket_for(k, self.buckets.segments)
+        c_len, args = self._pack(chunks, s)
+        if scoring:
+            c = chunks[0]
+            nxt = np.pad(np.asarray(c.next_ids, np.int32), (0, c_len - len(c.next_ids)))
+            self.cache, self.state, out, sc = self._track("prefill_scores", c_len, self._prefill_scores, self.params,
+                                                          self.cache, self.state, *args, nxt)
+            n = len(c.token_ids)
+            return StepOutput(*(np.asarray(x) for x in out), scores=tuple(np.asarray(x)[:n] for x in sc))
+        self.cache, self.state, out = self._track("prefill", (c_len, s), self._prefill, self.params, self.cache,
+                                                  self.state, *args, wait=wait)
+        return self._output("prefill", out, wait, rows=k)
+
+    def _pack(self, chunks: list[PrefillChunk], s: int) -> tuple[int, tuple]:
+        """The chunks packed into one row for S = s segments -> (row length T, the step's array
+        arguments after params, cache, state)."""
+        n = [len(c.token_ids) for c in chunks]
+        k = len(chunks)
+        c_len = bucket_for(sum(n), self.buckets.prefill)
+        rows = self.text_model.position_rows
+        ids, mask = np.zeros(c_len, np.int32), np.zeros(c_len, bool)
+        emb = np.zeros((c_len, self.feature_width), self.dtype)
+        pos, spans = np.zeros((rows, c_len), np.int32), np.full(c_len, -1, np.int32)
+        token_seg = np.full(c_len, k - 1, np.int32)        # padding: the last chunk's (past its end)
+        slot = np.full(s, self.num_slots, np.int32)          # unused segments: past the cache, dropped
+        start, offset, n_valid, rope = (np.zeros(s, np.int32) for _ in range(4))
+        keys = np.zeros((s, 2), np.uint32)
+        pad = s - k
+        o = 0
+        for i, (c, m) in enumerate(zip(chunks, n)):
+            ids[o:o + m], mask[o:o + m], pos[:, o:o + m] = c.token_ids, c.image_mask, c.positions
+            if c.image_embeds is not None:
+                emb[o:o + m] = c.image_embeds
+            if c.spans is not None:
+                spans[o:o + m] = c.spans
+            token_seg[o:o + m] = i
+            slot[i], start[i], offset[i], n_valid[i], rope[i], keys[i] = c.slot, c.start, o, m, c.rope_delta, c.key
+            o += m
+        pos[:, o:] = pos[:, o - 1:o]        # padding repeats the last position (Gemma 3 reads it as padding)
+        stack = lambda *x: np.stack(x)      # noqa: E731
+        seg = Segments(slot, start, offset, n_valid, rope,
+                       jax.tree.map(stack, *[c.sampling for c in chunks], *[self._idle_sampling] * pad), keys,
+                       jax.tree.map(stack, *[c.vrow or self.default_row() for c in chunks],
+                                    *[self.default_row()] * pad),
+                       np.stack([self.all_allowed() if c.bits is None else np.asarray(c.bits, np.uint32)
+                                 for c in chunks] + [self.all_allowed()] * pad))
+        return c_len, (ids, emb, mask, pos, spans, token_seg, seg)
+
+    def _prefill_pruned_call(self, chunk: PrefillChunk, prune: tuple[int, int],
+                             wait: bool = True) -> StepOutput | PendingOutput:
+        n = len(chunk.token_ids)
+        vrow = self.default_row() if chunk.vrow is None else chunk.vrow
+        bits = self.all_allowed() if chunk.bits is None else np.asarray(chunk.bits, np.uint32)
         c = bucket_for(n, self.buckets.prefill)
         pad = c - n
-        ids = np.pad(np.asarray(token_ids, np.int32), (0, pad))
-        mask = np.pad(np.asarray(image_mask, bool), (0, pad))
-        emb = np.zeros((c, self.feature_width), self.dtype) if image_embeds is None else \
-            np.pad(np.asarray(image_embeds, self.dtype), ((0, pad), (0, 0)))
-        pos = np.pad(np.asarray(positions, np.int32), ((0, 0), (0, pad)), mode="edge")
-        spans = np.full(c, -1, np.int32) if spans is None else np.pad(np.asarray(spans, np.int32), (0, pad),
-                                                                      constant_values=-1)
-        if prune is not None:
-            if start != 0:
-                raise ValueError("a pruned prefill takes the whole prompt from cache index 0")
-            layer, keep = prune
-            out_len = bucket_for(n - (int(mask.sum()) - keep), self.buckets.prefill)
-            self.cache, self.state, out = self._track(
-                "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
-                self.state, ids, emb, mask, pos, np.int32(slot), np.int32(n), np.int32(rope_delta), sampling,
-                np.asarray(key, np.uint32), spans, vrow, bits, layer=layer, keep=keep, out_len=out_len, wait=wait)
-            return self._output("prefill_pruned", out, wait)
-        if next_ids is not None:
-            if prune is not None:
-                raise ValueError("prompt scores of a pruned prefill are not defined")
-            nxt = np.pad(np.asarray(next_ids, np.int32), (0, pad))
-            self.cache, self.state, out, sc = self._track(
-                "prefill_scores", c, self._prefill_scores, self.params, self.cache, self.state, ids, emb, mask, pos,
-                np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
-                np.asarray(key, np.uint32), spans, vrow, bits, nxt)
-            return StepOutput(*(np.asarray(x) for x in out), scores=tuple(np.asarray(x)[:n] for x in sc))
+        ids = np.pad(np.asarray(chunk.token_ids, np.int32), (0, pad))
+        mask = np.pad(np.asarray(chunk.image_mask, bool), (0, pad))
+        emb = np.zeros((c, self.feature_width), self.dtype) if chunk.image_embeds is None else \
+            np.pad(np.asarray(chunk.image_embeds, self.dtype), ((0, pad), (0, 0)))
+        pos = np.pad(np.asarray(chunk.positions, np.int32), ((0, 0), (0, pad)), mode="edge")
+        spans = np.full(c, -1, np.int32) if chunk.spans is None else \
+            np.pad(np.asarray(chunk.spans, np.int32), (0, pad), constant_values=-1)
+        layer, keep = prune
+        out_len = bucket_for(n - (int(mask.sum()) - keep), self.buckets.prefill)
         self.cache, self.state, out = self._track(
-            "prefill", c, self._prefill, self.params, self.cache, self.state, ids, emb, mask, pos,
-            np.int32(slot), np.int32(start), np.int32(n), np.int32(rope_delta), sampling,
-            np.asarray(key, np.uint32), spans, vrow, bits, wait=wait)
-        return self._output("prefill", out, wait)
+            "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
+            self.state, ids, emb, mask, pos, np.int32(chunk.slot), np.int32(n), np.int32(chunk.rope_delta),
+            chunk.sampling, np.asarray(chunk.key, np.uint32), spans, vrow, bits, layer=layer, keep=keep,
+            out_len=out_len, wait=wait)
+        return self._output("prefill_pruned", out, wait)
 
     def fill_cross(self, slot: int, feats: list[np.ndarray], n_tiles: list[int], dec: int) -> None:
         """Cross-attention families: write one request's images (feats: per image [vision tokens,
@@ -626,8 +739,10 @@ class ModelRunner:
             self.fill_cross(0, [], [], 0)
         rows = self.text_model.position_rows
         for c in self.buckets.prefill:
-            self.prefill(0, 0, np.zeros(c, np.int32), None, np.zeros(c, bool), np.zeros((rows, c), np.int32), 0,
-                         SlotSampling.from_params(SamplingParams(temperature=0.0)), np.zeros(2, np.uint32))
+            for s in self.buckets.segments:       # s chunks of c // s tokens (slots 0..s-1)
+                self.prefill([PrefillChunk(i, 0, np.zeros(c // s, np.int32), None, np.zeros(c // s, bool),
+                                           np.zeros((rows, c // s), np.int32), 0, self._idle_sampling,
+                                           np.zeros(2, np.uint32)) for i in range(s)])
         for r in self.buckets.decode:
             self.decode(1, r)
         self.copy_slot(0, 0)
@@ -662,15 +777,21 @@ class ModelRunner:
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
         vrow = jax.tree.map(spec, self.default_row())
         bits = jax.ShapeDtypeStruct((self.bit_words,), jnp.uint32)
+        shape = jax.ShapeDtypeStruct
         for c in buckets.prefill:
-            args = (params, cache, state, jax.ShapeDtypeStruct((c,), jnp.int32),
-                    jax.ShapeDtypeStruct((c, self.feature_width), self.dtype), jax.ShapeDtypeStruct((c,), jnp.bool_),
-                    jax.ShapeDtypeStruct((rows, c), jnp.int32), i32, i32, i32, i32, samp,
-                    jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((c,), jnp.int32), vrow, bits)
-            out.append((f"prefill[{c}]", self._prefill, args, {}))
-            if c == buckets.prefill[0]:     # prompt_logprobs: the same prefill with every position's logits
-                out.append((f"prefill_scores[{c}]", self._prefill_scores,
-                            args + (jax.ShapeDtypeStruct((c,), jnp.int32),), {}))
+            tokens = (shape((c,), jnp.int32), shape((c, self.feature_width), self.dtype), shape((c,), jnp.bool_),
+                      shape((rows, c), jnp.int32))
+
+            def seg_args(s):
+                per = shape((s,), jnp.int32)
+                seg = Segments(per, per, per, per, per, jax.tree.map(lambda x: shape((s,), x.dtype), samp),
+                               shape((s, 2), jnp.uint32), jax.tree.map(lambda x: shape((s,) + x.shape, x.dtype), vrow),
+                               shape((s, self.bit_words), jnp.uint32))
+                return (params, cache, state, *tokens, shape((c,), jnp.int32), shape((c,), jnp.int32), seg)
+            for s in buckets.segments:
+                out.append((f"prefill[{c}]" if s == 1 else f"prefill[{c},{s}]", self._prefill, seg_args(s), {}))
+            if c == buckets.prefill[0]:     # prompt_logprobs: the one-sequence prefill with every position's logits
+                out.append((f"prefill_scores[{c}]", self._prefill_scores, seg_args(1) + (shape((c,), jnp.int32),), {}))
             if c == buckets.prefill[0] and self.family.cross_attention:
                 tm = self.text_model
                 out.append(("fill_cross", self._fill_cross,
@@ -678,7 +799,8 @@ class ModelRunner:
                              jax.ShapeDtypeStruct((tm.max_images,), jnp.int32), i32), {}))
             if c == buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
                 # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
-                pruned = args[:8] + (i32, i32) + args[11:]
+                pruned = (params, cache, state, *tokens, i32, i32, i32, samp, shape((2,), jnp.uint32),
+                          shape((c,), jnp.int32), vrow, bits)
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
                             {"layer": 0, "keep": 1, "out_len": buckets.prefill[0]}))
         out.append(("copy_slot", self._copy, (cache, i32, i32), {}))
@@ -694,7 +816,7 @@ class ModelRunner:
         the shardings they would be placed with."""
         if num_slots is None:
             return self.cache, self.state, self.buckets
-        buckets = Buckets.make(prefill_chunk=self.prefill_chunk, max_num_seqs=num_slots)
+        buckets = self._buckets(num_slots)
         shape = jax.eval_shape(lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype,
                                                                   max_chunk=buckets.prefill[-1]))
         shardings = self._cache_shardings(num_slots)
@@ -798,5 +920,6 @@ class ModelRunner:
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
-                "prefill": len(self.buckets.prefill), "decode": len(self.buckets.decode), "copy_slot": 1,
+                "prefill": len(self.buckets.prefill) * len(self.buckets.segments),
+                "decode": len(self.buckets.decode), "copy_slot": 1,
                 **({"fill_cross": 1} if self.family.cross_attention else {})}

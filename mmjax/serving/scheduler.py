@@ -17,15 +17,18 @@ MIN_PREFIX_HIT = 16
 
 class Scheduler:
     def __init__(self, num_slots: int, decode_ladder: tuple[int, ...], prefill_chunk: int,
-                 prefix_cache: PrefixCache, min_resume: Callable[[int], int] | None = None):
+                 prefix_cache: PrefixCache, min_resume: Callable[[int], int] | None = None,
+                 max_segments: int = 1):
         """min_resume(held) (the text model's, optional): the shortest prefix a cache row holding
-        `held` positions can resume from (ring-buffer sliding-window layers drop old positions)."""
+        `held` positions can resume from (ring-buffer sliding-window layers drop old positions).
+        max_segments: the most requests one (packed) prefill call takes; 1: one call each."""
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * num_slots
         self.decode_ladder = decode_ladder
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix_cache
         self.min_resume = min_resume or (lambda held: 0)
+        self.max_segments = max_segments
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -85,20 +88,26 @@ class Scheduler:
         return n if n >= self.min_resume(len(self.prefix.keys[slot])) else 0
 
     def prefill_plan(self) -> list[tuple[Request, int]]:
-        """(request, tokens to prefill this step) within the `prefill_chunk` budget. After the
-        first, a prompt is only started if the rest of it fits: each prefill call reads every
-        weight, so a small head chunk (the budget's remainder) costs nearly a full call and
-        splits the prompt into two padded buckets. A chunk never ends inside a bidirectional
-        image run (its tokens must see each other within one call)."""
-        plan, budget = [], self.prefill_chunk
-        for i, req in enumerate(r for r in self.slots if r is not None and r.prefilling):
+        """(request, tokens to prefill this step) within the `prefill_chunk` budget.
+
+        Packed (max_segments > 1): the chunks of up to max_segments requests fill the budget,
+        all in one call (each takes what is left: a packed call pays per token, so a head
+        chunk costs only its tokens). One call per request (max_segments = 1): after the
+        first, a prompt is only started if the rest of it fits: each call reads every weight,
+        so a small head chunk (the budget's remainder) costs nearly a full call and splits the
+        prompt into two padded buckets. A chunk never ends inside a bidirectional image run
+        (its tokens must see each other within one call); a FastV-pruned prompt goes whole."""
+        plan, budget, packed = [], self.prefill_chunk, self.max_segments > 1
+        for req in (r for r in self.slots if r is not None and r.prefilling):
             rest = req.prompt_len - req.prefilled
-            if budget <= 0 or (i and rest > budget):
+            if budget <= 0 or (packed and len(plan) == self.max_segments) or (not packed and plan and rest > budget):
                 break
             n = _outside_runs(req, min(rest, budget))
             if req.prune is not None and n < rest:      # a pruned prompt goes in one call
                 n = 0
             if n == 0:
+                if packed:          # a later request's chunk may still fit
+                    continue
                 break
             plan.append((req, n))
             budget -= n

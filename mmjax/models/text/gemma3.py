@@ -52,6 +52,7 @@ from mmjax.models.text.kv_quant import dequantize, layer_scales, operand
 from mmjax.models.text.llama import (_grouped_dense, _split_grouped_qkv, allocate_cache, cache_attention,
                                      cache_kv_heads, check_tensor_parallel, init_kv_cache, kv_layer, quantize_kv,
                                      scatter_kv, scatter_segment, split_grouped_gate_up, tp_layout)
+from mmjax.models.text.packing import Packing
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -320,13 +321,18 @@ def _gate_up(layer: dict, cfg: Gemma3TextConfig, hn: jax.Array) -> tuple[jax.Arr
 
 def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, kv: dict, rope: tuple,
                   q_index: jax.Array, valid: jax.Array, kv_len, *, slots, mask: MaskSpec | None, starts,
-                  reduce_small: bool, capture_attn: bool = False) -> tuple[jax.Array, dict, tuple | None]:
+                  reduce_small: bool, capture_attn: bool = False,
+                  packing: Packing | None = None) -> tuple[jax.Array, dict, tuple | None]:
     """One decoder layer: x [b, t, hidden] -> (x, this layer's updated cache, (probs [b, h, t,
-    kv_len], per-head outputs [b, t, h, hd]) when capture_attn (kv_len static) else None)."""
+    kv_len], per-head outputs [b, t, h, hd]) when capture_attn (kv_len static) else None).
+    packing: a packed prefill (models/text/packing.py): K/V are written per token, attention
+    runs per segment (q, q_index, slots, starts, spans as the rows layout)."""
     b, t, _ = x.shape
     h, hd = cfg.num_heads, cfg.head_dim
     cos, sin = rope
     rows = jnp.arange(b) if slots is None else slots
+    if packing is not None:
+        rows = packing.token_slot[None]
     hn = gemma_rms_norm(layer["ln_in"], x, cfg.rms_norm_eps)
     q, k, v = _qkv(layer, cfg, hn)
     # per-head norms over head_dim: local to the shard holding the head under tensor parallelism
@@ -334,6 +340,7 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     k = gemma_rms_norm(layer["k_norm"], k, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     spans = mask.spans if mask is not None else None
+    row_spans = None if packing is None or spans is None else packing.row_mask(mask).spans
     if kind == SLIDING:
         ring = kv["v"][0].shape[2]
         # padding, and rows past kv_len (decode rows of free slots, parked there by the engine),
@@ -343,11 +350,19 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
         new_kv = {name: [a] for name, a in scatter_segment(kv, 0, rows, idx, quantize_kv(kv, k, v)).items()}
         take = (lambda a: a[:b]) if slots is None else (lambda a: a[slots])
         kts, vs = take(new_kv["k"][0]), take(new_kv["v"][0])
-        scales = layer_scales(new_kv)
-        scales = None if scales is None else (take(scales[0][0]), take(scales[1][0]))
+        ring_scales = layer_scales(new_kv)
+        scales = None if ring_scales is None else (take(ring_scales[0][0]), take(ring_scales[1][0]))
         write_end = starts + valid.sum(axis=1).astype(starts.dtype)
         key_index = ring_key_index(write_end, ring)
-        if capture_attn:
+
+        def ring_rows(slot, start, n, qr, ex):    # one segment of a packed row over its slot's ring
+            vis = ring_visible(ring_key_index(start + n, ring), ex[0], cfg.sliding_window, ex[1], start)
+            sc = None if ring_scales is None else (ring_scales[0][0][slot], ring_scales[1][0][slot])
+            return ring_attention(qr, new_kv["k"][0][slot], new_kv["v"][0][slot], vis, cfg.scale,
+                                  cfg.attn_logit_softcapping, sc)
+        if packing is not None:
+            attn = packing.attend(ring_rows, q, (packing.row_index, row_spans))
+        elif capture_attn:
             if scales is not None:    # research capture: dequantized (materialised) like the rest of it
                 kts, vs = dequantize(kts, scales[0], 2, q.dtype), dequantize(vs, scales[1], 3, q.dtype)
             attn, probs = captured_attention(q, kts, vs, key_index, q_index, cfg.sliding_window, spans, starts,
@@ -358,8 +373,18 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     else:
         new_kv = scatter_kv(kv, k, v, q_index, rows)
         new_k, new_v, scales = new_kv["k"], new_kv["v"], layer_scales(new_kv)
-        full_mask = MaskSpec(spans=spans)
-        if capture_attn:
+
+        def full(q, q_index, kv_len, slots, spans, starts):
+            if cfg.attn_logit_softcapping is None:
+                return cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=MaskSpec(spans=spans),
+                                       starts=starts, reduce_small=reduce_small, scale=cfg.scale, scales=scales)
+            return softcapped_attention(q, new_k, new_v, q_index, kv_len, slots, mask=MaskSpec(spans=spans),
+                                        starts=starts, scale=cfg.scale, cap=cfg.attn_logit_softcapping,
+                                        scales=scales)
+        if packing is not None:
+            attn = packing.attend(lambda slot, start, n, qr, ex: full(qr, ex[0], start[0] + n, slot, ex[1], start),
+                                  q, (packing.row_index, row_spans))
+        elif capture_attn:
             kt, vv = jnp.concatenate(new_k, axis=3)[..., :kv_len], jnp.concatenate(new_v, axis=2)[:, :, :kv_len]
             if scales is not None:    # research capture: dequantized (materialised) like the rest of it
                 kt = dequantize(kt, jnp.concatenate(scales[0], axis=2)[..., :kv_len], 2, q.dtype)
@@ -368,12 +393,8 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
             key_index = jnp.broadcast_to(jnp.arange(kv_len)[None], (b, kv_len))
             attn, probs = captured_attention(q, kt, vv, key_index, q_index, None, spans, starts, cfg.scale,
                                              cfg.attn_logit_softcapping, kv_len)
-        elif cfg.attn_logit_softcapping is None:
-            attn = cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=full_mask, starts=starts,
-                                   reduce_small=reduce_small, scale=cfg.scale, scales=scales)
         else:
-            attn = softcapped_attention(q, new_k, new_v, q_index, kv_len, slots, mask=full_mask, starts=starts,
-                                        scale=cfg.scale, cap=cfg.attn_logit_softcapping, scales=scales)
+            attn = full(q, q_index, kv_len, slots, spans, starts)
     captured = (probs, attn) if capture_attn else None
     a = dense(layer["o"], attn.reshape(b, t, h * hd))
     x = x + gemma_rms_norm(layer["ln_post_attn"], a, cfg.rms_norm_eps)
@@ -386,19 +407,22 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
 def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: jax.Array, cache: list,
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
             capture: Capture | None = None, reduce_small: bool = False, prune: Prune | None = None,
-            dropped: Dropped | None = None) -> Output:
+            dropped: Dropped | None = None, packing: Packing | None = None) -> Output:
     """embeds [b, t, hidden] (already scaled: `embed`), positions [1, b, t], starts [b] (cache
     index of each row's first token), slots [b] or None, kv_len bounds the full layers' segments
     read. mask.spans [b, t]: image runs (bidirectional within a run). prune / dropped: FastV as in
     llama.forward (kept image tokens keep their runs; later layers index the compacted sequence,
-    so windows count kept positions). Returns Output(final-normed hidden [b, t, hidden], cache,
+    so windows count kept positions). packing: several sequences in the one row (llama.forward).
+    Returns Output(final-normed hidden [b, t, hidden], cache,
     intermediates as `Capture` asks: "hidden", and "attn" / "attn_out" per captured layer, which
     needs a static kv_len; "pruned" [b] under prune)."""
     capture = capture or Capture()
     if prune is not None and (capture.any or dropped is not None):
         raise ValueError("prune cannot be combined with capture or dropped")
+    if packing is not None and (prune is not None or dropped is not None or capture.any):
+        raise ValueError("a packed prefill takes no prune, dropped or capture")
     t = embeds.shape[1]
-    valid = _valid_tokens(positions)
+    valid = _valid_tokens(positions) if packing is None else packing.token_valid[None]
 
     def ropes_at(pos):
         return {kind: rope_cos_sin(jnp.asarray(rope_inv_freq(r, cfg.head_dim)), pos)
@@ -411,11 +435,11 @@ def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: j
         if dropped is not None:      # rows pruned after an earlier layer index a shorter sequence here
             layer_starts = starts - jnp.where(i > dropped.after, dropped.count, 0)
             layer_kv_len = dropped.kv_lens[i]
-        q_index = layer_starts[:, None] + jnp.arange(t)[None, :]
+        q_index = layer_starts[:, None] + jnp.arange(t)[None, :] if packing is None else packing.token_index[None]
         scoring = prune is not None and i == prune.layer
         x, kv, cap = layer_forward(layer, cfg, kind, x, kv, ropes[kind], q_index, valid, layer_kv_len, slots=slots,
                                    mask=mask, starts=layer_starts, reduce_small=reduce_small,
-                                   capture_attn=i in capture.attn_layers or scoring)
+                                   capture_attn=i in capture.attn_layers or scoring, packing=packing)
         new_cache.append(kv)
         if scoring:
             order, inter["pruned"] = prune_order(cap[0], prune)
@@ -441,6 +465,7 @@ class Gemma3TextModel(ConfigShape):
     position_rows: int = 1
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
     supports_prune = True
+    supports_packing = True     # forward(..., packing=): packed multi-sequence prefill
 
     @property
     def cache_cfg(self) -> Gemma3TextConfig:
@@ -481,9 +506,9 @@ class Gemma3TextModel(ConfigShape):
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache, starts: jax.Array, kv_len, *,
                 slots: jax.Array | None = None, mask: MaskSpec | None = None, ids: jax.Array | None = None,
                 capture: Capture | None = None, reduce_small: bool = False, prune: Prune | None = None,
-                dropped: Dropped | None = None) -> Output:
+                dropped: Dropped | None = None, packing: Packing | None = None) -> Output:
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
-                       capture=capture, reduce_small=reduce_small, prune=prune, dropped=dropped)
+                       capture=capture, reduce_small=reduce_small, prune=prune, dropped=dropped, packing=packing)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         z = matmul(hidden, params["lm_head"], jnp.float32)

@@ -33,6 +33,7 @@ from mmjax.models.layers import bf16_einsum, dense, matmul, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.kv_quant import dequantize, is_quantized, layer_scales, operand, quantize, zero_scales
 from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
+from mmjax.models.text.packing import Packing
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 from mmjax.quant import QArray, as_2d, map_columns
 
@@ -368,7 +369,8 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
             capture: Capture | None = None, reduce_small: bool = False,
             inv_freq: jax.Array | None = None, prune: Prune | None = None,
-            dropped: Dropped | None = None, layer_adds: jax.Array | None = None) -> Output:
+            dropped: Dropped | None = None, layer_adds: jax.Array | None = None,
+            packing: Packing | None = None) -> Output:
     """Run the decoder on new tokens and write their K/V into the cache.
 
     embeds [b, t, hidden]; positions [rows, b, t] rope positions (rows 3 for M-RoPE); starts [b]:
@@ -382,8 +384,13 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
     "pruned" [b] (image tokens dropped). dropped: rows pruned earlier (decode; see `Dropped`).
     layer_adds [n, b, t, hidden]: added to the residual stream after layers 0..n-1 (DeepStack
     image features; zeros at other tokens).
+    packing: the one row (b = 1) holds several sequences' tokens (models/text/packing.py); slots,
+    starts and mask.spans are then per segment / per packed token as `Packing` says (starts and
+    slots are ignored: the packing carries them).
     Returns Output(final-normed hidden [b, t, hidden], updated cache, intermediates).
     """
+    if packing is not None and (prune is not None or dropped is not None or (capture is not None and capture.any)):
+        raise ValueError("a packed prefill takes no prune, dropped or capture")
     if cfg.sliding_window is not None and (mask is None or mask.sliding_window is None):
         mask = dataclasses.replace(mask or MaskSpec(), sliding_window=cfg.sliding_window)
     capture = capture or Capture()
@@ -391,6 +398,8 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
         raise ValueError("prune cannot be combined with capture, dropped or layer_adds")
     x = embeds
     rope = rope_for(cfg, positions, starts, embeds.shape[1], inv_freq)
+    if packing is not None:
+        rope = (rope[0], rope[1], packing.token_index[None])
     hidden, attn, attn_out, new_cache, inter = [x], {}, {}, [], {}
     for i, (layer, kv) in enumerate(zip(params["layers"], cache)):
         layer_rope, layer_starts, layer_kv_len = rope, starts, kv_len
@@ -402,7 +411,7 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
         x, kv, probs = layer_forward(layer, cfg, x, kv, layer_rope, layer_kv_len, slots=slots, mask=mask,
                                      starts=layer_starts, reduce_small=reduce_small,
                                      capture_attn=i in capture.attn_layers or scoring,
-                                     explicit_kv_len=x.shape[1] if scoring else None)
+                                     explicit_kv_len=x.shape[1] if scoring else None, packing=packing)
         new_cache.append(kv)
         if scoring:
             x, rope, inter["pruned"] = _prune_tokens(x, rope, probs[0], prune)
@@ -443,11 +452,12 @@ def rope_for(cfg: LlamaConfig, positions: jax.Array, starts: jax.Array, t: int,
 def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: tuple, kv_len, *,
                   slots: jax.Array | None = None, mask: MaskSpec | None = None, starts: jax.Array | None = None,
                   reduce_small: bool = False, capture_attn: bool = False,
-                  explicit_kv_len: int | None = None) -> tuple[jax.Array, dict, tuple | None]:
+                  explicit_kv_len: int | None = None,
+                  packing: Packing | None = None) -> tuple[jax.Array, dict, tuple | None]:
     """One decoder layer: x [b, t, hidden] (residual stream) -> (x, updated {"k", "v"} cache of
     this layer, (probs, per-head outputs) when capture_attn else None). rope = rope_for(...);
-    kv_len / slots / mask as in `forward`; explicit_kv_len: a static kv_len for the captured
-    attention when kv_len is traced."""
+    kv_len / slots / mask / packing as in `forward`; explicit_kv_len: a static kv_len for the
+    captured attention when kv_len is traced."""
     b, t, _ = x.shape
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin, q_index = rope
@@ -472,9 +482,13 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     # segment takes the scatter: a lax.cond around it made prefill slower, decode no faster
     # (benchmarks/README.md, "KV segments", "K^T decode attention"). (rows [b, 1], :, idx [b, t])
     # on V and (rows, :, :, idx) on K^T both index [b, t, kv_heads, hd].
-    kv = scatter_kv(kv, k, v, q_index, rows)
+    kv = scatter_kv(kv, k, v, q_index, rows if packing is None else packing.token_slot[None])
     captured = None
-    if capture_attn:
+    if packing is not None:         # each segment's queries over its own slot's row
+        attn = packing.attend(lambda slot, start, n, qr, ex: cache_attention(
+            qr, kv["k"], kv["v"], ex[0], start[0] + n, slot, mask=ex[1], starts=start, reduce_small=reduce_small,
+            scales=layer_scales(kv)), q, (packing.row_index, packing.row_mask(mask)))
+    elif capture_attn:
         attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, explicit_kv_len or kv_len, slots, mask=mask,
                                          starts=starts, scales=layer_scales(kv))
         captured = (probs, attn)
@@ -499,9 +513,9 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
 
 def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array) -> dict:
     """Write new K/V [b, t, kv_heads, hd] at cache indexes q_index [b, t] of cache rows `rows`
-    [b] into the segments of one layer's {"k", "v"(, "k_scale", "v_scale")} -> the updated
-    layer dict (an int8 / fp8 cache quantizes on write: `kv_quant.quantize`). See the comment
-    in `layer_forward` for the index scheme."""
+    [b] (or [b, t]: a row per token, a packed prefill) into the segments of one layer's {"k",
+    "v"(, "k_scale", "v_scale")} -> the updated layer dict (an int8 / fp8 cache quantizes on
+    write: `kv_quant.quantize`). See the comment in `layer_forward` for the index scheme."""
     t = k.shape[1]
     new = quantize_kv(kv, k, v)
     out, start = {name: [] for name in kv}, 0
@@ -526,15 +540,17 @@ def quantize_kv(kv: dict, k: jax.Array, v: jax.Array) -> tuple:
 
 
 def scatter_segment(kv: dict, i: int, rows: jax.Array, idx: jax.Array, new: tuple) -> dict:
-    """Segment i of cache layer `kv` with `new` (`quantize_kv`) written at rows [b] x idx [b, t]
-    (indexes past the segment are dropped) -> {"k": .., "v": .. (, "k_scale", "v_scale")}."""
+    """Segment i of cache layer `kv` with `new` (`quantize_kv`) written at rows [b] (or [b, t]:
+    a row per token) x idx [b, t] (indexes past the segment are dropped) -> {"k": .., "v": ..
+    (, "k_scale", "v_scale")}."""
     k, v, ks, vs = new
+    rows = rows[:, None] if rows.ndim == 1 else rows
     put = dict(mode="drop", unique_indices=True)
-    out = {"k": kv["k"][i].at[rows[:, None], :, :, idx].set(k, **put),
-           "v": kv["v"][i].at[rows[:, None], :, idx].set(v, **put)}
+    out = {"k": kv["k"][i].at[rows, :, :, idx].set(k, **put),
+           "v": kv["v"][i].at[rows, :, idx].set(v, **put)}
     if ks is not None:
-        out["k_scale"] = kv["k_scale"][i].at[rows[:, None], :, idx].set(ks, **put)
-        out["v_scale"] = kv["v_scale"][i].at[rows[:, None], :, idx].set(vs, **put)
+        out["k_scale"] = kv["k_scale"][i].at[rows, :, idx].set(ks, **put)
+        out["v_scale"] = kv["v_scale"][i].at[rows, :, idx].set(vs, **put)
     return out
 
 
@@ -676,6 +692,7 @@ class LlamaTextModel(ConfigShape):
     """`TextModel` for Llama-style decoders: binds a config to the functions above."""
     cfg: LlamaConfig
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
+    supports_packing = True     # forward(..., packing=): packed multi-sequence prefill
 
     @property
     def supports_prune(self) -> bool:
@@ -719,11 +736,11 @@ class LlamaTextModel(ConfigShape):
                 kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
                 ids: jax.Array | None = None, capture: Capture | None = None, reduce_small: bool = False,
                 prune: Prune | None = None, dropped: Dropped | None = None,
-                layer_adds: jax.Array | None = None) -> Output:
+                layer_adds: jax.Array | None = None, packing: Packing | None = None) -> Output:
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
                        capture=capture, reduce_small=reduce_small, inv_freq=inv_freq, prune=prune, dropped=dropped,
-                       layer_adds=layer_adds)
+                       layer_adds=layer_adds, packing=packing)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         out = lm_logits(params, hidden)
