@@ -273,7 +273,7 @@ def weights_int8(paths: dict) -> dict:
             "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(runner.params["text"])}),
             "decode": decode_collectives(runner),
             "export": export({"llava": paths["llava"]}, tp=2, quantize="int8",
-                             only=("decode[4]", "prefill[64]"))["llava"],
+                             only=("decode[4]", "prefill[64]", "prefill[64,"))["llava"],
             "export_fp8": export({"llava": paths["llava"]}, tp=2, quantize="fp8", only=("decode[4]",))["llava"]}
 
 
