@@ -61,6 +61,20 @@ def pair(request, qwen3_dirs):
     return request.param, hf, hf_processor(path), mmjax.load(path, **ENGINE)
 
 
+
+def _assert_greedy_matches_hf(hf, x, o) -> None:
+    """o (an mmjax output with logprobs) == transformers' greedy 32 tokens on inputs x; logprobs
+    within 1e-4; the continuation is not degenerate (more than 2 distinct tokens)."""
+    import torch
+    with torch.no_grad():
+        g = hf.generate(**x, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
+                        return_dict_in_generate=True, pad_token_id=hf.config.text_config.pad_token_id)
+    expected = g.sequences[0, x["input_ids"].shape[1]:].tolist()
+    assert len(set(expected)) > 2 and o.token_ids == expected
+    for ours, ref in zip(o.logprobs, g.logits):
+        ref = torch.log_softmax(ref[0].double(), -1).numpy()
+        assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+
 def test_config_rope_and_errors(pair):
     kind, hf, _, vlm = pair
     assert type(hf).__name__ == {"dense": "Qwen3VLForConditionalGeneration",
@@ -174,14 +188,7 @@ def test_generation_chunks_batching_and_caches(pair):
     for r, o in zip(reqs[:2], together):
         x = proc(text=[r["prompt"]], images=r["images"], return_tensors="pt")
         assert x["input_ids"][0].tolist() == list(o.prompt_token_ids)
-        with torch.no_grad():
-            g = hf.generate(**x, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
-                            return_dict_in_generate=True, pad_token_id=hf.config.text_config.pad_token_id)
-        expected = g.sequences[0, x["input_ids"].shape[1]:].tolist()
-        assert len(set(expected)) > 2 and o.token_ids == expected
-        for ours, ref in zip(o.logprobs, g.logits):
-            ref = torch.log_softmax(ref[0].double(), -1).numpy()
-            assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+        _assert_greedy_matches_hf(hf, x, o)
 
 
 def test_moe_block_with_shared_expert_matches_transformers(tmp_path):
@@ -359,14 +366,7 @@ def test_video_generation_batched_and_served(pair, clips):
     for r, o in zip(reqs, together):
         x = _hf_video_inputs(proc, r["prompt"], r["images"], r["videos"][0])
         assert list(o.prompt_token_ids) == x["input_ids"][0].tolist()
-        with torch.no_grad():
-            g = hf.generate(**x, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
-                            return_dict_in_generate=True, pad_token_id=hf.config.text_config.pad_token_id)
-        expected = g.sequences[0, x["input_ids"].shape[1]:].tolist()
-        assert len(set(expected)) > 2 and o.token_ids == expected
-        for ours, ref in zip(o.logprobs, g.logits):
-            ref = torch.log_softmax(ref[0].double(), -1).numpy()
-            assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+        _assert_greedy_matches_hf(hf, x, o)
         assert o.num_video_tokens == int(x["video_grid_thw"][0].prod()) // 4
         assert o.num_image_tokens == sum(im.num_tokens for im in vlm.prepare_images(r["images"]))
 

@@ -33,6 +33,30 @@ from mmjax.video.resample import resize_bicubic_aa
 DEFAULT_FPS = 2.0
 
 
+def _getter(cfg: dict):
+    """cfg.get where an explicit null also means the default."""
+    def get(key: str, default: Any) -> Any:
+        v = cfg.get(key)
+        return default if v is None else v
+    return get
+
+
+def _shared_fields(cfg: dict, d, fps, num_frames) -> dict:
+    """The fields every Qwen video processor config spells the same way (d: the class defaults)."""
+    get = _getter(cfg)
+    return dict(patch_size=int(get("patch_size", d.patch_size)),
+                temporal_patch_size=int(get("temporal_patch_size", d.temporal_patch_size)),
+                merge_size=int(get("merge_size", d.merge_size)),
+                min_frames=int(get("min_frames", d.min_frames)), max_frames=int(get("max_frames", d.max_frames)),
+                fps=None if fps is None else float(fps), num_frames=None if num_frames is None else int(num_frames),
+                do_sample_frames=bool(get("do_sample_frames", True)),
+                do_rescale=bool(get("do_rescale", d.do_rescale)),
+                rescale_factor=float(get("rescale_factor", d.rescale_factor)),
+                do_normalize=bool(get("do_normalize", d.do_normalize)),
+                image_mean=_channel_triple(cfg.get("image_mean"), d.image_mean, "image_mean"),
+                image_std=_channel_triple(cfg.get("image_std"), d.image_std, "image_std"))
+
+
 @dataclass(frozen=True)
 class VideoPlan:
     """What a family will take from one video, known from the metadata before decoding:
@@ -85,28 +109,13 @@ class Qwen2VLVideoPolicy:
         if not cfg:
             return d
         size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
-
-        def get(key: str, default: Any) -> Any:
-            v = cfg.get(key)
-            return default if v is None else v
-
         lo = next((v for v in (cfg.get("min_pixels"), size.get("shortest_edge")) if v is not None), d.min_pixels)
         hi = next((v for v in (cfg.get("max_pixels"), size.get("longest_edge")) if v is not None), d.max_pixels)
         num_frames = cfg.get("num_frames")
         fps = cfg.get("fps")
         if fps is None and num_frames is None:
             fps = DEFAULT_FPS
-        return cls(patch_size=int(get("patch_size", d.patch_size)),
-                   temporal_patch_size=int(get("temporal_patch_size", d.temporal_patch_size)),
-                   merge_size=int(get("merge_size", d.merge_size)), min_pixels=int(lo), max_pixels=int(hi),
-                   min_frames=int(get("min_frames", d.min_frames)), max_frames=int(get("max_frames", d.max_frames)),
-                   fps=None if fps is None else float(fps), num_frames=None if num_frames is None else int(num_frames),
-                   do_sample_frames=bool(get("do_sample_frames", True)),
-                   do_rescale=bool(get("do_rescale", d.do_rescale)),
-                   rescale_factor=float(get("rescale_factor", d.rescale_factor)),
-                   do_normalize=bool(get("do_normalize", d.do_normalize)),
-                   image_mean=_channel_triple(cfg.get("image_mean"), d.image_mean, "image_mean"),
-                   image_std=_channel_triple(cfg.get("image_std"), d.image_std, "image_std"))
+        return cls(min_pixels=int(lo), max_pixels=int(hi), **_shared_fields(cfg, d, fps, num_frames))
 
     @property
     def factor(self) -> int:
@@ -221,31 +230,17 @@ class Qwen3VLVideoPolicy(Qwen2VLVideoPolicy):
         if not cfg:
             return d
         size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
-
-        def get(key: str, default: Any) -> Any:
-            v = cfg.get(key)
-            return default if v is None else v
-
         fps = cfg.get("fps", d.fps)            # an explicit null turns fps sampling off
         num_frames = cfg.get("num_frames")
         if fps is not None and num_frames is not None:
             raise UnsupportedModelError("Qwen3-VL video processor config sets both fps and num_frames (mutually "
                                         "exclusive in Qwen3VLVideoProcessor.sample_frames)", param="num_frames")
-        return cls(patch_size=int(get("patch_size", d.patch_size)),
-                   temporal_patch_size=int(get("temporal_patch_size", d.temporal_patch_size)),
-                   merge_size=int(get("merge_size", d.merge_size)),
-                   min_pixels=int(size.get("shortest_edge") or d.min_pixels),
+        get = _getter(cfg)
+        return cls(min_pixels=int(size.get("shortest_edge") or d.min_pixels),
                    max_pixels=int(size.get("longest_edge") or d.max_pixels),
-                   min_frames=int(get("min_frames", d.min_frames)), max_frames=int(get("max_frames", d.max_frames)),
-                   fps=None if fps is None else float(fps), num_frames=None if num_frames is None else int(num_frames),
-                   do_sample_frames=bool(get("do_sample_frames", True)),
-                   do_rescale=bool(get("do_rescale", d.do_rescale)),
-                   rescale_factor=float(get("rescale_factor", d.rescale_factor)),
-                   do_normalize=bool(get("do_normalize", d.do_normalize)),
-                   image_mean=_channel_triple(cfg.get("image_mean"), d.image_mean, "image_mean"),
-                   image_std=_channel_triple(cfg.get("image_std"), d.image_std, "image_std"),
                    cap_pixels_per_frame=bool(get("cap_pixels_per_frame", False)),
-                   max_video_tokens=int(get("max_video_tokens", d.max_video_tokens)))
+                   max_video_tokens=int(get("max_video_tokens", d.max_video_tokens)),
+                   **_shared_fields(cfg, d, fps, num_frames))
 
     def sample_indices(self, total: int, video_fps: float | None, fps: float | None = None) -> np.ndarray:
         """Qwen3VLVideoProcessor.sample_frames: n = int(total / video_fps * fps) clamped to
