@@ -11,19 +11,25 @@ from typing import Iterator
 
 import jax
 
-# XLA CPU: keep the decode step's skinny [slots, in] @ [in, out] matmuls off YNNPACK library
+# XLA CPU: keep the decode step's skinny [slots, in] @ [in, out] f32 matmuls off YNNPACK library
 # fusions (measured slower for M=8 than XLA's own dot), but give YNN the reductions: decode
 # attention's broadcast-multiply-reduce over a K^T segment ran 2.2x faster there than in XLA's
 # own reduction loop (benchmarks/README.md). Prefill/encode keep the default library fusions.
 _CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+# bf16 / int8 weights: XLA:CPU has a bf16 x bf16 and an s8 x s8 dot only through a library; a
+# dot it keeps for itself gets its operands converted to f32 / s32 first (the whole weight, every
+# step: the operand upcaster), so narrow weights keep YNN's dots too.
+_CPU_DECODE_OPTIONS_NARROW = {"xla_cpu_experimental_ynn_fusion_type":
+                              "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
 
 
 @dataclass(frozen=True)
 class Tuning:
     """platform: "cpu", "cuda", "rocm" or "tpu" (what the steps are compiled for); sharded: the
-    steps run over a multi-device mesh."""
+    steps run over a multi-device mesh; narrow_weights: the weights are bf16 or 8-bit."""
     platform: str
     sharded: bool = False
+    narrow_weights: bool = False
 
     @property
     def pallas_kernels(self) -> bool:
@@ -49,10 +55,20 @@ class Tuning:
         (see models/text/llama.cache_attention); GPUs keep the dots."""
         return self.platform == "cpu"
 
+    def auto_kv_cache_dtype(self, model_dtype):
+        """The KV cache dtype of kv_cache_dtype "auto": the model's, except a bf16 model's on CPU,
+        float32. XLA:CPU has no bf16 scatter: every cache write would convert the whole cache
+        segment to f32 and back (that alone made bf16 decode slower than f32 at batch 8), while
+        attention reads the cache in f32 either way. `--kv-cache-dtype bfloat16` still asks for
+        the half-size cache on CPU, at that cost."""
+        if self.platform == "cpu" and jax.numpy.dtype(model_dtype) == jax.numpy.dtype(jax.numpy.bfloat16):
+            return jax.numpy.float32
+        return model_dtype
+
     def compiler_options(self, step: str) -> dict | None:
         """XLA compiler options for one kind of compiled step ("encode", "prefill", "decode")."""
         if self.platform == "cpu" and step == "decode":
-            return dict(_CPU_DECODE_OPTIONS)
+            return dict(_CPU_DECODE_OPTIONS_NARROW if self.narrow_weights else _CPU_DECODE_OPTIONS)
         return None
 
 

@@ -3,9 +3,10 @@
 * a bf16 model's compiled CPU steps (Qwen3-VL-MoE: ViT, DeepStack, MoE skip loop, every step
   kind) lower with every bf16 dot as bf16 x bf16 -> f32 (tests/test_cuda_lowering.py checks the
   same on every checkpoint's CUDA export);
-* int8 weights: the optimized CPU HLO of the encode / prefill / decode steps has s8 x s8 -> s32
-  dots reading the int8 weights, and no float array of any weight's shape (no dequantized copy
-  per step); the weight-only form fails the same check (the checker can fail);
+* int8 and bf16 weights: the optimized CPU HLO of the encode / decode steps reads them narrow
+  (s8 x s8 -> s32 and bf16 x bf16 -> f32 dots) with no f32 / s32 array of any weight's shape
+  (no converted copy per step), at one decode row and at several; a bf16 KV cache is written
+  without a float copy; the weight-only form fails the same check (the checker can fail);
 * quality on the tiny LLaVA (the bench architecture): greedy-token agreement with float32 and
   mean |logprob diff| of the chosen tokens for bf16, int8 (per channel and grouped) and fp8;
 * `mmjax convert --quantize int8` writes an orbax copy that reloads quantized, same tokens;
@@ -54,43 +55,73 @@ def test_bf16_cpu_steps_are_bf16_f32_dots(qwen3_dirs):
     assert kinds == {"encode", "prefill", "prefill_scores", "decode"} and n > 40   # linear layers, attention, experts
 
 
-def _float_copies(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
-    """Instructions of the optimized HLO that produce an f32 / bf16 array of a weight's shape."""
-    out = []
+def _wide_copies(hlo: str, shapes: set[tuple[int, ...]], wide=("f32", "f16", "s32", "bf16")) -> list[str]:
+    """Materialized instructions of the optimized HLO (outside fusion bodies, whose values stay
+    in registers) that produce an array of a `wide` dtype with a weight's (or cache segment's)
+    shape: a converted copy made every step."""
+    fused = set(re.findall(r"kind=k\w+, calls=(%[\w.-]+)", hlo))
+    out, inside = [], False
     for ln in hlo.splitlines():
-        m = re.search(r"=\s*(f32|bf16)\[([\d,]+)\]", ln)
-        if m and "parameter(" not in ln and tuple(int(v) for v in m.group(2).split(",")) in shapes:
+        head = re.match(r"(ENTRY )?(%[\w.-]+) ", ln)
+        if head and ln.rstrip().endswith("{"):
+            inside = head.group(2) in fused
+            continue
+        m = re.search(rf"=\s*({'|'.join(wide)})\[([\d,]+)\]", ln)
+        if not inside and m and "parameter(" not in ln and tuple(int(v) for v in m.group(2).split(",")) in shapes:
             out.append(ln.strip()[:160])
     return out
 
 
-def test_int8_cpu_steps_dot_the_s8_weights(llava_dirs, qwen3_dirs):
+def _compiled(runner: ModelRunner, *names: str) -> dict[str, str]:
+    """Optimized HLO text of the named steps, compiled with the runner's own compiler options."""
+    sigs = {name: (fn, args, kw) for name, fn, args, kw in runner.step_signatures()}
+    return {n: sigs[n][0].lower(*sigs[n][1], **sigs[n][2]).compile().as_text() for n in names}
+
+
+def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
+    """int8 and bf16 weights are read as they are stored by the compiled CPU steps: s8 x s8 ->
+    s32 / bf16 x bf16 -> f32 dots, and no f32 / s32 array of any weight's shape (XLA:CPU converts
+    a whole weight per step for a dot it keeps for itself: a one-row decode dot, or any dot with
+    library dots off), at one decode row and at several; a bf16 KV cache is written without a
+    float copy of its segments. The checker fails on a weight-only dequantization."""
     model = load_model(llava_dirs["gqa"], "float32", quantize="int8")
     qs = [x for x in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QArray)) if isinstance(x, QArray)]
     assert len(qs) == 2 * 6 + 2 + 2 * 4 + 1          # ViT q/k/v/o/fc1/fc2, projector, LM qkv/o/gate_up/down, head
     assert all(q.q.dtype == jnp.int8 and q.scale.dtype == jnp.float32 for q in qs)
     shapes = {q.shape for q in qs} | {q.shape[::-1] for q in qs}
-    sigs = {name: (fn, args, kw) for name, fn, args, kw in _runner(model).step_signatures()}
-    for name in ("encode(1, 32, 32, 3)", "decode[1]"):    # (prefill's dots are decode's, more rows)
-        fn, args, kw = sigs[name]
-        hlo = fn.lower(*args, **kw).compile().as_text()
+    for name, hlo in _compiled(_runner(model), "encode(1, 32, 32, 3)", "decode[1]", "decode[2]").items():
         s8 = [ln for ln in hlo.splitlines() if re.search(r"= s32\[[\d,]+\]\{[\d,]*\} dot\(", ln)]
         assert len(s8) >= (14 if name.startswith("encode") else 9), (name, len(s8))
-        assert _float_copies(hlo, shapes) == [], name
+        assert _wide_copies(hlo, shapes) == [], name
+    # bf16 weights; the CPU's "auto" KV cache of a bf16 model is float32 (no bf16 scatter there),
+    # an explicit bf16 cache is written as 16-bit integers
+    bf16 = load_model(llava_dirs["gqa"], "bfloat16")
+    # (the embedding is gathered, a fused convert of the rows taken: not a matmul weight)
+    ws = [x for p, x in jax.tree_util.tree_leaves_with_path(bf16.params["text"])
+          if x.ndim == 2 and x.dtype == jnp.bfloat16 and "embed" not in jax.tree_util.keystr(p)]
+    shapes = {w.shape for w in ws}
+    assert len(ws) >= 2 * 4 + 1
+    runner = _runner(bf16)
+    assert runner.kv_cache_dtype == np.dtype(np.float32)
+    for name, hlo in _compiled(runner, "decode[1]", "decode[2]").items():
+        assert _wide_copies(hlo, shapes, ("f32", "f16", "s32")) == [], name
+    runner = ModelRunner(bf16.family, bf16.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
+                         max_encode_batch=2, dtype=bf16.dtype, kv_cache_dtype="bfloat16")
+    segs = {x.shape for x in jax.tree.leaves(runner.cache) if x.dtype == jnp.bfloat16}
+    assert segs and _wide_copies(_compiled(runner, "decode[2]")["decode[2]"], segs, ("f32", "f16")) == []
     # MoE experts (Qwen3-VL-MoE, int8 expert stacks): the CPU decode step reads them as int8 too
     moe = load_model(qwen3_dirs["moe"], "float32", quantize="int8")
     stacks = [x for x in jax.tree.leaves(moe.params, is_leaf=lambda x: isinstance(x, QArray))
               if isinstance(x, QArray) and x.ndim == 3]
     assert len(stacks) == 4                           # gate_up and down of the 2 MoE layers
-    fn, args, kw = {n: (f, a, k) for n, f, a, k in _runner(moe).step_signatures()}["decode[1]"]
-    hlo = fn.lower(*args, **kw).compile().as_text()
-    assert _float_copies(hlo, {x.shape[1:] for x in stacks} | {x.shape for x in stacks}) == []
+    hlo = _compiled(_runner(moe), "decode[1]")["decode[1]"]
+    assert _wide_copies(hlo, {x.shape[1:] for x in stacks} | {x.shape for x in stacks}) == []
     # the checker catches a weight-only dequantization (XLA:CPU materializes the f32 weight)
     w = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
     q = quantize_weight(w, "int8")
     hlo = jax.jit(lambda x, q, s: x @ (q.astype(jnp.float32) * s)).lower(
         jnp.ones((1, 64)), q.q, q.scale).compile().as_text()
-    assert _float_copies(hlo, {(64, 128)})
+    assert _wide_copies(hlo, {(64, 128)})
 
 
 TEXT = ("USER: <image>\nWhat is in the picture? Describe the colors, the shapes and where they are, "

@@ -378,10 +378,12 @@ class ModelRunner:
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
         self.text_model = self.placement.text_model(family.text_model)
-        self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1)
+        narrow = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)}
+        self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1,
+                                          narrow_weights=any(x.dtype in narrow for x in jax.tree.leaves(params["text"])))
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
         # the KV cache's element dtype: the model's ("auto"), bfloat16, or int8 / fp8 with scales
-        self.kv_cache_dtype = kv_quant.resolve(kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = kv_quant.resolve(kv_cache_dtype, self.tuning.auto_kv_cache_dtype(self.dtype))
         if hasattr(family, "encode_shards") and not vision_tensor_parallel:
             family.encode_shards = self.placement.num_devices   # packed encodes split per device
         params = self.placement.layout_params(params, self.text_model)

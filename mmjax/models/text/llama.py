@@ -545,13 +545,26 @@ def scatter_segment(kv: dict, i: int, rows: jax.Array, idx: jax.Array, new: tupl
     (, "k_scale", "v_scale")}."""
     k, v, ks, vs = new
     rows = rows[:, None] if rows.ndim == 1 else rows
-    put = dict(mode="drop", unique_indices=True)
-    out = {"k": kv["k"][i].at[rows, :, :, idx].set(k, **put),
-           "v": kv["v"][i].at[rows, :, idx].set(v, **put)}
+    out = {"k": _set_bits(kv["k"][i], (rows, slice(None), slice(None), idx), k),
+           "v": _set_bits(kv["v"][i], (rows, slice(None), idx), v)}
     if ks is not None:
-        out["k_scale"] = kv["k_scale"][i].at[rows, :, idx].set(ks, **put)
-        out["v_scale"] = kv["v_scale"][i].at[rows, :, idx].set(vs, **put)
+        out["k_scale"] = _set_bits(kv["k_scale"][i], (rows, slice(None), idx), ks)
+        out["v_scale"] = _set_bits(kv["v_scale"][i], (rows, slice(None), idx), vs)
     return out
+
+
+def _set_bits(x: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
+    """x.at[index].set(values) (out-of-range indexes dropped), scattered as same-width unsigned
+    ints for narrow floats: XLA:CPU has no bf16 / fp8 scatter and rewrites one into converting
+    the whole cache segment to f32 / f16 and back on every step (a bf16 cache made decode slower
+    than f32); a set moves bits, so the integer scatter is exact, and free on other backends."""
+    put = dict(mode="drop", unique_indices=True)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize == 4:
+        return x.at[index].set(values.astype(x.dtype), **put)
+    u = {2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, u).at[index].set(
+        jax.lax.bitcast_convert_type(values.astype(x.dtype), u), **put)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
 
 
 def _grouped_dense(p: dict, x: jax.Array) -> jax.Array:
