@@ -23,9 +23,10 @@ enable_compilation_cache()
 # CI runs the suite over its 2 cores (`-n 2`, README; whole files per worker, pyproject addopts):
 # the files that take longest go first so that no long file starts last and runs alone. Order
 # by CI seconds; the other files follow in their usual order.
-LONGEST_FIRST = ("test_sharding.py", "test_demo_model.py", "test_engine.py", "test_gemma4.py",
-                 "test_benchmarks.py", "test_research.py", "test_gemma3.py", "test_serve.py",
-                 "test_openai_surface.py", "test_demo_data.py", "test_soak.py")
+LONGEST_FIRST = ("test_sharding.py", "test_demo_model.py", "test_cuda_lowering.py", "test_engine.py",
+                 "test_gemma4.py", "test_benchmarks.py", "test_gemma3.py", "test_demo_data.py",
+                 "test_research.py", "test_serve.py", "test_openai_surface.py", "test_errors_and_loading.py",
+                 "test_media_guards.py", "test_soak.py")
 
 
 def pytest_collection_modifyitems(config, items):
