@@ -15,7 +15,8 @@ id there, for the memory readings.
 
 After one warm-up image chat and one completion (the first request compiles), `--concurrency`
 aiohttp client workers loop for `--duration` seconds (at most `--max-requests` requests in all),
-each request drawn from a seeded RNG (`--seed`) among these kinds:
+each request drawn from a seeded RNG (`--seed`) among these kinds (the first requests send every
+kind of the mix once, so that a short or slow run still covers each):
 
   chat_image    non-streaming chat with 1-2 base64 PNG images (random non-square noise, plus a few
                 reused images so the encoder / prefix caches are hit)
@@ -476,6 +477,15 @@ class Ctx:
     stop: asyncio.Event
     alive_fn: Any = None         # () -> False once the server process is gone (None: unknown)
     issued: int = 0
+    first_round: list = field(default_factory=list)   # kinds still owed their first request
+
+
+def first_round(seed: int) -> list[str]:
+    """Every kind of the mix once, in a seeded order (popped from the end): the load's first
+    requests, so that a short or slow run still sends each kind; later kinds are drawn by weight."""
+    kinds = [k for k in KINDS if KIND_WEIGHTS.get(k, 0.0) > 0]
+    random.Random(seed).shuffle(kinds)
+    return kinds
 
 
 async def post_json(ctx: Ctx, path: str, body: dict) -> Outcome:
@@ -713,7 +723,7 @@ async def worker(ctx: Ctx, wid: int, seed: int) -> None:
     weights = [KIND_WEIGHTS.get(k, 0.0) for k in KINDS]
     while not ctx.stop.is_set() and time.monotonic() < ctx.deadline and ctx.issued < ctx.max_requests:
         ctx.issued += 1
-        kind = rng.choices(KINDS, weights)[0]
+        kind = ctx.first_round.pop() if ctx.first_round else rng.choices(KINDS, weights)[0]
         t0 = time.monotonic()
         try:
             o = await asyncio.wait_for(RUNNERS[kind](ctx, rng), ctx.request_timeout)
@@ -834,6 +844,7 @@ async def soak(args: argparse.Namespace, base: str, pid: int | None, alive_fn) -
         watch = Watch(pid, alive_fn)
         watch.rss_start_kb = watch.sample()
         ctx.deadline = time.monotonic() + args.duration
+        ctx.first_round = first_round(args.seed)
         r["load_s"] = round(await run_load(ctx, args, watch), 2)
         idle = await wait_idle(session, base, args.idle_timeout) if watch.died_at is None else \
             {"metrics": {}, "gauges": {}, "idle": False, "leaked_slots": None}

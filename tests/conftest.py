@@ -12,6 +12,29 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from mmjax.api import enable_compilation_cache  # noqa: E402
+
+# JAX's persistent compilation cache from the session's first compile on (mmjax.load turns it on
+# too, but only at its first call): a program compiled again by another jit object (a new runner
+# of the same checkpoint and shapes, another xdist worker, a worker subprocess) loads from it.
+# CI points MMJAX_COMPILATION_CACHE_DIR at a fresh directory, so it only helps within one run.
+enable_compilation_cache()
+
+# CI runs the suite over its 2 cores (`-n 2`, README; whole files per worker, pyproject addopts):
+# the files that take longest go first so that no long file starts last and runs alone. Order
+# by CI seconds; the other files follow in their usual order.
+LONGEST_FIRST = ("test_sharding.py", "test_demo_model.py", "test_cuda_lowering.py", "test_engine.py",
+                 "test_gemma4.py", "test_benchmarks.py", "test_gemma3.py", "test_demo_data.py",
+                 "test_research.py", "test_serve.py", "test_openai_surface.py", "test_errors_and_loading.py",
+                 "test_media_guards.py", "test_soak.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):     # one process: the usual (file name) order
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))    # stable: within a file unchanged
+
 
 @pytest.fixture(scope="session")
 def llava_dirs(tmp_path_factory):
