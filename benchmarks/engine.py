@@ -169,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8", "fp8"],
                     help="KV cache element type (int8 / fp8: per-token, per-KV-head scales)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="mmjax's weights / activations (the transformers peers stay float32)")
+    ap.add_argument("--quantize", default=None, choices=["int8", "fp8"], help="mmjax's 8-bit linear weights")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     ap.add_argument("--no-hf-sequential", action="store_true",
@@ -194,7 +197,9 @@ def main(argv=None) -> int:
     threads = args.threads or os.cpu_count()
     engine_kw = dict(max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
                      prefill_chunk=64 if args.smoke else 256, max_encode_batch=8, overlap=not args.no_overlap,
-                     kv_cache_dtype=args.kv_cache_dtype)
+                     kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, quantize=args.quantize)
+    if (args.dtype != "float32" or args.quantize) and not args.no_hf:
+        ap.error("--dtype / --quantize change mmjax's precision only: add --no-hf (peers compare at the same precision)")
     vlm = mmjax.load(path, pack_prefill=not args.no_pack, **engine_kw)
     size = vlm.family.cfg.vision.image_size
     t0 = time.perf_counter()
@@ -248,7 +253,8 @@ def main(argv=None) -> int:
         rows.append({"who": who, "concurrency": c, "requests": args.requests, **stats(r),
                      "vs_hf_sequential": tps(r) / hf_tps if hf_tps else None,
                      "vs_hf_batched": tps(r) / hfb_tps if hfb_tps else None, "step_s": r["step_s"]})
-    print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, float32, {threads} threads, "
+    precision = args.dtype + (f" + {args.quantize} weights" if args.quantize else "")
+    print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, {precision}, {threads} threads, "
           f"{'synchronous' if args.no_overlap else 'overlapped'} engine steps)")
     print(f"warmup: {sum(compiled.values())} compiled shapes {compiled} in {compile_s:.1f}s (excluded below)")
     print(f"{'who':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'lat. p50':>10}"
@@ -272,7 +278,7 @@ def main(argv=None) -> int:
               + f" + host/idle {row['wall_s'] - busy:.2f}s")
     print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
-    summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads,
+    summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads, "dtype": args.dtype, "quantize": args.quantize,
                "overlap": not args.no_overlap,
                "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,
                "mmjax": rows, "decode_steps": decode_steps,
