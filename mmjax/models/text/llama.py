@@ -556,8 +556,10 @@ def scatter_segment(kv: dict, i: int, rows: jax.Array, idx: jax.Array, new: tupl
 def _set_bits(x: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
     """x.at[index].set(values) (out-of-range indexes dropped), scattered as same-width unsigned
     ints for narrow floats: XLA:CPU has no bf16 / fp8 scatter and rewrites one into converting
-    the whole cache segment to f32 / f16 and back on every step (a bf16 cache made decode slower
-    than f32); a set moves bits, so the integer scatter is exact, and free on other backends."""
+    the whole cache segment to f32 / f16 and back on every write (a bf16 cache made decode slower
+    than f32). A set moves bits, so the integer scatter is exact; on CPU the bitcasts around it
+    still cost one 16- / 8-bit copy of the segment (why a bf16 model's default cache there is
+    f32: `Tuning.auto_kv_cache_dtype`); other backends take them for free."""
     put = dict(mode="drop", unique_indices=True)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize == 4:
         return x.at[index].set(values.astype(x.dtype), **put)
