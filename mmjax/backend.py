@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import jax
+import jax.numpy as jnp
 
 # XLA CPU: keep the decode step's skinny [slots, in] @ [in, out] f32 matmuls off YNNPACK library
 # fusions (measured slower for M=8 than XLA's own dot), but give YNN the reductions: decode
@@ -61,8 +62,8 @@ class Tuning:
         segment to f32 and back (that alone made bf16 decode slower than f32 at batch 8), while
         attention reads the cache in f32 either way. `--kv-cache-dtype bfloat16` still asks for
         the half-size cache on CPU, at that cost."""
-        if self.platform == "cpu" and jax.numpy.dtype(model_dtype) == jax.numpy.dtype(jax.numpy.bfloat16):
-            return jax.numpy.float32
+        if self.platform == "cpu" and jnp.dtype(model_dtype) == jnp.dtype(jnp.bfloat16):
+            return jnp.float32
         return model_dtype
 
     def compiler_options(self, step: str) -> dict | None:

@@ -34,9 +34,9 @@ from mmjax.serving.runner import ModelRunner
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 
 
-def _runner(model) -> ModelRunner:
+def _runner(model, **kw) -> ModelRunner:
     return ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
-                       max_encode_batch=2, dtype=model.dtype)
+                       max_encode_batch=2, dtype=model.dtype, **kw)
 
 
 def test_bf16_cpu_steps_are_bf16_f32_dots(qwen3_dirs):
@@ -105,8 +105,7 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     assert runner.kv_cache_dtype == np.dtype(np.float32)
     for name, hlo in _compiled(runner, "decode[1]", "decode[2]").items():
         assert _wide_copies(hlo, shapes, ("f32", "f16", "s32")) == [], name
-    runner = ModelRunner(bf16.family, bf16.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
-                         max_encode_batch=2, dtype=bf16.dtype, kv_cache_dtype="bfloat16")
+    runner = _runner(bf16, kv_cache_dtype="bfloat16")
     segs = {x.shape for x in jax.tree.leaves(runner.cache) if x.dtype == jnp.bfloat16}
     assert segs and _wide_copies(_compiled(runner, "decode[2]")["decode[2]"], segs, ("f32", "f16")) == []
     # MoE experts (Qwen3-VL-MoE, int8 expert stacks): the CPU decode step reads them as int8 too

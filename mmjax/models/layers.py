@@ -6,6 +6,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mmjax.backend import current_platform
+
 
 def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in out_dtype (default: the usual promotion).
@@ -33,7 +35,6 @@ def one_row_as_two(dot, x: jax.Array) -> jax.Array:
     against 1.6 ms in f32). From two rows the dot goes to the YNNPACK library, which reads the
     narrow weight as it is (the decode step must allow library dots: `Tuning.compiler_options`).
     Other backends and more rows: dot(x) unchanged."""
-    from mmjax.backend import current_platform
     if current_platform() != "cpu" or math.prod(x.shape[:-1]) != 1:
         return dot(x)
     y = dot(jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1])))
