@@ -431,6 +431,43 @@ def test_hard_describe_draws_shared_colors_and_close_centers(tok):
     assert any(i not in shared | close for i in drawn)
 
 
+def test_json_question_types(tok):
+    """The "<type>_json" training questions: a one-shape scene for shape / color, the system
+    prompt before the question, the one-key JSON answer (an integer count, quoted names) and a
+    loss mask over exactly the answer's tokens and </s>; the chat template renders the same
+    prompt the engine builds for a system + user chat; only shape / color / count have one."""
+    from mmjax.demo import train as TR
+
+    rng = np.random.default_rng(5)
+    scenes = [S.sample_scene(rng) for _ in range(60)]
+    enc = TR.Encoder(tok, 4)
+    sampler = TR.Sampler(np.zeros((len(scenes), 4, 4, 3), np.uint8), scenes, enc, 64,
+                         weights={"count_json": 1.0, "shape_json": 1.0, "color_json": 1.0})
+    seen = set()
+    for _ in range(30):
+        i, q, a, qtype = sampler.example(rng)
+        seen.add(qtype)
+        field = qtype.removesuffix("_json")
+        assert q[0] == S.JSON_SYSTEM and S.question_type(q[1]) == field
+        gold = {"shape": scenes[i].shapes[0].kind, "color": scenes[i].shapes[0].color,
+                "count": str(scenes[i].count)}[field]
+        assert json.loads(a) == {field: int(gold) if field == "count" else gold} and S.json_matches(a, field, gold)
+        if field != "count":
+            assert scenes[i].count == 1
+        _, ids, mask, _, _ = sampler.batch(None, 1, [(i, q, a, qtype)])
+        full, p = enc(q, a)
+        assert tok.decode(full[p:].tolist(), skip_special_tokens=False) == a + T.EOS
+        assert (np.flatnonzero(mask[0]) == np.arange(p - 1, len(full) - 1)).all()
+    assert seen == {"count_json", "shape_json", "color_json"}
+    prompt = T.render_chat([{"role": "system", "content": S.JSON_SYSTEM},
+                            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": S.Q_COUNT}]}], True)
+    assert prompt == f"<s>{S.JSON_SYSTEM} USER: {S.Q_COUNT} <image>\nASSISTANT: "
+    with pytest.raises(ValueError):
+        S.json_answer("describe", "a red circle")
+    with pytest.raises(ValueError):
+        TR.Sampler(np.zeros((1, 4, 4, 3), np.uint8), scenes[:1], enc, 64, weights={"exists_json": 1.0})
+
+
 def test_describe_phrase_targets(tok):
     """The attention aux's targets: each color / kind token of a description is labelled with
     its shape's place left to right (1-3), everything else 0; Sampler.batch puts at position t

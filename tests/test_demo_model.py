@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import collections
 import io
+import json
 import os
 import subprocess
 import sys
@@ -174,6 +175,23 @@ def test_server_openai_client_matches_chat(shipped, questions, chat_answers):
             hits += S.answer_matches(text, q["answer"])
         print(f"\nserver: {hits}/{N_SERVER} exact")
         assert hits >= 0.90 * N_SERVER  # expected ~49.3/50 at 0.987 overall (sd 0.8)
+        # the JSON form (README "JSON answers") through response_format: valid, schema-true, right
+        single = [q for q in questions if q["qtype"] in S.JSON_TYPES][:12]
+        json_hits = 0
+        for q in single:
+            mime = "image/png" if q["fmt"] == "PNG" else "image/jpeg"
+            url = f"data:{mime};base64," + base64.b64encode(q["bytes"]).decode()
+            r = client.chat.completions.create(
+                model="mmjax-shapes", temperature=0.0, max_tokens=40,
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "answer", "strict": True, "schema": S.json_schema(q["qtype"])}},
+                messages=[{"role": "system", "content": S.JSON_SYSTEM},
+                          {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                       {"type": "text", "text": q["question"]}]}])
+            text = r.choices[0].message.content
+            assert list(json.loads(text)) == [q["qtype"]] + [k for k in S.JSON_TYPES if k != q["qtype"]], text
+            json_hits += S.json_matches(text, q["qtype"], q["answer"])
+        assert len(single) == 12 and json_hits >= 11, (json_hits, len(single))
     finally:
         srv.close()
 

@@ -194,19 +194,11 @@ def test_structured_outputs_always_parse(vlm):
 
 
 def test_json_schema_on_mmjax_shapes():
-    """The shipped model (never trained on JSON) answers its three single-value questions with a
-    {"shape", "color", "count"} schema: every answer parses and matches the schema; shape and
-    colour are right at least as often as the free-text answers, counts all but once in 8.
-
-    How the model answers decides the schema: it was trained to say the asked value right after
-    "ASSISTANT: ", and each JSON token before a value moves it further from that. So the asked
-    field comes first (with count first for every question, colour answers read after a guessed
-    count fell to 25/30) and a one-line system prompt says JSON is wanted (without it colour
-    values inside JSON were right 62/75). Measured on the value's first token, 75 questions per
-    type over 3 seeds: shape 75/75 and colour 75/75 in JSON as in free text; count 71/75 vs
-    74/75. Counts stay behind because the digit follows the key's tokens ('co' 'u' 'n' 't' '"'
-    ':Ġ'), never seen in training, where the free answer follows "ASSISTANT: "; no prompt tried
-    (none, three system prompts, compact ':' separators: 49-67/75) closed that gap."""
+    """The shipped model answers its three single-value questions under a {"shape", "color",
+    "count"} schema (`shapes.json_schema`, the asked key first) after the system prompt it was
+    fine-tuned on for JSON (`shapes.JSON_SYSTEM`): every answer parses and matches the schema,
+    and each value is right at least as often as the free-text answers to the same questions.
+    (Before that fine-tune the model had never seen JSON and counts lagged: 71/75 vs 74/75.)"""
     import json
 
     import jsonschema
@@ -216,42 +208,31 @@ def test_json_schema_on_mmjax_shapes():
     from mmjax.serving.structured import StructuredSpec
 
     shapes = mmjax.load(default_model_path(), max_num_seqs=8, max_model_len=256)
-    props = {"shape": {"enum": list(S.SHAPES)}, "color": {"enum": list(S.COLORS)},
-             "count": {"type": "integer", "minimum": 0, "maximum": 9}}
     asked = {S.Q_SHAPE: "shape", S.Q_COLOR: "color", S.Q_COUNT: "count"}
-
-    def schema(first: str) -> dict:
-        order = [first] + [k for k in props if k != first]
-        # spaced separators (x-guidance), as the tokens the model saw: ":Ġ" follows "ASSISTANT"
-        return {"x-guidance": {"key_separator": ": ", "item_separator": ", "}, "type": "object",
-                "properties": {k: props[k] for k in order}, "required": order, "additionalProperties": False}
-
     rng = np.random.default_rng(7)
-    exs = [S.make_example(rng, qt, client_roundtrip=False) for qt in ("shape", "color", "count") for _ in range(8)]
+    exs = [S.make_example(rng, qt, client_roundtrip=False) for qt in S.JSON_TYPES for _ in range(25)]
     free_reqs, json_reqs = [], []
     for ex in exs:
         user = {"role": "user", "content": [{"type": "image", "image": ex["image"]},
                                             {"type": "text", "text": ex["question"]}]}
         prompt, images = shapes.render_chat([user])
         free_reqs.append({"prompt": prompt, "images": images})
-        prompt, images = shapes.render_chat([{"role": "system", "content": "Answer the question in JSON."}, user])
+        prompt, images = shapes.render_chat([{"role": "system", "content": S.JSON_SYSTEM}, user])
         json_reqs.append({"prompt": prompt, "images": images})
     free = shapes.generate(free_reqs, SamplingParams(max_tokens=24, temperature=0.0))
     js = shapes.generate(json_reqs, [SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredSpec(
-        "json", schema(asked[ex["question"]]))) for ex in exs])
-    free_hits, json_hits = {k: 0 for k in props}, {k: 0 for k in props}
+        "json", S.json_schema(asked[ex["question"]]))) for ex in exs])
+    free_hits, json_hits = {k: 0 for k in S.JSON_TYPES}, {k: 0 for k in S.JSON_TYPES}
     for ex, f, j in zip(exs, free, js):
         obj = json.loads(j.text)
-        jsonschema.validate(obj, {"type": "object", "properties": props, "required": list(props),
-                                  "additionalProperties": False})
+        jsonschema.validate(obj, S.json_schema("shape"))
         field = asked[ex["question"]]
         assert list(obj)[0] == field
         free_hits[field] += S.answer_matches(f.text, ex["answer"])
-        json_hits[field] += str(obj[field]) == ex["answer"]
-    assert sum(free_hits.values()) >= 20, free_hits
-    for field in ("shape", "color"):
+        json_hits[field] += S.json_matches(j.text, field, ex["answer"])
+    assert sum(free_hits.values()) >= 65, free_hits
+    for field in S.JSON_TYPES:
         assert json_hits[field] >= free_hits[field], (field, json_hits, free_hits)
-    assert json_hits["count"] >= free_hits["count"] - 1, (json_hits, free_hits)
 
 
 # ---- through the server and the official openai client -----------------------------------------------

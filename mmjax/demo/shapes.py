@@ -26,6 +26,11 @@ type                  question                    answer
                                                   a green triangle"
 ====================  ==========================  =====================================
 
+JSON answers: with the system prompt ``JSON_SYSTEM`` before the question, the single-value
+questions (``shape``, ``color``, ``count``) are answered as a one-key JSON object:
+``{"shape": "circle"}``, ``{"color": "red"}``, ``{"count": 2}`` (`json_answer`; the training
+question types ``shape_json`` / ``color_json`` / ``count_json``).
+
 Everything here is host-side numpy/Pillow; the generator is deterministic given a
 ``numpy.random.Generator``.
 """
@@ -69,6 +74,9 @@ Q_SHAPE = "What shape is this?"
 Q_COLOR = "What color is the shape?"
 Q_COUNT = "How many shapes are there?"
 Q_DESCRIBE = "Describe the image."
+# The single-value question types that also have a JSON form (see `json_answer`).
+JSON_TYPES = ("shape", "color", "count")
+JSON_SYSTEM = "Answer the question in JSON."
 _EXISTS_RE = re.compile(r"^is there an? (\w+) (\w+)\?$")
 
 
@@ -264,6 +272,37 @@ def make_question(rng: np.random.Generator, scene: Scene, qtype: str | None = No
         c, k = _exists_negative(rng, scene)
         return exists_question(c, k), "no"
     raise ValueError(f"unknown question type {qtype!r}; expected one of {QUESTION_TYPES}")
+
+
+def json_answer(qtype: str, answer: str) -> str:
+    """The JSON form of a shape / color / count answer: '{"shape": "circle"}', '{"count": 2}'
+    (the count a JSON integer, the names strings), spaced separators as json.dumps writes them."""
+    import json
+    if qtype not in JSON_TYPES:
+        raise ValueError(f"only {JSON_TYPES} questions have a JSON answer, got {qtype!r}")
+    return json.dumps({qtype: int(answer) if qtype == "count" else answer})
+
+
+def json_schema(first: str) -> dict:
+    """A JSON schema of all three single values, {"shape": enum, "color": enum, "count": 0-9},
+    with `first` (the asked one) as the first key: the model answers a JSON question with that
+    key first (`json_answer`), and the grammar then adds the other two. Spaced separators (an
+    llguidance "x-guidance" option) as `json_answer` writes them."""
+    props = {"shape": {"enum": list(SHAPES)}, "color": {"enum": list(COLORS)},
+             "count": {"type": "integer", "minimum": 0, "maximum": 9}}
+    order = [first] + [k for k in props if k != first]
+    return {"x-guidance": {"key_separator": ": ", "item_separator": ", "}, "type": "object",
+            "properties": {k: props[k] for k in order}, "required": order, "additionalProperties": False}
+
+
+def json_matches(pred: str, qtype: str, gold: str) -> bool:
+    """A JSON answer (`json_answer`, maybe with more keys) carries the gold value of `qtype`."""
+    import json
+    try:
+        obj = json.loads(pred)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and str(obj.get(qtype)) == gold
 
 
 def exists_target(question: str) -> tuple[str, str] | None:

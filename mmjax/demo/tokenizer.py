@@ -162,10 +162,11 @@ def encode_chat(tok, messages: list, add_generation_prompt: bool = False) -> lis
                       add_special_tokens=False).ids
 
 
-def vqa_messages(question: str, answer: str | None = None) -> list:
+def vqa_messages(question: str, answer: str | None = None, system: str | None = None) -> list:
     """The single-turn conversation the demo trains on (the template renders the question
-    before the image)."""
-    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    before the image), after an optional system prompt."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
     if answer is not None:
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
     return msgs

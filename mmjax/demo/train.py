@@ -142,11 +142,13 @@ class Encoder:
             out.extend([T.IMAGE_ID] * self.n_img if t == T.IMAGE_ID else [t])
         return out
 
-    def __call__(self, q: str, a: str):
+    def __call__(self, q, a: str):
+        """q: the question, or (system prompt, question)."""
         key = (q, a)
         if key not in self.cache:
-            full = self.expand(T.encode_chat(self.tok, T.vqa_messages(q, a)))
-            prompt = self.expand(T.encode_chat(self.tok, T.vqa_messages(q), True))
+            system, q = q if isinstance(q, tuple) else (None, q)
+            full = self.expand(T.encode_chat(self.tok, T.vqa_messages(q, a, system)))
+            prompt = self.expand(T.encode_chat(self.tok, T.vqa_messages(q, None, system), True))
             assert full[:len(prompt)] == prompt, (q, a)
             self.cache[key] = (np.asarray(full, np.int32), len(prompt))
         return self.cache[key]
@@ -174,7 +176,8 @@ class Encoder:
 def max_seq_len(enc: Encoder) -> int:
     """Longest training sequence (3-shape description with the longest words), rounded to 8."""
     longest = 0
-    for q in [S.Q_SHAPE, S.Q_COLOR, S.Q_COUNT, S.Q_DESCRIBE, S.exists_question("yellow", "triangle")]:
+    for q in [S.Q_SHAPE, S.Q_COLOR, S.Q_COUNT, S.Q_DESCRIBE, S.exists_question("yellow", "triangle"),
+              (S.JSON_SYSTEM, S.Q_SHAPE)]:
         a = "a yellow triangle, a yellow triangle and a yellow triangle"
         longest = max(longest, len(enc(q, a)[0]))
     return int(math.ceil(longest / 8) * 8)
@@ -255,19 +258,26 @@ class Sampler:
         self.hard = np.asarray([i for i, s in enumerate(scenes) if is_hard_describe(s)])
         self.types = list(QUESTION_TYPES)
         w = weights or QTYPE_WEIGHTS
-        self.p = np.asarray([w[t] for t in self.types], np.float64)
+        if set(w) - set(self.types):
+            raise ValueError(f"unknown question types {sorted(set(w) - set(self.types))}; expected {self.types}")
+        self.p = np.asarray([w.get(t, 0.0) for t in self.types], np.float64)
         self.p /= self.p.sum()
 
     def example(self, rng, qtype=None):
+        """-> (scene index, question, answer, qtype); a "<type>_json" question is (JSON_SYSTEM,
+        question) with the answer's JSON form (`shapes.json_answer`)."""
         qtype = qtype or self.types[int(rng.choice(len(self.types), p=self.p))]
-        if qtype in ("shape", "color"):
+        base = qtype.removesuffix("_json")
+        if base in ("shape", "color"):
             i = int(self.one[rng.integers(len(self.one))])
-        elif qtype == "describe" and len(self.hard) and rng.random() < self.hard_describe:
+        elif base == "describe" and len(self.hard) and rng.random() < self.hard_describe:
             i = int(self.hard[rng.integers(len(self.hard))])
         else:
             group = self.by_count[int(rng.integers(len(self.by_count)))]
             i = int(group[rng.integers(len(group))])
-        q, a = S.make_question(rng, self.scenes[i], qtype)
+        q, a = S.make_question(rng, self.scenes[i], base)
+        if base != qtype:
+            q, a = (S.JSON_SYSTEM, q), S.json_answer(base, a)
         return i, q, a, qtype
 
     def batch(self, rng, b: int, examples=None):
@@ -291,7 +301,8 @@ class Sampler:
                 np.concatenate([self.labels[sel], query, phrase], axis=1), [e[3] for e in examples])
 
 
-QUESTION_TYPES = S.QUESTION_TYPES
+# the five question types, then the JSON forms of the single-value ones (`shapes.json_answer`)
+QUESTION_TYPES = S.QUESTION_TYPES + tuple(f"{t}_json" for t in S.JSON_TYPES)
 
 
 # ----------------------------------------------------------------------------- model
@@ -655,9 +666,10 @@ def evaluate(eval_step, params, sampler: Sampler, examples, batch: int = 64) -> 
     return out
 
 
-def fixed_eval_examples(sampler: Sampler, n: int, seed: int) -> list:
+def fixed_eval_examples(sampler: Sampler, n: int, seed: int, types=QUESTION_TYPES) -> list:
+    """n examples cycling over `types`."""
     rng = np.random.default_rng(seed)
-    types = list(QUESTION_TYPES)
+    types = list(types)
     return [sampler.example(rng, types[i % len(types)]) for i in range(n)]
 
 
@@ -700,7 +712,9 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     log(f"describe: {hard_describe:.0%} from the {len(sampler.hard)} scenes with a color shared "
         f"by two kinds or two centers < {CLOSE_CENTERS:.0%} of the width apart")
     ev_sampler = Sampler(eval_pool[0], eval_pool[1], enc, seq)
-    ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000)
+    # held out over the types trained on (the JSON forms only when the mix has them)
+    ev_examples = fixed_eval_examples(ev_sampler, eval_size, seed + 20_000,
+                                      [t for t, p in zip(sampler.types, sampler.p) if p > 0])
 
     tx, train_step, eval_step = make_steps(cfg, weight_decay=weight_decay,
                                            aux_weight=aux_weight, bf16=bf16)
