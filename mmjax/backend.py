@@ -107,6 +107,18 @@ def pallas_kernels_enabled() -> bool:
     return current_platform() in ("gpu", "cuda") if chosen is None else chosen
 
 
+@contextlib.contextmanager
+def cpu_kernels(enabled: bool) -> Iterator[None]:
+    """Trace with mmjax's CPU kernels allowed or not (what `Tuning.traced` sets per step; tests
+    compare against XLA's own dots with cpu_kernels(False))."""
+    prev = getattr(_target, "cpu_kernels", None)
+    _target.cpu_kernels = enabled
+    try:
+        yield
+    finally:
+        _target.cpu_kernels = prev
+
+
 def cpu_kernels_enabled() -> bool:
     """May the code being traced call mmjax's CPU kernels (custom calls)? Inside a step traced by
     `Tuning.traced`: its answer; elsewhere: whether the platform compiled for is the CPU. Never
