@@ -21,20 +21,17 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import math
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-
-log = logging.getLogger(__name__)
 
 MAX_ROWS = 16                 # rows one call handles (the .cc's kMaxRows)
 _SOURCE = Path(__file__).with_name("cpu_gemv.cc")
@@ -56,17 +53,17 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    for c in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if c and shutil.which(c):
-            return c
-    return None
+    """$CXX when set (and only it), else the first of g++ / c++ / clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return os.environ["CXX"] if shutil.which(os.environ["CXX"]) else None
+    return next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
 
 
 def _build() -> Path:
     """The compiled library's path, compiling it first if no cached copy exists."""
     cxx = _compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX)")
+        raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX', '')!r}, g++, c++, clang++)")
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     h = hashlib.sha256()
@@ -110,8 +107,8 @@ def _load():
             _state["lib"] = lib
         except Exception as e:       # no compiler, a compile error, a missing symbol: XLA's dots
             _state["error"] = f"{type(e).__name__}: {e}"
-            log.warning("mmjax CPU matmul kernel unavailable, using XLA's dots: %s", _state["error"])
-            print(f"mmjax: CPU matmul kernel unavailable, using XLA's dots ({_state['error'][:300]})", file=sys.stderr)
+            warnings.warn(f"mmjax's CPU matmul kernel is unavailable, using XLA's dots: {_state['error'][:500]}",
+                          RuntimeWarning, stacklevel=2)
         return _state.get("lib")
 
 
