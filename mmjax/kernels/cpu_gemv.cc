@@ -7,14 +7,21 @@
 //   mmjax_gemv_s8:   x int8 [M, G * Kg], W int8 [G * Kg, N] -> int32 [M, G, N]: one exact
 //     integer dot per group of Kg weight rows (s8 x s8 -> s32, wrapping like XLA's s32 dot).
 //
-// Layout of the work: the N columns are split into contiguous ranges, one per thread of XLA's
-// intra-op pool (the caller takes ranges too, so a busy pool never stalls it). A range is done
-// in chunks of C columns whose f32 / s32 accumulators (M x C) stay in L1; each chunk streams its
-// column slice of every weight row, two rows at a time: the two rows' 32 columns are interleaved
-// into pairs (row k, row k+1) and one instruction per activation row adds both products per
-// column (AVX512-BF16 vdpbf16ps for bf16, AVX512-VNNI vpdpwssd on the rows widened to int16 for
-// int8). The interleave permutes columns inside 128-bit lanes; the accumulators are kept in that
-// order and put back in order once per chunk. The next row pair of the chunk is prefetched.
+// Layout of the work: the N columns are split into contiguous ranges claimed by the caller and
+// by tasks on XLA's intra-op thread pool. A range is done in chunks of C columns whose f32 / s32
+// accumulators (M x C, up to 128 KiB) stay in cache. A chunk is swept by blocks of a few weight
+// rows (8 for bf16, 12 for int8: few enough concurrent streams for the prefetchers); within a
+// block, one column group (32 bf16 / 64 int8 columns) at a time keeps the accumulators of up to
+// 8 (bf16) / 4 (int8) activation rows in registers across the block's rows, more rows taking
+// more passes over the same (cached) weight lines.
+//   bf16: two rows' 32 columns are interleaved into (row k, row k+1) pairs; one AVX512-BF16
+//     vdpbf16ps per activation row adds both products (exact in f32) per column.
+//   int8: four rows' 64 columns are interleaved into quads; one AVX512-VNNI vpdpbusd per
+//     activation row adds four products per column into int32. vpdpbusd multiplies unsigned by
+//     signed bytes: the weight is made unsigned (w + 128, the sign bit flipped) and the
+//     activation is the signed operand; the 128 * sum(x) this adds is taken off at the store.
+//   The interleave permutes columns inside 128-bit lanes; accumulators are kept in that order
+//   and put back in order once per chunk.
 // CPUs without those instructions take the plain C++ loops below (same results: exact for int8,
 // up to summation order for bf16).
 #include <atomic>
@@ -36,13 +43,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxRows = 16;               // M handled per call (more: the caller splits)
+constexpr int kMaxRows = 16;               // M handled per call (cpu_gemv.MAX_ROWS)
 constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L2)
 
-// 0: choose at run time, 1: force the plain C++ loops (tests), set through mmjax_gemv_set_isa.
+// 0: choose at run time, 1: force the plain C++ loops (tests), set through mmjax_gemv_set_generic.
 std::atomic<int> g_force_generic{0};
+// Tuning (defaults picked on the 2-core Sapphire Rapids box; mmjax_gemv_tune sets them for
+// benchmark sweeps): the widest chunk in columns, rows per block in bf16 pairs / int8 quads, and
+// the thread count (0: XLA's pool's).
 int g_max_cols = 16384, g_block_pairs = 4, g_block_quads = 3, g_threads = 0;
-std::atomic<int> g_seen_threads{0};
 
 bool HasAvx512() {
 #if defined(__x86_64__)
@@ -267,9 +276,11 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
 #endif  // __x86_64__
 
 // ---------------------------------------------------------------------------------------------
-// Threads: `parts` column ranges claimed from a shared counter by the caller and by tasks on
-// XLA's pool. The caller waits only for ranges someone has claimed (those run now), so a pool
-// that runs tasks late, or never in parallel, cannot deadlock it; state outlives late tasks.
+// Threads: `parts` column ranges claimed from a shared counter by the caller and by up to
+// `threads - 1` tasks on XLA's intra-op pool. More ranges than threads, so a thread slowed down
+// by other work on the machine takes fewer of them. The caller waits only for ranges someone has
+// claimed (those are running), so a pool that runs tasks late, or never in parallel, cannot
+// deadlock it; the shared state outlives tasks that start after the call has returned.
 
 struct Job {
   std::atomic<int> next{0};
@@ -286,9 +297,9 @@ struct Job {
 };
 
 template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int parts, F&& f) {
-  if (parts <= 1) {
-    f(0);
+void ParallelFor(ffi::ThreadPool& pool, int threads, int parts, F&& f) {
+  if (parts <= 1 || threads <= 1) {
+    for (int p = 0; p < parts; ++p) f(p);
     return;
   }
   auto job = std::make_shared<Job>();
@@ -296,7 +307,7 @@ void ParallelFor(ffi::ThreadPool& pool, int parts, F&& f) {
   using Fn = std::remove_reference_t<F>;
   job->fn = const_cast<void*>(static_cast<const void*>(&f));
   job->call = [](void* fn, int p) { (*static_cast<Fn*>(fn))(p); };
-  for (int i = 1; i < parts; ++i) pool.Schedule([job] { job->Work(); });
+  for (int i = 1; i < threads && i < parts; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
   for (int spins = 0; job->done.load(std::memory_order_acquire) < parts; ++spins) {
     if (spins < 4096) {
@@ -309,17 +320,17 @@ void ParallelFor(ffi::ThreadPool& pool, int parts, F&& f) {
   }
 }
 
-// contiguous column ranges of about equal size, aligned to 64 columns
-int Parts(ffi::ThreadPool& pool, int64_t N) {
-  int64_t threads = pool.num_threads();
-  g_seen_threads = static_cast<int>(threads);
-  if (g_threads) threads = g_threads;
-  if (threads < 1) threads = 1;
-  int64_t by_size = N / 512;        // tiny matmuls are not worth a task
-  int64_t parts = threads < by_size ? threads : by_size;
-  return parts < 1 ? 1 : static_cast<int>(parts);
+int Threads(ffi::ThreadPool& pool) {
+  const int64_t threads = g_threads ? g_threads : pool.num_threads();
+  return threads < 1 ? 1 : static_cast<int>(std::min<int64_t>(threads, 256));
 }
 
+// column ranges: 4 per thread, none under 512 columns (tiny matmuls are not worth a task)
+int Parts(int threads, int64_t N) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(4 * threads, N / 512)));
+}
+
+// contiguous column ranges of about equal size, aligned to 64 columns
 void Bounds(int64_t N, int parts, int p, int64_t* n0, int64_t* n1) {
   const int64_t per = ((N + parts - 1) / parts + 63) / 64 * 64;
   *n0 = per * p < N ? per * p : N;
@@ -349,8 +360,8 @@ ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   for (int64_t m = 0; m < M && simd; ++m)
     for (int64_t p = 0; p < P; ++p)
       xw[m * P + p] = xp[m * K + 2 * p] | (2 * p + 1 < K ? uint32_t(xp[m * K + 2 * p + 1]) << 16 : 0u);
-  const int parts = Parts(pool, N);
-  ParallelFor(pool, parts, [&](int p) {
+  const int threads = Threads(pool), parts = Parts(threads, N);
+  ParallelFor(pool, threads, parts, [&](int p) {
     int64_t n0, n1;
     Bounds(N, parts, p, &n0, &n1);
     if (n0 >= n1) return;
@@ -397,8 +408,8 @@ ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi:
       }
       xsum[m * G + g] = sum;
     }
-  const int parts = Parts(pool, N);
-  ParallelFor(pool, parts, [&](int p) {
+  const int threads = Threads(pool), parts = Parts(threads, N);
+  ParallelFor(pool, threads, parts, [&](int p) {
     int64_t n0, n1;
     Bounds(N, parts, p, &n0, &n1);
     if (n0 >= n1) return;
@@ -428,7 +439,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
                                   .Attr<int64_t>("groups"));
 
 extern "C" {
-int mmjax_gemv_tune(int cols, int pairs, int quads, int threads) { g_max_cols = cols; g_block_pairs = pairs; g_block_quads = quads; g_threads = threads; return g_seen_threads; }
+// benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
+void mmjax_gemv_tune(int cols, int pairs, int quads, int threads) {
+  g_max_cols = std::max(64, cols);
+  g_block_pairs = std::max(1, pairs);
+  g_block_quads = std::max(1, quads);
+  g_threads = std::max(0, threads);
+}
 // 1: plain C++ loops even where AVX-512 is there (tests); 0: choose at run time. Returns 1 when
 // the AVX-512 path is in use afterwards.
 int mmjax_gemv_set_generic(int generic) {
