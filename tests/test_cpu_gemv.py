@@ -47,8 +47,10 @@ def test_kernel_equals_reference(generic):
     simd = cpu_gemv.set_generic(generic)
     try:
         assert not (generic and simd)
-        # (rows, K, N, groups): N below / across the 32- and 64-column tiles, odd K, ragged groups
-        for m, k, n, g in ((1, 77, 1000, 1), (16, 130, 531, 2), (3, 96, 70, 3), (1, 2048, 4160, 16), (16, 9, 1, 1)):
+        # (rows, K, N, groups): N below / across the 32- and 64-column tiles and split over
+        # threads, odd K, groups of a size not a multiple of 4, each register-block size of rows
+        for m, k, n, g in ((1, 77, 1000, 1), (16, 130, 531, 2), (3, 96, 70, 3), (8, 1030, 4160, 5),
+                           (1, 256, 8300, 2), (16, 9, 1, 1)):
             x, w = _bf16(rng, m, k), _bf16(rng, k, n)
             got = np.asarray(bf16(x, w))
             want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)

@@ -10,7 +10,8 @@
 // Layout of the work: the N columns are split into contiguous ranges claimed by the caller and
 // by tasks on XLA's intra-op thread pool. A range is done in chunks of C columns whose f32 / s32
 // accumulators (M x C, up to 128 KiB) stay in cache. A chunk is swept by blocks of a few weight
-// rows (8 for bf16, 12 for int8: few enough concurrent streams for the prefetchers); within a
+// rows (8 bf16 / 12 int8 rows for up to 4 activation rows: few concurrent streams for the
+// prefetchers; more for more activation rows); within a
 // block, one column group (32 bf16 / 64 int8 columns) at a time keeps the accumulators of up to
 // 8 (bf16) / 4 (int8) activation rows in registers across the block's rows, more rows taking
 // more passes over the same (cached) weight lines.
@@ -48,10 +49,16 @@ constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L
 
 // 0: choose at run time, 1: force the plain C++ loops (tests), set through mmjax_gemv_set_generic.
 std::atomic<int> g_force_generic{0};
-// Tuning (defaults picked on the 2-core Sapphire Rapids box; mmjax_gemv_tune sets them for
-// benchmark sweeps): the widest chunk in columns, rows per block in bf16 pairs / int8 quads, and
-// the thread count (0: XLA's pool's).
-int g_max_cols = 16384, g_block_pairs = 4, g_block_quads = 3, g_threads = 0;
+// Tuning (picked on the 2-core box, [1..16, 1024..2048] x [.., 8192..32000]; mmjax_gemv_tune
+// sets them for benchmark sweeps): the widest chunk in columns; rows per block in bf16 pairs /
+// int8 quads (0: by M: one row streams best with few concurrent rows, more rows are bound by the
+// dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
+// column ranges per thread; the narrowest range in bytes of a weight row.
+int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
+    g_min_part_bytes = 4096;
+
+int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
+int BlockQuads(int M) { return g_block_quads ? g_block_quads : M <= 4 ? 3 : M <= 8 ? 6 : 8; }
 
 bool HasAvx512() {
 #if defined(__x86_64__)
@@ -214,8 +221,8 @@ MMJAX_AVX512 void Bf16Range(const uint32_t* xw, int M, int64_t K, int64_t N, con
   const int64_t C = std::min<int64_t>(kAccBytes / (4 * 32 * M) * 32, g_max_cols);
   for (int64_t c0 = n0; c0 < n1; c0 += C) {
     const int64_t cols = std::min(C, n1 - c0);
-    for (int64_t p0 = 0; p0 < P; p0 += g_block_pairs) {
-      const int64_t p1 = std::min(P, p0 + g_block_pairs);
+    for (int64_t p0 = 0; p0 < P; p0 += BlockPairs(M)) {
+      const int64_t p1 = std::min(P, p0 + BlockPairs(M));
       for (int64_t c = 0; c < cols; c += 32) {
         float* ag = acc + c * M;
         const __mmask32 mask = Mask32(cols - c);
@@ -250,8 +257,8 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
     for (int64_t g = 0; g < G; ++g) {
       const int8_t* wg = w + g * Kg * N;
       const int64_t rows_left = K - g * Kg;
-      for (int64_t q0 = 0; q0 < Q; q0 += g_block_quads) {
-        const int64_t q1 = std::min(Q, q0 + g_block_quads);
+      for (int64_t q0 = 0; q0 < Q; q0 += BlockQuads(M)) {
+        const int64_t q1 = std::min(Q, q0 + BlockQuads(M));
         for (int64_t c = 0; c < cols; c += 64) {
           int32_t* ag = acc + c * M;
           const __mmask64 mask = Mask64(cols - c);
@@ -325,9 +332,11 @@ int Threads(ffi::ThreadPool& pool) {
   return threads < 1 ? 1 : static_cast<int>(std::min<int64_t>(threads, 256));
 }
 
-// column ranges: 4 per thread, none under 512 columns (tiny matmuls are not worth a task)
-int Parts(int threads, int64_t N) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(4 * threads, N / 512)));
+// column ranges: a few per thread, none narrower than g_min_part_bytes of a weight row (short
+// row segments stream worse, and tiny matmuls are not worth a task)
+int Parts(int threads, int64_t N, int64_t elem_bytes) {
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, N * elem_bytes / g_min_part_bytes)));
 }
 
 // contiguous column ranges of about equal size, aligned to 64 columns
@@ -360,7 +369,7 @@ ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   for (int64_t m = 0; m < M && simd; ++m)
     for (int64_t p = 0; p < P; ++p)
       xw[m * P + p] = xp[m * K + 2 * p] | (2 * p + 1 < K ? uint32_t(xp[m * K + 2 * p + 1]) << 16 : 0u);
-  const int threads = Threads(pool), parts = Parts(threads, N);
+  const int threads = Threads(pool), parts = Parts(threads, N, 2);
   ParallelFor(pool, threads, parts, [&](int p) {
     int64_t n0, n1;
     Bounds(N, parts, p, &n0, &n1);
@@ -408,7 +417,7 @@ ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi:
       }
       xsum[m * G + g] = sum;
     }
-  const int threads = Threads(pool), parts = Parts(threads, N);
+  const int threads = Threads(pool), parts = Parts(threads, N, 1);
   ParallelFor(pool, threads, parts, [&](int p) {
     int64_t n0, n1;
     Bounds(N, parts, p, &n0, &n1);
@@ -440,10 +449,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
 
 extern "C" {
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
-void mmjax_gemv_tune(int cols, int pairs, int quads, int threads) {
+void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
+  g_parts_per_thread = std::max(1, parts_per_thread);
+  g_min_part_bytes = std::max(64, min_part_bytes);
   g_max_cols = std::max(64, cols);
-  g_block_pairs = std::max(1, pairs);
-  g_block_quads = std::max(1, quads);
+  g_block_pairs = std::max(0, pairs);
+  g_block_quads = std::max(0, quads);
   g_threads = std::max(0, threads);
 }
 // 1: plain C++ loops even where AVX-512 is there (tests); 0: choose at run time. Returns 1 when
