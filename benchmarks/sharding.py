@@ -100,6 +100,8 @@ def bytes_per_device(tree) -> int:
 
 def decode_figures(tm, text_params, tp: int, slots: int, max_len: int, dtype) -> dict:
     """Per-device weight / KV bytes and the compiled decode step's collectives, all abstract."""
+    import dataclasses
+
     import jax
 
     from mmjax.backend import tuning
@@ -123,7 +125,9 @@ def decode_figures(tm, text_params, tp: int, slots: int, max_len: int, dtype) ->
 
     class _Fam:                      # make_decode_step only reads the text model
         text_model = tm
-    fn = jax.jit(make_decode_step(_Fam, tuning("cpu"), tm, gather), static_argnames=("rows",),
+    # the runner's step: traced with its tuning (a sharded step keeps XLA's dots, no CPU kernels)
+    t = dataclasses.replace(tuning("cpu"), sharded=tp > 1)
+    fn = jax.jit(t.traced(make_decode_step(_Fam, t, tm, gather)), static_argnames=("rows",),
                  donate_argnums=(1, 2), out_shardings=step_shardings(cs, rep, pl.sharding("outputs")))
     kv_lens = jax.ShapeDtypeStruct((tm.num_layers,), jax.numpy.int32)     # per layer (FastV-pruned layers)
     bits = jax.ShapeDtypeStruct((slots, (tm.vocab_size + 31) // 32), jax.numpy.uint32)

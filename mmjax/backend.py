@@ -39,15 +39,22 @@ class Tuning:
         cache included, onto each device), so a mesh keeps XLA's own attention ops."""
         return self.platform in ("gpu", "cuda") and not self.sharded
 
+    @property
+    def cpu_kernels(self) -> bool:
+        """mmjax's own CPU kernels (mmjax.kernels: the narrow-weight decode matmul) inside the
+        steps: on the CPU, and only unsharded (a custom call cannot be SPMD-partitioned either)."""
+        return self.platform == "cpu" and not self.sharded
+
     def traced(self, fn):
-        """fn, tracing with this tuning's kernel choice in effect (`pallas_kernels_enabled`)."""
+        """fn, tracing with this tuning's kernel choices in effect (`pallas_kernels_enabled`,
+        `cpu_kernels_enabled`)."""
         def wrapped(*args, **kw):
-            prev = getattr(_target, "pallas", None)
-            _target.pallas = self.pallas_kernels
+            prev = getattr(_target, "pallas", None), getattr(_target, "cpu_kernels", None)
+            _target.pallas, _target.cpu_kernels = self.pallas_kernels, self.cpu_kernels
             try:
                 return fn(*args, **kw)
             finally:
-                _target.pallas = prev
+                _target.pallas, _target.cpu_kernels = prev
         return functools.wraps(fn)(wrapped)
 
     @property
@@ -98,6 +105,26 @@ def pallas_kernels_enabled() -> bool:
     its answer; elsewhere: whether the platform compiled for is a CUDA GPU."""
     chosen = getattr(_target, "pallas", None)
     return current_platform() in ("gpu", "cuda") if chosen is None else chosen
+
+
+@contextlib.contextmanager
+def cpu_kernels(enabled: bool) -> Iterator[None]:
+    """Trace with mmjax's CPU kernels allowed or not (what `Tuning.traced` sets per step; tests
+    compare against XLA's own dots with cpu_kernels(False))."""
+    prev = getattr(_target, "cpu_kernels", None)
+    _target.cpu_kernels = enabled
+    try:
+        yield
+    finally:
+        _target.cpu_kernels = prev
+
+
+def cpu_kernels_enabled() -> bool:
+    """May the code being traced call mmjax's CPU kernels (custom calls)? Inside a step traced by
+    `Tuning.traced`: its answer; elsewhere: whether the platform compiled for is the CPU. Never
+    while compiling for a GPU / TPU (`compiling_for`)."""
+    chosen = getattr(_target, "cpu_kernels", None)
+    return current_platform() == "cpu" and (chosen is None or chosen)
 
 
 def tuning(platform: str | None = None) -> Tuning:

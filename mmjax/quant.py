@@ -147,18 +147,23 @@ def qragged_dot(x: jax.Array, w: QArray, sizes: jax.Array) -> jax.Array:
 def qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
     """x [..., in] @ w -> [..., out] in out_dtype (default x's dtype): quantize x per token, an
     8-bit dot with a wide accumulator (s32 for int8, f32 for fp8), rescale in float32."""
+    from mmjax.kernels import cpu_gemv
     kind = w.kind
     g = w.scale.shape[0]
     d_in, d_out = w.shape
     xq, xs = _quantize_acts(x, kind, g)
     acc_t = jnp.int32 if kind == "int8" else jnp.float32
     k = d_in // g
+    # a few rows on the CPU: mmjax's kernel gives every group's exact s32 dot in one pass over
+    # the weight (the same integers as the dots below, so the same result bit for bit)
+    accs = cpu_gemv.gemv_s8(xq.reshape(*x.shape[:-1], d_in), w.q, g) if cpu_gemv.covers(x, w) else None
     y = None
     # groups: one 2-D dot per contiguous row block of the weight (a batched [g, k, out] dot
     # makes XLA:CPU copy / convert the weight every step; row slices of it are free views)
     for i in range(g):
-        acc = jax.lax.dot_general(xq[..., i, :], w.q[i * k:(i + 1) * k], (((xq.ndim - 2,), (0,)), ((), ())),
-                                  preferred_element_type=acc_t)            # [..., out]
+        acc = accs[..., i, :] if accs is not None else jax.lax.dot_general(
+            xq[..., i, :], w.q[i * k:(i + 1) * k], (((xq.ndim - 2,), (0,)), ((), ())),
+            preferred_element_type=acc_t)                                   # [..., out]
         part = acc.astype(jnp.float32) * xs[..., i, :] * w.scale[i]
         y = part if y is None else y + part
     return y.astype(out_dtype or x.dtype)

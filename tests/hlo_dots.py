@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import re
 
-# stablehlo.dot_general %a, %b, ... : (tensor<AxBxbf16>, tensor<BxCxbf16>) -> tensor<AxCxf32>
-_DOT = re.compile(r"stablehlo\.(?:dot_general|dot|ragged_dot)\b.*?:\s*\((tensor<[^>]*>), (tensor<[^>]*>)[^)]*\)"
+# stablehlo.dot_general %a, %b, ... : (tensor<AxBxbf16>, tensor<BxCxbf16>) -> tensor<AxCxf32>; mmjax's
+# CPU matmul kernel (mmjax.kernels.cpu_gemv) counts as a dot: stablehlo.custom_call @mmjax_gemv_bf16(...)
+_DOT = re.compile(r"stablehlo\.(?:dot_general|dot|ragged_dot|custom_call @mmjax_gemv_\w+)\b.*?:\s*"
+                  r"\((tensor<[^>]*>), (tensor<[^>]*>)[^)]*\)"
                   r"\s*->\s*(tensor<[^>]*>)")
 
 
 def dots(text: str) -> list[tuple[str, str, str]]:
-    """(lhs type, rhs type, result type) of every dot in the module, e.g. ("tensor<1x64xbf16>", ...)."""
+    """(lhs type, rhs type, result type) of every dot in the module (mmjax's CPU matmul kernel
+    calls included), e.g. ("tensor<1x64xbf16>", ...)."""
     return _DOT.findall(text)
 
 

@@ -16,11 +16,18 @@ def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
     patch embeddings), so the precision policy sits in one place: bf16 x bf16 runs as a dot with
     an f32 result (`preferred_element_type`), cast back to bf16 where the activations are bf16
     (AMX / tensor cores take bf16 operands and accumulate in f32; a bf16-result dot gains
-    nothing on CPU), and a quantized weight (`mmjax.quant.QArray`) takes its 8-bit dot."""
+    nothing on CPU), and a quantized weight (`mmjax.quant.QArray`) takes its 8-bit dot. On the
+    CPU, a few rows (decode) of a bf16 or int8 weight go to mmjax's own kernel
+    (`mmjax.kernels.cpu_gemv`), which reads the weight as stored at memory bandwidth."""
+    from mmjax.kernels import cpu_gemv
     from mmjax.quant import QArray, qmatmul
+    kernel = cpu_gemv.covers(x, w)
     if isinstance(w, QArray):
-        return one_row_as_two(lambda x: qmatmul(x, w, out_dtype), x)
+        dot = lambda x: qmatmul(x, w, out_dtype)          # (its int8 dot is the kernel when covered)
+        return dot(x) if kernel else one_row_as_two(dot, x)
     if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
+        if kernel:
+            return cpu_gemv.gemv_bf16(x, w).astype(out_dtype or jnp.bfloat16)
         return one_row_as_two(
             lambda x: jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype or jnp.bfloat16), x)
     y = x @ w
@@ -34,7 +41,8 @@ def one_row_as_two(dot, x: jax.Array) -> jax.Array:
     converts the whole weight to f32 / s32 on every call (a 2048x8192 bf16 matvec took 22 ms
     against 1.6 ms in f32). From two rows the dot goes to the YNNPACK library, which reads the
     narrow weight as it is (the decode step must allow library dots: `Tuning.compiler_options`).
-    Other backends and more rows: dot(x) unchanged."""
+    Only where mmjax's CPU kernel does not take the matmul (`cpu_gemv.covers`: a step sharded
+    over a mesh, fp8, no C++ compiler). Other backends and more rows: dot(x) unchanged."""
     if current_platform() != "cpu" or math.prod(x.shape[:-1]) != 1:
         return dot(x)
     y = dot(jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1])))

@@ -1,0 +1,466 @@
+// Skinny matmuls for CPU decode: y[M, N] = x[M, K] @ W[K, N] with few rows (M <= 16) and a
+// narrow weight read as it is stored, at memory bandwidth (mmjax/kernels/cpu_gemv.py builds
+// and registers this file through the XLA FFI).
+//
+//   mmjax_gemv_bf16: x bf16 [M, K], W bf16 [K, N] -> f32 [M, N]. Products of two bf16 are exact
+//     in f32, so the result is the f32 dot up to summation order.
+//   mmjax_gemv_s8:   x int8 [M, G * Kg], W int8 [G * Kg, N] -> int32 [M, G, N]: one exact
+//     integer dot per group of Kg weight rows (s8 x s8 -> s32, wrapping like XLA's s32 dot).
+//
+// Layout of the work: the N columns are split into contiguous ranges claimed by the caller and
+// by tasks on XLA's intra-op thread pool. A range is done in chunks of C columns whose f32 / s32
+// accumulators (M x C, up to 128 KiB) stay in cache. A chunk is swept by blocks of a few weight
+// rows (8 bf16 / 12 int8 rows for up to 4 activation rows: few concurrent streams for the
+// prefetchers; more for more activation rows); within a
+// block, one column group (32 bf16 / 64 int8 columns) at a time keeps the accumulators of up to
+// 8 (bf16) / 4 (int8) activation rows in registers across the block's rows, more rows taking
+// more passes over the same (cached) weight lines.
+//   bf16: two rows' 32 columns are interleaved into (row k, row k+1) pairs; one AVX512-BF16
+//     vdpbf16ps per activation row adds both products (exact in f32) per column.
+//   int8: four rows' 64 columns are interleaved into quads; one AVX512-VNNI vpdpbusd per
+//     activation row adds four products per column into int32. vpdpbusd multiplies unsigned by
+//     signed bytes: the weight is made unsigned (w + 128, the sign bit flipped) and the
+//     activation is the signed operand; the 128 * sum(x) this adds is taken off at the store.
+//   The interleave permutes columns inside 128-bit lanes; accumulators are kept in that order
+//   and put back in order once per chunk.
+// CPUs without those instructions take the plain C++ loops below (same results: exact for int8,
+// up to summation order for bf16).
+#include <atomic>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#include <memory>
+#include <thread>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 16;               // M handled per call (cpu_gemv.MAX_ROWS)
+constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L2)
+
+// 0: choose at run time, 1: force the plain C++ loops (tests), set through mmjax_gemv_set_generic.
+std::atomic<int> g_force_generic{0};
+// Tuning (picked on the 2-core box, [1..16, 1024..2048] x [.., 8192..32000]; mmjax_gemv_tune
+// sets them for benchmark sweeps): the widest chunk in columns; rows per block in bf16 pairs /
+// int8 quads (0: by M: one row streams best with few concurrent rows, more rows are bound by the
+// dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
+// column ranges per thread; the narrowest range in bytes of a weight row.
+int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
+    g_min_part_bytes = 4096;
+
+int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
+int BlockQuads(int M) { return g_block_quads ? g_block_quads : M <= 4 ? 3 : M <= 8 ? 6 : 8; }
+
+bool HasAvx512() {
+#if defined(__x86_64__)
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
+  return ok && g_force_generic.load(std::memory_order_relaxed) == 0;
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plain C++ (any CPU)
+
+float Bf16ToF32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+void GenericBf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* yr = y + m * N;
+    for (int64_t n = n0; n < n1; ++n) yr[n] = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = Bf16ToF32(x[m * K + k]);
+      const uint16_t* wr = w + k * N;
+      for (int64_t n = n0; n < n1; ++n) yr[n] += xv * Bf16ToF32(wr[n]);
+    }
+  }
+}
+
+void GenericS8(const int8_t* x, const int8_t* w, int32_t* y, int64_t M, int64_t G, int64_t Kg, int64_t N,
+               int64_t n0, int64_t n1) {
+  const int64_t K = G * Kg;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t* yr = y + (m * G + g) * N;
+      for (int64_t n = n0; n < n1; ++n) {
+        uint32_t acc = 0;   // unsigned: wraps like the s32 dot instead of overflowing
+        for (int64_t k = g * Kg; k < (g + 1) * Kg; ++k)
+          acc += static_cast<uint32_t>(static_cast<int32_t>(x[m * K + k]) * static_cast<int32_t>(w[k * N + n]));
+        yr[n] = static_cast<int32_t>(acc);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512
+
+#if defined(__x86_64__)
+#define MMJAX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
+
+inline __mmask64 Mask64(int64_t cols) { return cols >= 64 ? ~__mmask64(0) : (__mmask64(1) << cols) - 1; }
+inline __mmask32 Mask32(int64_t cols) { return cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1; }
+inline __mmask16 Mask16(int64_t cols) {
+  return cols >= 16 ? __mmask16(0xFFFF) : cols <= 0 ? __mmask16(0) : __mmask16((1u << cols) - 1);
+}
+
+// bf16: one column group = 32 columns, two rows per step. The rows' 32 bf16 are interleaved into
+// (row k, row k+1) pairs: lo = columns 8j..8j+3 of each 128-bit lane j, hi = 8j+4..8j+7; one
+// vdpbf16ps per activation row and half adds both products. Accumulators: [m][lo 16 | hi 16].
+template <int MG>
+MMJAX_AVX512 void Bf16Group(const uint32_t* xw, int64_t P, int64_t p0, int64_t p1, const uint16_t* w, int64_t N,
+                            int64_t K, int64_t c, __mmask32 mask, float* acc, bool first) {
+  __m512 a[MG][2];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+    a[m][0] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 32 * m);
+    a[m][1] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 32 * m + 16);
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* r0 = w + 2 * p * N + c;
+    const __mmask32 m1 = 2 * p + 1 < K ? mask : 0;
+    _mm_prefetch(reinterpret_cast<const char*>(r0 + 256), _MM_HINT_T0);        // 8 groups ahead
+    if (m1) _mm_prefetch(reinterpret_cast<const char*>(r0 + N + 256), _MM_HINT_T0);
+    const __m512i r = _mm512_maskz_loadu_epi16(mask, r0), s = _mm512_maskz_loadu_epi16(m1, r0 + N);
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r, s), hi = (__m512bh)_mm512_unpackhi_epi16(r, s);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xw[m * P + p]));
+      a[m][0] = _mm512_dpbf16_ps(a[m][0], lo, xb);
+      a[m][1] = _mm512_dpbf16_ps(a[m][1], hi, xb);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+    _mm512_store_ps(acc + 32 * m, a[m][0]);
+    _mm512_store_ps(acc + 32 * m + 16, a[m][1]);
+  }
+}
+
+// acc of one bf16 column group (M rows) -> out[m * ldo + c .. + cols)
+MMJAX_AVX512 void Bf16Store(const float* acc, int M, float* out, int64_t ldo, int64_t c, int64_t cols) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int m = 0; m < M; ++m) {
+    const __m512 lo = _mm512_load_ps(acc + 32 * m), hi = _mm512_load_ps(acc + 32 * m + 16);
+    _mm512_mask_storeu_ps(out + m * ldo + c, Mask16(cols), _mm512_permutex2var_ps(lo, i0, hi));
+    _mm512_mask_storeu_ps(out + m * ldo + c + 16, Mask16(cols - 16), _mm512_permutex2var_ps(lo, i1, hi));
+  }
+}
+
+// int8: one column group = 64 columns, four rows per step (AVX512-VNNI vpdpbusd: u8 x s8, four
+// products per int32 lane). The weight is made unsigned (w + 128, an xor of the sign bit) and the
+// activation is the signed operand; the 128 * sum(x) this adds is taken off at the store. The four
+// rows are interleaved into quads: q[i] holds columns 16j + 4i .. 16j + 4i + 3 of lane j.
+// Accumulators: [m][q0 | q1 | q2 | q3], 16 int32 each.
+template <int MG>
+MMJAX_AVX512 void S8Group(const uint32_t* xw, int64_t Q, int64_t q0, int64_t q1, const int8_t* w, int64_t N,
+                          int64_t rows_left0, int64_t c, __mmask64 mask, int32_t* acc, bool first) {
+  __m512i a[MG][4];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + 64 * m + 16 * i);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t q = q0; q < q1; ++q) {
+    const int8_t* r0 = w + 4 * q * N + c;
+    const int64_t left = rows_left0 - 4 * q;      // rows of this weight that exist from row 4q on
+    __m512i r[4];
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) {
+      const __mmask64 mi = i < left ? mask : 0;
+      if (mi) _mm_prefetch(reinterpret_cast<const char*>(r0 + i * N + 512), _MM_HINT_T0);   // 8 groups ahead
+      r[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mi, r0 + i * N), sign);
+    }
+    const __m512i t01l = _mm512_unpacklo_epi8(r[0], r[1]), t01h = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t23l = _mm512_unpacklo_epi8(r[2], r[3]), t23h = _mm512_unpackhi_epi8(r[2], r[3]);
+    const __m512i v[4] = {_mm512_unpacklo_epi16(t01l, t23l), _mm512_unpackhi_epi16(t01l, t23l),
+                          _mm512_unpacklo_epi16(t01h, t23h), _mm512_unpackhi_epi16(t01h, t23h)};
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xw[m * Q + q]));
+      _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_dpbusd_epi32(a[m][i], v[i], xb);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) _mm512_store_si512(acc + 64 * m + 16 * i, a[m][i]);
+}
+
+// acc of one int8 column group (M rows) minus 128 * xsum[m] -> out[m * ldo + c .. + cols)
+MMJAX_AVX512 void S8Store(const int32_t* acc, int M, const int32_t* xsum, int32_t* out, int64_t ldo, int64_t c,
+                          int64_t cols) {
+  for (int m = 0; m < M; ++m) {
+    const __m512i off = _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(xsum[m]) * 128u));
+    __m512i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm512_sub_epi32(_mm512_load_si512(acc + 64 * m + 16 * i), off);
+    // 4 x 4 transpose of 128-bit lanes: q[i] lane j = columns 16j + 4i .. + 3
+    const __m512i t0 = _mm512_shuffle_i32x4(q[0], q[1], 0x44), t1 = _mm512_shuffle_i32x4(q[2], q[3], 0x44);
+    const __m512i t2 = _mm512_shuffle_i32x4(q[0], q[1], 0xEE), t3 = _mm512_shuffle_i32x4(q[2], q[3], 0xEE);
+    const __m512i o[4] = {_mm512_shuffle_i32x4(t0, t1, 0x88), _mm512_shuffle_i32x4(t0, t1, 0xDD),
+                          _mm512_shuffle_i32x4(t2, t3, 0x88), _mm512_shuffle_i32x4(t2, t3, 0xDD)};
+    for (int i = 0; i < 4; ++i) _mm512_mask_storeu_epi32(out + m * ldo + c + 16 * i, Mask16(cols - 16 * i), o[i]);
+  }
+}
+
+// columns [n0, n1) of y = x @ W (bf16): chunks of columns, row blocks of kBf16Pairs pairs
+// swept across the chunk, activation rows in register passes of <= 8
+MMJAX_AVX512 void Bf16Range(const uint32_t* xw, int M, int64_t K, int64_t N, const uint16_t* w, float* y,
+                            int64_t n0, int64_t n1) {
+  alignas(64) static thread_local float acc[kAccBytes / 4];
+  const int64_t P = (K + 1) / 2;
+  const int64_t C = std::min<int64_t>(kAccBytes / (4 * 32 * M) * 32, g_max_cols);
+  for (int64_t c0 = n0; c0 < n1; c0 += C) {
+    const int64_t cols = std::min(C, n1 - c0);
+    for (int64_t p0 = 0; p0 < P; p0 += BlockPairs(M)) {
+      const int64_t p1 = std::min(P, p0 + BlockPairs(M));
+      for (int64_t c = 0; c < cols; c += 32) {
+        float* ag = acc + c * M;
+        const __mmask32 mask = Mask32(cols - c);
+        for (int m = 0; m < M; m += 8) {
+          const uint32_t* xm = xw + m * P;
+          float* am = ag + 32 * m;
+          switch (std::min(8, M - m)) {
+            case 1: Bf16Group<1>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+            case 2: Bf16Group<2>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+            case 3: Bf16Group<3>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+            case 4: Bf16Group<4>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+            case 5: Bf16Group<5>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+            case 6: Bf16Group<6>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+            case 7: Bf16Group<7>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+            default: Bf16Group<8>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+          }
+        }
+      }
+    }
+    for (int64_t c = 0; c < cols; c += 32) Bf16Store(acc + c * M, M, y, N, c0 + c, cols - c);
+  }
+}
+
+// columns [n0, n1) of the per-group int32 dots (int8): xw holds, per row m and group g, Q quads
+MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_t G, int64_t Kg, int64_t N,
+                          const int8_t* w, int32_t* y, int64_t n0, int64_t n1) {
+  alignas(64) static thread_local int32_t acc[kAccBytes / 4];
+  const int64_t Q = (Kg + 3) / 4, K = G * Kg;
+  const int64_t C = std::min<int64_t>(kAccBytes / (4 * 64 * M) * 64, g_max_cols);
+  for (int64_t c0 = n0; c0 < n1; c0 += C) {
+    const int64_t cols = std::min(C, n1 - c0);
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* wg = w + g * Kg * N;
+      const int64_t rows_left = K - g * Kg;
+      for (int64_t q0 = 0; q0 < Q; q0 += BlockQuads(M)) {
+        const int64_t q1 = std::min(Q, q0 + BlockQuads(M));
+        for (int64_t c = 0; c < cols; c += 64) {
+          int32_t* ag = acc + c * M;
+          const __mmask64 mask = Mask64(cols - c);
+          for (int m = 0; m < M; m += 4) {
+            const uint32_t* xm = xw + (m * G + g) * Q;
+            int32_t* am = ag + 64 * m;
+            switch (std::min(4, M - m)) {
+              case 1: S8Group<1>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == 0); break;
+              case 2: S8Group<2>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == 0); break;
+              case 3: S8Group<3>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == 0); break;
+              default: S8Group<4>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == 0); break;
+            }
+          }
+        }
+      }
+      int32_t xs[kMaxRows];
+      for (int m = 0; m < M; ++m) xs[m] = xsum[m * G + g];
+      for (int64_t c = 0; c < cols; c += 64) S8Store(acc + c * M, M, xs, y + g * N, G * N, c0 + c, cols - c);
+    }
+  }
+}
+#endif  // __x86_64__
+
+// ---------------------------------------------------------------------------------------------
+// Threads: `parts` column ranges claimed from a shared counter by the caller and by up to
+// `threads - 1` tasks on XLA's intra-op pool. More ranges than threads, so a thread slowed down
+// by other work on the machine takes fewer of them. The caller waits only for ranges someone has
+// claimed (those are running), so a pool that runs tasks late, or never in parallel, cannot
+// deadlock it; the shared state outlives tasks that start after the call has returned.
+
+struct Job {
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+  int parts = 1;
+  void* fn = nullptr;              // the caller's callable (alive until done == parts)
+  void (*call)(void*, int) = nullptr;
+  void Work() {
+    for (int p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
+      call(fn, p);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int threads, int parts, F&& f) {
+  if (parts <= 1 || threads <= 1) {
+    for (int p = 0; p < parts; ++p) f(p);
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  job->parts = parts;
+  using Fn = std::remove_reference_t<F>;
+  job->fn = const_cast<void*>(static_cast<const void*>(&f));
+  job->call = [](void* fn, int p) { (*static_cast<Fn*>(fn))(p); };
+  for (int i = 1; i < threads && i < parts; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  for (int spins = 0; job->done.load(std::memory_order_acquire) < parts; ++spins) {
+    if (spins < 4096) {
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+int Threads(ffi::ThreadPool& pool) {
+  const int64_t threads = g_threads ? g_threads : pool.num_threads();
+  return threads < 1 ? 1 : static_cast<int>(std::min<int64_t>(threads, 256));
+}
+
+// column ranges: a few per thread, none narrower than g_min_part_bytes of a weight row (short
+// row segments stream worse, and tiny matmuls are not worth a task)
+int Parts(int threads, int64_t N, int64_t elem_bytes) {
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, N * elem_bytes / g_min_part_bytes)));
+}
+
+// contiguous column ranges of about equal size, aligned to 64 columns
+void Bounds(int64_t N, int parts, int p, int64_t* n0, int64_t* n1) {
+  const int64_t per = ((N + parts - 1) / parts + 63) / 64 * 64;
+  *n0 = per * p < N ? per * p : N;
+  *n1 = per * (p + 1) < N ? per * (p + 1) : N;
+}
+
+ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("mmjax_gemv_bf16: x [M, K] and w [K, N] expected");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (M > kMaxRows) return ffi::Error::InvalidArgument("mmjax_gemv_bf16: at most 16 rows");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* yp = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.f);
+    return ffi::Error::Success();
+  }
+  const bool simd = HasAvx512();
+  // x as (row 2p, row 2p + 1) bf16 pairs, one 32-bit word per pair (odd K: the last pair's
+  // second half is 0)
+  const int64_t P = (K + 1) / 2;
+  std::vector<uint32_t> xw(simd ? M * P : 0);
+  for (int64_t m = 0; m < M && simd; ++m)
+    for (int64_t p = 0; p < P; ++p)
+      xw[m * P + p] = xp[m * K + 2 * p] | (2 * p + 1 < K ? uint32_t(xp[m * K + 2 * p + 1]) << 16 : 0u);
+  const int threads = Threads(pool), parts = Parts(threads, N, 2);
+  ParallelFor(pool, threads, parts, [&](int p) {
+    int64_t n0, n1;
+    Bounds(N, parts, p, &n0, &n1);
+    if (n0 >= n1) return;
+#if defined(__x86_64__)
+    if (simd) return Bf16Range(xw.data(), static_cast<int>(M), K, N, wp, yp, n0, n1);
+#endif
+    GenericBf16(xp, wp, yp, M, K, N, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                  ffi::ResultBuffer<ffi::S32> y, int64_t groups) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || groups < 1 || xd[1] % groups)
+    return ffi::Error::InvalidArgument("mmjax_gemv_s8: x [M, K], w [K, N], groups dividing K expected");
+  const int64_t M = xd[0], K = xd[1], N = wd[1], G = groups, Kg = K / groups;
+  if (M > kMaxRows) return ffi::Error::InvalidArgument("mmjax_gemv_s8: at most 16 rows");
+  const int8_t* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  int32_t* yp = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (Kg == 0) {
+    std::fill(yp, yp + M * G * N, 0);
+    return ffi::Error::Success();
+  }
+  const bool simd = HasAvx512();
+  // x per (row, group) as quads of 4 consecutive int8 in one 32-bit word (0 past the group's
+  // end), and each (row, group)'s sum (the unsigned-weight correction)
+  const int64_t Q = (Kg + 3) / 4;
+  std::vector<uint32_t> xw(simd ? M * G * Q : 0);
+  std::vector<int32_t> xsum(simd ? M * G : 0);
+  for (int64_t m = 0; m < M && simd; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* xr = xp + m * K + g * Kg;
+      int32_t sum = 0;
+      for (int64_t q = 0; q < Q; ++q) {
+        uint32_t word = 0;
+        for (int64_t i = 0; i < 4 && 4 * q + i < Kg; ++i) {
+          word |= uint32_t(uint8_t(xr[4 * q + i])) << (8 * i);
+          sum += xr[4 * q + i];
+        }
+        xw[(m * G + g) * Q + q] = word;
+      }
+      xsum[m * G + g] = sum;
+    }
+  const int threads = Threads(pool), parts = Parts(threads, N, 1);
+  ParallelFor(pool, threads, parts, [&](int p) {
+    int64_t n0, n1;
+    Bounds(N, parts, p, &n0, &n1);
+    if (n0 >= n1) return;
+#if defined(__x86_64__)
+    if (simd) return S8Range(xw.data(), xsum.data(), static_cast<int>(M), G, Kg, N, wp, yp, n0, n1);
+#endif
+    GenericS8(xp, wp, yp, M, G, Kg, N, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_bf16, GemvBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("groups"));
+
+extern "C" {
+// benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
+void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
+  g_parts_per_thread = std::max(1, parts_per_thread);
+  g_min_part_bytes = std::max(64, min_part_bytes);
+  g_max_cols = std::max(64, cols);
+  g_block_pairs = std::max(0, pairs);
+  g_block_quads = std::max(0, quads);
+  g_threads = std::max(0, threads);
+}
+// 1: plain C++ loops even where AVX-512 is there (tests); 0: choose at run time. Returns 1 when
+// the AVX-512 path is in use afterwards.
+int mmjax_gemv_set_generic(int generic) {
+  g_force_generic.store(generic);
+  return HasAvx512() ? 1 : 0;
+}
+}

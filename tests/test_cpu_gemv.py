@@ -1,0 +1,128 @@
+"""mmjax's CPU matmul kernel for few-row bf16 / int8 matmuls (mmjax.kernels.cpu_gemv, issue 25):
+
+* the kernel against numpy: bf16 products summed in f32 (against float64 and jnp.matmul's f32
+  dot), int8 per-group integer sums exactly, at 1 and 16 rows, odd K / N (not multiples of the
+  kernel's tiles), groups whose size is not a multiple of 4, inside jit / lax.scan / lax.cond /
+  vmap; on the AVX-512 path and the plain C++ one;
+* wired in: layers.matmul / quant.qmatmul take it for few rows on the CPU, with int8 results
+  identical bit for bit to XLA's s8 dots (per channel and grouped), and never when tracing for
+  CUDA or inside a step sharded over a mesh; no compiler: one warning, XLA's dots.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from mmjax.backend import compiling_for, cpu_kernels, tuning
+from mmjax.kernels import cpu_gemv
+from mmjax.models.layers import matmul
+from mmjax.quant import quantize_weight
+
+
+def _bf16(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def _s8(rng, *shape):
+    return jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+
+
+def _s8_want(xq, w, groups: int) -> np.ndarray:
+    """[M, K] int8 @ [K, N] int8 per block of K / groups rows -> [M, groups, N] (int64, exact)."""
+    x, w = np.asarray(xq, np.int64), np.asarray(w, np.int64)
+    k = x.shape[1] // groups
+    return np.stack([x[:, i * k:(i + 1) * k] @ w[i * k:(i + 1) * k] for i in range(groups)], 1)
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
+def test_kernel_equals_reference(generic):
+    assert cpu_gemv.available()
+    rng = np.random.default_rng(0)
+    bf16, s8 = jax.jit(cpu_gemv.gemv_bf16), jax.jit(cpu_gemv.gemv_s8, static_argnums=2)
+    simd = cpu_gemv.set_generic(generic)
+    try:
+        assert not (generic and simd)
+        # (rows, K, N, groups): N below / across the 32- and 64-column tiles and split over
+        # threads, odd K, groups of a size not a multiple of 4, each register-block size of rows
+        for m, k, n, g in ((1, 77, 1000, 1), (16, 130, 531, 2), (3, 96, 70, 3), (8, 1030, 4160, 5),
+                           (1, 256, 8300, 2), (16, 9, 1, 1)):
+            x, w = _bf16(rng, m, k), _bf16(rng, k, n)
+            got = np.asarray(bf16(x, w))
+            want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+            assert got.dtype == np.float32 and got.shape == (m, n)
+            # f32 sums of exact products: as close to float64 as XLA's own f32-result dot
+            ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+            assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n)
+            xq, wq = _s8(rng, m, k - k % g), _s8(rng, k - k % g, n)
+            np.testing.assert_array_equal(np.asarray(s8(xq, wq, g)), _s8_want(xq, wq, g))
+        # extreme values: sums beyond 2^24 (where f32 accumulation would round) stay exact
+        xq, wq = jnp.full((2, 4099), -127, jnp.int8), jnp.full((4099, 67), -127, jnp.int8)
+        np.testing.assert_array_equal(np.asarray(s8(xq, wq, 1)), _s8_want(xq, wq, 1))
+    finally:
+        cpu_gemv.set_generic(False)
+
+    # leading dims, inside scan / cond / vmap
+    x, w, xq, wq = _bf16(rng, 2, 3, 64), _bf16(rng, 64, 96), _s8(rng, 4, 64), _s8(rng, 64, 96)
+    np.testing.assert_array_equal(cpu_gemv.gemv_bf16(x, w), cpu_gemv.gemv_bf16(x.reshape(6, 64), w).reshape(2, 3, 96))
+
+    def body(c, xs):
+        y = jax.lax.cond(xs[0, 0] > 0, lambda: cpu_gemv.gemv_s8(xs, wq, 2), lambda: -cpu_gemv.gemv_s8(xs, wq, 2))
+        return c + y.sum(), y
+    _, ys = jax.jit(lambda xs: jax.lax.scan(body, jnp.int32(0), xs))(xq.reshape(2, 2, 64))
+    want = _s8_want(xq, wq, 2).reshape(2, 2, 2, 96) * np.where(np.asarray(xq)[::2, 0] > 0, 1, -1)[:, None, None, None]
+    np.testing.assert_array_equal(ys, want)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(lambda a: cpu_gemv.gemv_s8(a, wq)))(xq.reshape(2, 2, 64)),
+                                  _s8_want(xq, wq, 1).reshape(2, 2, 1, 96))
+
+
+def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
+    """int8 through layers.matmul equals XLA's s8 dots bit for bit (1 row, 16 rows, 3-D
+    activations, groups); bf16 equals XLA's f32-result dot up to summation order; beyond 16
+    rows, for CUDA, sharded, or with no compiler, XLA's dots."""
+    rng = np.random.default_rng(1)
+    wf = rng.standard_normal((96, 130)).astype(np.float32)
+    wb = jnp.asarray(wf, jnp.bfloat16)
+
+    def run(x, w, out_dtype=None):
+        """(result, lowered text) of matmul, traced afresh (the kernel choice is made at trace time)."""
+        f = jax.jit(lambda x, w: matmul(x, w, out_dtype))
+        return f(x, w), f.lower(x, w).as_text()
+
+    for shape in ((1, 96), (16, 96), (2, 3, 96), (17, 96)):
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        taken = int(np.prod(shape[:-1])) <= cpu_gemv.MAX_ROWS
+        for gs in (None, 32):
+            w = quantize_weight(wf, "int8", gs)
+            got, text = run(x, w)
+            assert ("mmjax_gemv_s8" in text) == taken
+            with cpu_kernels(False):
+                want, text = run(x, w)
+            assert "mmjax_gemv" not in text
+            np.testing.assert_array_equal(got, want)
+        xb = x.astype(jnp.bfloat16)
+        got, text = run(xb, wb, jnp.float32)
+        assert ("mmjax_gemv_bf16" in text) == taken
+        with cpu_kernels(False):
+            assert rel_err(got, run(xb, wb, jnp.float32)[0]) < 1e-6
+    assert run(xb, wb)[0].dtype == jnp.bfloat16
+    # never for CUDA (tests/test_cuda_lowering.py exports whole steps) nor under a mesh
+    x = jnp.ones((1, 96), jnp.bfloat16)
+    with compiling_for("cuda"):
+        assert "mmjax_gemv" not in jax.jit(lambda x, w: matmul(x, w)).lower(x, wb).as_text()
+    sharded = dataclasses.replace(tuning("cpu"), sharded=True)
+    assert "mmjax_gemv" not in jax.jit(sharded.traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()
+    assert "mmjax_gemv" in jax.jit(tuning("cpu").traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()
+    # no compiler: one warning, XLA's dots
+    monkeypatch.setattr(cpu_gemv, "_state", {})
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("MMJAX_KERNEL_CACHE", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        assert not cpu_gemv.available()
+    got, text = run(x, wb)
+    assert "mmjax_gemv" not in text
+    np.testing.assert_array_equal(got, jnp.matmul(x, wb, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
