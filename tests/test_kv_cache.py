@@ -191,6 +191,48 @@ def test_sliding_window_and_spans_match_oracle(segments):
         assert not np.allclose(want, naive_attention(q, k, v, q_index))   # the mask mattered
 
 
+
+@pytest.mark.parametrize("block,group", [(4, None), (4, 2), (32, None)])
+def test_packed_query_blocks_equal_one_sequence_attention(block, group, monkeypatch):
+    """Packing.attend (models/text/packing.py): three sequences packed back to back in a 40-token
+    row (lengths 11, 3, 17: not multiples of the block, one several blocks long; slots 2, 0, 3;
+    starts 5, 0, 20 as after earlier chunks / prefix hits; an unused fourth segment; padding at
+    the end), with image spans crossing block edges, a sliding window, both, or no mask: each
+    token's output equals its sequence's own one-sequence prefill attention. Blocks of 4 queries
+    in one batched call or in groups of 2 blocks (lax.map + cond), and blocks of 32 (> T / S)."""
+    from mmjax.models.text import packing as pk
+    monkeypatch.setattr(pk, "QUERY_BLOCK", block)
+    monkeypatch.setattr(pk, "GROUP_BLOCKS", group)
+    rng = np.random.default_rng(11)
+    slots, h, kvh, hd, cuts, t = 4, 4, 2, 8, (16, 16, 32), 40
+    k = rng.standard_normal((slots, kvh, sum(cuts), hd))
+    v = rng.standard_normal((slots, kvh, sum(cuts), hd))
+    kts, vs = split_cache(k, cuts, True), split_cache(v, cuts)
+    q = jnp.asarray(rng.standard_normal((1, t, h, hd)), jnp.float32)
+    seg_slot, seg_start, seg_len = [2, 0, 3, slots], [5, 0, 20, 0], [11, 3, 17, 0]
+    seg_offset = [0, 11, 14, 31]
+    token_seg = np.full(t, 2, np.int32)
+    spans = np.full(t, -1, np.int32)
+    for i in range(3):
+        token_seg[seg_offset[i]:seg_offset[i] + seg_len[i]] = i
+    spans[3:9] = 0              # sequence 0: tokens 3..8
+    spans[14:24] = 0            # sequence 2: tokens 0..9 and 12..14
+    spans[26:29] = 1
+    packing = pk.Packing(*(jnp.asarray(x, jnp.int32) for x in (seg_slot, seg_start, seg_offset, seg_len, token_seg)))
+    for window, use_spans in ((None, False), (None, True), (5, False), (6, True)):
+        mask = None if window is None and not use_spans else \
+            MaskSpec(sliding_window=window, spans=jnp.asarray(spans[None]) if use_spans else None)
+        packed = jax.jit(lambda q, m: packing.attend(lambda qb, blk: decoder.cache_attention(
+            qb, kts, vs, blk.q_index, blk.kv_len, blk.slots, mask=blk.mask, starts=blk.starts), q, m))(q, mask)
+        for i in range(3):
+            o, n, st = seg_offset[i], seg_len[i], seg_start[i]
+            one = None if mask is None else MaskSpec(sliding_window=window, spans=None if not use_spans else
+                                                     jnp.asarray(spans[None, o:o + n]))
+            want = decoder.cache_attention(q[:, o:o + n], kts, vs, jnp.asarray(st + np.arange(n))[None], st + n,
+                                           jnp.asarray([seg_slot[i]]), mask=one, starts=jnp.asarray([st]))
+            np.testing.assert_allclose(np.asarray(packed[:, o:o + n]), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_captured_intermediates_match_a_plain_layer_loop():
     """Capture(hidden=True, attn_layers=(1,)): hidden states are the residual stream after each
     layer (HF's hidden_states; the last one final-normed), layer 1's probabilities sum to 1 over

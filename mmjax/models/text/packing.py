@@ -27,6 +27,10 @@ from mmjax.models.text import MaskSpec
 
 # cache index given to padding tokens: past every cache, so their K/V writes are dropped
 NO_INDEX = 2 ** 30
+# queries per attention block (each block belongs to one segment)
+QUERY_BLOCK = 32
+# blocks per group run under one lax.cond (None: every block in one batched call, no cond)
+GROUP_BLOCKS = None
 
 
 @dataclass(frozen=True)
@@ -71,47 +75,95 @@ class Packing:
         """Cache positions in use after the call (the longest segment's end)."""
         return (self.seg_start + self.seg_len).max()
 
-    @property
-    def row_valid(self) -> jax.Array:
-        """[S, T] bool: row position j of segment s holds a real token."""
-        return jnp.arange(self.width)[None, :] < self.seg_len[:, None]
+    def attend(self, fn, q: jax.Array, mask: MaskSpec | None = None) -> jax.Array:
+        """Attention of the packed queries q [1, T, heads, hd] -> [1, T, heads, hd], each token
+        over its own sequence's cache row, in query blocks (`Blocks`: module docstring).
+        fn(q_blocks [n, B, heads, hd], blocks: Blocks) -> [n, B, heads, hd] runs n blocks, each
+        row over cache row blocks.slots[i] exactly as a one-sequence prefill would (q_index,
+        starts, ends, kv_len, mask as there); mask: the packed row's MaskSpec (spans [1, T])."""
+        blocks, take = self.blocks(mask)
+        b = blocks.q_index.shape[1]
+        t, heads, hd = q.shape[1:]
+        qb = q[0][take]                                                    # [nb, B, heads, hd]
+        groups = blocks.q_index.shape[0] // self.group_blocks(b)
+        if groups == 1:     # one batched attention over every block
+            out = fn(qb, blocks)
+        else:               # groups of blocks one after another; groups past the last used block skipped
+            def one(xs):
+                qg, bg = xs
+                return jax.lax.cond(bg.kv_len > 0, lambda: fn(qg, bg).astype(qg.dtype), lambda: jnp.zeros_like(qg))
+            split = lambda x: x.reshape(groups, -1, *x.shape[1:])          # noqa: E731
+            kv_len = jnp.where(blocks.used, blocks.ends, 0).reshape(groups, -1).max(axis=1)
+            grouped = Blocks(*(jax.tree.map(split, (blocks.q_index, blocks.slots, blocks.starts, blocks.ends,
+                                                    blocks.used))), kv_len,
+                             jax.tree.map(split, blocks.mask))
+            out = jax.lax.map(one, (split(qb), grouped)).reshape(-1, b, heads, hd)
+        # each packed token's block entry: its segment's first block, then its index in the segment
+        flat = self.first_block(b)[self.token_seg] * b + self.local
+        return out.reshape(-1, heads, hd)[jnp.clip(flat, 0, out.shape[0] * b - 1)][None].astype(q.dtype)
 
-    @property
-    def row_index(self) -> jax.Array:
-        """[S, T] cache index of each row position (padding continues past the segment's end,
-        where causality keeps it from anything real)."""
-        return self.seg_start[:, None] + jnp.arange(self.width)[None, :]
+    def block_size(self) -> int:
+        return min(QUERY_BLOCK, self.width)
 
-    def rows(self, x: jax.Array) -> jax.Array:
-        """x [1, T, ...] (the packed row) -> [S, T, ...]: segment s's tokens, then padding."""
-        t = self.width
-        idx = jnp.clip(self.seg_offset[:, None] + jnp.arange(t)[None, :], 0, t - 1)
-        return x[0][idx]
+    def group_blocks(self, b: int) -> int:
+        nb = -(-self.width // b) + self.seg_len.shape[0] - 1
+        return nb if GROUP_BLOCKS is None else GROUP_BLOCKS
 
-    def unrows(self, y: jax.Array) -> jax.Array:
-        """y [S, T, ...] -> [1, T, ...]: each packed token's row entry (padding: garbage)."""
-        return y[self.token_seg, self.local][None]
+    def first_block(self, b: int) -> jax.Array:
+        """[S] each segment's first block (segments take ceil(len / B) blocks, in order)."""
+        n = (self.seg_len + b - 1) // b
+        return jnp.cumsum(n) - n
 
-    def attend(self, fn, q: jax.Array, extra=None) -> jax.Array:
-        """Attention per segment: fn(slot [1], start [1], n (int32 scalar), q_row [1, T, heads,
-        hd], extra_row) -> [1, T, heads, hd], one segment's queries over its own cache row (n:
-        its tokens; extra_row: `extra`, a pytree of [S, ...] arrays, at that segment, each [1,
-        ...]); q [1, T, heads, hd] packed. Used segments run one after another, unused ones
-        (n = 0) are skipped; returns the packed [1, T, heads, hd]."""
-        def one(xs):
-            n, slot, start, qr, ex = xs
-            ex = jax.tree.map(lambda x: x[None], ex)
-            return jax.lax.cond(n > 0, lambda: fn(slot[None], start[None], n, qr[None], ex)[0].astype(qr.dtype),
-                                lambda: jnp.zeros_like(qr))
-        return self.unrows(jax.lax.map(one, (self.seg_len, self.seg_slot, self.seg_start, self.rows(q), extra)))
-
-    def row_mask(self, mask: MaskSpec | None) -> MaskSpec | None:
-        """A packed-row mask (spans [1, T]) as the rows' mask (spans [S, T], -1 at padding)."""
-        if mask is None or mask.spans is None:
-            return mask
-        return MaskSpec(sliding_window=mask.sliding_window,
-                        spans=jnp.where(self.row_valid, self.rows(mask.spans), -1))
+    def blocks(self, mask: MaskSpec | None) -> tuple["Blocks", jax.Array]:
+        """The block layout: (Blocks of nb blocks, take [nb, B]: each block query's packed-row
+        position (clipped; past its segment's end: padding))."""
+        b = self.block_size()
+        t, s = self.width, self.seg_len.shape[0]
+        nb = -(-t // b) + s - 1          # sum ceil(len_i / B) <= ceil(T / B) + (used segments - 1)
+        g = self.group_blocks(b)
+        nb = -(-nb // g) * g
+        n = (self.seg_len + b - 1) // b
+        end = jnp.cumsum(n)
+        j = jnp.arange(nb)
+        used = j < end[-1]
+        seg = jnp.where(used, jnp.minimum((end[None, :] <= j[:, None]).sum(axis=1), s - 1), 0)   # [nb]
+        local = (j - (end - n)[seg])[:, None] * b + jnp.arange(b)[None, :]                       # [nb, B]
+        take = jnp.clip(self.seg_offset[seg][:, None] + local, 0, t - 1)
+        start, length = self.seg_start[seg], self.seg_len[seg]
+        bmask = mask
+        if mask is not None and mask.spans is not None:
+            spans = mask.spans[0]
+            real = used[:, None] & (local < length[:, None])
+            r = jnp.arange(t)[None, :]
+            keys = jnp.where(r < length[:, None], spans[jnp.clip(self.seg_offset[seg][:, None] + r, 0, t - 1)], -1)
+            bmask = MaskSpec(sliding_window=mask.sliding_window, spans=jnp.where(real, spans[take], -1),
+                             key_spans=keys)
+        return Blocks(start[:, None] + local, self.seg_slot[seg], start, start + length, used, self.kv_len,
+                      bmask), take
 
 
 jax.tree_util.register_dataclass(Packing, data_fields=["seg_slot", "seg_start", "seg_offset", "seg_len",
                                                        "token_seg"], meta_fields=[])
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """n query blocks of B tokens, each within one segment (traced arrays).
+
+    q_index [n, B]: each query's cache index (past the segment's end: padding, kept from
+    anything real by causality); slots [n]: the segment's cache row; starts [n]: its first new
+    cache index; ends [n]: its end (start + len; a ring's write end); used [n]: the block holds
+    tokens; kv_len: cache positions any block may read (segments past it are skipped); mask:
+    None, or spans [n, B] of the queries (-1 at padding) with key_spans [n, T] of the segment's
+    new tokens from `starts` on (MaskSpec.key_spans)."""
+    q_index: jax.Array
+    slots: jax.Array
+    starts: jax.Array
+    ends: jax.Array
+    used: jax.Array
+    kv_len: jax.Array
+    mask: MaskSpec | None
+
+
+jax.tree_util.register_dataclass(Blocks, data_fields=["q_index", "slots", "starts", "ends", "used", "kv_len",
+                                                      "mask"], meta_fields=[])
