@@ -4,14 +4,25 @@ A packed prefill call holds the chunks of S sequences (segments) back to back in
 tokens (a prefill bucket), padding at the end. Everything per token (embeddings, norms, the
 weight matmuls: one [T, hidden] GEMM per weight instead of one per sequence, RoPE from each
 token's own positions, K/V writes to each token's own cache row) runs on that row as it is.
-Attention is the one place where a token must see only its own sequence: there the queries are
-gathered into `rows` [S, T] (segment s's tokens first, then padding) and `attend` runs each used
-segment's row over its own slot's cache row exactly as a one-sequence prefill does (`starts` =
-the segment's first cache index, masks and image runs per row), one segment after another
-(`lax.map`; an unused segment is skipped by `lax.cond`, so S costs nothing while unused; a
-used segment's row is T queries long, padding included: attention pays k x T query rows for k
-packed sequences where one call each paid their own chunk buckets), then gathers the outputs
-back (`unrows`).
+Attention is the one place where a token must see only its own sequence. There `attend` cuts
+each segment into blocks of B = QUERY_BLOCK queries (32; min(32, T) for a smaller bucket),
+segment i taking ceil(len_i / B) blocks from block sum_{j<i} ceil(len_j / B) on, gathers the
+queries into that layout [nb, B] and runs the blocks as the rows of batched attention calls,
+each block over its own segment's slot row exactly as a one-sequence prefill does (`starts` = the
+segment's first cache index, its query indexes, its own end for a ring, image runs: the
+block's queries' spans plus its whole segment's as keys, `MaskSpec.key_spans`); the outputs are
+gathered back. The packed row itself stays dense (aligning segments to blocks there would pad
+the row, and a padded row costs every weight GEMM, far more than its attention), so a
+segment's last block is padded instead. The blocks are static: ceil(T / B) of them always run
+(one sequence of any length fits them), and sum_i ceil(len_i / B) <= ceil(T / B) + k - 1 for k
+sequences, so up to S - 1 more may be needed where segment ends are not block-aligned: the
+first of those runs as its own batch (enough for two sequences), the rest as another, each
+under a `lax.cond` that skips it unless the call uses it. Attention thus computes
+ceil(T / B) * B query rows (about T, what one sequence per call pays), B more when the
+segments need one extra block, (ceil(T / B) + S - 1) * B when they need more; before this
+layout every used segment ran over the whole row (k x T for k sequences). B = 32 measured
+best of 16 / 32 / 64 / 128 on CPU (one layer's packed attention, 342M text shapes, contended
+box): smaller blocks mean smaller matmuls and more cache-row gathers, larger ones more padding.
 
 Segments past the call's count are unused: length 0 (their rows are all padding) and a slot
 index past the cache (`num_slots`) so that every write aimed at them is dropped.
@@ -27,10 +38,8 @@ from mmjax.models.text import MaskSpec
 
 # cache index given to padding tokens: past every cache, so their K/V writes are dropped
 NO_INDEX = 2 ** 30
-# queries per attention block (each block belongs to one segment)
+# queries per attention block (each block belongs to one segment; module docstring)
 QUERY_BLOCK = 32
-# blocks per group run under one lax.cond (None: every block in one batched call, no cond)
-GROUP_BLOCKS = None
 
 
 @dataclass(frozen=True)
@@ -77,51 +86,36 @@ class Packing:
 
     def attend(self, fn, q: jax.Array, mask: MaskSpec | None = None) -> jax.Array:
         """Attention of the packed queries q [1, T, heads, hd] -> [1, T, heads, hd], each token
-        over its own sequence's cache row, in query blocks (`Blocks`: module docstring).
-        fn(q_blocks [n, B, heads, hd], blocks: Blocks) -> [n, B, heads, hd] runs n blocks, each
-        row over cache row blocks.slots[i] exactly as a one-sequence prefill would (q_index,
-        starts, ends, kv_len, mask as there); mask: the packed row's MaskSpec (spans [1, T])."""
+        over its own sequence's cache row, in query blocks (module docstring).
+        fn(q_blocks [n, B, heads, hd], blocks: Blocks) -> [n, B, heads, hd] runs n blocks, block
+        i over cache row blocks.slots[i] as a one-sequence prefill would (q_index, starts, ends,
+        kv_len, mask as there); mask: the packed row's MaskSpec (spans [1, T]) or None."""
         blocks, take = self.blocks(mask)
         b = blocks.q_index.shape[1]
-        t, heads, hd = q.shape[1:]
+        m = -(-self.width // b)
         qb = q[0][take]                                                    # [nb, B, heads, hd]
-        groups = blocks.q_index.shape[0] // self.group_blocks(b)
-        if groups == 1:     # one batched attention over every block
-            out = fn(qb, blocks)
-        else:               # groups of blocks one after another; groups past the last used block skipped
-            def one(xs):
-                qg, bg = xs
-                return jax.lax.cond(bg.kv_len > 0, lambda: fn(qg, bg).astype(qg.dtype), lambda: jnp.zeros_like(qg))
-            split = lambda x: x.reshape(groups, -1, *x.shape[1:])          # noqa: E731
-            kv_len = jnp.where(blocks.used, blocks.ends, 0).reshape(groups, -1).max(axis=1)
-            grouped = Blocks(*(jax.tree.map(split, (blocks.q_index, blocks.slots, blocks.starts, blocks.ends,
-                                                    blocks.used))), kv_len,
-                             jax.tree.map(split, blocks.mask))
-            out = jax.lax.map(one, (split(qb), grouped)).reshape(-1, b, heads, hd)
+        outs = [fn(qb[:m], blocks.part(0, m)).astype(q.dtype)]
+        # the blocks past ceil(T / B), needed only where segment ends are not block-aligned: the
+        # first alone (two sequences never need more), then the rest; each part runs only when used
+        cuts = sorted({m, min(m + 1, qb.shape[0]), qb.shape[0]})
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            part = blocks.part(lo, hi)
+            outs.append(jax.lax.cond(part.used[0], lambda qp, bp: fn(qp, bp).astype(q.dtype),
+                                     lambda qp, bp: jnp.zeros_like(qp), qb[lo:hi], part))
+        out = jnp.concatenate(outs)
         # each packed token's block entry: its segment's first block, then its index in the segment
-        flat = self.first_block(b)[self.token_seg] * b + self.local
-        return out.reshape(-1, heads, hd)[jnp.clip(flat, 0, out.shape[0] * b - 1)][None].astype(q.dtype)
-
-    def block_size(self) -> int:
-        return min(QUERY_BLOCK, self.width)
-
-    def group_blocks(self, b: int) -> int:
-        nb = -(-self.width // b) + self.seg_len.shape[0] - 1
-        return nb if GROUP_BLOCKS is None else GROUP_BLOCKS
-
-    def first_block(self, b: int) -> jax.Array:
-        """[S] each segment's first block (segments take ceil(len / B) blocks, in order)."""
         n = (self.seg_len + b - 1) // b
-        return jnp.cumsum(n) - n
+        flat = (jnp.cumsum(n) - n)[self.token_seg] * b + self.local
+        return out.reshape(-1, *q.shape[2:])[jnp.clip(flat, 0, out.shape[0] * b - 1)][None]
 
     def blocks(self, mask: MaskSpec | None) -> tuple["Blocks", jax.Array]:
-        """The block layout: (Blocks of nb blocks, take [nb, B]: each block query's packed-row
-        position (clipped; past its segment's end: padding))."""
-        b = self.block_size()
+        """The block layout -> (Blocks of nb = ceil(T / B) + S - 1 blocks (sum of ceil(len_i / B)
+        is at most ceil(T / B) + used segments - 1), take [nb, B]: each block query's position
+        in the packed row (clipped; past its segment's end: padding)). Segment i takes ceil(len_i
+        / B) blocks from block sum_{j<i} ceil(len_j / B) on; blocks past the last are unused."""
         t, s = self.width, self.seg_len.shape[0]
-        nb = -(-t // b) + s - 1          # sum ceil(len_i / B) <= ceil(T / B) + (used segments - 1)
-        g = self.group_blocks(b)
-        nb = -(-nb // g) * g
+        b = min(QUERY_BLOCK, t)
+        nb = -(-t // b) + s - 1
         n = (self.seg_len + b - 1) // b
         end = jnp.cumsum(n)
         j = jnp.arange(nb)
@@ -130,16 +124,14 @@ class Packing:
         local = (j - (end - n)[seg])[:, None] * b + jnp.arange(b)[None, :]                       # [nb, B]
         take = jnp.clip(self.seg_offset[seg][:, None] + local, 0, t - 1)
         start, length = self.seg_start[seg], self.seg_len[seg]
-        bmask = mask
         if mask is not None and mask.spans is not None:
             spans = mask.spans[0]
             real = used[:, None] & (local < length[:, None])
             r = jnp.arange(t)[None, :]
             keys = jnp.where(r < length[:, None], spans[jnp.clip(self.seg_offset[seg][:, None] + r, 0, t - 1)], -1)
-            bmask = MaskSpec(sliding_window=mask.sliding_window, spans=jnp.where(real, spans[take], -1),
-                             key_spans=keys)
+            mask = MaskSpec(sliding_window=mask.sliding_window, spans=jnp.where(real, spans[take], -1), key_spans=keys)
         return Blocks(start[:, None] + local, self.seg_slot[seg], start, start + length, used, self.kv_len,
-                      bmask), take
+                      mask), take
 
 
 jax.tree_util.register_dataclass(Packing, data_fields=["seg_slot", "seg_start", "seg_offset", "seg_len",
@@ -163,6 +155,12 @@ class Blocks:
     used: jax.Array
     kv_len: jax.Array
     mask: MaskSpec | None
+
+    def part(self, lo: int, hi: int) -> "Blocks":
+        """Blocks lo..hi-1, reading cache positions up to their own used blocks' longest end."""
+        cut = lambda x: x[lo:hi]        # noqa: E731
+        return Blocks(cut(self.q_index), cut(self.slots), cut(self.starts), cut(self.ends), cut(self.used),
+                      jnp.where(self.used[lo:hi], self.ends[lo:hi], 0).max(), jax.tree.map(cut, self.mask))
 
 
 jax.tree_util.register_dataclass(Blocks, data_fields=["q_index", "slots", "starts", "ends", "used", "kv_len",
