@@ -249,8 +249,9 @@ def test_packed_query_blocks_equal_one_sequence_attention(block, monkeypatch):
         used, slot_of, q_index = (np.asarray(x) for x in (blocks.used, blocks.slots, blocks.q_index))
         for i in (i for i in range(4) if seg_len[i]):
             o, n, st = seg_offset[i], seg_len[i], seg_start[i]
-            want = np.asarray(ring_visible(ring_key_index(jnp.asarray([st + n]), 16), jnp.asarray(st + np.arange(n))[None],
-                                           6, jnp.asarray(np.roll(spans, -o)[None, :n]), jnp.asarray([st])))[0]
+            want = np.asarray(ring_visible(ring_key_index(jnp.asarray([st + n]), 16),
+                                           jnp.asarray(st + np.arange(n))[None], 6,
+                                           jnp.asarray(np.roll(spans, -o)[None, :n]), jnp.asarray([st])))[0]
             mine = used & (slot_of == seg_slot[i])                      # its blocks (slots are distinct)
             local = q_index[mine] - st
             real = local < n

@@ -195,8 +195,8 @@ def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None
     """[b, t, len] bool: may the query at cache index q_index [b, t] read the key at cache index
     key_index [len]? Causal (j <= i), within the sliding window, or in the query's own span
     (the span's keys are this call's tokens: key j is new token j - starts[b] of
-    `mask.span_keys`). window_over_spans: the window also bounds span keys, (causal | span) & window (Gemma 4's
-    order); default (causal & window) | span."""
+    `mask.span_keys`). window_over_spans: the window also bounds span keys, (causal | span) &
+    window (Gemma 4's order); default (causal & window) | span."""
     vis = key_index[None, None, :] <= q_index[:, :, None]
     if mask is None:
         return vis
