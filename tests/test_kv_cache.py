@@ -194,17 +194,20 @@ def test_sliding_window_and_spans_match_oracle(segments):
 
 
 
-@pytest.mark.parametrize("block", [4, 32])
-def test_packed_query_blocks_equal_one_sequence_attention(block, monkeypatch):
+@pytest.mark.parametrize("block,group", [(4, 8), (32, 128)])
+def test_packed_query_blocks_equal_one_sequence_attention(block, group, monkeypatch):
     """Packing.attend (models/text/packing.py): three sequences packed back to back in a 32-token
     row (lengths 11, 3, 17: not multiples of the block, one several blocks long; slots 2, 0, 3;
     starts 5, 0, 20 as after earlier chunks / prefix hits; an unused fourth segment; one padding
     token), with image spans crossing block edges, a sliding window, both, or no mask: each
-    token's output equals its sequence's own one-sequence prefill attention. Their blocks
-    overflow ceil(T / B) (the extra blocks run); one sequence alone (29 tokens from 30) does not.
-    Gemma 3's ring visibility (key_spans of a block within a longer segment) matches per block."""
+    token's output equals its sequence's own one-sequence prefill attention. Blocks of 4 in
+    groups of 2 (a lax.map step each; groups past the used blocks skipped, one half used), or
+    one block of 32 per sequence in one group; the three sequences take more blocks than
+    ceil(T / B). Gemma 3's ring visibility (key_spans of a block within a longer segment) matches
+    per block."""
     from mmjax.models.text import packing as pk
     monkeypatch.setattr(pk, "QUERY_BLOCK", block)
+    monkeypatch.setattr(pk, "GROUP_QUERIES", group)
     rng = np.random.default_rng(11)
     slots, h, kvh, hd, cuts, t = 4, 4, 2, 8, (16, 16, 32), 32
     k = rng.standard_normal((slots, kvh, sum(cuts), hd))

@@ -40,6 +40,8 @@ from mmjax.models.text import MaskSpec
 NO_INDEX = 2 ** 30
 # queries per attention block (each block belongs to one segment; module docstring)
 QUERY_BLOCK = 32
+# queries per group of blocks: one lax.map step, skipped when none of its blocks is used
+GROUP_QUERIES = 128
 
 
 @dataclass(frozen=True)
@@ -87,35 +89,39 @@ class Packing:
     def attend(self, fn, q: jax.Array, mask: MaskSpec | None = None) -> jax.Array:
         """Attention of the packed queries q [1, T, heads, hd] -> [1, T, heads, hd], each token
         over its own sequence's cache row, in query blocks (module docstring).
-        fn(q_blocks [n, B, heads, hd], blocks: Blocks) -> [n, B, heads, hd] runs n blocks, block
-        i over cache row blocks.slots[i] as a one-sequence prefill would (q_index, starts, ends,
-        kv_len, mask as there); mask: the packed row's MaskSpec (spans [1, T]) or None."""
+        fn(q_blocks [G, B, heads, hd], blocks: Blocks of G) -> [G, B, heads, hd] runs one group
+        of G blocks, block i over cache row blocks.slots[i] as a one-sequence prefill would
+        (q_index, starts, ends, kv_len, mask as there); mask: the packed row's MaskSpec (spans
+        [1, T]) or None. Groups run one after another (`lax.map`); a group without a used
+        block is skipped (`lax.cond`)."""
         blocks, take = self.blocks(mask)
-        b = blocks.q_index.shape[1]
-        m = -(-self.width // b)
-        qb = q[0][take]                                                    # [nb, B, heads, hd]
-        outs = [fn(qb[:m], blocks.part(0, m)).astype(q.dtype)]
-        # the blocks past ceil(T / B), needed only where segment ends are not block-aligned: the
-        # first alone (two sequences never need more), then the rest; each part runs only when used
-        cuts = sorted({m, min(m + 1, qb.shape[0]), qb.shape[0]})
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
-            part = blocks.part(lo, hi)
-            outs.append(jax.lax.cond(part.used[0], lambda qp, bp: fn(qp, bp).astype(q.dtype),
-                                     lambda qp, bp: jnp.zeros_like(qp), qb[lo:hi], part))
-        out = jnp.concatenate(outs)
+        nb, b = blocks.q_index.shape
+        g = max(1, GROUP_QUERIES // b)
+        split = lambda x: x.reshape(nb // g, g, *x.shape[1:])             # noqa: E731
+        # each group reads cache positions up to its own used blocks' longest end (0: skipped)
+        kv_len = jnp.where(blocks.used, blocks.ends, 0).reshape(nb // g, g).max(axis=1)
+        groups = Blocks(*(split(x) for x in (blocks.q_index, blocks.slots, blocks.starts, blocks.ends,
+                                             blocks.used)), kv_len, jax.tree.map(split, blocks.mask))
+
+        def one(xs):
+            qg, bg = xs
+            return jax.lax.cond(bg.kv_len > 0, lambda: fn(qg, bg).astype(q.dtype), lambda: jnp.zeros_like(qg))
+        out = jax.lax.map(one, (split(q[0][take]), groups)).reshape(nb * b, *q.shape[2:])
         # each packed token's block entry: its segment's first block, then its index in the segment
         n = (self.seg_len + b - 1) // b
         flat = (jnp.cumsum(n) - n)[self.token_seg] * b + self.local
-        return out.reshape(-1, *q.shape[2:])[jnp.clip(flat, 0, out.shape[0] * b - 1)][None]
+        return out[jnp.clip(flat, 0, nb * b - 1)][None]
 
     def blocks(self, mask: MaskSpec | None) -> tuple["Blocks", jax.Array]:
-        """The block layout -> (Blocks of nb = ceil(T / B) + S - 1 blocks (sum of ceil(len_i / B)
-        is at most ceil(T / B) + used segments - 1), take [nb, B]: each block query's position
-        in the packed row (clipped; past its segment's end: padding)). Segment i takes ceil(len_i
-        / B) blocks from block sum_{j<i} ceil(len_j / B) on; blocks past the last are unused."""
+        """The block layout -> (Blocks of nb blocks: ceil(T / B) + S - 1 (sum of ceil(len_i / B)
+        is at most ceil(T / B) + used segments - 1) rounded up to whole groups; take [nb, B]:
+        each block query's position in the packed row (clipped; past its segment's end:
+        padding)). Segment i takes ceil(len_i / B) blocks from block sum_{j<i} ceil(len_j / B)
+        on; blocks past the last are unused. kv_len: the call's."""
         t, s = self.width, self.seg_len.shape[0]
         b = min(QUERY_BLOCK, t)
-        nb = -(-t // b) + s - 1
+        g = max(1, GROUP_QUERIES // b)
+        nb = -(-(-(-t // b) + s - 1) // g) * g
         n = (self.seg_len + b - 1) // b
         end = jnp.cumsum(n)
         j = jnp.arange(nb)
@@ -155,12 +161,6 @@ class Blocks:
     used: jax.Array
     kv_len: jax.Array
     mask: MaskSpec | None
-
-    def part(self, lo: int, hi: int) -> "Blocks":
-        """Blocks lo..hi-1, reading cache positions up to their own used blocks' longest end."""
-        cut = lambda x: x[lo:hi]        # noqa: E731
-        return Blocks(cut(self.q_index), cut(self.slots), cut(self.starts), cut(self.ends), cut(self.used),
-                      jnp.where(self.used[lo:hi], self.ends[lo:hi], 0).max(), jax.tree.map(cut, self.mask))
 
 
 jax.tree_util.register_dataclass(Blocks, data_fields=["q_index", "slots", "starts", "ends", "used", "kv_len",
