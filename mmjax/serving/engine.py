@@ -53,7 +53,7 @@ log = logging.getLogger("mmjax.engine")
 
 # requests whose chunks one prefill call packs at most (pack_prefill; models/text/packing.py):
 # each sequence past the first may add one 32-query attention block (an unaligned segment end);
-# those S - 1 blocks are compiled in and skipped at run time while unneeded
+# the compiled block layout holds S - 1 such blocks, skipped at run time while unneeded
 MAX_PREFILL_SEQS = 8
 
 

@@ -5,24 +5,26 @@ tokens (a prefill bucket), padding at the end. Everything per token (embeddings,
 weight matmuls: one [T, hidden] GEMM per weight instead of one per sequence, RoPE from each
 token's own positions, K/V writes to each token's own cache row) runs on that row as it is.
 Attention is the one place where a token must see only its own sequence. There `attend` cuts
-each segment into blocks of B = QUERY_BLOCK queries (32; min(32, T) for a smaller bucket),
-segment i taking ceil(len_i / B) blocks from block sum_{j<i} ceil(len_j / B) on, gathers the
-queries into that layout [nb, B] and runs the blocks as the rows of batched attention calls,
-each block over its own segment's slot row exactly as a one-sequence prefill does (`starts` = the
-segment's first cache index, its query indexes, its own end for a ring, image runs: the
-block's queries' spans plus its whole segment's as keys, `MaskSpec.key_spans`); the outputs are
-gathered back. The packed row itself stays dense (aligning segments to blocks there would pad
-the row, and a padded row costs every weight GEMM, far more than its attention), so a
-segment's last block is padded instead. The blocks are static: ceil(T / B) of them always run
-(one sequence of any length fits them), and sum_i ceil(len_i / B) <= ceil(T / B) + k - 1 for k
-sequences, so up to S - 1 more may be needed where segment ends are not block-aligned: the
-first of those runs as its own batch (enough for two sequences), the rest as another, each
-under a `lax.cond` that skips it unless the call uses it. Attention thus computes
-ceil(T / B) * B query rows (about T, what one sequence per call pays), B more when the
-segments need one extra block, (ceil(T / B) + S - 1) * B when they need more; before this
-layout every used segment ran over the whole row (k x T for k sequences). B = 32 measured
-best of 16 / 32 / 64 / 128 on CPU (one layer's packed attention, 342M text shapes, contended
-box): smaller blocks mean smaller matmuls and more cache-row gathers, larger ones more padding.
+each segment into blocks of B = QUERY_BLOCK queries (32; T for a smaller bucket), segment i
+taking ceil(len_i / B) blocks from block sum_{j<i} ceil(len_j / B) on, gathers the queries into
+that layout and runs it in groups of G = GROUP_QUERIES / B blocks (2), one group after another
+(`lax.map`), each group as a batch of the one-sequence attention unchanged: each block over its
+own segment's slot row exactly as a one-sequence prefill does (`starts` = the segment's first
+cache index, its queries' cache indexes, its own end for a ring, image runs: the block's
+queries' spans plus its whole segment's as keys, `MaskSpec.key_spans`), the group reading cache
+positions up to its used blocks' longest end; a group with no used block is skipped
+(`lax.cond`). The outputs are gathered back. The packed row itself stays dense (aligning
+segments to blocks there would pad the row, and a padded row costs every weight GEMM, far more
+than its attention); a segment's last block is padded instead. Attention so computes
+ceil(sum_i ceil(len_i / B) / G) * G * B query rows: one sequence about T (rounded up to 64),
+k sequences at most k - 1 blocks more (sum_i ceil(len_i / B) <= ceil(T / B) + k - 1); before
+this layout every used segment ran over the whole row (k x T). The static block count is
+ceil(T / B) + S - 1 rounded up to whole groups. B = 32 and G * B = 64 measured best on CPU
+(one layer's packed attention, 342M text shapes, contended box; B 16 / 32 / 64, groups of 64,
+128, 192 queries, one batch of every block, and the blocks that fit one sequence as one batch
+with the extra ones behind conds: the group loop was fastest, groups of 64 and 128 queries
+alike at T = 256 and 64 ahead at T = 144, where 128 pads more; it compiles one attention per
+layer).
 
 Segments past the call's count are unused: length 0 (their rows are all padding) and a slot
 index past the cache (`num_slots`) so that every write aimed at them is dropped.
@@ -41,7 +43,7 @@ NO_INDEX = 2 ** 30
 # queries per attention block (each block belongs to one segment; module docstring)
 QUERY_BLOCK = 32
 # queries per group of blocks: one lax.map step, skipped when none of its blocks is used
-GROUP_QUERIES = 128
+GROUP_QUERIES = 64
 
 
 @dataclass(frozen=True)
