@@ -54,8 +54,8 @@ class Buckets:
              one running request pays for a 1-row step, not for every slot.
     segments: sequences one prefill call packs (models/text/packing.py): one rung,
              min(max_segments, max_num_seqs, the smallest chunk); a prefill call's shape is
-             (chunk, segments) and a call packing fewer sequences skips the unused segments'
-             attention at run time, so the rung costs no compilations beyond the chunk ladder.
+             (chunk, segments) and a call packing fewer sequences skips the attention blocks it
+             does not use at run time, so the rung costs no compilations beyond the chunk ladder.
     The cache length in use is not a bucket: attention skips the KV segments past it at run
     time (models/decoder.py), so it costs no compilations.
     """

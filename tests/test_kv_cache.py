@@ -1,7 +1,8 @@
 """The segmented slot KV cache (models/text/llama.py): attention over consecutive segments equals
 plain causal attention, segments past kv_len are skipped (also when kv_len is traced), new tokens
 land in the right segment; mask specs (sliding window, bidirectional spans) and captured
-intermediates (hidden states, attention probabilities) against float64 oracles."""
+intermediates (hidden states, attention probabilities) against float64 oracles; packed prefill's
+query blocks (models/text/packing.py) against one-sequence attention."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from mmjax.models.text import Capture, MaskSpec
 from mmjax.models.text import llama as decoder
+from mmjax.models.text.gemma3 import ring_key_index, ring_visible
 from mmjax.models.text.llama import LlamaConfig as TextConfig
 from mmjax.models.text.rope import RopeConfig
 
@@ -190,6 +192,74 @@ def test_sliding_window_and_spans_match_oracle(segments):
         np.testing.assert_allclose(np.asarray(p2), probs, rtol=2e-5, atol=2e-6)
         assert not np.allclose(want, naive_attention(q, k, v, q_index))   # the mask mattered
 
+
+
+@pytest.mark.parametrize("block,group", [(4, 8), (32, 128)])
+def test_packed_query_blocks_equal_one_sequence_attention(block, group, monkeypatch):
+    """Packing.attend (models/text/packing.py): three sequences packed back to back in a 32-token
+    row (lengths 11, 3, 17: not multiples of the block, one several blocks long; slots 2, 0, 3;
+    starts 5, 0, 20 as after earlier chunks / prefix hits; an unused fourth segment; one padding
+    token), with image spans crossing block edges, a sliding window, both, or no mask: each
+    token's output equals its sequence's own one-sequence prefill attention. Blocks of 4 in
+    groups of 2 (a lax.map step each; groups past the used blocks skipped, one half used), or
+    one block of 32 per sequence in one group; the three sequences take more blocks than
+    ceil(T / B). Gemma 3's ring visibility (key_spans of a block within a longer segment) matches
+    per block."""
+    from mmjax.models.text import packing as pk
+    monkeypatch.setattr(pk, "QUERY_BLOCK", block)
+    monkeypatch.setattr(pk, "GROUP_QUERIES", group)
+    rng = np.random.default_rng(11)
+    slots, h, kvh, hd, cuts, t = 4, 4, 2, 8, (16, 16, 32), 32
+    k = rng.standard_normal((slots, kvh, sum(cuts), hd))
+    v = rng.standard_normal((slots, kvh, sum(cuts), hd))
+    kts, vs = split_cache(k, cuts, True), split_cache(v, cuts)
+    q = jnp.asarray(rng.standard_normal((1, t, h, hd)), jnp.float32)
+    spans = np.full(t, -1, np.int32)
+    spans[3:9] = 0              # three sequences: tokens 3..8 of the first, 0..9 and 12..14 of the third
+    spans[14:24] = 0
+    spans[26:29] = 1
+    attend = jax.jit(lambda p, q, m: p.attend(lambda qb, blk: decoder.cache_attention(
+        qb, kts, vs, blk.q_index, blk.kv_len, blk.slots, mask=blk.mask, starts=blk.starts), q, m))
+    one_sequence = jax.jit(lambda q, q_index, kv_len, slot, mask, starts: decoder.cache_attention(
+        q, kts, vs, q_index, kv_len, slot, mask=mask, starts=starts))
+    for seg_slot, seg_start, seg_len in (([2, 0, 3, slots], [5, 0, 20, 0], [11, 3, 17, 0]),
+                                         ([1, slots, slots, slots], [30, 0, 0, 0], [29, 0, 0, 0])):
+        seg_offset = np.cumsum([0] + seg_len[:-1])
+        token_seg = np.full(t, max(i for i in range(4) if seg_len[i]), np.int32)
+        for i in range(4):
+            token_seg[seg_offset[i]:seg_offset[i] + seg_len[i]] = i
+        packing = pk.Packing(*(jnp.asarray(x, jnp.int32) for x in (seg_slot, seg_start, seg_offset, seg_len,
+                                                                   token_seg)))
+        for window, use_spans in ((None, False), (None, True), (6, True)):
+            mask = None if window is None and not use_spans else \
+                MaskSpec(sliding_window=window, spans=jnp.asarray(spans[None]) if use_spans else None)
+            packed = attend(packing, q, mask)
+            for i in (i for i in range(4) if seg_len[i]):
+                # the sequence alone: its n tokens first in a row of t (the rest padding, span -1)
+                o, n, st = seg_offset[i], seg_len[i], seg_start[i]
+                alone = np.roll(spans, -o)
+                alone[n:] = -1
+                one = None if mask is None else MaskSpec(sliding_window=window, spans=None if not use_spans else
+                                                         jnp.asarray(alone[None]))
+                want = one_sequence(jnp.roll(q, -o, axis=1), jnp.asarray(st + np.arange(t))[None], st + n,
+                                    jnp.asarray([seg_slot[i]]), one, jnp.asarray([st]))
+                np.testing.assert_allclose(np.asarray(packed[:, o:o + n]), np.asarray(want[:, :n]), rtol=1e-5,
+                                           atol=1e-5)
+        # Gemma 3's sliding-window ring (ring_visible) sees the same keys per block as per sequence
+        blocks, _ = packing.blocks(MaskSpec(spans=jnp.asarray(spans[None])))
+        vis = np.asarray(ring_visible(ring_key_index(blocks.ends, 16), blocks.q_index, 6, blocks.mask.spans,
+                                      blocks.starts, blocks.mask.key_spans))
+        used, slot_of, q_index = (np.asarray(x) for x in (blocks.used, blocks.slots, blocks.q_index))
+        for i in (i for i in range(4) if seg_len[i]):
+            o, n, st = seg_offset[i], seg_len[i], seg_start[i]
+            want = np.asarray(ring_visible(ring_key_index(jnp.asarray([st + n]), 16),
+                                           jnp.asarray(st + np.arange(n))[None], 6,
+                                           jnp.asarray(np.roll(spans, -o)[None, :n]), jnp.asarray([st])))[0]
+            mine = used & (slot_of == seg_slot[i])                      # its blocks (slots are distinct)
+            local = q_index[mine] - st
+            real = local < n
+            assert real.sum() == n
+            np.testing.assert_array_equal(vis[mine][real], want[local[real]])
 
 def test_captured_intermediates_match_a_plain_layer_loop():
     """Capture(hidden=True, attn_layers=(1,)): hidden states are the residual stream after each

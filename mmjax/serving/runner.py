@@ -202,9 +202,9 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
 
     The chunks of S sequences packed back to back in one row of T tokens (S = 1: one chunk, the
     plain one-sequence prefill), each into its own cache row (models/text/packing.py: one GEMM
-    per weight over all T tokens; attention per sequence). Each sequence's first token is
-    sampled from the logits of its chunk's last valid token and its slot's decode-state row is
-    set up (the host only uses it after the final chunk). spans: image-token run ids of each
+    per weight over all T tokens; attention in query blocks of one sequence each). Each
+    sequence's first token is sampled from the logits of its chunk's last valid token and its
+    slot's decode-state row is set up (the host only uses it after the final chunk). spans: image-token run ids of each
     chunk (-1 elsewhere), used by families with bidirectional image attention; token_seg: each
     token's segment (padding: the last used one). `tm`: the text model as placed (default: the
     family's).

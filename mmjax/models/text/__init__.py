@@ -42,12 +42,21 @@ class MaskSpec:
     spans: [b, t] int32 per new token, -1 for none: tokens of one span in the same call see each
         other in both directions (a span must lie within one call: the caller keeps chunk
         boundaries outside spans). A traced array, so one compiled step serves every layout.
+    key_spans: [b, u] int32 or None (then `spans`): the spans of row b's sequence's new tokens
+        from its first new cache index on (attention's `starts`), when the row's queries are only
+        part of them (packed prefill: a block of a longer chunk, models/text/packing.py).
     """
     sliding_window: int | None = None
     spans: jax.Array | None = None
+    key_spans: jax.Array | None = None
+
+    @property
+    def span_keys(self) -> jax.Array | None:
+        """[b, u] the span of each new token as a key (`key_spans`, else `spans`)."""
+        return self.spans if self.key_spans is None else self.key_spans
 
 
-jax.tree_util.register_dataclass(MaskSpec, data_fields=["spans"], meta_fields=["sliding_window"])
+jax.tree_util.register_dataclass(MaskSpec, data_fields=["spans", "key_spans"], meta_fields=["sliding_window"])
 
 
 @dataclass(frozen=True)

@@ -196,16 +196,19 @@ def ring_key_index(write_end: jax.Array, ring: int) -> jax.Array:
 
 
 def ring_visible(key_index: jax.Array, q_index: jax.Array, window: int, spans: jax.Array | None,
-                 starts: jax.Array) -> jax.Array:
+                 starts: jax.Array, key_spans: jax.Array | None = None) -> jax.Array:
     """[b, t, ring] bool: HF's sliding mask AND(kv > q - window, OR(kv <= q, same image run)) on
-    ring slots; key_index [b, ring] from `ring_key_index`, q_index [b, t], spans [b, t] or None."""
+    ring slots; key_index [b, ring] from `ring_key_index`, q_index [b, t], spans [b, t] or None;
+    key_spans [b, u]: the spans of the row's new tokens from starts[b] on (MaskSpec.key_spans;
+    None: spans)."""
     k, q = key_index[:, None, :], q_index[:, :, None]
     vis = k <= q
     if spans is not None:
-        t = spans.shape[1]
+        keys = spans if key_spans is None else key_spans
+        u = keys.shape[1]
         new = key_index - starts[:, None]                                   # [b, ring]
-        in_call = (new >= 0) & (new < t)
-        kspan = jnp.where(in_call, jnp.take_along_axis(spans, jnp.clip(new, 0, t - 1), axis=1), -1)
+        in_call = (new >= 0) & (new < u)
+        kspan = jnp.where(in_call, jnp.take_along_axis(keys, jnp.clip(new, 0, u - 1), axis=1), -1)
         qspan = spans[:, :, None]
         vis |= (qspan >= 0) & (qspan == kspan[:, None, :])
     return vis & (k > q - window) & (k >= 0)
@@ -265,7 +268,8 @@ def softcapped_attention(q, kts, vs, q_index, kv_len, slots, *, mask, starts, sc
     if scales is not None:
         scales = tuple(rows(jnp.concatenate(x, axis=2)) for x in scales)
     key_index = jnp.broadcast_to(jnp.arange(v.shape[2])[None], (b, v.shape[2]))
-    vis = ring_visible(key_index, q_index, v.shape[2] + 1, mask.spans if mask else None, starts)
+    vis = ring_visible(key_index, q_index, v.shape[2] + 1, mask.spans if mask else None, starts,
+                       mask.key_spans if mask else None)
     return ring_attention(q, kt, v, vis, scale, cap, scales)
 
 
@@ -326,7 +330,7 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     """One decoder layer: x [b, t, hidden] -> (x, this layer's updated cache, (probs [b, h, t,
     kv_len], per-head outputs [b, t, h, hd]) when capture_attn (kv_len static) else None).
     packing: a packed prefill (models/text/packing.py): K/V are written per token, attention
-    runs per segment (q, q_index, slots, starts, spans as the rows layout)."""
+    runs in query blocks, each over its own sequence's cache row (`Packing.attend`)."""
     b, t, _ = x.shape
     h, hd = cfg.num_heads, cfg.head_dim
     cos, sin = rope
@@ -340,7 +344,6 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
     k = gemma_rms_norm(layer["k_norm"], k, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     spans = mask.spans if mask is not None else None
-    row_spans = None if packing is None or spans is None else packing.row_mask(mask).spans
     if kind == SLIDING:
         ring = kv["v"][0].shape[2]
         # padding, and rows past kv_len (decode rows of free slots, parked there by the engine),
@@ -355,13 +358,16 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
         write_end = starts + valid.sum(axis=1).astype(starts.dtype)
         key_index = ring_key_index(write_end, ring)
 
-        def ring_rows(slot, start, n, qr, ex):    # one segment of a packed row over its slot's ring
-            vis = ring_visible(ring_key_index(start + n, ring), ex[0], cfg.sliding_window, ex[1], start)
-            sc = None if ring_scales is None else (ring_scales[0][0][slot], ring_scales[1][0][slot])
-            return ring_attention(qr, new_kv["k"][0][slot], new_kv["v"][0][slot], vis, cfg.scale,
+        def ring_blocks(qb, blk):    # query blocks of a packed row, each over its sequence's ring
+            m = blk.mask
+            vis = ring_visible(ring_key_index(blk.ends, ring), blk.q_index, cfg.sliding_window,
+                               None if m is None else m.spans, blk.starts, None if m is None else m.key_spans)
+            sl = blk.slots
+            sc = None if ring_scales is None else (ring_scales[0][0][sl], ring_scales[1][0][sl])
+            return ring_attention(qb, new_kv["k"][0][sl], new_kv["v"][0][sl], vis, cfg.scale,
                                   cfg.attn_logit_softcapping, sc)
         if packing is not None:
-            attn = packing.attend(ring_rows, q, (packing.row_index, row_spans))
+            attn = packing.attend(ring_blocks, q, mask)
         elif capture_attn:
             if scales is not None:    # research capture: dequantized (materialised) like the rest of it
                 kts, vs = dequantize(kts, scales[0], 2, q.dtype), dequantize(vs, scales[1], 3, q.dtype)
@@ -374,16 +380,17 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
         new_kv = scatter_kv(kv, k, v, q_index, rows)
         new_k, new_v, scales = new_kv["k"], new_kv["v"], layer_scales(new_kv)
 
-        def full(q, q_index, kv_len, slots, spans, starts):
+        def full(q, q_index, kv_len, slots, mask, starts):
             if cfg.attn_logit_softcapping is None:
-                return cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=MaskSpec(spans=spans),
+                return cache_attention(q, new_k, new_v, q_index, kv_len, slots, mask=mask,
                                        starts=starts, reduce_small=reduce_small, scale=cfg.scale, scales=scales)
-            return softcapped_attention(q, new_k, new_v, q_index, kv_len, slots, mask=MaskSpec(spans=spans),
+            return softcapped_attention(q, new_k, new_v, q_index, kv_len, slots, mask=mask,
                                         starts=starts, scale=cfg.scale, cap=cfg.attn_logit_softcapping,
                                         scales=scales)
+        spans_only = None if spans is None else MaskSpec(spans=spans)      # full layers: no window
         if packing is not None:
-            attn = packing.attend(lambda slot, start, n, qr, ex: full(qr, ex[0], start[0] + n, slot, ex[1], start),
-                                  q, (packing.row_index, row_spans))
+            attn = packing.attend(lambda qb, blk: full(qb, blk.q_index, blk.kv_len, blk.slots, blk.mask, blk.starts),
+                                  q, spans_only)
         elif capture_attn:
             kt, vv = jnp.concatenate(new_k, axis=3)[..., :kv_len], jnp.concatenate(new_v, axis=2)[:, :, :kv_len]
             if scales is not None:    # research capture: dequantized (materialised) like the rest of it
@@ -394,7 +401,7 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
             attn, probs = captured_attention(q, kt, vv, key_index, q_index, None, spans, starts, cfg.scale,
                                              cfg.attn_logit_softcapping, kv_len)
         else:
-            attn = full(q, q_index, kv_len, slots, spans, starts)
+            attn = full(q, q_index, kv_len, slots, spans_only, starts)
     captured = (probs, attn) if capture_attn else None
     a = dense(layer["o"], attn.reshape(b, t, h * hd))
     x = x + gemma_rms_norm(layer["ln_post_attn"], a, cfg.rms_norm_eps)

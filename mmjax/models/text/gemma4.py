@@ -431,10 +431,10 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
         if spec.kind == SLIDING else None
     akw = dict(mask=lmask, starts=starts, scale=1.0, window_over_spans=True, scales=layer_scales(kv))
     captured = None
-    if packing is not None:         # each segment's queries over its own slot's row
-        attn = packing.attend(lambda slot, start, n, qr, ex: cache_attention(
-            qr, kv["k"], kv["v"], ex[0], start[0] + n, slot, reduce_small=reduce_small,
-            **{**akw, "mask": ex[1], "starts": start}), q, (packing.row_index, packing.row_mask(lmask)))
+    if packing is not None:         # each query block over its own sequence's slot row
+        attn = packing.attend(lambda qb, blk: cache_attention(
+            qb, kv["k"], kv["v"], blk.q_index, blk.kv_len, blk.slots, reduce_small=reduce_small,
+            **{**akw, "mask": blk.mask, "starts": blk.starts}), q, lmask)
     elif capture_attn:
         attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, kv_len, slots, **akw)
         captured = (probs, attn)

@@ -194,19 +194,20 @@ def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None
                  starts: jax.Array, *, window_over_spans: bool = False) -> jax.Array:
     """[b, t, len] bool: may the query at cache index q_index [b, t] read the key at cache index
     key_index [len]? Causal (j <= i), within the sliding window, or in the query's own span
-    (the span's keys are this call's tokens: key j is new token j - starts[b]).
-    window_over_spans: the window also bounds span keys, (causal | span) & window (Gemma 4's
-    order); default (causal & window) | span."""
+    (the span's keys are this call's tokens: key j is new token j - starts[b] of
+    `mask.span_keys`). window_over_spans: the window also bounds span keys, (causal | span) &
+    window (Gemma 4's order); default (causal & window) | span."""
     vis = key_index[None, None, :] <= q_index[:, :, None]
     if mask is None:
         return vis
     if mask.sliding_window is not None and not window_over_spans:
         vis &= q_index[:, :, None] - key_index[None, None, :] < mask.sliding_window
     if mask.spans is not None:
-        t = mask.spans.shape[1]
+        keys = mask.span_keys
+        u = keys.shape[1]
         new = key_index[None, :] - starts[:, None]                          # [b, len]
-        in_call = (new >= 0) & (new < t)
-        kspan = jnp.where(in_call, jnp.take_along_axis(mask.spans, jnp.clip(new, 0, t - 1), axis=1), -1)
+        in_call = (new >= 0) & (new < u)
+        kspan = jnp.where(in_call, jnp.take_along_axis(keys, jnp.clip(new, 0, u - 1), axis=1), -1)
         qspan = mask.spans[:, :, None]
         vis |= (qspan >= 0) & (qspan == kspan[:, None, :])
     if mask.sliding_window is not None and window_over_spans:
@@ -484,10 +485,10 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     # on V and (rows, :, :, idx) on K^T both index [b, t, kv_heads, hd].
     kv = scatter_kv(kv, k, v, q_index, rows if packing is None else packing.token_slot[None])
     captured = None
-    if packing is not None:         # each segment's queries over its own slot's row
-        attn = packing.attend(lambda slot, start, n, qr, ex: cache_attention(
-            qr, kv["k"], kv["v"], ex[0], start[0] + n, slot, mask=ex[1], starts=start, reduce_small=reduce_small,
-            scales=layer_scales(kv)), q, (packing.row_index, packing.row_mask(mask)))
+    if packing is not None:         # each query block over its own sequence's slot row
+        attn = packing.attend(lambda qb, blk: cache_attention(
+            qb, kv["k"], kv["v"], blk.q_index, blk.kv_len, blk.slots, mask=blk.mask, starts=blk.starts,
+            reduce_small=reduce_small, scales=layer_scales(kv)), q, mask)
     elif capture_attn:
         attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, explicit_kv_len or kv_len, slots, mask=mask,
                                          starts=starts, scales=layer_scales(kv))
