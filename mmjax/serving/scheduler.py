@@ -90,17 +90,24 @@ class Scheduler:
     def prefill_plan(self) -> list[tuple[Request, int]]:
         """(request, tokens to prefill this step) within the `prefill_chunk` budget.
 
-        Packed (max_segments > 1): the chunks of up to max_segments requests fill the budget,
-        all in one call (each takes what is left: a packed call pays per token, so a head
-        chunk costs only its tokens). One call per request (max_segments = 1): after the
-        first, a prompt is only started if the rest of it fits: each call reads every weight,
-        so a small head chunk (the budget's remainder) costs nearly a full call and splits the
-        prompt into two padded buckets. A chunk never ends inside a bidirectional image run
-        (its tokens must see each other within one call); a FastV-pruned prompt goes whole."""
+        The first prefilling request takes what it needs up to the budget (a longer prompt is
+        chunked); after it, a prompt is only started if the rest of it fits. A head chunk in
+        the budget's remainder would give no first token this step and lengthen the call every
+        token of this step waits for, and its prompt's first token would still need a second
+        call: measured at concurrency 16 (230-token prompts, chunk 256), filling the budget with
+        head chunks gave TTFT p50 7.8 s against 7.0 s one call per prompt. Packed
+        (max_segments > 1): up to max_segments whole prompts that fit share the call (short
+        prompts behind a long one go first); one call per request (max_segments = 1): the
+        first that does not fit ends the plan. A chunk never ends inside a bidirectional image
+        run (its tokens must see each other within one call); a FastV-pruned prompt goes whole."""
         plan, budget, packed = [], self.prefill_chunk, self.max_segments > 1
         for req in (r for r in self.slots if r is not None and r.prefilling):
             rest = req.prompt_len - req.prefilled
-            if budget <= 0 or (packed and len(plan) == self.max_segments) or (not packed and plan and rest > budget):
+            if budget <= 0 or (packed and len(plan) == self.max_segments):
+                break
+            if plan and rest > budget:
+                if packed:          # a shorter prompt behind it may fit whole
+                    continue
                 break
             n = _outside_runs(req, min(rest, budget))
             if req.prune is not None and n < rest:      # a pruned prompt goes in one call
