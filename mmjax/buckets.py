@@ -52,13 +52,10 @@ class Buckets:
              prompt pads by at most 1/8.
     decode:  slots advanced per decode call (the first `rows` cache rows), up to `max_num_seqs`;
              one running request pays for a 1-row step, not for every slot.
-    segments: sequences one prefill call packs (models/text/packing.py): the rungs 1 and
-             S = min(max_segments, max_num_seqs, the smallest chunk); a prefill call's shape is
-             (chunk, segments). A call of one chunk (the usual case for image prompts: after
-             the first, the scheduler starts a prompt only if it fits whole) runs the plain
-             one-sequence step, ~10% faster than the packed one (no query-block gathers); a
-             call packing 2..S sequences takes rung S and skips the attention blocks it does
-             not use at run time. Two rungs: twice the prefill compilations of one.
+    segments: sequences one prefill call packs (models/text/packing.py): one rung,
+             min(max_segments, max_num_seqs, the smallest chunk); a prefill call's shape is
+             (chunk, segments) and a call packing fewer sequences skips the attention blocks it
+             does not use at run time, so the rung costs no compilations beyond the chunk ladder.
     The cache length in use is not a bucket: attention skips the KV segments past it at run
     time (models/decoder.py), so it costs no compilations.
     """
@@ -70,4 +67,4 @@ class Buckets:
     def make(cls, *, prefill_chunk: int, max_num_seqs: int, max_segments: int = 1) -> "Buckets":
         prefill = fine_ladder(min(16, prefill_chunk), prefill_chunk)
         return cls(prefill=prefill, decode=pow2_ladder(1, max_num_seqs),
-                   segments=tuple(sorted({1, max(1, min(max_segments, max_num_seqs, prefill[0]))})))
+                   segments=(max(1, min(max_segments, max_num_seqs, prefill[0])),))

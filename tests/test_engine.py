@@ -192,8 +192,7 @@ def test_prefill_budget_packs_requests_into_one_call(path):
     """Per step at most prefill_chunk prompt tokens in one call. The first prefilling request
     takes what it needs (a long prompt spreads over steps); after it, a prompt starts only if
     the rest of it fits, packed into the same call, and a short prompt behind one that does not
-    fit goes first. A call of one chunk runs the one-sequence step (segment rung 1), a call of
-    more the packed one. Without packing (one call per request) the first prompt that does not
+    fit goes first. Without packing (one call per request) the first prompt that does not
     fit ends the plan."""
     vlm = mmjax.load(path, max_num_seqs=4, max_model_len=512, prefill_chunk=64,
                      enable_prefix_cache=False)
@@ -214,7 +213,7 @@ def test_prefill_budget_packs_requests_into_one_call(path):
                         ([150, 30, 0, 10], 1),   # its tail (22) + 30 whole; 40 > 12 left, 10 fits
                         ([150, 30, 40, 10], 1)]
     assert eng.counters["prefill_chunks"] - eng.counters["prefill_calls"] == 2      # 1 + 1 + 3 + 1 chunks
-    assert {s for _, s in eng.runner.compiled["prefill"]} == {1, 4}   # one chunk: the plain step
+    assert {s for _, s in eng.runner.compiled["prefill"]} == {4}      # one segment count: no extra shapes
     eng.scheduler.max_segments = 1              # the plan without packing (Engine(pack_prefill=False))
     seen = [p for p, _ in steps(3)]
     # 40 > 12 left never starts (the 10-token prompt does if its slot comes before the 40's:
