@@ -49,12 +49,8 @@ class Tuning:
         """fn, tracing with this tuning's kernel choices in effect (`pallas_kernels_enabled`,
         `cpu_kernels_enabled`)."""
         def wrapped(*args, **kw):
-            prev = getattr(_target, "pallas", None), getattr(_target, "cpu_kernels", None)
-            _target.pallas, _target.cpu_kernels = self.pallas_kernels, self.cpu_kernels
-            try:
+            with _scoped(pallas=self.pallas_kernels, cpu_kernels=self.cpu_kernels):
                 return fn(*args, **kw)
-            finally:
-                _target.pallas, _target.cpu_kernels = prev
         return functools.wraps(fn)(wrapped)
 
     @property
@@ -92,12 +88,21 @@ def current_platform() -> str:
 def compiling_for(platform: str) -> Iterator[None]:
     """Trace for `platform` (e.g. "cuda" while exporting on a CPU machine): kernel choices such
     as `mmjax.attention`'s impl="auto" read `current_platform()` at trace time."""
-    prev = getattr(_target, "platform", None)
-    _target.platform = platform
+    with _scoped(platform=platform):
+        yield
+
+
+@contextlib.contextmanager
+def _scoped(**values) -> Iterator[None]:
+    """Set attributes of the thread's trace target (`_target`) for the block, then restore them."""
+    prev = {k: getattr(_target, k, None) for k in values}
+    for k, v in values.items():
+        setattr(_target, k, v)
     try:
         yield
     finally:
-        _target.platform = prev
+        for k, v in prev.items():
+            setattr(_target, k, v)
 
 
 def pallas_kernels_enabled() -> bool:
@@ -111,12 +116,8 @@ def pallas_kernels_enabled() -> bool:
 def cpu_kernels(enabled: bool) -> Iterator[None]:
     """Trace with mmjax's CPU kernels allowed or not (what `Tuning.traced` sets per step; tests
     compare against XLA's own dots with cpu_kernels(False))."""
-    prev = getattr(_target, "cpu_kernels", None)
-    _target.cpu_kernels = enabled
-    try:
+    with _scoped(cpu_kernels=enabled):
         yield
-    finally:
-        _target.cpu_kernels = prev
 
 
 def cpu_kernels_enabled() -> bool:
