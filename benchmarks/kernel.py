@@ -266,7 +266,8 @@ def _categorize(hlo_text: str) -> dict[str, str]:
             called = re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line)
             inner = " ".join(comps.get(c, "") for c in called)
             text = op + " " + inner
-            if "dot(" in text or op in ("dot", "convolution") or "custom-call" in op and "matmul" in line:
+            if "dot(" in text or op in ("dot", "convolution") or "custom-call" in op and (
+                    "matmul" in line or "mmjax_gemv" in line):
                 cat = "matmul"
             elif "scatter" in text or "dynamic-update-slice" in text:
                 cat = "kv-cache write"
@@ -281,7 +282,7 @@ def _categorize(hlo_text: str) -> dict[str, str]:
 
 
 def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt_tokens: int,
-                   trace_dir: str) -> dict:
+                   trace_dir: str, dtype: str = "float32", quantize: str | None = None, top_n: int = 25) -> dict:
     """Trace `steps` full-batch decode steps with jax.profiler and attribute device time to the
     compiled decode step's HLO instructions (XLA CPU records one event per thunk)."""
     import glob
@@ -291,7 +292,8 @@ def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt
 
     import mmjax
 
-    vlm = mmjax.load(path, "float32", max_num_seqs=batch, max_model_len=max_model_len, prefill_chunk=256)
+    vlm = mmjax.load(path, dtype, max_num_seqs=batch, max_model_len=max_model_len, prefill_chunk=256,
+                     quantize=quantize)
     arch = Arch.from_family(vlm.family)
     prompt = make_prompt(vlm.tokenizer, arch.img_tokens, prompt_tokens)
     eng = vlm.engine
@@ -337,7 +339,7 @@ def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt
         by_cat[c] = by_cat.get(c, 0.0) + t
     total_ops = sum(by_op.values())
     step_s = median(wall)
-    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:25]
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_n]
     return {"batch": batch, "steps": steps, "context": ctx, "step_ms": 1e3 * step_s,
             "tok_s": batch / step_s, "ops_ms_per_step": 1e3 * total_ops / steps,
             "executable_ms_per_step": 1e3 * execute / steps,
@@ -594,9 +596,10 @@ def decode_profiles(args, bw: float | None) -> list[dict]:
         os.environ["MMJAX_COMPILATION_CACHE"] = "0"
     path = args.model or str(build_llava(args.size))
     out = []
-    for b in (1, 8):
+    for b in args.profile_batches:
         d = args.trace_dir or tempfile.mkdtemp(prefix="mmjax-decode-trace-")
-        p = profile_decode(path, b, args.profile_steps, args.max_model_len, args.prompt_tokens, os.path.join(d, f"b{b}"))
+        p = profile_decode(path, b, args.profile_steps, args.max_model_len, args.prompt_tokens, os.path.join(d, f"b{b}"),
+                           args.dtype, args.quantize)
         print(format_profile(p, bw), flush=True)
         out.append(p)
     return out
@@ -623,6 +626,9 @@ def parse_args(argv):
                     help="also trace mmjax decode (jax.profiler) at batch 1 and 8 and attribute time to HLO ops")
     ap.add_argument("--profile-only", action="store_true", help="only the decode profile (no side-by-side)")
     ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights of the profiled model")
+    ap.add_argument("--quantize", default=None, choices=["int8"], help="8-bit weights of the profiled model")
     ap.add_argument("--trace-dir", default=None, help="where jax.profiler writes (default: a temp dir)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)

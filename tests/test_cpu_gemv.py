@@ -48,9 +48,12 @@ def test_kernel_equals_reference(generic):
     try:
         assert not (generic and simd)
         # (rows, K, N, groups): N below / across the 32- and 64-column tiles and split over
-        # threads, odd K, groups of a size not a multiple of 4, each register-block size of rows
+        # threads, odd K, groups of a size not a multiple of 4, each register-block size of rows;
+        # up to 4 rows with enough K the weight's rows are split over threads (partial sums
+        # added): odd K, a part ending inside a group, a last quad / pair cut short
         for m, k, n, g in ((1, 77, 1000, 1), (16, 130, 531, 2), (3, 96, 70, 3), (8, 1030, 4160, 5),
-                           (1, 256, 8300, 2), (16, 9, 1, 1)):
+                           (1, 256, 8300, 2), (16, 9, 1, 1), (2, 1001, 300, 1), (4, 2050, 129, 2),
+                           (1, 3000, 2000, 3)):
             x, w = _bf16(rng, m, k), _bf16(rng, k, n)
             got = np.asarray(bf16(x, w))
             want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)

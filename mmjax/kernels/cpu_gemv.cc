@@ -55,7 +55,7 @@ std::atomic<int> g_force_generic{0};
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096;
+    g_min_part_bytes = 4096, g_ksplit_rows = 4;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 int BlockQuads(int M) { return g_block_quads ? g_block_quads : M <= 4 ? 3 : M <= 8 ? 6 : 8; }
@@ -135,8 +135,6 @@ MMJAX_AVX512 void Bf16Group(const uint32_t* xw, int64_t P, int64_t p0, int64_t p
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* r0 = w + 2 * p * N + c;
     const __mmask32 m1 = 2 * p + 1 < K ? mask : 0;
-    _mm_prefetch(reinterpret_cast<const char*>(r0 + 256), _MM_HINT_T0);        // 8 groups ahead
-    if (m1) _mm_prefetch(reinterpret_cast<const char*>(r0 + N + 256), _MM_HINT_T0);
     const __m512i r = _mm512_maskz_loadu_epi16(mask, r0), s = _mm512_maskz_loadu_epi16(m1, r0 + N);
     const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r, s), hi = (__m512bh)_mm512_unpackhi_epi16(r, s);
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
@@ -166,10 +164,15 @@ MMJAX_AVX512 void Bf16Store(const float* acc, int M, float* out, int64_t ldo, in
 // products per int32 lane). The weight is made unsigned (w + 128, an xor of the sign bit) and the
 // activation is the signed operand; the 128 * sum(x) this adds is taken off at the store. The four
 // rows are interleaved into quads: q[i] holds columns 16j + 4i .. 16j + 4i + 3 of lane j.
-// Accumulators: [m][q0 | q1 | q2 | q3], 16 int32 each.
+// Accumulators: [m][q0 | q1 | q2 | q3], 16 int32 each. Software prefetch only where more than one
+// register pass reads the block (M > 4): at one to four rows the hardware prefetchers stream
+// better alone (one thread over the bench model's int8 weights: 12.0 -> 15.1 GB/s without it),
+// at 8 rows the prefetch is worth 20% of the matmul time. The bf16 group (two rows per step,
+// half the columns) measured no better with it at 1 or 8 rows and has none.
 template <int MG>
 MMJAX_AVX512 void S8Group(const uint32_t* xw, int64_t Q, int64_t q0, int64_t q1, const int8_t* w, int64_t N,
-                          int64_t rows_left0, int64_t c, __mmask64 mask, int32_t* acc, bool first) {
+                          int64_t rows_left0, int64_t c, __mmask64 mask, int32_t* acc, bool first,
+                          bool prefetch) {
   __m512i a[MG][4];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
     _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + 64 * m + 16 * i);
@@ -180,7 +183,8 @@ MMJAX_AVX512 void S8Group(const uint32_t* xw, int64_t Q, int64_t q0, int64_t q1,
     __m512i r[4];
     _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) {
       const __mmask64 mi = i < left ? mask : 0;
-      if (mi) _mm_prefetch(reinterpret_cast<const char*>(r0 + i * N + 512), _MM_HINT_T0);   // 8 groups ahead
+      if (prefetch && mi) _mm_prefetch(reinterpret_cast<const char*>(r0 + i * N + 512), _MM_HINT_T0);   // 8 groups ahead
+
       r[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mi, r0 + i * N), sign);
     }
     const __m512i t01l = _mm512_unpacklo_epi8(r[0], r[1]), t01h = _mm512_unpackhi_epi8(r[0], r[1]);
@@ -212,17 +216,17 @@ MMJAX_AVX512 void S8Store(const int32_t* acc, int M, const int32_t* xsum, int32_
   }
 }
 
-// columns [n0, n1) of y = x @ W (bf16): chunks of columns, row blocks of kBf16Pairs pairs
-// swept across the chunk, activation rows in register passes of <= 8
+// columns [n0, n1) of the sums over row pairs [pa, pb) of y = x @ W (bf16): chunks of columns,
+// row blocks of BlockPairs pairs swept across the chunk, activation rows in register passes of <= 8
 MMJAX_AVX512 void Bf16Range(const uint32_t* xw, int M, int64_t K, int64_t N, const uint16_t* w, float* y,
-                            int64_t n0, int64_t n1) {
+                            int64_t n0, int64_t n1, int64_t pa, int64_t pb) {
   alignas(64) static thread_local float acc[kAccBytes / 4];
   const int64_t P = (K + 1) / 2;
   const int64_t C = std::min<int64_t>(kAccBytes / (4 * 32 * M) * 32, g_max_cols);
   for (int64_t c0 = n0; c0 < n1; c0 += C) {
     const int64_t cols = std::min(C, n1 - c0);
-    for (int64_t p0 = 0; p0 < P; p0 += BlockPairs(M)) {
-      const int64_t p1 = std::min(P, p0 + BlockPairs(M));
+    for (int64_t p0 = pa; p0 < pb; p0 += BlockPairs(M)) {
+      const int64_t p1 = std::min(pb, p0 + BlockPairs(M));
       for (int64_t c = 0; c < cols; c += 32) {
         float* ag = acc + c * M;
         const __mmask32 mask = Mask32(cols - c);
@@ -230,14 +234,14 @@ MMJAX_AVX512 void Bf16Range(const uint32_t* xw, int M, int64_t K, int64_t N, con
           const uint32_t* xm = xw + m * P;
           float* am = ag + 32 * m;
           switch (std::min(8, M - m)) {
-            case 1: Bf16Group<1>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
-            case 2: Bf16Group<2>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
-            case 3: Bf16Group<3>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
-            case 4: Bf16Group<4>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
-            case 5: Bf16Group<5>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
-            case 6: Bf16Group<6>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
-            case 7: Bf16Group<7>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
-            default: Bf16Group<8>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == 0); break;
+            case 1: Bf16Group<1>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == pa); break;
+            case 2: Bf16Group<2>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == pa); break;
+            case 3: Bf16Group<3>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == pa); break;
+            case 4: Bf16Group<4>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == pa); break;
+            case 5: Bf16Group<5>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == pa); break;
+            case 6: Bf16Group<6>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == pa); break;
+            case 7: Bf16Group<7>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == pa); break;
+            default: Bf16Group<8>(xm, P, p0, p1, w, N, K, c0 + c, mask, am, p0 == pa); break;
           }
         }
       }
@@ -246,9 +250,11 @@ MMJAX_AVX512 void Bf16Range(const uint32_t* xw, int M, int64_t K, int64_t N, con
   }
 }
 
-// columns [n0, n1) of the per-group int32 dots (int8): xw holds, per row m and group g, Q quads
+// columns [n0, n1) of the per-group int32 dots (int8) over each group's quads [qa, qb): xw holds,
+// per row m and group g, Q quads; xsum is the per (row, group) correction (nullptr: none, for a
+// partial sum that is added to one which has it)
 MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_t G, int64_t Kg, int64_t N,
-                          const int8_t* w, int32_t* y, int64_t n0, int64_t n1) {
+                          const int8_t* w, int32_t* y, int64_t n0, int64_t n1, int64_t qa, int64_t qb) {
   alignas(64) static thread_local int32_t acc[kAccBytes / 4];
   const int64_t Q = (Kg + 3) / 4, K = G * Kg;
   const int64_t C = std::min<int64_t>(kAccBytes / (4 * 64 * M) * 64, g_max_cols);
@@ -257,8 +263,8 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
     for (int64_t g = 0; g < G; ++g) {
       const int8_t* wg = w + g * Kg * N;
       const int64_t rows_left = K - g * Kg;
-      for (int64_t q0 = 0; q0 < Q; q0 += BlockQuads(M)) {
-        const int64_t q1 = std::min(Q, q0 + BlockQuads(M));
+      for (int64_t q0 = qa; q0 < qb; q0 += BlockQuads(M)) {
+        const int64_t q1 = std::min(qb, q0 + BlockQuads(M));
         for (int64_t c = 0; c < cols; c += 64) {
           int32_t* ag = acc + c * M;
           const __mmask64 mask = Mask64(cols - c);
@@ -266,16 +272,16 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
             const uint32_t* xm = xw + (m * G + g) * Q;
             int32_t* am = ag + 64 * m;
             switch (std::min(4, M - m)) {
-              case 1: S8Group<1>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == 0); break;
-              case 2: S8Group<2>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == 0); break;
-              case 3: S8Group<3>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == 0); break;
-              default: S8Group<4>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == 0); break;
+              case 1: S8Group<1>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == qa, M > 4); break;
+              case 2: S8Group<2>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == qa, M > 4); break;
+              case 3: S8Group<3>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == qa, M > 4); break;
+              default: S8Group<4>(xm, G * Q, q0, q1, wg, N, rows_left, c0 + c, mask, am, q0 == qa, M > 4); break;
             }
           }
         }
       }
       int32_t xs[kMaxRows];
-      for (int m = 0; m < M; ++m) xs[m] = xsum[m * G + g];
+      for (int m = 0; m < M; ++m) xs[m] = xsum ? xsum[m * G + g] : 0;
       for (int64_t c = 0; c < cols; c += 64) S8Store(acc + c * M, M, xs, y + g * N, G * N, c0 + c, cols - c);
     }
   }
@@ -283,11 +289,12 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
 #endif  // __x86_64__
 
 // ---------------------------------------------------------------------------------------------
-// Threads: `parts` column ranges claimed from a shared counter by the caller and by up to
-// `threads - 1` tasks on XLA's intra-op pool. More ranges than threads, so a thread slowed down
-// by other work on the machine takes fewer of them. The caller waits only for ranges someone has
-// claimed (those are running), so a pool that runs tasks late, or never in parallel, cannot
-// deadlock it; the shared state outlives tasks that start after the call has returned.
+// Threads: `parts` tiles claimed from a shared counter by the caller and by up to `threads - 1`
+// tasks on XLA's intra-op pool. The caller waits only for tiles someone has claimed (those are
+// running), so a pool that runs tasks late, or never in parallel, cannot deadlock it; the shared
+// state outlives tasks that start after the call has returned. (Own helper threads that spin
+// between calls were tried: no faster matmuls, and a decode step 3.5 ms slower in its host
+// part, which the spinning thread took a core from.)
 
 struct Job {
   std::atomic<int> next{0};
@@ -299,6 +306,17 @@ struct Job {
     for (int p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
       call(fn, p);
       done.fetch_add(1, std::memory_order_release);
+    }
+  }
+  void WaitClaimed() {
+    for (int spins = 0; done.load(std::memory_order_acquire) < parts; ++spins) {
+      if (spins < 4096) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
     }
   }
 };
@@ -316,15 +334,7 @@ void ParallelFor(ffi::ThreadPool& pool, int threads, int parts, F&& f) {
   job->call = [](void* fn, int p) { (*static_cast<Fn*>(fn))(p); };
   for (int i = 1; i < threads && i < parts; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
-  for (int spins = 0; job->done.load(std::memory_order_acquire) < parts; ++spins) {
-    if (spins < 4096) {
-#if defined(__x86_64__)
-      _mm_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  job->WaitClaimed();
 }
 
 int Threads(ffi::ThreadPool& pool) {
@@ -337,6 +347,30 @@ int Threads(ffi::ThreadPool& pool) {
 int Parts(int threads, int64_t N, int64_t elem_bytes) {
   return static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, N * elem_bytes / g_min_part_bytes)));
+}
+
+// The work of one call as kparts x nparts tiles. Few activation rows: the weight rows are split
+// over the threads (each streams one contiguous block of the weight; measured on the bench
+// model's int8 matmuls, a chain of [1024|2816, 1024..5632] weights at one row: 9.3 ms as column
+// ranges, 7.x ms as row blocks), and the partial sums are added at the end. More rows: column
+// ranges only (the dot instructions, not the stream, bound those, and partial sums would cost
+// M x N per block).
+struct Tiling {
+  int kparts = 1, nparts = 1;
+  int parts() const { return kparts * nparts; }
+};
+
+Tiling Tile(int threads, int M, int64_t units, int64_t N, int64_t elem_bytes, bool simd) {
+  Tiling t;
+  if (simd && M <= g_ksplit_rows) t.kparts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, units / 16)));
+  t.nparts = t.kparts > 1 ? 1 : Parts(threads, N, elem_bytes);
+  return t;
+}
+
+// [a, b) of `units` for k-part kp of kparts
+void KBounds(int64_t units, int kparts, int kp, int64_t* a, int64_t* b) {
+  *a = units * kp / kparts;
+  *b = units * (kp + 1) / kparts;
 }
 
 // contiguous column ranges of about equal size, aligned to 64 columns
@@ -369,16 +403,25 @@ ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   for (int64_t m = 0; m < M && simd; ++m)
     for (int64_t p = 0; p < P; ++p)
       xw[m * P + p] = xp[m * K + 2 * p] | (2 * p + 1 < K ? uint32_t(xp[m * K + 2 * p + 1]) << 16 : 0u);
-  const int threads = Threads(pool), parts = Parts(threads, N, 2);
-  ParallelFor(pool, threads, parts, [&](int p) {
-    int64_t n0, n1;
-    Bounds(N, parts, p, &n0, &n1);
+  const int threads = Threads(pool);
+  const Tiling t = Tile(threads, static_cast<int>(M), P, N, 2, simd);
+  std::vector<float> partial((t.kparts - 1) * M * N);     // k-parts 1.. (part 0 writes y)
+  ParallelFor(pool, threads, t.parts(), [&](int p) {
+    const int kp = p % t.kparts;
+    int64_t n0, n1, pa, pb;
+    Bounds(N, t.nparts, p / t.kparts, &n0, &n1);
+    KBounds(P, t.kparts, kp, &pa, &pb);
     if (n0 >= n1) return;
+    float* out = kp ? partial.data() + (kp - 1) * M * N : yp;
 #if defined(__x86_64__)
-    if (simd) return Bf16Range(xw.data(), static_cast<int>(M), K, N, wp, yp, n0, n1);
+    if (simd) return Bf16Range(xw.data(), static_cast<int>(M), K, N, wp, out, n0, n1, pa, pb);
 #endif
-    GenericBf16(xp, wp, yp, M, K, N, n0, n1);
+    GenericBf16(xp, wp, out, M, K, N, n0, n1);
   });
+  for (int kp = 1; kp < t.kparts; ++kp) {
+    const float* src = partial.data() + (kp - 1) * M * N;
+    for (int64_t i = 0; i < M * N; ++i) yp[i] += src[i];
+  }
   return ffi::Error::Success();
 }
 
@@ -417,16 +460,29 @@ ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi:
       }
       xsum[m * G + g] = sum;
     }
-  const int threads = Threads(pool), parts = Parts(threads, N, 1);
-  ParallelFor(pool, threads, parts, [&](int p) {
-    int64_t n0, n1;
-    Bounds(N, parts, p, &n0, &n1);
+  const int threads = Threads(pool);
+  const Tiling t = Tile(threads, static_cast<int>(M), Q, N, 1, simd);
+  const int64_t size = M * G * N;
+  std::vector<int32_t> partial((t.kparts - 1) * size);    // k-parts 1.. (part 0 writes y)
+  ParallelFor(pool, threads, t.parts(), [&](int p) {
+    const int kp = p % t.kparts;
+    int64_t n0, n1, qa, qb;
+    Bounds(N, t.nparts, p / t.kparts, &n0, &n1);
+    KBounds(Q, t.kparts, kp, &qa, &qb);
     if (n0 >= n1) return;
 #if defined(__x86_64__)
-    if (simd) return S8Range(xw.data(), xsum.data(), static_cast<int>(M), G, Kg, N, wp, yp, n0, n1);
+    if (simd)
+      return S8Range(xw.data(), kp ? nullptr : xsum.data(), static_cast<int>(M), G, Kg, N, wp,
+                     kp ? partial.data() + (kp - 1) * size : yp, n0, n1, qa, qb);
 #endif
     GenericS8(xp, wp, yp, M, G, Kg, N, n0, n1);
   });
+  // unsigned adds: the sums wrap like the s32 dot's
+  auto* yu = reinterpret_cast<uint32_t*>(yp);
+  for (int kp = 1; kp < t.kparts; ++kp) {
+    const auto* src = reinterpret_cast<const uint32_t*>(partial.data() + (kp - 1) * size);
+    for (int64_t i = 0; i < size; ++i) yu[i] += src[i];
+  }
   return ffi::Error::Success();
 }
 
@@ -457,6 +513,8 @@ void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_
   g_block_quads = std::max(0, quads);
   g_threads = std::max(0, threads);
 }
+// the most activation rows for which a call splits the weight's rows over threads (0: never)
+void mmjax_gemv_ksplit_rows(int rows) { g_ksplit_rows = std::max(0, rows); }
 // 1: plain C++ loops even where AVX-512 is there (tests); 0: choose at run time. Returns 1 when
 // the AVX-512 path is in use afterwards.
 int mmjax_gemv_set_generic(int generic) {
