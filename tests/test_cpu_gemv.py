@@ -1,7 +1,9 @@
-"""mmjax's CPU matmul kernel for few-row bf16 / int8 matmuls (mmjax.kernels.cpu_gemv, issue 25):
+"""mmjax's CPU matmul kernel for few-row f32 / bf16 / int8 matmuls (mmjax.kernels.cpu_gemv,
+issues 25 and 28):
 
-* the kernel against numpy: bf16 products summed in f32 (against float64 and jnp.matmul's f32
-  dot), int8 per-group integer sums exactly, at 1 and 16 rows, odd K / N (not multiples of the
+* the kernel against numpy: f32 and bf16 products summed in f32 (against float64 and
+  jnp.matmul's f32 dot), int8 per-group integer sums exactly, each row's result the same bit
+  for bit whatever rows are beside it, at 1 and 16 rows, odd K / N (not multiples of the
   kernel's tiles), groups whose size is not a multiple of 4, inside jit / lax.scan / lax.cond /
   vmap; on the AVX-512 path and the plain C++ one;
 * wired in: layers.matmul / quant.qmatmul take it for few rows on the CPU, with int8 results
@@ -28,6 +30,10 @@ def _bf16(rng, *shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
 
+def _f32(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
 def _s8(rng, *shape):
     return jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
 
@@ -43,7 +49,8 @@ def _s8_want(xq, w, groups: int) -> np.ndarray:
 def test_kernel_equals_reference(generic):
     assert cpu_gemv.available()
     rng = np.random.default_rng(0)
-    bf16, s8 = jax.jit(cpu_gemv.gemv_bf16), jax.jit(cpu_gemv.gemv_s8, static_argnums=2)
+    bf16, f32 = jax.jit(cpu_gemv.gemv_bf16), jax.jit(cpu_gemv.gemv_f32)
+    s8 = jax.jit(cpu_gemv.gemv_s8, static_argnums=2)
     simd = cpu_gemv.set_generic(generic)
     try:
         assert not (generic and simd)
@@ -54,13 +61,17 @@ def test_kernel_equals_reference(generic):
         for m, k, n, g in ((1, 77, 1000, 1), (16, 130, 531, 2), (3, 96, 70, 3), (8, 1030, 4160, 5),
                            (1, 256, 8300, 2), (16, 9, 1, 1), (2, 1001, 300, 1), (4, 2050, 129, 2),
                            (1, 3000, 2000, 3)):
-            x, w = _bf16(rng, m, k), _bf16(rng, k, n)
-            got = np.asarray(bf16(x, w))
-            want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-            assert got.dtype == np.float32 and got.shape == (m, n)
-            # f32 sums of exact products: as close to float64 as XLA's own f32-result dot
-            ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
-            assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n)
+            for kernel, cast in ((bf16, _bf16), (f32, _f32)):
+                x, w = cast(rng, m, k), cast(rng, k, n)
+                got = np.asarray(kernel(x, w))
+                want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+                assert got.dtype == np.float32 and got.shape == (m, n)
+                # f32 sums (of exact products for bf16): as close to float64 as XLA's f32 dot
+                ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+                assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n, x.dtype)
+                # batch invariance: each row alone gives the same bits as in the batch
+                for i in {0, m - 1}:
+                    np.testing.assert_array_equal(np.asarray(kernel(x[i:i + 1], w)), got[i:i + 1])
             xq, wq = _s8(rng, m, k - k % g), _s8(rng, k - k % g, n)
             np.testing.assert_array_equal(np.asarray(s8(xq, wq, g)), _s8_want(xq, wq, g))
         # extreme values: sums beyond 2^24 (where f32 accumulation would round) stay exact
@@ -85,8 +96,8 @@ def test_kernel_equals_reference(generic):
 
 def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
     """int8 through layers.matmul equals XLA's s8 dots bit for bit (1 row, 16 rows, 3-D
-    activations, groups); bf16 equals XLA's f32-result dot up to summation order; beyond 16
-    rows, for CUDA, sharded, or with no compiler, XLA's dots."""
+    activations, groups); f32 and bf16 equal XLA's f32-result dots up to summation order; beyond
+    16 rows, for CUDA, sharded, or with no compiler, XLA's dots."""
     rng = np.random.default_rng(1)
     wf = rng.standard_normal((96, 130)).astype(np.float32)
     wb = jnp.asarray(wf, jnp.bfloat16)
@@ -112,6 +123,11 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
         assert ("mmjax_gemv_bf16" in text) == taken
         with cpu_kernels(False):
             assert rel_err(got, run(xb, wb, jnp.float32)[0]) < 1e-6
+        got, text = run(x, jnp.asarray(wf))
+        assert ("mmjax_gemv_f32" in text) == taken and got.dtype == jnp.float32
+        with cpu_kernels(False):
+            want, text = run(x, jnp.asarray(wf))
+        assert "mmjax_gemv" not in text and rel_err(got, want) < 1e-6
     assert run(xb, wb)[0].dtype == jnp.bfloat16
     # never for CUDA (tests/test_cuda_lowering.py exports whole steps) nor under a mesh
     x = jnp.ones((1, 96), jnp.bfloat16)

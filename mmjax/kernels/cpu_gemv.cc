@@ -1,20 +1,22 @@
-// Skinny matmuls for CPU decode: y[M, N] = x[M, K] @ W[K, N] with few rows (M <= 16) and a
-// narrow weight read as it is stored, at memory bandwidth (mmjax/kernels/cpu_gemv.py builds
-// and registers this file through the XLA FFI).
+// Skinny matmuls for CPU decode: y[M, N] = x[M, K] @ W[K, N] with few rows (M <= 16), the
+// weight read as it is stored, at memory bandwidth (mmjax/kernels/cpu_gemv.py builds and
+// registers this file through the XLA FFI).
 //
+//   mmjax_gemv_f32:  x f32 [M, K], W f32 [K, N] -> f32 [M, N], the f32 dot up to summation order.
 //   mmjax_gemv_bf16: x bf16 [M, K], W bf16 [K, N] -> f32 [M, N]. Products of two bf16 are exact
 //     in f32, so the result is the f32 dot up to summation order.
 //   mmjax_gemv_s8:   x int8 [M, G * Kg], W int8 [G * Kg, N] -> int32 [M, G, N]: one exact
 //     integer dot per group of Kg weight rows (s8 x s8 -> s32, wrapping like XLA's s32 dot).
 //
-// Layout of the work: the N columns are split into contiguous ranges claimed by the caller and
-// by tasks on XLA's intra-op thread pool. A range is done in chunks of C columns whose f32 / s32
-// accumulators (M x C, up to 128 KiB) stay in cache. A chunk is swept by blocks of a few weight
-// rows (8 bf16 / 12 int8 rows for up to 4 activation rows: few concurrent streams for the
-// prefetchers; more for more activation rows); within a
-// block, one column group (32 bf16 / 64 int8 columns) at a time keeps the accumulators of up to
-// 8 (bf16) / 4 (int8) activation rows in registers across the block's rows, more rows taking
-// more passes over the same (cached) weight lines.
+// Layout of the work: the K weight rows are split into contiguous blocks, one per thread (the
+// caller and tasks on XLA's intra-op thread pool), whose partial sums are added at the end (see
+// `Tile`). A thread's block is done in chunks of C columns whose f32 / s32 accumulators (M x C,
+// up to 128 KiB) stay in cache. A chunk is swept by blocks of a few weight rows (8 f32 / 8 bf16
+// / 12 int8 rows for up to 4 activation rows: few concurrent streams for the prefetchers; more
+// for more activation rows); within a block, one column group (32 f32 / 32 bf16 / 64 int8
+// columns) at a time keeps the accumulators of up to 8 (f32, bf16) / 4 (int8) activation rows in
+// registers across the block's rows, more rows taking more passes over the same (cached) weight
+// lines.
 //   bf16: two rows' 32 columns are interleaved into (row k, row k+1) pairs; one AVX512-BF16
 //     vdpbf16ps per activation row adds both products (exact in f32) per column.
 //   int8: four rows' 64 columns are interleaved into quads; one AVX512-VNNI vpdpbusd per
@@ -24,7 +26,7 @@
 //   The interleave permutes columns inside 128-bit lanes; accumulators are kept in that order
 //   and put back in order once per chunk.
 // CPUs without those instructions take the plain C++ loops below (same results: exact for int8,
-// up to summation order for bf16).
+// up to summation order for f32 / bf16).
 #include <atomic>
 #include <cstdint>
 #include <algorithm>
@@ -55,7 +57,7 @@ std::atomic<int> g_force_generic{0};
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096, g_ksplit_rows = 4;
+    g_min_part_bytes = 4096;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 int BlockQuads(int M) { return g_block_quads ? g_block_quads : M <= 4 ? 3 : M <= 8 ? 6 : 8; }
@@ -89,6 +91,18 @@ void GenericBf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int6
       const float xv = Bf16ToF32(x[m * K + k]);
       const uint16_t* wr = w + k * N;
       for (int64_t n = n0; n < n1; ++n) yr[n] += xv * Bf16ToF32(wr[n]);
+    }
+  }
+}
+
+void GenericF32(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* yr = y + m * N;
+    for (int64_t n = n0; n < n1; ++n) yr[n] = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[m * K + k];
+      const float* wr = w + k * N;
+      for (int64_t n = n0; n < n1; ++n) yr[n] += xv * wr[n];
     }
   }
 }
@@ -157,6 +171,69 @@ MMJAX_AVX512 void Bf16Store(const float* acc, int M, float* out, int64_t ldo, in
     const __m512 lo = _mm512_load_ps(acc + 32 * m), hi = _mm512_load_ps(acc + 32 * m + 16);
     _mm512_mask_storeu_ps(out + m * ldo + c, Mask16(cols), _mm512_permutex2var_ps(lo, i0, hi));
     _mm512_mask_storeu_ps(out + m * ldo + c + 16, Mask16(cols - 16), _mm512_permutex2var_ps(lo, i1, hi));
+  }
+}
+
+// f32: one column group = 32 columns (two vectors), one weight row per step, one FMA per
+// activation row and vector. Accumulators: [m][32].
+template <int MG>
+MMJAX_AVX512 void F32Group(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, int64_t N,
+                           int64_t c, __mmask16 mask0, __mmask16 mask1, float* acc, bool first) {
+  __m512 a[MG][2];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+    a[m][0] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 32 * m);
+    a[m][1] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 32 * m + 16);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* r = w + k * N + c;
+    const __m512 w0 = _mm512_maskz_loadu_ps(mask0, r), w1 = _mm512_maskz_loadu_ps(mask1, r + 16);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      a[m][0] = _mm512_fmadd_ps(xb, w0, a[m][0]);
+      a[m][1] = _mm512_fmadd_ps(xb, w1, a[m][1]);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+    _mm512_store_ps(acc + 32 * m, a[m][0]);
+    _mm512_store_ps(acc + 32 * m + 16, a[m][1]);
+  }
+}
+
+// columns [n0, n1) of the sums over weight rows [ka, kb) of y = x @ W (f32): as Bf16Range, one
+// weight row per step
+MMJAX_AVX512 void F32Range(const float* x, int M, int64_t K, int64_t N, const float* w, float* y,
+                           int64_t n0, int64_t n1, int64_t ka, int64_t kb) {
+  alignas(64) static thread_local float acc[kAccBytes / 4];
+  const int64_t C = std::min<int64_t>(kAccBytes / (4 * 32 * M) * 32, g_max_cols);
+  const int64_t rows = 2 * BlockPairs(M);
+  for (int64_t c0 = n0; c0 < n1; c0 += C) {
+    const int64_t cols = std::min(C, n1 - c0);
+    for (int64_t k0 = ka; k0 < kb; k0 += rows) {
+      const int64_t k1 = std::min(kb, k0 + rows);
+      for (int64_t c = 0; c < cols; c += 32) {
+        float* ag = acc + c * M;
+        const __mmask16 mask0 = Mask16(cols - c), mask1 = Mask16(cols - c - 16);
+        for (int m = 0; m < M; m += 8) {
+          const float* xm = x + m * K;
+          float* am = ag + 32 * m;
+          switch (std::min(8, M - m)) {
+            case 1: F32Group<1>(xm, K, k0, k1, w, N, c0 + c, mask0, mask1, am, k0 == ka); break;
+            case 2: F32Group<2>(xm, K, k0, k1, w, N, c0 + c, mask0, mask1, am, k0 == ka); break;
+            case 3: F32Group<3>(xm, K, k0, k1, w, N, c0 + c, mask0, mask1, am, k0 == ka); break;
+            case 4: F32Group<4>(xm, K, k0, k1, w, N, c0 + c, mask0, mask1, am, k0 == ka); break;
+            case 5: F32Group<5>(xm, K, k0, k1, w, N, c0 + c, mask0, mask1, am, k0 == ka); break;
+            case 6: F32Group<6>(xm, K, k0, k1, w, N, c0 + c, mask0, mask1, am, k0 == ka); break;
+            case 7: F32Group<7>(xm, K, k0, k1, w, N, c0 + c, mask0, mask1, am, k0 == ka); break;
+            default: F32Group<8>(xm, K, k0, k1, w, N, c0 + c, mask0, mask1, am, k0 == ka); break;
+          }
+        }
+      }
+    }
+    for (int64_t c = 0; c < cols; c += 32)
+      for (int m = 0; m < M; ++m) {
+        _mm512_mask_storeu_ps(y + m * N + c0 + c, Mask16(cols - c), _mm512_load_ps(acc + c * M + 32 * m));
+        _mm512_mask_storeu_ps(y + m * N + c0 + c + 16, Mask16(cols - c - 16), _mm512_load_ps(acc + c * M + 32 * m + 16));
+      }
   }
 }
 
@@ -349,21 +426,23 @@ int Parts(int threads, int64_t N, int64_t elem_bytes) {
       1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, N * elem_bytes / g_min_part_bytes)));
 }
 
-// The work of one call as kparts x nparts tiles. Few activation rows: the weight rows are split
-// over the threads (each streams one contiguous block of the weight; measured on the bench
-// model's int8 matmuls, a chain of [1024|2816, 1024..5632] weights at one row: 9.3 ms as column
-// ranges, 7.x ms as row blocks), and the partial sums are added at the end. More rows: column
-// ranges only (the dot instructions, not the stream, bound those, and partial sums would cost
-// M x N per block).
+// The work of one call as kparts x nparts tiles. The weight's rows are split over the threads
+// (each streams one contiguous block of the weight) and the partial sums added at the end:
+// measured on the bench model's matmuls, a chain of [1024|2816, 1024..5632] int8 weights at one
+// row took 9.3 ms as column ranges and 7.1-7.4 ms as row blocks, and f32 weights at 8 rows
+// stream at 25 GB/s (column ranges of a 1024-wide weight left one thread idle). The split
+// depends on K and the thread count only, never on M, so a row's result does not depend on
+// the rows beside it (a request decodes the same tokens alone and in a batch). The plain C++
+// loops (no AVX-512) take column ranges: each column one sequential sum, also independent of M.
 struct Tiling {
   int kparts = 1, nparts = 1;
   int parts() const { return kparts * nparts; }
 };
 
-Tiling Tile(int threads, int M, int64_t units, int64_t N, int64_t elem_bytes, bool simd) {
+Tiling Tile(int threads, int64_t units, int64_t N, int64_t elem_bytes, bool simd) {
   Tiling t;
-  if (simd && M <= g_ksplit_rows) t.kparts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, units / 16)));
-  t.nparts = t.kparts > 1 ? 1 : Parts(threads, N, elem_bytes);
+  if (simd) t.kparts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, units / 16)));
+  if (t.kparts == 1) t.nparts = Parts(threads, N, elem_bytes);
   return t;
 }
 
@@ -404,7 +483,7 @@ ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
     for (int64_t p = 0; p < P; ++p)
       xw[m * P + p] = xp[m * K + 2 * p] | (2 * p + 1 < K ? uint32_t(xp[m * K + 2 * p + 1]) << 16 : 0u);
   const int threads = Threads(pool);
-  const Tiling t = Tile(threads, static_cast<int>(M), P, N, 2, simd);
+  const Tiling t = Tile(threads, P, N, 2, simd);
   std::vector<float> partial((t.kparts - 1) * M * N);     // k-parts 1.. (part 0 writes y)
   ParallelFor(pool, threads, t.parts(), [&](int p) {
     const int kp = p % t.kparts;
@@ -417,6 +496,44 @@ ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
     if (simd) return Bf16Range(xw.data(), static_cast<int>(M), K, N, wp, out, n0, n1, pa, pb);
 #endif
     GenericBf16(xp, wp, out, M, K, N, n0, n1);
+  });
+  for (int kp = 1; kp < t.kparts; ++kp) {
+    const float* src = partial.data() + (kp - 1) * M * N;
+    for (int64_t i = 0; i < M * N; ++i) yp[i] += src[i];
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GemvF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("mmjax_gemv_f32: x [M, K] and w [K, N] expected");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (M > kMaxRows) return ffi::Error::InvalidArgument("mmjax_gemv_f32: at most 16 rows");
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.f);
+    return ffi::Error::Success();
+  }
+  const bool simd = HasAvx512();
+  const int threads = Threads(pool);
+  const Tiling t = Tile(threads, K, N, 4, simd);
+  std::vector<float> partial((t.kparts - 1) * M * N);     // k-parts 1.. (part 0 writes y)
+  ParallelFor(pool, threads, t.parts(), [&](int p) {
+    const int kp = p % t.kparts;
+    int64_t n0, n1, ka, kb;
+    Bounds(N, t.nparts, p / t.kparts, &n0, &n1);
+    KBounds(K, t.kparts, kp, &ka, &kb);
+    if (n0 >= n1) return;
+    float* out = kp ? partial.data() + (kp - 1) * M * N : yp;
+#if defined(__x86_64__)
+    if (simd) return F32Range(xp, static_cast<int>(M), K, N, wp, out, n0, n1, ka, kb);
+#endif
+    GenericF32(xp, wp, out, M, K, N, n0, n1);
   });
   for (int kp = 1; kp < t.kparts; ++kp) {
     const float* src = partial.data() + (kp - 1) * M * N;
@@ -461,7 +578,7 @@ ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi:
       xsum[m * G + g] = sum;
     }
   const int threads = Threads(pool);
-  const Tiling t = Tile(threads, static_cast<int>(M), Q, N, 1, simd);
+  const Tiling t = Tile(threads, Q, N, 1, simd);
   const int64_t size = M * G * N;
   std::vector<int32_t> partial((t.kparts - 1) * size);    // k-parts 1.. (part 0 writes y)
   ParallelFor(pool, threads, t.parts(), [&](int p) {
@@ -495,6 +612,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_bf16, GemvBf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_f32, GemvF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -513,8 +637,6 @@ void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_
   g_block_quads = std::max(0, quads);
   g_threads = std::max(0, threads);
 }
-// the most activation rows for which a call splits the weight's rows over threads (0: never)
-void mmjax_gemv_ksplit_rows(int rows) { g_ksplit_rows = std::max(0, rows); }
 // 1: plain C++ loops even where AVX-512 is there (tests); 0: choose at run time. Returns 1 when
 // the AVX-512 path is in use afterwards.
 int mmjax_gemv_set_generic(int generic) {

@@ -1,11 +1,12 @@
-"""A CPU kernel for decode's skinny matmuls with narrow weights: x [M, K] @ W [K, N] for M <= 16
-rows, W bf16 or int8, read as stored at memory bandwidth (cpu_gemv.cc; issue 25).
+"""A CPU kernel for decode's skinny matmuls: x [M, K] @ W [K, N] for M <= 16 rows, W f32, bf16 or
+int8, read as stored at memory bandwidth (cpu_gemv.cc; issues 25 and 28).
 
 Why: XLA:CPU's own one-row dot converts a bf16 / int8 weight to f32 / s32 on every call, and
 YNNPACK's library dot (reached with two or more rows) reads bf16 at ~7-15 GB/s and s8 at ~5 GB/s,
 against ~35 GB/s the machine can read: a decode step, which streams every weight once, was
-slower in bf16 and barely faster in int8 than in f32. The kernel (AVX512-BF16 / AVX512-VNNI,
-plain C++ on other CPUs) streams the weight once, split over XLA's intra-op threads.
+slower in bf16 and barely faster in int8 than in f32. In f32, XLA's dots at 2-16 rows read at
+13-22 GB/s. The kernel (AVX-512 FMA / BF16 / VNNI, plain C++ on other CPUs) streams the weight
+once, its rows split over XLA's intra-op threads.
 
 Built at first use with the system C++ compiler (`$CXX`, else g++ / c++ / clang++) into
 `$MMJAX_KERNEL_CACHE` (default `$XDG_CACHE_HOME/mmjax/kernels`, i.e. ~/.cache/mmjax/kernels),
@@ -37,7 +38,7 @@ MAX_ROWS = 16                 # rows one call handles (the .cc's kMaxRows)
 _SOURCE = Path(__file__).with_name("cpu_gemv.cc")
 _FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off",
           "-Wno-attributes", "-Wno-return-type"]
-_TARGETS = {"mmjax_gemv_bf16": "mmjax_gemv_bf16", "mmjax_gemv_s8": "mmjax_gemv_s8"}
+_TARGETS = {"mmjax_gemv_bf16": "mmjax_gemv_bf16", "mmjax_gemv_f32": "mmjax_gemv_f32", "mmjax_gemv_s8": "mmjax_gemv_s8"}
 
 _lock = threading.Lock()
 _state: dict = {}             # "lib": the loaded library, or "error": why there is none
@@ -146,6 +147,15 @@ def gemv_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.reshape(*x.shape[:-1], n)
 
 
+def gemv_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f32 [..., K] (at most MAX_ROWS rows) @ w f32 [K, N] -> f32 [..., N] (x @ w up to
+    summation order)."""
+    m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+    y = jax.ffi.ffi_call("mmjax_gemv_f32", jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method=_VMAP)(
+        x.reshape(m, k), w)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def gemv_s8(xq: jax.Array, w: jax.Array, groups: int = 1) -> jax.Array:
     """xq int8 [..., K] (at most MAX_ROWS rows) @ w int8 [K, N], one dot per block of K / groups
     rows -> int32 [..., groups, N]: exact integer sums, what an s8 x s8 -> s32 dot of each row
@@ -158,9 +168,11 @@ def gemv_s8(xq: jax.Array, w: jax.Array, groups: int = 1) -> jax.Array:
 
 def covers(x: jax.Array, w) -> bool:
     """Does the kernel take x [..., K] @ w here? Trace-time answer: `enabled()`, 1..MAX_ROWS rows,
-    and w a 2-D bf16 array with bf16 x, or a 2-D int8 `mmjax.quant.QArray` (the int8 dot inside
-    qmatmul). Measured (2 cores, [1..16, 1024..2048] x [.., 8192..32000]): it beats both XLA's
-    one-row dot and YNNPACK's library dot at every such row count, in bf16 and int8."""
+    and w a 2-D f32 / bf16 array with x of its dtype, or a 2-D int8 `mmjax.quant.QArray` (the int8
+    dot inside qmatmul). Measured (2 cores, [1..16, 1024..2048] x [.., 8192..32000]): it beats
+    both XLA's one-row dot and YNNPACK's library dot at every such row count, in bf16 and int8;
+    in f32, on the bench model's layer shapes, 1.1-2.0x XLA's dot at 1-8 rows, level at 16
+    (benchmarks/README.md, "Decode matmuls in f32")."""
     from mmjax.quant import QArray
     rows = 1
     for d in x.shape[:-1]:
@@ -170,5 +182,5 @@ def covers(x: jax.Array, w) -> bool:
     if isinstance(w, QArray):
         ok = w.q.dtype == jnp.int8
     else:
-        ok = x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+        ok = x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float32)
     return ok and enabled()

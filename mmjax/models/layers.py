@@ -17,7 +17,7 @@ def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
     an f32 result (`preferred_element_type`), cast back to bf16 where the activations are bf16
     (AMX / tensor cores take bf16 operands and accumulate in f32; a bf16-result dot gains
     nothing on CPU), and a quantized weight (`mmjax.quant.QArray`) takes its 8-bit dot. On the
-    CPU, a few rows (decode) of a bf16 or int8 weight go to mmjax's own kernel
+    CPU, a few rows (decode) of an f32, bf16 or int8 weight go to mmjax's own kernel
     (`mmjax.kernels.cpu_gemv`), which reads the weight as stored at memory bandwidth."""
     from mmjax.kernels import cpu_gemv
     from mmjax.quant import QArray, qmatmul
@@ -30,7 +30,7 @@ def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
             return cpu_gemv.gemv_bf16(x, w).astype(out_dtype or jnp.bfloat16)
         return one_row_as_two(
             lambda x: jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype or jnp.bfloat16), x)
-    y = x @ w
+    y = cpu_gemv.gemv_f32(x, w) if kernel else x @ w
     return y if out_dtype is None else y.astype(out_dtype)
 
 
