@@ -1,12 +1,16 @@
 """Decode's weight matmuls alone: mmjax's CPU kernel (mmjax.kernels.cpu_gemv) vs XLA's dots.
 
-    python -m benchmarks.gemv [--rows 1 8] [--shapes 1024x32000 2048x8192] [--repeat 5]
+    python -m benchmarks.gemv [--rows 1 8] [--shapes 1024x32000 2048x8192] [--repeat 5] [--chain]
 
 For each [rows, K] @ [K, N]: XLA's f32 dot (decode's f32 compiler options), the bf16 and int8
 paths without the kernel (one row run as two on YNNPACK: `layers.one_row_as_two`, decode's
-narrow-weight options) and the kernel's bf16 and int8 calls. Median of `--repeat` runs of 20
-calls, ms and weight GB/s (bytes of the weight / time). Prints a table and one JSON line. Run it
-alone on the machine (DESIGN.md "Performance method").
+narrow-weight options) and the kernel's f32, bf16 and int8 calls. Median of `--repeat` runs of 20
+calls, ms and weight GB/s (bytes of the weight / time). One weight called again and again stays
+partly in the last-level cache; `--chain` also times what a decode step does: one jitted chain
+through 8 layers of distinct weights of the bench model's shapes ([1024, 2048], [1024, 1024],
+[1024, 5632], [2816, 1024]: 94 MB in int8, 375 MB in f32), each call's input depending on the
+last (best of 25 runs). Prints tables and one JSON line. Run it alone on the machine (DESIGN.md
+"Performance method").
 """
 from __future__ import annotations
 
@@ -45,11 +49,53 @@ def _xla_dot(acc_dtype):
     return f
 
 
+CHAIN_SHAPES = ((1024, 2048), (1024, 1024), (1024, 5632), (2816, 1024))   # qkv, o, gate_up, down
+CHAIN_LAYERS = 8
+
+
+def chain(rows: list[int]) -> list[dict]:
+    """Best time of one jitted chain through CHAIN_LAYERS layers of distinct weights per path."""
+    rng = np.random.default_rng(1)
+    out = []
+    for path in ("f32 xla", "f32 kernel", "bf16 kernel", "int8 kernel"):
+        dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}[path.split()[0]]
+        if dtype == jnp.int8:
+            ws = [jnp.asarray(rng.integers(-127, 128, s), jnp.int8) for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
+            call = lambda x, w: cpu_gemv.gemv_s8(x, w)[:, 0].astype(jnp.float32)
+        else:
+            ws = [jnp.asarray(rng.standard_normal(s) * 0.02, dtype) for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
+            call = (lambda x, w: x @ w) if path == "f32 xla" else (
+                cpu_gemv.gemv_f32 if dtype == jnp.float32 else cpu_gemv.gemv_bf16)
+        nbytes = sum(w.size * w.dtype.itemsize for w in ws)
+        for m in rows:
+            xs = {k: jnp.asarray(rng.integers(-100, 100, (m, k)), dtype) for k in {s[0] for s in CHAIN_SHAPES}}
+
+            def f(xs, ws):
+                acc = jnp.zeros((), jnp.float32)
+                for w in ws:                   # each input depends on the last output: no overlap
+                    x = xs[w.shape[0]]
+                    x = x + (acc > 1e30).astype(dtype)
+                    acc = acc + call(x, w)[0, 0].astype(jnp.float32)
+                return acc
+            opts = _CPU_DECODE_OPTIONS if dtype == jnp.float32 else _CPU_DECODE_OPTIONS_NARROW
+            c = jax.jit(f).lower(xs, ws).compile(opts)
+            c(xs, ws).block_until_ready()
+            best = float("inf")
+            for _ in range(25):
+                t0 = time.perf_counter()
+                c(xs, ws).block_until_ready()
+                best = min(best, time.perf_counter() - t0)
+            out.append({"path": path, "rows": m, "ms": round(best * 1e3, 3), "gb_s": round(nbytes / best / 1e9, 1)})
+            print(f"chain {path:12s} rows {m:2d} {best * 1e3:8.2f} ms {out[-1]['gb_s']:6.1f} GB/s", flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--shapes", nargs="+", default=["1024x32000", "2048x8192"])
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--chain", action="store_true", help="also time chains of distinct layer weights")
     args = ap.parse_args(argv)
     if not cpu_gemv.available():
         raise SystemExit("the CPU kernel is unavailable (see the warning above)")
@@ -65,6 +111,7 @@ def main(argv=None) -> dict:
             cases = {
                 "f32 xla": (jax.jit(lambda x, w: x @ w, compiler_options=_CPU_DECODE_OPTIONS), x, wf),
                 "bf16 xla": (jax.jit(_xla_dot(jnp.float32), compiler_options=_CPU_DECODE_OPTIONS_NARROW), xb, wb),
+                "f32 kernel": (jax.jit(cpu_gemv.gemv_f32), x, wf),
                 "bf16 kernel": (jax.jit(cpu_gemv.gemv_bf16), xb, wb),
                 "int8 xla": (jax.jit(_xla_dot(jnp.int32), compiler_options=_CPU_DECODE_OPTIONS_NARROW), xq, wq),
                 "int8 kernel": (jax.jit(lambda x, w: cpu_gemv.gemv_s8(x, w)), xq, wq),
@@ -76,6 +123,8 @@ def main(argv=None) -> dict:
                 print(f"{rows_out[-1]['shape']:24s} {name:12s} {s * 1e3:8.3f} ms {rows_out[-1]['gb_s']:6.1f} GB/s",
                       flush=True)
     out = {"bench": "gemv", "rows": rows_out}
+    if args.chain:
+        out["chain"] = chain(args.rows)
     print(json.dumps(out))
     return out
 

@@ -138,22 +138,34 @@ def enabled() -> bool:
 _VMAP = "sequential"
 
 
+def _ffi_dot(target: str):
+    """[M, K] @ [K, N] -> f32 [M, N] through `target`, differentiable: the derivative is the
+    same product through XLA's dots (linear in each operand, so reverse mode transposes it), for
+    research code that takes gradients of a served model's steps (saliency)."""
+    @jax.custom_jvp
+    def f(x, w):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
+                                vmap_method=_VMAP)(x, w)
+    f.defjvps(lambda dx, y, x, w: jnp.matmul(dx, w, preferred_element_type=jnp.float32),
+              lambda dw, y, x, w: jnp.matmul(x, dw, preferred_element_type=jnp.float32))
+    return f
+
+
+_dot_bf16, _dot_f32 = _ffi_dot("mmjax_gemv_bf16"), _ffi_dot("mmjax_gemv_f32")
+
+
 def gemv_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
     """x bf16 [..., K] (at most MAX_ROWS rows) @ w bf16 [K, N] -> f32 [..., N]: f32 sums of the
     exact bf16 products (jnp.matmul(x, w, preferred_element_type=f32) up to summation order)."""
     m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
-    y = jax.ffi.ffi_call("mmjax_gemv_bf16", jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method=_VMAP)(
-        x.reshape(m, k), w)
-    return y.reshape(*x.shape[:-1], n)
+    return _dot_bf16(x.reshape(m, k), w).reshape(*x.shape[:-1], n)
 
 
 def gemv_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     """x f32 [..., K] (at most MAX_ROWS rows) @ w f32 [K, N] -> f32 [..., N] (x @ w up to
     summation order)."""
     m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
-    y = jax.ffi.ffi_call("mmjax_gemv_f32", jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method=_VMAP)(
-        x.reshape(m, k), w)
-    return y.reshape(*x.shape[:-1], n)
+    return _dot_f32(x.reshape(m, k), w).reshape(*x.shape[:-1], n)
 
 
 def gemv_s8(xq: jax.Array, w: jax.Array, groups: int = 1) -> jax.Array:
