@@ -22,18 +22,21 @@ import urllib.request
 from dataclasses import dataclass
 
 # Recorded with llamacpp_peer.sh on this machine class (2 cores, f32 GGUF of the bench's default
-# 342M LLaVA checkpoint, llama.cpp 0c1e570 from llama-cpp-python 0.3.36; /work/shared/notes/facts.md)
+# 342M LLaVA checkpoint, llama.cpp 0c1e570 from llama-cpp-python 0.3.36; /work/shared/notes/facts.md).
+# The class varies: these are the newest box's (Zen 4, AVX-512, 2026-11-25). An earlier box
+# (2026-11-21 / 23) gave encode 163-183 ms/img, TTFT 777-933 ms (CLI), decode 25.0-25.5 tok/s,
+# tg64 28.1-29.3, server 39.5-46.7 tok/s at 4 clients and 72.5 at 16.
 RECORDED = {
     "source": "recorded with llamacpp_peer.sh on this machine class (not measured in this run)",
-    "dates": "2026-11-21 and 2026-11-23 (quiet)",
+    "dates": "2026-11-25 (quiet, Zen 4 box)",
     "llama_cpp": "0c1e570 (llama-cpp-python 0.3.36 sdist), f32 GGUF + f32 mmproj, 2 threads",
-    "encode_ms_per_image": [163, 183],
-    "ttft_ms_cli": [777, 933],
-    "ttft_ms_server": 826,
-    "decode_tok_s_b1": [25.0, 25.5],
-    "llama_bench_tg64_tok_s": [28.1, 29.3],
-    "server_tok_s_total": {"4 clients": [39.5, 46.7], "16 clients": 72.5},
-    "server_ttft_p50_s": {"4 clients": 3.3, "16 clients": 11.2},
+    "encode_ms_per_image": 265,
+    "ttft_ms_cli": 1298,
+    "ttft_ms_server": 1054,
+    "decode_tok_s_b1": 34.7,
+    "llama_bench_tg64_tok_s": 42.1,
+    "server_tok_s_total": {"4 clients": [53.8, 54.0], "16 clients": [75.5, 78.0]},
+    "server_ttft_p50_s": {"4 clients": 2.9, "16 clients": 15.7},
 }
 
 
