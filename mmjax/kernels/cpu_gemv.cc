@@ -459,6 +459,36 @@ void Bounds(int64_t N, int parts, int p, int64_t* n0, int64_t* n1) {
   *n1 = per * (p + 1) < N ? per * (p + 1) : N;
 }
 
+// Runs range(out, n0, n1, ua, ub) over the tiles of one call: columns [n0, n1) summed over the
+// weight units [ua, ub) (rows, bf16 row pairs or int8 row quads), into y for the first k-part and
+// into a scratch copy for the others, which are then added to y (int32 as unsigned: the sums
+// wrap like the s32 dot's). size = the elements of y.
+void AddInto(float* y, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += src[i];
+}
+void AddInto(int32_t* y, const int32_t* src, int64_t n) {
+  auto* yu = reinterpret_cast<uint32_t*>(y);
+  const auto* su = reinterpret_cast<const uint32_t*>(src);
+  for (int64_t i = 0; i < n; ++i) yu[i] += su[i];
+}
+
+template <typename T, typename Range>
+void RunTiles(ffi::ThreadPool& pool, bool simd, int64_t units, int64_t N, int64_t elem_bytes, T* y,
+              int64_t size, Range&& range) {
+  const int threads = Threads(pool);
+  const Tiling t = Tile(threads, units, N, elem_bytes, simd);
+  std::vector<T> partial((t.kparts - 1) * size);
+  ParallelFor(pool, threads, t.parts(), [&](int p) {
+    const int kp = p % t.kparts;
+    int64_t n0, n1, ua, ub;
+    Bounds(N, t.nparts, p / t.kparts, &n0, &n1);
+    KBounds(units, t.kparts, kp, &ua, &ub);
+    if (n0 < n1) range(kp ? partial.data() + (kp - 1) * size : y, n0, n1, ua, ub);
+  });
+  for (int kp = 1; kp < t.kparts; ++kp) AddInto(y, partial.data() + (kp - 1) * size, size);
+}
+
+
 ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                     ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -482,25 +512,12 @@ ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   for (int64_t m = 0; m < M && simd; ++m)
     for (int64_t p = 0; p < P; ++p)
       xw[m * P + p] = xp[m * K + 2 * p] | (2 * p + 1 < K ? uint32_t(xp[m * K + 2 * p + 1]) << 16 : 0u);
-  const int threads = Threads(pool);
-  const Tiling t = Tile(threads, P, N, 2, simd);
-  std::vector<float> partial((t.kparts - 1) * M * N);     // k-parts 1.. (part 0 writes y)
-  ParallelFor(pool, threads, t.parts(), [&](int p) {
-    const int kp = p % t.kparts;
-    int64_t n0, n1, pa, pb;
-    Bounds(N, t.nparts, p / t.kparts, &n0, &n1);
-    KBounds(P, t.kparts, kp, &pa, &pb);
-    if (n0 >= n1) return;
-    float* out = kp ? partial.data() + (kp - 1) * M * N : yp;
+  RunTiles(pool, simd, P, N, 2, yp, M * N, [&](float* out, int64_t n0, int64_t n1, int64_t pa, int64_t pb) {
 #if defined(__x86_64__)
     if (simd) return Bf16Range(xw.data(), static_cast<int>(M), K, N, wp, out, n0, n1, pa, pb);
 #endif
     GenericBf16(xp, wp, out, M, K, N, n0, n1);
   });
-  for (int kp = 1; kp < t.kparts; ++kp) {
-    const float* src = partial.data() + (kp - 1) * M * N;
-    for (int64_t i = 0; i < M * N; ++i) yp[i] += src[i];
-  }
   return ffi::Error::Success();
 }
 
@@ -520,25 +537,12 @@ ffi::Error GemvF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     return ffi::Error::Success();
   }
   const bool simd = HasAvx512();
-  const int threads = Threads(pool);
-  const Tiling t = Tile(threads, K, N, 4, simd);
-  std::vector<float> partial((t.kparts - 1) * M * N);     // k-parts 1.. (part 0 writes y)
-  ParallelFor(pool, threads, t.parts(), [&](int p) {
-    const int kp = p % t.kparts;
-    int64_t n0, n1, ka, kb;
-    Bounds(N, t.nparts, p / t.kparts, &n0, &n1);
-    KBounds(K, t.kparts, kp, &ka, &kb);
-    if (n0 >= n1) return;
-    float* out = kp ? partial.data() + (kp - 1) * M * N : yp;
+  RunTiles(pool, simd, K, N, 4, yp, M * N, [&](float* out, int64_t n0, int64_t n1, int64_t ka, int64_t kb) {
 #if defined(__x86_64__)
     if (simd) return F32Range(xp, static_cast<int>(M), K, N, wp, out, n0, n1, ka, kb);
 #endif
     GenericF32(xp, wp, out, M, K, N, n0, n1);
   });
-  for (int kp = 1; kp < t.kparts; ++kp) {
-    const float* src = partial.data() + (kp - 1) * M * N;
-    for (int64_t i = 0; i < M * N; ++i) yp[i] += src[i];
-  }
   return ffi::Error::Success();
 }
 
@@ -577,29 +581,14 @@ ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi:
       }
       xsum[m * G + g] = sum;
     }
-  const int threads = Threads(pool);
-  const Tiling t = Tile(threads, Q, N, 1, simd);
-  const int64_t size = M * G * N;
-  std::vector<int32_t> partial((t.kparts - 1) * size);    // k-parts 1.. (part 0 writes y)
-  ParallelFor(pool, threads, t.parts(), [&](int p) {
-    const int kp = p % t.kparts;
-    int64_t n0, n1, qa, qb;
-    Bounds(N, t.nparts, p / t.kparts, &n0, &n1);
-    KBounds(Q, t.kparts, kp, &qa, &qb);
-    if (n0 >= n1) return;
+  RunTiles(pool, simd, Q, N, 1, yp, M * G * N, [&](int32_t* out, int64_t n0, int64_t n1, int64_t qa, int64_t qb) {
 #if defined(__x86_64__)
-    if (simd)
-      return S8Range(xw.data(), kp ? nullptr : xsum.data(), static_cast<int>(M), G, Kg, N, wp,
-                     kp ? partial.data() + (kp - 1) * size : yp, n0, n1, qa, qb);
+    // the 128 * sum(x) correction once, in the part that writes y
+    if (simd) return S8Range(xw.data(), out == yp ? xsum.data() : nullptr, static_cast<int>(M), G, Kg, N, wp, out,
+                             n0, n1, qa, qb);
 #endif
-    GenericS8(xp, wp, yp, M, G, Kg, N, n0, n1);
+    GenericS8(xp, wp, out, M, G, Kg, N, n0, n1);
   });
-  // unsigned adds: the sums wrap like the s32 dot's
-  auto* yu = reinterpret_cast<uint32_t*>(yp);
-  for (int kp = 1; kp < t.kparts; ++kp) {
-    const auto* src = reinterpret_cast<const uint32_t*>(partial.data() + (kp - 1) * size);
-    for (int64_t i = 0; i < size; ++i) yu[i] += src[i];
-  }
   return ffi::Error::Success();
 }
 
