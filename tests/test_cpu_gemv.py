@@ -21,7 +21,7 @@ import pytest
 
 from conftest import rel_err
 from mmjax.backend import compiling_for, cpu_kernels, tuning
-from mmjax.kernels import cpu_gemv
+from mmjax.kernels import cpu_gemv, cpu_library
 from mmjax.models.layers import matmul
 from mmjax.quant import quantize_weight
 
@@ -137,7 +137,7 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
     assert "mmjax_gemv" not in jax.jit(sharded.traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()
     assert "mmjax_gemv" in jax.jit(tuning("cpu").traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()
     # no compiler: one warning, XLA's dots
-    monkeypatch.setattr(cpu_gemv, "_state", {})
+    monkeypatch.setattr(cpu_library, "_state", {})
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("MMJAX_KERNEL_CACHE", str(tmp_path))
     with pytest.warns(RuntimeWarning, match="no C.. compiler"):

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mmjax.backend import cpu_kernels
+from mmjax.kernels import cpu_attention
 from mmjax.models.text import Capture, MaskSpec
 from mmjax.models.text import llama as decoder
 from mmjax.models.text.gemma3 import ring_key_index, ring_visible
@@ -64,7 +66,9 @@ def test_attention_over_segments_matches_oracle(segments, t, min_calls, monkeypa
 @pytest.mark.parametrize("traced", [False, True])
 def test_segments_past_kv_len_are_not_read(traced, min_calls, monkeypatch):
     """NaN keys/values from kv_len on: a segment that were computed would turn the output NaN
-    (0 * NaN); with kv_len covering every query the output equals the oracle on the prefix."""
+    (0 * NaN); with kv_len covering every query the output equals the oracle on the prefix. XLA's
+    path (cpu_kernels(False)); the CPU kernel reads each row's own keys only, so it never meets
+    the NaNs, even told that every segment is in use."""
     monkeypatch.setattr(decoder, "SMALL_N_MIN_CALLS", min_calls)
     rng = np.random.default_rng(7)
     b, t, h, kvh, hd, seg = 2, 1, 4, 2, 8, 4
@@ -76,13 +80,16 @@ def test_segments_past_kv_len_are_not_read(traced, min_calls, monkeypatch):
     k[:, :, 3 * seg:] = np.nan
     v[:, :, 3 * seg:] = np.nan
     ks, vs = split_cache(k, (seg,) * 6, True), split_cache(v, (seg,) * 6)
-    f = lambda q, n: decoder.cache_attention(q, ks, vs, jnp.asarray(q_index), n, reduce_small=True)
-    out = jax.jit(f)(jnp.asarray(q, jnp.float32), jnp.int32(kv_len)) if traced else \
-        f(jnp.asarray(q, jnp.float32), kv_len)
+    f = lambda q, n: decoder.cache_attention(q, ks, vs, jnp.asarray(q_index), n, reduce_small=True)  # noqa: E731
     want = naive_attention(q, k[:, :, :3 * seg], v[:, :, :3 * seg], q_index)
-    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
-    out_all = f(jnp.asarray(q, jnp.float32), 6 * seg)   # reading them does poison the output
-    assert np.isnan(np.asarray(out_all)).all()
+    with cpu_kernels(False):
+        out = jax.jit(f)(jnp.asarray(q, jnp.float32), jnp.int32(kv_len)) if traced else \
+            f(jnp.asarray(q, jnp.float32), kv_len)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+        out_all = f(jnp.asarray(q, jnp.float32), 6 * seg)   # reading them does poison the output
+        assert np.isnan(np.asarray(out_all)).all()
+    assert cpu_attention.covers(ks, vs)
+    np.testing.assert_allclose(np.asarray(f(jnp.asarray(q, jnp.float32), 6 * seg)), want, rtol=2e-5, atol=2e-5)
 
 
 def tiny_text(layers=2):

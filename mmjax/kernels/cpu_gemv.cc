@@ -41,16 +41,17 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
+using mmjax_cpu::HasAvx512;
+using mmjax_cpu::ParallelFor;
 
 namespace {
 
 constexpr int kMaxRows = 16;               // M handled per call (cpu_gemv.MAX_ROWS)
 constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L2)
 
-// 0: choose at run time, 1: force the plain C++ loops (tests), set through mmjax_gemv_set_generic.
-std::atomic<int> g_force_generic{0};
 // Tuning (picked on the 2-core box, [1..16, 1024..2048] x [.., 8192..32000]; mmjax_gemv_tune
 // sets them for benchmark sweeps): the widest chunk in columns; rows per block in bf16 pairs /
 // int8 quads (0: by M: one row streams best with few concurrent rows, more rows are bound by the
@@ -62,15 +63,6 @@ int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_p
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 int BlockQuads(int M) { return g_block_quads ? g_block_quads : M <= 4 ? 3 : M <= 8 ? 6 : 8; }
 
-bool HasAvx512() {
-#if defined(__x86_64__)
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
-  return ok && g_force_generic.load(std::memory_order_relaxed) == 0;
-#else
-  return false;
-#endif
-}
 
 // ---------------------------------------------------------------------------------------------
 // Plain C++ (any CPU)
@@ -365,55 +357,6 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
 }
 #endif  // __x86_64__
 
-// ---------------------------------------------------------------------------------------------
-// Threads: `parts` tiles claimed from a shared counter by the caller and by up to `threads - 1`
-// tasks on XLA's intra-op pool. The caller waits only for tiles someone has claimed (those are
-// running), so a pool that runs tasks late, or never in parallel, cannot deadlock it; the shared
-// state outlives tasks that start after the call has returned. (Own helper threads that spin
-// between calls were tried: no faster matmuls, and a decode step 3.5 ms slower in its host
-// part, which the spinning thread took a core from.)
-
-struct Job {
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  int parts = 1;
-  void* fn = nullptr;              // the caller's callable (alive until done == parts)
-  void (*call)(void*, int) = nullptr;
-  void Work() {
-    for (int p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      call(fn, p);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-  void WaitClaimed() {
-    for (int spins = 0; done.load(std::memory_order_acquire) < parts; ++spins) {
-      if (spins < 4096) {
-#if defined(__x86_64__)
-        _mm_pause();
-#endif
-      } else {
-        std::this_thread::yield();
-      }
-    }
-  }
-};
-
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int threads, int parts, F&& f) {
-  if (parts <= 1 || threads <= 1) {
-    for (int p = 0; p < parts; ++p) f(p);
-    return;
-  }
-  auto job = std::make_shared<Job>();
-  job->parts = parts;
-  using Fn = std::remove_reference_t<F>;
-  job->fn = const_cast<void*>(static_cast<const void*>(&f));
-  job->call = [](void* fn, int p) { (*static_cast<Fn*>(fn))(p); };
-  for (int i = 1; i < threads && i < parts; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  job->WaitClaimed();
-}
-
 int Threads(ffi::ThreadPool& pool) {
   const int64_t threads = g_threads ? g_threads : pool.num_threads();
   return threads < 1 ? 1 : static_cast<int>(std::min<int64_t>(threads, 256));
@@ -629,7 +572,7 @@ void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_
 // 1: plain C++ loops even where AVX-512 is there (tests); 0: choose at run time. Returns 1 when
 // the AVX-512 path is in use afterwards.
 int mmjax_gemv_set_generic(int generic) {
-  g_force_generic.store(generic);
+  mmjax_cpu::g_force_generic.store(generic);
   return HasAvx512() ? 1 : 0;
 }
 }

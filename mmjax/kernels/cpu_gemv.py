@@ -8,134 +8,20 @@ slower in bf16 and barely faster in int8 than in f32. In f32, XLA's dots at 2-16
 13-22 GB/s. The kernel (AVX-512 FMA / BF16 / VNNI, plain C++ on other CPUs) streams the weight
 once, its rows split over XLA's intra-op threads.
 
-Built at first use with the system C++ compiler (`$CXX`, else g++ / c++ / clang++) into
-`$MMJAX_KERNEL_CACHE` (default `$XDG_CACHE_HOME/mmjax/kernels`, i.e. ~/.cache/mmjax/kernels),
-the file name keyed by a hash of the source, the flags, the compiler and the XLA FFI headers;
-registered with XLA once per process. No compiler, a failed build or `MMJAX_CPU_KERNELS=0`: one
-warning (none for the variable) and `available()` is False, so callers keep XLA's dots.
-
-Only the CPU: callers ask `enabled()` at trace time (the platform compiled for is the CPU and the
-step is not SPMD-partitioned over a mesh, which cannot split a custom call), so CUDA lowerings
-never contain it.
+Built and registered with the other CPU kernels by mmjax/kernels/cpu_library.py (one warning
+and XLA's dots where no compiler is found); only on the CPU (`enabled()` at trace time).
 """
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from mmjax.kernels.cpu_library import VMAP as _VMAP
+from mmjax.kernels.cpu_library import available, enabled, set_generic  # noqa: F401 (the module's API)
+
 MAX_ROWS = 16                 # rows one call handles (the .cc's kMaxRows)
-_SOURCE = Path(__file__).with_name("cpu_gemv.cc")
-_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off",
-          "-Wno-attributes", "-Wno-return-type"]
-_TARGETS = {"mmjax_gemv_bf16": "mmjax_gemv_bf16", "mmjax_gemv_f32": "mmjax_gemv_f32", "mmjax_gemv_s8": "mmjax_gemv_s8"}
-
-_lock = threading.Lock()
-_state: dict = {}             # "lib": the loaded library, or "error": why there is none
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: $MMJAX_KERNEL_CACHE, else $XDG_CACHE_HOME/mmjax/kernels,
-    else ~/.cache/mmjax/kernels."""
-    if os.environ.get("MMJAX_KERNEL_CACHE"):
-        return Path(os.environ["MMJAX_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mmjax" / "kernels"
-
-
-def _compiler() -> str | None:
-    """$CXX when set (and only it), else the first of g++ / c++ / clang++ on PATH."""
-    if os.environ.get("CXX"):
-        return os.environ["CXX"] if shutil.which(os.environ["CXX"]) else None
-    return next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
-
-
-def _build() -> Path:
-    """The compiled library's path, compiling it first if no cached copy exists."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX', '')!r}, g++, c++, clang++)")
-    include = jax.ffi.include_dir()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), jax.__version__.encode(),
-                 (Path(include) / "xla/ffi/api/c_api.h").read_bytes()):
-        h.update(part)
-    out = cache_dir() / f"cpu_gemv-{h.hexdigest()[:16]}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # compile to a private name, then rename: concurrent processes (pytest -n 2) never load a
-    # half-written library
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        r = subprocess.run([cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp], capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def _load():
-    """The registered library (compiled and registered once per process), or None."""
-    if "lib" in _state or "error" in _state:
-        return _state.get("lib")
-    with _lock:
-        if "lib" in _state or "error" in _state:
-            return _state.get("lib")
-        if os.environ.get("MMJAX_CPU_KERNELS", "1") == "0":
-            _state["error"] = "disabled by MMJAX_CPU_KERNELS=0"
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build()))
-            for name, symbol in _TARGETS.items():
-                jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-            lib.mmjax_gemv_set_generic.argtypes = [ctypes.c_int]
-            _state["lib"] = lib
-        except Exception as e:       # no compiler, a compile error, a missing symbol: XLA's dots
-            _state["error"] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"mmjax's CPU matmul kernel is unavailable, using XLA's dots: {_state['error'][:500]}",
-                          RuntimeWarning, stacklevel=2)
-        return _state.get("lib")
-
-
-def available() -> bool:
-    """Is the kernel built and registered (building it on first call)?"""
-    return _load() is not None
-
-
-def set_generic(generic: bool) -> bool:
-    """Force the plain C++ loops (True) or let the CPU's features choose (False), for tests;
-    returns whether the AVX-512 path is in use afterwards. Takes effect at the next call."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(_state.get("error", "CPU kernel unavailable"))
-    return bool(lib.mmjax_gemv_set_generic(int(generic)))
-
-
-def enabled() -> bool:
-    """May the code being traced use the kernel? (trace time: compiling for the CPU, outside an
-    SPMD-partitioned step, and the kernel builds). See `mmjax.backend.cpu_kernels_enabled`."""
-    from mmjax.backend import cpu_kernels_enabled
-    return cpu_kernels_enabled() and available()
-
-
-# vmap (research code, per-example transforms): one kernel call per batch element
-_VMAP = "sequential"
 
 
 def _ffi_dot(target: str):

@@ -28,6 +28,7 @@ import numpy as np
 
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
+from mmjax.kernels import cpu_attention
 from mmjax.models.hf_config import require
 from mmjax.models.layers import bf16_einsum, dense, matmul, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
@@ -254,9 +255,12 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     # the fused multiply-reduce, where XLA:CPU's dot would first write a converted copy of the segment
     small = reduce_small and n <= SMALL_N and (b * kvh >= SMALL_N_MIN_CALLS or scales is not None)
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
-    if t == 1 and slots is None and (mask is None or mask.spans is None) and _gpu_decode_kernel(hd):
-        return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
-                              scales).reshape(b, 1, h, hd).astype(q.dtype)
+    if t == 1 and slots is None and (mask is None or mask.spans is None):
+        if _gpu_decode_kernel(hd):
+            return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
+                                  scales).reshape(b, 1, h, hd).astype(q.dtype)
+        if scales is None and cpu_attention.covers(kts, vs):
+            return _cpu_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale).reshape(b, 1, h, hd).astype(q.dtype)
     if starts is None:
         starts = q_index[:, 0]
 
@@ -312,6 +316,17 @@ def _gpu_decode_kernel(head_dim: int) -> bool:
     from mmjax.attention.decode import supported
     from mmjax.backend import pallas_kernels_enabled
     return pallas_kernels_enabled() and supported(head_dim)
+
+
+def _cpu_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
+                scale: float | None) -> jax.Array:
+    """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache through the
+    CPU kernel (mmjax.kernels.cpu_attention), each row reading keys (q_pos - window, q_pos], and
+    none at or past kv_len (a parked row's q_pos is max_len) -> [b, kvh, g, hd] float32."""
+    window = mask.sliding_window if mask is not None else None
+    lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
+    hi = jnp.minimum(q_pos + 1, kv_len)
+    return cpu_attention.decode_attention(qn, kts, vs, lo, hi, scale=1 / np.sqrt(qn.shape[-1]) if scale is None else scale)
 
 
 def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,

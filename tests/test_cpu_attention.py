@@ -1,0 +1,140 @@
+"""mmjax's CPU decode-attention kernel (mmjax.kernels.cpu_attention, issues 25 and 28):
+
+* the kernel against a float64 numpy softmax attention: f32 and bf16 cache segments, GQA groups
+  of 1-20 queries (padded inside the kernel to 1/2/4/8/16), head dims not multiples of 16,
+  segment lengths not multiples of the kernel's key blocks, rows that see nothing, sliding-window
+  ranges, ranges past the cache; on the AVX-512 path and the plain C++ one; each row's result the
+  same bit for bit alone or beside other rows;
+* wired in: a decode step's `cache_attention` takes it on the CPU (one custom call per layer, no
+  per-segment lax.cond) with the XLA path's outputs, sliding window included, and never when
+  tracing for CUDA, inside a sharded step, or over an int8 cache (XLA's path);
+* derivatives equal those of the XLA reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from mmjax.backend import compiling_for, cpu_kernels, tuning
+from mmjax.kernels import cpu_attention, cpu_library
+from mmjax.models.text import MaskSpec
+from mmjax.models.text.llama import cache_attention
+
+
+def _want(q, kts, vs, lo, hi, scale) -> np.ndarray:
+    """float64 softmax attention of row i over cache indexes [lo_i, hi_i) of cache row i."""
+    q = np.asarray(q, np.float64)
+    kt = np.concatenate([np.asarray(k.astype(jnp.float32), np.float64) for k in kts], axis=3)
+    v = np.concatenate([np.asarray(x.astype(jnp.float32), np.float64) for x in vs], axis=2)
+    out = np.zeros(q.shape)
+    for i in range(q.shape[0]):
+        a, e = max(int(lo[i]), 0), min(int(hi[i]), kt.shape[3])
+        if a >= e:
+            continue
+        s = np.einsum("knd,kdt->knt", q[i], kt[i, :, :, a:e]) * scale
+        w = np.exp(s - s.max(axis=2, keepdims=True))
+        out[i] = np.einsum("knt,ktd->knd", w / w.sum(axis=2, keepdims=True), v[i, :, a:e])
+    return out
+
+
+CASES = [  # b, slots, kvh, n, hd, segment lengths, lo, hi
+    (1, 1, 8, 2, 64, [128, 128, 128], [0], [235]),
+    (3, 4, 2, 7, 80, [64, 100, 36], [0, 5, 150], [1, 180, 200]),      # hd 80; a row of one key
+    (3, 4, 2, 16, 128, [64, 100], [0, 0, 10], [0, 164, 12]),           # a row that sees nothing
+    (2, 2, 1, 20, 32, [17, 33], [-3, 0], [50, 49]),                     # 20 queries: two groups
+    (2, 3, 4, 3, 256, [128], [0, 20], [128, 21]),
+    (2, 2, 2, 1, 48, [40, 24, 64], [30, 77], [200, 101]),               # window; hi past the cache
+]
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernel_equals_reference(generic, dtype):
+    assert cpu_attention.available()
+    simd = cpu_library.set_generic(generic)
+    try:
+        assert not (generic and simd)
+        rng = np.random.default_rng(0)
+        attend = jax.jit(lambda q, kts, vs, lo, hi, scale: cpu_attention.decode_attention(q, kts, vs, lo, hi,
+                                                                                           scale=scale),
+                         static_argnums=5)
+        for b, slots, kvh, n, hd, lens, lo, hi in CASES:
+            q = jnp.asarray(rng.standard_normal((b, kvh, n, hd)), jnp.float32)
+            kts = [jnp.asarray(rng.standard_normal((slots, kvh, hd, L)) * 2, dtype) for L in lens]
+            vs = [jnp.asarray(rng.standard_normal((slots, kvh, L, hd)), dtype) for L in lens]
+            lo_, hi_ = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+            got = attend(q, kts, vs, lo_, hi_, hd ** -0.5)
+            want = _want(q, kts, vs, lo, hi, hd ** -0.5)
+            assert got.shape == q.shape and got.dtype == jnp.float32
+            assert rel_err(got, want) < 2e-6, (b, kvh, n, hd, lens)
+            for i in range(b):
+                if min(hi[i], sum(lens)) <= max(lo[i], 0):
+                    assert not np.asarray(got[i]).any()                  # nothing visible: zeros
+            # a row's result does not depend on the rows beside it
+            alone = attend(q[b - 1:], [k[b - 1:] for k in kts], [x[b - 1:] for x in vs], lo_[b - 1:], hi_[b - 1:],
+                           hd ** -0.5)
+            np.testing.assert_array_equal(alone[0], got[b - 1])
+    finally:
+        cpu_library.set_generic(False)
+
+
+def _decode_inputs(rng, b=3, slots=4, h=8, kvh=2, hd=64, lens=(48, 48, 32)):
+    q = jnp.asarray(rng.standard_normal((b, 1, h, hd)), jnp.float32)
+    kts = [jnp.asarray(rng.standard_normal((slots, kvh, hd, L)), jnp.float32) for L in lens]
+    vs = [jnp.asarray(rng.standard_normal((slots, kvh, L, hd)), jnp.float32) for L in lens]
+    q_index = jnp.asarray([[5], [100], [127]][:b], jnp.int32)
+    return q, kts, vs, q_index
+
+
+def test_decode_step_takes_the_kernel_with_the_xla_paths_outputs():
+    rng = np.random.default_rng(1)
+    q, kts, vs, q_index = _decode_inputs(rng)
+
+    def attend(q, kts, vs, q_index, kv_len, window):
+        return cache_attention(q, kts, vs, q_index, kv_len, mask=None if window is None else MaskSpec(window),
+                               reduce_small=True)
+    step = jax.jit(attend, static_argnums=5)
+    for kv_len in (128, 101, jnp.int32(128)):
+        for window in (None, 16):
+            text = step.lower(q, kts, vs, q_index, kv_len, window).as_text()
+            assert "mmjax_decode_attention_f32" in text and "stablehlo.case" not in text  # no per-segment cond
+            got = step(q, kts, vs, q_index, kv_len, window)
+            with cpu_kernels(False):
+                want = jax.jit(attend, static_argnums=5)(q, kts, vs, q_index, kv_len, window)
+            # rows past kv_len (the third, at index 127, when kv_len is 101) differ by design
+            # between the two paths (neither is read: a decode step's kv_len covers every active row)
+            rows = 3 if not isinstance(kv_len, int) or kv_len > 127 else 2
+            assert rel_err(got[:rows], want[:rows]) < 2e-6, (kv_len, window)
+    # XLA's path: tracing for CUDA, a sharded step, an int8 cache
+    with compiling_for("cuda"):     # (tests/test_cuda_lowering.py exports whole decode steps for CUDA)
+        assert not cpu_attention.covers(kts, vs)
+    sharded = dataclasses.replace(tuning("cpu"), sharded=True)
+    assert "mmjax_decode_attention" not in jax.jit(sharded.traced(lambda *a: attend(*a, None))).lower(
+        q, kts, vs, q_index, 128).as_text()
+    assert not cpu_attention.covers([k.astype(jnp.int8) for k in kts], [v.astype(jnp.int8) for v in vs])
+    assert cpu_attention.covers([k.astype(jnp.bfloat16) for k in kts], [v.astype(jnp.bfloat16) for v in vs])
+
+
+def test_kernel_calls_differentiate():
+    """Gradients through the kernel (research code differentiates served steps) equal those
+    through its XLA reference, for the queries and the cache."""
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((2, 2, 3, 32)), jnp.float32)
+    kts = [jnp.asarray(rng.standard_normal((2, 2, 32, 40)), jnp.float32) for _ in range(2)]
+    vs = [jnp.asarray(rng.standard_normal((2, 2, 40, 32)), jnp.float32) for _ in range(2)]
+    lo, hi = jnp.asarray([0, 10], jnp.int32), jnp.asarray([70, 41], jnp.int32)
+
+    def loss(fn):
+        return lambda q, kts, vs: jnp.sin(fn(q, kts, vs)).sum()
+    kernel = loss(lambda q, kts, vs: cpu_attention.decode_attention(q, kts, vs, lo, hi, scale=0.2))
+    ref = loss(lambda q, kts, vs: cpu_attention.reference(q, kts, vs, lo, hi, 0.2))
+    grad = jax.jit(jax.grad(kernel, argnums=(0, 1, 2)))
+    assert "mmjax_decode_attention" in grad.lower(q, kts, vs).as_text()
+    got, want = grad(q, kts, vs), jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(q, kts, vs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(g, w) < 1e-5
