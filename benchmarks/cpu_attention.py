@@ -1,0 +1,137 @@
+"""`python -m benchmarks.cpu_attention`: the CPU decode-attention kernel (mmjax/kernels/cpu_attention)
+against XLA's segment path, one run, side by side.
+
+  layers    16 layers' decode attention of the bench model's shape (8 KV heads x 2 queries,
+            head_dim 64, 128-position segments) over distinct caches, one jitted chain:
+            `cache_attention` with the kernel and with `cpu_kernels(False)` (XLA's fusions per
+            segment behind lax.cond); ms per 16 layers and GB/s of K + V read
+  engine    (with --engine) decode steps of the bench checkpoint's engine, one built with the
+            kernel and one without, in one process, interleaved rounds (medians), at the given
+            rows and prompt lengths
+
+Prints a table, then one JSON line (the last line of stdout).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def layer_chain(rows: int, context: int, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from mmjax.backend import cpu_kernels
+    from mmjax.models.text.llama import cache_attention
+
+    rng = np.random.default_rng(0)
+    kvh, g, hd, seg = 8, 2, 64, 128
+    nseg = -(-context // seg)
+    layers = [([jnp.asarray(rng.standard_normal((rows, kvh, hd, seg)), jnp.float32) for _ in range(nseg)],
+               [jnp.asarray(rng.standard_normal((rows, kvh, seg, hd)), jnp.float32) for _ in range(nseg)])
+              for _ in range(16)]
+    q = jnp.asarray(rng.standard_normal((rows, 1, kvh * g, hd)), jnp.float32)
+    q_index = jnp.full((rows, 1), context - 1, jnp.int32)
+
+    def chain(q, layers, kv_len):
+        for kts, vs in layers:
+            q = q + 1e-3 * cache_attention(q, kts, vs, q_index, kv_len, reduce_small=True)
+        return q
+
+    out = {"rows": rows, "context": context, "bytes": 16 * rows * kvh * context * hd * 4 * 2}
+    for name, on in (("kernel", True), ("xla", False)):
+        with cpu_kernels(on):
+            f = jax.jit(lambda q, layers, n: chain(q, layers, n))
+            f(q, layers, jnp.int32(context)).block_until_ready()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                f(q, layers, jnp.int32(context)).block_until_ready()
+                times.append(time.perf_counter() - t0)
+        out[f"{name}_ms"] = 1e3 * statistics.median(times)
+        out[f"{name}_gb_s"] = out["bytes"] / statistics.median(times) / 1e9
+    return out
+
+
+def engine_ab(rows: int, extra_prompt: int, dtype: str, quantize: str | None, rounds: int) -> dict:
+    import mmjax
+    from benchmarks.checkpoints import build_llava
+    from benchmarks.kernel import Arch, make_images, make_prompt
+    from mmjax.kernels import cpu_attention
+
+    path = str(build_llava("default"))
+
+    def engine():
+        vlm = mmjax.load(path, dtype, max_num_seqs=rows, max_model_len=4096, prefill_chunk=256, quantize=quantize)
+        prompt = make_prompt(vlm.tokenizer, Arch.from_family(vlm.family).img_tokens, 32 + extra_prompt)
+        sp = mmjax.SamplingParams(max_tokens=10 ** 6, temperature=0.0, ignore_eos=True)
+        for im in make_images(rows, 224, seed=7):
+            vlm.engine.add_request(prompt, vlm.prepare_images([im]), sp)
+        eng = vlm.engine
+        while len(eng.scheduler.decoding()) < rows or min(len(r.output_ids) for r in eng.scheduler.decoding()) < 3:
+            eng.step()
+        for _ in range(10):
+            eng.step()
+        return vlm
+
+    with_kernel = engine()
+    covers = cpu_attention.covers
+    cpu_attention.covers = lambda *a: False          # the second engine traces XLA's path
+    try:
+        without = engine()
+    finally:
+        cpu_attention.covers = covers
+    times: dict = {"kernel": [], "xla": []}
+    for _ in range(rounds):
+        for name, vlm in (("kernel", with_kernel), ("xla", without)):
+            for _ in range(6 if rows > 1 else 15):
+                t0 = time.perf_counter()
+                vlm.engine.step()
+                times[name].append(time.perf_counter() - t0)
+    r = with_kernel.engine.scheduler.decoding()[0]
+    return {"rows": rows, "dtype": dtype, "quantize": quantize, "context": r.prompt_len + len(r.output_ids),
+            **{f"{k}_step_ms": 1e3 * statistics.median(v) for k, v in times.items()}}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_attention", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chains", nargs="+", default=["1x235", "1x1000", "16x2000"], help="ROWSxCONTEXT")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--engine", nargs="*", default=None,
+                    help="ROWSxEXTRA_PROMPT_TOKENS[:int8|bf16] engine A/Bs, e.g. 1x0:int8 16x0 16x1700")
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("MMJAX_COMPILATION_CACHE", "0")
+    res: dict = {"bench": "cpu_attention", "cores": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]}
+    res["layers"] = []
+    for spec in args.chains:
+        rows, ctx = map(int, spec.split("x"))
+        res["layers"].append(layer_chain(rows, ctx, args.repeats if rows == 1 else max(3, args.repeats // 10)))
+    print("16 layers of decode attention (f32 cache, 8 KV heads x 2 queries, hd 64), ms (GB/s of K + V)")
+    for r in res["layers"]:
+        print(f"  {r['rows']:3d} rows x {r['context']:5d} keys: kernel {r['kernel_ms']:8.2f} ({r['kernel_gb_s']:.1f})"
+              f"   XLA segments {r['xla_ms']:8.2f} ({r['xla_gb_s']:.1f})")
+    res["engine"] = []
+    for spec in args.engine or []:
+        shape, _, prec = spec.partition(":")
+        rows, extra = map(int, shape.split("x"))
+        dtype, quant = {"": ("float32", None), "int8": ("float32", "int8"), "bf16": ("bfloat16", None)}[prec]
+        res["engine"].append(engine_ab(rows, extra, dtype, quant, args.rounds))
+    if res["engine"]:
+        print("engine decode step, kernel vs XLA's path (medians, interleaved rounds)")
+        for r in res["engine"]:
+            print(f"  {r['quantize'] or r['dtype']:8s} {r['rows']:3d} rows, context ~{r['context']:5d}: "
+                  f"kernel {r['kernel_step_ms']:7.2f} ms   XLA {r['xla_step_ms']:7.2f} ms")
+    res["loadavg_1m_end"] = os.getloadavg()[0]
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
