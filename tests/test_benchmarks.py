@@ -103,6 +103,15 @@ def test_engine_bench_smoke(tmp_path):
     assert r["compiled_shapes"]["decode"] == 3 and "transformers (seq.)" in out.stdout  # rows 1, 2, 4
 
 
+def test_cpu_attention_bench_smoke(capsys):
+    from benchmarks.cpu_attention import main
+    r = main(["--chains", "2x40", "1x130", "--repeats", "1"])
+    assert [(x["rows"], x["context"]) for x in r["layers"]] == [(2, 40), (1, 130)]
+    for x in r["layers"]:
+        assert all(_finite(x[k]) and x[k] > 0 for k in ("kernel_ms", "xla_ms", "kernel_gb_s", "xla_gb_s"))
+    assert r["engine"] == [] and "XLA segments" in capsys.readouterr().out
+
+
 def test_arch_arithmetic_matches_default_checkpoint():
     """FLOP and byte counts of the default checkpoint, by hand (342M params, ~886 MB/step)."""
     from benchmarks.kernel import Arch
