@@ -1,13 +1,14 @@
 """mmjax's CPU decode-attention kernel (mmjax.kernels.cpu_attention, issues 25 and 28):
 
-* the kernel against a float64 numpy softmax attention: f32 and bf16 cache segments, GQA groups
+* the kernel against a float64 numpy softmax attention: f32, bf16 and int8 (with per-key bf16
+  K and V scales, the quantized KV cache) cache segments, GQA groups
   of 1-20 queries (padded inside the kernel to 1/2/4/8/16), head dims not multiples of 16,
   segment lengths not multiples of the kernel's key blocks, rows that see nothing, sliding-window
   ranges, ranges past the cache; on the AVX-512 path and the plain C++ one; each row's result the
   same bit for bit alone or beside other rows;
 * wired in: a decode step's `cache_attention` takes it on the CPU (one custom call per layer, no
-  per-segment lax.cond) with the XLA path's outputs, sliding window included, and never when
-  tracing for CUDA, inside a sharded step, or over an int8 cache (XLA's path);
+  per-segment lax.cond) with the XLA path's outputs, sliding window and an int8 cache included,
+  and never when tracing for CUDA, inside a sharded step, or over an fp8 cache (XLA's path);
 * derivatives equal those of the XLA reference.
 """
 from __future__ import annotations
@@ -26,11 +27,14 @@ from mmjax.models.text import MaskSpec
 from mmjax.models.text.llama import cache_attention
 
 
-def _want(q, kts, vs, lo, hi, scale) -> np.ndarray:
-    """float64 softmax attention of row i over cache indexes [lo_i, hi_i) of cache row i."""
+def _want(q, kts, vs, lo, hi, scale, scales=None) -> np.ndarray:
+    """float64 softmax attention of row i over cache indexes [lo_i, hi_i) of cache row i (an
+    int8 cache dequantized with its per-key scales)."""
     q = np.asarray(q, np.float64)
-    kt = np.concatenate([np.asarray(k.astype(jnp.float32), np.float64) for k in kts], axis=3)
-    v = np.concatenate([np.asarray(x.astype(jnp.float32), np.float64) for x in vs], axis=2)
+    f64 = lambda xs, axis: np.concatenate([np.asarray(x.astype(jnp.float32), np.float64) for x in xs], axis=axis)  # noqa: E731
+    kt, v = f64(kts, 3), f64(vs, 2)
+    if scales is not None:
+        kt, v = kt * f64(scales[0], 2)[:, :, None, :], v * f64(scales[1], 2)[..., None]
     out = np.zeros(q.shape)
     for i in range(q.shape[0]):
         a, e = max(int(lo[i]), 0), min(int(hi[i]), kt.shape[3])
@@ -52,32 +56,43 @@ CASES = [  # b, slots, kvh, n, hd, segment lengths, lo, hi
 ]
 
 
+def _cache(rng, dtype, slots, kvh, hd, lens):
+    """K^T and V segments of `dtype`, and for int8 their bf16 scales ((K, V) scale segments)."""
+    if dtype != jnp.int8:
+        return ([jnp.asarray(rng.standard_normal((slots, kvh, hd, L)) * 2, dtype) for L in lens],
+                [jnp.asarray(rng.standard_normal((slots, kvh, L, hd)), dtype) for L in lens], None)
+    q8 = lambda *s: jnp.asarray(rng.integers(-127, 128, s), jnp.int8)  # noqa: E731
+    sc = lambda *s: jnp.asarray(rng.uniform(0.002, 0.03, s), jnp.bfloat16)  # noqa: E731
+    return ([q8(slots, kvh, hd, L) for L in lens], [q8(slots, kvh, L, hd) for L in lens],
+            ([sc(slots, kvh, L) for L in lens], [sc(slots, kvh, L) for L in lens]))
+
+
 @pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8], ids=["f32", "bf16", "int8"])
 def test_kernel_equals_reference(generic, dtype):
     assert cpu_attention.available()
     simd = cpu_library.set_generic(generic)
     try:
         assert not (generic and simd)
         rng = np.random.default_rng(0)
-        attend = jax.jit(lambda q, kts, vs, lo, hi, scale: cpu_attention.decode_attention(q, kts, vs, lo, hi,
-                                                                                           scale=scale),
-                         static_argnums=5)
+        attend = jax.jit(lambda q, kts, vs, lo, hi, scale, scales=None: cpu_attention.decode_attention(
+            q, kts, vs, lo, hi, scale=scale, scales=scales), static_argnums=5)
         for b, slots, kvh, n, hd, lens, lo, hi in CASES:
             q = jnp.asarray(rng.standard_normal((b, kvh, n, hd)), jnp.float32)
-            kts = [jnp.asarray(rng.standard_normal((slots, kvh, hd, L)) * 2, dtype) for L in lens]
-            vs = [jnp.asarray(rng.standard_normal((slots, kvh, L, hd)), dtype) for L in lens]
+            kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
+            assert cpu_attention.covers(kts, vs, scales)
             lo_, hi_ = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-            got = attend(q, kts, vs, lo_, hi_, hd ** -0.5)
-            want = _want(q, kts, vs, lo, hi, hd ** -0.5)
+            got = attend(q, kts, vs, lo_, hi_, hd ** -0.5, scales)
+            want = _want(q, kts, vs, lo, hi, hd ** -0.5, scales)
             assert got.shape == q.shape and got.dtype == jnp.float32
             assert rel_err(got, want) < 2e-6, (b, kvh, n, hd, lens)
             for i in range(b):
                 if min(hi[i], sum(lens)) <= max(lo[i], 0):
                     assert not np.asarray(got[i]).any()                  # nothing visible: zeros
             # a row's result does not depend on the rows beside it
-            alone = attend(q[b - 1:], [k[b - 1:] for k in kts], [x[b - 1:] for x in vs], lo_[b - 1:], hi_[b - 1:],
-                           hd ** -0.5)
+            last = (lambda xs: [x[b - 1:] for x in xs])   # noqa: E731
+            alone = attend(q[b - 1:], last(kts), last(vs), lo_[b - 1:], hi_[b - 1:], hd ** -0.5,
+                           None if scales is None else (last(scales[0]), last(scales[1])))
             np.testing.assert_array_equal(alone[0], got[b - 1])
     finally:
         cpu_library.set_generic(False)
@@ -116,8 +131,26 @@ def test_decode_step_takes_the_kernel_with_the_xla_paths_outputs():
     sharded = dataclasses.replace(tuning("cpu"), sharded=True)
     assert "mmjax_decode_attention" not in jax.jit(sharded.traced(lambda *a: attend(*a, None))).lower(
         q, kts, vs, q_index, 128).as_text()
-    assert not cpu_attention.covers([k.astype(jnp.int8) for k in kts], [v.astype(jnp.int8) for v in vs])
     assert cpu_attention.covers([k.astype(jnp.bfloat16) for k in kts], [v.astype(jnp.bfloat16) for v in vs])
+    # an int8 cache with its scales: the kernel, with XLA's outputs (the scales applied to scores
+    # and weights either way); int8 without scales or an fp8 cache: not the kernel
+    k8, v8, sc8 = _cache(rng, jnp.int8, 4, 2, 64, (48, 48, 32))
+    assert not cpu_attention.covers(k8, v8)
+    assert not cpu_attention.covers([k.astype(jnp.float8_e4m3fn) for k in kts],
+                                    [v.astype(jnp.float8_e4m3fn) for v in vs], sc8)
+    def quantized():     # a fresh function per trace: the kernel choice is made at trace time
+        return jax.jit(lambda q, kts, vs, scales, kv_len: cache_attention(q, kts, vs, q_index, kv_len,
+                                                                          reduce_small=True, scales=scales))
+    for kv_len in (128, jnp.int32(101)):
+        kernel = quantized()
+        assert "mmjax_decode_attention_s8" in kernel.lower(q, k8, v8, sc8, kv_len).as_text()
+        got = kernel(q, k8, v8, sc8, kv_len)
+        with cpu_kernels(False):
+            xla = quantized()
+            assert "mmjax_decode_attention" not in xla.lower(q, k8, v8, sc8, kv_len).as_text()
+            want = xla(q, k8, v8, sc8, kv_len)
+        rows = 3 if kv_len == 128 else 2
+        assert rel_err(got[:rows], want[:rows]) < 2e-6, kv_len
 
 
 def test_kernel_calls_differentiate():

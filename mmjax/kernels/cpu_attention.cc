@@ -31,15 +31,19 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// One task's view of the cache: the segments' K^T [HD, L] and V [L, HD] blocks of its (row, head).
+// One task's view of the cache: the segments' K^T [HD, L] and V [L, HD] blocks of its (row, head),
+// and for an int8 cache the per-key K and V scales [L] (bf16; null otherwise).
 template <typename T>
 struct Segment {
   const T* kt;
   const T* v;
   int64_t len;
+  const uint16_t* ks = nullptr;
+  const uint16_t* vs = nullptr;
 };
 
 inline float ToF32(float x) { return x; }
+inline float ToF32(int8_t x) { return static_cast<float>(x); }
 inline float ToF32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -64,7 +68,7 @@ void GenericTask(const float* q, int N, int HD, const std::vector<Segment<T>>& s
       for (int n = 0; n < N; ++n) {
         float acc = 0.f;
         for (int d = 0; d < HD; ++d) acc += q[n * HD + d] * ToF32(seg.kt[d * seg.len + j]);
-        s[n * total + col] = acc * scale;
+        s[n * total + col] = acc * scale * (seg.ks ? ToF32(seg.ks[j]) : 1.f);
       }
     start += seg.len;
   }
@@ -79,8 +83,10 @@ void GenericTask(const float* q, int N, int HD, const std::vector<Segment<T>>& s
   for (const auto& seg : segs) {
     const int64_t a = std::max(lo, start) - start, e = std::min(hi, start + seg.len) - start;
     for (int64_t j = a; j < e; ++j, ++col)
-      for (int n = 0; n < N; ++n)
-        for (int d = 0; d < HD; ++d) out[n * HD + d] += s[n * total + col] * ToF32(seg.v[j * HD + d]);
+      for (int n = 0; n < N; ++n) {
+        const float w = s[n * total + col] * (seg.vs ? ToF32(seg.vs[j]) : 1.f);
+        for (int d = 0; d < HD; ++d) out[n * HD + d] += w * ToF32(seg.v[j * HD + d]);
+      }
     start += seg.len;
   }
 }
@@ -99,6 +105,9 @@ MMJAX_AVX512 inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_m
 MMJAX_AVX512 inline __m512 Load16(const uint16_t* p, __mmask16 m) {
   const __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+MMJAX_AVX512 inline __m512 Load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
 // exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial of r, times 2^n)
@@ -153,10 +162,13 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
         }
       }
       const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(kNegInf);
+      __m512 kscale[W];     // score scale per key: the softmax scale, times the key's (int8 cache)
+      for (int w = 0; w < W; ++w)
+        kscale[w] = seg.ks ? _mm512_mul_ps(vscale, Load16(seg.ks + j0 + 16 * w, km[w])) : vscale;
       for (int i = 0; i < Q; ++i) {
         __m512 top = ninf;
         for (int w = 0; w < W; ++w) {
-          s[i][w] = _mm512_mask_mov_ps(ninf, km[w], _mm512_mul_ps(s[i][w], vscale));
+          s[i][w] = _mm512_mask_mov_ps(ninf, km[w], _mm512_mul_ps(s[i][w], kscale[w]));
           top = _mm512_max_ps(top, s[i][w]);
         }
         const float mx = std::max(m[i], _mm512_reduce_max_ps(top));
@@ -167,6 +179,10 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
           sum = _mm512_add_ps(sum, pw);
           _mm512_store_ps(p[i] + 16 * w, pw);
         }
+        if (seg.vs)
+          for (int w = 0; w < W; ++w)
+            _mm512_store_ps(p[i] + 16 * w, _mm512_mul_ps(_mm512_load_ps(p[i] + 16 * w),
+                                                         Load16(seg.vs + j0 + 16 * w, km[w])));
         const float alpha = m[i] == kNegInf ? 0.f : std::exp(m[i] - mx);
         l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
         m[i] = mx;
@@ -212,17 +228,21 @@ template <ffi::DataType DT>
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo,
                            ffi::Buffer<ffi::S32> hi, ffi::RemainingArgs cache, ffi::ResultBuffer<ffi::F32> out,
                            float scale) {
-  using T = std::conditional_t<DT == ffi::DataType::F32, float, uint16_t>;
+  // an int8 cache: K^T, V, K scale and V scale segments; otherwise K^T and V segments
+  constexpr bool kScaled = DT == ffi::DataType::S8;
+  constexpr size_t kGroups = kScaled ? 4 : 2;
+  using T = std::conditional_t<DT == ffi::DataType::F32, float, std::conditional_t<kScaled, int8_t, uint16_t>>;
   const auto qd = q.dimensions();
-  if (qd.size() != 4 || lo.element_count() != qd[0] || hi.element_count() != qd[0] || cache.size() % 2 ||
+  if (qd.size() != 4 || lo.element_count() != qd[0] || hi.element_count() != qd[0] || cache.size() % kGroups ||
       cache.size() == 0)
     return ffi::Error::InvalidArgument(
-        "mmjax_decode_attention: q [B, KVH, N, HD], lo / hi [B], K^T and V segments expected");
+        "mmjax_decode_attention: q [B, KVH, N, HD], lo / hi [B], K^T and V segments (int8: and their scales) expected");
   const int64_t B = qd[0], KVH = qd[1], N = qd[2], HD = qd[3];
-  const size_t S = cache.size() / 2;
+  const size_t S = cache.size() / kGroups;
   // per segment: its length and base pointers
   std::vector<int64_t> lens(S);
   std::vector<const T*> kbase(S), vbase(S);
+  std::vector<const uint16_t*> ksbase(S, nullptr), vsbase(S, nullptr);
   for (size_t i = 0; i < S; ++i) {
     auto kt = cache.get<ffi::AnyBuffer>(i), v = cache.get<ffi::AnyBuffer>(S + i);
     if (!kt.has_value() || !v.has_value()) return ffi::Error::InvalidArgument("mmjax_decode_attention: bad operand");
@@ -234,6 +254,18 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     lens[i] = kd[3];
     kbase[i] = static_cast<const T*>(kt->untyped_data());
     vbase[i] = static_cast<const T*>(v->untyped_data());
+    if (kScaled) {
+      auto ks = cache.get<ffi::AnyBuffer>(2 * S + i), vs = cache.get<ffi::AnyBuffer>(3 * S + i);
+      if (!ks.has_value() || !vs.has_value()) return ffi::Error::InvalidArgument("mmjax_decode_attention: bad operand");
+      const auto sd = ks->dimensions(), td = vs->dimensions();
+      if (ks->element_type() != ffi::DataType::BF16 || vs->element_type() != ffi::DataType::BF16 || sd.size() != 3 ||
+          td.size() != 3 || sd[0] != kd[0] || sd[1] != KVH || sd[2] != kd[3] || td[0] != kd[0] || td[1] != KVH ||
+          td[2] != kd[3])
+        return ffi::Error::InvalidArgument(
+            "mmjax_decode_attention: scale segment i is bf16 [slots, KVH, L_i], as its K^T / V segment");
+      ksbase[i] = static_cast<const uint16_t*>(ks->untyped_data());
+      vsbase[i] = static_cast<const uint16_t*>(vs->untyped_data());
+    }
   }
   const float* qp = q.typed_data();
   const int32_t* lop = lo.typed_data();
@@ -247,8 +279,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   ParallelFor(pool, threads, static_cast<int>(tasks), [&](int t) {
     const int64_t bh = t / groups, g = t % groups, b = bh / KVH, h = bh % KVH;
     std::vector<Segment<T>> segs(S);
-    for (size_t i = 0; i < S; ++i)
+    for (size_t i = 0; i < S; ++i) {
       segs[i] = {kbase[i] + (b * KVH + h) * HD * lens[i], vbase[i] + (b * KVH + h) * lens[i] * HD, lens[i]};
+      if (kScaled) segs[i].ks = ksbase[i] + (b * KVH + h) * lens[i], segs[i].vs = vsbase[i] + (b * KVH + h) * lens[i];
+    }
     const int n0 = static_cast<int>(g * kGroup), nq = static_cast<int>(std::min<int64_t>(kGroup, N - n0));
     const float* qh = qp + (bh * N + n0) * HD;
     float* oh = op + (bh * N + n0) * HD;
@@ -290,3 +324,4 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_f32, ffi::DataType::F32)
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_bf16, ffi::DataType::BF16)
+MMJAX_DECODE_ATTENTION(mmjax_decode_attention_s8, ffi::DataType::S8)
