@@ -106,10 +106,11 @@ def test_engine_bench_smoke(tmp_path):
 def test_cpu_attention_bench_smoke(capsys):
     from benchmarks.cpu_attention import main
     r = main(["--chains", "2x40", "1x130", "--repeats", "1"])
-    assert [(x["rows"], x["context"]) for x in r["layers"]] == [(2, 40), (1, 130)]
+    assert [(x["rows"], x["context"], x["cache_dtype"]) for x in r["layers"]] == [
+        (2, 40, "float32"), (2, 40, "int8"), (1, 130, "float32"), (1, 130, "int8")]
     for x in r["layers"]:
         assert all(_finite(x[k]) and x[k] > 0 for k in ("kernel_ms", "xla_ms", "kernel_gb_s", "xla_gb_s"))
-    assert r["engine"] == [] and "XLA segments" in capsys.readouterr().out
+    assert r["engine"] == [] and "int8    cache,   1 rows x   130 keys: kernel" in capsys.readouterr().out
 
 
 def test_arch_arithmetic_matches_default_checkpoint():
