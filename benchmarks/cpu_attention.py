@@ -2,11 +2,10 @@
 against XLA's path, one run, side by side.
 
   layers    16 layers' decode attention of the bench model's shape (8 KV heads x 2 queries,
-            head_dim 64; the engine's cache layout, one K and one V array per layer, f32 or
-            with --cache-dtype int8 the quantized cache with its scales) over distinct caches,
-            one jitted chain: `cache_attention` with the kernel and with `cpu_kernels(False)`
-            (XLA's fusions per 128-position view behind lax.cond); ms per 16 layers and GB/s
-            of K + V (+ scales) read
+            head_dim 64, 128-position segments; f32, or with --cache-dtype int8 the quantized
+            cache with its scales) over distinct caches, one jitted chain: `cache_attention`
+            with the kernel and with `cpu_kernels(False)` (XLA's fusions per segment behind
+            lax.cond); ms per 16 layers and GB/s of K + V (+ scales) read
   engine    (with --engine) decode steps of the bench checkpoint's engine, one built with the
             kernel and one without, in one process, interleaved rounds (medians), at the given
             rows and prompt lengths
@@ -46,7 +45,8 @@ def layer_chain(rows: int, context: int, repeats: int, cache_dtype: str = "float
     for _ in range(16):
         (kt, ks), (v, vs) = piece((rows, kvh, size, hd)), piece((rows, kvh, size, hd))
         kt = kt.swapaxes(2, 3)                                   # K^T [rows, kvh, hd, size]
-        layers.append(([kt], [v], ([ks], [vs]) if int8 else None))
+        cut = lambda x, axis: [jax.lax.slice_in_dim(x, i, i + 128, axis=axis) for i in range(0, size, 128)]  # noqa: E731
+        layers.append((cut(kt, 3), cut(v, 2), (cut(ks, 2), cut(vs, 2)) if int8 else None))
     q = jnp.asarray(rng.standard_normal((rows, 1, kvh * g, hd)), jnp.float32)
     q_index = jnp.full((rows, 1), context - 1, jnp.int32)
 

@@ -64,14 +64,12 @@ def test_attention_over_segments_matches_oracle(segments, t, min_calls, monkeypa
 
 @pytest.mark.parametrize("min_calls", [0, 10 ** 9])
 @pytest.mark.parametrize("traced", [False, True])
-@pytest.mark.parametrize("pieces", [6, 1])   # stored apart / one array cut into views of 4
-def test_segments_past_kv_len_are_not_read(traced, min_calls, pieces, monkeypatch):
-    """NaN keys/values from kv_len on: a view that were computed would turn the output NaN
+def test_segments_past_kv_len_are_not_read(traced, min_calls, monkeypatch):
+    """NaN keys/values from kv_len on: a segment that were computed would turn the output NaN
     (0 * NaN); with kv_len covering every query the output equals the oracle on the prefix. XLA's
     path (cpu_kernels(False)); the CPU kernel reads each row's own keys only, so it never meets
-    the NaNs, even told that every position is in use."""
+    the NaNs, even told that every segment is in use."""
     monkeypatch.setattr(decoder, "SMALL_N_MIN_CALLS", min_calls)
-    monkeypatch.setattr(decoder, "KV_SEGMENT", 4)
     rng = np.random.default_rng(7)
     b, t, h, kvh, hd, seg = 2, 1, 4, 2, 8, 4
     q = rng.standard_normal((b, t, h, hd))
@@ -81,8 +79,7 @@ def test_segments_past_kv_len_are_not_read(traced, min_calls, pieces, monkeypatc
     kv_len = 10                                   # segments 0-2 are read, 3-5 must not be
     k[:, :, 3 * seg:] = np.nan
     v[:, :, 3 * seg:] = np.nan
-    cuts = (seg,) * 6 if pieces == 6 else (6 * seg,)
-    ks, vs = split_cache(k, cuts, True), split_cache(v, cuts)
+    ks, vs = split_cache(k, (seg,) * 6, True), split_cache(v, (seg,) * 6)
     f = lambda q, n: decoder.cache_attention(q, ks, vs, jnp.asarray(q_index), n, reduce_small=True)  # noqa: E731
     want = naive_attention(q, k[:, :, :3 * seg], v[:, :, :3 * seg], q_index)
     with cpu_kernels(False):
@@ -115,50 +112,46 @@ def random_params(cfg, rng):
 
 @pytest.mark.parametrize("min_calls", [0, 10 ** 9])  # decode steps: broadcast-reduce / dots
 def test_segmented_cache_equals_one_piece_across_boundaries(min_calls, monkeypatch):
-    """Prefill 11 tokens of slot 1 in a chunk that crosses view boundaries, then decode two
-    steps for both slots with a traced kv_len of 16 (4 of 8 views of 4 positions): the hidden
-    states and the written K/V equal those of one view read in full (keys past each query are
-    masked either way); nothing is written past kv_len or into other slots' rows. The cache is
-    stored as one array per layer and kind either way; XLA's path (cpu_kernels(False))."""
+    """Prefill 11 tokens of slot 1 in a chunk that crosses segment boundaries, then decode two
+    steps for both slots with a traced kv_len of 16 (4 of 8 segments of 4): the hidden states
+    and the written K/V equal those of a one-segment cache read in full (keys past each query
+    are masked either way); nothing is written past kv_len or into other slots' rows."""
     monkeypatch.setattr(decoder, "SMALL_N_MIN_CALLS", min_calls)
     cfg = tiny_text()
     rng = np.random.default_rng(0)
     params = random_params(cfg, rng)
-    cache0 = decoder.init_kv_cache(cfg, 2, 32, jnp.float32)
-    assert [c.shape for c in cache0[0]["v"]] == [(2, 2, 32, 8)] and [c.shape for c in cache0[0]["k"]] == [(2, 2, 8, 32)]
+    caches = {"one": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segment=32),
+              "seg": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segment=4)}
+    assert [c.shape[2] for c in caches["seg"][0]["v"]] == [4] * 8
+    assert [c.shape[3] for c in caches["seg"][0]["k"]] == [4] * 8
     emb = jnp.asarray(rng.standard_normal((1, 11, cfg.hidden_size)), jnp.float32)
     pos = jnp.arange(11)[None, None]
+    forward = jax.jit(lambda cache, e, p, starts, n, slots: tuple(vars(decoder.forward(
+        params, cfg, e, p, cache, starts, n, slots=slots, reduce_small=True)).values())[:2])
+    decode = jax.jit(lambda cache, e, p, starts, n: tuple(vars(decoder.forward(
+        params, cfg, e, p, cache, starts, n, reduce_small=True)).values())[:2])
     outs = {}
-    for name, segment in (("one", 32), ("seg", 4)):
-        monkeypatch.setattr(decoder, "KV_SEGMENT", segment)
-        assert decoder.kv_segments(32) == ((32,) if name == "one" else (4,) * 8)
-        # fresh jits: the view cut is read at trace time
-        forward = jax.jit(lambda cache, e, p, starts, n, slots: tuple(vars(decoder.forward(
-            params, cfg, e, p, cache, starts, n, slots=slots, reduce_small=True)).values())[:2])
-        decode = jax.jit(lambda cache, e, p, starts, n: tuple(vars(decoder.forward(
-            params, cfg, e, p, cache, starts, n, reduce_small=True)).values())[:2])
-        cache = cache0
+    for name, cache in caches.items():
         kv_len = jnp.int32(16 if name == "seg" else 32)
-        with cpu_kernels(False):
-            h1, cache = forward(cache, emb, pos, jnp.array([0]), kv_len, jnp.array([1]))
-            hs = [h1]
-            for step in range(2):
-                e = jnp.asarray(np.random.default_rng(step).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
-                starts = jnp.array([3 + step, 11 + step])  # slot 0 holds stale zeros: still valid keys
-                h, cache = decode(cache, e, starts[None, :, None], starts, kv_len)
-                hs.append(h)
+        h1, cache = forward(cache, emb, pos, jnp.array([0]), kv_len, jnp.array([1]))
+        hs = [h1]
+        for step in range(2):
+            e = jnp.asarray(np.random.default_rng(step).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
+            starts = jnp.array([3 + step, 11 + step])  # slot 0 holds stale zeros: still valid keys
+            h, cache = decode(cache, e, starts[None, :, None], starts, kv_len)
+            hs.append(h)
         outs[name] = (hs, cache)
     for a, b in zip(outs["one"][0], outs["seg"][0]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     for one, seg in zip(outs["one"][1], outs["seg"][1]):
         for name in ("k", "v"):
-            (got,), (whole,) = seg[name], one[name]
-            got = np.asarray(got)
-            np.testing.assert_allclose(got, np.asarray(whole), rtol=1e-5, atol=1e-6)
+            joined = np.concatenate([np.asarray(x) for x in seg[name]], axis=3 if name == "k" else 2)
+            (whole,) = one[name]
+            np.testing.assert_allclose(joined, np.asarray(whole), rtol=1e-5, atol=1e-6)
             if name == "k":
-                got = got.swapaxes(2, 3)
-            assert np.all(got[:, :, 16:] == 0)           # past kv_len: untouched
-            assert np.all(got[1, :, :13] != 0) and np.all(got[1, :, 13:] == 0)
+                joined = joined.swapaxes(2, 3)
+            assert np.all(joined[:, :, 16:] == 0)           # past kv_len: untouched
+            assert np.all(joined[1, :, :13] != 0) and np.all(joined[1, :, 13:] == 0)
 
 
 def test_kv_segments_cut_max_len():
@@ -379,31 +372,3 @@ def _all_eqns(jaxpr):
             for j in (p if isinstance(p, (tuple, list)) else [p]):
                 if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
                     yield from _all_eqns(j.jaxpr)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_prefill_runs_equal_the_scatter(dtype):
-    """A prefill chunk's K/V written as blocks (`write_runs`, the one-piece cache) equal the
-    per-position scatter (the same cache cut into pieces), for runs inside the cache, crossing
-    its end (the tail dropped) and wholly past it, in two rows of a three-slot cache."""
-    rng = np.random.default_rng(3)
-    b, t, kvh, hd, size = 2, 6, 2, 4, 16
-    dt = jnp.dtype(dtype)
-    k = jnp.asarray(rng.standard_normal((b, t, kvh, hd)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((b, t, kvh, hd)), jnp.float32)
-    one = decoder.kv_layer(3, kvh, hd, (size,), dt)
-    pieces = decoder.kv_layer(3, kvh, hd, (5, 11), dt)
-    one = jax.tree.map(lambda x: x + jnp.ones_like(x), one)           # old values must survive
-    pieces = jax.tree.map(lambda x: x + jnp.ones_like(x), pieces)
-    for starts in ([0, 7], [13, 3], [16, 20], [10, 12]):
-        q_index = jnp.asarray(starts)[:, None] + jnp.arange(t)
-        rows = jnp.array([2, 0])
-        got = jax.jit(decoder.scatter_kv)(one, k, v, q_index, rows)
-        want = decoder.scatter_kv(pieces, k, v, q_index, rows)
-        for name in got:
-            axis = 3 if name == "k" else 2
-            joined = np.concatenate([np.asarray(x.astype(jnp.float32)) for x in want[name]], axis=axis)
-            np.testing.assert_array_equal(np.asarray(got[name][0].astype(jnp.float32)), joined, err_msg=f"{starts} {name}")
-        changed = np.asarray(got["v"][0].astype(jnp.float32)) != np.asarray(one["v"][0].astype(jnp.float32))
-        assert not changed[1].any()                                   # slot 1 untouched
-        assert changed[2, :, starts[0]:min(starts[0] + t, size)].any() == (starts[0] < size)

@@ -46,7 +46,7 @@ from mmjax.models.layers import activation, matmul
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.kv_quant import layer_scales
 from mmjax.models.text.llama import (_grouped_dense, _host, allocate_cache, cache_attention, explicit_attention,
-                                     group_gate_up, group_heads, kv_layer, pad_vocab, scatter_kv,
+                                     group_gate_up, group_heads, kv_layer, kv_segments, pad_vocab, scatter_kv,
                                      split_grouped_gate_up, tp_kv_index)
 from mmjax.models.text.moe import experts_forward, gemma4_route
 from mmjax.models.text.packing import Packing
@@ -289,13 +289,14 @@ def _scaled(x: jax.Array, c: float) -> jax.Array:
 
 
 def init_cache(cfg: Gemma4TextConfig, num_slots: int, max_len: int, dtype, tp: int = 1) -> list:
-    """One {"k", "v"} (llama layout) per layer owning K/V, with its own heads / width
+    """One segmented {"k", "v"} (llama layout) per layer owning K/V, with its own heads / width
     (KV heads replicated to tp when fewer: `cache_kv_heads`)."""
+    cuts = kv_segments(max_len)
     out = []
     for i in cfg.cached_layers:
         sp = cfg.layers[i]
         kvh = cache_kv_heads(sp.num_kv_heads, tp)
-        out.append(kv_layer(num_slots, kvh, sp.head_dim, (max_len,), dtype))
+        out.append(kv_layer(num_slots, kvh, sp.head_dim, cuts, dtype))
     return out
 
 

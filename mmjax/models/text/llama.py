@@ -2,17 +2,14 @@
 QK-norm, interleaved M-RoPE, DeepStack image features, sparse-MoE feed-forward layers) over an
 explicit slot KV cache: the first implementation of the `mmjax.models.text.TextModel` protocol.
 
-KV cache: a list with one {"k", "v"} dict per layer; each holds one array per layer and kind, K
-`[slots, kv_heads, head_dim, max_len]` and V `[slots, kv_heads, max_len, head_dim]` (a list of
-one: `cache_attention` and `scatter_kv` take any list of consecutive pieces). Attention takes
-`kv_len`, a traced count of the cache positions in use: the CPU and GPU decode kernels read
-each row's own keys, and XLA's path (prefill, a quantized cache's decode) cuts the cache into
-views (`kv_segments`: 128 positions each up to 1024, then doubling) and skips (`lax.cond`)
-every view from kv_len on, so one compiled step serves every sequence length and pays for the
-longest one in 128-position steps. The views were stored apart once (a segment list per
-layer); one array per layer and kind took the decode step's cache from 256 arrays to 32 and
-its scatters with them: a batch-1 int8 step 14.5 -> 11.2 ms on the 2-core box, most of it
-dispatch (benchmarks/README.md, "KV segments").
+KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
+segments (`kv_segments`: 128 positions each up to 1024, then doubling), K
+`[slots, kv_heads, head_dim, segment_len]` and V `[slots, kv_heads, segment_len, head_dim]`.
+Attention takes `kv_len`, a traced count of the cache positions in use, and skips (`lax.cond`)
+every segment from kv_len on: one compiled step serves every sequence length and pays for the
+longest one in 128-position steps (a static window ladder compiled one step per rung, and a
+window slice of one `[.., max_len, ..]` array was a copy per layer and step: XLA:CPU
+materialises slices that feed a dot; benchmarks/README.md, "KV segments").
 Head-major: a slot's segment of one KV head is one contiguous block, K stored transposed
 ([head_dim, segment_len]) and V not ([segment_len, head_dim]), so both of decode attention's
 reductions run over a non-minor axis and prefill's dots read plain row-major operands; see
@@ -41,9 +38,9 @@ from mmjax.models.text.packing import Packing
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 from mmjax.quant import QArray, as_2d, map_columns
 
-KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, max_len]],
-#                              "v": [[slots, kv_heads, max_len, head_dim]],
-#      int8 / fp8 caches also "k_scale", "v_scale": [[slots, kv_heads, max_len]] (kv_quant)}
+KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
+#                              "v": [[slots, kv_heads, len_i, head_dim], ...],
+#      int8 / fp8 caches also "k_scale", "v_scale": [[slots, kv_heads, len_i], ...] (kv_quant)}
 KV_SEGMENT = 128
 # cache_attention avoids dots for <= SMALL_N queries per KV head when a batched dot would make
 # >= SMALL_N_MIN_CALLS small matmul calls (one per row and KV head)
@@ -140,12 +137,11 @@ def load_params(src: TensorSource, cfg: LlamaConfig, prefix: str, lm_head_name: 
             "lm_head": lm_head}
 
 
-def kv_segments(max_len: int, segment: int | None = None, fine: int = 8) -> tuple[int, ...]:
-    """Lengths of the views XLA's attention cuts `max_len` cache positions into (segment None:
-    KV_SEGMENT): `fine` views of `segment` positions (the granularity prefill pays in up to
-    fine * segment), then each one as long as all before it, the last cut at max_len. The count
-    grows with log(max_len): every view costs a cond per layer and call (32k positions: 13)."""
-    segment = KV_SEGMENT if segment is None else segment
+def kv_segments(max_len: int, segment: int = KV_SEGMENT, fine: int = 8) -> tuple[int, ...]:
+    """Segment lengths cutting [0, max_len): `fine` segments of `segment` positions (the
+    granularity decode pays in up to fine * segment), then each one as long as all before it,
+    the last cut at max_len. The count grows with log(max_len): every segment costs a scatter
+    and a cond per layer and step (32k positions: 13 segments)."""
     out, total = [], 0
     while total < max_len:
         n = min(segment if len(out) < fine else total, max_len - total)
@@ -154,12 +150,13 @@ def kv_segments(max_len: int, segment: int | None = None, fine: int = 8) -> tupl
     return tuple(out)
 
 
-def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype) -> KVCache:
-    """Zero cache of `num_slots` rows x `max_len` positions, one K array [slots, kv_heads,
-    head_dim, max_len] (transposed) and one V array [slots, kv_heads, max_len, head_dim] per
-    layer; see `cache_attention` for why. An int8 / fp8 `dtype` adds per-(token, KV head)
+def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype,
+                  segment: int = KV_SEGMENT) -> KVCache:
+    """Zero cache of `num_slots` rows, `max_len` positions cut into `kv_segments(max_len, segment)`:
+    K segments [slots, kv_heads, head_dim, len] (transposed), V segments [slots, kv_heads, len,
+    head_dim]; see `cache_attention` for why. An int8 / fp8 `dtype` adds per-(token, KV head)
     scales (`kv_layer`)."""
-    return [kv_layer(num_slots, cfg.num_kv_heads, cfg.head_dim, (max_len,), dtype)
+    return [kv_layer(num_slots, cfg.num_kv_heads, cfg.head_dim, kv_segments(max_len, segment), dtype)
             for _ in range(cfg.num_layers)]
 
 
@@ -223,19 +220,19 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
                     slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
                     starts: jax.Array | None = None, reduce_small: bool = False, scale: float | None = None,
                     window_over_spans: bool = False, scales: tuple | None = None) -> jax.Array:
-    """Attention of new queries over a cache given as consecutive pieces (the engine's: one).
+    """Attention of new queries over a cache given as consecutive segments.
 
-    q [b, t, heads, hd]; kts: K pieces transposed [slots, kv_heads, hd, len_i], vs: V pieces
+    q [b, t, heads, hd]; kts: K segments transposed [slots, kv_heads, hd, len_i], vs: V segments
     [slots, kv_heads, len_i, hd], covering cache indexes [0, sum len_i); query row i reads cache
     row slots[i] (None: row i, the decode layout); q_index [b, t] = cache index of each query;
-    kv_len (int or traced int32 scalar) > every q_index that matters: the views (`kv_segments`
-    of each piece) starting at or after it are not computed. Key j is visible to a query at index i iff `visible_keys` says so
+    kv_len (int or traced int32 scalar) > every q_index that matters: segments starting at or
+    after it are not computed. Key j is visible to a query at index i iff `visible_keys` says so
     (causal at least, so stale entries past a sequence's end are never read; `window_over_spans`
     is passed on); starts [b] is each row's first new cache index (for spans). Scores are scaled
     by `scale` (None: 1/sqrt(head_dim)). Returns [b, t, heads, hd]; a query with no visible key
     gets zeros.
 
-    Each view yields (max, sum of exp(s - max), exp(s - max) V) and the views are merged
+    Each segment yields (max, sum of exp(s - max), exp(s - max) V) and the segments are merged
     with the usual rescaling, as flash attention merges key blocks. `reduce_small` (a backend
     choice, mmjax.backend): with few queries per KV head (n = t * group <= SMALL_N: decode)
     both products become broadcast-multiply-reduce over a non-minor axis (scores sum K^T [hd,
@@ -268,18 +265,11 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     if starts is None:
         starts = q_index[:, 0]
 
-    def view(x, axis, off, size):
-        # positions [off, off + size) on `axis` of the batch's rows: decode rows [0, b) (static
-        # slices, fused into the reductions); prefill its slots, gathering only the view
-        if slots is None:
-            return jax.lax.slice_in_dim(x[:b], off, off + size, axis=axis)
-        if size == x.shape[axis]:
-            return x[slots]
-        return jax.vmap(lambda r: jax.lax.dynamic_slice_in_dim(x[r], off, size, axis - 1))(slots)
-
-    def segment(kt, v, sc, off, size, start, top, total, out):
-        kt, v = view(kt, 3, off, size), view(v, 2, off, size)
-        sc = jax.tree.map(lambda a: view(a, 2, off, size), sc)
+    def segment(kt, v, sc, start, top, total, out):
+        # decode: rows [0, b) (a no-op slice when b == slots); prefill: gather its slots
+        rows = (lambda a: a[:b]) if slots is None else (lambda a: a[slots])
+        kt, v, sc = rows(kt), rows(v), jax.tree.map(rows, sc)
+        size = v.shape[2]
         if small:
             s = (kt[:, :, None].astype(jnp.float32) * qn[..., None].astype(jnp.float32)).sum(axis=3)
         else:
@@ -307,20 +297,15 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
         rescale = jnp.exp(top - shift)                        # 0 while nothing was visible
         return new_top, total * rescale + w.sum(axis=3), out * rescale[..., None] + pv
 
-    # running (max, sum of exp, exp-weighted V) carried through the views of each stored piece
-    # (`kv_segments`); a skipped view passes it on unchanged. The cond takes the whole piece and
-    # slices inside, so a skipped view copies nothing.
+    # running (max, sum of exp, exp-weighted V) carried through the segments; a skipped segment
+    # passes it on unchanged
     carry = (jnp.full((b, kvh, n), -jnp.inf), jnp.zeros((b, kvh, n)), jnp.zeros((b, kvh, n, hd)))
     start = 0
     for i, (kt, v) in enumerate(zip(kts, vs)):
         sc = None if scales is None else (scales[0][i], scales[1][i])
-        off = 0
-        for size in kv_segments(v.shape[2]):
-            carry = _when(start < kv_len,
-                          lambda kt, v, sc, *c, off=off, size=size, start=start: segment(kt, v, sc, off, size,
-                                                                                          start, *c),
-                          lambda kt, v, sc, *c: c, kt, v, sc, *carry)
-            off, start = off + size, start + size
+        carry = _when(start < kv_len, lambda kt, v, sc, *c, start=start: segment(kt, v, sc, start, *c),
+                      lambda kt, v, sc, *c: c, kt, v, sc, *carry)
+        start += v.shape[2]
     _, total, out = carry
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
@@ -336,10 +321,10 @@ def _gpu_decode_kernel(head_dim: int) -> bool:
 
 def _cpu_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
                 scale: float | None, scales: tuple | None = None) -> jax.Array:
-    """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the cache through the CPU
-    kernel (mmjax.kernels.cpu_attention), each row reading keys (q_pos - window, q_pos], and
+    """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache through the
+    CPU kernel (mmjax.kernels.cpu_attention), each row reading keys (q_pos - window, q_pos], and
     none at or past kv_len (a parked row's q_pos is max_len) -> [b, kvh, g, hd] float32.
-    scales: an int8 cache's (K, V) scale pieces."""
+    scales: an int8 cache's (K, V) scale segments."""
     window = mask.sliding_window if mask is not None else None
     lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
     hi = jnp.minimum(q_pos + 1, kv_len)
@@ -547,15 +532,11 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
 
 def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array) -> dict:
     """Write new K/V [b, t, kv_heads, hd] at cache indexes q_index [b, t] of cache rows `rows`
-    [b] (or [b, t]: a row per token, a packed prefill) into the pieces of one layer's {"k",
+    [b] (or [b, t]: a row per token, a packed prefill) into the segments of one layer's {"k",
     "v"(, "k_scale", "v_scale")} -> the updated layer dict (an int8 / fp8 cache quantizes on
-    write: `kv_quant.quantize`). See the comment in `layer_forward` for the index scheme. With
-    rows [b] and t > 1 each row's indexes are one run, q_index[i, 0] + arange(t) (a prefill
-    chunk), written as blocks into a one-piece cache (`write_runs`)."""
+    write: `kv_quant.quantize`). See the comment in `layer_forward` for the index scheme."""
     t = k.shape[1]
     new = quantize_kv(kv, k, v)
-    if t > 1 and rows.ndim == 1 and len(kv["v"]) == 1 and t <= kv["v"][0].shape[2]:
-        return write_runs(kv, new, q_index[:, 0], rows)
     out, start = {name: [] for name in kv}, 0
     for i, cv in enumerate(kv["v"]):
         size = cv.shape[2]
@@ -565,39 +546,6 @@ def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: j
             out[name].append(seg)
         start += size
     return out
-
-
-def write_runs(kv: dict, new: tuple, starts: jax.Array, rows: jax.Array) -> dict:
-    """A prefill's K/V (`quantize_kv`, [b, t, ...]) written as one run of t positions per batch
-    row, from cache index starts[i] of cache row rows[i], into a one-piece cache layer: block
-    copies where the scatter writes K^T one position at a time, 512 strided scalars each, which
-    at a 1024-position row (a 4 KiB stride) ran 1.7x slower than over 128-position segments
-    (0.78 vs 0.45 ms a layer for 240 tokens). Positions past max_len are dropped, as the
-    scatter's mode="drop" drops them. Rows are written in order."""
-    k, v, ks, vs = new
-    parts = {"k": (k.transpose(0, 2, 3, 1), 3), "v": (v.transpose(0, 2, 1, 3), 2)}   # [b, kvh, hd, t] / [b, kvh, t, hd]
-    if ks is not None:
-        parts.update(k_scale=(ks.transpose(0, 2, 1), 2), v_scale=(vs.transpose(0, 2, 1), 2))
-    out = {}
-    for name, (upd, axis) in parts.items():
-        x = kv[name][0]
-        for i in range(upd.shape[0]):
-            x = _write_run(x, upd[i:i + 1].astype(x.dtype), rows[i], starts[i], axis)
-        out[name] = [x]
-    return out
-
-
-def _write_run(x: jax.Array, upd: jax.Array, row: jax.Array, start: jax.Array, axis: int) -> jax.Array:
-    """x [slots, ...] with upd [1, ...] (t positions on `axis`) written at cache row `row`,
-    positions [start, start + t); those >= x.shape[axis] are dropped. A run that fits is one
-    dynamic_update_slice; one that crosses the end (a chunk padded past max_len) is scattered
-    (a dynamic_update_slice would clamp its start and shift it)."""
-    t = upd.shape[axis]
-    index = [row] + [jnp.int32(0)] * (x.ndim - 1)
-    index[axis] = start
-    at = (row,) + (slice(None),) * (axis - 1) + (start + jnp.arange(t),)
-    return jax.lax.cond(start + t <= x.shape[axis], lambda x: jax.lax.dynamic_update_slice(x, upd, index),
-                        lambda x: _set_bits(x, at, jnp.moveaxis(upd[0], axis - 1, 0)), x)
 
 
 def quantize_kv(kv: dict, k: jax.Array, v: jax.Array) -> tuple:
