@@ -30,23 +30,25 @@ def layer_chain(rows: int, context: int, repeats: int, cache_dtype: str = "float
 
     from mmjax.backend import cpu_kernels
     from mmjax.models.text.kv_quant import quantize
-    from mmjax.models.text.llama import cache_attention
+    from mmjax.models.text.llama import KV_SEGMENT, cache_attention
 
     rng = np.random.default_rng(0)
     kvh, g, hd = 8, 2, 64
-    size = -(-context // 128) * 128
+    size = -(-context // KV_SEGMENT) * KV_SEGMENT
     int8 = cache_dtype == "int8"
 
     def piece(shape):
         x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
         return quantize(x, jnp.int8) if int8 else (x, None)
 
+    def segments(x, axis):
+        return [jax.lax.slice_in_dim(x, i, i + KV_SEGMENT, axis=axis) for i in range(0, size, KV_SEGMENT)]
+
     layers = []
     for _ in range(16):
         (kt, ks), (v, vs) = piece((rows, kvh, size, hd)), piece((rows, kvh, size, hd))
         kt = kt.swapaxes(2, 3)                                   # K^T [rows, kvh, hd, size]
-        cut = lambda x, axis: [jax.lax.slice_in_dim(x, i, i + 128, axis=axis) for i in range(0, size, 128)]  # noqa: E731
-        layers.append((cut(kt, 3), cut(v, 2), (cut(ks, 2), cut(vs, 2)) if int8 else None))
+        layers.append((segments(kt, 3), segments(v, 2), (segments(ks, 2), segments(vs, 2)) if int8 else None))
     q = jnp.asarray(rng.standard_normal((rows, 1, kvh * g, hd)), jnp.float32)
     q_index = jnp.full((rows, 1), context - 1, jnp.int32)
 

@@ -138,6 +138,7 @@ def test_decode_step_takes_the_kernel_with_the_xla_paths_outputs():
     assert not cpu_attention.covers(k8, v8)
     assert not cpu_attention.covers([k.astype(jnp.float8_e4m3fn) for k in kts],
                                     [v.astype(jnp.float8_e4m3fn) for v in vs], sc8)
+
     def quantized():     # a fresh function per trace: the kernel choice is made at trace time
         return jax.jit(lambda q, kts, vs, scales, kv_len: cache_attention(q, kts, vs, q_index, kv_len,
                                                                           reduce_small=True, scales=scales))

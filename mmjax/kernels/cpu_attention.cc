@@ -281,7 +281,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     std::vector<Segment<T>> segs(S);
     for (size_t i = 0; i < S; ++i) {
       segs[i] = {kbase[i] + (b * KVH + h) * HD * lens[i], vbase[i] + (b * KVH + h) * lens[i] * HD, lens[i]};
-      if (kScaled) segs[i].ks = ksbase[i] + (b * KVH + h) * lens[i], segs[i].vs = vsbase[i] + (b * KVH + h) * lens[i];
+      if (kScaled) {
+        segs[i].ks = ksbase[i] + (b * KVH + h) * lens[i];
+        segs[i].vs = vsbase[i] + (b * KVH + h) * lens[i];
+      }
     }
     const int n0 = static_cast<int>(g * kGroup), nq = static_cast<int>(std::min<int64_t>(kGroup, N - n0));
     const float* qh = qp + (bh * N + n0) * HD;

@@ -28,11 +28,12 @@ def covers(kts: list, vs: list, scales: tuple | None = None) -> bool:
     f32 or bf16 segments, all of one dtype, or int8 segments with their bf16 scales: an fp8
     cache keeps XLA's path)"""
     dtypes = {jnp.dtype(x.dtype) for x in (*kts, *vs)}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in _TARGETS or not enabled():
+    if len(dtypes) != 1 or not enabled():
         return False
-    if (next(iter(dtypes)) == jnp.dtype(jnp.int8)) != (scales is not None):
-        return False
-    return scales is None or {jnp.dtype(x.dtype) for x in (*scales[0], *scales[1])} == {_SCALE_DTYPE}
+    (dtype,) = dtypes
+    if dtype == jnp.dtype(jnp.int8):
+        return scales is not None and {jnp.dtype(x.dtype) for x in (*scales[0], *scales[1])} == {_SCALE_DTYPE}
+    return dtype in _TARGETS and scales is None
 
 
 def reference(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, scale: float,
@@ -71,7 +72,7 @@ def _attend_jvp(scale, primals, tangents):
     qn, kts, vs, lo, hi, scales = primals
     _, tangent = jax.jvp(lambda qn, kts, vs, lo, hi, scales: reference(qn, kts, vs, lo, hi, scale, scales),
                          primals, tangents)
-    return _attend(*primals[:5], scale, scales), tangent
+    return _attend(qn, kts, vs, lo, hi, scale, scales), tangent
 
 
 def decode_attention(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, *, scale: float,
