@@ -393,6 +393,10 @@ class ModelRunner:
         self._offloaded = None
         if vision_offload:
             self.params, self._offloaded = offload_to_host(self.params)
+        # what the LM steps (prefill, decode, fill_cross) take: only the text weights, since a
+        # jitted call's host time grows with its argument leaves (the ViT's 253 leaves were
+        # ~0.4 ms of a ~2 ms dispatch per batch-1 decode step on CPU)
+        self.lm_params = {"text": self.params["text"]}
         self.hidden_size = self.text_model.hidden_size
         # columns of one image token's features (hidden, or more with per-layer image features)
         self.feature_width = image_feature_width(self.text_model)
@@ -618,11 +622,11 @@ class ModelRunner:
         if scoring:
             c = chunks[0]
             nxt = np.pad(np.asarray(c.next_ids, np.int32), (0, c_len - len(c.next_ids)))
-            self.cache, self.state, out, sc = self._track("prefill_scores", c_len, self._prefill_scores, self.params,
+            self.cache, self.state, out, sc = self._track("prefill_scores", c_len, self._prefill_scores, self.lm_params,
                                                           self.cache, self.state, *args, nxt)
             n = len(c.token_ids)
             return StepOutput(*(np.asarray(x) for x in out), scores=tuple(np.asarray(x)[:n] for x in sc))
-        self.cache, self.state, out = self._track("prefill", (c_len, s), self._prefill, self.params, self.cache,
+        self.cache, self.state, out = self._track("prefill", (c_len, s), self._prefill, self.lm_params, self.cache,
                                                   self.state, *args, wait=wait)
         return self._output("prefill", out, wait, rows=k)
 
@@ -678,7 +682,7 @@ class ModelRunner:
         layer, keep = prune
         out_len = bucket_for(n - (int(mask.sum()) - keep), self.buckets.prefill)
         self.cache, self.state, out = self._track(
-            "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.params, self.cache,
+            "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.lm_params, self.cache,
             self.state, ids, emb, mask, pos, np.int32(chunk.slot), np.int32(n), np.int32(chunk.rope_delta),
             chunk.sampling, np.asarray(chunk.key, np.uint32), spans, vrow, bits, layer=layer, keep=keep,
             out_len=out_len, wait=wait)
@@ -703,7 +707,7 @@ class ModelRunner:
             x[:sum(len(f) for f in feats)] = np.concatenate(feats)
         tiles = np.zeros(tm.max_images, np.int32)
         tiles[:len(n_tiles)] = n_tiles
-        self.cache = self._track("fill_cross", (), self._fill_cross, self.params, self.cache, np.int32(slot), x,
+        self.cache = self._track("fill_cross", (), self._fill_cross, self.lm_params, self.cache, np.int32(slot), x,
                                  np.int32(len(feats)), tiles, np.int32(dec))
 
     def decode(self, max_length: int | np.ndarray, active_rows: int | None = None,
@@ -729,7 +733,7 @@ class ModelRunner:
         if bits is not None:
             k = min(rows, len(bits))
             full[:k] = bits[:k]
-        self.cache, self.state, out = self._track("decode", rows, self._decode, self.params, self.cache,
+        self.cache, self.state, out = self._track("decode", rows, self._decode, self.lm_params, self.cache,
                                                   self.state, np.ascontiguousarray(kv_lens), full, rows=rows,
                                                   wait=wait)
         return self._output("decode", out, wait)
@@ -766,6 +770,7 @@ class ModelRunner:
                                         sharding=sharding)
 
         params, cache, state = (jax.tree.map(spec, t) for t in (self.params, cache, state))
+        lm = {"text": params["text"]}
         out = []
         for call in self.family.warmup_plan(self.max_encode_batch):
             inputs = call.inputs
@@ -789,7 +794,7 @@ class ModelRunner:
                 seg = Segments(per, per, per, per, per, jax.tree.map(lambda x: shape((s,), x.dtype), samp),
                                shape((s, 2), jnp.uint32), jax.tree.map(lambda x: shape((s,) + x.shape, x.dtype), vrow),
                                shape((s, self.bit_words), jnp.uint32))
-                return (params, cache, state, *tokens, shape((c,), jnp.int32), shape((c,), jnp.int32), seg)
+                return (lm, cache, state, *tokens, shape((c,), jnp.int32), shape((c,), jnp.int32), seg)
             for s in buckets.segments:
                 out.append((f"prefill[{c}]" if s == 1 else f"prefill[{c},{s}]", self._prefill, seg_args(s), {}))
             if c == buckets.prefill[0]:     # prompt_logprobs: the one-sequence prefill with every position's logits
@@ -797,18 +802,18 @@ class ModelRunner:
             if c == buckets.prefill[0] and self.family.cross_attention:
                 tm = self.text_model
                 out.append(("fill_cross", self._fill_cross,
-                            (params, cache, i32, jax.ShapeDtypeStruct((tm.n_vis, self.hidden_size), self.dtype), i32,
+                            (lm, cache, i32, jax.ShapeDtypeStruct((tm.n_vis, self.hidden_size), self.dtype), i32,
                              jax.ShapeDtypeStruct((tm.max_images,), jnp.int32), i32), {}))
             if c == buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
                 # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
-                pruned = (params, cache, state, *tokens, i32, i32, i32, samp, shape((2,), jnp.uint32),
+                pruned = (lm, cache, state, *tokens, i32, i32, i32, samp, shape((2,), jnp.uint32),
                           shape((c,), jnp.int32), vrow, bits)
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
                             {"layer": 0, "keep": 1, "out_len": buckets.prefill[0]}))
         out.append(("copy_slot", self._copy, (cache, i32, i32), {}))
         for r in buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
-            out.append((f"decode[{r}]", self._decode, (params, cache, state, lens,
+            out.append((f"decode[{r}]", self._decode, (lm, cache, state, lens,
                                                        jax.ShapeDtypeStruct((r, self.bit_words), jnp.uint32)),
                         {"rows": r}))
         return out
