@@ -2,7 +2,7 @@
 against XLA's path, one run, side by side.
 
   layers    16 layers' decode attention of the bench model's shape (8 KV heads x 2 queries,
-            head_dim 64, 128-position segments; f32, or with --cache-dtype int8 the quantized
+            head_dim 64, 128-position segments; f32, or with --cache-dtype int8 / fp8 the quantized
             cache with its scales) over distinct caches, one jitted chain: `cache_attention`
             with the kernel and with `cpu_kernels(False)` (XLA's fusions per segment behind
             lax.cond); ms per 16 layers and GB/s of K + V (+ scales) read
@@ -35,11 +35,11 @@ def layer_chain(rows: int, context: int, repeats: int, cache_dtype: str = "float
     rng = np.random.default_rng(0)
     kvh, g, hd = 8, 2, 64
     size = -(-context // KV_SEGMENT) * KV_SEGMENT
-    int8 = cache_dtype == "int8"
+    quantized = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(cache_dtype)
 
     def piece(shape):
         x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-        return quantize(x, jnp.int8) if int8 else (x, None)
+        return quantize(x, quantized) if quantized is not None else (x, None)
 
     def segments(x, axis):
         return [jax.lax.slice_in_dim(x, i, i + KV_SEGMENT, axis=axis) for i in range(0, size, KV_SEGMENT)]
@@ -48,7 +48,7 @@ def layer_chain(rows: int, context: int, repeats: int, cache_dtype: str = "float
     for _ in range(16):
         (kt, ks), (v, vs) = piece((rows, kvh, size, hd)), piece((rows, kvh, size, hd))
         kt = kt.swapaxes(2, 3)                                   # K^T [rows, kvh, hd, size]
-        layers.append((segments(kt, 3), segments(v, 2), (segments(ks, 2), segments(vs, 2)) if int8 else None))
+        layers.append((segments(kt, 3), segments(v, 2), (segments(ks, 2), segments(vs, 2)) if quantized else None))
     q = jnp.asarray(rng.standard_normal((rows, 1, kvh * g, hd)), jnp.float32)
     q_index = jnp.full((rows, 1), context - 1, jnp.int32)
 
@@ -57,7 +57,7 @@ def layer_chain(rows: int, context: int, repeats: int, cache_dtype: str = "float
             q = q + 1e-3 * cache_attention(q, kts, vs, q_index, kv_len, reduce_small=True, scales=scales)
         return q
 
-    per_key = (hd + 2) if int8 else hd * 4                        # int8 values + a bf16 scale, or f32
+    per_key = (hd + 2) if quantized else hd * 4                   # 8-bit values + a bf16 scale, or f32
     out = {"rows": rows, "context": context, "cache_dtype": cache_dtype, "bytes": 16 * rows * kvh * context * per_key * 2}
     for name, on in (("kernel", True), ("xla", False)):
         with cpu_kernels(on):
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--chains", nargs="+", default=["1x235", "1x1000", "16x2000"], help="ROWSxCONTEXT")
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--cache-dtype", nargs="+", default=["float32", "int8"], choices=["float32", "int8"],
+    ap.add_argument("--cache-dtype", nargs="+", default=["float32", "int8"], choices=["float32", "int8", "fp8"],
                     help="the layer chains' KV cache dtypes")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine A/Bs' kv_cache_dtype")
     ap.add_argument("--engine", nargs="*", default=None,

@@ -1,14 +1,15 @@
 """mmjax's CPU decode-attention kernel (mmjax.kernels.cpu_attention, issues 25 and 28):
 
-* the kernel against a float64 numpy softmax attention: f32, bf16 and int8 (with per-key bf16
-  K and V scales, the quantized KV cache) cache segments, GQA groups
+* the kernel against a float64 numpy softmax attention: f32, bf16, int8 and fp8 e4m3 (with
+  per-key bf16 K and V scales, the quantized KV cache; fp8 over every bit pattern but NaN)
+  cache segments, GQA groups
   of 1-20 queries (padded inside the kernel to 1/2/4/8/16), head dims not multiples of 16,
   segment lengths not multiples of the kernel's key blocks, rows that see nothing, sliding-window
   ranges, ranges past the cache; on the AVX-512 path and the plain C++ one; each row's result the
   same bit for bit alone or beside other rows;
 * wired in: a decode step's `cache_attention` takes it on the CPU (one custom call per layer, no
-  per-segment lax.cond) with the XLA path's outputs, sliding window and an int8 cache included,
-  and never when tracing for CUDA, inside a sharded step, or over an fp8 cache (XLA's path);
+  per-segment lax.cond) with the XLA path's outputs, sliding window and int8 / fp8 caches
+  included, and never when tracing for CUDA or inside a sharded step (XLA's path);
 * derivatives equal those of the XLA reference.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mmjax.models.text.llama import cache_attention
 
 def _want(q, kts, vs, lo, hi, scale, scales=None) -> np.ndarray:
     """float64 softmax attention of row i over cache indexes [lo_i, hi_i) of cache row i (an
-    int8 cache dequantized with its per-key scales)."""
+    int8 / fp8 cache dequantized with its per-key scales)."""
     q = np.asarray(q, np.float64)
     f64 = lambda xs, axis: np.concatenate([np.asarray(x.astype(jnp.float32), np.float64) for x in xs], axis=axis)  # noqa: E731
     kt, v = f64(kts, 3), f64(vs, 2)
@@ -56,19 +57,31 @@ CASES = [  # b, slots, kvh, n, hd, segment lengths, lo, hi
 ]
 
 
+def _fp8(rng, *shape):
+    """Random float8_e4m3fn values over every bit pattern but the two NaNs: both signs, the
+    subnormals (exponent 0), zero and +-448."""
+    bits = rng.integers(0, 254, shape).astype(np.uint8)
+    bits = np.where(bits >= 0x7F, bits + 1, bits).astype(np.uint8)          # skip 0x7F; 0xFF is past 254
+    return jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float8_e4m3fn)
+
+
 def _cache(rng, dtype, slots, kvh, hd, lens):
-    """K^T and V segments of `dtype`, and for int8 their bf16 scales ((K, V) scale segments)."""
-    if dtype != jnp.int8:
+    """K^T and V segments of `dtype`, and for int8 / fp8 their bf16 scales ((K, V) scale segments)."""
+    if dtype not in (jnp.int8, jnp.float8_e4m3fn):
         return ([jnp.asarray(rng.standard_normal((slots, kvh, hd, L)) * 2, dtype) for L in lens],
                 [jnp.asarray(rng.standard_normal((slots, kvh, L, hd)), dtype) for L in lens], None)
-    q8 = lambda *s: jnp.asarray(rng.integers(-127, 128, s), jnp.int8)  # noqa: E731
-    sc = lambda *s: jnp.asarray(rng.uniform(0.002, 0.03, s), jnp.bfloat16)  # noqa: E731
+    if dtype == jnp.int8:
+        q8, lo, hi = (lambda *s: jnp.asarray(rng.integers(-127, 128, s), jnp.int8)), 0.002, 0.03  # noqa: E731
+    else:   # (e4m3 reaches 448: smaller scales keep the scores of the int8 case's size)
+        q8, lo, hi = (lambda *s: _fp8(rng, *s)), 0.0005, 0.005  # noqa: E731
+    sc = lambda *s: jnp.asarray(rng.uniform(lo, hi, s), jnp.bfloat16)  # noqa: E731
     return ([q8(slots, kvh, hd, L) for L in lens], [q8(slots, kvh, L, hd) for L in lens],
             ([sc(slots, kvh, L) for L in lens], [sc(slots, kvh, L) for L in lens]))
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8], ids=["f32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn],
+                         ids=["f32", "bf16", "int8", "fp8"])
 def test_kernel_equals_reference(generic, dtype):
     assert cpu_attention.available()
     simd = cpu_library.set_generic(generic)
@@ -132,26 +145,24 @@ def test_decode_step_takes_the_kernel_with_the_xla_paths_outputs():
     assert "mmjax_decode_attention" not in jax.jit(sharded.traced(lambda *a: attend(*a, None))).lower(
         q, kts, vs, q_index, 128).as_text()
     assert cpu_attention.covers([k.astype(jnp.bfloat16) for k in kts], [v.astype(jnp.bfloat16) for v in vs])
-    # an int8 cache with its scales: the kernel, with XLA's outputs (the scales applied to scores
-    # and weights either way); int8 without scales or an fp8 cache: not the kernel
-    k8, v8, sc8 = _cache(rng, jnp.int8, 4, 2, 64, (48, 48, 32))
-    assert not cpu_attention.covers(k8, v8)
-    assert not cpu_attention.covers([k.astype(jnp.float8_e4m3fn) for k in kts],
-                                    [v.astype(jnp.float8_e4m3fn) for v in vs], sc8)
-
+    # an int8 / fp8 cache with its scales: the kernel, with XLA's outputs (the scales applied to
+    # scores and weights either way); without its scales: not the kernel
     def quantized():     # a fresh function per trace: the kernel choice is made at trace time
         return jax.jit(lambda q, kts, vs, scales, kv_len: cache_attention(q, kts, vs, q_index, kv_len,
                                                                           reduce_small=True, scales=scales))
-    for kv_len in (128, jnp.int32(101)):
-        kernel = quantized()
-        assert "mmjax_decode_attention_s8" in kernel.lower(q, k8, v8, sc8, kv_len).as_text()
-        got = kernel(q, k8, v8, sc8, kv_len)
-        with cpu_kernels(False):
-            xla = quantized()
-            assert "mmjax_decode_attention" not in xla.lower(q, k8, v8, sc8, kv_len).as_text()
-            want = xla(q, k8, v8, sc8, kv_len)
-        rows = 3 if kv_len == 128 else 2
-        assert rel_err(got[:rows], want[:rows]) < 2e-6, kv_len
+    for dtype, target in ((jnp.int8, "mmjax_decode_attention_s8"), (jnp.float8_e4m3fn, "mmjax_decode_attention_f8e4m3fn")):
+        k8, v8, sc8 = _cache(rng, dtype, 4, 2, 64, (48, 48, 32))
+        assert not cpu_attention.covers(k8, v8)
+        for kv_len in (128, jnp.int32(101)):
+            kernel = quantized()
+            assert target in kernel.lower(q, k8, v8, sc8, kv_len).as_text()
+            got = kernel(q, k8, v8, sc8, kv_len)
+            with cpu_kernels(False):
+                xla = quantized()
+                assert "mmjax_decode_attention" not in xla.lower(q, k8, v8, sc8, kv_len).as_text()
+                want = xla(q, k8, v8, sc8, kv_len)
+            rows = 3 if kv_len == 128 else 2
+            assert rel_err(got[:rows], want[:rows]) < 2e-6, (dtype, kv_len)
 
 
 def test_kernel_calls_differentiate():

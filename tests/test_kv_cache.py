@@ -351,9 +351,9 @@ def test_gpu_ragged_decode_kernel_matches_oracle(window, group, dtype):
                            None if window is None else lambda i, j, x: x <= q_index[i, j] and q_index[i, j] - x < window)
     tol = 2e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
-    if quant:      # XLA's path (sharded steps; an fp8 cache on the CPU) over the same quantized cache
+    if quant:      # XLA's path (sharded steps) over the same quantized cache
         args = (jnp.asarray(q, dtype), kt_segs, v_segs, jnp.asarray(q_index))
-        with cpu_kernels(False):   # (an int8 cache on the CPU takes mmjax.kernels.cpu_attention)
+        with cpu_kernels(False):   # (int8 / fp8 caches on the CPU take mmjax.kernels.cpu_attention)
             xla = decoder.cache_attention(*args, jnp.int32(s), mask=mask, scales=scales)
             # scales go on the scores / weights: no product has a (dequantized) K or V segment's shape
             jaxpr = jax.make_jaxpr(lambda *a: decoder.cache_attention(*a, jnp.int32(s), mask=mask,

@@ -42,8 +42,28 @@ struct Segment {
   const uint16_t* vs = nullptr;
 };
 
+// An fp8 cache element (float8_e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits; no
+// infinities, S.1111.111 is NaN). Zen 4 has no fp8 conversion instruction: the bits are moved
+// into an f32 with integer ops (ToF32 / Load16).
+struct F8E4M3 {
+  uint8_t bits;
+};
+
 inline float ToF32(float x) { return x; }
 inline float ToF32(int8_t x) { return static_cast<float>(x); }
+inline float ToF32(F8E4M3 x) {
+  const uint32_t em = x.bits & 0x7Fu;
+  float f;
+  if (em == 0x7Fu) {
+    f = std::numeric_limits<float>::quiet_NaN();
+  } else if (em < 8u) {
+    f = static_cast<float>(em) * (1.0f / 512);          // subnormal: m x 2^-9
+  } else {
+    const uint32_t u = (em << 20) + (120u << 23);        // exponent bias 7 -> 127
+    std::memcpy(&f, &u, 4);
+  }
+  return (x.bits & 0x80u) ? -f : f;
+}
 inline float ToF32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -108,6 +128,17 @@ MMJAX_AVX512 inline __m512 Load16(const uint16_t* p, __mmask16 m) {
 }
 MMJAX_AVX512 inline __m512 Load16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+MMJAX_AVX512 inline __m512 Load16(const F8E4M3* p, __mmask16 m) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p));
+  const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+  f = _mm512_mask_mov_ps(f, _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)),
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512)));
+  f = _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F)),
+                         _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
 // exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial of r, times 2^n)
@@ -228,15 +259,17 @@ template <ffi::DataType DT>
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo,
                            ffi::Buffer<ffi::S32> hi, ffi::RemainingArgs cache, ffi::ResultBuffer<ffi::F32> out,
                            float scale) {
-  // an int8 cache: K^T, V, K scale and V scale segments; otherwise K^T and V segments
-  constexpr bool kScaled = DT == ffi::DataType::S8;
+  // an int8 / fp8 cache: K^T, V, K scale and V scale segments; otherwise K^T and V segments
+  constexpr bool kScaled = DT == ffi::DataType::S8 || DT == ffi::DataType::F8E4M3FN;
   constexpr size_t kGroups = kScaled ? 4 : 2;
-  using T = std::conditional_t<DT == ffi::DataType::F32, float, std::conditional_t<kScaled, int8_t, uint16_t>>;
+  using T = std::conditional_t<
+      DT == ffi::DataType::F32, float,
+      std::conditional_t<DT == ffi::DataType::S8, int8_t, std::conditional_t<kScaled, F8E4M3, uint16_t>>>;
   const auto qd = q.dimensions();
   if (qd.size() != 4 || lo.element_count() != qd[0] || hi.element_count() != qd[0] || cache.size() % kGroups ||
       cache.size() == 0)
     return ffi::Error::InvalidArgument(
-        "mmjax_decode_attention: q [B, KVH, N, HD], lo / hi [B], K^T and V segments (int8: and their scales) expected");
+        "mmjax_decode_attention: q [B, KVH, N, HD], lo / hi [B], K^T and V segments (int8 / fp8: and their scales) expected");
   const int64_t B = qd[0], KVH = qd[1], N = qd[2], HD = qd[3];
   const size_t S = cache.size() / kGroups;
   // per segment: its length and base pointers
@@ -328,3 +361,4 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_f32, ffi::DataType::F32)
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_bf16, ffi::DataType::BF16)
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_s8, ffi::DataType::S8)
+MMJAX_DECODE_ATTENTION(mmjax_decode_attention_f8e4m3fn, ffi::DataType::F8E4M3FN)

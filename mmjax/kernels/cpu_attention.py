@@ -19,19 +19,20 @@ import numpy as np
 from mmjax.kernels.cpu_library import VMAP, available, enabled
 
 _TARGETS = {jnp.dtype(jnp.float32): "mmjax_decode_attention_f32", jnp.dtype(jnp.bfloat16): "mmjax_decode_attention_bf16",
-            jnp.dtype(jnp.int8): "mmjax_decode_attention_s8"}
+            jnp.dtype(jnp.int8): "mmjax_decode_attention_s8",
+            jnp.dtype(jnp.float8_e4m3fn): "mmjax_decode_attention_f8e4m3fn"}
+_SCALED = {jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)}     # caches stored with per-token scales
 _SCALE_DTYPE = jnp.dtype(jnp.bfloat16)
 
 
 def covers(kts: list, vs: list, scales: tuple | None = None) -> bool:
     """Does the kernel take attention over these cache segments here? (trace time: `enabled()`;
-    f32 or bf16 segments, all of one dtype, or int8 segments with their bf16 scales: an fp8
-    cache keeps XLA's path)"""
+    f32 or bf16 segments, all of one dtype, or int8 / fp8 (e4m3) segments with their bf16 scales)"""
     dtypes = {jnp.dtype(x.dtype) for x in (*kts, *vs)}
     if len(dtypes) != 1 or not enabled():
         return False
     (dtype,) = dtypes
-    if dtype == jnp.dtype(jnp.int8):
+    if dtype in _SCALED:
         return scales is not None and {jnp.dtype(x.dtype) for x in (*scales[0], *scales[1])} == {_SCALE_DTYPE}
     return dtype in _TARGETS and scales is None
 
@@ -40,7 +41,7 @@ def reference(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, 
               scales: tuple | None = None) -> jax.Array:
     """What the kernel computes, in XLA ops (its derivative rule, and the tests' reference):
     qn [b, kvh, n, hd]; kts K^T segments [slots, kvh, hd, L_i]; vs V segments [slots, kvh, L_i, hd];
-    scales (an int8 cache): (K scale segments, V scale segments) [slots, kvh, L_i], x ~= q * scale;
+    scales (an int8 / fp8 cache): (K scale segments, V scale segments) [slots, kvh, L_i], x ~= q * scale;
     row i attends the cache indexes [lo_i, hi_i) of cache row i -> f32 [b, kvh, n, hd] (zeros for
     a row that sees nothing)."""
     b = qn.shape[0]
@@ -79,8 +80,8 @@ def decode_attention(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.
                      scales: tuple | None = None) -> jax.Array:
     """Attention of one token per row over rows [0, b) of a segmented cache, each row over its own
     keys. qn [b, kvh, n, hd] (n queries per KV head: the GQA group); kts: K^T segments [slots,
-    kvh, hd, L_i]; vs: V segments [slots, kvh, L_i, hd] (f32, bf16 or int8, slots >= b), covering
-    cache indexes [0, sum L_i) in order; scales (int8 only): (K scale segments, V scale segments)
+    kvh, hd, L_i]; vs: V segments [slots, kvh, L_i, hd] (f32, bf16, int8 or fp8 e4m3, slots >= b),
+    covering cache indexes [0, sum L_i) in order; scales (int8 / fp8 only): (K scale segments, V scale segments)
     bf16 [slots, kvh, L_i] (`mmjax.models.text.kv_quant`: scores times the key scales, softmax
     weights times the value scales); lo, hi [b] int32: row i sees indexes [lo_i, hi_i) (clipped
     to the cache). Returns f32 [b, kvh, n, hd] = softmax(scale q K^T) V over those keys; zeros
