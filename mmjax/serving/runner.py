@@ -393,10 +393,6 @@ class ModelRunner:
         self._offloaded = None
         if vision_offload:
             self.params, self._offloaded = offload_to_host(self.params)
-        # what the LM steps (prefill, decode, fill_cross) take: only the text weights, since a
-        # jitted call's host time grows with its argument leaves (the ViT's 253 leaves were
-        # ~0.4 ms of a ~2 ms dispatch per batch-1 decode step on CPU)
-        self.lm_params = {"text": self.params["text"]}
         self.hidden_size = self.text_model.hidden_size
         # columns of one image token's features (hidden, or more with per-layer image features)
         self.feature_width = image_feature_width(self.text_model)
@@ -437,6 +433,13 @@ class ModelRunner:
         self.calls = {k: 0 for k in self.compiled}  # compiled-step invocations
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
         self.step_seconds = {k: 0.0 for k in self.compiled}
+
+    @property
+    def lm_params(self) -> dict:
+        """What the LM steps (prefill, decode, fill_cross) take: only the text weights, since a
+        jitted call's host time grows with its argument leaves (the ViT's 253 leaves were ~0.4 ms
+        of a ~2 ms dispatch per batch-1 decode step on CPU)."""
+        return {"text": self.params["text"]}
 
     def _cache_shardings(self, num_slots: int):
         return self.placement.cache_shardings(jax.eval_shape(

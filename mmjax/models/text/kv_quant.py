@@ -16,8 +16,8 @@ quantizing, so the stored scale is exactly the one the values were divided by.
 Attention never dequantizes the cache: q K^T reads the int8 / fp8 segment (converted in the dot
 operand, which XLA fuses on GPU) and the scores are multiplied by the key scales [.., len];
 the softmax weights are multiplied by the value scales before P V (scale_scores / scale_probs).
-On the CPU an int8 cache's decode attention is mmjax.kernels.cpu_attention (the same scales
-applied in registers)."""
+On the CPU an int8 / fp8 cache's decode attention is mmjax.kernels.cpu_attention (the same
+scales applied in registers)."""
 from __future__ import annotations
 
 import jax

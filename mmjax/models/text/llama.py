@@ -324,7 +324,7 @@ def _cpu_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, ma
     """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache through the
     CPU kernel (mmjax.kernels.cpu_attention), each row reading keys (q_pos - window, q_pos], and
     none at or past kv_len (a parked row's q_pos is max_len) -> [b, kvh, g, hd] float32.
-    scales: an int8 cache's (K, V) scale segments."""
+    scales: an int8 / fp8 cache's (K, V) scale segments."""
     window = mask.sliding_window if mask is not None else None
     lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
     hi = jnp.minimum(q_pos + 1, kv_len)
