@@ -105,7 +105,11 @@ def build_llava(size: str = "default", out_dir: str | os.PathLike | None = None,
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                       vision_feature_layer=spec["vision_feature_layer"], vision_feature_select_strategy="default",
                       projector_hidden_act="gelu", tie_word_embeddings=False)
-    model = LlavaForConditionalGeneration(cfg).eval()
+    # initialised on a GPU where there is one: a lent GPU's minutes are short, and a 1.6B
+    # model's init and perturbation take ~a minute on CPU cores (other random numbers than a
+    # CPU build's, the same distribution)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # HF init leaves norms at 1 and biases at 0; perturb everything a little
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)

@@ -126,7 +126,7 @@ def run_hf_batched(hf, requests, new_tokens: int):
     model, proc = hf
     t0 = time.perf_counter()
     inputs = proc(text=[_hf_prompt(proc, q) for _, q in requests], images=[img for img, _ in requests],
-                  return_tensors="pt", padding=True, padding_side="left")  # decoder-only: pad on the left
+                  return_tensors="pt", padding=True, padding_side="left").to(model.device)  # decoder-only: pad left
     stamps = _Stamps()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=3, streamer=stamps)

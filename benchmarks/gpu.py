@@ -12,7 +12,16 @@ On a GPU (bfloat16):
   4. a 3840x2160 image through a Qwen2.5-VL-sized vision tower at native resolution (42,196
      patches, 10,549 tokens; ViT depth 32, hidden 1280, head_dim 80);
   5. engine throughput (AsyncEngine, closed-loop clients, 128 new tokens, greedy) at
-     concurrency 16 and 64.
+     concurrency 16 and 64;
+  6. the peer: transformers on the same device and checkpoint (bf16, its own process): decode
+     tok/s of a padded batch of 1 / 16 / 64, TTFT, and the engine's requests as padded batches;
+  7. the kernels' accuracy as compiled on this device (flash and ragged decode against the test
+     suite's float64 oracles), and A/Bs: decode with XLA's attention instead of the ragged
+     kernel, with fp8 and with int8 weights.
+Sections run in that priority order (accuracy first), each timed; one that fails is reported
+and the rest still run; `--out` writes the JSON after every section and `--deadline-s` starts no
+section past a time limit, so a run on a lent GPU with a short lease keeps what it measured.
+No section compiles shapes it does not time (no engine warmup of every bucket).
 Elsewhere it runs in a smoke mode (tiny checkpoints, small N; float32): the same code end to end,
 no figures worth reading. Prints a table, then one JSON line.
 
@@ -28,8 +37,10 @@ import json
 import os
 import statistics
 import sys
+import subprocess
 import tempfile
 import time
+import traceback
 
 import numpy as np
 
@@ -129,6 +140,9 @@ def engine_throughput(vlm, concurrency: list[int], new_tokens: int, size: int) -
     rows = []
     try:
         for c in concurrency:
+            # the shapes c clients reach, compiled before the clock starts (warmup() of every bucket
+            # would spend minutes of a lent GPU on shapes this run never uses)
+            asyncio.run(run_mmjax(vlm, ae, make_requests(c, size, seed=1000 + c), c, 4))
             r = asyncio.run(run_mmjax(vlm, ae, make_requests(2 * c, size, seed=c), c, new_tokens))
             rows.append({"concurrency": c, "requests": 2 * c, "output_tok_s": r["tokens"] / r["wall_s"],
                          "ttft_p50_s": percentile(r["ttft"], 50), "ttft_p99_s": percentile(r["ttft"], 99)})
@@ -137,12 +151,137 @@ def engine_throughput(vlm, concurrency: list[int], new_tokens: int, size: int) -
     return rows
 
 
+SECTIONS = ("accuracy", "decode", "ttft", "engine", "hf", "qwen4k", "attention", "decode-xla",
+            "decode-fp8", "decode-int8")
+
+
+def kernel_accuracy(smoke: bool) -> list[dict]:
+    """mmjax's Pallas kernels as compiled on this device (interpreted off a GPU) against the
+    float64 oracles of tests/test_attention.py (flash: every case, f32 and bf16) and
+    tests/test_kv_cache.py (ragged decode: f32 / bf16 / int8 / fp8 caches, with its own
+    tolerance check). rel_err = max|out - ref| / max|ref|."""
+    import functools
+
+    import jax
+    import pytest
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    import test_attention as ta
+    import test_kv_cache as tk
+    from mmjax.attention.flash import flash_attention
+    rows = []
+    for case in (["len127_gqa2_causal_d80"] if smoke else list(ta.CASES)):
+        kw = ta.CASES[case][6]
+        for dt in ("float32", "bfloat16"):
+            q, k, v, want = ta._case_data(case, dt)
+            out = jax.jit(functools.partial(flash_attention, **kw))(q, k, v)
+            rows.append({"kernel": "flash", "case": case, "dtype": dt, "rel_err": ta.rel_err(out, want)})
+    mark = next(m for m in tk.test_gpu_ragged_decode_kernel_matches_oracle.pytestmark if m.name == "parametrize")
+    for params in (mark.args[1][:1] if smoke else mark.args[1]):
+        window, group, dtype = params
+        row = {"kernel": "ragged_decode", "window": window, "group": group, "dtype": jax.numpy.dtype(dtype).name}
+        try:
+            tk.test_gpu_ragged_decode_kernel_matches_oracle(window, group, dtype)
+            row["within_test_tolerance"] = True
+        except AssertionError as e:
+            row["within_test_tolerance"] = False
+            row["error"] = str(e)[:400]
+        rows.append(row)
+    del pytest
+    return rows
+
+
+def hf_peer(path: str, smoke: bool, batches: list[int], concurrency: list[int], new_tokens: int,
+            size: int) -> dict:
+    """transformers on the same device and checkpoint (bf16 on a GPU, f32 smoke), run in its own
+    process (`main` spawns it): decode tok/s of a left-padded batch of b image requests (the
+    time of `generate` for 1 + T new tokens minus that for 1, over T), TTFT of one request, and
+    the engine's workload as a transformers user runs it (the 2c requests as two padded batches
+    of c through `generate`)."""
+    import torch
+    from benchmarks.engine import _hf_prompt, make_requests, run_hf_batched
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None
+    proc = AutoProcessor.from_pretrained(path)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def generate(reqs, n):
+        inputs = proc(text=[_hf_prompt(proc, q) for _, q in reqs], images=[img for img, _ in reqs],
+                      return_tensors="pt", padding=True, padding_side="left").to(device)
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=n, do_sample=False, pad_token_id=3)
+        sync()
+        return time.perf_counter() - t0
+
+    out: dict = {"device": device, "dtype": str(dtype).removeprefix("torch."),
+                 "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    steps = 4 if smoke else 64
+    rows = []
+    for b in batches:
+        reqs = make_requests(b, size, seed=b)
+        generate(reqs, 2)                                    # warm (cuBLAS handles, caches)
+        t1 = statistics.median(generate(reqs, 1) for _ in range(3))
+        tn = statistics.median(generate(reqs, 1 + steps) for _ in range(3))
+        per = (tn - t1) / steps
+        rows.append({"batch": b, "step_ms": per * 1e3, "tok_s": b / per})
+    out["decode"] = rows
+    one = make_requests(6, size, seed=7)
+    out["ttft_s"] = statistics.median(generate([r], 1) for r in one[1:])
+    eng = []
+    for c in concurrency:
+        reqs = make_requests(2 * c, size, seed=c)
+        runs = [run_hf_batched((model, proc), reqs[i:i + c], new_tokens) for i in (0, c)]
+        sync()
+        eng.append({"concurrency": c, "requests": 2 * c,
+                    "output_tok_s": sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs)})
+    out["engine_batched"] = eng
+    return out
+
+
+def decode_variant(path: str, dtype: str, batches: list[int], kv_len: int, bandwidth: float, repeats: int,
+                   max_model_len: int, *, quantize: str | None = None, pallas: bool = True) -> list[dict]:
+    """decode_rates on a fresh load: 8-bit weights (`quantize`), or XLA's decode attention
+    instead of the ragged Pallas kernel (`pallas=False`: the A/B behind the GPU choice)."""
+    import mmjax
+    from mmjax import backend
+    saved = backend.Tuning.pallas_kernels
+    if not pallas:
+        backend.Tuning.pallas_kernels = property(lambda self: False)
+    try:
+        vlm = mmjax.load(path, dtype=dtype, quantize=quantize, max_num_seqs=max(batches),
+                         max_model_len=max_model_len)
+        return decode_rates(vlm, batches, kv_len, bandwidth, repeats)
+    finally:
+        backend.Tuning.pallas_kernels = saved
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="mmjax bench gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (the default off a GPU)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["attention", "decode", "ttft", "qwen4k", "engine"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
+    ap.add_argument("--out", default=None, help="also write the result JSON here after every section "
+                    "(a run cut off keeps what it measured)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no section after this many seconds (the rest are listed as not run)")
+    ap.add_argument("--hf-peer", default=None, help=argparse.SUPPRESS)   # the peer's own process
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    # the transformers peer runs in a process of its own next to this one: leave it GPU memory
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     smoke = args.smoke or not on_gpu()
+    batches, conc = ([1, 2], [2]) if smoke else ([1, 16, 64], [16, 64])
+    new_tokens = 8 if smoke else 128
+    if args.hf_peer:
+        size = json.loads(open(os.path.join(args.hf_peer, "config.json")).read())["vision_config"]["image_size"]
+        print(json.dumps(hf_peer(args.hf_peer, smoke, batches, conc, new_tokens, size)))
+        return 0
 
     import jax
     import jax.numpy as jnp
@@ -153,34 +292,89 @@ def main(argv=None) -> int:
 
     dtype = "float32" if smoke else "bfloat16"
     result = {"bench": "gpu", "smoke": smoke, "backend": jax.default_backend(),
-              "device": str(jax.devices()[0].device_kind), "dtype": dtype}
+              "device": str(jax.devices()[0].device_kind), "dtype": dtype, "jax": jax.__version__,
+              "section_s": {}}
     bandwidth = copy_bandwidth(2**24 if smoke else 2**31)
     result["copy_bw_bytes_s"] = bandwidth
-    if "attention" not in args.skip:
+    repeats = 3 if smoke else 10
+    kv_len, max_model_len = (128, 256) if smoke else (512, 2048)
+    path = str(build_llava("smoke" if smoke else "gpu"))
+    model: dict = {}
+
+    def vlm():
+        if "vlm" not in model:
+            model["vlm"] = mmjax.load(path, dtype=dtype, max_num_seqs=max(batches + conc),
+                                      max_model_len=max_model_len, prefill_chunk=64 if smoke else 1024,
+                                      max_encode_batch=2 if smoke else 16)
+            result["lm_weight_bytes"] = param_bytes(model["vlm"].engine.runner.params["text"])
+        return model["vlm"]
+
+    def attention():
         impls = ["reference", "chunked"] if smoke else ["flash", "cudnn", "tokamax"]
         ns, hds = ([256, 512], [64]) if smoke else ([1024, 4096, 16384, 65536], [64, 80, 128])
-        result["attention"] = attn_bench.run(ns, hds, 4 if smoke else 16, 1, jnp.dtype(dtype), impls,
-                                             60.0 if smoke else 600.0, False)
-    path = str(build_llava("smoke" if smoke else "gpu"))
-    batches, conc = ([1, 2], [2]) if smoke else ([1, 16, 64], [16, 64])
-    vlm = mmjax.load(path, dtype=dtype, max_num_seqs=max(batches + conc), max_model_len=256 if smoke else 2048,
-                     prefill_chunk=64 if smoke else 1024, max_encode_batch=2 if smoke else 16)
-    size = vlm.family.cfg.vision.image_size
-    if not smoke:     # compile every shape first (smoke: only what runs, compiled as it runs)
-        t0 = time.perf_counter()
-        vlm.engine.warmup()
-        result["warmup_s"] = time.perf_counter() - t0
-    result["lm_weight_bytes"] = param_bytes(vlm.engine.runner.params["text"])
-    repeats = 3 if smoke else 10
-    if "decode" not in args.skip:
-        result["decode"] = decode_rates(vlm, batches, 128 if smoke else 512, bandwidth, repeats)
-    if "ttft" not in args.skip:
-        result["ttft_s"] = ttft(vlm, size, 2 if smoke else 5)
-    if "engine" not in args.skip:
-        result["engine"] = engine_throughput(vlm, conc, 8 if smoke else 128, size)
-    if "qwen4k" not in args.skip:
+        return attn_bench.run(ns, hds, 4 if smoke else 16, 1, jnp.dtype(dtype), impls, 60.0 if smoke else 600.0,
+                              False)
+
+    def engine():
+        v = vlm()
+        before = v.engine.stats()["compile_seconds"]
+        rows = engine_throughput(v, conc, new_tokens, v.family.cfg.vision.image_size)
+        result["engine_compile_s"] = v.engine.stats()["compile_seconds"] - before
+        return rows
+
+    def hf():
+        cmd = [sys.executable, "-m", "benchmarks.gpu", "--hf-peer", path] + (["--smoke"] if smoke else [])
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900,
+                             cwd=os.path.join(os.path.dirname(__file__), ".."))
+        if out.returncode != 0:
+            raise RuntimeError(f"transformers peer failed: {out.stderr[-1500:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def qwen4k():
         with tempfile.TemporaryDirectory() as d:
-            result["qwen_4k_encode"] = qwen_4k_encode(smoke, d, 1 if smoke else 3)
+            return qwen_4k_encode(smoke, d, 1 if smoke else 3)
+
+    def release():            # the A/B loads below get the device memory of the first
+        model.pop("vlm", None)
+        import gc
+        gc.collect()
+        return None
+
+    sections = [
+        ("accuracy", "kernel_accuracy", lambda: kernel_accuracy(smoke)),
+        ("decode", "decode", lambda: decode_rates(vlm(), batches, kv_len, bandwidth, repeats)),
+        ("ttft", "ttft_s", lambda: ttft(vlm(), vlm().family.cfg.vision.image_size, 2 if smoke else 5)),
+        ("engine", "engine", engine),
+        ("hf", "transformers", hf),
+        ("qwen4k", "qwen_4k_encode", qwen4k),
+        ("attention", "attention", attention),
+        ("decode-xla", "decode_xla_attention",
+         lambda: release() or decode_variant(path, dtype, batches, kv_len, bandwidth, repeats, max_model_len,
+                                             pallas=False)),
+        ("decode-fp8", "decode_fp8_weights",
+         lambda: decode_variant(path, dtype, batches, kv_len, bandwidth, repeats, max_model_len, quantize="fp8")),
+        ("decode-int8", "decode_int8_weights",
+         lambda: decode_variant(path, dtype, batches, kv_len, bandwidth, repeats, max_model_len, quantize="int8")),
+    ]
+    for name, key, fn in sections:
+        if name in args.skip:
+            continue
+        elapsed = time.perf_counter() - t_start
+        if args.deadline_s is not None and elapsed > args.deadline_s:
+            result.setdefault("not_run", []).append(name)
+            continue
+        print(f"[bench gpu {elapsed:6.1f} s] {name}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            result[key] = fn()
+        except Exception as e:   # report it, measure the rest
+            traceback.print_exc()
+            result.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+        result["section_s"][name] = time.perf_counter() - t0
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
     print(format_table(result))
     print(json.dumps(result))
     return 0
@@ -192,18 +386,40 @@ def format_table(r: dict) -> str:
     if "attention" in r:
         from benchmarks.attention import format_table as attention_table
         lines.append(attention_table(r["attention"]))
-    for d in r.get("decode", []):
-        lines.append(f"decode batch {d['batch']:>3} @ {d['kv_len']} positions: {d['step_ms']:8.2f} ms/step "
-                     f"{d['tok_s']:9.1f} tok/s  (roofline {d['roofline_tok_s']:.0f} tok/s, {100 * d['roofline']:.0f}%)")
+    for a in r.get("kernel_accuracy", []):
+        if a["kernel"] == "flash":
+            lines.append(f"accuracy flash {a['case']:<28} {a['dtype']:<8} rel_err {a['rel_err']:.2e}")
+        else:
+            lines.append(f"accuracy ragged decode window {a['window']} group {a['group']} {a['dtype']:<13} "
+                         f"{'within' if a['within_test_tolerance'] else 'OUTSIDE'} the test's tolerance")
+    hf = r.get("transformers", {})
+    hf_decode = {d["batch"]: d for d in hf.get("decode", [])}
+    for key, label in (("decode", "decode"), ("decode_xla_attention", "decode, XLA attention"),
+                       ("decode_fp8_weights", "decode, fp8 weights"), ("decode_int8_weights", "decode, int8 weights")):
+        for d in r.get(key, []):
+            peer = hf_decode.get(d["batch"]) if key == "decode" else None
+            lines.append(f"{label} batch {d['batch']:>3} @ {d['kv_len']} positions: {d['step_ms']:8.2f} ms/step "
+                         f"{d['tok_s']:9.1f} tok/s  (roofline {d['roofline_tok_s']:.0f} tok/s, "
+                         f"{100 * d['roofline']:.0f}%)" + (f"; transformers {peer['tok_s']:.1f} tok/s, mmjax/hf "
+                                                            f"{d['tok_s'] / peer['tok_s']:.2f}x" if peer else ""))
     if "ttft_s" in r:
-        lines.append(f"TTFT one image request: {r['ttft_s'] * 1e3:.1f} ms")
+        lines.append(f"TTFT one image request: {r['ttft_s'] * 1e3:.1f} ms"
+                     + (f"; transformers {hf['ttft_s'] * 1e3:.1f} ms" if "ttft_s" in hf else ""))
+    hf_engine = {e["concurrency"]: e for e in hf.get("engine_batched", [])}
     for e in r.get("engine", []):
+        peer = hf_engine.get(e["concurrency"])
         lines.append(f"engine concurrency {e['concurrency']:>3}: {e['output_tok_s']:9.1f} tok/s, TTFT p50 "
-                     f"{e['ttft_p50_s'] * 1e3:.0f} ms, p99 {e['ttft_p99_s'] * 1e3:.0f} ms")
+                     f"{e['ttft_p50_s'] * 1e3:.0f} ms, p99 {e['ttft_p99_s'] * 1e3:.0f} ms"
+                     + (f"; transformers batched {peer['output_tok_s']:.1f} tok/s, mmjax/hf "
+                        f"{e['output_tok_s'] / peer['output_tok_s']:.2f}x" if peer else ""))
     if "qwen_4k_encode" in r:
         q = r["qwen_4k_encode"]
         lines.append(f"Qwen2.5-VL image encode (3840x2160 native; smoke 320x240): {q['patches']} patches -> {q['tokens']} tokens in "
                      f"{q['encode_s']:.3f} s (first call {q['first_call_s']:.1f} s)")
+    for name, err in r.get("errors", {}).items():
+        lines.append(f"section {name} FAILED: {err.splitlines()[0][:200]}")
+    if r.get("not_run"):
+        lines.append(f"not run (--deadline-s): {', '.join(r['not_run'])}")
     return "\n".join(lines)
 
 

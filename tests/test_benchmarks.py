@@ -314,15 +314,22 @@ def test_serve_bench_against_mmjax_server(tmp_path, llava_dirs, capsys):
 
 
 def test_gpu_bench_smoke(tmp_path):
-    """`mmjax bench gpu` off a GPU: the attention, decode and TTFT sections at toy size report their
-    fields (the engine and Qwen 4K sections reuse benchmarks/engine.py's clients, smoke-tested
-    above, and the runner's encode; skipped here for CI time)."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke", "--skip", "engine", "qwen4k"],
+    """`mmjax bench gpu` off a GPU: the accuracy, attention, decode and TTFT sections at toy size
+    report their fields, and the partial JSON (--out) is the final one (the engine and Qwen 4K
+    sections reuse benchmarks/engine.py's clients, smoke-tested above, and the runner's encode;
+    the transformers peer and the decode A/Bs load more models: skipped here for CI time)."""
+    partial = tmp_path / "partial.json"
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke", "--out", str(partial), "--skip",
+                          "engine", "qwen4k", "hf", "decode-xla", "decode-fp8", "decode-int8"],
                          cwd=ROOT, env=_env(tmp_path),
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     r = _last_json(out.stdout)
+    assert json.loads(partial.read_text()) == r and "errors" not in r and "not_run" not in r
     assert r["smoke"] and _finite(r["copy_bw_bytes_s"])
+    acc = r["kernel_accuracy"]
+    assert [a["kernel"] for a in acc] == ["flash", "flash", "ragged_decode"]
+    assert acc[0]["rel_err"] < 1e-5 and acc[1]["rel_err"] < 2e-2 and acc[2]["within_test_tolerance"]
     assert {row["impl"] for row in r["attention"]["rows"]} == {"reference", "chunked"}
     assert [d["batch"] for d in r["decode"]] == [1, 2] and all(_finite(d["tok_s"]) for d in r["decode"])
     assert _finite(r["ttft_s"]) and "engine" not in r and "qwen_4k_encode" not in r
