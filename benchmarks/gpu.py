@@ -87,9 +87,21 @@ def decode_rates(vlm, batches: list[int], kv_len: int, bandwidth: float, repeats
             r.decode(kv_len, b)
             times.append(time.perf_counter() - t0)
         step = statistics.median(times)
+        # where a step's time goes: the host's dispatch alone (the call returning before the
+        # step ran), and steps queued back to back (the engine's overlapped loop): a pipelined
+        # step near the dispatch time is host-bound, near the waited step device-bound
+        dispatch, pending = [], []
+        t0 = time.perf_counter()
+        for _ in range(2 * repeats):
+            t1 = time.perf_counter()
+            pending.append(r.decode(kv_len, b, wait=False))
+            dispatch.append(time.perf_counter() - t1)
+        pending[-1].result()
+        pipelined = (time.perf_counter() - t0) / len(pending)
         floor = (lm_bytes + b * kv_len * kv_per_pos) / bandwidth
         rows.append({"batch": b, "kv_len": kv_len, "step_ms": step * 1e3, "tok_s": b / step,
-                     "roofline_tok_s": b / floor, "roofline": floor / step})
+                     "roofline_tok_s": b / floor, "roofline": floor / step,
+                     "dispatch_ms": statistics.median(dispatch) * 1e3, "pipelined_step_ms": pipelined * 1e3})
     vlm.engine.reset_device_state()
     return rows
 
@@ -155,7 +167,7 @@ SECTIONS = ("accuracy", "decode", "ttft", "engine", "hf", "qwen4k", "attention",
             "decode-fp8", "decode-int8")
 
 
-def kernel_accuracy(smoke: bool) -> list[dict]:
+def kernel_accuracy(smoke: bool, dtypes: list[str]) -> list[dict]:
     """mmjax's Pallas kernels as compiled on this device (interpreted off a GPU) against the
     float64 oracles of tests/test_attention.py (flash: every case, f32 and bf16) and
     tests/test_kv_cache.py (ragged decode: f32 / bf16 / int8 / fp8 caches, with its own
@@ -171,7 +183,7 @@ def kernel_accuracy(smoke: bool) -> list[dict]:
     rows = []
     for case in (["len127_gqa2_causal_d80"] if smoke else list(ta.CASES)):
         kw = ta.CASES[case][6]
-        for dt in ("float32", "bfloat16"):
+        for dt in dtypes:
             q, k, v, want = ta._case_data(case, dt)
             out = jax.jit(functools.partial(flash_attention, **kw))(q, k, v)
             rows.append({"kernel": "flash", "case": case, "dtype": dt, "rel_err": ta.rel_err(out, want)})
@@ -270,6 +282,12 @@ def main(argv=None) -> int:
                     "(a run cut off keeps what it measured)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no section after this many seconds (the rest are listed as not run)")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=None,
+                    help="mmjax's decode rows (default 1 16 64; the peer's stay 1 16 64): each is a compile")
+    ap.add_argument("--attention-n", type=int, nargs="+", default=None, help="default 1024 4096 16384 65536")
+    ap.add_argument("--attention-head-dims", type=int, nargs="+", default=None, help="default 64 80 128")
+    ap.add_argument("--accuracy-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                    help="the flash cases' dtypes in the accuracy section")
     ap.add_argument("--hf-peer", default=None, help=argparse.SUPPRESS)   # the peer's own process
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -312,6 +330,7 @@ def main(argv=None) -> int:
     def attention():
         impls = ["reference", "chunked"] if smoke else ["flash", "cudnn", "tokamax"]
         ns, hds = ([256, 512], [64]) if smoke else ([1024, 4096, 16384, 65536], [64, 80, 128])
+        ns, hds = args.attention_n or ns, args.attention_head_dims or hds
         return attn_bench.run(ns, hds, 4 if smoke else 16, 1, jnp.dtype(dtype), impls, 60.0 if smoke else 600.0,
                               False)
 
@@ -342,20 +361,22 @@ def main(argv=None) -> int:
         return None
 
     sections = [
-        ("accuracy", "kernel_accuracy", lambda: kernel_accuracy(smoke)),
-        ("decode", "decode", lambda: decode_rates(vlm(), batches, kv_len, bandwidth, repeats)),
+        ("accuracy", "kernel_accuracy", lambda: kernel_accuracy(smoke, args.accuracy_dtypes)),
+        ("decode", "decode", lambda: decode_rates(vlm(), args.decode_batches or batches, kv_len, bandwidth, repeats)),
         ("ttft", "ttft_s", lambda: ttft(vlm(), vlm().family.cfg.vision.image_size, 2 if smoke else 5)),
         ("engine", "engine", engine),
         ("hf", "transformers", hf),
         ("qwen4k", "qwen_4k_encode", qwen4k),
         ("attention", "attention", attention),
         ("decode-xla", "decode_xla_attention",
-         lambda: release() or decode_variant(path, dtype, batches, kv_len, bandwidth, repeats, max_model_len,
+         lambda: release() or decode_variant(path, dtype, args.decode_batches or batches, kv_len, bandwidth, repeats, max_model_len,
                                              pallas=False)),
         ("decode-fp8", "decode_fp8_weights",
-         lambda: decode_variant(path, dtype, batches, kv_len, bandwidth, repeats, max_model_len, quantize="fp8")),
+         lambda: decode_variant(path, dtype, args.decode_batches or batches, kv_len, bandwidth, repeats, max_model_len,
+                                quantize="fp8")),
         ("decode-int8", "decode_int8_weights",
-         lambda: decode_variant(path, dtype, batches, kv_len, bandwidth, repeats, max_model_len, quantize="int8")),
+         lambda: decode_variant(path, dtype, args.decode_batches or batches, kv_len, bandwidth, repeats, max_model_len,
+                                quantize="int8")),
     ]
     for name, key, fn in sections:
         if name in args.skip:
@@ -400,12 +421,22 @@ def format_table(r: dict) -> str:
             peer = hf_decode.get(d["batch"]) if key == "decode" else None
             lines.append(f"{label} batch {d['batch']:>3} @ {d['kv_len']} positions: {d['step_ms']:8.2f} ms/step "
                          f"{d['tok_s']:9.1f} tok/s  (roofline {d['roofline_tok_s']:.0f} tok/s, "
-                         f"{100 * d['roofline']:.0f}%)" + (f"; transformers {peer['tok_s']:.1f} tok/s, mmjax/hf "
+                         f"{100 * d['roofline']:.0f}%; dispatch {d['dispatch_ms']:.2f} ms, queued back to back "
+                         f"{d['pipelined_step_ms']:.2f} ms/step)" + (f"; transformers {peer['tok_s']:.1f} tok/s, mmjax/hf "
                                                             f"{d['tok_s'] / peer['tok_s']:.2f}x" if peer else ""))
+    shown = {d["batch"] for d in r.get("decode", [])}
+    for d in hf.get("decode", []):
+        if d["batch"] not in shown:
+            lines.append(f"transformers decode batch {d['batch']:>3}: {d['step_ms']:8.2f} ms/step {d['tok_s']:9.1f} tok/s")
     if "ttft_s" in r:
         lines.append(f"TTFT one image request: {r['ttft_s'] * 1e3:.1f} ms"
                      + (f"; transformers {hf['ttft_s'] * 1e3:.1f} ms" if "ttft_s" in hf else ""))
     hf_engine = {e["concurrency"]: e for e in hf.get("engine_batched", [])}
+    for c, e in hf_engine.items():
+        if not any(x["concurrency"] == c for x in r.get("engine", [])):
+            lines.append(f"transformers batched, concurrency {c:>3}: {e['output_tok_s']:9.1f} tok/s")
+    if "ttft_s" in hf and "ttft_s" not in r:
+        lines.append(f"transformers TTFT one image request: {hf['ttft_s'] * 1e3:.1f} ms")
     for e in r.get("engine", []):
         peer = hf_engine.get(e["concurrency"])
         lines.append(f"engine concurrency {e['concurrency']:>3}: {e['output_tok_s']:9.1f} tok/s, TTFT p50 "
