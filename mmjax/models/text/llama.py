@@ -337,21 +337,18 @@ def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len,
     """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache, each row
     reading keys (q_pos - window, q_pos] only -> [b, kvh, g, hd] float32. scales: an int8 / fp8
     cache's scale segments (the kernel applies them to scores and weights)."""
-    from mmjax.attention.decode import merge_partials, ragged_decode_attention
+    from mmjax.attention.decode import ragged_decode_attention
     hd = qn.shape[-1]
     window = mask.sliding_window if mask is not None else None
-    first = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
-    part, start = None, 0
-    for i, (kt, v) in enumerate(zip(kts, vs)):
-        size = v.shape[2]
-        if isinstance(kv_len, int) and start >= kv_len:
-            break
-        lo, hi = jnp.clip(first - start, 0, size), jnp.clip(q_pos + 1 - start, 0, size)
-        seg = ragged_decode_attention(qn, kt, v, lo, hi, scale=1 / np.sqrt(hd) if scale is None else scale,
-                                      scales=None if scales is None else (scales[0][i], scales[1][i]))
-        part = seg if part is None else merge_partials(part, seg)
-        start += size
-    _, total, out = part
+    lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
+    if isinstance(kv_len, int):      # a static length: the segments from it on are not passed at all
+        ends = np.cumsum([v.shape[2] for v in vs])
+        keep = int(np.searchsorted(ends, kv_len)) + 1
+        kts, vs = kts[:keep], vs[:keep]
+        scales = None if scales is None else (scales[0][:keep], scales[1][:keep])
+    hi = jnp.where(q_pos < kv_len, q_pos + 1, 0)     # a parked row (q_pos = max_len) reads nothing
+    _, total, out = ragged_decode_attention(qn, kts, vs, lo, hi,
+                                            scale=1 / np.sqrt(hd) if scale is None else scale, scales=scales)
     return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
