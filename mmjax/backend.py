@@ -54,6 +54,15 @@ class Tuning:
         return functools.wraps(fn)(wrapped)
 
     @property
+    def fine_prefill_ladder(self) -> bool:
+        """Eight prefill chunk rungs per octave (`buckets.fine_ladder`) on the CPU, where a padded
+        row costs its full compute; powers of two elsewhere. On an H200 one compiled step took
+        20-40 s (`mmjax bench gpu`, benchmarks/README.md), so a prefill_chunk of 1024 meant 24
+        rungs (~10 minutes of warmup) where 7 do, while a GPU prefill of up to 2x the rows
+        costs about the same as the rows it needs at these sizes (its weights are read once)."""
+        return self.platform == "cpu"
+
+    @property
     def reduce_small_attention(self) -> bool:
         """Few-query (decode) attention as broadcast-multiply-reduce instead of dots: a CPU win
         (see models/text/llama.cache_attention); GPUs keep the dots."""

@@ -49,7 +49,8 @@ class Buckets:
 
     prefill: chunk lengths (tokens per prefill call), up to `prefill_chunk`: powers of two up to
              128, then eight rungs per octave (`fine_ladder`), so that the last chunk of a
-             prompt pads by at most 1/8.
+             prompt pads by at most 1/8; powers of two throughout where `fine` is off (GPUs,
+             `backend.Tuning.fine_prefill_ladder`: compiles are the cost there, padding is not).
     decode:  slots advanced per decode call (the first `rows` cache rows), up to `max_num_seqs`;
              one running request pays for a 1-row step, not for every slot.
     segments: sequences one prefill call packs (models/text/packing.py): one rung,
@@ -64,7 +65,7 @@ class Buckets:
     segments: tuple[int, ...] = (1,)
 
     @classmethod
-    def make(cls, *, prefill_chunk: int, max_num_seqs: int, max_segments: int = 1) -> "Buckets":
-        prefill = fine_ladder(min(16, prefill_chunk), prefill_chunk)
+    def make(cls, *, prefill_chunk: int, max_num_seqs: int, max_segments: int = 1, fine: bool = True) -> "Buckets":
+        prefill = (fine_ladder if fine else pow2_ladder)(min(16, prefill_chunk), prefill_chunk)
         return cls(prefill=prefill, decode=pow2_ladder(1, max_num_seqs),
                    segments=(max(1, min(max_segments, max_num_seqs, prefill[0])),))

@@ -141,3 +141,14 @@ def test_quantized_steps_lower_for_cuda(checkpoints, quantize, elem_t, acc_t):
         assert len(q) == (14 if step.startswith("encode") else 9), (step, len(q))
         assert all(elem(d[0]) == elem_t and elem(d[2]) == acc_t for d in q), step
         assert bf16_dot_violations(exp.mlir_module()) == [], step
+
+
+def test_prefill_ladder_per_platform(checkpoints):
+    """A GPU runner's prefill chunks are powers of two (each rung is a compile, 20-40 s a step on an
+    H200); the CPU keeps eight rungs per octave (a padded row costs its compute there)."""
+    model = load_model(checkpoints["llava-gqa"], "bfloat16")
+    ladders = {p: ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=2048, prefill_chunk=1024,
+                              max_encode_batch=1, dtype=model.dtype, platform=p).buckets.prefill
+               for p in ("cpu", "cuda")}
+    assert ladders["cuda"] == (16, 32, 64, 128, 256, 512, 1024)
+    assert len(ladders["cpu"]) == 24 and set(ladders["cuda"]) < set(ladders["cpu"])

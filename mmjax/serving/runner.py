@@ -448,7 +448,7 @@ class ModelRunner:
 
     def _buckets(self, num_slots: int) -> Buckets:
         return Buckets.make(prefill_chunk=self.prefill_chunk, max_num_seqs=num_slots,
-                            max_segments=self.max_prefill_seqs)
+                            max_segments=self.max_prefill_seqs, fine=self.tuning.fine_prefill_ladder)
 
     def _jit_steps(self) -> None:
         """The jitted steps (their shapes come from the arguments: one set serves any slot count)."""
