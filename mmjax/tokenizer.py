@@ -459,21 +459,47 @@ class Tokenizer:
 
 class IncrementalDetokenizer:
     """Streams text for a growing list of ids without ever emitting half a UTF-8 character
-    (a pending byte-level token decodes to U+FFFD until its sequence completes)."""
+    (a pending byte-level token decodes to U+FFFD until its sequence completes).
+
+    Each token decodes a short window, not the whole list (TGI's and vLLM's scheme): the ids
+    from the last emitted boundary but one (`_prefix`, context for decoders that treat a
+    sequence's first token apart, e.g. Metaspace dropping its leading space) to the end, less
+    the text of the window up to the last boundary (`_read`). Decoding the whole list each
+    token cost 68 / 244 / 467 us a token at 128 / 1024 / 4096 output tokens (the bench
+    tokenizer), i.e. 16 ms of host time a step for 64 rows of long answers: more than an H200's
+    whole decode step. A decoder whose window text does not extend the context's (one that
+    rewrites earlier text) gets the whole list for that token instead."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens   # False: special tokens (e.g. tool-call markers) stay in the text
         self.ids: list[int] = []
         self.text = ""  # text emitted so far
+        self._prefix = 0   # window start: the boundary before the last emitted one
+        self._read = 0     # ids[:_read] are in self.text
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        full = self.tok.decode(self.ids, self.skip)
-        if full.endswith("\ufffd"):
+        context = self.tok.decode(self.ids[self._prefix:self._read], self.skip) if self._read > self._prefix else ""
+        window = self.tok.decode(self.ids[self._prefix:], self.skip)
+        if window.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text = full if full.startswith(self.text) else self.text
+        if not window.startswith(context):
+            return self._whole()
+        delta = window[len(context):]
+        if not delta:          # e.g. a skipped special token: nothing to show yet
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def _whole(self) -> str:
+        full = self.tok.decode(self.ids, self.skip)
+        if full.endswith("\ufffd") or not full.startswith(self.text):
+            return ""
+        delta = full[len(self.text):]
+        self.text = full
+        self._prefix, self._read = max(len(self.ids) - 1, 0), len(self.ids)
         return delta
 
     def flush(self) -> str:

@@ -262,6 +262,86 @@ def test_incremental_detokenizer_never_splits_utf8(path):
     assert all("\ufffd" not in d for d in deltas)
 
 
+def _decoding_tokenizers():
+    """tokenizers.Tokenizer objects with the decoders families use: byte-level BPE (LLaVA / Qwen),
+    Llama 2's byte-fallback Metaspace sequence, bare Metaspace (both prepend schemes) and
+    WordPiece with space cleanup (it rewrites text before the newest token)."""
+    from tokenizers import Tokenizer, decoders, models
+    from tiny_checkpoints import train_tokenizer
+    out = {"byte-level": train_tokenizer([]).backend_tokenizer}
+    pieces = ["▁the", "▁cat", "s", "▁", "a", "é", "東", "▁naïve", "."]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({p: len(vocab) + i for i, p in enumerate(pieces)})
+
+    def with_special(model, decoder):
+        t = Tokenizer(model)
+        t.add_special_tokens(["<s>", "</s>"])
+        t.decoder = decoder
+        return t
+    out["llama2"] = with_special(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True), decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]))
+    for scheme in ("always", "first"):
+        out[f"metaspace-{scheme}"] = with_special(models.BPE(vocab, [], unk_token="<unk>"),
+                                                  decoders.Metaspace(prepend_scheme=scheme))
+    wp = {"[UNK]": 0, "<s>": 1, "</s>": 2, "the": 3, "##s": 4, ".": 5, ",": 6, "cat": 7, "##at": 8, "'": 9, "s": 10}
+    out["wordpiece"] = with_special(models.WordPiece(wp, unk_token="[UNK]"), decoders.WordPiece(cleanup=True))
+    return out
+
+
+def _prefix_stable(tok, ids, skip) -> bool:
+    """Does every prefix of `ids` that decodes to whole characters decode to a prefix of the
+    whole decode? (Not so where a later token rewrites earlier text: WordPiece's space cleanup
+    around an apostrophe, a byte-fallback run that turns invalid. No stream can take text back,
+    so there the stream cannot equal the whole decode.)"""
+    full = tok.decode(ids, skip)
+    parts = (tok.decode(ids[:i], skip) for i in range(1, len(ids)))
+    return all(p.endswith("\ufffd") or full.startswith(p) for p in parts)
+
+
+def _draw_ids(rng, t, n: int) -> list[int]:
+    """n units of a tokenizer's vocabulary: a token, or the byte tokens (<0x..>) of one random
+    character's UTF-8 encoding where the vocabulary has them (what a byte-fallback model emits)."""
+    vocab = t.get_vocab()
+    byte_ids = {int(k[3:5], 16): v for k, v in vocab.items() if len(k) == 6 and k.startswith("<0x")}
+    plain = [v for k, v in vocab.items() if not (len(k) == 6 and k.startswith("<0x"))]
+    out = []
+    for _ in range(n):
+        if byte_ids and rng.random() < 0.3:
+            out += [byte_ids[b] for b in chr(int(rng.choice([0xE9, 0x6771, 0x1F600, 0x4E2D]))).encode()]
+        else:
+            out.append(int(rng.choice(plain)))
+    return out
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_detokenizer_streams_the_whole_decode(skip):
+    """The windowed incremental decode (a few ids per token) streams exactly the whole list's
+    decode for every decoder kind, over random sequences (specials, multi-token characters,
+    word-initial pieces) whose text no later token rewrites; and never ends a delta inside a
+    character either way."""
+    from mmjax.tokenizer import IncrementalDetokenizer
+
+    class Tok:        # the one method IncrementalDetokenizer uses
+        def __init__(self, t):
+            self.t = t
+
+        def decode(self, ids, skip_special_tokens=True):
+            return self.t.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    rng = np.random.default_rng(0)
+    for name, t in _decoding_tokenizers().items():
+        tok, stable = Tok(t), 0
+        for trial in range(40):
+            ids = _draw_ids(rng, t, int(rng.integers(1, 60)))
+            det = IncrementalDetokenizer(tok, skip)
+            deltas = [det.add(i) for i in ids]
+            assert not any(d.endswith("\ufffd") for d in deltas), (name, trial, ids)
+            if _prefix_stable(tok, ids, skip):
+                stable += 1
+                assert "".join(deltas) + det.flush() == tok.decode(ids, skip), (name, trial, ids)
+        assert stable >= 20, (name, stable)
+
+
 def test_async_engine_isolates_bad_requests(path):
     vlm = mmjax.load(path, max_num_seqs=2, max_model_len=256)
     ae = AsyncEngine(vlm.engine)
