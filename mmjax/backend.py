@@ -63,6 +63,18 @@ class Tuning:
         return self.platform == "cpu"
 
     @property
+    def kv_segment_ladder(self) -> tuple[int, int]:
+        """(segment, fine) of the KV cache's segment ladder (models/text/llama.kv_segments:
+        `fine` segments of `segment` positions, then each as long as all before it). The CPU
+        takes 8 x 128: its decode attention and prefill pay for the cache in use in 128-position
+        steps. Elsewhere 1 x 512: a GPU's decode reads each row's own keys whatever the segments
+        (attention/decode.py), while each segment is two cache leaves, two scatters a layer and
+        step, and a `lax.cond` a layer in prefill; an H200 ran a 24-layer step with 9 segments
+        a layer at 8% of its roofline (benchmarks/README.md, "GPU path"). 2048 positions: 3
+        segments instead of 9; 32k: 7 instead of 13."""
+        return (128, 8) if self.platform == "cpu" else (512, 1)
+
+    @property
     def reduce_small_attention(self) -> bool:
         """Few-query (decode) attention as broadcast-multiply-reduce instead of dots: a CPU win
         (see models/text/llama.cache_attention); GPUs keep the dots."""

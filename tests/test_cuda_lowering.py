@@ -143,12 +143,23 @@ def test_quantized_steps_lower_for_cuda(checkpoints, quantize, elem_t, acc_t):
         assert bf16_dot_violations(exp.mlir_module()) == [], step
 
 
-def test_prefill_ladder_per_platform(checkpoints):
+@pytest.mark.parametrize("name", ["llava-gqa", "gemma3-window", "gemma4-dense"])
+def test_gpu_runner_ladders(checkpoints, name):
     """A GPU runner's prefill chunks are powers of two (each rung is a compile, 20-40 s a step on an
-    H200); the CPU keeps eight rungs per octave (a padded row costs its compute there)."""
-    model = load_model(checkpoints["llava-gqa"], "bfloat16")
-    ladders = {p: ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=2048, prefill_chunk=1024,
-                              max_encode_batch=1, dtype=model.dtype, platform=p).buckets.prefill
-               for p in ("cpu", "cuda")}
+    H200) and its KV cache has 512-position segments (fewer cache leaves, scatters and conds);
+    the CPU keeps eight chunk rungs per octave and 128-position segments (it pays for padding
+    and for the cache in use in those steps). Whichever platform the caller's thread is on."""
+    model = load_model(checkpoints[name], "bfloat16")
+    runners = {p: ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=2048, prefill_chunk=1024,
+                              max_encode_batch=1, dtype=model.dtype, platform=p) for p in ("cpu", "cuda")}
+    ladders = {p: r.buckets.prefill for p, r in runners.items()}
     assert ladders["cuda"] == (16, 32, 64, 128, 256, 512, 1024)
     assert len(ladders["cpu"]) == 24 and set(ladders["cuda"]) < set(ladders["cpu"])
+    # full-attention layers' V segments (a sliding layer's ring is one segment on both)
+    cuts = {p: {tuple(v.shape[2] for v in layer["v"]) for layer in r.cache if len(layer["v"]) > 1}
+            for p, r in runners.items()}
+    assert cuts == {"cpu": {(128,) * 8 + (1024,)}, "cuda": {(512, 512, 1024)}}
+    with compiling_for("cuda"):     # the thread's platform does not leak into a CPU runner's cache
+        again = ModelRunner(model.family, model.params, max_num_seqs=2, max_model_len=2048, prefill_chunk=64,
+                            max_encode_batch=1, dtype=model.dtype, platform="cpu")
+    assert {len(layer["v"]) for layer in again.cache} >= {9}

@@ -161,6 +161,10 @@ def test_kv_segments_cut_max_len():
     assert decoder.kv_segments(40) == (40,)
     big = decoder.kv_segments(32768)
     assert big == (128,) * 8 + (1024, 2048, 4096, 8192, 16384) and sum(decoder.kv_segments(5000)) == 5000
+    from mmjax.backend import compiling_for
+    with compiling_for("cuda"):     # GPUs: 512 positions, then doubling (backend.Tuning.kv_segment_ladder)
+        assert decoder.kv_segments(2048) == (512, 512, 1024) and decoder.kv_segments(300) == (300,)
+        assert decoder.kv_segments(32768) == (512, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def _qkv(rng, b, t, h, kvh, hd, s):

@@ -441,10 +441,15 @@ class ModelRunner:
         of a ~2 ms dispatch per batch-1 decode step on CPU)."""
         return {"text": self.params["text"]}
 
+    def _init_cache(self, num_slots: int, sharding=None, max_chunk: int | None = None):
+        """The text model's zero cache, laid out for this runner's platform (the KV segment
+        ladder is the platform's: `backend.Tuning.kv_segment_ladder`)."""
+        with compiling_for(self.tuning.platform):
+            return self.text_model.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype, sharding=sharding,
+                                              max_chunk=max_chunk or self._buckets(num_slots).prefill[-1])
+
     def _cache_shardings(self, num_slots: int):
-        return self.placement.cache_shardings(jax.eval_shape(
-            lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype,
-                                               max_chunk=self._buckets(num_slots).prefill[-1])))
+        return self.placement.cache_shardings(jax.eval_shape(lambda: self._init_cache(num_slots)))
 
     def _buckets(self, num_slots: int) -> Buckets:
         return Buckets.make(prefill_chunk=self.prefill_chunk, max_num_seqs=num_slots,
@@ -486,8 +491,7 @@ class ModelRunner:
         return self.family.encode(params, inputs)
 
     def fresh_cache(self):
-        return self.text_model.init_cache(self.num_slots, self.max_model_len, self.kv_cache_dtype,
-                                          sharding=self.cache_shardings, max_chunk=self.buckets.prefill[-1])
+        return self._init_cache(self.num_slots, self.cache_shardings, self.buckets.prefill[-1])
 
     def fresh_state(self) -> DecodeState:
         return self.placement.place(DecodeState.zeros(self.num_slots, self.vocab_size), "state")
@@ -827,8 +831,7 @@ class ModelRunner:
         if num_slots is None:
             return self.cache, self.state, self.buckets
         buckets = self._buckets(num_slots)
-        shape = jax.eval_shape(lambda: self.text_model.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype,
-                                                                  max_chunk=buckets.prefill[-1]))
+        shape = jax.eval_shape(lambda: self._init_cache(num_slots, max_chunk=buckets.prefill[-1]))
         shardings = self._cache_shardings(num_slots)
         with_sharding = (lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)) if shardings is not None \
             else (lambda x, sh: x)

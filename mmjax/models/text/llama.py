@@ -3,7 +3,7 @@ QK-norm, interleaved M-RoPE, DeepStack image features, sparse-MoE feed-forward l
 explicit slot KV cache: the first implementation of the `mmjax.models.text.TextModel` protocol.
 
 KV cache: a list with one {"k", "v"} dict per layer; each holds the sequence axis cut into
-segments (`kv_segments`: 128 positions each up to 1024, then doubling), K
+segments (`kv_segments`: on the CPU 128 positions each up to 1024, then doubling), K
 `[slots, kv_heads, head_dim, segment_len]` and V `[slots, kv_heads, segment_len, head_dim]`.
 Attention takes `kv_len`, a traced count of the cache positions in use, and skips (`lax.cond`)
 every segment from kv_len on: one compiled step serves every sequence length and pays for the
@@ -137,11 +137,17 @@ def load_params(src: TensorSource, cfg: LlamaConfig, prefix: str, lm_head_name: 
             "lm_head": lm_head}
 
 
-def kv_segments(max_len: int, segment: int = KV_SEGMENT, fine: int = 8) -> tuple[int, ...]:
+def kv_segments(max_len: int, segment: int | None = None, fine: int | None = None) -> tuple[int, ...]:
     """Segment lengths cutting [0, max_len): `fine` segments of `segment` positions (the
     granularity decode pays in up to fine * segment), then each one as long as all before it,
     the last cut at max_len. The count grows with log(max_len): every segment costs a scatter
-    and a cond per layer and step (32k positions: 13 segments)."""
+    and a cond per layer and step (32k positions: 13 segments). segment / fine default to the
+    platform's (`backend.Tuning.kv_segment_ladder`: 128 x 8 on the CPU, 512 x 1 on GPUs) being
+    compiled for (`backend.current_platform`: the runner builds its cache in `compiling_for`)."""
+    if segment is None or fine is None:
+        from mmjax.backend import tuning
+        default_segment, default_fine = tuning().kv_segment_ladder
+        segment, fine = segment or default_segment, fine or default_fine
     out, total = [], 0
     while total < max_len:
         n = min(segment if len(out) < fine else total, max_len - total)
@@ -151,7 +157,7 @@ def kv_segments(max_len: int, segment: int = KV_SEGMENT, fine: int = 8) -> tuple
 
 
 def init_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype,
-                  segment: int = KV_SEGMENT) -> KVCache:
+                  segment: int | None = None) -> KVCache:
     """Zero cache of `num_slots` rows, `max_len` positions cut into `kv_segments(max_len, segment)`:
     K segments [slots, kv_heads, head_dim, len] (transposed), V segments [slots, kv_heads, len,
     head_dim]; see `cache_attention` for why. An int8 / fp8 `dtype` adds per-(token, KV head)
