@@ -326,7 +326,7 @@ def test_gpu_bench_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     r = _last_json(out.stdout)
     assert json.loads(partial.read_text()) == r and "errors" not in r and "not_run" not in r
-    assert r["smoke"] and _finite(r["copy_bw_bytes_s"])
+    assert r["smoke"] and _finite(r["copy_bw_bytes_s"]) and _finite(r["read_bw_bytes_s"])
     acc = r["kernel_accuracy"]
     assert [a["kernel"] for a in acc] == ["flash", "flash", "ragged_decode"]
     assert acc[0]["rel_err"] < 1e-5 and acc[1]["rel_err"] < 2e-2 and acc[2]["within_test_tolerance"]
