@@ -159,6 +159,16 @@ def test_gpu_runner_ladders(checkpoints, name):
     cuts = {p: {tuple(v.shape[2] for v in layer["v"]) for layer in r.cache if len(layer["v"]) > 1}
             for p, r in runners.items()}
     assert cuts == {"cpu": {(128,) * 8 + (1024,)}, "cuda": {(512, 512, 1024)}}
+    # the multi-segment GPU decode step lowers, one ragged kernel per self-attention layer
+    # (the exports above use 256 positions: one GPU segment)
+    name_, fn, args, kw = next(x for x in runners["cuda"].step_signatures() if x[0].startswith("decode"))
+    with compiling_for("cuda"):
+        mlir = jax.export.export(fn, platforms=("cuda",), disabled_checks=[TRITON])(*args, **kw).mlir_module()
+    # at most one call per attention layer (per segment would be 3x the segmented caches), at least
+    # one per segmented cache (Gemma 3's ring layers take XLA; Gemma 4's later layers share caches)
+    segmented = sum(len(layer["v"]) > 1 for layer in runners["cuda"].cache)
+    calls = mlir.count("__gpu$xla.gpu.triton")
+    assert 0 < segmented <= calls <= runners["cuda"].text_model.num_layers, (name_, segmented, calls)
     with compiling_for("cuda"):     # the thread's platform does not leak into a CPU runner's cache
         again = ModelRunner(model.family, model.params, max_num_seqs=2, max_model_len=2048, prefill_chunk=64,
                             max_encode_batch=1, dtype=model.dtype, platform="cpu")
