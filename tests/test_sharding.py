@@ -16,6 +16,17 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _kv_segments_at(platform: str, positions: int = 256) -> int:
+    """KV cache segments of one layer at the workers' 256 positions (backend.Tuning.kv_segment_ladder)."""
+    from mmjax.backend import compiling_for
+    from mmjax.models.text.llama import kv_segments
+    with compiling_for(platform):
+        return len(kv_segments(positions))
+
+
+SEG_CPU, SEG_GPU = _kv_segments_at("cpu"), _kv_segments_at("cuda")     # 2 and 1
 EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=2)
 
 
@@ -120,10 +131,11 @@ def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
     assert {k.split(",")[0].rstrip("]") for k in w["export"]} == {"prefill[64", "decode[4"}, w["export"]
     for step, s in w["export"].items():
         assert s["platforms"] == ["cuda"] and s["nr_devices"] == 2 and s["s8_dot"], (step, s)
-        # the sharded int8 weights and scales, and k / v (2 segments at 256 positions) in and out
-        assert s["model_sharded_args"] == 6 * layers + 3 + 2 * (2 * layers * 2), (step, s)
+        # the sharded int8 weights and scales, and k / v (the GPU ladder's segments at 256
+        # positions) in and out
+        assert s["model_sharded_args"] == 6 * layers + 3 + 2 * (2 * layers * SEG_GPU), (step, s)
     s = w["export_fp8"]["decode[4]"]     # fp8 weights: the same layout, e4m3 x e4m3 -> f32 dots
-    assert s["nr_devices"] == 2 and s["f8_dot"] and s["model_sharded_args"] == 6 * layers + 3 + 16, s
+    assert s["nr_devices"] == 2 and s["f8_dot"] and s["model_sharded_args"] == 6 * layers + 3 + 2 * (2 * layers * SEG_GPU), s
 
 
 @pytest.mark.slow
@@ -138,7 +150,7 @@ def test_sharded_steps_lower_for_cuda(tp_checkpoints):
         for step, s in steps.items():
             assert s["platforms"] == ["cuda"] and s["nr_devices"] == 8, (fam, step)
             if step == "copy_slot":       # the KV cache in and out, sharded over "model"; no matmul
-                assert s["model_sharded_args"] == 2 * 2 * 2 * 2, (fam, s)
+                assert s["model_sharded_args"] == 2 * 2 * 2 * SEG_GPU, (fam, s)
                 continue
             assert s["bf16_dot"], (fam, step)
             # SPMD cannot split a Pallas custom call: a sharded step keeps XLA's attention
@@ -148,7 +160,7 @@ def test_sharded_steps_lower_for_cuda(tp_checkpoints):
             if not step.startswith("encode"):
                 n_layers = 2
                 weights = 4 * n_layers + 2 + (n_layers if fam == "qwen2_5_vl" else 0)
-                cache = 2 * n_layers * 2               # k and v per layer, 2 segments at 256 positions
+                cache = 2 * n_layers * SEG_GPU         # k and v per layer, in the GPU ladder's segments
                 # counted over main's signature: the cache is an argument and a result
                 assert s["model_sharded_args"] == weights + 2 * cache, (fam, step, s)
 
@@ -206,9 +218,10 @@ def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
     # per-layer matmul weights (Gemma 3: qkv, o, gate_up, down; Gemma 4: q, o, gate_up, down in
     # 5 layers + kv in the 3 layers owning K/V), embed, lm_head (+ Gemma 4's per-layer embedding)
     weights = {"gemma3": 4 * 5 + 2, "gemma4": 4 * 5 + 3 + 3}
-    # Gemma 3: 3 sliding layers' K/V rings + 2 full layers' K/V in 2 segments (256 positions);
-    # Gemma 4: 3 cache-owning layers' K/V in 2 segments
-    cache = {"gemma3": 3 * 2 + 2 * 2 * 2, "gemma4": 3 * 2 * 2}
+    # Gemma 3: 3 sliding layers' K/V rings + 2 full layers' K/V in segments (256 positions: 2 on
+    # the CPU, 1 in the GPU ladder the CUDA exports use); Gemma 4: 3 cache-owning layers' K/V
+    cache = {"gemma3": 3 * 2 + 2 * 2 * SEG_CPU, "gemma4": 3 * 2 * SEG_CPU}
+    cache_gpu = {"gemma3": 3 * 2 + 2 * 2 * SEG_GPU, "gemma4": 3 * 2 * SEG_GPU}
     for fam in ("gemma3", "gemma4"):
         by_mesh = res[fam]
         assert set(by_mesh) == {"ids_1dev", "tp2", "tp4"}, fam
@@ -233,11 +246,11 @@ def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
         for step, s in out["export"][fam].items():
             assert s["platforms"] == ["cuda"] and s["nr_devices"] == 4, (fam, step)
             if step == "copy_slot":             # n > 1 cache-row copy: the cache in and out, no matmul
-                assert s["model_sharded_args"] == 2 * cache[fam], (fam, step, s)
+                assert s["model_sharded_args"] == 2 * cache_gpu[fam], (fam, step, s)
                 continue
             assert s["bf16_dot"], (fam, step)
             if not step.startswith("encode"):   # cache: an argument and a result (256 positions)
-                assert s["model_sharded_args"] == weights[fam] + 2 * cache[fam], (fam, step, s)
+                assert s["model_sharded_args"] == weights[fam] + 2 * cache_gpu[fam], (fam, step, s)
 
 
 def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
