@@ -87,8 +87,8 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
             continue
         if step.startswith("decode"):   # decode attention: the ragged Pallas kernel on GPUs, except
             # for head_dim 12 (llava-mha), no Triton tile: the XLA segments there
-            # one kernel per self-attention layer whatever the cache's segment count (H200: a
-            # kernel per segment and layer ran a 24-layer step at 8% of its roofline)
+            # one kernel per self-attention layer whatever the cache's segment count (an H200 step
+            # with a kernel per segment and layer ran at 8% of its roofline)
             calls = exp.mlir_module().count("__gpu$xla.gpu.triton")
             assert (calls > 0) == (name != "llava-mha"), step
             assert calls <= layers, (step, calls, layers)
