@@ -120,7 +120,7 @@ def ttft(vlm, size: int, repeats: int) -> float:
         t0 = time.perf_counter()
         vlm.chat([{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": q}]}], sp)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])        # the first compiles nothing new but warms the caches
+    return statistics.median(times[1:])        # the first compiles the encode / prefill shapes
 
 
 def qwen_4k_encode(smoke: bool, out_dir: str, repeats: int) -> dict:
@@ -179,7 +179,6 @@ def kernel_accuracy(smoke: bool, dtypes: list[str]) -> list[dict]:
     import functools
 
     import jax
-    import pytest
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import test_attention as ta
     import test_kv_cache as tk
@@ -202,7 +201,6 @@ def kernel_accuracy(smoke: bool, dtypes: list[str]) -> list[dict]:
             row["within_test_tolerance"] = False
             row["error"] = str(e)[:400]
         rows.append(row)
-    del pytest
     return rows
 
 
