@@ -262,6 +262,41 @@ def test_incremental_detokenizer_never_splits_utf8(path):
     assert all("\ufffd" not in d for d in deltas)
 
 
+def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch):
+    """The GPU decode path end to end, here with its Pallas kernels interpreted: a runner whose
+    tuning takes the ragged decode kernel (one call per layer over the GPU ladder's 512-position
+    segments: 1024 positions are 2 segments) generates the CPU path's greedy tokens and logprobs
+    under continuous batching: rows of different lengths, decode crossing the segment boundary,
+    rows parked as their requests end while others go on."""
+    from mmjax import backend
+    rng = np.random.default_rng(3)
+    base = mmjax.load(path, max_num_seqs=4, max_model_len=1024, prefill_chunk=128)
+    reqs = []
+    for i, (n_words, n_img, n_new) in enumerate([(250, 1, 40), (3, 0, 9), (80, 2, 25), (20, 1, 3)]):
+        imgs = base.prepare_images([noise_image(500 + 10 * i + j, 40 + 7 * j, 64) for j in range(n_img)])
+        reqs.append((make_prompt(rng, n_words, n_img), imgs, mmjax.SamplingParams(max_tokens=n_new, logprobs=1,
+                                                                                  **GREEDY)))
+    lens = [len(base.tokenizer.encode_prompt(p, [im.num_tokens for im in imgs])) for p, imgs, _ in reqs]
+    assert lens[0] < 512 < lens[0] + 40          # its decode crosses into the second GPU segment
+
+    def generate(vlm):
+        return vlm.engine.run_until_done([vlm.engine.add_request(*r) for r in reqs])
+
+    cpu = generate(base)
+    monkeypatch.setattr(backend.Tuning, "pallas_kernels", property(lambda self: True))
+    monkeypatch.setattr(backend.Tuning, "cpu_kernels", property(lambda self: False))
+    monkeypatch.setattr(backend.Tuning, "kv_segment_ladder", property(lambda self: (512, 1)))
+    gpu = mmjax.load(path, max_num_seqs=4, max_model_len=1024, prefill_chunk=128)
+    assert {tuple(v.shape[2] for v in layer["v"]) for layer in gpu.engine.runner.cache} == {(512, 512)}
+    r = gpu.engine.runner
+    jaxpr = str(r._decode.trace(r.lm_params, r.cache, r.state, np.full(2, 5, np.int32), r.all_allowed(2),
+                                rows=2).jaxpr)
+    assert jaxpr.count("name=mmjax_ragged_decode_attention") == 2      # one per layer (2 layers)
+    for c, g in zip(cpu, generate(gpu)):
+        assert c.token_ids == g.token_ids
+        assert max(abs(x[i] - y[i]) for x, y, i in zip(c.logprobs, g.logprobs, c.token_ids)) <= 1e-4
+
+
 def _decoding_tokenizers():
     """tokenizers.Tokenizer objects with the decoders families use: byte-level BPE (LLaVA / Qwen),
     Llama 2's byte-fallback Metaspace sequence, bare Metaspace (both prepend schemes) and
