@@ -262,15 +262,18 @@ def test_incremental_detokenizer_never_splits_utf8(path):
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch, kv_cache_dtype):
     """The GPU decode path end to end, here with its Pallas kernels interpreted: a runner whose
     tuning takes the ragged decode kernel (one call per layer over the GPU ladder's 512-position
     segments: 1024 positions are 2 segments) generates the CPU path's greedy tokens and logprobs
     under continuous batching: rows of different lengths, decode crossing the segment boundary,
-    rows parked as their requests end while others go on."""
+    rows parked as their requests end while others go on; over an int8 cache too (the kernel
+    applies the per-key scales; the CPU path's kernel does the same with its own arithmetic)."""
     from mmjax import backend
     rng = np.random.default_rng(3)
-    base = mmjax.load(path, max_num_seqs=4, max_model_len=1024, prefill_chunk=128)
+    kw = dict(max_num_seqs=4, max_model_len=1024, prefill_chunk=128, kv_cache_dtype=kv_cache_dtype)
+    base = mmjax.load(path, **kw)
     reqs = []
     for i, (n_words, n_img, n_new) in enumerate([(250, 1, 40), (3, 0, 9), (80, 2, 25), (20, 1, 3)]):
         imgs = base.prepare_images([noise_image(500 + 10 * i + j, 40 + 7 * j, 64) for j in range(n_img)])
@@ -286,7 +289,7 @@ def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch):
     monkeypatch.setattr(backend.Tuning, "pallas_kernels", property(lambda self: True))
     monkeypatch.setattr(backend.Tuning, "cpu_kernels", property(lambda self: False))
     monkeypatch.setattr(backend.Tuning, "kv_segment_ladder", property(lambda self: (512, 1)))
-    gpu = mmjax.load(path, max_num_seqs=4, max_model_len=1024, prefill_chunk=128)
+    gpu = mmjax.load(path, **kw)
     assert {tuple(v.shape[2] for v in layer["v"]) for layer in gpu.engine.runner.cache} == {(512, 512)}
     r = gpu.engine.runner
     jaxpr = str(r._decode.trace(r.lm_params, r.cache, r.state, np.full(2, 5, np.int32), r.all_allowed(2),
