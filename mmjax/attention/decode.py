@@ -9,13 +9,14 @@ so a short row costs its own length, a segment past a row's end costs an empty l
 syncs with the host.
 
 One call covers every segment of a layer (the kernel walks them in order with one running
-softmax), so a decode step launches one kernel per layer: per segment, an H200 step launched
-216 kernels plus their merges for 24 layers x 9 segments and took 9.3 ms at batch 1 against a
-0.8 ms weight-streaming floor (benchmarks/README.md, "GPU path"). It returns the partial the
-XLA path computes (running max, sum of exponentials, weighted sum of V, all float32). The cache layout is the engine's: K transposed [slots, kv_heads, head_dim, len] and
+softmax), so a decode step launches one kernel per layer. With a kernel per segment, an H200
+step launched 216 of them plus their merges (24 layers x 9 segments) and took 9.3 ms at batch
+1 against a 0.8 ms weight-streaming floor (benchmarks/README.md, "GPU path"). It returns the
+partial the XLA path computes (running max, sum of exponentials, weighted sum of V, all
+float32). The cache layout is the engine's: K transposed [slots, kv_heads, head_dim, len] and
 V [slots, kv_heads, len, head_dim] (int8 / fp8 with per-(token, head) scales [slots, kv_heads,
-len] too, applied to scores and weights inside the kernel); rows [0, b) are read in place (no gather, no padding copy of
-the cache: out-of-segment key columns are masked loads). Triton needs power-of-two tiles, so the
+len] too, applied to scores and weights inside the kernel); rows [0, b) are read in place (no
+gather, no padding copy of the cache: out-of-segment key columns are masked loads). Triton needs power-of-two tiles, so the
 kernel applies to head_dim in {16, 32, 64, 128, 256} (`supported`); queries are padded to 16
 rows (a decode group is 1-16 queries).
 """
