@@ -118,6 +118,13 @@ def run_hf(hf, requests, new_tokens: int):
     return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "ttft": ttfts, "latency": latencies}
 
 
+def hf_batch_inputs(proc, requests, device):
+    """The processor's tensors for (image, question) requests as one left-padded batch (decoder-
+    only models pad on the left), on `device`."""
+    return proc(text=[_hf_prompt(proc, q) for _, q in requests], images=[img for img, _ in requests],
+                return_tensors="pt", padding=True, padding_side="left").to(device)
+
+
 def run_hf_batched(hf, requests, new_tokens: int):
     """transformers, every request in one left-padded batch through one `generate` call (what a
     transformers user does with a list of prompts): preprocessing of the whole batch included;
@@ -125,8 +132,7 @@ def run_hf_batched(hf, requests, new_tokens: int):
     import torch
     model, proc = hf
     t0 = time.perf_counter()
-    inputs = proc(text=[_hf_prompt(proc, q) for _, q in requests], images=[img for img, _ in requests],
-                  return_tensors="pt", padding=True, padding_side="left").to(model.device)  # decoder-only: pad left
+    inputs = hf_batch_inputs(proc, requests, model.device)
     stamps = _Stamps()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=3, streamer=stamps)

@@ -216,7 +216,7 @@ def hf_peer(path: str, smoke: bool, batches: list[int], concurrency: list[int], 
     the engine's workload as a transformers user runs it (the 2c requests as two padded batches
     of c through `generate`)."""
     import torch
-    from benchmarks.engine import _hf_prompt, make_requests, run_hf_batched
+    from benchmarks.engine import hf_batch_inputs, make_requests, run_hf_batched
     from transformers import AutoProcessor, LlavaForConditionalGeneration
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -229,8 +229,7 @@ def hf_peer(path: str, smoke: bool, batches: list[int], concurrency: list[int], 
             torch.cuda.synchronize()
 
     def generate(reqs, n):
-        inputs = proc(text=[_hf_prompt(proc, q) for _, q in reqs], images=[img for img, _ in reqs],
-                      return_tensors="pt", padding=True, padding_side="left").to(device)
+        inputs = hf_batch_inputs(proc, reqs, device)
         sync()
         t0 = time.perf_counter()
         with torch.inference_mode():

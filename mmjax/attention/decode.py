@@ -16,9 +16,9 @@ partial the XLA path computes (running max, sum of exponentials, weighted sum of
 float32). The cache layout is the engine's: K transposed [slots, kv_heads, head_dim, len] and
 V [slots, kv_heads, len, head_dim] (int8 / fp8 with per-(token, head) scales [slots, kv_heads,
 len] too, applied to scores and weights inside the kernel); rows [0, b) are read in place (no
-gather, no padding copy of the cache: out-of-segment key columns are masked loads). Triton needs power-of-two tiles, so the
-kernel applies to head_dim in {16, 32, 64, 128, 256} (`supported`); queries are padded to 16
-rows (a decode group is 1-16 queries).
+gather, no padding copy of the cache: out-of-segment key columns are masked loads). Triton needs
+power-of-two tiles, so the kernel applies to head_dim in {16, 32, 64, 128, 256} (`supported`);
+queries are padded to 16 rows (a decode group is 1-16 queries).
 """
 from __future__ import annotations
 
@@ -31,12 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 _LOG2E = math.log2(math.e)
-# float32 operands: Triton's dot runs them as TF32, JAX's own default precision for f32 dots on
-# Ampere / Hopper GPUs (lax.Precision.DEFAULT). Measured on an H200 (`mmjax bench gpu`, accuracy
-# section): 2e-4..7e-4 from the float64 oracle, where the CPU tests bound f32 at 1e-5. IEEE
-# products (precision=HIGHEST) were tried there (jax 0.11.2): the first flash compile, a 16x16
-# tile at head_dim 64, did not finish in the ~280 s the lease had left (XLA's slow-compile alarm
-# fired), so the kernels keep the default. Parity at f32 is a CPU matter (the tests run there).
+# float32 operands: TF32 products, as in flash.py (see there: measured on an H200, and why)
 _MIN_TILE = 16
 
 
