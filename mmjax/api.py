@@ -100,12 +100,17 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
     hf_cfg = json.loads((path / "config.json").read_text())
     family, np_params = load_family(path, hf_cfg)
     params = cast_params(np_params, DTYPES[dtype], on_device=on_device)
+    # int8 weights on a CPU host are packed for mmjax's matmul kernel once, here, so the model
+    # and its runner share one copy (a runner for another platform or a mesh unpacks its own)
+    from mmjax import quant
+    packed = on_device and params_dir is None and quant.cpu_packs_int8()
     if quantize is not None:
-        from mmjax.quant import quantize_params
-        params = quantize_params(params, quantize, quantize_group_size, on_device=on_device)
+        params = quant.quantize_params(params, quantize, quantize_group_size, on_device=on_device, packed=packed)
     if params_dir is not None:
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
+        if on_device and quant.cpu_packs_int8():
+            params = quant.with_packing(params, True)
     tokenizer = Tokenizer(path, image_token=family.image_token, video_token=family.video_token)
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -154,8 +159,8 @@ class VLM:
     def save_params(self, directory: str | os.PathLike) -> Path:
         """Write the converted params with orbax; reload with `mmjax.load(path, params_dir=...)`."""
         from mmjax.checkpoint import save_params
-        from mmjax.quant import write_quantization
-        out = save_params(self.params, directory)
+        from mmjax.quant import with_packing, write_quantization
+        out = save_params(with_packing(self.params, False), directory)   # the portable [in, out] layout
         write_quantization(out, self.model.quantize, self.model.quantize_group_size)
         return out
 

@@ -49,18 +49,26 @@ class QArray:
     q: int8 or float8_e4m3fn [in, out]; scale: float32 [groups, out] (groups = in / group_size,
     1 for per-channel); dtype: the float dtype the model computes in (what `w.dtype` reported
     before quantization, so code that casts inputs to a weight's dtype keeps working). A stack
-    of MoE expert weights is q [experts, in, out], scale [experts, 1, out]; `w[j]` is expert j."""
+    of MoE expert weights is q [experts, in, out], scale [experts, 1, out]; `w[j]` is expert j.
+    On the CPU an int8 [in, out] weight is kept packed for mmjax's matmul kernel (`pack`): q is
+    then uint8 [ceil(out / 64), in / 4, 64, 4] and `shape` still reports [in, out]."""
     q: jax.Array
     scale: jax.Array
     dtype: Any = field(metadata=dict(static=True), default=np.dtype(np.float32))
 
     @property
+    def packed(self) -> bool:
+        return self.q.dtype == jnp.uint8
+
+    @property
     def shape(self) -> tuple[int, ...]:
+        if self.packed:
+            return (4 * self.q.shape[1], self.scale.shape[-1])
         return tuple(self.q.shape)
 
     @property
     def ndim(self) -> int:
-        return len(self.q.shape)
+        return len(self.shape)
 
     def __getitem__(self, j) -> "QArray":
         """Expert j of a stacked [experts, in, out] weight."""
@@ -68,15 +76,16 @@ class QArray:
 
     @property
     def kind(self) -> str:
-        return "int8" if self.q.dtype == jnp.int8 else "fp8"
+        return "fp8" if self.q.dtype == jnp.float8_e4m3fn else "int8"
 
 
 def quantize_weight(w, kind: str = "int8", group_size: int | None = None, dtype=None,
-                    on_device: bool = True) -> QArray:
+                    on_device: bool = True, packed: bool = False) -> QArray:
     """w [in, out] float -> QArray with symmetric scales per output channel (and per group of
     `group_size` input rows): scale = amax / qmax, q = round(w / scale). Computed in numpy on
     the host (no per-shape compiles), the result placed where jnp puts it (the default device),
-    or left as host numpy arrays with on_device=False (placed over a mesh later)."""
+    or left as host numpy arrays with on_device=False (placed over a mesh later). packed: an int8
+    [in, out] weight is stored packed for the CPU kernel where its shape allows (`pack`)."""
     import ml_dtypes
     if kind not in KINDS:
         raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
@@ -95,7 +104,10 @@ def quantize_weight(w, kind: str = "int8", group_size: int | None = None, dtype=
     q = (np.clip(np.rint(x), -127, 127).astype(np.int8) if kind == "int8"
          else x.astype(ml_dtypes.float8_e4m3fn))
     q = q.reshape(d_in, d_out)
-    return QArray(jnp.asarray(q), jnp.asarray(scale), dtype) if on_device else QArray(q, scale, dtype)
+    out = QArray(q, scale, dtype)
+    if packed:
+        out = pack(out)
+    return QArray(jnp.asarray(out.q), jnp.asarray(scale), dtype) if on_device else out
 
 
 def map_columns(fn, w):
@@ -110,6 +122,49 @@ def as_2d(w: QArray) -> QArray:
     cols], scale [g, groups * cols] (a reshape of the major axes: sharding-preserving)."""
     d_in, g, c = w.shape
     return QArray(w.q.reshape(d_in, g * c), w.scale.reshape(w.scale.shape[0], g * c), w.dtype)
+
+
+def packable(w) -> bool:
+    """Can `pack` take w: an int8 [in, out] QArray whose groups span whole quads of rows."""
+    return (isinstance(w, QArray) and w.q.dtype == jnp.int8 and w.q.ndim == 2
+            and w.q.shape[0] % (4 * w.scale.shape[0]) == 0)
+
+
+def pack(w: QArray) -> QArray:
+    """An int8 [in, out] weight -> the same weight packed for the CPU matmul kernel
+    (`mmjax.kernels.cpu_gemv.pack_s8`: each 64-column panel one contiguous run, four rows per
+    column adjacent); computed in numpy, on the host. Already packed or not packable: w as is."""
+    from mmjax.kernels.cpu_gemv import pack_s8
+    if not packable(w):
+        return w
+    q = pack_s8(np.asarray(w.q))
+    return QArray(q if isinstance(w.q, np.ndarray) else jnp.asarray(q), w.scale, w.dtype)
+
+
+def unpack(w: QArray) -> QArray:
+    """A packed weight -> int8 [in, out] (jnp ops: also inside a traced step, where a packed
+    weight meets a path without the CPU kernel, e.g. lowered for CUDA). Others: w as is."""
+    if not (isinstance(w, QArray) and w.packed):
+        return w
+    d_in, d_out = w.shape
+    xp = np if isinstance(w.q, np.ndarray) else jnp
+    q = (w.q ^ xp.uint8(0x80)).view(xp.int8) if xp is np else jax.lax.bitcast_convert_type(w.q ^ jnp.uint8(0x80), jnp.int8)
+    q = q.transpose(1, 3, 0, 2).reshape(d_in, -1)[:, :d_out]
+    return QArray(q, w.scale, w.dtype)
+
+
+def cpu_packs_int8() -> bool:
+    """Are int8 weights kept packed here: the default backend is the CPU and the kernel builds."""
+    from mmjax.kernels import cpu_gemv
+    return jax.default_backend() == "cpu" and cpu_gemv.available()
+
+
+def with_packing(params, packed: bool):
+    """params with every packable int8 weight packed (packed=True) or every packed one unpacked:
+    the layout the compiled steps of a runner read (packed only where the CPU kernel runs)."""
+    fn = pack if packed else unpack
+    return jax.tree.map(lambda x: fn(x) if isinstance(x, QArray) else x, params,
+                        is_leaf=lambda x: isinstance(x, QArray))
 
 
 def _groups(d_in: int, group_size: int | None) -> int:
@@ -151,12 +206,21 @@ def qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
     kind = w.kind
     g = w.scale.shape[0]
     d_in, d_out = w.shape
+    if w.packed and not cpu_gemv.enabled():
+        w = unpack(w)
     xq, xs = _quantize_acts(x, kind, g)
     acc_t = jnp.int32 if kind == "int8" else jnp.float32
     k = d_in // g
     # a few rows on the CPU: mmjax's kernel gives every group's exact s32 dot in one pass over
     # the weight (the same integers as the dots below, so the same result bit for bit)
-    accs = cpu_gemv.gemv_s8(xq.reshape(*x.shape[:-1], d_in), w.q, g) if cpu_gemv.covers(x, w) else None
+    # (any number of rows when the weight is packed: the kernel beats XLA's s8 dot at prefill and
+    # encode sizes too)
+    if w.packed:
+        accs = cpu_gemv.gemv_s8p(xq.reshape(*x.shape[:-1], d_in), w.q, d_out, g)
+    elif cpu_gemv.covers(x, w):
+        accs = cpu_gemv.gemv_s8(xq.reshape(*x.shape[:-1], d_in), w.q, g)
+    else:
+        accs = None
     y = None
     # groups: one 2-D dot per contiguous row block of the weight (a batched [g, k, out] dot
     # makes XLA:CPU copy / convert the weight every step; row slices of it are free views)
@@ -187,16 +251,18 @@ def _wanted(path, leaf) -> bool:
     return getattr(leaf, "ndim", 0) == 2 and (keys[-1] == "w" or keys[-1] in _BARE)
 
 
-def quantize_params(params, kind: str, group_size: int | None = None, on_device: bool = True):
+def quantize_params(params, kind: str, group_size: int | None = None, on_device: bool = True,
+                    packed: bool = False):
     """Loaded params -> the same pytree with every linear-layer weight a QArray (see `_wanted`);
     applied after loading, like gpt-fast's quantize step. on_device=False: host numpy QArrays
-    (for placement over a mesh: `mmjax.sharding` shards them like their float weights)."""
+    (for placement over a mesh: `mmjax.sharding` shards them like their float weights).
+    packed: int8 weights packed for the CPU kernel (`pack`)."""
     if kind not in KINDS:
         raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
     def one(path, x):
         if not _wanted(path, x):
             return x
-        return quantize_weight(x, kind, None if x.ndim == 3 else group_size, on_device=on_device)
+        return quantize_weight(x, kind, None if x.ndim == 3 else group_size, on_device=on_device, packed=packed)
     return jax.tree_util.tree_map_with_path(one, params)
 
 

@@ -6,9 +6,11 @@ issues 25 and 28):
   for bit whatever rows are beside it, at 1 and 16 rows, odd K / N (not multiples of the
   kernel's tiles), groups whose size is not a multiple of 4, inside jit / lax.scan / lax.cond /
   vmap; on the AVX-512 path and the plain C++ one;
-* wired in: layers.matmul / quant.qmatmul take it for few rows on the CPU, with int8 results
-  identical bit for bit to XLA's s8 dots (per channel and grouped), and never when tracing for
-  CUDA or inside a step sharded over a mesh; no compiler: one warning, XLA's dots.
+* the packed int8 layout (`pack_s8`, a CPU runner's int8 weights) at any number of rows, exact;
+* wired in: layers.matmul / quant.qmatmul take it for few rows on the CPU (packed int8: any
+  rows), with int8 results identical bit for bit to XLA's s8 dots (per channel and grouped), and
+  never when tracing for CUDA or inside a step sharded over a mesh (a packed weight is unpacked
+  in the step there); no compiler: one warning, XLA's dots.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from conftest import rel_err
 from mmjax.backend import compiling_for, cpu_kernels, tuning
 from mmjax.kernels import cpu_gemv, cpu_library
 from mmjax.models.layers import matmul
+from mmjax import quant
 from mmjax.quant import quantize_weight
 
 
@@ -77,6 +80,21 @@ def test_kernel_equals_reference(generic):
         # extreme values: sums beyond 2^24 (where f32 accumulation would round) stay exact
         xq, wq = jnp.full((2, 4099), -127, jnp.int8), jnp.full((4099, 67), -127, jnp.int8)
         np.testing.assert_array_equal(np.asarray(s8(xq, wq, 1)), _s8_want(xq, wq, 1))
+        # the packed int8 layout (mmjax_gemv_s8p, what a CPU runner's int8 weights are): any
+        # number of rows (decode, prefill and encode sizes: register blocks of 6 rows and a
+        # remainder), N cut inside a 64-column panel, groups, panels split over threads
+        s8p = jax.jit(cpu_gemv.gemv_s8p, static_argnums=(2, 3))
+        for m, k, n, g in ((1, 4, 1, 1), (1, 1024, 1000, 1), (7, 96, 70, 3), (16, 2048, 129, 2),
+                           (37, 256, 640, 4), (3, 1000, 8300, 2), (13, 64, 64, 1)):
+            xq, wq = _s8(rng, m, k), _s8(rng, k, n)
+            wp = cpu_gemv.pack_s8(wq)
+            assert wp.dtype == np.uint8 and wp.shape == (-(-n // 64), k // 4, 64, 4)
+            got = np.asarray(s8p(xq, jnp.asarray(wp), n, g))
+            np.testing.assert_array_equal(got, _s8_want(xq, wq, g))
+            np.testing.assert_array_equal(np.asarray(s8p(xq[m - 1:], jnp.asarray(wp), n, g)), got[m - 1:])
+        xq, wq = jnp.full((2, 4100), -127, jnp.int8), jnp.full((4100, 67), -127, jnp.int8)
+        np.testing.assert_array_equal(np.asarray(s8p(xq, jnp.asarray(cpu_gemv.pack_s8(wq)), 67, 1)),
+                                      _s8_want(xq, wq, 1))
     finally:
         cpu_gemv.set_generic(False)
 
@@ -116,6 +134,19 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
             assert ("mmjax_gemv_s8" in text) == taken
             with cpu_kernels(False):
                 want, text = run(x, w)
+            assert "mmjax_gemv" not in text
+            np.testing.assert_array_equal(got, want)
+            # packed (what mmjax.load gives on a CPU host): the kernel at any number of rows,
+            # the same bits; where the kernel is off, the weight is unpacked inside the step
+            wp = quant.pack(w)
+            assert wp.packed and wp.shape == w.shape and quant.pack(wp) is wp
+            np.testing.assert_array_equal(quant.unpack(wp).q, w.q)
+            np.testing.assert_array_equal(jax.jit(quant.unpack)(wp).q, w.q)
+            got, text = run(x, wp)
+            assert "mmjax_gemv_s8p" in text
+            np.testing.assert_array_equal(got, want)
+            with cpu_kernels(False):
+                got, text = run(x, wp)
             assert "mmjax_gemv" not in text
             np.testing.assert_array_equal(got, want)
         xb = x.astype(jnp.bfloat16)

@@ -15,9 +15,11 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
+from unittest.mock import patch
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ import mmjax
 from conftest import noise_image, rel_err
 from hlo_dots import bf16_dot_violations, dots, elem
 from mmjax.api import load_model
+from mmjax import quant
 from mmjax.quant import QArray, quantize_weight
 from mmjax.serving.runner import ModelRunner
 
@@ -87,14 +90,30 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     model = load_model(llava_dirs["gqa"], "float32", quantize="int8")
     qs = [x for x in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QArray)) if isinstance(x, QArray)]
     assert len(qs) == 2 * 6 + 2 + 2 * 4 + 1          # ViT q/k/v/o/fc1/fc2, projector, LM qkv/o/gate_up/down, head
-    assert all(q.q.dtype == jnp.int8 and q.scale.dtype == jnp.float32 for q in qs)
+    # loaded on a CPU host, int8 weights are packed for mmjax's kernel (mmjax.quant.pack):
+    # uint8 [ceil(out / 64), in / 4, 64, 4] panels, the same bytes (+ 128) in another order
+    assert all(q.packed and q.q.ndim == 4 and q.q.shape[2:] == (64, 4) and q.scale.dtype == jnp.float32 for q in qs)
     shapes = {q.shape for q in qs} | {q.shape[::-1] for q in qs}
     for name, hlo in _compiled(_runner(model), "encode(1, 32, 32, 3)", "decode[1]", "decode[2]").items():
         s8 = [ln for ln in hlo.splitlines() if re.search(r"= s32\[[\d,]+\]\{[\d,]*\} dot\(", ln)]
-        # few rows (decode, the tiny projector's 16 tokens) take mmjax's CPU kernel
-        # (mmjax.kernels.cpu_gemv): s8 operands, s32 result
+        # every int8 matmul, at any number of rows, is mmjax's CPU kernel over the packed weight
+        # (mmjax.kernels.cpu_gemv.gemv_s8p): s8 activations, u8 panels, s32 result
+        kernel = [ln for ln in hlo.splitlines() if 'custom_call_target="mmjax_gemv_s8p"' in ln]
+        assert all(re.search(r"= s32\[[\d,]+\]\{[\d,]*\} custom-call\(", ln) and
+                   re.search(r"operand_layout_constraints=\{s8\[[\d,]+\]\{[\d,]*\}, u8\[", ln) for ln in kernel), name
+        assert s8 == [] and len(kernel) >= (14 if name.startswith("encode") else 9), (name, len(s8), len(kernel))
+        # nor an unpacked copy of a weight (int8 [in, out]) or a converted one
+        assert _wide_copies(hlo, shapes, ("f32", "f16", "s32", "bf16", "s8")) == [], name
+    # int8 weights the packing does not take (mmjax.quant.packable: groups of whole row quads)
+    # stay [in, out]: few rows take the row-major kernel (mmjax_gemv_s8), more XLA's s8 dot
+    with patch.object(quant, "packable", lambda w: False):
+        flat = _runner(dataclasses.replace(model, params=quant.with_packing(model.params, False)))
+        compiled = _compiled(flat, "encode(1, 32, 32, 3)", "decode[1]", "decode[2]")
+    assert not any(q.packed for q in jax.tree.leaves(flat.params, is_leaf=lambda x: isinstance(x, QArray))
+                   if isinstance(q, QArray))
+    for name, hlo in compiled.items():
+        s8 = [ln for ln in hlo.splitlines() if re.search(r"= s32\[[\d,]+\]\{[\d,]*\} dot\(", ln)]
         kernel = [ln for ln in hlo.splitlines() if 'custom_call_target="mmjax_gemv_s8"' in ln]
-        assert all(re.search(r"= s32\[[\d,]+\]\{[\d,]*\} custom-call\(", ln) for ln in kernel), name
         assert len(s8) + len(kernel) >= (14 if name.startswith("encode") else 9), (name, len(s8), len(kernel))
         assert name.startswith("encode") or len(kernel) >= 9, (name, len(kernel))
         assert _wide_copies(hlo, shapes) == [], name
@@ -194,7 +213,7 @@ def test_quality_vs_float32_and_int8_convert_roundtrip(llava_dirs, tmp_path):
     out_dir = tmp_path / "int8"
     assert main(["convert", "--model", str(path), "--out", str(out_dir), "--quantize", "int8"]) == 0
     back = mmjax.load(path, params_dir=out_dir, **kw)
-    assert isinstance(back.params["text"]["lm_head"], QArray) and back.params["text"]["lm_head"].q.dtype == jnp.int8
+    assert isinstance(back.params["text"]["lm_head"], QArray) and back.params["text"]["lm_head"].kind == "int8"
     np.testing.assert_array_equal(np.asarray(back.logits(TEXT, [img])), int8_logits)
 
 

@@ -359,6 +359,67 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
     }
   }
 }
+
+// Packed int8 (mmjax_gemv_s8p): the weight re-laid at load as u8 [P, Q, 64, 4]: panel p holds
+// columns 64p .. 64p + 63, quad q rows 4q .. 4q + 3, each column's four bytes adjacent, stored
+// as w ^ 0x80 (w + 128, unsigned for vpdpbusd). One panel is one contiguous run of 64 * K bytes,
+// so a thread streams its panels front to back (no short rows, no interleaving shuffles), and
+// the four 64-byte vectors of a quad are the four vpdpbusd operands as they are: lane j of
+// vector i is column 16i + j. Rows in register passes of up to 6 (24 accumulators); a panel
+// re-read by a later pass comes from L2 (<= 64 * K bytes).
+template <int MG>
+MMJAX_AVX512 void S8PBlock(const uint32_t* xw, int64_t ldx, int64_t q0, int64_t q1, const uint8_t* panel,
+                           const int32_t* xsum, int32_t* out, int64_t ldo, int64_t cols) {
+  __m512i a[MG][4];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_si512();
+  const uint8_t* r = panel + q0 * 256;
+  for (int64_t q = q0; q < q1; ++q, r += 256) {
+    const __m512i w0 = _mm512_loadu_si512(r), w1 = _mm512_loadu_si512(r + 64);
+    const __m512i w2 = _mm512_loadu_si512(r + 128), w3 = _mm512_loadu_si512(r + 192);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xw[m * ldx + q]));
+      a[m][0] = _mm512_dpbusd_epi32(a[m][0], w0, xb);
+      a[m][1] = _mm512_dpbusd_epi32(a[m][1], w1, xb);
+      a[m][2] = _mm512_dpbusd_epi32(a[m][2], w2, xb);
+      a[m][3] = _mm512_dpbusd_epi32(a[m][3], w3, xb);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+    const __m512i off = _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(xsum[m]) * 128u));
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i)
+      _mm512_mask_storeu_epi32(out + m * ldo + 16 * i, Mask16(cols - 16 * i), _mm512_sub_epi32(a[m][i], off));
+  }
+}
+
+// panels [pa, pb) of y[M, G, N] (int8 packed): xw [M, G * Qg] quads of x, xsum [M, G]
+MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, int64_t M, int64_t G, int64_t Qg, int64_t N,
+                           const uint8_t* w, int32_t* y, int64_t pa, int64_t pb) {
+  const int64_t Q = G * Qg;
+  for (int64_t p = pa; p < pb; ++p) {
+    const uint8_t* panel = w + p * Q * 256;
+    const int64_t cols = std::min<int64_t>(64, N - 64 * p);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t m = 0; m < M; m += 6) {
+        const uint32_t* xm = xw + m * Q;
+        const int32_t* xs = xsum + m * G + g;
+        int32_t* om = y + (m * G + g) * N + 64 * p;
+        // xsum of row m + i sits at xs[i * G]: gathered into a small array for the block
+        int32_t xsb[6];
+        const int mg = static_cast<int>(std::min<int64_t>(6, M - m));
+        for (int i = 0; i < mg; ++i) xsb[i] = xs[i * G];
+        const int64_t q0 = g * Qg, q1 = (g + 1) * Qg;
+        switch (mg) {
+          case 1: S8PBlock<1>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
+          case 2: S8PBlock<2>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
+          case 3: S8PBlock<3>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
+          case 4: S8PBlock<4>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
+          case 5: S8PBlock<5>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
+          default: S8PBlock<6>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
+        }
+      }
+  }
+}
 #endif  // __x86_64__
 
 int Threads(ffi::ThreadPool& pool) {
@@ -539,6 +600,66 @@ ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// Plain C++ over the packed layout (any CPU): y[m, g, n] = sum over the group's rows of
+// x * ((w ^ 0x80) - 128), wrapping like the s32 dot.
+void GenericS8P(const int8_t* x, const uint8_t* w, int32_t* y, int64_t M, int64_t G, int64_t Kg, int64_t N,
+                int64_t pa, int64_t pb) {
+  const int64_t K = G * Kg, Q = K / 4;
+  for (int64_t p = pa; p < pb; ++p)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < 64 && 64 * p + c < N; ++c) {
+          uint32_t acc = 0;
+          for (int64_t k = g * Kg; k < (g + 1) * Kg; ++k) {
+            const int32_t wv = static_cast<int32_t>(w[((p * Q + k / 4) * 64 + c) * 4 + k % 4] ^ 0x80u);
+            acc += static_cast<uint32_t>(static_cast<int32_t>(x[m * K + k]) * static_cast<int32_t>(static_cast<int8_t>(wv)));
+          }
+          y[(m * G + g) * N + 64 * p + c] = static_cast<int32_t>(acc);
+        }
+}
+
+ffi::Error GemvS8P(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> w,
+                   ffi::ResultBuffer<ffi::S32> y, int64_t groups) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 3 || wd[2] != 64 || wd[3] != 4 || groups < 1 ||
+      xd[1] != 4 * wd[1] || xd[1] % (4 * groups) || yd[0] != xd[0] || yd[1] != groups ||
+      (yd[2] + 63) / 64 != wd[0])
+    return ffi::Error::InvalidArgument(
+        "mmjax_gemv_s8p: x [M, K], w [ceil(N / 64), K / 4, 64, 4], y [M, groups, N], groups * 4 dividing K expected");
+  const int64_t M = xd[0], K = xd[1], N = yd[2], G = groups, Kg = K / groups, P = wd[0];
+  const int8_t* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  int32_t* yp = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (Kg == 0) {
+    std::fill(yp, yp + M * G * N, 0);
+    return ffi::Error::Success();
+  }
+  const bool simd = HasAvx512();
+  const int64_t Q = K / 4;
+  std::vector<uint32_t> xw(simd ? M * Q : 0);
+  std::vector<int32_t> xsum(simd ? M * G : 0);
+  for (int64_t m = 0; m < M && simd; ++m) {
+    std::memcpy(xw.data() + m * Q, xp + m * K, K);
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * Kg; k < (g + 1) * Kg; ++k) sum += xp[m * K + k];
+      xsum[m * G + g] = sum;
+    }
+  }
+  const int threads = Threads(pool);
+  // panel ranges: a few per thread, each a contiguous run of the weight
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, P)));
+  ParallelFor(pool, threads, parts, [&](int part) {
+    const int64_t pa = P * part / parts, pb = P * (part + 1) / parts;
+#if defined(__x86_64__)
+    if (simd) return S8PRange(xw.data(), xsum.data(), M, G, Kg / 4, N, wp, yp, pa, pb);
+#endif
+    GenericS8P(xp, wp, yp, M, G, Kg, N, pa, pb);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_bf16, GemvBf16,
@@ -560,6 +681,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("groups"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8p, GemvS8P,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("groups"));
 

@@ -82,3 +82,26 @@ def covers(x: jax.Array, w) -> bool:
     else:
         ok = x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float32)
     return ok and enabled()
+
+
+def pack_s8(q) -> "np.ndarray":
+    """int8 [K, N] (K a multiple of 4) -> the packed layout mmjax_gemv_s8p reads: uint8
+    [ceil(N / 64), K / 4, 64, 4], panel p = columns 64p..64p+63 (zero-padded), each column's four
+    consecutive rows adjacent, stored as w ^ 0x80 (host numpy, once at load)."""
+    import numpy as np
+    q = np.asarray(q)
+    k, n = q.shape
+    p = -(-n // 64)
+    qp = np.zeros((k, p * 64), np.int8)
+    qp[:, :n] = q
+    packed = qp.reshape(k // 4, 4, p, 64).transpose(2, 0, 3, 1)
+    return np.ascontiguousarray(packed).view(np.uint8) ^ np.uint8(0x80)
+
+
+def gemv_s8p(xq: jax.Array, wp: jax.Array, n: int, groups: int = 1) -> jax.Array:
+    """xq int8 [..., K] @ the packed int8 weight wp (`pack_s8` of [K, n]) -> int32 [..., groups, n]:
+    exact integer sums per group of K / groups rows, as gemv_s8 (any number of rows)."""
+    m, k = math.prod(xq.shape[:-1]), xq.shape[-1]
+    y = jax.ffi.ffi_call("mmjax_gemv_s8p", jax.ShapeDtypeStruct((m, groups, n), jnp.int32), vmap_method=_VMAP)(
+        xq.reshape(m, k), wp, groups=int(groups))
+    return y.reshape(*xq.shape[:-1], groups, n)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.backend import Tuning, compiling_for, tuning
+from mmjax import quant
+from mmjax.kernels import cpu_gemv
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
 from mmjax.models.family import EncodeCall, Family
@@ -378,9 +380,12 @@ class ModelRunner:
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
         self.text_model = self.placement.text_model(family.text_model)
-        narrow = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)}
+        narrow = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn)}
         self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1,
                                           narrow_weights=any(x.dtype in narrow for x in jax.tree.leaves(params["text"])))
+        # int8 weights packed for the CPU matmul kernel where it runs, [in, out] elsewhere (a
+        # no-op for a model loaded on this platform: mmjax.load packs on a CPU host)
+        params = quant.with_packing(params, self.tuning.cpu_kernels and cpu_gemv.available())
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
         # the KV cache's element dtype: the model's ("auto"), bfloat16, or int8 / fp8 with scales
         self.kv_cache_dtype = kv_quant.resolve(kv_cache_dtype, self.tuning.auto_kv_cache_dtype(self.dtype))
