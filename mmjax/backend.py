@@ -65,14 +65,17 @@ class Tuning:
     @property
     def kv_segment_ladder(self) -> tuple[int, int]:
         """(segment, fine) of the KV cache's segment ladder (models/text/llama.kv_segments:
-        `fine` segments of `segment` positions, then each as long as all before it). The CPU
-        takes 8 x 128: its decode attention and prefill pay for the cache in use in 128-position
-        steps. Elsewhere 1 x 512: a GPU's decode reads each row's own keys whatever the segments
-        (attention/decode.py), while each segment is two cache leaves, two scatters a layer and
-        step, and a `lax.cond` a layer in prefill; an H200 ran a 24-layer step with 9 segments
-        a layer at 8% of its roofline (benchmarks/README.md, "GPU path"). 2048 positions: 3
-        segments instead of 9; 32k: 7 instead of 13."""
-        return (128, 8) if self.platform == "cpu" else (512, 1)
+        `fine` segments of `segment` positions, then each as long as all before it). Each
+        segment is two cache leaves (a jitted call's host time grows ~5 us a leaf), two scatters
+        a layer and step (four thunks each), and a `lax.cond` a layer in prefill; the CPU's
+        decode attention kernel and a GPU's read each row's own keys whatever the segments,
+        while prefill attention pays for the segments in use. The CPU takes 4 x 256: against 8 x
+        128, a batch-1 decode step of the bench model was 0.6-0.8 ms faster (int8 10.65 -> 10.03
+        ms, f32 31.57 -> 30.75, in-process A/B) and a 16-row one level, while a 230-token prompt
+        still fills exactly one segment. Elsewhere 1 x 512: an H200 ran a 24-layer step with 9
+        segments a layer at 8% of its roofline (benchmarks/README.md, "GPU path"). 2048
+        positions: 3 segments instead of 9; 32k: 7 instead of 13."""
+        return (256, 4) if self.platform == "cpu" else (512, 1)
 
     @property
     def reduce_small_attention(self) -> bool:

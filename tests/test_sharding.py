@@ -26,7 +26,7 @@ def _kv_segments_at(platform: str, positions: int = 256) -> int:
         return len(kv_segments(positions))
 
 
-SEG_CPU, SEG_GPU = _kv_segments_at("cpu"), _kv_segments_at("cuda")     # 2 and 1
+SEG_CPU, SEG_GPU = _kv_segments_at("cpu"), _kv_segments_at("cuda")     # 1 and 1
 EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=2)
 
 

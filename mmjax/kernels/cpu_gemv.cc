@@ -58,7 +58,7 @@ constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096;
+    g_min_part_bytes = 4096, g_s8p_prefetch = 0;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 // int8 quads re-swept in the ninth session (a chain through 8 layers of the bench model's int8
@@ -375,6 +375,12 @@ MMJAX_AVX512 void S8PBlock(const uint32_t* xw, int64_t ldx, int64_t q0, int64_t 
     _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_si512();
   const uint8_t* r = panel + q0 * 256;
   for (int64_t q = q0; q < q1; ++q, r += 256) {
+    if (g_s8p_prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(r + g_s8p_prefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r + g_s8p_prefetch + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r + g_s8p_prefetch + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r + g_s8p_prefetch + 192), _MM_HINT_T0);
+    }
     const __m512i w0 = _mm512_loadu_si512(r), w1 = _mm512_loadu_si512(r + 64);
     const __m512i w2 = _mm512_loadu_si512(r + 128), w3 = _mm512_loadu_si512(r + 192);
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
@@ -694,6 +700,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8p, GemvS8P,
 
 extern "C" {
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
+void mmjax_gemv_s8p_prefetch(int bytes) { g_s8p_prefetch = bytes; }
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
   g_parts_per_thread = std::max(1, parts_per_thread);
   g_min_part_bytes = std::max(64, min_part_bytes);

@@ -41,7 +41,7 @@ from mmjax.quant import QArray, as_2d, map_columns
 KVCache = list  # per layer {"k": [[slots, kv_heads, head_dim, len_i], ...],
 #                              "v": [[slots, kv_heads, len_i, head_dim], ...],
 #      int8 / fp8 caches also "k_scale", "v_scale": [[slots, kv_heads, len_i], ...] (kv_quant)}
-KV_SEGMENT = 128
+KV_SEGMENT = 256     # the CPU ladder's segment (backend.Tuning.kv_segment_ladder; backend imports no model code)
 # cache_attention avoids dots for <= SMALL_N queries per KV head when a batched dot would make
 # >= SMALL_N_MIN_CALLS small matmul calls (one per row and KV head)
 SMALL_N, SMALL_N_MIN_CALLS = 8, 32
@@ -142,7 +142,7 @@ def kv_segments(max_len: int, segment: int | None = None, fine: int | None = Non
     granularity decode pays in up to fine * segment), then each one as long as all before it,
     the last cut at max_len. The count grows with log(max_len): every segment costs a scatter
     and a cond per layer and step (32k positions: 13 segments). segment / fine default to the
-    platform's (`backend.Tuning.kv_segment_ladder`: 128 x 8 on the CPU, 512 x 1 on GPUs) being
+    platform's (`backend.Tuning.kv_segment_ladder`: 256 x 4 on the CPU, 512 x 1 on GPUs) being
     compiled for (`backend.current_platform`: the runner builds its cache in `compiling_for`)."""
     if segment is None or fine is None:
         from mmjax.backend import tuning
