@@ -181,8 +181,10 @@ def _quantize_acts(x: jax.Array, kind: str, groups: int) -> tuple[jax.Array, jax
     symmetric per token (and group), computed in float32."""
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
     amax = jnp.abs(xf).max(-1, keepdims=True)
-    s = jnp.where(amax > 0, amax / _QMAX[kind], 1.0)
-    xs = xf / s
+    # multiplies by reciprocals, written out: XLA rewrites the divisions into these anyway, and
+    # written so, the CPU kernel (cpu_gemv.qmatmul_s8p) computes the same bits
+    s = jnp.where(amax > 0, amax * np.float32(1.0 / _QMAX[kind]), 1.0)
+    xs = xf * (1.0 / s)
     xq = (jnp.clip(jnp.round(xs), -127, 127) if kind == "int8" else xs).astype(_QDTYPE[kind])
     return xq, s
 
@@ -206,21 +208,16 @@ def qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
     kind = w.kind
     g = w.scale.shape[0]
     d_in, d_out = w.shape
-    if w.packed and not cpu_gemv.enabled():
+    if w.packed:
+        if cpu_gemv.enabled():   # the whole product, any number of rows, in one kernel call
+            return cpu_gemv.qmatmul_s8p(x, w.q, w.scale).astype(out_dtype or x.dtype)
         w = unpack(w)
     xq, xs = _quantize_acts(x, kind, g)
     acc_t = jnp.int32 if kind == "int8" else jnp.float32
     k = d_in // g
     # a few rows on the CPU: mmjax's kernel gives every group's exact s32 dot in one pass over
     # the weight (the same integers as the dots below, so the same result bit for bit)
-    # (any number of rows when the weight is packed: the kernel beats XLA's s8 dot at prefill and
-    # encode sizes too)
-    if w.packed:
-        accs = cpu_gemv.gemv_s8p(xq.reshape(*x.shape[:-1], d_in), w.q, d_out, g)
-    elif cpu_gemv.covers(x, w):
-        accs = cpu_gemv.gemv_s8(xq.reshape(*x.shape[:-1], d_in), w.q, g)
-    else:
-        accs = None
+    accs = cpu_gemv.gemv_s8(xq.reshape(*x.shape[:-1], d_in), w.q, g) if cpu_gemv.covers(x, w) else None
     y = None
     # groups: one 2-D dot per contiguous row block of the weight (a batched [g, k, out] dot
     # makes XLA:CPU copy / convert the weight every step; row slices of it are free views)

@@ -48,6 +48,23 @@ def _s8_want(xq, w, groups: int) -> np.ndarray:
     return np.stack([x[:, i * k:(i + 1) * k] @ w[i * k:(i + 1) * k] for i in range(groups)], 1)
 
 
+def _qmatmul_want(x: np.ndarray, wq, scale: np.ndarray) -> np.ndarray:
+    """mmjax.quant.qmatmul's W8A8 formula in numpy float32 (int64 dots): x [M, K] f32, wq int8
+    [K, N], scale [G, N] -> [M, N]."""
+    m, k = x.shape
+    g = scale.shape[0]
+    xg = x.reshape(m, g, k // g)
+    amax = np.abs(xg).max(-1, keepdims=True)
+    s = np.where(amax > 0, amax * np.float32(1.0 / 127.0), np.float32(1.0)).astype(np.float32)
+    xq = np.clip(np.rint(xg * (np.float32(1.0) / s)), -127, 127).astype(np.int8).reshape(m, k)
+    acc = _s8_want(xq, wq, g).astype(np.int32).astype(np.float32)          # [M, G, N]
+    y = None
+    for i in range(g):
+        part = acc[:, i] * s[:, i] * scale[i]
+        y = part if y is None else y + part
+    return y
+
+
 @pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
 def test_kernel_equals_reference(generic):
     assert cpu_gemv.available()
@@ -80,21 +97,24 @@ def test_kernel_equals_reference(generic):
         # extreme values: sums beyond 2^24 (where f32 accumulation would round) stay exact
         xq, wq = jnp.full((2, 4099), -127, jnp.int8), jnp.full((4099, 67), -127, jnp.int8)
         np.testing.assert_array_equal(np.asarray(s8(xq, wq, 1)), _s8_want(xq, wq, 1))
-        # the packed int8 layout (mmjax_gemv_s8p, what a CPU runner's int8 weights are): any
-        # number of rows (decode, prefill and encode sizes: register blocks of 6 rows and a
-        # remainder), N cut inside a 64-column panel, groups, panels split over threads
-        s8p = jax.jit(cpu_gemv.gemv_s8p, static_argnums=(2, 3))
+        # the packed int8 layout (mmjax_qmatmul_s8p, what a CPU runner's int8 weights are): the
+        # whole W8A8 product at any number of rows (decode, prefill and encode sizes: register
+        # blocks of 6 rows and a remainder; rows quantized on the threads from 2^16 elements),
+        # N cut inside a 64-column panel, groups, panels split over threads: the same bits as
+        # numpy's float32 evaluation of mmjax.quant.qmatmul's formula
+        s8p = jax.jit(cpu_gemv.qmatmul_s8p)
         for m, k, n, g in ((1, 4, 1, 1), (1, 1024, 1000, 1), (7, 96, 70, 3), (16, 2048, 129, 2),
-                           (37, 256, 640, 4), (3, 1000, 8300, 2), (13, 64, 64, 1)):
-            xq, wq = _s8(rng, m, k), _s8(rng, k, n)
+                           (37, 256, 640, 4), (3, 1000, 8300, 2), (13, 64, 64, 1), (70, 1024, 200, 2)):
+            x, wq = rng.standard_normal((m, k)).astype(np.float32), _s8(rng, k, n)
+            x[0, :k // g] = 0.0                      # a group of zeros: scale 1
+            x[-1, -1] = 1e4                          # an outlier
+            scale = np.abs(rng.standard_normal((g, n))).astype(np.float32) / 100
             wp = cpu_gemv.pack_s8(wq)
             assert wp.dtype == np.uint8 and wp.shape == (-(-n // 64), k // 4, 64, 4)
-            got = np.asarray(s8p(xq, jnp.asarray(wp), n, g))
-            np.testing.assert_array_equal(got, _s8_want(xq, wq, g))
-            np.testing.assert_array_equal(np.asarray(s8p(xq[m - 1:], jnp.asarray(wp), n, g)), got[m - 1:])
-        xq, wq = jnp.full((2, 4100), -127, jnp.int8), jnp.full((4100, 67), -127, jnp.int8)
-        np.testing.assert_array_equal(np.asarray(s8p(xq, jnp.asarray(cpu_gemv.pack_s8(wq)), 67, 1)),
-                                      _s8_want(xq, wq, 1))
+            got = np.asarray(s8p(jnp.asarray(x), jnp.asarray(wp), jnp.asarray(scale)))
+            np.testing.assert_array_equal(got, _qmatmul_want(x, wq, scale))
+            np.testing.assert_array_equal(np.asarray(s8p(jnp.asarray(x[m - 1:]), jnp.asarray(wp), jnp.asarray(scale))),
+                                          got[m - 1:])
     finally:
         cpu_gemv.set_generic(False)
 
@@ -136,18 +156,23 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
                 want, text = run(x, w)
             assert "mmjax_gemv" not in text
             np.testing.assert_array_equal(got, want)
-            # packed (what mmjax.load gives on a CPU host): the kernel at any number of rows,
-            # the same bits; where the kernel is off, the weight is unpacked inside the step
+            # packed (what mmjax.load gives on a CPU host): the kernel at any number of rows, the
+            # same bits per channel; with groups within an ulp (XLA:CPU contracts the group sum's
+            # multiply-adds into FMAs, the kernel rounds each product as written); where the
+            # kernel is off, the weight is unpacked inside the step
             wp = quant.pack(w)
             assert wp.packed and wp.shape == w.shape and quant.pack(wp) is wp
             np.testing.assert_array_equal(quant.unpack(wp).q, w.q)
             np.testing.assert_array_equal(jax.jit(quant.unpack)(wp).q, w.q)
             got, text = run(x, wp)
-            assert "mmjax_gemv_s8p" in text
-            np.testing.assert_array_equal(got, want)
+            assert "mmjax_qmatmul_s8p" in text and "mmjax_gemv" not in text
+            if gs is None:
+                np.testing.assert_array_equal(got, want)
+            else:
+                assert 0 < rel_err(got, want) < 1e-6
             with cpu_kernels(False):
                 got, text = run(x, wp)
-            assert "mmjax_gemv" not in text
+            assert "mmjax_" not in text
             np.testing.assert_array_equal(got, want)
         xb = x.astype(jnp.bfloat16)
         got, text = run(xb, wb, jnp.float32)

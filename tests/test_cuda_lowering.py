@@ -147,7 +147,7 @@ def test_quantized_steps_lower_for_cuda(checkpoints, quantize, elem_t, acc_t):
 def test_gpu_runner_ladders(checkpoints, name):
     """A GPU runner's prefill chunks are powers of two (each rung is a compile, 20-40 s a step on an
     H200) and its KV cache has 512-position segments (fewer cache leaves, scatters and conds);
-    the CPU keeps eight chunk rungs per octave and 128-position segments (it pays for padding
+    the CPU keeps eight chunk rungs per octave and 256-position segments (it pays for padding
     and for the cache in use in those steps). Whichever platform the caller's thread is on."""
     model = load_model(checkpoints[name], "bfloat16")
     runners = {p: ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=2048, prefill_chunk=1024,
@@ -158,7 +158,7 @@ def test_gpu_runner_ladders(checkpoints, name):
     # full-attention layers' V segments (a sliding layer's ring is one segment on both)
     cuts = {p: {tuple(v.shape[2] for v in layer["v"]) for layer in r.cache if len(layer["v"]) > 1}
             for p, r in runners.items()}
-    assert cuts == {"cpu": {(128,) * 8 + (1024,)}, "cuda": {(512, 512, 1024)}}
+    assert cuts == {"cpu": {(256,) * 4 + (1024,)}, "cuda": {(512, 512, 1024)}}
     # the multi-segment GPU decode step lowers, one ragged kernel per self-attention layer
     # (the exports above use 256 positions: one GPU segment)
     name_, fn, args, kw = next(x for x in runners["cuda"].step_signatures() if x[0].startswith("decode"))
@@ -172,4 +172,4 @@ def test_gpu_runner_ladders(checkpoints, name):
     with compiling_for("cuda"):     # the thread's platform does not leak into a CPU runner's cache
         again = ModelRunner(model.family, model.params, max_num_seqs=2, max_model_len=2048, prefill_chunk=64,
                             max_encode_batch=1, dtype=model.dtype, platform="cpu")
-    assert {len(layer["v"]) for layer in again.cache} >= {9}
+    assert {len(layer["v"]) for layer in again.cache} >= {5}

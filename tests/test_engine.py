@@ -515,12 +515,12 @@ def test_overlapped_steps_equal_synchronous_steps(path):
     synchronously: nothing is left in flight while it decodes) and an abort mid-stream (at most
     one token fewer, a prefix of the synchronous run's; the freed slot serves a new request)."""
     from mmjax.serving.structured import StructuredSpec
-    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=64, enable_prefix_cache=False)
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=512, prefill_chunk=64, enable_prefix_cache=False)
     eng = vlm.engine
     img = vlm.prepare_images([noise_image(61, 45, 30)])
-    # p1: 120 tokens, so that decoding crosses the cache's first KV segment (128 positions: a
-    # kv_len one short there skips the segment holding the new token)
-    p0, p1 = "USER: <image>\ndescribe it ASSISTANT:", list(range(5, 125))
+    # p1: 250 tokens, so that decoding crosses the cache's first KV segment (256 positions on the
+    # CPU: a kv_len one short there skips the segment holding the new token)
+    p0, p1 = "USER: <image>\ndescribe it ASSISTANT:", [5 + i % 120 for i in range(250)]
     lp = lambda n, **kw: mmjax.SamplingParams(logprobs=n, **{**GREEDY, **kw})  # noqa: E731
     full = eng.run_until_done([eng.add_request(p0, img, lp(3, max_tokens=20)), eng.add_request(p1, [], lp(0, max_tokens=9))])
     stop = full[0].text[len(full[0].text) // 2:][:2]

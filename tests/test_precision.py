@@ -97,10 +97,11 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     for name, hlo in _compiled(_runner(model), "encode(1, 32, 32, 3)", "decode[1]", "decode[2]").items():
         s8 = [ln for ln in hlo.splitlines() if re.search(r"= s32\[[\d,]+\]\{[\d,]*\} dot\(", ln)]
         # every int8 matmul, at any number of rows, is mmjax's CPU kernel over the packed weight
-        # (mmjax.kernels.cpu_gemv.gemv_s8p): s8 activations, u8 panels, s32 result
-        kernel = [ln for ln in hlo.splitlines() if 'custom_call_target="mmjax_gemv_s8p"' in ln]
-        assert all(re.search(r"= s32\[[\d,]+\]\{[\d,]*\} custom-call\(", ln) and
-                   re.search(r"operand_layout_constraints=\{s8\[[\d,]+\]\{[\d,]*\}, u8\[", ln) for ln in kernel), name
+        # (mmjax.kernels.cpu_gemv.qmatmul_s8p): f32 activations, u8 panels, f32 scales and result
+        kernel = [ln for ln in hlo.splitlines() if 'custom_call_target="mmjax_qmatmul_s8p"' in ln]
+        assert all(re.search(r"= f32\[[\d,]+\]\{[\d,]*\} custom-call\(", ln) and
+                   re.search(r"operand_layout_constraints=\{f32\[[\d,]+\]\{[\d,]*\}, u8\[[\d,]+\]\{[\d,]*\}, f32\[", ln)
+                   for ln in kernel), name
         assert s8 == [] and len(kernel) >= (14 if name.startswith("encode") else 9), (name, len(s8), len(kernel))
         # nor an unpacked copy of a weight (int8 [in, out]) or a converted one
         assert _wide_copies(hlo, shapes, ("f32", "f16", "s32", "bf16", "s8")) == [], name

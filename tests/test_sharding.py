@@ -84,7 +84,7 @@ def test_tensor_and_data_parallel_serving_match_one_device(tp_checkpoints):
             assert r["params"]["bad"] == [] and r["cache"]["bad"] == [] and r["vision"]["bad"] == [], where
             # the vision tower: replicated (data parallel over images) unless the TP-ViT option
             assert (r["vision"]["sharded"] > 0) == mesh.endswith("-vit"), f"{where}: {r['vision']}"
-            assert r["cache"]["sharded"] == 2 * layers, where     # k and v: one 128-position segment
+            assert r["cache"]["sharded"] == 2 * layers, where     # k and v: one segment (256 positions)
             assert r["replicas"] == dp, where
             if fam == "qwen2_5_vl":   # each packed encode call split into one group per device of a replica
                 assert r["encode_buckets"] == [tp], f"{where}: {r['encode_buckets']}"
@@ -116,7 +116,7 @@ def test_int8_kv_cache_and_weights_under_tensor_parallel(tp_checkpoints):
     out = run_worker("quant", tp_checkpoints)
     r = out["kv_int8"]
     assert r["ids_equal"] and r["ids_again_equal"] and r["tokens_cached"] > 0, r
-    layers = 2       # k, v, k_scale, v_scale per layer: one 128-position segment
+    layers = 2       # k, v, k_scale, v_scale per layer: one segment
     assert r["cache"] == {"sharded": 4 * layers, "bad": []} and r["dtypes"] == ["bfloat16", "int8"], r
     w = out["weights_int8"]
     assert w["ids_equal"] and w["ids_again_equal"] and w["replicas"] == 2, w

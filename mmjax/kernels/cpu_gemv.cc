@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #include <memory>
@@ -58,7 +59,7 @@ constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096, g_s8p_prefetch = 0;
+    g_min_part_bytes = 4096;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 // int8 quads re-swept in the ninth session (a chain through 8 layers of the bench model's int8
@@ -360,27 +361,23 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
   }
 }
 
-// Packed int8 (mmjax_gemv_s8p): the weight re-laid at load as u8 [P, Q, 64, 4]: panel p holds
+// Packed int8 (mmjax_qmatmul_s8p): the weight re-laid at load as u8 [P, Q, 64, 4]: panel p holds
 // columns 64p .. 64p + 63, quad q rows 4q .. 4q + 3, each column's four bytes adjacent, stored
 // as w ^ 0x80 (w + 128, unsigned for vpdpbusd). One panel is one contiguous run of 64 * K bytes,
 // so a thread streams its panels front to back (no short rows, no interleaving shuffles), and
 // the four 64-byte vectors of a quad are the four vpdpbusd operands as they are: lane j of
 // vector i is column 16i + j. Rows in register passes of up to 6 (24 accumulators); a panel
-// re-read by a later pass comes from L2 (<= 64 * K bytes).
+// re-read by a later pass comes from L2 (<= 64 * K bytes). The store rescales in f32 exactly as
+// mmjax.quant.qmatmul does: y (+)= (float(acc) * x_scale) * w_scale, groups in order.
 template <int MG>
 MMJAX_AVX512 void S8PBlock(const uint32_t* xw, int64_t ldx, int64_t q0, int64_t q1, const uint8_t* panel,
-                           const int32_t* xsum, int32_t* out, int64_t ldo, int64_t cols) {
+                           const int32_t* xsum, const float* xscale, const float* wscale, float* out,
+                           int64_t ldo, int64_t cols, bool first) {
   __m512i a[MG][4];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
     _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_si512();
   const uint8_t* r = panel + q0 * 256;
   for (int64_t q = q0; q < q1; ++q, r += 256) {
-    if (g_s8p_prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(r + g_s8p_prefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r + g_s8p_prefetch + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r + g_s8p_prefetch + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r + g_s8p_prefetch + 192), _MM_HINT_T0);
-    }
     const __m512i w0 = _mm512_loadu_si512(r), w1 = _mm512_loadu_si512(r + 64);
     const __m512i w2 = _mm512_loadu_si512(r + 128), w3 = _mm512_loadu_si512(r + 192);
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
@@ -391,39 +388,77 @@ MMJAX_AVX512 void S8PBlock(const uint32_t* xw, int64_t ldx, int64_t q0, int64_t 
       a[m][3] = _mm512_dpbusd_epi32(a[m][3], w3, xb);
     }
   }
+  __m512 ws[4];
+  _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) ws[i] = _mm512_maskz_loadu_ps(Mask16(cols - 16 * i), wscale + 16 * i);
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
     const __m512i off = _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(xsum[m]) * 128u));
-    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i)
-      _mm512_mask_storeu_epi32(out + m * ldo + 16 * i, Mask16(cols - 16 * i), _mm512_sub_epi32(a[m][i], off));
+    const __m512 xs = _mm512_set1_ps(xscale[m]);
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) {
+      const __mmask16 k = Mask16(cols - 16 * i);
+      float* o = out + m * ldo + 16 * i;
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][i], off)), xs), ws[i]);
+      if (!first) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, o), v);
+      _mm512_mask_storeu_ps(o, k, v);
+    }
   }
 }
 
-// panels [pa, pb) of y[M, G, N] (int8 packed): xw [M, G * Qg] quads of x, xsum [M, G]
-MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, int64_t M, int64_t G, int64_t Qg, int64_t N,
-                           const uint8_t* w, int32_t* y, int64_t pa, int64_t pb) {
+// panels [pa, pb) of y[M, N] (int8 packed): xw [M, G * Qg] quads of the quantized x, xsum and
+// xscale [M, G], wscale [G, N]
+MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float* xscale, const float* wscale,
+                           int64_t M, int64_t G, int64_t Qg, int64_t N, const uint8_t* w, float* y, int64_t pa,
+                           int64_t pb) {
   const int64_t Q = G * Qg;
   for (int64_t p = pa; p < pb; ++p) {
     const uint8_t* panel = w + p * Q * 256;
     const int64_t cols = std::min<int64_t>(64, N - 64 * p);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t m = 0; m < M; m += 6) {
-        const uint32_t* xm = xw + m * Q;
-        const int32_t* xs = xsum + m * G + g;
-        int32_t* om = y + (m * G + g) * N + 64 * p;
-        // xsum of row m + i sits at xs[i * G]: gathered into a small array for the block
+        // the block's rows' correction and scale (row m + i of group g sits at [(m + i) * G + g])
         int32_t xsb[6];
+        float xsc[6];
         const int mg = static_cast<int>(std::min<int64_t>(6, M - m));
-        for (int i = 0; i < mg; ++i) xsb[i] = xs[i * G];
+        for (int i = 0; i < mg; ++i) xsb[i] = xsum[(m + i) * G + g], xsc[i] = xscale[(m + i) * G + g];
+        const uint32_t* xm = xw + m * Q;
+        const float* ws = wscale + g * N + 64 * p;
+        float* om = y + m * N + 64 * p;
         const int64_t q0 = g * Qg, q1 = (g + 1) * Qg;
         switch (mg) {
-          case 1: S8PBlock<1>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
-          case 2: S8PBlock<2>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
-          case 3: S8PBlock<3>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
-          case 4: S8PBlock<4>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
-          case 5: S8PBlock<5>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
-          default: S8PBlock<6>(xm, Q, q0, q1, panel, xsb, om, G * N, cols); break;
+          case 1: S8PBlock<1>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
+          case 2: S8PBlock<2>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
+          case 3: S8PBlock<3>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
+          case 4: S8PBlock<4>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
+          case 5: S8PBlock<5>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
+          default: S8PBlock<6>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
         }
       }
+  }
+}
+
+// x [K] f32 -> int8 per group of Kg as mmjax.quant._quantize_acts: s = amax * f32(1 / 127) (1
+// where amax is 0), q = clip(round_half_even(x * (1 / s)), -127, 127); xsum = the group's sum of q
+constexpr float kInv127 = static_cast<float>(1.0 / 127.0);
+MMJAX_AVX512 void QuantizeRowAvx512(const float* x, int64_t G, int64_t Kg, int8_t* q, float* scale, int32_t* xsum) {
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* xg = x + g * Kg;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < Kg; k += 16)
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(Mask16(Kg - k), xg + k)));
+    const float a = _mm512_reduce_max_ps(amax);
+    const float s = a > 0.f ? a * kInv127 : 1.f;
+    const __m512 rv = _mm512_set1_ps(1.f / s);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = 0; k < Kg; k += 16) {
+      const __mmask16 m = Mask16(Kg - k);
+      __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xg + k), rv),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i iv = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+      sum = _mm512_add_epi32(sum, iv);
+      _mm_mask_storeu_epi8(q + g * Kg + k, m, _mm512_cvtepi32_epi8(iv));
+    }
+    scale[g] = s;
+    xsum[g] = _mm512_reduce_add_epi32(sum);
   }
 }
 #endif  // __x86_64__
@@ -606,62 +641,96 @@ ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-// Plain C++ over the packed layout (any CPU): y[m, g, n] = sum over the group's rows of
-// x * ((w ^ 0x80) - 128), wrapping like the s32 dot.
-void GenericS8P(const int8_t* x, const uint8_t* w, int32_t* y, int64_t M, int64_t G, int64_t Kg, int64_t N,
-                int64_t pa, int64_t pb) {
+void QuantizeRow(const float* x, int64_t G, int64_t Kg, int8_t* q, float* scale, int32_t* xsum) {
+  for (int64_t g = 0; g < G; ++g) {
+    float a = 0.f;
+    for (int64_t k = 0; k < Kg; ++k) a = std::max(a, std::fabs(x[g * Kg + k]));
+    const float s = a > 0.f ? a * kInv127 : 1.f, r = 1.f / s;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < Kg; ++k) {
+      const float v = std::min(std::max(std::nearbyint(x[g * Kg + k] * r), -127.f), 127.f);
+      q[g * Kg + k] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    scale[g] = s;
+    xsum[g] = sum;
+  }
+}
+
+// Plain C++ over the packed layout (any CPU): y[m, n] = sum over groups g in order of
+// (float(sum over the group's rows of xq * w) * xscale) * wscale, as the AVX-512 path.
+void GenericS8P(const int8_t* xq, const float* xscale, const float* wscale, const uint8_t* w, float* y, int64_t M,
+                int64_t G, int64_t Kg, int64_t N, int64_t pa, int64_t pb) {
   const int64_t K = G * Kg, Q = K / 4;
   for (int64_t p = pa; p < pb; ++p)
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < 64 && 64 * p + c < N; ++c) {
-          uint32_t acc = 0;
+      for (int64_t c = 0; c < 64 && 64 * p + c < N; ++c) {
+        float out = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          uint32_t acc = 0;   // unsigned: wraps like the s32 dot instead of overflowing
           for (int64_t k = g * Kg; k < (g + 1) * Kg; ++k) {
-            const int32_t wv = static_cast<int32_t>(w[((p * Q + k / 4) * 64 + c) * 4 + k % 4] ^ 0x80u);
-            acc += static_cast<uint32_t>(static_cast<int32_t>(x[m * K + k]) * static_cast<int32_t>(static_cast<int8_t>(wv)));
+            const int8_t wv = static_cast<int8_t>(w[((p * Q + k / 4) * 64 + c) * 4 + k % 4] ^ 0x80u);
+            acc += static_cast<uint32_t>(static_cast<int32_t>(xq[m * K + k]) * static_cast<int32_t>(wv));
           }
-          y[(m * G + g) * N + 64 * p + c] = static_cast<int32_t>(acc);
+          const float part = static_cast<float>(static_cast<int32_t>(acc)) * xscale[m * G + g] * wscale[g * N + 64 * p + c];
+          out = g == 0 ? part : out + part;
         }
+        y[m * N + 64 * p + c] = out;
+      }
 }
 
-ffi::Error GemvS8P(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> w,
-                   ffi::ResultBuffer<ffi::S32> y, int64_t groups) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 3 || wd[2] != 64 || wd[3] != 4 || groups < 1 ||
-      xd[1] != 4 * wd[1] || xd[1] % (4 * groups) || yd[0] != xd[0] || yd[1] != groups ||
-      (yd[2] + 63) / 64 != wd[0])
+// x f32 [M, K] @ the packed int8 weight w, scales wscale f32 [G, N] -> y f32 [M, N]: mmjax.quant's
+// W8A8 qmatmul in one call (x quantized per row and group, the s32 dots, the f32 rescale), any M.
+ffi::Error QmatmulS8P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::Buffer<ffi::F32> wscale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = wscale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || sd.size() != 2 || yd.size() != 2 || wd[2] != 64 || wd[3] != 4 ||
+      sd[0] < 1 || xd[1] != 4 * wd[1] || xd[1] % (4 * sd[0]) || yd[0] != xd[0] || yd[1] != sd[1] ||
+      (yd[1] + 63) / 64 != wd[0])
     return ffi::Error::InvalidArgument(
-        "mmjax_gemv_s8p: x [M, K], w [ceil(N / 64), K / 4, 64, 4], y [M, groups, N], groups * 4 dividing K expected");
-  const int64_t M = xd[0], K = xd[1], N = yd[2], G = groups, Kg = K / groups, P = wd[0];
-  const int8_t* xp = x.typed_data();
+        "mmjax_qmatmul_s8p: x [M, K], w [ceil(N / 64), K / 4, 64, 4], scale [G, N] (4 * G dividing K), y [M, N] expected");
+  const int64_t M = xd[0], K = xd[1], N = yd[1], G = sd[0], Kg = K / G, P = wd[0];
+  const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
-  int32_t* yp = y->typed_data();
+  const float* sp = wscale.typed_data();
+  float* yp = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
-  if (Kg == 0) {
-    std::fill(yp, yp + M * G * N, 0);
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.f);
     return ffi::Error::Success();
   }
   const bool simd = HasAvx512();
-  const int64_t Q = K / 4;
-  std::vector<uint32_t> xw(simd ? M * Q : 0);
-  std::vector<int32_t> xsum(simd ? M * G : 0);
-  for (int64_t m = 0; m < M && simd; ++m) {
-    std::memcpy(xw.data() + m * Q, xp + m * K, K);
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t sum = 0;
-      for (int64_t k = g * Kg; k < (g + 1) * Kg; ++k) sum += xp[m * K + k];
-      xsum[m * G + g] = sum;
-    }
-  }
   const int threads = Threads(pool);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xscale(M * G);
+  std::vector<int32_t> xsum(M * G);
+  auto quantize = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+#if defined(__x86_64__)
+      if (simd) {
+        QuantizeRowAvx512(xp + m * K, G, Kg, xq.data() + m * K, xscale.data() + m * G, xsum.data() + m * G);
+        continue;
+      }
+#endif
+      QuantizeRow(xp + m * K, G, Kg, xq.data() + m * K, xscale.data() + m * G, xsum.data() + m * G);
+    }
+  };
+  if (M * K >= (1 << 16)) {   // prefill / encode sizes: rows split over the threads
+    const int parts = static_cast<int>(std::min<int64_t>(M, 2 * threads));
+    ParallelFor(pool, threads, parts, [&](int part) { quantize(M * part / parts, M * (part + 1) / parts); });
+  } else {
+    quantize(0, M);
+  }
   // panel ranges: a few per thread, each a contiguous run of the weight
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, P)));
   ParallelFor(pool, threads, parts, [&](int part) {
     const int64_t pa = P * part / parts, pb = P * (part + 1) / parts;
 #if defined(__x86_64__)
-    if (simd) return S8PRange(xw.data(), xsum.data(), M, G, Kg / 4, N, wp, yp, pa, pb);
+    if (simd)
+      return S8PRange(reinterpret_cast<const uint32_t*>(xq.data()), xsum.data(), xscale.data(), sp, M, G, Kg / 4, N,
+                      wp, yp, pa, pb);
 #endif
-    GenericS8P(xp, wp, yp, M, G, Kg, N, pa, pb);
+    GenericS8P(xq.data(), xscale.data(), sp, wp, yp, M, G, Kg, N, pa, pb);
   });
   return ffi::Error::Success();
 }
@@ -690,17 +759,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("groups"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8p, GemvS8P,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_qmatmul_s8p, QmatmulS8P,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("groups"));
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" {
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
-void mmjax_gemv_s8p_prefetch(int bytes) { g_s8p_prefetch = bytes; }
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
   g_parts_per_thread = std::max(1, parts_per_thread);
   g_min_part_bytes = std::max(64, min_part_bytes);

@@ -85,7 +85,7 @@ def covers(x: jax.Array, w) -> bool:
 
 
 def pack_s8(q) -> "np.ndarray":
-    """int8 [K, N] (K a multiple of 4) -> the packed layout mmjax_gemv_s8p reads: uint8
+    """int8 [K, N] (K a multiple of 4) -> the packed layout mmjax_qmatmul_s8p reads: uint8
     [ceil(N / 64), K / 4, 64, 4], panel p = columns 64p..64p+63 (zero-padded), each column's four
     consecutive rows adjacent, stored as w ^ 0x80 (host numpy, once at load)."""
     import numpy as np
@@ -98,10 +98,12 @@ def pack_s8(q) -> "np.ndarray":
     return np.ascontiguousarray(packed).view(np.uint8) ^ np.uint8(0x80)
 
 
-def gemv_s8p(xq: jax.Array, wp: jax.Array, n: int, groups: int = 1) -> jax.Array:
-    """xq int8 [..., K] @ the packed int8 weight wp (`pack_s8` of [K, n]) -> int32 [..., groups, n]:
-    exact integer sums per group of K / groups rows, as gemv_s8 (any number of rows)."""
-    m, k = math.prod(xq.shape[:-1]), xq.shape[-1]
-    y = jax.ffi.ffi_call("mmjax_gemv_s8p", jax.ShapeDtypeStruct((m, groups, n), jnp.int32), vmap_method=_VMAP)(
-        xq.reshape(m, k), wp, groups=int(groups))
-    return y.reshape(*xq.shape[:-1], groups, n)
+def qmatmul_s8p(x: jax.Array, wp: jax.Array, scale: jax.Array) -> jax.Array:
+    """x f32 [..., K] @ a packed int8 weight (`pack_s8`) with its scales f32 [G, N] -> f32
+    [..., N], any number of rows: mmjax.quant.qmatmul's W8A8 product in one call, the same bits
+    (x quantized per row and group of K / G: s = amax / 127, q = clip(round(x / s)); exact s32
+    dots; y = sum over groups in order of (float(dot) * s) * scale)."""
+    m, k, n = math.prod(x.shape[:-1]), x.shape[-1], scale.shape[-1]
+    y = jax.ffi.ffi_call("mmjax_qmatmul_s8p", jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method=_VMAP)(
+        x.astype(jnp.float32).reshape(m, k), wp, scale)
+    return y.reshape(*x.shape[:-1], n)
