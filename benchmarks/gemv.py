@@ -57,9 +57,14 @@ def chain(rows: list[int]) -> list[dict]:
     """Best time of one jitted chain through CHAIN_LAYERS layers of distinct weights per path."""
     rng = np.random.default_rng(1)
     out = []
-    for path in ("f32 xla", "f32 kernel", "bf16 kernel", "int8 kernel"):
+    for path in ("f32 xla", "f32 kernel", "bf16 kernel", "int8 kernel", "int8 packed"):
         dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}[path.split()[0]]
-        if dtype == jnp.int8:
+        if path == "int8 packed":
+            ws = [jnp.asarray(cpu_gemv.pack_s8(rng.integers(-127, 128, s).astype(np.int8)))
+                  for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
+            scales = {n: jnp.full((1, n), 0.01, jnp.float32) for _, n in CHAIN_SHAPES}
+            call = lambda x, w: cpu_gemv.qmatmul_s8p(x.astype(jnp.float32), w, scales[w.shape[0] * 64])
+        elif dtype == jnp.int8:
             ws = [jnp.asarray(rng.integers(-127, 128, s), jnp.int8) for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
             call = lambda x, w: cpu_gemv.gemv_s8(x, w)[:, 0].astype(jnp.float32)
         else:
@@ -105,6 +110,7 @@ def main(argv=None) -> dict:
         k, n = (int(v) for v in shape.split("x"))
         wf = jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.float32)
         wb, wq = wf.astype(jnp.bfloat16), jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
+        wp, scale = jnp.asarray(cpu_gemv.pack_s8(wq)), jnp.full((1, n), 0.01, jnp.float32)
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             xb, xq = x.astype(jnp.bfloat16), jnp.asarray(rng.integers(-127, 128, (m, k)), jnp.int8)
@@ -115,6 +121,9 @@ def main(argv=None) -> dict:
                 "bf16 kernel": (jax.jit(cpu_gemv.gemv_bf16), xb, wb),
                 "int8 xla": (jax.jit(_xla_dot(jnp.int32), compiler_options=_CPU_DECODE_OPTIONS_NARROW), xq, wq),
                 "int8 kernel": (jax.jit(lambda x, w: cpu_gemv.gemv_s8(x, w)), xq, wq),
+                # what an int8 model's matmuls are on a CPU host: the packed weight, the whole
+                # W8A8 product (activation quantization and rescale included)
+                "int8 packed": (jax.jit(lambda x, w: cpu_gemv.qmatmul_s8p(x, w, scale)), x, wp),
             }
             for name, (f, a, w) in cases.items():
                 s = _time(f, a, w, repeat=args.repeat)

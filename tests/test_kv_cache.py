@@ -113,7 +113,7 @@ def random_params(cfg, rng):
 @pytest.mark.parametrize("min_calls", [0, 10 ** 9])  # decode steps: broadcast-reduce / dots
 def test_segmented_cache_equals_one_piece_across_boundaries(min_calls, monkeypatch):
     """Prefill 11 tokens of slot 1 in a chunk that crosses segment boundaries, then decode two
-    steps for both slots with a traced kv_len of 16 (4 of 8 segments of 4): the hidden states
+    steps for both slots with a traced kv_len of 16 (the 4 segments of 4 before one of 16): the hidden states
     and the written K/V equal those of a one-segment cache read in full (keys past each query
     are masked either way); nothing is written past kv_len or into other slots' rows."""
     monkeypatch.setattr(decoder, "SMALL_N_MIN_CALLS", min_calls)
@@ -122,8 +122,8 @@ def test_segmented_cache_equals_one_piece_across_boundaries(min_calls, monkeypat
     params = random_params(cfg, rng)
     caches = {"one": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segment=32),
               "seg": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segment=4)}
-    assert [c.shape[2] for c in caches["seg"][0]["v"]] == [4] * 8
-    assert [c.shape[3] for c in caches["seg"][0]["k"]] == [4] * 8
+    assert [c.shape[2] for c in caches["seg"][0]["v"]] == [4] * 4 + [16]       # the CPU ladder: 4 fine ones
+    assert [c.shape[3] for c in caches["seg"][0]["k"]] == [4] * 4 + [16]
     emb = jnp.asarray(rng.standard_normal((1, 11, cfg.hidden_size)), jnp.float32)
     pos = jnp.arange(11)[None, None]
     forward = jax.jit(lambda cache, e, p, starts, n, slots: tuple(vars(decoder.forward(
@@ -155,12 +155,14 @@ def test_segmented_cache_equals_one_piece_across_boundaries(min_calls, monkeypat
 
 
 def test_kv_segments_cut_max_len():
-    assert decoder.kv_segments(600) == (128, 128, 128, 128, 88)
-    assert decoder.kv_segments(1024) == (128,) * 8
-    assert decoder.kv_segments(2048) == (128,) * 8 + (1024,)
+    # the CPU: 4 x 256, then doubling (backend.Tuning.kv_segment_ladder)
+    assert decoder.kv_segments(600) == (256, 256, 88)
+    assert decoder.kv_segments(1024) == (256,) * 4
+    assert decoder.kv_segments(2048) == (256,) * 4 + (1024,)
     assert decoder.kv_segments(40) == (40,)
     big = decoder.kv_segments(32768)
-    assert big == (128,) * 8 + (1024, 2048, 4096, 8192, 16384) and sum(decoder.kv_segments(5000)) == 5000
+    assert big == (256,) * 4 + (1024, 2048, 4096, 8192, 16384) and sum(decoder.kv_segments(5000)) == 5000
+    assert decoder.kv_segments(1024, 128, 8) == (128,) * 8
     from mmjax.backend import compiling_for
     with compiling_for("cuda"):     # GPUs: 512 positions, then doubling (backend.Tuning.kv_segment_ladder)
         assert decoder.kv_segments(2048) == (512, 512, 1024) and decoder.kv_segments(300) == (300,)
