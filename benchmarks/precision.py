@@ -15,7 +15,9 @@ int8 weights + per-token int8 activations, s8 dots; see README "Precision"):
   weights   bytes of the params pytree (8-bit weights + scales for int8)
 
 Goals (issue 25, batch 1): bf16 decode >= 1.8x f32, int8 decode >= 3x f32, bf16 encode >= 2.5x f32.
-Figures are medians of >= 3 repeats. Prints a table, then one JSON line (the last line of stdout).
+Figures are medians of >= 3 repeats, taken in rounds over the precisions (all loaded at once), so
+a drift of the machine's speed moves every precision alike. Prints a table, then one JSON line
+(the last line of stdout).
 """
 from __future__ import annotations
 
@@ -66,35 +68,51 @@ def run(args) -> dict:
                  "quality_prompts": args.quality_prompts, "quality_tokens": args.quality_tokens}
     images = make_images(8 + reps + 2 + args.quality_prompts, 224, seed=0)
     batch8, fresh, qimgs = images[:8], images[8:8 + reps + 2], images[8 + reps + 2:]
-    ref = None
+    # every precision loaded at once and each figure's repeats taken in rounds over them: this
+    # box's read bandwidth drifts by up to ~30% over minutes (another VM's load), which moved
+    # one precision's figures against another's when each was timed in its own stretch
+    sides, prompts = {}, {}
     for name in args.precisions:
         dtype, quant = PRECISIONS[name]
         log(f"{name}: loading ...")
-        mx = MMJaxSide(path, args.max_model_len, args.prefill_chunk, dtype=dtype, quantize=quant)
-        arch = mx.arch
-        prompt = make_prompt(mx.vlm1.tokenizer, arch.img_tokens, args.prompt_tokens)
-        r = {"dtype": dtype, "quantize": quant, "weight_bytes": weight_bytes(mx.vlm1.params), "load_s": mx.load_s}
-        log(f"{name}: encode ...")
-        for b in (1, 8):
-            px = mx.pixels(batch8[:b])
-            mx.encode(px)                                     # compile
-            r[f"encode_b{b}_img_s"] = b / median([mx.encode(px) for _ in range(reps)])
-        log(f"{name}: ttft ...")
-        mx.ttft(prompt, fresh[0])
-        r["ttft_s"] = median([mx.ttft(prompt, fresh[1 + i]) for i in range(reps)])
-        for b in (1, 8):
-            log(f"{name}: decode batch {b} ...")
-            mx.decode(prompt, batch8[:b], args.new_tokens)    # warm-up: compiles what it meets
-            r[f"decode_b{b}_tok_s"] = median([b / median(mx.decode(prompt, batch8[:b], args.new_tokens)[0])
-                                              for _ in range(reps)])
+        sides[name] = MMJaxSide(path, args.max_model_len, args.prefill_chunk, dtype=dtype, quantize=quant)
+        prompts[name] = make_prompt(sides[name].vlm1.tokenizer, sides[name].arch.img_tokens, args.prompt_tokens)
+        mx = sides[name]
+        res[name] = {"dtype": dtype, "quantize": quant, "weight_bytes": weight_bytes(mx.vlm1.params), "load_s": mx.load_s}
+
+    def rounds(warm, timed) -> dict[str, float]:
+        """{precision: median seconds of `timed(name, i)` over `reps` rounds} (after one
+        `warm(name)` each), the precisions taking turns within each round."""
+        for name in sides:
+            warm(name)
+        times = {name: [] for name in sides}
+        for i in range(reps):
+            for name in sides:
+                times[name].append(timed(name, i))
+        return {name: median(t) for name, t in times.items()}
+
+    for b in (1, 8):
+        log(f"encode batch {b} ...")
+        px = {name: mx.pixels(batch8[:b]) for name, mx in sides.items()}
+        for name, sec in rounds(lambda n: sides[n].encode(px[n]), lambda n, i: sides[n].encode(px[n])).items():
+            res[name][f"encode_b{b}_img_s"] = b / sec
+    log("ttft ...")
+    for name, sec in rounds(lambda n: sides[n].ttft(prompts[n], fresh[0]),
+                            lambda n, i: sides[n].ttft(prompts[n], fresh[1 + i])).items():
+        res[name]["ttft_s"] = sec
+    for b in (1, 8):
+        log(f"decode batch {b} ...")
+        for name, sec in rounds(lambda n: sides[n].decode(prompts[n], batch8[:b], args.new_tokens),
+                                lambda n, i: median(sides[n].decode(prompts[n], batch8[:b], args.new_tokens)[0])).items():
+            res[name][f"decode_b{b}_tok_s"] = b / sec
+    ref = None
+    for name, mx in sides.items():
         log(f"{name}: quality ({args.quality_prompts} prompts x {args.quality_tokens} tokens) ...")
-        got = quality(mx, prompt, qimgs, args.quality_tokens)
+        got = quality(mx, prompts[name], qimgs, args.quality_tokens)
         ref = got if ref is None and name == "f32" else ref
         if ref is not None:
-            r["greedy_agreement"], r["mean_abs_logprob_diff"] = compare(ref, got)
-        res[name] = r
-        r["loadavg_1m"] = os.getloadavg()[0]
-        del mx
+            res[name]["greedy_agreement"], res[name]["mean_abs_logprob_diff"] = compare(ref, got)
+        res[name]["loadavg_1m"] = os.getloadavg()[0]
     if "f32" in res:
         f = res["f32"]
         for name in res.keys() & {"bf16", "int8"}:
