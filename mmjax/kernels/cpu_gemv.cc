@@ -59,7 +59,7 @@ constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096, g_f32_prefetch = 32;
+    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 // int8 quads re-swept in the ninth session (a chain through 8 layers of the bench model's int8
@@ -135,6 +135,9 @@ inline __mmask16 Mask16(int64_t cols) {
 // bf16: one column group = 32 columns, two rows per step. The rows' 32 bf16 are interleaved into
 // (row k, row k+1) pairs: lo = columns 8j..8j+3 of each 128-bit lane j, hi = 8j+4..8j+7; one
 // vdpbf16ps per activation row and half adds both products. Accumulators: [m][lo 16 | hi 16].
+// From 5 activation rows on, both rows' next column group is prefetched (g_bf16_prefetch = 64
+// elements, one 128-byte line ahead): the bench model's 16 layers + LM head as one chain
+// (eleventh session, interleaved) took 26.1 -> 19.6 ms at 8 rows and 35.5 -> 23.1 at 16.
 template <int MG>
 MMJAX_AVX512 void Bf16Group(const uint32_t* xw, int64_t P, int64_t p0, int64_t p1, const uint16_t* w, int64_t N,
                             int64_t K, int64_t c, __mmask32 mask, float* acc, bool first) {
@@ -146,6 +149,10 @@ MMJAX_AVX512 void Bf16Group(const uint32_t* xw, int64_t P, int64_t p0, int64_t p
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* r0 = w + 2 * p * N + c;
     const __mmask32 m1 = 2 * p + 1 < K ? mask : 0;
+    if (g_bf16_prefetch && MG > 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + g_bf16_prefetch), _MM_HINT_T0);
+      if (m1) _mm_prefetch(reinterpret_cast<const char*>(r0 + N + g_bf16_prefetch), _MM_HINT_T0);
+    }
     const __m512i r = _mm512_maskz_loadu_epi16(mask, r0), s = _mm512_maskz_loadu_epi16(m1, r0 + N);
     const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r, s), hi = (__m512bh)_mm512_unpackhi_epi16(r, s);
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
@@ -249,8 +256,8 @@ MMJAX_AVX512 void F32Range(const float* x, int M, int64_t K, int64_t N, const fl
 // Accumulators: [m][q0 | q1 | q2 | q3], 16 int32 each. Software prefetch only where more than one
 // register pass reads the block (M > 4): at one to four rows the hardware prefetchers stream
 // better alone (one thread over the bench model's int8 weights: 12.0 -> 15.1 GB/s without it),
-// at 8 rows the prefetch is worth 20% of the matmul time. The bf16 group (two rows per step,
-// half the columns) measured no better with it at 1 or 8 rows and has none.
+// at 8 rows the prefetch is worth 20% of the matmul time. (The f32 and bf16 groups prefetch
+// one line ahead from 5 rows on, measured in the eleventh session; at 1 row neither gains.)
 template <int MG>
 MMJAX_AVX512 void S8Group(const uint32_t* xw, int64_t Q, int64_t q0, int64_t q1, const int8_t* w, int64_t N,
                           int64_t rows_left0, int64_t c, __mmask64 mask, int32_t* acc, bool first,
@@ -778,6 +785,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_qmatmul_s8p, QmatmulS8P,
 extern "C" {
 // benchmark sweeps only, like mmjax_gemv_tune: floats ahead the f32 kernel prefetches (0: none)
 void mmjax_gemv_f32_prefetch(int floats) { g_f32_prefetch = std::max(0, floats); }
+void mmjax_gemv_bf16_prefetch(int elems) { g_bf16_prefetch = std::max(0, elems); }
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
   g_parts_per_thread = std::max(1, parts_per_thread);
