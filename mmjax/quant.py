@@ -205,13 +205,37 @@ def qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
     """x [..., in] @ w -> [..., out] in out_dtype (default x's dtype): quantize x per token, an
     8-bit dot with a wide accumulator (s32 for int8, f32 for fp8), rescale in float32."""
     from mmjax.kernels import cpu_gemv
+    if w.packed:
+        if cpu_gemv.enabled():   # the whole product, any number of rows, in one kernel call
+            return _packed_qmatmul(x, w.q, w.scale).astype(out_dtype or x.dtype)
+        w = unpack(w)
+    return _qmatmul(x, w, out_dtype)
+
+
+@jax.custom_jvp
+def _packed_qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """f32 [..., out]: the CPU kernel's product, differentiable: its derivative is XLA's
+    formula's over the unpacked weight (research code takes gradients of served steps)."""
+    from mmjax.kernels import cpu_gemv
+    return cpu_gemv.qmatmul_s8p(x, q, scale)
+
+
+@_packed_qmatmul.defjvp
+def _packed_qmatmul_jvp(primals, tangents):
+    x, q, scale = primals
+    dx, _, dscale = tangents
+    w = unpack(QArray(q, scale))
+    ref = lambda x, scale: _qmatmul(x, QArray(w.q, scale), jnp.float32)    # noqa: E731
+    return _packed_qmatmul(x, q, scale), jax.jvp(ref, (x, scale), (dx, dscale))[1]
+
+
+def _qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
+    """qmatmul over an [in, out] weight with XLA's dots (or, for a few rows on the CPU, the
+    row-major kernel's exact s32 dots)."""
+    from mmjax.kernels import cpu_gemv
     kind = w.kind
     g = w.scale.shape[0]
     d_in, d_out = w.shape
-    if w.packed:
-        if cpu_gemv.enabled():   # the whole product, any number of rows, in one kernel call
-            return cpu_gemv.qmatmul_s8p(x, w.q, w.scale).astype(out_dtype or x.dtype)
-        w = unpack(w)
     xq, xs = _quantize_acts(x, kind, g)
     acc_t = jnp.int32 if kind == "int8" else jnp.float32
     k = d_in // g

@@ -205,7 +205,8 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
 
 def test_kernel_calls_differentiate():
     """Gradients through a kernel call (research code differentiates served steps: saliency)
-    equal those through XLA's dots, in both operands, for f32 and bf16; jvp too."""
+    equal those through XLA's dots, in both operands, for f32 and bf16; jvp too; and through the
+    packed int8 product."""
     rng = np.random.default_rng(2)
     for dtype in (jnp.float32, jnp.bfloat16):
         x = jnp.asarray(rng.standard_normal((3, 96)), dtype)
@@ -224,3 +225,16 @@ def test_kernel_calls_differentiate():
             assert g.dtype == h.dtype and rel_err(g.astype(jnp.float32), h.astype(jnp.float32)) < tol
         _, got_t = jax.jvp(loss, (x, w), (x, w))
         assert abs(float(got_t) - float(want_t)) <= 1e-3 * max(1.0, abs(float(want_t)))
+    # a packed int8 weight (the kernel's whole W8A8 product): XLA's formula's derivative, in the
+    # activations (through the per-token scale) and the weight scales
+    w = quant.pack(quantize_weight(rng.standard_normal((96, 130)).astype(np.float32), "int8"))
+    x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
+
+    def qloss(x, scale):
+        return jnp.sin(matmul(x, quant.QArray(w.q, scale), jnp.float32)).sum()
+    grad = jax.jit(jax.grad(qloss, argnums=(0, 1)))
+    assert "mmjax_qmatmul_s8p" in grad.lower(x, w.scale).as_text()
+    got = grad(x, w.scale)
+    with cpu_kernels(False):
+        want = jax.jit(jax.grad(qloss, argnums=(0, 1)))(x, w.scale)
+    assert all(rel_err(g, h) < 1e-5 and float(jnp.abs(h).max()) > 0 for g, h in zip(got, want))

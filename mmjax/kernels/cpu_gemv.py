@@ -101,8 +101,9 @@ def pack_s8(q) -> "np.ndarray":
 def qmatmul_s8p(x: jax.Array, wp: jax.Array, scale: jax.Array) -> jax.Array:
     """x f32 [..., K] @ a packed int8 weight (`pack_s8`) with its scales f32 [G, N] -> f32
     [..., N], any number of rows: mmjax.quant.qmatmul's W8A8 product in one call, the same bits
-    (x quantized per row and group of K / G: s = amax / 127, q = clip(round(x / s)); exact s32
-    dots; y = sum over groups in order of (float(dot) * s) * scale)."""
+    per channel (x quantized per row and group of K / G: s = amax * f32(1 / 127), q =
+    clip(round(x * (1 / s))); exact s32 dots; y = sum over groups in order of (float(dot) * s) *
+    scale). Not differentiable itself: quant.qmatmul wraps it with XLA's derivative."""
     m, k, n = math.prod(x.shape[:-1]), x.shape[-1], scale.shape[-1]
     y = jax.ffi.ffi_call("mmjax_qmatmul_s8p", jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method=_VMAP)(
         x.astype(jnp.float32).reshape(m, k), wp, scale)
