@@ -56,31 +56,30 @@ CHAIN_LAYERS = 8
 def chain(rows: list[int]) -> list[dict]:
     """Best time of one jitted chain through CHAIN_LAYERS layers of distinct weights per path."""
     rng = np.random.default_rng(1)
+    shapes = [s for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
     out = []
     for path in ("f32 xla", "f32 kernel", "bf16 kernel", "int8 kernel", "int8 packed"):
         dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}[path.split()[0]]
         if path == "int8 packed":
-            ws = [jnp.asarray(cpu_gemv.pack_s8(rng.integers(-127, 128, s).astype(np.int8)))
-                  for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
-            scales = {n: jnp.full((1, n), 0.01, jnp.float32) for _, n in CHAIN_SHAPES}
-            call = lambda x, w: cpu_gemv.qmatmul_s8p(x.astype(jnp.float32), w, scales[w.shape[0] * 64])
+            ws = [jnp.asarray(cpu_gemv.pack_s8(rng.integers(-127, 128, s).astype(np.int8))) for s in shapes]
+            call = lambda x, w, n: cpu_gemv.qmatmul_s8p(x.astype(jnp.float32), w, jnp.full((1, n), 0.01, jnp.float32))
         elif dtype == jnp.int8:
-            ws = [jnp.asarray(rng.integers(-127, 128, s), jnp.int8) for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
-            call = lambda x, w: cpu_gemv.gemv_s8(x, w)[:, 0].astype(jnp.float32)
+            ws = [jnp.asarray(rng.integers(-127, 128, s), jnp.int8) for s in shapes]
+            call = lambda x, w, n: cpu_gemv.gemv_s8(x, w)[:, 0].astype(jnp.float32)
         else:
-            ws = [jnp.asarray(rng.standard_normal(s) * 0.02, dtype) for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
-            call = (lambda x, w: x @ w) if path == "f32 xla" else (
+            ws = [jnp.asarray(rng.standard_normal(s) * 0.02, dtype) for s in shapes]
+            dot = (lambda x, w: x @ w) if path == "f32 xla" else (
                 cpu_gemv.gemv_f32 if dtype == jnp.float32 else cpu_gemv.gemv_bf16)
+            call = lambda x, w, n, dot=dot: dot(x, w)
         nbytes = sum(w.size * w.dtype.itemsize for w in ws)
         for m in rows:
             xs = {k: jnp.asarray(rng.integers(-100, 100, (m, k)), dtype) for k in {s[0] for s in CHAIN_SHAPES}}
 
             def f(xs, ws):
                 acc = jnp.zeros((), jnp.float32)
-                for w in ws:                   # each input depends on the last output: no overlap
-                    x = xs[w.shape[0]]
-                    x = x + (acc > 1e30).astype(dtype)
-                    acc = acc + call(x, w)[0, 0].astype(jnp.float32)
+                for w, (k, n) in zip(ws, shapes):   # each input depends on the last output: no overlap
+                    x = xs[k] + (acc > 1e30).astype(dtype)
+                    acc = acc + call(x, w, n)[0, 0].astype(jnp.float32)
                 return acc
             opts = _CPU_DECODE_OPTIONS if dtype == jnp.float32 else _CPU_DECODE_OPTIONS_NARROW
             c = jax.jit(f).lower(xs, ws).compile(opts)

@@ -102,14 +102,16 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
     params = cast_params(np_params, DTYPES[dtype], on_device=on_device)
     # int8 weights on a CPU host are packed for mmjax's matmul kernel once, here, so the model
     # and its runner share one copy (a runner for another platform or a mesh unpacks its own)
+    # (a restored copy is saved [in, out]: restored into that layout, then packed)
     from mmjax import quant
-    packed = on_device and params_dir is None and quant.cpu_packs_int8()
+    packed = on_device and quant.cpu_packs_int8()
     if quantize is not None:
-        params = quant.quantize_params(params, quantize, quantize_group_size, on_device=on_device, packed=packed)
+        params = quant.quantize_params(params, quantize, quantize_group_size, on_device=on_device,
+                                       packed=packed and params_dir is None)
     if params_dir is not None:
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
-        if on_device and quant.cpu_packs_int8():
+        if packed:
             params = quant.with_packing(params, True)
     tokenizer = Tokenizer(path, image_token=family.image_token, video_token=family.video_token)
     gen_path = path / "generation_config.json"

@@ -553,6 +553,15 @@ void RunTiles(ffi::ThreadPool& pool, bool simd, int64_t units, int64_t N, int64_
 }
 
 
+// A product with nothing to write (M * N == 0) or nothing to sum (K == 0, y all zeros): done
+// before any packing of x or work split.
+template <typename T>
+bool Trivial(T* y, int64_t outputs, int64_t K, int64_t size) {
+  if (outputs == 0) return true;
+  if (K == 0) std::fill(y, y + size, T(0));
+  return K == 0;
+}
+
 ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                     ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -563,11 +572,7 @@ ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* yp = y->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(yp, yp + M * N, 0.f);
-    return ffi::Error::Success();
-  }
+  if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   const bool simd = HasAvx512();
   // x as (row 2p, row 2p + 1) bf16 pairs, one 32-bit word per pair (odd K: the last pair's
   // second half is 0)
@@ -595,11 +600,7 @@ ffi::Error GemvF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(yp, yp + M * N, 0.f);
-    return ffi::Error::Success();
-  }
+  if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   const bool simd = HasAvx512();
   RunTiles(pool, simd, K, N, 4, yp, M * N, [&](float* out, int64_t n0, int64_t n1, int64_t ka, int64_t kb) {
 #if defined(__x86_64__)
@@ -620,11 +621,7 @@ ffi::Error GemvS8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi:
   const int8_t* xp = x.typed_data();
   const int8_t* wp = w.typed_data();
   int32_t* yp = y->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (Kg == 0) {
-    std::fill(yp, yp + M * G * N, 0);
-    return ffi::Error::Success();
-  }
+  if (Trivial(yp, M * N, Kg, M * G * N)) return ffi::Error::Success();
   const bool simd = HasAvx512();
   // x per (row, group) as quads of 4 consecutive int8 in one 32-bit word (0 past the group's
   // end), and each (row, group)'s sum (the unsigned-weight correction)
@@ -709,11 +706,7 @@ ffi::Error QmatmulS8P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const uint8_t* wp = w.typed_data();
   const float* sp = wscale.typed_data();
   float* yp = y->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(yp, yp + M * N, 0.f);
-    return ffi::Error::Success();
-  }
+  if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   const bool simd = HasAvx512();
   const int threads = Threads(pool);
   std::vector<int8_t> xq(M * K);

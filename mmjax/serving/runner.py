@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax import quant
-from mmjax.kernels import cpu_gemv
+from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
+from mmjax.kernels import cpu_gemv
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs, kv_quant
 from mmjax.models.text.packing import Packing
