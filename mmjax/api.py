@@ -99,12 +99,14 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
     path, name = resolve_model(model)
     hf_cfg = json.loads((path / "config.json").read_text())
     family, np_params = load_family(path, hf_cfg)
-    params = cast_params(np_params, DTYPES[dtype], on_device=on_device)
-    # int8 weights on a CPU host are packed for mmjax's matmul kernel once, here, so the model
-    # and its runner share one copy (a runner for another platform or a mesh unpacks its own)
-    # (a restored copy is saved [in, out]: restored into that layout, then packed)
-    from mmjax import quant
-    packed = on_device and quant.cpu_packs_int8()
+    # weights on a CPU host are packed for mmjax's matmul kernels once, here (bf16 ones as each
+    # is placed, int8 ones as each is quantized), so the model and its runner share one copy (a
+    # runner for another platform or a mesh unpacks its own); a restored copy is saved [in, out]:
+    # restored into that layout, then packed
+    from mmjax import packed_weights, quant
+    packed = on_device and packed_weights.cpu_packs()
+    params = cast_params(np_params, DTYPES[dtype], on_device=on_device,
+                         pack=packed_weights.pack_leaf if packed and quantize is None and params_dir is None else None)
     if quantize is not None:
         params = quant.quantize_params(params, quantize, quantize_group_size, on_device=on_device,
                                        packed=packed and params_dir is None)
@@ -112,7 +114,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
         from mmjax.checkpoint import restore_params
         params = restore_params(params_dir, like=params)
         if packed:
-            params = quant.with_packing(params, True)
+            params = packed_weights.with_packing(params, True)
     tokenizer = Tokenizer(path, image_token=family.image_token, video_token=family.video_token)
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -161,7 +163,8 @@ class VLM:
     def save_params(self, directory: str | os.PathLike) -> Path:
         """Write the converted params with orbax; reload with `mmjax.load(path, params_dir=...)`."""
         from mmjax.checkpoint import save_params
-        from mmjax.quant import with_packing, write_quantization
+        from mmjax.packed_weights import with_packing
+        from mmjax.quant import write_quantization
         out = save_params(with_packing(self.params, False), directory)   # the portable [in, out] layout
         write_quantization(out, self.model.quantize, self.model.quantize_group_size)
         return out

@@ -185,18 +185,23 @@ def norm(src: TensorSource, name: str, dim: int, bias: bool = True) -> dict:
     return p
 
 
-def cast_params(params, dtype, on_device: bool = True):
+def cast_params(params, dtype, on_device: bool = True, pack=None):
     """numpy pytree -> arrays in `dtype` (float leaves only): on the default device, or, with
     on_device=False, numpy arrays on the host (a model placed over a mesh goes from the host
-    straight to its shards, never whole onto one device)."""
+    straight to its shards, never whole onto one device). pack(path, leaf): a re-layout of each
+    cast leaf on the host before it is placed (`mmjax.packed_weights.pack_leaf`), one leaf at a time so
+    no second copy of the weights is ever held."""
     import jax
     import jax.numpy as jnp
 
-    def cast(x):
+    def cast(path, x):
         x = np.asarray(x)
         want = dtype if np.issubdtype(x.dtype, np.floating) else x.dtype
-        return jnp.asarray(x, dtype=want) if on_device else x.astype(want, copy=False)
-    return jax.tree.map(cast, params)
+        x = x.astype(want, copy=False)
+        if pack is not None:
+            x = pack(path, x)
+        return jax.tree.map(jnp.asarray, x) if on_device else x
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def save_params(params, directory: str | os.PathLike) -> Path:

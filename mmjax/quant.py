@@ -153,20 +153,6 @@ def unpack(w: QArray) -> QArray:
     return QArray(q, w.scale, w.dtype)
 
 
-def cpu_packs_int8() -> bool:
-    """Are int8 weights kept packed here: the default backend is the CPU and the kernel builds."""
-    from mmjax.kernels import cpu_gemv
-    return jax.default_backend() == "cpu" and cpu_gemv.available()
-
-
-def with_packing(params, packed: bool):
-    """params with every packable int8 weight packed (packed=True) or every packed one unpacked:
-    the layout the compiled steps of a runner read (packed only where the CPU kernel runs)."""
-    fn = pack if packed else unpack
-    return jax.tree.map(lambda x: fn(x) if isinstance(x, QArray) else x, params,
-                        is_leaf=lambda x: isinstance(x, QArray))
-
-
 def _groups(d_in: int, group_size: int | None) -> int:
     if not group_size:
         return 1

@@ -6,7 +6,7 @@ import re
 
 # stablehlo.dot_general %a, %b, ... : (tensor<AxBxbf16>, tensor<BxCxbf16>) -> tensor<AxCxf32>; mmjax's
 # CPU matmul kernel (mmjax.kernels.cpu_gemv) counts as a dot: stablehlo.custom_call @mmjax_gemv_bf16(...)
-_DOT = re.compile(r"stablehlo\.(?:dot_general|dot|ragged_dot|custom_call @mmjax_gemv_\w+)\b.*?:\s*"
+_DOT = re.compile(r"stablehlo\.(?:dot_general|dot|ragged_dot|custom_call @mmjax_(?:gemv_\w+|matmul_bf16p))\b.*?:\s*"
                   r"\((tensor<[^>]*>), (tensor<[^>]*>)[^)]*\)"
                   r"\s*->\s*(tensor<[^>]*>)")
 

@@ -30,6 +30,7 @@ import mmjax
 from conftest import noise_image, rel_err
 from hlo_dots import bf16_dot_violations, dots, elem
 from mmjax.api import load_model
+from mmjax.packed_weights import PackedBf16, with_packing
 from mmjax import quant
 from mmjax.quant import QArray, quantize_weight
 from mmjax.serving.runner import ModelRunner
@@ -108,7 +109,7 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     # int8 weights the packing does not take (mmjax.quant.packable: groups of whole row quads)
     # stay [in, out]: few rows take the row-major kernel (mmjax_gemv_s8), more XLA's s8 dot
     with patch.object(quant, "packable", lambda w: False):
-        flat = _runner(dataclasses.replace(model, params=quant.with_packing(model.params, False)))
+        flat = _runner(dataclasses.replace(model, params=with_packing(model.params, False)))
         compiled = _compiled(flat, "encode(1, 32, 32, 3)", "decode[1]", "decode[2]")
     assert not any(q.packed for q in jax.tree.leaves(flat.params, is_leaf=lambda x: isinstance(x, QArray))
                    if isinstance(q, QArray))
@@ -118,19 +119,27 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
         assert len(s8) + len(kernel) >= (14 if name.startswith("encode") else 9), (name, len(s8), len(kernel))
         assert name.startswith("encode") or len(kernel) >= 9, (name, len(kernel))
         assert _wide_copies(hlo, shapes) == [], name
-    # bf16 weights; the CPU's "auto" KV cache of a bf16 model is float32 (no bf16 scatter there),
-    # an explicit bf16 cache is written as 16-bit integers
+    # bf16 weights: packed at load on a CPU host (mmjax.packed_weights), every linear layer of
+    # every step (decode at one and several rows, prefill, encode) one mmjax_matmul_bf16p call
+    # over the panels, and no copy of a weight in any layout (an in-graph unpack would be a bf16
+    # [in, out] copy); the CPU's "auto" KV cache of a bf16 model is float32 (no bf16 scatter
+    # there), an explicit bf16 cache is written as 16-bit integers
     bf16 = load_model(llava_dirs["gqa"], "bfloat16")
-    # (the embedding is gathered, a fused convert of the rows taken: not a matmul weight)
-    ws = [x for p, x in jax.tree_util.tree_leaves_with_path(bf16.params["text"])
-          if x.ndim == 2 and x.dtype == jnp.bfloat16 and "embed" not in jax.tree_util.keystr(p)]
-    shapes = {w.shape for w in ws}
-    assert len(ws) >= 2 * 4 + 1
+    packed = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PackedBf16))  # noqa: E731
+                           if isinstance(x, PackedBf16)]
+    ws = packed(bf16.params["text"])
+    assert len(ws) >= 2 * 4 + 1 and packed(bf16.params["vision"])
+    assert bf16.params["text"]["embed"].dtype == jnp.bfloat16      # gathered, not a matmul weight: as stored
+    shapes = {w.shape for w in ws} | {w.data.shape for w in ws}
     runner = _runner(bf16)
     assert runner.kv_cache_dtype == np.dtype(np.float32)
-    for name, hlo in _compiled(runner, "decode[1]", "decode[2]").items():
-        assert hlo.count('custom_call_target="mmjax_gemv_bf16"') >= 9, name
-        assert _wide_copies(hlo, shapes, ("f32", "f16", "s32")) == [], name
+    steps = [n for n, *_ in runner.step_signatures()]
+    names = ["decode[1]", "decode[2]", next(n for n in steps if n.startswith("prefill")),
+             next(n for n in steps if n.startswith("encode"))]
+    for name, hlo in _compiled(runner, *names).items():
+        assert hlo.count('custom_call_target="mmjax_matmul_bf16p"') >= (9 if name != names[-1] else 4), name
+        assert name == names[-1] or "mmjax_gemv_bf16" not in hlo, name   # (encode: the patch embedding's rows)
+        assert _wide_copies(hlo, shapes) == [], name
     runner = _runner(bf16, kv_cache_dtype="bfloat16")
     segs = {x.shape for x in jax.tree.leaves(runner.cache) if x.dtype == jnp.bfloat16}
     assert segs and _wide_copies(_compiled(runner, "decode[2]")["decode[2]"], segs, ("f32", "f16")) == []

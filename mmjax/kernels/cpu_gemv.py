@@ -98,6 +98,27 @@ def pack_s8(q) -> "np.ndarray":
     return np.ascontiguousarray(packed).view(np.uint8) ^ np.uint8(0x80)
 
 
+def pack_bf16(w) -> "np.ndarray":
+    """bf16 [K, N] -> the packed layout mmjax_matmul_bf16p reads: bf16 [ceil(N / 64), ceil(K / 2),
+    64, 2], panel p = columns 64p..64p+63, each column's rows 2k and 2k + 1 adjacent (zero-padded;
+    host numpy, once at load)."""
+    import numpy as np
+    w = np.asarray(w)
+    k, n = w.shape
+    p, kp = -(-n // 64), -(-k // 2)
+    wp = np.zeros((2 * kp, p * 64), w.dtype)
+    wp[:k, :n] = w
+    return np.ascontiguousarray(wp.reshape(kp, 2, p, 64).transpose(2, 0, 3, 1))
+
+
+def matmul_bf16p(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
+    """x bf16 [M, K] @ a packed bf16 weight (`pack_bf16`) of N columns -> f32 [M, N], any M: f32
+    sums of the exact bf16 products (a bf16 x bf16 -> f32 dot up to summation order). Not
+    differentiable itself: mmjax.packing.matmul_bf16 gives it XLA's derivative."""
+    return jax.ffi.ffi_call("mmjax_matmul_bf16p", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method=_VMAP)(x, wp)
+
+
 def qmatmul_s8p(x: jax.Array, wp: jax.Array, scale: jax.Array) -> jax.Array:
     """x f32 [..., K] @ a packed int8 weight (`pack_s8`) with its scales f32 [G, N] -> f32
     [..., N], any number of rows: mmjax.quant.qmatmul's W8A8 product in one call, the same bits

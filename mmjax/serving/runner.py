@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax import quant
+from mmjax import packed_weights
 from mmjax.backend import Tuning, compiling_for, tuning
 from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
@@ -383,9 +383,9 @@ class ModelRunner:
         narrow = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn)}
         self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1,
                                           narrow_weights=any(x.dtype in narrow for x in jax.tree.leaves(params["text"])))
-        # int8 weights packed for the CPU matmul kernel where it runs, [in, out] elsewhere (a
-        # no-op for a model loaded on this platform: mmjax.load packs on a CPU host)
-        params = quant.with_packing(params, self.tuning.cpu_kernels and cpu_gemv.available())
+        # bf16 / int8 weights packed for the CPU matmul kernels where they run, [in, out]
+        # elsewhere (a no-op for a model loaded on this platform: mmjax.load packs on a CPU host)
+        params = packed_weights.with_packing(params, self.tuning.cpu_kernels and cpu_gemv.available())
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
         # the KV cache's element dtype: the model's ("auto"), bfloat16, or int8 / fp8 with scales
         self.kv_cache_dtype = kv_quant.resolve(kv_cache_dtype, self.tuning.auto_kv_cache_dtype(self.dtype))
