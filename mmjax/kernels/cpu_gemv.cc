@@ -7,6 +7,8 @@
 //     in f32, so the result is the f32 dot up to summation order.
 //   mmjax_gemv_s8:   x int8 [M, G * Kg], W int8 [G * Kg, N] -> int32 [M, G, N]: one exact
 //     integer dot per group of Kg weight rows (s8 x s8 -> s32, wrapping like XLA's s32 dot).
+//   mmjax_matmul_bf16p, mmjax_qmatmul_s8p: any M, over a weight packed at load into 64-column
+//     panels (bf16; int8 with the whole W8A8 product): see their sections below.
 //
 // Layout of the work: the K weight rows are split into contiguous blocks, one per thread (the
 // caller and tasks on XLA's intra-op thread pool), whose partial sums are added at the end (see
