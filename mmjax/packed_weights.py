@@ -1,16 +1,16 @@
-"""Weights re-laid for mmjax's CPU matmul kernels: bf16 weights in 64-column panels
-(`PackedBf16`), int8 ones inside their `mmjax.quant.QArray` (`quant.pack`).
+"""Weights re-laid for mmjax's CPU matmul kernels: f32 and bf16 weights in 64-column panels
+(`PackedWeight`), int8 ones inside their `mmjax.quant.QArray` (`quant.pack`).
 
-Why: a decode step streams every weight once, and a weight stored [in, out] is read as many short
-row streams that the kernel must interleave in registers; a panel is one contiguous run already
-in the operand order of the dot instructions (vdpbf16ps / vpdpbusd). The same kernel call then
-serves every number of rows (decode, prefill, encode) faster than XLA's dot on the [in, out]
-weight, so one packed copy is all a CPU runner keeps.
+Why: a weight stored [in, out] is read by a matmul kernel as many short row streams that it must
+interleave in registers; a panel is one contiguous run already in the operand order of the dot
+instructions (FMA / vdpbf16ps / vpdpbusd). One kernel call then serves every number of rows:
+decode streams the weight at the read bandwidth, and prefill / encode run faster than XLA's dots
+on the [in, out] weight (benchmarks/README.md), so one packed copy is all a CPU runner keeps.
 
-The packed form is the CPU runner's: `mmjax.load` packs on a CPU host (kernels available) while
-it places each weight; a runner for another platform or a mesh, `save_params` and `mmjax
-convert` take the [in, out] layout (`with_packing(params, False)`), and a traced step that meets
-a packed weight without the kernel (lowered for CUDA, kernels off) unpacks it inside the step.
+The packed form is the CPU runner's: `mmjax.load` packs on a CPU host (kernels available) as it
+places each weight; a runner for another platform or a mesh, `save_params` and `mmjax convert`
+take the [in, out] layout (`with_packing(params, False)`), and a traced step that meets a packed
+weight without the kernel (lowered for CUDA, kernels off) unpacks it inside the step.
 """
 from __future__ import annotations
 
@@ -21,14 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+_PACKED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
 
 @jax.tree_util.register_dataclass
 @dataclass
-class PackedBf16:
-    """A bf16 [in, out] matmul weight packed for the CPU kernel: data bf16 [ceil(out / 64),
-    ceil(in / 2), 64, 2], panel p = columns 64p..64p+63 (zero-padded), each column's rows 2k and
-    2k + 1 adjacent (`mmjax.kernels.cpu_gemv.pack_bf16`). `shape` / `ndim` / `dtype` report the
-    logical weight, so model code that inspects a weight reads it as the array it stands for."""
+class PackedWeight:
+    """An f32 / bf16 [in, out] matmul weight packed for the CPU kernel: data [ceil(out / 64),
+    ceil(in / R), 64, R] of the weight's dtype (R = 1 for f32, 2 for bf16), panel p = columns
+    64p..64p+63 (zero-padded), each column's R consecutive rows adjacent
+    (`mmjax.kernels.cpu_gemv.pack_panels`). `shape` / `ndim` / `dtype` report the logical weight,
+    so model code that inspects a weight reads it as the array it stands for."""
     data: jax.Array
     d_in: int = field(metadata=dict(static=True))
     d_out: int = field(metadata=dict(static=True))
@@ -43,36 +46,37 @@ class PackedBf16:
 
     @property
     def dtype(self):
-        return np.dtype(jnp.bfloat16)
+        return self.data.dtype
 
     def unpack(self) -> jax.Array:
-        """bf16 [in, out] (jnp ops: also inside a traced step; numpy for host data)."""
+        """[in, out] (jnp ops: also inside a traced step; numpy for host data)."""
         return _unpack(self.data, self.d_in, self.d_out)
 
 
 def _unpack(data, d_in: int, d_out: int):
-    p, kp = data.shape[:2]
-    return data.transpose(1, 3, 0, 2).reshape(2 * kp, 64 * p)[:d_in, :d_out]
+    p, kp, _, r = data.shape
+    return data.transpose(1, 3, 0, 2).reshape(r * kp, 64 * p)[:d_in, :d_out]
 
 
-def pack_bf16(w) -> PackedBf16:
-    """bf16 [in, out] -> PackedBf16 (host numpy; the data placed as w was: numpy stays numpy)."""
-    from mmjax.kernels.cpu_gemv import pack_bf16 as pack
-    data = pack(np.asarray(w))
-    return PackedBf16(data if isinstance(w, np.ndarray) else jnp.asarray(data), *w.shape)
+def pack_weight(w) -> PackedWeight:
+    """f32 / bf16 [in, out] -> PackedWeight (host numpy; the data placed as w was: numpy stays
+    numpy)."""
+    from mmjax.kernels.cpu_gemv import pack_panels
+    data = pack_panels(np.asarray(w))
+    return PackedWeight(data if isinstance(w, np.ndarray) else jnp.asarray(data), *w.shape)
 
 
-def packs_bf16(path, x) -> bool:
-    """Is the leaf at `path` a bf16 weight the CPU runner keeps packed: a 2-D linear-layer weight
-    (the leaves int8 quantization takes, `mmjax.quant._wanted`) in bfloat16."""
+def packs(path, x) -> bool:
+    """Is the leaf at `path` a weight the CPU runner keeps packed: a 2-D f32 / bf16 linear-layer
+    weight (the leaves int8 quantization takes, `mmjax.quant._wanted`)."""
     from mmjax.quant import _wanted
-    return (not isinstance(x, PackedBf16) and getattr(x, "dtype", None) == jnp.bfloat16
+    return (not isinstance(x, PackedWeight) and getattr(x, "dtype", None) in _PACKED_DTYPES
             and getattr(x, "ndim", 0) == 2 and _wanted(path, x))
 
 
 def pack_leaf(path, x):
-    """One leaf as a CPU runner keeps it (a packable bf16 weight packed; anything else as is)."""
-    return pack_bf16(x) if packs_bf16(path, x) else x
+    """One leaf as a CPU runner keeps it (a packable weight packed; anything else as is)."""
+    return pack_weight(x) if packs(path, x) else x
 
 
 def cpu_packs() -> bool:
@@ -82,43 +86,42 @@ def cpu_packs() -> bool:
 
 
 def with_packing(params, packed: bool):
-    """params with every packable weight packed (packed=True: bf16 linear weights, int8 QArrays)
-    or every packed one in its [in, out] layout (False): what the compiled steps of a runner read
-    (packed only where the CPU kernels run)."""
+    """params with every packable weight packed (packed=True: f32 / bf16 linear weights, int8
+    QArrays) or every packed one in its [in, out] layout (False): what the compiled steps of a
+    runner read (packed only where the CPU kernels run)."""
     from mmjax.quant import QArray, pack, unpack
 
     def one(path, x):
         if isinstance(x, QArray):
             return pack(x) if packed else unpack(x)
-        if isinstance(x, PackedBf16):
+        if isinstance(x, PackedWeight):
             return x if packed else x.unpack()
         return pack_leaf(path, x) if packed else x
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (QArray, PackedBf16)))
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (QArray, PackedWeight)))
 
 
-def matmul_bf16(x: jax.Array, w: PackedBf16) -> jax.Array:
-    """x bf16 [..., in] @ w -> f32 [..., out] through the kernel, any number of rows (f32 sums of
-    the exact bf16 products: XLA's bf16 x bf16 -> f32 dot up to summation order)."""
+def matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
+    """x [..., in] (w's dtype) @ w -> f32 [..., out] through the kernel, any number of rows (the
+    f32 dot / f32 sums of the exact bf16 products, up to summation order)."""
     m = 1
     for d in x.shape[:-1]:
         m *= d
-    y = _matmul_bf16(x.reshape(m, w.d_in), w.data, w.d_out)
+    y = _matmul(x.reshape(m, w.d_in), w.data, w.d_out)
     return y.reshape(*x.shape[:-1], w.d_out)
 
 
 # differentiable for research code (gradients through a served model's steps): the derivative
 # is XLA's dots over the unpacked weight (the product is linear in each operand)
 @partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _matmul_bf16(x: jax.Array, data: jax.Array, d_out: int) -> jax.Array:
+def _matmul(x: jax.Array, data: jax.Array, d_out: int) -> jax.Array:
     from mmjax.kernels import cpu_gemv
-    return cpu_gemv.matmul_bf16p(x, data, d_out)
+    return cpu_gemv.matmul_packed(x, data, d_out)
 
 
-@_matmul_bf16.defjvp
-def _matmul_bf16_jvp(d_out, primals, tangents):
+@_matmul.defjvp
+def _matmul_jvp(d_out, primals, tangents):
     x, data = primals
     dx, ddata = tangents
     d_in = x.shape[-1]
     dot = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)   # noqa: E731
-    return (_matmul_bf16(x, data, d_out),
-            dot(dx, _unpack(data, d_in, d_out)) + dot(x, _unpack(ddata, d_in, d_out)))
+    return _matmul(x, data, d_out), dot(dx, _unpack(data, d_in, d_out)) + dot(x, _unpack(ddata, d_in, d_out))

@@ -7,8 +7,8 @@ issues 25 and 28):
   kernel's tiles), groups whose size is not a multiple of 4, inside jit / lax.scan / lax.cond /
   vmap; on the AVX-512 path and the plain C++ one;
 * the packed int8 layout (`pack_s8`, a CPU runner's int8 weights) at any number of rows, exact;
-  the packed bf16 layout (`pack_bf16`, a CPU runner's bf16 weights) at any number of rows;
-* wired in: layers.matmul / quant.qmatmul take it for few rows on the CPU (packed int8 and bf16:
+  the packed f32 / bf16 layout (`pack_panels`, a CPU runner's f32 / bf16 weights) at any number of rows;
+* wired in: layers.matmul / quant.qmatmul take it for few rows on the CPU (packed int8, f32 and bf16:
   any rows), with int8 results identical bit for bit to XLA's s8 dots (per channel and grouped),
   and never when tracing for CUDA or inside a step sharded over a mesh (a packed weight is
   unpacked in the step there); no compiler: one warning, XLA's dots.
@@ -26,7 +26,7 @@ from conftest import rel_err
 from mmjax.backend import compiling_for, cpu_kernels, tuning
 from mmjax.kernels import cpu_gemv, cpu_library
 from mmjax.models.layers import matmul
-from mmjax.packed_weights import PackedBf16, pack_bf16
+from mmjax.packed_weights import PackedWeight, pack_weight
 from mmjax import quant
 from mmjax.quant import quantize_weight
 
@@ -117,22 +117,24 @@ def test_kernel_equals_reference(generic):
             np.testing.assert_array_equal(got, _qmatmul_want(x, wq, scale))
             np.testing.assert_array_equal(np.asarray(s8p(jnp.asarray(x[m - 1:]), jnp.asarray(wp), jnp.asarray(scale))),
                                           got[m - 1:])
-        # the packed bf16 layout (mmjax_matmul_bf16p, what a CPU runner's bf16 weights are): any
-        # number of rows (register blocks of 6, row blocks of 192 across several panels), odd K
-        # (x's last pair completed by a zero), N cut inside a panel, panels split over threads
-        bf16p = jax.jit(cpu_gemv.matmul_bf16p, static_argnums=2)
+        # the packed f32 / bf16 layouts (mmjax_matmul_f32p / _bf16p, what a CPU runner's f32 /
+        # bf16 weights are): any number of rows (register blocks of 6, row blocks of 192 across
+        # several panels), odd K (bf16: x's last pair completed by a zero), N cut inside a panel,
+        # panels split over threads
+        packed = jax.jit(cpu_gemv.matmul_packed, static_argnums=2)
         for m, k, n in ((1, 2, 1), (1, 1024, 1000), (7, 97, 70), (16, 2048, 129), (37, 256, 640),
                         (3, 1001, 8300), (200, 64, 64), (70, 1023, 200)):
-            x, w = _bf16(rng, m, k), _bf16(rng, k, n)
-            wp = cpu_gemv.pack_bf16(w)
-            assert wp.dtype == jnp.bfloat16 and wp.shape == (-(-n // 64), -(-k // 2), 64, 2)
-            got = np.asarray(bf16p(x, jnp.asarray(wp), n))
-            want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-            ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
-            assert got.dtype == np.float32 and got.shape == (m, n)
-            assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n)
-            for i in {0, m - 1}:
-                np.testing.assert_array_equal(np.asarray(bf16p(x[i:i + 1], jnp.asarray(wp), n)), got[i:i + 1])
+            for cast, r in ((_bf16, 2), (_f32, 1)):
+                x, w = cast(rng, m, k), cast(rng, k, n)
+                wp = cpu_gemv.pack_panels(w)
+                assert wp.dtype == w.dtype and wp.shape == (-(-n // 64), -(-k // r), 64, r)
+                got = np.asarray(packed(x, jnp.asarray(wp), n))
+                want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+                ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+                assert got.dtype == np.float32 and got.shape == (m, n)
+                assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n, x.dtype)
+                for i in {0, m - 1}:
+                    np.testing.assert_array_equal(np.asarray(packed(x[i:i + 1], jnp.asarray(wp), n)), got[i:i + 1])
     finally:
         cpu_gemv.set_generic(False)
 
@@ -198,19 +200,22 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
         with cpu_kernels(False):
             want = run(xb, wb, jnp.float32)[0]
         assert rel_err(got, want) < 1e-6
-        # packed bf16 (what mmjax.load gives on a CPU host): the kernel at any number of rows;
-        # where the kernel is off, the weight is unpacked inside the step
-        wbp = pack_bf16(wb)
-        assert wbp.shape == wb.shape and wbp.dtype == wb.dtype and wbp.ndim == 2
-        np.testing.assert_array_equal(wbp.unpack(), wb)
-        np.testing.assert_array_equal(jax.jit(lambda w: w.unpack())(wbp), wb)
-        got, text = run(xb, wbp, jnp.float32)
-        assert "mmjax_matmul_bf16p" in text and "mmjax_gemv" not in text
-        assert rel_err(got, want) < 1e-6
-        with cpu_kernels(False):
-            got, text = run(xb, wbp, jnp.float32)
-        assert "mmjax_" not in text and rel_err(got, want) < 1e-6
-        assert run(xb, wbp)[0].dtype == jnp.bfloat16
+        # packed f32 / bf16 (what mmjax.load gives on a CPU host): the kernel at any number of
+        # rows; where the kernel is off, the weight is unpacked inside the step
+        for xp, w, out in ((xb, wb, jnp.float32), (x, jnp.asarray(wf), None)):
+            with cpu_kernels(False):
+                want = run(xp, w, out)[0]
+            wp = pack_weight(w)
+            assert wp.shape == w.shape and wp.dtype == w.dtype and wp.ndim == 2
+            np.testing.assert_array_equal(wp.unpack(), w)
+            np.testing.assert_array_equal(jax.jit(lambda w: w.unpack())(wp), w)
+            got, text = run(xp, wp, out)
+            assert "mmjax_matmul_" in text and "mmjax_gemv" not in text
+            assert got.dtype == want.dtype and rel_err(got, want) < 1e-6
+            with cpu_kernels(False):
+                got, text = run(xp, wp, out)
+            assert "mmjax_" not in text and rel_err(got, want) < 1e-6
+        assert run(xb, pack_weight(wb))[0].dtype == jnp.bfloat16
         got, text = run(x, jnp.asarray(wf))
         assert ("mmjax_gemv_f32" in text) == taken and got.dtype == jnp.float32
         with cpu_kernels(False):
@@ -221,7 +226,7 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
     x = jnp.ones((1, 96), jnp.bfloat16)
     with compiling_for("cuda"):
         assert "mmjax_gemv" not in jax.jit(lambda x, w: matmul(x, w)).lower(x, wb).as_text()
-        assert "mmjax_" not in jax.jit(lambda x, w: matmul(x, w)).lower(x, pack_bf16(wb)).as_text()
+        assert "mmjax_" not in jax.jit(lambda x, w: matmul(x, w)).lower(x, pack_weight(wb)).as_text()
     sharded = dataclasses.replace(tuning("cpu"), sharded=True)
     assert "mmjax_gemv" not in jax.jit(sharded.traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()
     assert "mmjax_gemv" in jax.jit(tuning("cpu").traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()
@@ -258,18 +263,20 @@ def test_kernel_calls_differentiate():
             assert g.dtype == h.dtype and rel_err(g.astype(jnp.float32), h.astype(jnp.float32)) < tol
         _, got_t = jax.jvp(loss, (x, w), (x, w))
         assert abs(float(got_t) - float(want_t)) <= 1e-3 * max(1.0, abs(float(want_t)))
-    # a packed bf16 weight: XLA's dots' derivative, in the activations and the packed weight
-    # (its gradient in the packed layout: unpacked, the [in, out] one's)
-    x = jnp.asarray(rng.standard_normal((5, 96)), jnp.bfloat16)
-    wb = jnp.asarray(rng.standard_normal((96, 130)) * 0.1, jnp.bfloat16)
-    loss = lambda x, w: jnp.sin(matmul(x, w, jnp.float32)).sum()          # noqa: E731
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    assert "mmjax_matmul_bf16p" in grad.lower(x, pack_bf16(wb)).as_text()
-    gx, gw = grad(x, pack_bf16(wb))
-    want = jax.grad(loss, argnums=(0, 1))(x, wb)
-    assert isinstance(gw, PackedBf16)
-    for g, h in zip((gx, gw.unpack()), want):
-        assert g.dtype == h.dtype and rel_err(g.astype(jnp.float32), h.astype(jnp.float32)) < 1e-2
+    # a packed f32 / bf16 weight: XLA's dots' derivative, in the activations and the packed
+    # weight (its gradient in the packed layout: unpacked, the [in, out] one's)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+        x = jnp.asarray(rng.standard_normal((5, 96)), dtype)
+        w = jnp.asarray(rng.standard_normal((96, 130)) * 0.1, dtype)
+        loss = lambda x, w: jnp.sin(matmul(x, w, jnp.float32)).sum()          # noqa: E731
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        assert "mmjax_matmul_" in grad.lower(x, pack_weight(w)).as_text()
+        gx, gw = grad(x, pack_weight(w))
+        with cpu_kernels(False):
+            want = jax.grad(loss, argnums=(0, 1))(x, w)
+        assert isinstance(gw, PackedWeight)
+        for g, h in zip((gx, gw.unpack()), want):
+            assert g.dtype == h.dtype and rel_err(g.astype(jnp.float32), h.astype(jnp.float32)) < tol
     # a packed int8 weight (the kernel's whole W8A8 product): XLA's formula's derivative, in the
     # activations (through the per-token scale) and the weight scales
     w = quant.pack(quantize_weight(rng.standard_normal((96, 130)).astype(np.float32), "int8"))

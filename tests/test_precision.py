@@ -30,7 +30,7 @@ import mmjax
 from conftest import noise_image, rel_err
 from hlo_dots import bf16_dot_violations, dots, elem
 from mmjax.api import load_model
-from mmjax.packed_weights import PackedBf16, with_packing
+from mmjax.packed_weights import PackedWeight, with_packing
 from mmjax import quant
 from mmjax.quant import QArray, quantize_weight
 from mmjax.serving.runner import ModelRunner
@@ -125,8 +125,8 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     # [in, out] copy); the CPU's "auto" KV cache of a bf16 model is float32 (no bf16 scatter
     # there), an explicit bf16 cache is written as 16-bit integers
     bf16 = load_model(llava_dirs["gqa"], "bfloat16")
-    packed = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PackedBf16))  # noqa: E731
-                           if isinstance(x, PackedBf16)]
+    packed = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PackedWeight))  # noqa: E731
+                           if isinstance(x, PackedWeight)]
     ws = packed(bf16.params["text"])
     assert len(ws) >= 2 * 4 + 1 and packed(bf16.params["vision"])
     assert bf16.params["text"]["embed"].dtype == jnp.bfloat16      # gathered, not a matmul weight: as stored

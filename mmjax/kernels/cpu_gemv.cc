@@ -61,7 +61,7 @@ constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64, g_bf16p_rows = 192;
+    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 // int8 quads re-swept in the ninth session (a chain through 8 layers of the bench model's int8
@@ -122,20 +122,23 @@ void GenericS8(const int8_t* x, const int8_t* w, int32_t* y, int64_t M, int64_t 
   }
 }
 
-// panels [pa, pb) of the packed bf16 product (layout: Bf16PRange), each column one sequential sum
-void GenericBf16P(const uint32_t* xw, const uint16_t* w, float* y, int64_t M, int64_t Kp, int64_t N, int64_t pa,
-                  int64_t pb) {
+// panels [pa, pb) of the packed f32 / bf16 product (layout: PackedRange), each column one
+// sequential sum; the R values of a step: f32 one value, bf16 a pair word's low then high half
+inline float Part(float x, int) { return x; }
+inline float Part(uint32_t x, int r) { return Bf16ToF32(static_cast<uint16_t>(x >> (16 * r))); }
+inline float Part(float w) { return w; }
+inline float Part(uint16_t w) { return Bf16ToF32(w); }
+template <typename X, typename W>
+void GenericPacked(const X* x, const W* w, float* y, int64_t M, int64_t Kp, int64_t N, int64_t pa, int64_t pb) {
+  constexpr int R = sizeof(X) / sizeof(W);
   for (int64_t p = pa; p < pb; ++p) {
-    const uint16_t* panel = w + p * Kp * 128;
+    const W* panel = w + p * Kp * 64 * R;
     const int64_t cols = std::min<int64_t>(64, N - 64 * p);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < cols; ++j) {
         float s = 0.f;
-        for (int64_t k = 0; k < Kp; ++k) {
-          const uint32_t xv = xw[m * Kp + k];
-          s += Bf16ToF32(static_cast<uint16_t>(xv)) * Bf16ToF32(panel[k * 128 + 2 * j]);
-          s += Bf16ToF32(static_cast<uint16_t>(xv >> 16)) * Bf16ToF32(panel[k * 128 + 2 * j + 1]);
-        }
+        for (int64_t k = 0; k < Kp; ++k)
+          for (int r = 0; r < R; ++r) s += Part(x[m * Kp + k], r) * Part(panel[(k * 64 + j) * R + r]);
         y[m * N + 64 * p + j] = s;
       }
   }
@@ -471,29 +474,42 @@ MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float*
   }
 }
 
-// Packed bf16 (mmjax_matmul_bf16p): the weight re-laid at load as bf16 [P, Kp, 64, 2]: panel p
-// holds columns 64p .. 64p + 63, pair k rows 2k and 2k + 1, each column's two values adjacent.
-// A pair of a panel is four 64-byte vectors, each one vdpbf16ps's weight operand as it is (lane
-// j of vector i: column 16i + j), and x's row-major (2k, 2k + 1) values are its other operand's
-// 32-bit word. A panel is one contiguous run of 128 * Kp bytes: a thread streams its panels
-// front to back, no interleaving shuffles. Rows in register passes of up to 6 (24 accumulators),
-// in blocks of g_bf16p_rows whose activations stay in L2 while each panel is read once per block.
-template <int MG>
-MMJAX_AVX512 void Bf16PBlock(const uint32_t* xw, int64_t Kp, const uint16_t* panel, float* out, int64_t ldo,
-                             int64_t cols) {
+// Packed f32 / bf16 (mmjax_matmul_f32p / mmjax_matmul_bf16p): the weight re-laid at load as
+// [P, Kp, 64, R] (R = 1 for f32, 2 for bf16; Kp = ceil(K / R)): panel p holds columns 64p ..
+// 64p + 63, step k rows Rk .. Rk + R - 1, each column's R values adjacent. A step of a panel is
+// 256 bytes, four vectors, each the FMA's / vdpbf16ps's weight operand as it lies (lane j of
+// vector i: column 16i + j); x's row-major values are the other operand (bf16: its (2k, 2k + 1)
+// pair as one 32-bit word). A panel is one contiguous run: a thread streams its panels front to
+// back (no short rows, no interleaving shuffles). Rows in register passes of up to 6 (24
+// accumulators), in blocks of kPackedRows whose activations stay in L2 while each panel is read
+// once per block. Against XLA's dots on the 2-core Zen 4 (twelfth session, 256 rows of the bench
+// model's layers): f32 213-223 vs 197-201 GFLOP/s, bf16 335-390 vs 297-342; one row streams as
+// fast as the row-major kernels, 8 rows 1.25-1.3x faster.
+constexpr int64_t kPackedRows = 192;
+
+MMJAX_AVX512 inline void Load4(const float* r, __m512* w) {
+  for (int i = 0; i < 4; ++i) w[i] = _mm512_loadu_ps(r + 16 * i);
+}
+MMJAX_AVX512 inline void Load4(const uint16_t* r, __m512* w) {
+  for (int i = 0; i < 4; ++i) w[i] = _mm512_castsi512_ps(_mm512_loadu_si512(r + 32 * i));
+}
+MMJAX_AVX512 inline __m512 Madd(__m512 a, __m512 w, float x) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, a); }
+MMJAX_AVX512 inline __m512 Madd(__m512 a, __m512 w, uint32_t x) {
+  return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)));
+}
+
+template <int MG, typename X, typename W>
+MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out, int64_t ldo, int64_t cols) {
   __m512 a[MG][4];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
     _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_ps();
-  const uint16_t* r = panel;
-  for (int64_t k = 0; k < Kp; ++k, r += 128) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(r), w1 = (__m512bh)_mm512_loadu_si512(r + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(r + 64), w3 = (__m512bh)_mm512_loadu_si512(r + 96);
+  const W* r = panel;
+  for (int64_t k = 0; k < Kp; ++k, r += 256 / sizeof(W)) {
+    __m512 w[4];
+    Load4(r, w);
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xw[m * Kp + k]));
-      a[m][0] = _mm512_dpbf16_ps(a[m][0], w0, xb);
-      a[m][1] = _mm512_dpbf16_ps(a[m][1], w1, xb);
-      a[m][2] = _mm512_dpbf16_ps(a[m][2], w2, xb);
-      a[m][3] = _mm512_dpbf16_ps(a[m][3], w3, xb);
+      const X xv = x[m * Kp + k];
+      _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = Madd(a[m][i], w[i], xv);
     }
   }
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
@@ -501,24 +517,25 @@ MMJAX_AVX512 void Bf16PBlock(const uint32_t* xw, int64_t Kp, const uint16_t* pan
       _mm512_mask_storeu_ps(out + m * ldo + 16 * i, Mask16(cols - 16 * i), a[m][i]);
 }
 
-// panels [pa, pb) of y[M, N] = x @ W (bf16 packed); xw [M, Kp] x's pair words
-MMJAX_AVX512 void Bf16PRange(const uint32_t* xw, int64_t M, int64_t Kp, int64_t N, const uint16_t* w, float* y,
-                             int64_t pa, int64_t pb) {
-  for (int64_t m0 = 0; m0 < M; m0 += g_bf16p_rows) {
-    const int64_t m1 = std::min<int64_t>(M, m0 + g_bf16p_rows);
+// panels [pa, pb) of y[M, N] = x @ W (packed); x [M, Kp] f32 values / bf16 pair words
+template <typename X, typename W>
+MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, const W* w, float* y, int64_t pa,
+                              int64_t pb) {
+  for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
+    const int64_t m1 = std::min<int64_t>(M, m0 + kPackedRows);
     for (int64_t p = pa; p < pb; ++p) {
-      const uint16_t* panel = w + p * Kp * 128;
+      const W* panel = w + p * Kp * (256 / sizeof(W));
       const int64_t cols = std::min<int64_t>(64, N - 64 * p);
       for (int64_t m = m0; m < m1; m += 6) {
-        const uint32_t* xm = xw + m * Kp;
+        const X* xm = x + m * Kp;
         float* om = y + m * N + 64 * p;
         switch (std::min<int64_t>(6, m1 - m)) {
-          case 1: Bf16PBlock<1>(xm, Kp, panel, om, N, cols); break;
-          case 2: Bf16PBlock<2>(xm, Kp, panel, om, N, cols); break;
-          case 3: Bf16PBlock<3>(xm, Kp, panel, om, N, cols); break;
-          case 4: Bf16PBlock<4>(xm, Kp, panel, om, N, cols); break;
-          case 5: Bf16PBlock<5>(xm, Kp, panel, om, N, cols); break;
-          default: Bf16PBlock<6>(xm, Kp, panel, om, N, cols); break;
+          case 1: PackedBlock<1>(xm, Kp, panel, om, N, cols); break;
+          case 2: PackedBlock<2>(xm, Kp, panel, om, N, cols); break;
+          case 3: PackedBlock<3>(xm, Kp, panel, om, N, cols); break;
+          case 4: PackedBlock<4>(xm, Kp, panel, om, N, cols); break;
+          case 5: PackedBlock<5>(xm, Kp, panel, om, N, cols); break;
+          default: PackedBlock<6>(xm, Kp, panel, om, N, cols); break;
         }
       }
     }
@@ -818,18 +835,48 @@ ffi::Error QmatmulS8P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
-// x bf16 [M, K] @ the packed bf16 weight w [ceil(N / 64), ceil(K / 2), 64, 2] -> y f32 [M, N],
-// any M: f32 sums of the exact bf16 products (a bf16 x bf16 -> f32 dot up to summation order)
+// x [M, Kp] (f32 values / bf16 pair words) @ a packed weight with P panels -> y f32 [M, N]
+template <typename X, typename W>
+void RunPacked(ffi::ThreadPool& pool, const X* x, int64_t M, int64_t Kp, int64_t N, int64_t P, const W* w, float* y) {
+  const bool simd = HasAvx512();
+  const int threads = Threads(pool);
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, P)));
+  ParallelFor(pool, threads, parts, [&](int part) {
+    const int64_t pa = P * part / parts, pb = P * (part + 1) / parts;
+#if defined(__x86_64__)
+    if (simd) return PackedRange(x, M, Kp, N, w, y, pa, pb);
+#endif
+    GenericPacked(x, w, y, M, Kp, N, pa, pb);
+  });
+}
+
+// x [M, K] @ w [ceil(N / 64), ceil(K / R), 64, R] -> y f32 [M, N]: the shape check
+bool PackedShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> yd, int R) {
+  return xd.size() == 2 && wd.size() == 4 && yd.size() == 2 && wd[2] == 64 && wd[3] == R &&
+         (xd[1] + R - 1) / R == wd[1] && yd[0] == xd[0] && (yd[1] + 63) / 64 == wd[0];
+}
+
+// x f32 [M, K] @ the packed f32 weight -> y f32 [M, N], any M (the f32 dot up to summation order)
+ffi::Error MatmulF32P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  if (!PackedShapes(x.dimensions(), w.dimensions(), y->dimensions(), 1))
+    return ffi::Error::InvalidArgument("mmjax_matmul_f32p: x [M, K], w [ceil(N / 64), K, 64, 1], y [M, N] expected");
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
+  float* yp = y->typed_data();
+  if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
+  RunPacked(pool, x.typed_data(), M, K, N, w.dimensions()[0], w.typed_data(), yp);
+  return ffi::Error::Success();
+}
+
+// x bf16 [M, K] @ the packed bf16 weight -> y f32 [M, N], any M: f32 sums of the exact bf16
+// products (a bf16 x bf16 -> f32 dot up to summation order)
 ffi::Error MatmulBf16P(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                        ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || wd[2] != 64 || wd[3] != 2 || (xd[1] + 1) / 2 != wd[1] ||
-      yd[0] != xd[0] || (yd[1] + 63) / 64 != wd[0])
+  if (!PackedShapes(x.dimensions(), w.dimensions(), y->dimensions(), 2))
     return ffi::Error::InvalidArgument(
         "mmjax_matmul_bf16p: x [M, K], w [ceil(N / 64), ceil(K / 2), 64, 2], y [M, N] expected");
-  const int64_t M = xd[0], K = xd[1], N = yd[1], P = wd[0], Kp = wd[1];
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1], Kp = (K + 1) / 2;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* yp = y->typed_data();
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   // x's rows as (2k, 2k + 1) pair words: x itself for even K, else a copy with each row's last
@@ -839,16 +886,7 @@ ffi::Error MatmulBf16P(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buff
     for (int64_t k = 0; k < Kp; ++k)
       odd[m * Kp + k] = xp[m * K + 2 * k] | (2 * k + 1 < K ? uint32_t(xp[m * K + 2 * k + 1]) << 16 : 0u);
   const uint32_t* xw = K % 2 ? odd.data() : reinterpret_cast<const uint32_t*>(xp);
-  const bool simd = HasAvx512();
-  const int threads = Threads(pool);
-  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, P)));
-  ParallelFor(pool, threads, parts, [&](int part) {
-    const int64_t pa = P * part / parts, pb = P * (part + 1) / parts;
-#if defined(__x86_64__)
-    if (simd) return Bf16PRange(xw, M, Kp, N, wp, yp, pa, pb);
-#endif
-    GenericBf16P(xw, wp, yp, M, Kp, N, pa, pb);
-  });
+  RunPacked(pool, xw, M, Kp, N, w.dimensions()[0], reinterpret_cast<const uint16_t*>(w.typed_data()), yp);
   return ffi::Error::Success();
 }
 
@@ -882,6 +920,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_bf16p, MatmulBf16P,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_f32p, MatmulF32P,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_qmatmul_s8p, QmatmulS8P,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -894,7 +938,6 @@ extern "C" {
 // benchmark sweeps only, like mmjax_gemv_tune: floats ahead the f32 kernel prefetches (0: none)
 void mmjax_gemv_f32_prefetch(int floats) { g_f32_prefetch = std::max(0, floats); }
 void mmjax_gemv_bf16_prefetch(int elems) { g_bf16_prefetch = std::max(0, elems); }
-void mmjax_matmul_bf16p_rows(int rows) { g_bf16p_rows = std::max(6, rows); }
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
   g_parts_per_thread = std::max(1, parts_per_thread);

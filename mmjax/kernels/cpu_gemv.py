@@ -98,25 +98,26 @@ def pack_s8(q) -> "np.ndarray":
     return np.ascontiguousarray(packed).view(np.uint8) ^ np.uint8(0x80)
 
 
-def pack_bf16(w) -> "np.ndarray":
-    """bf16 [K, N] -> the packed layout mmjax_matmul_bf16p reads: bf16 [ceil(N / 64), ceil(K / 2),
-    64, 2], panel p = columns 64p..64p+63, each column's rows 2k and 2k + 1 adjacent (zero-padded;
-    host numpy, once at load)."""
+def pack_panels(w) -> "np.ndarray":
+    """f32 / bf16 [K, N] -> the packed layout mmjax_matmul_f32p / _bf16p read: [ceil(N / 64),
+    ceil(K / R), 64, R] of w's dtype (R = 1 for f32, 2 for bf16), panel p = columns 64p..64p+63,
+    each column's R consecutive rows adjacent (zero-padded; host numpy, once at load)."""
     import numpy as np
     w = np.asarray(w)
     k, n = w.shape
-    p, kp = -(-n // 64), -(-k // 2)
-    wp = np.zeros((2 * kp, p * 64), w.dtype)
+    r = 2 if w.dtype == jnp.bfloat16 else 1
+    p, kp = -(-n // 64), -(-k // r)
+    wp = np.zeros((r * kp, p * 64), w.dtype)
     wp[:k, :n] = w
-    return np.ascontiguousarray(wp.reshape(kp, 2, p, 64).transpose(2, 0, 3, 1))
+    return np.ascontiguousarray(wp.reshape(kp, r, p, 64).transpose(2, 0, 3, 1))
 
 
-def matmul_bf16p(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
-    """x bf16 [M, K] @ a packed bf16 weight (`pack_bf16`) of N columns -> f32 [M, N], any M: f32
-    sums of the exact bf16 products (a bf16 x bf16 -> f32 dot up to summation order). Not
-    differentiable itself: mmjax.packing.matmul_bf16 gives it XLA's derivative."""
-    return jax.ffi.ffi_call("mmjax_matmul_bf16p", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-                            vmap_method=_VMAP)(x, wp)
+def matmul_packed(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
+    """x [M, K] @ a packed weight (`pack_panels`) of N columns, both f32 or both bf16 -> f32 [M,
+    N], any M: the f32 dot / f32 sums of the exact bf16 products, up to summation order. Not
+    differentiable itself: mmjax.packed_weights.matmul gives it XLA's derivative."""
+    target = "mmjax_matmul_bf16p" if wp.dtype == jnp.bfloat16 else "mmjax_matmul_f32p"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method=_VMAP)(x, wp)
 
 
 def qmatmul_s8p(x: jax.Array, wp: jax.Array, scale: jax.Array) -> jax.Array:

@@ -17,15 +17,15 @@ def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
     an f32 result (`preferred_element_type`), cast back to bf16 where the activations are bf16
     (AMX / tensor cores take bf16 operands and accumulate in f32; a bf16-result dot gains
     nothing on CPU), and a quantized weight (`mmjax.quant.QArray`) takes its 8-bit dot. On the
-    CPU, a packed weight (`mmjax.packed_weights`: bf16 and int8 ones on a CPU host) takes mmjax's kernel
+    CPU, a packed weight (`mmjax.packed_weights`: f32, bf16 and int8 ones on a CPU host) takes mmjax's kernel
     at any number of rows, and a few rows (decode) of an f32 (or unpacked bf16 / int8) weight go
     to the row-major kernel (`mmjax.kernels.cpu_gemv`), which reads it at memory bandwidth."""
     from mmjax.kernels import cpu_gemv
-    from mmjax.packed_weights import PackedBf16, matmul_bf16
+    from mmjax.packed_weights import PackedWeight, matmul as packed_matmul
     from mmjax.quant import QArray, qmatmul
-    if isinstance(w, PackedBf16):
-        if x.dtype == jnp.bfloat16 and cpu_gemv.enabled():   # any number of rows: one kernel call
-            return matmul_bf16(x, w).astype(out_dtype or jnp.bfloat16)
+    if isinstance(w, PackedWeight):
+        if x.dtype == w.dtype and cpu_gemv.enabled():   # any number of rows: one kernel call
+            return packed_matmul(x, w).astype(out_dtype or w.dtype)
         w = w.unpack()
     kernel = cpu_gemv.covers(x, w)
     if isinstance(w, QArray):
