@@ -4,7 +4,8 @@
 
 For each [rows, K] @ [K, N]: XLA's f32 dot (decode's f32 compiler options), the bf16 and int8
 paths without the kernel (one row run as two on YNNPACK: `layers.one_row_as_two`, decode's
-narrow-weight options) and the kernel's f32, bf16 and int8 calls. Median of `--repeat` runs of 20
+narrow-weight options), the row-major kernel's f32, bf16 and int8 calls, and the packed-weight
+calls a model on a CPU host makes (f32 / bf16 panels, int8's whole W8A8 product). Median of `--repeat` runs of 20
 calls, ms and weight GB/s (bytes of the weight / time). One weight called again and again stays
 partly in the last-level cache; `--chain` also times what a decode step does: one jitted chain
 through 8 layers of distinct weights of the bench model's shapes ([1024, 2048], [1024, 1024],
@@ -53,14 +54,17 @@ CHAIN_SHAPES = ((1024, 2048), (1024, 1024), (1024, 5632), (2816, 1024))   # qkv,
 CHAIN_LAYERS = 8
 
 
-def chain(rows: list[int]) -> list[dict]:
-    """Best time of one jitted chain through CHAIN_LAYERS layers of distinct weights per path."""
+def chain(rows: list[int], layers: int = CHAIN_LAYERS) -> list[dict]:
+    """Best time of one jitted chain through `layers` layers of distinct weights per path."""
     rng = np.random.default_rng(1)
-    shapes = [s for _ in range(CHAIN_LAYERS) for s in CHAIN_SHAPES]
+    shapes = [s for _ in range(layers) for s in CHAIN_SHAPES]
     out = []
-    for path in ("f32 xla", "f32 kernel", "bf16 kernel", "int8 kernel", "int8 packed"):
+    for path in ("f32 xla", "f32 kernel", "f32 packed", "bf16 kernel", "bf16 packed", "int8 kernel", "int8 packed"):
         dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}[path.split()[0]]
-        if path == "int8 packed":
+        if path in ("f32 packed", "bf16 packed"):
+            ws = [jnp.asarray(cpu_gemv.pack_panels(np.asarray(rng.standard_normal(s) * 0.02, dtype))) for s in shapes]
+            call = lambda x, w, n: cpu_gemv.matmul_packed(x, w, n)
+        elif path == "int8 packed":
             ws = [jnp.asarray(cpu_gemv.pack_s8(rng.integers(-127, 128, s).astype(np.int8))) for s in shapes]
             call = lambda x, w, n: cpu_gemv.qmatmul_s8p(x.astype(jnp.float32), w, jnp.full((1, n), 0.01, jnp.float32))
         elif dtype == jnp.int8:
@@ -100,6 +104,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--shapes", nargs="+", default=["1024x32000", "2048x8192"])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--chain", action="store_true", help="also time chains of distinct layer weights")
+    ap.add_argument("--chain-layers", type=int, default=CHAIN_LAYERS)
     args = ap.parse_args(argv)
     if not cpu_gemv.available():
         raise SystemExit("the CPU kernel is unavailable (see the warning above)")
@@ -110,6 +115,7 @@ def main(argv=None) -> dict:
         wf = jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.float32)
         wb, wq = wf.astype(jnp.bfloat16), jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
         wp, scale = jnp.asarray(cpu_gemv.pack_s8(wq)), jnp.full((1, n), 0.01, jnp.float32)
+        wpf, wpb = jnp.asarray(cpu_gemv.pack_panels(wf)), jnp.asarray(cpu_gemv.pack_panels(wb))
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             xb, xq = x.astype(jnp.bfloat16), jnp.asarray(rng.integers(-127, 128, (m, k)), jnp.int8)
@@ -120,8 +126,10 @@ def main(argv=None) -> dict:
                 "bf16 kernel": (jax.jit(cpu_gemv.gemv_bf16), xb, wb),
                 "int8 xla": (jax.jit(_xla_dot(jnp.int32), compiler_options=_CPU_DECODE_OPTIONS_NARROW), xq, wq),
                 "int8 kernel": (jax.jit(lambda x, w: cpu_gemv.gemv_s8(x, w)), xq, wq),
-                # what an int8 model's matmuls are on a CPU host: the packed weight, the whole
-                # W8A8 product (activation quantization and rescale included)
+                # what a model's matmuls are on a CPU host: the packed weight (int8: the whole
+                # W8A8 product, activation quantization and rescale included)
+                "f32 packed": (jax.jit(lambda x, w: cpu_gemv.matmul_packed(x, w, n)), x, wpf),
+                "bf16 packed": (jax.jit(lambda x, w: cpu_gemv.matmul_packed(x, w, n)), xb, wpb),
                 "int8 packed": (jax.jit(lambda x, w: cpu_gemv.qmatmul_s8p(x, w, scale)), x, wp),
             }
             for name, (f, a, w) in cases.items():
@@ -132,7 +140,7 @@ def main(argv=None) -> dict:
                       flush=True)
     out = {"bench": "gemv", "rows": rows_out}
     if args.chain:
-        out["chain"] = chain(args.rows)
+        out["chain"] = chain(args.rows, args.chain_layers)
     print(json.dumps(out))
     return out
 

@@ -138,7 +138,6 @@ class VLM:
         self.video_cache = VideoCache()
         self.tokenizer = model.tokenizer
         self.family = model.family
-        self.params = model.params
         self.image_limits = image_limits
         self._engine_kw = engine_kw
         self._engine = engine
@@ -154,6 +153,16 @@ class VLM:
         return self.model.name
 
     @property
+    def params(self) -> dict:
+        """The weights as research code reads, edits and differentiates them: every matmul weight
+        in its [in, out] layout (an int8 one a QArray). On a CPU host the engine keeps its copy
+        packed for its kernels (`mmjax.packed_weights`); this is then an unpacked copy made on
+        each access (hold on to it rather than reading it in a loop). Any such pytree, edited or
+        not, goes to `loss` / `jax.grad` as it is."""
+        from mmjax.packed_weights import with_packing
+        return with_packing(self.model.params, False)
+
+    @property
     def engine(self):
         if self._engine is None:
             from mmjax.serving.data_parallel import make_engine
@@ -165,7 +174,7 @@ class VLM:
         from mmjax.checkpoint import save_params
         from mmjax.packed_weights import with_packing
         from mmjax.quant import write_quantization
-        out = save_params(with_packing(self.params, False), directory)   # the portable [in, out] layout
+        out = save_params(with_packing(self.model.params, False), directory)   # the portable [in, out] layout
         write_quantization(out, self.model.quantize, self.model.quantize_group_size)
         return out
 

@@ -231,6 +231,8 @@ class Placement:
         blocks, vocab padded to a multiple of tp); identity at tp == 1."""
         if self.tp == 1:
             return params
+        from mmjax.packed_weights import with_packing
+        params = with_packing(params, False)    # (a CPU host's packed weights: the re-layout is by columns)
         groups = [x.scale.shape[0] for x in jax.tree.leaves(params, is_leaf=is_qarray) if is_qarray(x) and x.ndim == 2]
         check_quantized_tp(self.tp, any(g > 1 for g in groups))
         return {**params, "text": tm.tp_layout(params["text"], self.tp)}

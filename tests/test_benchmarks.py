@@ -113,6 +113,20 @@ def test_cpu_attention_bench_smoke(capsys):
     assert r["engine"] == [] and "int8    cache,   1 rows x   130 keys: kernel" in capsys.readouterr().out
 
 
+def test_gemv_bench_smoke(capsys):
+    from benchmarks.gemv import main
+    r = main(["--rows", "1", "3", "--shapes", "64x200", "--repeat", "1", "--chain", "--chain-layers", "1"])
+    paths = ["f32 xla", "bf16 xla", "f32 kernel", "bf16 kernel", "int8 xla", "int8 kernel", "f32 packed",
+             "bf16 packed", "int8 packed"]
+    assert [(x["shape"], x["path"]) for x in r["rows"]] == [(s, p) for s in ("[1,64]x[64,200]", "[3,64]x[64,200]")
+                                                            for p in paths]
+    assert {(x["path"], x["rows"]) for x in r["chain"]} == {
+        (p, m) for p in ("f32 xla", "f32 kernel", "f32 packed", "bf16 kernel", "bf16 packed", "int8 kernel",
+                         "int8 packed") for m in (1, 3)}
+    assert all(_finite(x["ms"]) and x["ms"] > 0 and x["gb_s"] > 0 for x in r["rows"] + r["chain"])
+    assert "chain bf16 packed  rows  3" in capsys.readouterr().out
+
+
 def test_arch_arithmetic_matches_default_checkpoint():
     """FLOP and byte counts of the default checkpoint, by hand (342M params, ~886 MB/step)."""
     from benchmarks.kernel import Arch

@@ -228,13 +228,14 @@ def test_tensor_parallel_layout_keeps_the_math(qwen3_dirs):
     replicated) under tensor_parallel(2) + tp_layout, run on one device: the one-device logits.
     (KV-head replication for tp > KV heads is llama.py's, tests/test_sharding.py.)"""
     from mmjax.api import load_model
+    from mmjax.packed_weights import with_packing
 
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(5, 300, (2, 14)), jnp.int32)
     pos = jnp.asarray(rng.integers(0, 40, (3, 2, 14)), jnp.int32)
     for kind, path in qwen3_dirs.items():
         model = load_model(path)
-        tm, params = model.family.text_model, model.params["text"]
+        tm, params = model.family.text_model, with_packing(model.params, False)["text"]   # tp_layout's [in, out]
         adds = jnp.asarray(rng.standard_normal((tm.image_feature_layers, 2, 14, 64)), jnp.float32)
 
         def run(tm, p):

@@ -8,6 +8,7 @@ import pytest
 import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import InvalidRequestError
+from mmjax.packed_weights import PackedWeight
 from mmjax.research import Ablate, Pool
 from mmjax.research.gradients import answer_logprob
 from mmjax.research.interventions import pool_grid
@@ -128,7 +129,14 @@ def test_saliency_and_loss_match_finite_differences(vlm):
     ig = vlm.saliency(img, "what color is it", "red", method="integrated", steps=32)
     gap = sal.logprob - f(np.full_like(sal.pixels, -1.0))
     assert abs(ig.attribution.sum() - gap) <= 0.05 * abs(gap) + 1e-4
-    # loss: jax.grad over params, checked along a random direction in the LM head
+    # loss: jax.grad over params (`vlm.params`: the [in, out] weights research code edits; the
+    # engine's own copy may be packed for the CPU kernels), checked along a random direction in
+    # the LM head
+    params = vlm.params
+    packed = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PackedWeight))  # noqa: E731
+                           if isinstance(x, PackedWeight)]
+    assert packed(vlm.engine.runner.params) and not packed(params)
+    assert params["text"]["lm_head"].shape == vlm.engine.runner.params["text"]["lm_head"].shape
     g = jax.grad(vlm.loss)(params, prompt, "red", [img])
     d = np.random.default_rng(1).standard_normal(params["text"]["lm_head"].shape).astype(np.float32)
 

@@ -263,6 +263,7 @@ def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
 
     from mmjax.api import load_model
     from mmjax.errors import UnsupportedModelError
+    from mmjax.packed_weights import with_packing
 
     ids = jnp.asarray(np.random.default_rng(0).integers(5, 300, (2, 14)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(14)[None, None], (1, 2, 14))
@@ -273,7 +274,7 @@ def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
         return np.asarray(tm.logits(p, out.hidden))
     for path in (*gemma3_dirs.values(), *gemma4_dirs.values()):
         model = load_model(path)
-        tm, params = model.family.text_model, model.params["text"]
+        tm, params = model.family.text_model, with_packing(model.params, False)["text"]   # tp_layout's [in, out]
         base = run(tm, params)
         for tp in (2, 4):
             tp_tm = tm.tensor_parallel(tp)
