@@ -1,6 +1,6 @@
-// Skinny matmuls for CPU decode: y[M, N] = x[M, K] @ W[K, N] with few rows (M <= 16), the
-// weight read as it is stored, at memory bandwidth (mmjax/kernels/cpu_gemv.py builds and
-// registers this file through the XLA FFI).
+// CPU matmuls y[M, N] = x[M, K] @ W[K, N] (mmjax/kernels/cpu_gemv.py builds and registers this
+// file through the XLA FFI): few rows (M <= 16) of a weight stored [K, N], read as stored at
+// memory bandwidth, and any M over a weight packed at load into 64-column panels.
 //
 //   mmjax_gemv_f32:  x f32 [M, K], W f32 [K, N] -> f32 [M, N], the f32 dot up to summation order.
 //   mmjax_gemv_bf16: x bf16 [M, K], W bf16 [K, N] -> f32 [M, N]. Products of two bf16 are exact

@@ -1,13 +1,17 @@
-"""A CPU kernel for decode's skinny matmuls: x [M, K] @ W [K, N] for M <= 16 rows, W f32, bf16 or
-int8, read as stored at memory bandwidth (cpu_gemv.cc; issues 25 and 28).
+"""CPU matmul kernels: x [M, K] @ W [K, N] with W f32, bf16 or int8 (cpu_gemv.cc; issues 25 and
+28). Two forms:
 
-Why: XLA:CPU's own one-row dot converts a bf16 / int8 weight to f32 / s32 on every call, and
-YNNPACK's library dot (reached with two or more rows) reads bf16 at ~7-15 GB/s and s8 at ~5 GB/s,
-against ~35 GB/s the machine can read: a decode step, which streams every weight once, was
-slower in bf16 and barely faster in int8 than in f32. In f32, XLA's dots at 2-16 rows read at
-13-22 GB/s. The kernel (AVX-512 FMA / BF16 / VNNI, plain C++ on other CPUs) streams the weight
-once, its rows split over XLA's intra-op threads.
+* row-major (`gemv_f32` / `gemv_bf16` / `gemv_s8`): M <= 16 rows of a weight stored [in, out],
+  read as stored at memory bandwidth. Why: XLA:CPU's own one-row dot converts a bf16 / int8
+  weight to f32 / s32 on every call, and YNNPACK's library dot (reached with two or more rows)
+  reads bf16 at ~7-15 GB/s and s8 at ~5 GB/s, against ~35 GB/s the machine can read; in f32,
+  XLA's dots at 2-16 rows read at 13-22 GB/s.
+* packed (`matmul_packed` for f32 / bf16, `qmatmul_s8p` for int8's whole W8A8 product): any M,
+  over a weight re-laid at load into 64-column panels (`pack_panels` / `pack_s8`, applied by
+  mmjax.packed_weights / mmjax.quant): one contiguous stream per panel, the dot instructions'
+  operands as they lie; decode at the read bandwidth, prefill and encode faster than XLA's dots.
 
+AVX-512 FMA / BF16 / VNNI, plain C++ on other CPUs; the work split over XLA's intra-op threads.
 Built and registered with the other CPU kernels by mmjax/kernels/cpu_library.py (one warning
 and XLA's dots where no compiler is found); only on the CPU (`enabled()` at trace time).
 """
