@@ -99,10 +99,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
     path, name = resolve_model(model)
     hf_cfg = json.loads((path / "config.json").read_text())
     family, np_params = load_family(path, hf_cfg)
-    # weights on a CPU host are packed for mmjax's matmul kernels once, here (bf16 ones as each
-    # is placed, int8 ones as each is quantized), so the model and its runner share one copy (a
-    # runner for another platform or a mesh unpacks its own); a restored copy is saved [in, out]:
-    # restored into that layout, then packed
+    # weights on a CPU host are packed for mmjax's matmul kernels once, here (f32 / bf16 ones as
+    # each is placed, int8 ones as each is quantized), so the model and its runner share one copy
+    # (a runner for another platform or a mesh unpacks its own); a restored copy is saved [in,
+    # out]: restored into that layout, then packed
     from mmjax import packed_weights, quant
     packed = on_device and packed_weights.cpu_packs()
     params = cast_params(np_params, DTYPES[dtype], on_device=on_device,

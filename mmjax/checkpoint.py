@@ -189,8 +189,8 @@ def cast_params(params, dtype, on_device: bool = True, pack=None):
     """numpy pytree -> arrays in `dtype` (float leaves only): on the default device, or, with
     on_device=False, numpy arrays on the host (a model placed over a mesh goes from the host
     straight to its shards, never whole onto one device). pack(path, leaf): a re-layout of each
-    cast leaf on the host before it is placed (`mmjax.packed_weights.pack_leaf`), one leaf at a time so
-    no second copy of the weights is ever held."""
+    cast leaf on the host before it is placed (`mmjax.packed_weights.pack_leaf`), one leaf at a
+    time, so no second copy of the weights is ever held."""
     import jax
     import jax.numpy as jnp
 

@@ -17,9 +17,9 @@ def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
     an f32 result (`preferred_element_type`), cast back to bf16 where the activations are bf16
     (AMX / tensor cores take bf16 operands and accumulate in f32; a bf16-result dot gains
     nothing on CPU), and a quantized weight (`mmjax.quant.QArray`) takes its 8-bit dot. On the
-    CPU, a packed weight (`mmjax.packed_weights`: f32, bf16 and int8 ones on a CPU host) takes mmjax's kernel
-    at any number of rows, and a few rows (decode) of an f32 (or unpacked bf16 / int8) weight go
-    to the row-major kernel (`mmjax.kernels.cpu_gemv`), which reads it at memory bandwidth."""
+    CPU, a packed weight (`mmjax.packed_weights`: f32, bf16 and int8 ones on a CPU host) takes
+    mmjax's kernel at any number of rows, and a few rows (decode) of an [in, out] weight go to
+    the row-major kernel (`mmjax.kernels.cpu_gemv`), which reads it at memory bandwidth."""
     from mmjax.kernels import cpu_gemv
     from mmjax.packed_weights import PackedWeight, matmul as packed_matmul
     from mmjax.quant import QArray, qmatmul

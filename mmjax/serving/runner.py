@@ -383,7 +383,7 @@ class ModelRunner:
         narrow = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn)}
         self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1,
                                           narrow_weights=any(x.dtype in narrow for x in jax.tree.leaves(params["text"])))
-        # bf16 / int8 weights packed for the CPU matmul kernels where they run, [in, out]
+        # f32 / bf16 / int8 weights packed for the CPU matmul kernels where they run, [in, out]
         # elsewhere (a no-op for a model loaded on this platform: mmjax.load packs on a CPU host)
         params = packed_weights.with_packing(params, self.tuning.cpu_kernels and cpu_gemv.available())
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
