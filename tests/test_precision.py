@@ -86,8 +86,9 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     """int8 and bf16 weights are read as they are stored by the compiled CPU steps: s8 x s8 ->
     s32 / bf16 x bf16 -> f32 dots, and no f32 / s32 array of any weight's shape (XLA:CPU converts
     a whole weight per step for a dot it keeps for itself: a one-row decode dot, or any dot with
-    library dots off), at one decode row and at several; a bf16 KV cache is written without a
-    float copy of its segments. The checker fails on a weight-only dequantization."""
+    library dots off), at one decode row and at several; f32 and bf16 weights packed at load are
+    read by the packed kernel in every step, never unpacked there; a bf16 KV cache is written
+    without a float copy of its segments. The checker fails on a weight-only dequantization."""
     model = load_model(llava_dirs["gqa"], "float32", quantize="int8")
     qs = [x for x in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QArray)) if isinstance(x, QArray)]
     assert len(qs) == 2 * 6 + 2 + 2 * 4 + 1          # ViT q/k/v/o/fc1/fc2, projector, LM qkv/o/gate_up/down, head
@@ -124,22 +125,25 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     # over the panels, and no copy of a weight in any layout (an in-graph unpack would be a bf16
     # [in, out] copy); the CPU's "auto" KV cache of a bf16 model is float32 (no bf16 scatter
     # there), an explicit bf16 cache is written as 16-bit integers
-    bf16 = load_model(llava_dirs["gqa"], "bfloat16")
     packed = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PackedWeight))  # noqa: E731
                            if isinstance(x, PackedWeight)]
-    ws = packed(bf16.params["text"])
-    assert len(ws) >= 2 * 4 + 1 and packed(bf16.params["vision"])
-    assert bf16.params["text"]["embed"].dtype == jnp.bfloat16      # gathered, not a matmul weight: as stored
-    shapes = {w.shape for w in ws} | {w.data.shape for w in ws}
-    runner = _runner(bf16)
+    # (f32 weights the same way: mmjax_matmul_f32p over f32 panels)
+    for dtype, target in (("float32", "mmjax_matmul_f32p"), ("bfloat16", "mmjax_matmul_bf16p")):
+        model = load_model(llava_dirs["gqa"], dtype)
+        ws = packed(model.params["text"])
+        assert len(ws) >= 2 * 4 + 1 and packed(model.params["vision"])
+        assert model.params["text"]["embed"].dtype == jnp.dtype(dtype)     # gathered, not a matmul weight: as stored
+        shapes = {w.shape for w in ws} | {w.data.shape for w in ws}
+        runner = _runner(model)
+        steps = [n for n, *_ in runner.step_signatures()]
+        names = ["decode[1]", "decode[2]", next(n for n in steps if n.startswith("prefill")),
+                 next(n for n in steps if n.startswith("encode"))]
+        for name, hlo in _compiled(runner, *names).items():
+            assert hlo.count(f'custom_call_target="{target}"') >= (9 if name != names[-1] else 4), (dtype, name)
+            assert name == names[-1] or "mmjax_gemv" not in hlo, (dtype, name)   # (encode: the patch embedding)
+            assert _wide_copies(hlo, shapes) == [], (dtype, name)
+    bf16 = model
     assert runner.kv_cache_dtype == np.dtype(np.float32)
-    steps = [n for n, *_ in runner.step_signatures()]
-    names = ["decode[1]", "decode[2]", next(n for n in steps if n.startswith("prefill")),
-             next(n for n in steps if n.startswith("encode"))]
-    for name, hlo in _compiled(runner, *names).items():
-        assert hlo.count('custom_call_target="mmjax_matmul_bf16p"') >= (9 if name != names[-1] else 4), name
-        assert name == names[-1] or "mmjax_gemv_bf16" not in hlo, name   # (encode: the patch embedding's rows)
-        assert _wide_copies(hlo, shapes) == [], name
     runner = _runner(bf16, kv_cache_dtype="bfloat16")
     segs = {x.shape for x in jax.tree.leaves(runner.cache) if x.dtype == jnp.bfloat16}
     assert segs and _wide_copies(_compiled(runner, "decode[2]")["decode[2]"], segs, ("f32", "f16")) == []
