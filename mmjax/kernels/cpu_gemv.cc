@@ -654,6 +654,18 @@ bool Trivial(T* y, int64_t outputs, int64_t K, int64_t size) {
   return K == 0;
 }
 
+// x bf16 [M, K] as (row 2k, row 2k + 1) pairs, one 32-bit word per pair [M, ceil(K / 2)]: x itself
+// for even K, else a copy into `odd` with each row's last pair completed by a zero
+const uint32_t* PairWords(const uint16_t* x, int64_t M, int64_t K, std::vector<uint32_t>& odd) {
+  if (K % 2 == 0) return reinterpret_cast<const uint32_t*>(x);
+  const int64_t P = (K + 1) / 2;
+  odd.resize(M * P);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < P; ++p)
+      odd[m * P + p] = x[m * K + 2 * p] | (2 * p + 1 < K ? uint32_t(x[m * K + 2 * p + 1]) << 16 : 0u);
+  return odd.data();
+}
+
 ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                     ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -666,16 +678,12 @@ ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<
   float* yp = y->typed_data();
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   const bool simd = HasAvx512();
-  // x as (row 2p, row 2p + 1) bf16 pairs, one 32-bit word per pair (odd K: the last pair's
-  // second half is 0)
   const int64_t P = (K + 1) / 2;
-  std::vector<uint32_t> xw(simd ? M * P : 0);
-  for (int64_t m = 0; m < M && simd; ++m)
-    for (int64_t p = 0; p < P; ++p)
-      xw[m * P + p] = xp[m * K + 2 * p] | (2 * p + 1 < K ? uint32_t(xp[m * K + 2 * p + 1]) << 16 : 0u);
+  std::vector<uint32_t> odd;
+  const uint32_t* xw = PairWords(xp, M, K, odd);
   RunTiles(pool, simd, P, N, 2, yp, M * N, [&](float* out, int64_t n0, int64_t n1, int64_t pa, int64_t pb) {
 #if defined(__x86_64__)
-    if (simd) return Bf16Range(xw.data(), static_cast<int>(M), K, N, wp, out, n0, n1, pa, pb);
+    if (simd) return Bf16Range(xw, static_cast<int>(M), K, N, wp, out, n0, n1, pa, pb);
 #endif
     GenericBf16(xp, wp, out, M, K, N, n0, n1);
   });
@@ -879,14 +887,8 @@ ffi::Error MatmulBf16P(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buff
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   float* yp = y->typed_data();
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
-  // x's rows as (2k, 2k + 1) pair words: x itself for even K, else a copy with each row's last
-  // pair completed by a zero
-  std::vector<uint32_t> odd(K % 2 ? M * Kp : 0);
-  for (int64_t m = 0; m < M && K % 2; ++m)
-    for (int64_t k = 0; k < Kp; ++k)
-      odd[m * Kp + k] = xp[m * K + 2 * k] | (2 * k + 1 < K ? uint32_t(xp[m * K + 2 * k + 1]) << 16 : 0u);
-  const uint32_t* xw = K % 2 ? odd.data() : reinterpret_cast<const uint32_t*>(xp);
-  RunPacked(pool, xw, M, Kp, N, w.dimensions()[0], reinterpret_cast<const uint16_t*>(w.typed_data()), yp);
+  std::vector<uint32_t> odd;
+  RunPacked(pool, PairWords(xp, M, K, odd), M, Kp, N, w.dimensions()[0], reinterpret_cast<const uint16_t*>(w.typed_data()), yp);
   return ffi::Error::Success();
 }
 
@@ -906,6 +908,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_f32, GemvF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_bf16p, MatmulBf16P,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_f32p, MatmulF32P,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -914,18 +930,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("groups"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_bf16p, MatmulBf16P,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_f32p, MatmulF32P,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_qmatmul_s8p, QmatmulS8P,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
