@@ -46,7 +46,7 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
     import mmjax
     sp = mmjax.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     queue = list(requests)
-    ttfts, latencies, tokens = [], [], 0
+    ttfts, latencies, prompt_lens, tokens = [], [], [], 0
 
     async def client():
         nonlocal tokens
@@ -56,6 +56,7 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
             prompt, images = vlm.render_chat([{"role": "user", "content": [{"type": "image", "image": img},
                                                                            {"type": "text", "text": q}]}])
             req = vlm.engine.make_request(prompt, vlm.prepare_images(images), sp)
+            prompt_lens.append(req.prompt_len)
             first = True
             async for d in ae.stream(req):
                 if first and d.token_ids:
@@ -69,7 +70,26 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
     await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     steps = {k: v - before[k] for k, v in vlm.engine.runner.step_seconds.items()}
-    return {"wall_s": wall, "tokens": tokens, "ttft": ttfts, "latency": latencies, "step_s": steps}
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttfts, "latency": latencies, "step_s": steps,
+            "prompt_lens": prompt_lens, "concurrency": concurrency}
+
+
+def roofline(arch, prompt_lens: list[int], new_tokens: int, concurrency: int, peak_flops: float,
+             read_bw: float) -> dict:
+    """The machine's floor for serving these requests (one image each) at `concurrency`: every
+    FLOP at the probed f32 GEMM rate (encode, prefill with the LM head on the last token, then
+    new_tokens - 1 decode tokens each, attention over the context so far), and no fewer weight
+    reads than decode steps, each reading every decoder weight once at the probed read
+    bandwidth (ceil(n / concurrency) x (new_tokens - 1) steps); the floor is the larger of the two
+    (compute and reads overlapping perfectly). ceiling_tok_s: the output tokens over that floor."""
+    n = len(prompt_lens)
+    flops = sum(arch.encode_flops() + arch.prefill_flops(p) + sum(arch.decode_flops(p + t) for t in range(new_tokens - 1))
+                for p in prompt_lens)
+    steps = -(-n // concurrency) * (new_tokens - 1)
+    compute_s, read_s = flops / peak_flops, steps * arch.decode_bytes(0, 0) / read_bw
+    floor_s = max(compute_s, read_s)
+    return {"flops": flops, "compute_s": compute_s, "read_s": read_s, "floor_s": floor_s,
+            "ceiling_tok_s": n * new_tokens / floor_s, "peak_gemm_flops": peak_flops, "read_bw_bytes_s": read_bw}
 
 
 class _Stamps:
@@ -230,6 +250,13 @@ def main(argv=None) -> int:
                           "decode_steps": decode_steps}))
         return 0
 
+    from benchmarks import machine
+    from benchmarks.kernel import Arch
+    # the f32 roofline: probed around the runs (the best probe: the box drifts); bf16 / int8
+    # weights have other limits, so they get none
+    f32 = args.dtype == "float32" and not args.quantize
+    probes = [machine.measure(smoke=args.smoke, quick=True)] if f32 else []
+
     def serve(vlm):
         out = {}
         ae = AsyncEngine(vlm.engine, max_waiting=10_000)
@@ -252,14 +279,28 @@ def main(argv=None) -> int:
     hf = None if args.no_hf or args.no_hf_sequential else run_hf(peer, make_requests(args.requests, size, seed=99),
                                                                  args.new_tokens)
 
+    if f32:
+        probes.append(machine.measure(smoke=args.smoke, quick=True))
+        arch = Arch.from_family(vlm.family)
+        peak, bw = max(p["peak_flops"] for p in probes), max(p["read_bw"] for p in probes)
+
     def tps(r):
         return r["tokens"] / r["wall_s"] if r else None
+
+    def limit(r, concurrency):
+        """r's floor (roofline) and r's tok/s as a fraction of its ceiling (f32 only)."""
+        if not f32:
+            return None
+        lens = variants[label][top]["prompt_lens"]     # the same prompts for every system
+        roof = roofline(arch, lens, args.new_tokens, concurrency, peak, bw)
+        return {**roof, "fraction": tps(r) / roof["ceiling_tok_s"]}
 
     hf_tps, hfb_tps = tps(hf), tps(hfb)
 
     def stats(r):
         return {"output_tok_s": tps(r), "ttft_p50_s": percentile(r["ttft"], 50), "ttft_p99_s": percentile(r["ttft"], 99),
-                "latency_p50_s": percentile(r["latency"], 50), "wall_s": r["wall_s"]}
+                "latency_p50_s": percentile(r["latency"], 50), "wall_s": r["wall_s"],
+                "roofline": limit(r, r.get("batch") or r.get("concurrency", 1))}
 
     rows = []
     for who, c, r in ((w, c, r) for w, res in variants.items() for c, r in res.items()):
@@ -271,12 +312,13 @@ def main(argv=None) -> int:
           f"{'synchronous' if args.no_overlap else 'overlapped'} engine steps)")
     print(f"warmup: {sum(compiled.values())} compiled shapes {compiled} in {compile_s:.1f}s (excluded below)")
     print(f"{'who':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'lat. p50':>10}"
-          f"{'vs HF seq':>11}{'vs HF batch':>13}")
+          f"{'vs HF seq':>11}{'vs HF batch':>13}{'% roofline':>12}")
 
     def line(who, conc, st, seq, bat):
         x = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
         print(f"{who:<24}{conc:>5}{st['output_tok_s']:>10.1f}{st['ttft_p50_s'] * 1e3:>8.0f}ms"
-              f"{st['ttft_p99_s'] * 1e3:>8.0f}ms{st['latency_p50_s']:>9.1f}s{x(seq):>11}{x(bat):>13}")
+              f"{st['ttft_p99_s'] * 1e3:>8.0f}ms{st['latency_p50_s']:>9.1f}s{x(seq):>11}{x(bat):>13}"
+              + (f"{100 * st['roofline']['fraction']:>11.0f}%" if st["roofline"] else f"{'-':>12}"))
     for row in rows:
         line(row["who"], row["concurrency"], row, row["vs_hf_sequential"], row["vs_hf_batched"])
     if hfb:
@@ -289,12 +331,17 @@ def main(argv=None) -> int:
         print(f"{row['who']} time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
               + " + ".join(f"{k} {v:.2f}s" for k, v in row["step_s"].items())
               + f" + host/idle {row['wall_s'] - busy:.2f}s")
+    for row in rows if f32 else ():
+        roof = row["roofline"]
+        print(f"roofline at concurrency {row['concurrency']} ({row['who']}): {roof['flops'] / 1e12:.2f} TFLOP at "
+              f"{peak / 1e9:.0f} GFLOP/s = {roof['compute_s']:.2f}s, weight reads {roof['read_s']:.2f}s at "
+              f"{bw / 1e9:.1f} GB/s -> floor {roof['floor_s']:.2f}s, ceiling {roof['ceiling_tok_s']:.1f} tok/s")
     print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads, "dtype": args.dtype, "quantize": args.quantize,
                "overlap": not args.no_overlap,
                "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,
-               "mmjax": rows, "decode_steps": decode_steps,
+               "mmjax": rows, "decode_steps": decode_steps, "machine_probes": probes,
                "hf_sequential": None if not hf else stats(hf),
                "hf_batched": None if not hfb else {"batch": hfb["batch"], **stats(hfb)}}
     print(json.dumps(summary))

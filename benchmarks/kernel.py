@@ -80,6 +80,12 @@ class Arch:
         attn = 2 * t * t * self.heads * self.head_dim  # QK^T + PV over the causal half
         return float(self.layers * (2 * t * self.layer_params() + attn) + 2 * self.hidden * self.vocab)
 
+    def decode_flops(self, context: int) -> float:
+        """FLOPs of one decode token: every decoder weight and the LM head once, attention over
+        `context` cached positions."""
+        attn = 4 * context * self.heads * self.head_dim
+        return float(self.layers * (2 * self.layer_params() + attn) + 2 * self.hidden * self.vocab)
+
     def decode_bytes(self, batch: int, context: float, itemsize: int = 4) -> float:
         """Bytes one decode step must read: every decoder weight, the LM head, `batch` embedding
         rows and each sequence's K/V over `context` tokens."""

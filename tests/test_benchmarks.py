@@ -101,6 +101,13 @@ def test_engine_bench_smoke(tmp_path):
     assert "transformers (batch 4)" in out.stdout
     assert {(d["rows"], d["kv_len"]) for d in r["decode_steps"]} == {(1, 128), (1, 256), (4, 128), (4, 256)}
     assert r["compiled_shapes"]["decode"] == 3 and "transformers (seq.)" in out.stdout  # rows 1, 2, 4
+    # the f32 roofline of every system's run: probed limits, a floor, its fraction
+    assert len(r["machine_probes"]) == 2 and "% roofline" in out.stdout
+    for st in r["mmjax"] + [r["hf_sequential"], hfb]:
+        roof = st["roofline"]
+        assert roof["floor_s"] == max(roof["compute_s"], roof["read_s"]) > 0
+        assert roof["fraction"] == pytest.approx(st["output_tok_s"] / roof["ceiling_tok_s"])
+    assert r["mmjax"][0]["roofline"]["read_s"] == pytest.approx(4 * r["mmjax"][1]["roofline"]["read_s"])
 
 
 def test_cpu_attention_bench_smoke(capsys):
@@ -138,6 +145,26 @@ def test_arch_arithmetic_matches_default_checkpoint():
     assert a.decode_bytes(1, 0) == 4 * (weights + 1024)
     assert a.decode_bytes(8, 100) - a.decode_bytes(8, 0) == 4 * 8 * 100 * 16 * 2 * 8 * 64
     assert 30e9 < a.encode_flops() < 36e9
+
+
+def test_engine_roofline_arithmetic():
+    """bench engine's floor for 16 requests of 230 prompt tokens and 128 new tokens each on the
+    default checkpoint: ~2.88 TFLOP (per request 32.9 GFLOP encode + 88.6 prefill + 127 decode
+    tokens of ~0.46), and 127 (concurrency 16) or 16 x 127 (one at a time) reads of the weights."""
+    from benchmarks.engine import roofline
+    from benchmarks.kernel import Arch
+
+    a = Arch(v_hidden=768, v_inter=3072, v_layers_run=11, v_tokens=197, patch_dim=768, img_tokens=196,
+             proj_in=768, hidden=1024, inter=2816, layers=16, heads=16, kv_heads=8, head_dim=64, vocab=32000)
+    assert a.decode_flops(0) == 2 * (16 * a.layer_params() + 1024 * 32000)
+    assert a.decode_flops(100) - a.decode_flops(0) == 16 * 4 * 100 * 16 * 64
+    r16 = roofline(a, [230] * 16, 128, 16, 200e9, 30e9)
+    assert 2.8e12 < r16["flops"] < 2.95e12 and r16["compute_s"] == pytest.approx(r16["flops"] / 200e9)
+    assert r16["read_s"] == pytest.approx(127 * a.decode_bytes(0, 0) / 30e9)
+    assert r16["floor_s"] == r16["compute_s"] and r16["ceiling_tok_s"] == pytest.approx(16 * 128 / r16["floor_s"])
+    r1 = roofline(a, [230] * 16, 128, 1, 200e9, 30e9)
+    assert r1["flops"] == r16["flops"] and r1["read_s"] == pytest.approx(16 * r16["read_s"])
+    assert r1["floor_s"] == r1["read_s"]        # one at a time, every token re-reads the weights
 
 
 # ---- serve bench ---------------------------------------------------------------------------------

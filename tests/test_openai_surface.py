@@ -9,7 +9,8 @@ import pytest
 
 import mmjax
 from mmjax.serving.constraints import bad_word_ids
-from mmjax.serving.sampling import SamplingParams, SlotHistory, SlotSampling, VocabRow, process_logits, vocab_row
+from mmjax.serving.sampling import (MAX_TOP_LOGPROBS, SamplingParams, SlotHistory, SlotSampling, VocabRow, greedy_ids,
+                                    process_logits, sample, vocab_row)
 
 GREEDY = dict(temperature=0.0)
 
@@ -69,6 +70,56 @@ def test_process_logits_matches_numpy_reference():
         fin = np.isfinite(want)
         np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-6, atol=1e-5)
     assert np.isinf(got[1, 7]) and np.isinf(got[1, 2]) and np.isinf(got[2, 2]) and np.isfinite(got[2, 3])
+
+
+def test_greedy_ids_is_argmax():
+    """greedy_ids == jnp.argmax: random rows, ties (the first maximum), a NaN (the first NaN, as
+    argmax), a row of -inf (index 0), +inf."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 2, (7, 1000)).astype(np.float32)
+    x[1, [10, 500, 999]] = 50.0                     # ties
+    x[2, [40, 700]] = np.nan
+    x[3] = -np.inf
+    x[4, 321] = np.inf
+    x[5] = np.round(x[5])                           # many ties among integers
+    got = np.asarray(greedy_ids(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+    assert list(got[1:5]) == [10, 40, 0, 321]
+
+
+def test_sample_computes_logprobs_only_when_a_row_asks():
+    """sample(): without any row asking for logprobs the logprob outputs are zeros (the
+    log-softmax and top-k are skipped); with one row asking, every row's chosen logprob and top
+    MAX_TOP_LOGPROBS are those of the raw logits (numpy log-softmax), whatever the penalties."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(4)
+    vocab = 300
+    logits = rng.normal(0, 3, (3, vocab)).astype(np.float32)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+
+    def slots(params):
+        sps = [SlotSampling.from_params(sp) for sp in params]
+        return SlotSampling(*(np.stack([getattr(s, f) for s in sps]) for f in SlotSampling.__dataclass_fields__))
+
+    hist = SlotHistory(VocabRow(np.zeros((3, vocab), np.float32), np.zeros((3, vocab), bool), np.zeros((3, vocab), bool)),
+                       np.zeros((3, vocab), np.int32), np.zeros(3, np.int32))
+    bits = np.full((3, -(-vocab // 32)), 0xFFFFFFFF, np.uint32)
+    quiet = [SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(temperature=0.0),
+             SamplingParams(temperature=0.0)]
+    tokens, chosen, top, ids = (np.asarray(a) for a in sample(jnp.asarray(logits), keys, slots(quiet), hist, bits))
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    assert not chosen.any() and not top.any() and not ids.any() and top.shape == (3, MAX_TOP_LOGPROBS)
+    asking = quiet[:2] + [SamplingParams(temperature=0.0, logprobs=3)]
+    tokens, chosen, top, ids = (np.asarray(a) for a in sample(jnp.asarray(logits), keys, slots(asking), hist, bits))
+    lp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(chosen, lp[np.arange(3), tokens], atol=1e-5)
+    np.testing.assert_array_equal(ids, np.argsort(-lp, -1)[:, :MAX_TOP_LOGPROBS])
+    np.testing.assert_allclose(top, np.sort(lp, -1)[:, ::-1][:, :MAX_TOP_LOGPROBS], atol=1e-5)
 
 
 @pytest.fixture(scope="module")

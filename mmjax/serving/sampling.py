@@ -162,19 +162,21 @@ class SlotSampling:
     frequency: jax.Array     # [slots] float32
     repetition: jax.Array    # [slots] float32 (1 = off)
     min_tokens: jax.Array    # [slots] int32
+    logprobs: jax.Array      # [slots] int32 (top alternatives asked for; -1: no logprobs)
 
     @classmethod
     def zeros(cls, n: int) -> "SlotSampling":
         f = lambda v: jnp.full((n,), v, jnp.float32)  # noqa: E731
         return cls(f(0.0), jnp.zeros((n,), jnp.int32), f(1.0), f(0.0), f(0.0), f(0.0), f(1.0),
-                   jnp.zeros((n,), jnp.int32))
+                   jnp.zeros((n,), jnp.int32), jnp.full((n,), -1, jnp.int32))
 
     @classmethod
     def from_params(cls, sp: SamplingParams) -> "SlotSampling":
         """One slot's host scalars (numpy) from validated SamplingParams."""
         f = np.float32
         return cls(f(sp.temperature), np.int32(sp.top_k), f(sp.top_p), f(sp.min_p), f(sp.presence_penalty),
-                   f(sp.frequency_penalty), f(sp.repetition_penalty), np.int32(min(sp.min_tokens, INT32_MAX)))
+                   f(sp.frequency_penalty), f(sp.repetition_penalty), np.int32(min(sp.min_tokens, INT32_MAX)),
+                   np.int32(-1 if sp.logprobs is None else sp.logprobs))
 
 
 jax.tree_util.register_dataclass(SlotSampling, data_fields=[f.name for f in fields(SlotSampling)], meta_fields=[])
@@ -274,11 +276,12 @@ def sample(logits: jax.Array, keys: jax.Array, sp: SlotSampling, hist: SlotHisto
 
     Returns (tokens [b] int32, chosen logprob [b], top logprobs [b, MAX_TOP_LOGPROBS] and their
     ids). Logprobs are of the raw model distribution (before penalties, masks, temperature and
-    filters), as vLLM's default."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    filters), as vLLM's default; they are computed only when some row asks for them (zeros
+    otherwise: the log-softmax and top-k over the vocab were ~1 ms of a 16-row CPU decode step)."""
+    raw = logits
     if hist is not None:
         logits = process_logits(logits, sp, hist, bits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_ids(logits)
     temperature = sp.temperature
 
     def draw(_):
@@ -297,6 +300,26 @@ def sample(logits: jax.Array, keys: jax.Array, sp: SlotSampling, hist: SlotHisto
 
     # The full-vocab sort only runs when some row actually samples.
     tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_vals, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
-    return tokens, chosen, top_vals, top_ids.astype(jnp.int32)
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+
+    def scores(_):
+        logprobs = jax.nn.log_softmax(raw, axis=-1)
+        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        top_vals, top_ids = jax.lax.top_k(logprobs, k)
+        return chosen, top_vals, top_ids.astype(jnp.int32)
+
+    def none(_):
+        b = logits.shape[0]
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32)
+
+    chosen, top_vals, top_ids = jax.lax.cond(jnp.any(sp.logprobs >= 0), scores, none, None)
+    return tokens, chosen, top_vals, top_ids
+
+
+def greedy_ids(logits: jax.Array) -> jax.Array:
+    """jnp.argmax(logits, -1) as int32 (the first maximum; the first NaN where a row has one)
+    for logits [b, vocab], as two plain reductions: XLA:CPU runs argmax's (value, index) pair
+    reduction unvectorized (1.2 ms for 16 x 32000 logits against 0.35 ms here)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where((logits == top) | jnp.isnan(logits), index, logits.shape[-1]), axis=-1)
