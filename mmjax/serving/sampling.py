@@ -15,7 +15,7 @@ import numpy as np
 
 from mmjax.errors import InvalidRequestError
 
-MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit; the decode step always computes this many
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit; a step computes this many when any of its rows asks
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024   # checked per generated token: bounded so no request slows every step
@@ -212,10 +212,11 @@ class SlotHistory:
                    jnp.zeros((n, vocab), jnp.int32), jnp.zeros((n,), jnp.int32))
 
     def after(self, tokens: jax.Array) -> "SlotHistory":
-        """The history once `tokens` [slots] were generated."""
-        rows = jnp.arange(tokens.shape[0])
+        """The history once the first len(tokens) slots generated `tokens` [rows]."""
+        n = tokens.shape[0]
         # a scatter of one count per row: no [rows, vocab] one-hot temporary per step
-        return dataclasses.replace(self, counts=self.counts.at[rows, tokens].add(1), generated=self.generated + 1)
+        return dataclasses.replace(self, counts=self.counts.at[jnp.arange(n), tokens].add(1),
+                                   generated=self.generated.at[:n].add(1))
 
 
 jax.tree_util.register_dataclass(SlotHistory, data_fields=["row", "counts", "generated"], meta_fields=[])
