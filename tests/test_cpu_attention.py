@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,81 @@ def test_kernel_equals_reference(generic, dtype):
             np.testing.assert_array_equal(alone[0], got[b - 1])
     finally:
         cpu_library.set_generic(False)
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn],
+                         ids=["f32", "bf16", "int8", "fp8"])
+def test_write_kernel_equals_reference(generic, dtype):
+    """decode_attention_write: each row's new K / V (and int8 / fp8 scales) lands at its index
+    in the right segment, bit for bit as `write_reference` (rows past b and indexes outside the
+    segments untouched), and the attention is the float64 one over the written cache; with the
+    segments donated, the compiled call updates them in place (no copy of a segment)."""
+    simd = cpu_library.set_generic(generic)
+    try:
+        assert not (generic and simd)
+        rng = np.random.default_rng(5)
+        fn = jax.jit(lambda q, k, v, kts, vs, lo, hi, pos, scale, scales, ns: cpu_attention.decode_attention_write(
+            q, k, v, kts, vs, lo, hi, pos, scale=scale, scales=scales, new_scales=ns), static_argnums=8)
+        for b, slots, kvh, n, hd, lens, lo, hi in CASES:
+            total = sum(lens)
+            q = jnp.asarray(rng.standard_normal((b, kvh, n, hd)), jnp.float32)
+            kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
+            new_k, new_v, new_sc = _cache(rng, dtype, b, kvh, hd, [1])     # [b, kvh, hd, 1] / [b, kvh, 1, hd]
+            k, v = new_k[0][..., 0], new_v[0][:, :, 0]
+            ns = None if new_sc is None else (new_sc[0][0][..., 0], new_sc[1][0][..., 0])
+            # each row's index: its last visible key (inside any segment), the last row parked past the cache
+            pos = np.clip(np.asarray(hi) - 1, 0, total - 1)
+            pos[-1] = total if b > 1 else pos[-1]
+            pos = jnp.asarray(pos, jnp.int32)
+            lo_, hi_ = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+            out, kts2, vs2, sc2 = fn(q, k, v, kts, vs, lo_, hi_, pos, hd ** -0.5, scales, ns)
+            wk, wv, wsc = cpu_attention.write_reference(kts, vs, scales, k, v, ns, pos)
+            for got, want in zip(jax.tree.leaves((kts2, vs2, sc2)), jax.tree.leaves((wk, wv, wsc))):
+                assert got.dtype == want.dtype
+                np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+            changed = sum(int((np.asarray(a.astype(jnp.float32)) != np.asarray(c.astype(jnp.float32))).any())
+                          for a, c in zip(kts + vs, wk + wv))
+            assert changed >= 1                                   # (the reference did write something)
+            assert rel_err(out, _want(q, wk, wv, lo, hi, hd ** -0.5, wsc)) < 2e-6, (b, kvh, n, hd, lens)
+        # donated segments: updated in place (XLA's aliasing), no copy of a segment in the step
+        b, slots, kvh, n, hd, lens, lo, hi = CASES[1]
+        kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
+        new_k, new_v, new_sc = _cache(rng, dtype, b, kvh, hd, [1])
+        ns = None if new_sc is None else (new_sc[0][0][..., 0], new_sc[1][0][..., 0])
+        args = (jnp.zeros((b, kvh, n, hd)), new_k[0][..., 0], new_v[0][:, :, 0], kts, vs, jnp.asarray(lo),
+                jnp.asarray(hi), jnp.asarray([1, 70, 150]), hd ** -0.5, scales, ns)
+        def segment_copies(**kw):
+            hlo = jax.jit(fn.__wrapped__, static_argnums=8, **kw).lower(*args).compile().as_text()
+            assert "mmjax_decode_attention_write" in hlo
+            return [ln for ln in hlo.splitlines() if re.search(r"= \S+\[4,2,[\d,]+\]\S* copy\(", ln)]
+        assert segment_copies(donate_argnums=(3, 4, 9)) == []
+        assert len(segment_copies()) >= 6          # not donated: each written segment is a copy
+    finally:
+        cpu_library.set_generic(False)
+
+
+def test_write_kernel_differentiates():
+    """Gradients through decode_attention_write (attention output and written cache) equal those
+    through write_reference + reference, for the queries, the new K / V and the cache."""
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((2, 2, 3, 32)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 2, 32)), jnp.float32) for _ in range(2))
+    kts = [jnp.asarray(rng.standard_normal((2, 2, 32, 40)), jnp.float32) for _ in range(2)]
+    vs = [jnp.asarray(rng.standard_normal((2, 2, 40, 32)), jnp.float32) for _ in range(2)]
+    lo, hi, pos = jnp.asarray([0, 10], jnp.int32), jnp.asarray([70, 41], jnp.int32), jnp.asarray([69, 40], jnp.int32)
+
+    def loss(q, k, v, kts, vs, fused):
+        if fused:
+            out, kts, vs, _ = cpu_attention.decode_attention_write(q, k, v, kts, vs, lo, hi, pos, scale=0.2)
+        else:
+            kts, vs, _ = cpu_attention.write_reference(kts, vs, None, k, v, None, pos)
+            out = cpu_attention.reference(q, kts, vs, lo, hi, 0.2)
+        return jnp.sin(out).sum() + sum(jnp.cos(x).sum() for x in kts + vs) * 1e-3
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
+    assert "mmjax_decode_attention_write" in grad.lower(q, k, v, kts, vs, True).as_text()
+    for g, w in zip(jax.tree.leaves(grad(q, k, v, kts, vs, True)), jax.tree.leaves(grad(q, k, v, kts, vs, False))):
+        assert rel_err(g, w) < 1e-5
 
 
 def _decode_inputs(rng, b=3, slots=4, h=8, kvh=2, hd=64, lens=(48, 48, 32)):

@@ -321,3 +321,35 @@ def test_decode_step_writes_only_the_state_it_changes(llava_dirs):
     with patch.object(DecodeState, "advance", write_back_all):
         hlo = _compiled(_runner(model), "decode[1]")["decode[1]"]
     assert re.search(rf"%\S*(copy|dynamic-update-slice)\S* = (f32|pred)\[4,{vocab}\]", hlo)
+
+
+def _of_shapes(hlo: str, op: str, shapes: set) -> list[str]:
+    """The HLO lines of `op` (scatter, copy, ...) whose result has one of `shapes`."""
+    return [ln.strip()[:120] for ln in hlo.splitlines() if f" {op}(" in ln and (m := re.search(
+        r"= \w+\[([\d,]+)\]", ln)) and tuple(int(d) for d in m.group(1).split(",")) in shapes]
+
+
+def test_cpu_decode_step_writes_the_cache_in_the_attention_kernel(llava_dirs):
+    """On the CPU a decode step's new K / V go into the cache inside the attention kernel, one
+    mmjax_decode_attention_write call per layer, in place: no scatter into the cache and no copy of
+    any cache segment in the compiled step (f32 and int8 caches)."""
+    for kv_dtype, target in (("auto", "mmjax_decode_attention_write_f32"), ("int8", "mmjax_decode_attention_write_s8")):
+        model = load_model(llava_dirs["gqa"], "float32")
+        runner = _runner(model, kv_cache_dtype=kv_dtype)
+        layers = model.family.text_model.num_layers
+        seg_shapes = {tuple(x.shape) for x in jax.tree.leaves(runner.cache)}
+        for name, hlo in _compiled(runner, "decode[1]", "decode[4]").items():
+            calls = re.findall(rf"custom_call_target=\"{target}\"", hlo)
+            assert len(calls) == layers, (kv_dtype, name, len(calls))
+            assert _of_shapes(hlo, "scatter", seg_shapes) == _of_shapes(hlo, "copy", seg_shapes) == [], (kv_dtype, name)
+    # the checker sees the step as it was: the cache scattered by XLA, then the attention kernel
+    from mmjax.models.text import llama
+
+    def scatter_then_attend(q, k, v, kv, q_pos, kv_len, mask):
+        kv = llama.scatter_kv(kv, k, v, q_pos[:, None], jnp.arange(q.shape[0]))
+        return llama.cache_attention(q, kv["k"], kv["v"], q_pos[:, None], kv_len, mask=mask, reduce_small=True), kv
+    runner = _runner(load_model(llava_dirs["gqa"], "float32"))
+    seg_shapes = {tuple(x.shape) for x in jax.tree.leaves(runner.cache)}
+    with patch.object(llama, "_cpu_decode_write", scatter_then_attend):
+        hlo = _compiled(runner, "decode[4]")["decode[4]"]
+    assert "mmjax_decode_attention_f32" in hlo and len(_of_shapes(hlo, "scatter", seg_shapes)) >= layers

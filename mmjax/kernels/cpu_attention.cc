@@ -7,6 +7,10 @@
 //     segments covering indexes [0, sum L_i) in order); attribute scale
 //     -> out f32 [B, KVH, N, HD] = softmax(scale * q K^T) V over the visible keys (zeros where no
 //     key is visible).
+//   mmjax_decode_attention_write_*: the same after writing each row's new token (K, V [B, KVH,
+//     HD] of the cache's dtype, an int8 / fp8 cache's scales [B, KVH]) at its cache index pos_b,
+//     in place (the segments are results aliased to their operands): the decode step's cache
+//     update without XLA's scatter into every segment of every layer.
 //
 // Why: XLA computes decode attention segment by segment, each behind a lax.cond on the batch's
 // longest row, as 6-10 small fusions per segment and layer (~25 us each on the 2-core box): at
@@ -256,61 +260,97 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
 // ---------------------------------------------------------------------------------------------
 
 template <ffi::DataType DT>
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo,
-                           ffi::Buffer<ffi::S32> hi, ffi::RemainingArgs cache, ffi::ResultBuffer<ffi::F32> out,
-                           float scale) {
+using CacheT = std::conditional_t<
+    DT == ffi::DataType::F32, float,
+    std::conditional_t<DT == ffi::DataType::S8, int8_t,
+                       std::conditional_t<DT == ffi::DataType::F8E4M3FN, F8E4M3, uint16_t>>>;
+
+// The new token of each row b (one per KV head: K and V [B, KVH, HD], an int8 / fp8 cache's
+// scales [B, KVH]) written at cache index pos_b (none where pos_b is outside the segments), as
+// the unfused step's scatter does: the decode step's cache update inside the attention call.
+template <typename T>
+struct NewKV {
+  const int32_t* pos = nullptr;
+  const T* k = nullptr;
+  const T* v = nullptr;
+  const uint16_t* ks = nullptr;
+  const uint16_t* vs = nullptr;
+};
+
+// segs: the cache as one (row, head)'s segments; `cache`: K^T, V (, K scale, V scale) segment
+// buffers in groups of S, read (and with `nw.pos`, first written) in place
+template <ffi::DataType DT>
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::S32>& lo, ffi::Buffer<ffi::S32>& hi,
+                  const std::vector<ffi::AnyBuffer>& cache, const NewKV<CacheT<DT>>& nw, float* op, float scale) {
   // an int8 / fp8 cache: K^T, V, K scale and V scale segments; otherwise K^T and V segments
   constexpr bool kScaled = DT == ffi::DataType::S8 || DT == ffi::DataType::F8E4M3FN;
   constexpr size_t kGroups = kScaled ? 4 : 2;
-  using T = std::conditional_t<
-      DT == ffi::DataType::F32, float,
-      std::conditional_t<DT == ffi::DataType::S8, int8_t, std::conditional_t<kScaled, F8E4M3, uint16_t>>>;
+  using T = CacheT<DT>;
   const auto qd = q.dimensions();
   if (qd.size() != 4 || lo.element_count() != qd[0] || hi.element_count() != qd[0] || cache.size() % kGroups ||
-      cache.size() == 0)
+      cache.empty())
     return ffi::Error::InvalidArgument(
         "mmjax_decode_attention: q [B, KVH, N, HD], lo / hi [B], K^T and V segments (int8 / fp8: and their scales) expected");
   const int64_t B = qd[0], KVH = qd[1], N = qd[2], HD = qd[3];
   const size_t S = cache.size() / kGroups;
   // per segment: its length and base pointers
   std::vector<int64_t> lens(S);
-  std::vector<const T*> kbase(S), vbase(S);
-  std::vector<const uint16_t*> ksbase(S, nullptr), vsbase(S, nullptr);
+  std::vector<T*> kbase(S), vbase(S);
+  std::vector<uint16_t*> ksbase(S, nullptr), vsbase(S, nullptr);
   for (size_t i = 0; i < S; ++i) {
-    auto kt = cache.get<ffi::AnyBuffer>(i), v = cache.get<ffi::AnyBuffer>(S + i);
-    if (!kt.has_value() || !v.has_value()) return ffi::Error::InvalidArgument("mmjax_decode_attention: bad operand");
-    const auto kd = kt->dimensions(), vd = v->dimensions();
-    if (kt->element_type() != DT || v->element_type() != DT || kd.size() != 4 || vd.size() != 4 || kd[0] < B ||
+    const ffi::AnyBuffer &kt = cache[i], &v = cache[S + i];
+    const auto kd = kt.dimensions(), vd = v.dimensions();
+    if (kt.element_type() != DT || v.element_type() != DT || kd.size() != 4 || vd.size() != 4 || kd[0] < B ||
         vd[0] != kd[0] || kd[1] != KVH || vd[1] != KVH || kd[2] != HD || vd[3] != HD || vd[2] != kd[3])
       return ffi::Error::InvalidArgument(
           "mmjax_decode_attention: segment i is K^T [slots >= B, KVH, HD, L_i] and V [slots, KVH, L_i, HD] of the kernel's dtype");
     lens[i] = kd[3];
-    kbase[i] = static_cast<const T*>(kt->untyped_data());
-    vbase[i] = static_cast<const T*>(v->untyped_data());
+    kbase[i] = static_cast<T*>(kt.untyped_data());
+    vbase[i] = static_cast<T*>(v.untyped_data());
     if (kScaled) {
-      auto ks = cache.get<ffi::AnyBuffer>(2 * S + i), vs = cache.get<ffi::AnyBuffer>(3 * S + i);
-      if (!ks.has_value() || !vs.has_value()) return ffi::Error::InvalidArgument("mmjax_decode_attention: bad operand");
-      const auto sd = ks->dimensions(), td = vs->dimensions();
-      if (ks->element_type() != ffi::DataType::BF16 || vs->element_type() != ffi::DataType::BF16 || sd.size() != 3 ||
+      const ffi::AnyBuffer &ks = cache[2 * S + i], &vs = cache[3 * S + i];
+      const auto sd = ks.dimensions(), td = vs.dimensions();
+      if (ks.element_type() != ffi::DataType::BF16 || vs.element_type() != ffi::DataType::BF16 || sd.size() != 3 ||
           td.size() != 3 || sd[0] != kd[0] || sd[1] != KVH || sd[2] != kd[3] || td[0] != kd[0] || td[1] != KVH ||
           td[2] != kd[3])
         return ffi::Error::InvalidArgument(
             "mmjax_decode_attention: scale segment i is bf16 [slots, KVH, L_i], as its K^T / V segment");
-      ksbase[i] = static_cast<const uint16_t*>(ks->untyped_data());
-      vsbase[i] = static_cast<const uint16_t*>(vs->untyped_data());
+      ksbase[i] = static_cast<uint16_t*>(ks.untyped_data());
+      vsbase[i] = static_cast<uint16_t*>(vs.untyped_data());
     }
   }
   const float* qp = q.typed_data();
   const int32_t* lop = lo.typed_data();
   const int32_t* hip = hi.typed_data();
-  float* op = out->typed_data();
   const bool simd = HasAvx512();
   constexpr int kGroup = 16;    // queries per pass (registers: 16 score accumulators)
   const int64_t groups = (N + kGroup - 1) / kGroup;
   const int64_t tasks = B * KVH * groups;
+  // row b, head h's new token into its segment (a task per (row, head) writes its own, before
+  // it reads; with several query groups per head, every write comes first)
+  auto write = [&](int64_t b, int64_t h) {
+    int64_t j = nw.pos[b];
+    for (size_t i = 0; i < S; j -= lens[i], ++i) {
+      if (j < 0 || j >= lens[i]) continue;
+      const int64_t L = lens[i], bh = b * KVH + h;
+      T* kt = kbase[i] + bh * HD * L;
+      T* v = vbase[i] + (bh * L + j) * HD;
+      for (int64_t d = 0; d < HD; ++d) kt[d * L + j] = nw.k[bh * HD + d];
+      std::memcpy(v, nw.v + bh * HD, sizeof(T) * HD);
+      if (kScaled) {
+        ksbase[i][bh * L + j] = nw.ks[bh];
+        vsbase[i][bh * L + j] = nw.vs[bh];
+      }
+      return;
+    }
+  };
+  if (nw.pos && groups > 1)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < KVH; ++h) write(b, h);
   const int threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 256));
   ParallelFor(pool, threads, static_cast<int>(tasks), [&](int t) {
     const int64_t bh = t / groups, g = t % groups, b = bh / KVH, h = bh % KVH;
+    if (nw.pos && groups == 1) write(b, h);
     std::vector<Segment<T>> segs(S);
     for (size_t i = 0; i < S; ++i) {
       segs[i] = {kbase[i] + (b * KVH + h) * HD * lens[i], vbase[i] + (b * KVH + h) * lens[i] * HD, lens[i]};
@@ -346,6 +386,70 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   return ffi::Error::Success();
 }
 
+template <ffi::DataType DT>
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo,
+                           ffi::Buffer<ffi::S32> hi, ffi::RemainingArgs cache, ffi::ResultBuffer<ffi::F32> out,
+                           float scale) {
+  std::vector<ffi::AnyBuffer> segs;
+  for (size_t i = 0; i < cache.size(); ++i) {
+    auto x = cache.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return ffi::Error::InvalidArgument("mmjax_decode_attention: bad operand");
+    segs.push_back(*x);
+  }
+  return Attend<DT>(pool, q, lo, hi, segs, NewKV<CacheT<DT>>{}, out->typed_data(), scale);
+}
+
+// mmjax_decode_attention_write_*: the same attention, after writing each row's new token into
+// the cache in place. Operands: q, lo, hi, pos [B] s32, then the new K, V [B, KVH, HD] (cache
+// dtype) (, K and V scales [B, KVH] bf16), then the segments as above; results: out, then every
+// segment (aliased to its operand: the caller's input_output_aliases).
+template <ffi::DataType DT>
+ffi::Error DecodeAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo,
+                                ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::S32> pos, ffi::RemainingArgs args,
+                                ffi::RemainingRets rets, float scale) {
+  constexpr bool kScaled = DT == ffi::DataType::S8 || DT == ffi::DataType::F8E4M3FN;
+  constexpr size_t kNew = kScaled ? 4 : 2;
+  using T = CacheT<DT>;
+  const auto qd = q.dimensions();
+  if (qd.size() != 4 || pos.element_count() != qd[0] || args.size() < kNew || rets.size() != args.size() - kNew + 1)
+    return ffi::Error::InvalidArgument(
+        "mmjax_decode_attention_write: q, lo, hi, pos [B], the new K, V (, scales), the segments; results: out, the segments");
+  const int64_t B = qd[0], KVH = qd[1], HD = qd[3];
+  std::vector<ffi::AnyBuffer> news;
+  for (size_t i = 0; i < kNew; ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return ffi::Error::InvalidArgument("mmjax_decode_attention_write: bad operand");
+    const int64_t want = i < 2 ? B * KVH * HD : B * KVH;
+    if (x->element_count() != want || x->element_type() != (i < 2 ? DT : ffi::DataType::BF16))
+      return ffi::Error::InvalidArgument(
+          "mmjax_decode_attention_write: new K, V [B, KVH, HD] of the cache's dtype, scales bf16 [B, KVH]");
+    news.push_back(*x);
+  }
+  auto o = rets.get<ffi::AnyBuffer>(0);
+  if (!o.has_value() || (*o)->element_type() != ffi::DataType::F32 || (*o)->element_count() != q.element_count())
+    return ffi::Error::InvalidArgument("mmjax_decode_attention_write: out f32 [B, KVH, N, HD]");
+  std::vector<ffi::AnyBuffer> segs;
+  for (size_t i = 1; i < rets.size(); ++i) {
+    auto x = rets.get<ffi::AnyBuffer>(i);
+    auto a = args.get<ffi::AnyBuffer>(kNew + i - 1);
+    if (!x.has_value() || !a.has_value() || (*x)->element_count() != a->element_count())
+      return ffi::Error::InvalidArgument("mmjax_decode_attention_write: result i is segment i");
+    // aliased: the same buffer; were it not, the result starts as the operand's copy
+    if ((*x)->untyped_data() != a->untyped_data())
+      std::memcpy((*x)->untyped_data(), a->untyped_data(), a->size_bytes());
+    segs.push_back(**x);
+  }
+  NewKV<T> nw;
+  nw.pos = pos.typed_data();
+  nw.k = static_cast<const T*>(news[0].untyped_data());
+  nw.v = static_cast<const T*>(news[1].untyped_data());
+  if (kScaled) {
+    nw.ks = static_cast<const uint16_t*>(news[2].untyped_data());
+    nw.vs = static_cast<const uint16_t*>(news[3].untyped_data());
+  }
+  return Attend<DT>(pool, q, lo, hi, segs, nw, static_cast<float*>((*o)->untyped_data()), scale);
+}
+
 }  // namespace
 
 #define MMJAX_DECODE_ATTENTION(name, dt)                                             \
@@ -358,7 +462,22 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                                                                .Ret<ffi::Buffer<ffi::F32>>() \
                                                                .Attr<float>("scale"));
 
+#define MMJAX_DECODE_ATTENTION_WRITE(name, dt)                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, DecodeAttentionWrite<dt>, ffi::Ffi::Bind()            \
+                                                                    .Ctx<ffi::ThreadPool>() \
+                                                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                                                    .RemainingArgs()        \
+                                                                    .RemainingRets()        \
+                                                                    .Attr<float>("scale"));
+
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_f32, ffi::DataType::F32)
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_bf16, ffi::DataType::BF16)
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_s8, ffi::DataType::S8)
 MMJAX_DECODE_ATTENTION(mmjax_decode_attention_f8e4m3fn, ffi::DataType::F8E4M3FN)
+MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_f32, ffi::DataType::F32)
+MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_bf16, ffi::DataType::BF16)
+MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_s8, ffi::DataType::S8)
+MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_f8e4m3fn, ffi::DataType::F8E4M3FN)

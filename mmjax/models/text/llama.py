@@ -325,17 +325,41 @@ def _gpu_decode_kernel(head_dim: int) -> bool:
     return pallas_kernels_enabled() and supported(head_dim)
 
 
+def _visible_range(q_pos: jax.Array, kv_len, mask: MaskSpec | None) -> tuple[jax.Array, jax.Array]:
+    """(lo, hi) [b]: a decode row at cache index q_pos reads keys (q_pos - window, q_pos], none at
+    or past kv_len (a parked row's q_pos is max_len)."""
+    window = mask.sliding_window if mask is not None else None
+    lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
+    return lo, jnp.minimum(q_pos + 1, kv_len)
+
+
 def _cpu_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
                 scale: float | None, scales: tuple | None = None) -> jax.Array:
     """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache through the
-    CPU kernel (mmjax.kernels.cpu_attention), each row reading keys (q_pos - window, q_pos], and
-    none at or past kv_len (a parked row's q_pos is max_len) -> [b, kvh, g, hd] float32.
-    scales: an int8 / fp8 cache's (K, V) scale segments."""
-    window = mask.sliding_window if mask is not None else None
-    lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
-    hi = jnp.minimum(q_pos + 1, kv_len)
+    CPU kernel (mmjax.kernels.cpu_attention), each row over `_visible_range` -> [b, kvh, g, hd]
+    float32. scales: an int8 / fp8 cache's (K, V) scale segments."""
+    lo, hi = _visible_range(q_pos, kv_len, mask)
     return cpu_attention.decode_attention(qn, kts, vs, lo, hi, scale=1 / np.sqrt(qn.shape[-1]) if scale is None else scale,
                                           scales=scales)
+
+
+def _cpu_decode_write(q: jax.Array, k: jax.Array, v: jax.Array, kv: dict, q_pos: jax.Array, kv_len,
+                      mask: MaskSpec | None) -> tuple[jax.Array, dict]:
+    """A decode layer's cache write and attention in one CPU kernel call: q [b, 1, h, hd], the
+    new k, v [b, 1, kv_heads, hd] written at cache index q_pos [b] of cache rows [0, b) (as
+    `scatter_kv`: quantized on write for an int8 / fp8 cache), then attended as `_cpu_decode`
+    -> (attention [b, 1, h, hd] in q's dtype, the layer's updated cache dict)."""
+    b, _, h, hd = q.shape
+    kvh = kv["k"][0].shape[1]
+    kq, vq, ks, vs = quantize_kv(kv, k, v)
+    lo, hi = _visible_range(q_pos, kv_len, mask)
+    out, kts, vss, scales = cpu_attention.decode_attention_write(
+        q.reshape(b, kvh, h // kvh, hd), kq[:, 0], vq[:, 0], kv["k"], kv["v"], lo, hi, q_pos, scale=1 / np.sqrt(hd),
+        scales=layer_scales(kv), new_scales=None if ks is None else (ks[:, 0], vs[:, 0]))
+    new = {"k": kts, "v": vss}
+    if scales is not None:
+        new["k_scale"], new["v_scale"] = scales
+    return out.reshape(b, 1, h, hd).astype(q.dtype), new
 
 
 def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
@@ -504,9 +528,16 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     # segment takes the scatter: a lax.cond around it made prefill slower, decode no faster
     # (benchmarks/README.md, "KV segments", "K^T decode attention"). (rows [b, 1], :, idx [b, t])
     # on V and (rows, :, :, idx) on K^T both index [b, t, kv_heads, hd].
-    kv = scatter_kv(kv, k, v, q_index, rows if packing is None else packing.token_slot[None])
+    # CPU decode: the attention kernel writes the new K/V itself, then attends (no scatter into
+    # every segment: a handful of small XLA ops per segment and layer)
+    fused = (t == 1 and packing is None and slots is None and not capture_attn and (mask is None or mask.spans is None)
+             and not _gpu_decode_kernel(hd) and cpu_attention.covers(kv["k"], kv["v"], layer_scales(kv)))
+    if not fused:
+        kv = scatter_kv(kv, k, v, q_index, rows if packing is None else packing.token_slot[None])
     captured = None
-    if packing is not None:         # each query block over its own sequence's slot row
+    if fused:
+        attn, kv = _cpu_decode_write(q, k, v, kv, q_index[:, 0], kv_len, mask)
+    elif packing is not None:         # each query block over its own sequence's slot row
         attn = packing.attend(lambda qb, blk: cache_attention(
             qb, kv["k"], kv["v"], blk.q_index, blk.kv_len, blk.slots, mask=blk.mask, starts=blk.starts,
             reduce_small=reduce_small, scales=layer_scales(kv)), q, mask)
