@@ -216,7 +216,7 @@ def test_packed_query_blocks_equal_one_sequence_attention(block, group, monkeypa
     token's output equals its sequence's own one-sequence prefill attention. Blocks of 4 in
     groups of 2 (a lax.map step each; groups past the used blocks skipped, one half used), or
     one block of 32 per sequence in one group; the three sequences take more blocks than
-    ceil(T / B). Gemma 3's ring visibility (key_spans of a block within a longer segment) matches
+    ceil(T / B). One sequence alone takes the whole-row path, which the block layout matches. Gemma 3's ring visibility (key_spans of a block within a longer segment) matches
     per block."""
     from mmjax.models.text import packing as pk
     monkeypatch.setattr(pk, "QUERY_BLOCK", block)
@@ -233,6 +233,8 @@ def test_packed_query_blocks_equal_one_sequence_attention(block, group, monkeypa
     spans[26:29] = 1
     attend = jax.jit(lambda p, q, m: p.attend(lambda qb, blk: decoder.cache_attention(
         qb, kts, vs, blk.q_index, blk.kv_len, blk.slots, mask=blk.mask, starts=blk.starts), q, m))
+    blocked = jax.jit(lambda p, q, m: p._attend_blocks(lambda qb, blk: decoder.cache_attention(
+        qb, kts, vs, blk.q_index, blk.kv_len, blk.slots, mask=blk.mask, starts=blk.starts), q, m))
     one_sequence = jax.jit(lambda q, q_index, kv_len, slot, mask, starts: decoder.cache_attention(
         q, kts, vs, q_index, kv_len, slot, mask=mask, starts=starts))
     for seg_slot, seg_start, seg_len in (([2, 0, 3, slots], [5, 0, 20, 0], [11, 3, 17, 0]),
@@ -247,6 +249,10 @@ def test_packed_query_blocks_equal_one_sequence_attention(block, group, monkeypa
             mask = None if window is None and not use_spans else \
                 MaskSpec(sliding_window=window, spans=jnp.asarray(spans[None]) if use_spans else None)
             packed = attend(packing, q, mask)
+            if sum(map(bool, seg_len)) == 1:    # one sequence: the whole-row path; the block layout agrees
+                n = seg_len[0]
+                np.testing.assert_allclose(np.asarray(blocked(packing, q, mask)[:, :n]), np.asarray(packed[:, :n]),
+                                           rtol=1e-5, atol=1e-5)
             for i in (i for i in range(4) if seg_len[i]):
                 # the sequence alone: its n tokens first in a row of t (the rest padding, span -1)
                 o, n, st = seg_offset[i], seg_len[i], seg_start[i]
