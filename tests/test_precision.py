@@ -353,3 +353,40 @@ def test_cpu_decode_step_writes_the_cache_in_the_attention_kernel(llava_dirs):
     with patch.object(llama, "_cpu_decode_write", scatter_then_attend):
         hlo = _compiled(runner, "decode[4]")["decode[4]"]
     assert "mmjax_decode_attention_f32" in hlo and len(_of_shapes(hlo, "scatter", seg_shapes)) >= layers
+
+
+def _transcendentals(hlo: str) -> int:
+    """cosine ops anywhere in the optimized HLO, fusion bodies and conditional branches included
+    (a fused one is evaluated for every element of its fusion's output)."""
+    return len(re.findall(r" cosine\(", hlo))
+
+
+def test_rope_cos_sin_are_computed_once_per_step(llava_dirs, qwen_dirs):
+    """Every compiled CPU step (LLaVA: 1-D RoPE; Qwen2-VL: M-RoPE text and the vision tower's
+    2-D RoPE) holds the cos of a RoPE table in one place (both branches of `layers.cos_sin`'s
+    conditional), however many layers and heads use it: XLA fused the transcendentals into
+    each layer's q and k rotations instead, re-evaluated per head. The plain tables, patched
+    back in, show a cosine per layer and rotation, so the count is live."""
+    from mmjax.models.text import rope
+    from mmjax.models.vision import qwen2_vl
+
+    def counts(path):
+        model = load_model(path, "float32")
+        runner = _runner(model)
+        layers_n = model.family.text_model.num_layers
+        out = {}
+        for step, fn, args, kw in runner.step_signatures():
+            kind = step.split("[")[0].split("(")[0]
+            if kind in out or kind == "copy_slot":
+                continue
+            out[kind] = _transcendentals(fn.lower(*args, **kw).compile().as_text())
+        return out, layers_n
+
+    for path in (llava_dirs["gqa"], qwen_dirs["qwen2_vl"]):
+        got, _ = counts(path)
+        assert {k: v <= 2 for k, v in got.items()} == {k: True for k in got}, (path, got)
+        assert {"prefill", "decode"} <= set(got) and got["prefill"] == got["decode"] == 2, got
+    plain = lambda a: (jnp.cos(a), jnp.sin(a))                     # noqa: E731
+    with patch.object(rope, "cos_sin", plain), patch.object(qwen2_vl, "cos_sin", plain):
+        got, n = counts(qwen_dirs["qwen2_vl"])
+    assert got["prefill"] >= 2 * n and got["decode"] >= 2 * n and got["encode"] > 2, got

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.errors import UnsupportedModelError
+from mmjax.models.layers import cos_sin
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,7 @@ def rope_cos_sin(inv_freq: jax.Array, positions: jax.Array, mrope_section=None, 
             bands.append(freqs[axis, ..., start:start + width])
             start += width
         freqs = jnp.concatenate(bands, axis=-1)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return cos_sin(jnp.concatenate([freqs, freqs], axis=-1))
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -25,7 +25,7 @@ from mmjax.attention import attention
 from mmjax.checkpoint import TensorSource
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import activation, matmul
+from mmjax.models.layers import activation, cos_sin, matmul
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def axial_rope(pos: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, 
     inv = 1.0 / (theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial))
     f = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)       # [B, P, 2, hd/4]
     f = jnp.concatenate([f[:, :, 0], f[:, :, 0], f[:, :, 1], f[:, :, 1]], axis=-1)
-    return jnp.cos(f), jnp.sin(f)
+    return cos_sin(f)
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

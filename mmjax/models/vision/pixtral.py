@@ -24,7 +24,7 @@ import numpy as np
 from mmjax.attention import attention
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import CheckpointError, UnsupportedModelError
-from mmjax.models.layers import activation, dense, matmul, rms_norm
+from mmjax.models.layers import activation, cos_sin, dense, matmul, rms_norm
 from mmjax.models.vision.qwen2_vl import _rotate
 
 PIXTRAL_EPS = 1e-5  # HF hard-codes eps=1e-5 for ln_pre and every block norm
@@ -119,7 +119,7 @@ def pixtral_rope(cfg: PixtralVisionConfig, pos_hw: jax.Array) -> tuple[jax.Array
     pos = pos_hw.astype(jnp.float32)
     hw = jnp.concatenate([pos[:, :1] * jnp.asarray(fr), pos[:, 1:] * jnp.asarray(fc)], axis=-1)  # [N, hd/2]
     emb = jnp.concatenate([hw, hw], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return cos_sin(emb)
 
 
 def pixtral_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,

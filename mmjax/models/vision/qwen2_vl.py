@@ -27,7 +27,7 @@ import numpy as np
 from mmjax.attention import attention
 from mmjax.checkpoint import TensorSource, fused_linear, linear, norm
 from mmjax.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
-from mmjax.models.layers import activation, dense, layer_norm, matmul, rms_norm
+from mmjax.models.layers import activation, cos_sin, dense, layer_norm, matmul, rms_norm
 
 VISION_EPS = 1e-6  # HF hard-codes eps=1e-6 for every vision norm and the merger's ln_q
 
@@ -163,7 +163,7 @@ def vision_rope(cfg: QwenVisionConfig, pos_hw: jax.Array) -> tuple[jax.Array, ja
     freqs = pos_hw.astype(jnp.float32)[..., None] * jnp.asarray(vision_inv_freq(cfg))  # [N, 2, hd/4]
     hw = freqs.reshape(freqs.shape[0], -1)                                                # [N, hd/2]
     emb = jnp.concatenate([hw, hw], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return cos_sin(emb)
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
