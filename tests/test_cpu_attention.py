@@ -4,7 +4,8 @@
   per-key bf16 K and V scales, the quantized KV cache; fp8 over every bit pattern but NaN)
   cache segments, GQA groups
   of 1-20 queries (padded inside the kernel to 1/2/4/8/16), head dims not multiples of 16,
-  segment lengths not multiples of the kernel's key blocks, rows that see nothing, sliding-window
+  segment lengths not multiples of the kernel's key blocks, more visible keys in one segment than
+  a key block holds, rows that see nothing, sliding-window
   ranges, ranges past the cache; on the AVX-512 path and the plain C++ one; each row's result the
   same bit for bit alone or beside other rows;
 * wired in: a decode step's `cache_attention` takes it on the CPU (one custom call per layer, no
@@ -55,6 +56,7 @@ CASES = [  # b, slots, kvh, n, hd, segment lengths, lo, hi
     (2, 2, 1, 20, 32, [17, 33], [-3, 0], [50, 49]),                     # 20 queries: two groups
     (2, 3, 4, 3, 256, [128], [0, 20], [128, 21]),
     (2, 2, 2, 1, 48, [40, 24, 64], [30, 77], [200, 101]),               # window; hi past the cache
+    (2, 2, 2, 2, 64, [256, 600], [0, 300], [700, 856]),                 # > 256 keys of one segment
 ]
 
 
@@ -99,7 +101,8 @@ def test_kernel_equals_reference(generic, dtype):
             got = attend(q, kts, vs, lo_, hi_, hd ** -0.5, scales)
             want = _want(q, kts, vs, lo, hi, hd ** -0.5, scales)
             assert got.shape == q.shape and got.dtype == jnp.float32
-            assert rel_err(got, want) < 2e-6, (b, kvh, n, hd, lens)
+            # f32 sums over up to 700 keys against float64
+            assert rel_err(got, want) < 4e-6, (b, kvh, n, hd, lens)
             for i in range(b):
                 if min(hi[i], sum(lens)) <= max(lo[i], 0):
                     assert not np.asarray(got[i]).any()                  # nothing visible: zeros
@@ -146,7 +149,7 @@ def test_write_kernel_equals_reference(generic, dtype):
             changed = sum(int((np.asarray(a.astype(jnp.float32)) != np.asarray(c.astype(jnp.float32))).any())
                           for a, c in zip(kts + vs, wk + wv))
             assert changed >= 1                                   # (the reference did write something)
-            assert rel_err(out, _want(q, wk, wv, lo, hi, hd ** -0.5, wsc)) < 2e-6, (b, kvh, n, hd, lens)
+            assert rel_err(out, _want(q, wk, wv, lo, hi, hd ** -0.5, wsc)) < 4e-6, (b, kvh, n, hd, lens)
         # donated segments: updated in place (XLA's aliasing), no copy of a segment in the step
         b, slots, kvh, n, hd, lens, lo, hi = CASES[1]
         kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)

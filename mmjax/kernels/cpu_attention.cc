@@ -15,9 +15,9 @@
 // Why: XLA computes decode attention segment by segment, each behind a lax.cond on the batch's
 // longest row, as 6-10 small fusions per segment and layer (~25 us each on the 2-core box): at
 // batch 1 and 235 cached tokens, 1.9 ms of a 14 ms int8 decode step for 7.7 MB of cache. Here
-// one task per (row, KV head) streams only that row's keys: K^T by rows of 16 keys (hd loads of
-// one cache line each), online softmax over blocks of 16 keys (running max, rescaled sums), V
-// rows accumulated into the group's outputs. All arithmetic in f32 (bf16 is widened on load).
+// one task per (row, KV head) streams only that row's keys: K^T a whole row of up to 256 keys
+// per head dim at a time, online softmax over those blocks (running max, rescaled sums), V rows
+// accumulated into the group's outputs. All arithmetic in f32 (bf16 is widened on load).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -162,62 +162,68 @@ MMJAX_AVX512 inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// Q queries (a group padded to 1, 2, 4, 8 or 16) of one (row, head) over its visible keys, 16 * W
-// keys at a time (Q * W <= 16 score registers; a block of K^T is then W cache lines per head dim,
-// read in order when it spans a whole segment row). q [Q, HD] (padding rows zero); acc [Q, HDp]
-// scratch (HDp = HD rounded up to 16); out [nq, HD] (the group's real queries only).
-template <int Q, int W, typename T>
+// Q queries (a group padded to 1, 2, 4, 8 or 16) of one (row, head) over its visible keys, in
+// blocks of up to kRowBlock keys within a segment: the block's scores [Q, kRowBlock] in an L1
+// buffer (sbuf), accumulated head dim by head dim, so each head dim's K^T row of the block is
+// read whole and a segment's K^T streams in address order (blocks of 16 * W keys with the scores
+// in registers read every row in pieces, 64 interleaved streams for head_dim 64: 16 rows x 300
+// f32 keys, 16 layers, 16.0 -> 14.3 ms; 4 rows 4.3 -> 3.4; one query per KV head 17.3 -> 13.0);
+// then the online-softmax update and the V rows in order into the group's accumulators.
+// q [Q, HD] (padding rows zero); acc [Q, HDp] scratch (HDp = HD rounded up to 16); out [nq, HD]
+// (the group's real queries only).
+constexpr int kRowBlock = 256;
+
+template <int Q, typename T>
 MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segment<T>>& segs, int64_t lo,
-                          int64_t hi, float scale, float* acc, float* out) {
-  constexpr int kBlock = 16 * W;
+                          int64_t hi, float scale, float* acc, float* sbuf, float* out) {
   const int HDp = (HD + 15) / 16 * 16;
   std::fill(acc, acc + Q * HDp, 0.f);
   float m[Q], l[Q];
-  alignas(64) float p[Q][kBlock];
   for (int i = 0; i < Q; ++i) m[i] = kNegInf, l[i] = 0.f;
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(kNegInf);
   int64_t start = 0;
   for (const auto& seg : segs) {
     const int64_t L = seg.len;
     const int64_t a = std::max(lo, start) - start, e = std::min(hi, start + L) - start;
     start += L;
-    for (int64_t j0 = a; j0 < e; j0 += kBlock) {
-      const int cnt = static_cast<int>(std::min<int64_t>(kBlock, e - j0));
-      __mmask16 km[W];
-      for (int w = 0; w < W; ++w) km[w] = Mask16(cnt - 16 * w);
-      __m512 s[Q][W];
+    for (int64_t j0 = a; j0 < e; j0 += kRowBlock) {
+      const int cnt = static_cast<int>(std::min<int64_t>(kRowBlock, e - j0));
+      const int nv = (cnt + 15) / 16;
       for (int i = 0; i < Q; ++i)
-        for (int w = 0; w < W; ++w) s[i][w] = _mm512_setzero_ps();
+        for (int w = 0; w < nv; ++w) _mm512_store_ps(sbuf + i * kRowBlock + 16 * w, _mm512_setzero_ps());
       const T* kt = seg.kt + j0;
       for (int d = 0; d < HD; ++d) {
-        __m512 k[W];
-        for (int w = 0; w < W; ++w) k[w] = Load16(kt + d * L + 16 * w, km[w]);
-        for (int i = 0; i < Q; ++i) {
-          const __m512 qi = _mm512_set1_ps(q[i * HD + d]);
-          for (int w = 0; w < W; ++w) s[i][w] = _mm512_fmadd_ps(qi, k[w], s[i][w]);
+        __m512 qd[Q];
+        for (int i = 0; i < Q; ++i) qd[i] = _mm512_set1_ps(q[i * HD + d]);
+        const T* row = kt + d * L;
+        for (int w = 0; w < nv; ++w) {
+          const __m512 k = Load16(row + 16 * w, Mask16(cnt - 16 * w));
+          for (int i = 0; i < Q; ++i) {
+            float* sp = sbuf + i * kRowBlock + 16 * w;
+            _mm512_store_ps(sp, _mm512_fmadd_ps(qd[i], k, _mm512_load_ps(sp)));
+          }
         }
       }
-      const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(kNegInf);
-      __m512 kscale[W];     // score scale per key: the softmax scale, times the key's (int8 cache)
-      for (int w = 0; w < W; ++w)
-        kscale[w] = seg.ks ? _mm512_mul_ps(vscale, Load16(seg.ks + j0 + 16 * w, km[w])) : vscale;
       for (int i = 0; i < Q; ++i) {
+        float* si = sbuf + i * kRowBlock;
         __m512 top = ninf;
-        for (int w = 0; w < W; ++w) {
-          s[i][w] = _mm512_mask_mov_ps(ninf, km[w], _mm512_mul_ps(s[i][w], kscale[w]));
-          top = _mm512_max_ps(top, s[i][w]);
+        for (int w = 0; w < nv; ++w) {
+          const __mmask16 km = Mask16(cnt - 16 * w);
+          const __m512 ks = seg.ks ? _mm512_mul_ps(vscale, Load16(seg.ks + j0 + 16 * w, km)) : vscale;
+          const __m512 sw = _mm512_mask_mov_ps(ninf, km, _mm512_mul_ps(_mm512_load_ps(si + 16 * w), ks));
+          _mm512_store_ps(si + 16 * w, sw);
+          top = _mm512_max_ps(top, sw);
         }
         const float mx = std::max(m[i], _mm512_reduce_max_ps(top));
         const __m512 vmx = _mm512_set1_ps(mx);
         __m512 sum = _mm512_setzero_ps();
-        for (int w = 0; w < W; ++w) {
-          const __m512 pw = _mm512_maskz_mov_ps(km[w], Exp(_mm512_sub_ps(s[i][w], vmx)));
+        for (int w = 0; w < nv; ++w) {
+          const __mmask16 km = Mask16(cnt - 16 * w);
+          __m512 pw = _mm512_maskz_mov_ps(km, Exp(_mm512_sub_ps(_mm512_load_ps(si + 16 * w), vmx)));
           sum = _mm512_add_ps(sum, pw);
-          _mm512_store_ps(p[i] + 16 * w, pw);
+          if (seg.vs) pw = _mm512_mul_ps(pw, Load16(seg.vs + j0 + 16 * w, km));
+          _mm512_store_ps(si + 16 * w, pw);
         }
-        if (seg.vs)
-          for (int w = 0; w < W; ++w)
-            _mm512_store_ps(p[i] + 16 * w, _mm512_mul_ps(_mm512_load_ps(p[i] + 16 * w),
-                                                         Load16(seg.vs + j0 + 16 * w, km[w])));
         const float alpha = m[i] == kNegInf ? 0.f : std::exp(m[i] - mx);
         l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
         m[i] = mx;
@@ -227,7 +233,6 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
             _mm512_store_ps(acc + i * HDp + c, _mm512_mul_ps(va, _mm512_load_ps(acc + i * HDp + c)));
         }
       }
-      // V rows in order, CC chunks of 16 head dims at a time (Q * CC accumulators in registers)
       constexpr int CC = Q <= 4 ? 4 : 16 / Q;
       const T* v = seg.v + j0 * HD;
       for (int c0 = 0; c0 < HDp; c0 += 16 * CC) {
@@ -240,7 +245,7 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
           __m512 vv[CC];
           for (int c = 0; c < CC; ++c) vv[c] = Load16(v + jj * HD + c0 + 16 * c, cm[c]);
           for (int i = 0; i < Q; ++i) {
-            const __m512 pi = _mm512_set1_ps(p[i][jj]);
+            const __m512 pi = _mm512_set1_ps(sbuf[i * kRowBlock + jj]);
             for (int c = 0; c < CC; ++c) o[i][c] = _mm512_fmadd_ps(pi, vv[c], o[i][c]);
           }
         }
@@ -368,16 +373,17 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
       const int Q = nq <= 1 ? 1 : nq <= 2 ? 2 : nq <= 4 ? 4 : nq <= 8 ? 8 : 16;
       const int HDp = static_cast<int>((HD + 15) / 16 * 16);
       thread_local std::vector<float> scratch;
-      scratch.assign(static_cast<size_t>(Q) * (HD + HDp) + 16, 0.f);
+      scratch.assign(static_cast<size_t>(Q) * (HD + HDp + kRowBlock) + 32, 0.f);
       float* qpad = scratch.data();                                    // [Q, HD], zero padding rows
       float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qpad + Q * HD) + 63) & ~uintptr_t(63));
+      float* sbuf = acc + Q * HDp;                                     // [Q, kRowBlock] scores
       std::memcpy(qpad, qh, sizeof(float) * nq * HD);
       switch (Q) {
-        case 1: return Task512<1, 8, T>(qpad, nq, HD, segs, a, e, scale, acc, oh);
-        case 2: return Task512<2, 8, T>(qpad, nq, HD, segs, a, e, scale, acc, oh);
-        case 4: return Task512<4, 4, T>(qpad, nq, HD, segs, a, e, scale, acc, oh);
-        case 8: return Task512<8, 2, T>(qpad, nq, HD, segs, a, e, scale, acc, oh);
-        default: return Task512<16, 1, T>(qpad, nq, HD, segs, a, e, scale, acc, oh);
+        case 1: return Task512<1, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+        case 2: return Task512<2, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+        case 4: return Task512<4, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+        case 8: return Task512<8, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+        default: return Task512<16, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
       }
     }
 #endif
