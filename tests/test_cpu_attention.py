@@ -262,3 +262,116 @@ def test_kernel_calls_differentiate():
     got, want = grad(q, kts, vs), jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(q, kts, vs)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert rel_err(g, w) < 1e-5
+
+
+# prefill: b rows, cache slots, kvh, tokens, g (queries per KV head and token), hd, segment lengths,
+# each row's cache row (one past the cache: zeros), each row's first token's cache index, window
+PREFILL_CASES = [
+    (1, 4, 8, 37, 2, 64, [128, 128, 128], [2], [100], None),          # across a segment boundary
+    (2, 3, 2, 11, 3, 80, [64, 100], [0, 2], [50, 140], 20),            # hd 80, 33 queries a head, window
+    (2, 2, 1, 5, 1, 48, [40, 24], [1, 2], [3, 60], None),              # a slot past the cache; tokens past kv_len
+    (1, 2, 4, 300, 2, 64, [256, 600], [1], [0], None),                 # > 256 keys of one segment
+]
+
+
+def _prefill_ranges(start, t, kv_len, window):
+    """lo, hi [b, t] of tokens at cache indexes start_i + j, as llama._visible_range gives them."""
+    q = np.asarray(start)[:, None] + np.arange(t)[None]
+    lo = np.zeros_like(q) if window is None else q - window + 1
+    return lo.astype(np.int32), np.where(q < kv_len, q + 1, 0).astype(np.int32)
+
+
+def _want_prefill(q, kts, vs, lo, hi, slots, scale, scales=None) -> np.ndarray:
+    """float64: query j of row i (token j // g) over [lo_ij, hi_ij) of cache row slots_i."""
+    b, _, n, _ = q.shape
+    g = n // lo.shape[1]
+    out = np.zeros(q.shape)
+    for i in range(b):
+        s = int(slots[i])
+        if not 0 <= s < kts[0].shape[0]:
+            continue
+        row = lambda xs: [x[s:s + 1] for x in xs]                        # noqa: E731
+        sc = None if scales is None else (row(scales[0]), row(scales[1]))
+        for j in range(n):
+            out[i, :, j:j + 1] = _want(q[i:i + 1, :, j:j + 1], row(kts), row(vs), lo[i, j // g:j // g + 1],
+                                       hi[i, j // g:j // g + 1], scale, sc)[0]
+    return out
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn],
+                         ids=["f32", "bf16", "int8", "fp8"])
+def test_prefill_kernel_equals_reference(generic, dtype):
+    """Several tokens per row, each query over its own causal / windowed range of its row's cache
+    row (any slot), against float64: f32 / bf16 / int8 / fp8 caches, both code paths; a row whose
+    slot is past the cache and tokens past kv_len (a bucket's padding) get zeros."""
+    simd = cpu_library.set_generic(generic)
+    try:
+        assert not (generic and simd)
+        rng = np.random.default_rng(3)
+        attend = jax.jit(lambda q, kts, vs, lo, hi, slots, scale, scales=None: cpu_attention.prefill_attention(
+            q, kts, vs, lo, hi, slots, scale=scale, scales=scales), static_argnums=6)
+        for b, nslots, kvh, t, g, hd, lens, slots, start, window in PREFILL_CASES:
+            kv_len = max(start) + t - 2                                  # the last tokens past it
+            q = jnp.asarray(rng.standard_normal((b, kvh, t * g, hd)), jnp.float32)
+            kts, vs, scales = _cache(rng, dtype, nslots, kvh, hd, lens)
+            lo, hi = _prefill_ranges(start, t, kv_len, window)
+            sl = np.asarray(slots, np.int32)
+            got = attend(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(sl), hd ** -0.5, scales)
+            want = _want_prefill(np.asarray(q), kts, vs, lo, hi, sl, hd ** -0.5, scales)
+            assert got.shape == q.shape and got.dtype == jnp.float32
+            assert rel_err(got, want) < 4e-6, (b, kvh, t, g, hd, lens)
+            assert rel_err(cpu_attention.reference(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), hd ** -0.5, scales,
+                                                   jnp.asarray(sl)), want) < 4e-6
+            for i in range(b):
+                if sl[i] >= nslots:
+                    assert not np.asarray(got[i]).any()
+                if start[i] == max(start):                                   # its last 2 tokens: past kv_len
+                    assert (hi[i] == 0).sum() == 2 and not np.asarray(got[i][:, (t - 2) * g:]).any()
+    finally:
+        cpu_library.set_generic(False)
+
+
+def test_prefill_takes_the_kernel_with_the_xla_paths_outputs():
+    """A prefill's `cache_attention` (several tokens per row, rows in any slots, causal or a
+    sliding window) is one prefill-kernel call per layer on the CPU, without a per-segment cond,
+    with XLA's outputs on every real token; with image spans (bidirectional runs) it stays XLA's."""
+    rng = np.random.default_rng(4)
+    kts, vs, _ = _cache(rng, jnp.float32, 4, 2, 64, (64, 64, 128))
+    q = jnp.asarray(rng.standard_normal((2, 40, 4, 64)), jnp.float32)
+    starts = jnp.asarray([0, 90], jnp.int32)
+    q_index = starts[:, None] + jnp.arange(40)[None]
+    slots = jnp.asarray([3, 1], jnp.int32)
+
+    def attend(q, kts, vs, q_index, kv_len, window, spans=None):
+        mask = None if window is None and spans is None else MaskSpec(window, spans)
+        return cache_attention(q, kts, vs, q_index, kv_len, slots, mask=mask, starts=starts)
+    step = jax.jit(attend, static_argnums=5)
+    for window in (None, 24):
+        text = step.lower(q, kts, vs, q_index, jnp.int32(130), window).as_text()
+        assert "mmjax_prefill_attention_f32" in text and "stablehlo.case" not in text
+        got = step(q, kts, vs, q_index, jnp.int32(130), window)
+        with cpu_kernels(False):
+            want = jax.jit(attend, static_argnums=5)(q, kts, vs, q_index, jnp.int32(130), window)
+        assert rel_err(got, want) < 2e-6, window
+    spans = jnp.where((jnp.arange(40) >= 5) & (jnp.arange(40) < 20), 0, -1)[None].repeat(2, axis=0)
+    assert "mmjax_prefill_attention" not in step.lower(q, kts, vs, q_index, 130, None, spans).as_text()
+
+
+def test_prefill_kernel_differentiates():
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 2, 6, 32)), jnp.float32)
+    kts = [jnp.asarray(rng.standard_normal((3, 2, 32, 40)), jnp.float32) for _ in range(2)]
+    vs = [jnp.asarray(rng.standard_normal((3, 2, 40, 32)), jnp.float32) for _ in range(2)]
+    lo, hi = _prefill_ranges([10, 50], 3, 60, None)
+    lo, hi, slots = jnp.asarray(lo), jnp.asarray(hi), jnp.asarray([2, 0], jnp.int32)
+
+    def loss(fn):
+        return lambda q, kts, vs: jnp.sin(fn(q, kts, vs)).sum()
+    kernel = loss(lambda q, kts, vs: cpu_attention.prefill_attention(q, kts, vs, lo, hi, slots, scale=0.2))
+    ref = loss(lambda q, kts, vs: cpu_attention.reference(q, kts, vs, lo, hi, 0.2, None, slots))
+    grad = jax.jit(jax.grad(kernel, argnums=(0, 1, 2)))
+    assert "mmjax_prefill_attention" in grad.lower(q, kts, vs).as_text()
+    got, want = grad(q, kts, vs), jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(q, kts, vs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(g, w) < 1e-5

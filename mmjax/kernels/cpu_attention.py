@@ -25,6 +25,7 @@ _TARGETS = {jnp.dtype(jnp.float32): "mmjax_decode_attention_f32", jnp.dtype(jnp.
             jnp.dtype(jnp.int8): "mmjax_decode_attention_s8",
             jnp.dtype(jnp.float8_e4m3fn): "mmjax_decode_attention_f8e4m3fn"}
 _WRITE_TARGETS = {d: t.replace("attention_", "attention_write_") for d, t in _TARGETS.items()}
+_PREFILL_TARGETS = {d: t.replace("decode_", "prefill_") for d, t in _TARGETS.items()}
 _SCALED = {jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)}     # caches stored with per-token scales
 _SCALE_DTYPE = jnp.dtype(jnp.bfloat16)
 
@@ -42,22 +43,33 @@ def covers(kts: list, vs: list, scales: tuple | None = None) -> bool:
 
 
 def reference(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, scale: float,
-              scales: tuple | None = None) -> jax.Array:
-    """What the kernel computes, in XLA ops (its derivative rule, and the tests' reference):
+              scales: tuple | None = None, slots: jax.Array | None = None) -> jax.Array:
+    """What the kernels compute, in XLA ops (their derivative rule, and the tests' reference):
     qn [b, kvh, n, hd]; kts K^T segments [slots, kvh, hd, L_i]; vs V segments [slots, kvh, L_i, hd];
     scales (an int8 / fp8 cache): (K scale segments, V scale segments) [slots, kvh, L_i], x ~= q * scale;
-    row i attends the cache indexes [lo_i, hi_i) of cache row i -> f32 [b, kvh, n, hd] (zeros for
-    a row that sees nothing)."""
-    b = qn.shape[0]
-    kt = jnp.concatenate([k[:b] for k in kts], axis=3).astype(jnp.float32)       # [b, kvh, hd, T]
-    v = jnp.concatenate([x[:b] for x in vs], axis=2).astype(jnp.float32)          # [b, kvh, T, hd]
+    row i reads cache row i, or slots[i] (a slot outside the cache: zeros); lo, hi [b]: row i's
+    queries see the cache indexes [lo_i, hi_i), or [b, t] (prefill): query j of row i, of token
+    j // (n / t), sees [lo_it, hi_it) -> f32 [b, kvh, n, hd] (zeros for a query that sees nothing)."""
+    b, _, n, _ = qn.shape
+    ok = jnp.ones((b,), bool)
+    if slots is None:
+        rows = lambda x: x[:b]                                                    # noqa: E731
+    else:
+        ok = (slots >= 0) & (slots < kts[0].shape[0])
+        rows = lambda x: x[jnp.clip(slots, 0, x.shape[0] - 1)]                  # noqa: E731
+    kt = jnp.concatenate([rows(k) for k in kts], axis=3).astype(jnp.float32)    # [b, kvh, hd, T]
+    v = jnp.concatenate([rows(x) for x in vs], axis=2).astype(jnp.float32)      # [b, kvh, T, hd]
     if scales is not None:
-        ks, vsc = (jnp.concatenate([x[:b] for x in part], axis=2).astype(jnp.float32) for part in scales)
+        ks, vsc = (jnp.concatenate([rows(x) for x in part], axis=2).astype(jnp.float32) for part in scales)
         kt, v = kt * ks[:, :, None, :], v * vsc[..., None]
     s = jnp.einsum("bknd,bkdt->bknt", qn.astype(jnp.float32), kt) * scale
+    if lo.ndim == 1:
+        lo, hi = lo[:, None], hi[:, None]                                       # [b, 1]: every query
+    else:
+        lo, hi = jnp.repeat(lo, n // lo.shape[1], axis=1), jnp.repeat(hi, n // hi.shape[1], axis=1)
     idx = jnp.arange(kt.shape[3])
-    visible = (idx[None] >= lo[:, None]) & (idx[None] < hi[:, None])              # [b, T]
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    visible = (idx >= lo[..., None]) & (idx < hi[..., None]) & ok[:, None, None]   # [b, n or 1, T]
+    s = jnp.where(visible[:, None], s, -jnp.inf)
     top = s.max(axis=3, keepdims=True)
     w = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
     total = w.sum(axis=3, keepdims=True)
@@ -155,3 +167,34 @@ def decode_attention_write(qn: jax.Array, k: jax.Array, v: jax.Array, kts: list,
     scales = None if scales is None else (list(scales[0]), list(scales[1]))
     new_scales = None if new_scales is None else (new_scales[0], new_scales[1])
     return _write_attend(qn, k, v, new_scales, list(kts), list(vs), scales, lo, hi, float(scale), pos)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
+def _prefill_attend(qn, kts, vs, lo, hi, slots, scale, scales):
+    target = _PREFILL_TARGETS[jnp.dtype(kts[0].dtype)]
+    extra = [] if scales is None else [*scales[0], *scales[1]]
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(qn.shape, jnp.float32), vmap_method=VMAP)(
+        qn.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), slots.astype(jnp.int32), *kts, *vs,
+        *extra, scale=np.float32(scale))
+
+
+@_prefill_attend.defjvp
+def _prefill_attend_jvp(scale, primals, tangents):
+    qn, kts, vs, lo, hi, slots, scales = primals
+    _, tangent = jax.jvp(lambda qn, kts, vs, scales: reference(qn, kts, vs, lo, hi, scale, scales, slots),
+                         (qn, kts, vs, scales), (tangents[0], tangents[1], tangents[2], tangents[6]))
+    return _prefill_attend(qn, kts, vs, lo, hi, slots, scale, scales), tangent
+
+
+def prefill_attention(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, slots: jax.Array, *,
+                      scale: float, scales: tuple | None = None) -> jax.Array:
+    """Attention of t new tokens per row, each query over its own keys of cache row slots_i:
+    qn [b, kvh, t * g, hd] (query j is token j // g's), lo, hi [b, t] int32 (token j sees cache
+    indexes [lo_ij, hi_ij): causal, a sliding window), slots [b] int32 (outside the cache:
+    zeros); segments and scales as `decode_attention`. Returns f32 [b, kvh, t * g, hd]. One task
+    per (row, KV head, 8 queries): the prefill's attention without XLA's per-segment conds,
+    masks over the whole segment and full (non-causal) score blocks."""
+    if not available():
+        raise RuntimeError("mmjax's CPU kernels are unavailable (see the warning); use covers() first")
+    scales = None if scales is None else (list(scales[0]), list(scales[1]))
+    return _prefill_attend(qn, list(kts), list(vs), lo, hi, slots, float(scale), scales)

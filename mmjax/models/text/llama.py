@@ -268,6 +268,13 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     if kernel == "cpu":
         return _cpu_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
                            scales).reshape(b, 1, h, hd).astype(q.dtype)
+    if (mask is None or mask.spans is None) and cpu_attention.covers(kts, vs, scales):
+        # several tokens per row (prefill) on the CPU: one kernel call, each query over its own
+        # causal (window) range, instead of XLA's per-segment cond, full score blocks and masks
+        lo, hi = _visible_range(q_index, kv_len, mask)
+        out = cpu_attention.prefill_attention(qn, kts, vs, lo, hi, jnp.arange(b) if slots is None else slots,
+                                              scale=1 / np.sqrt(hd) if scale is None else scale, scales=scales)
+        return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
     if starts is None:
         starts = q_index[:, 0]
 
@@ -332,11 +339,12 @@ def _decode_kernel(t: int, slots, mask: MaskSpec | None, kts: list, vs: list, sc
 
 
 def _visible_range(q_pos: jax.Array, kv_len, mask: MaskSpec | None) -> tuple[jax.Array, jax.Array]:
-    """(lo, hi) [b]: a decode row at cache index q_pos reads keys (q_pos - window, q_pos], none at
-    or past kv_len (a parked row's q_pos is max_len)."""
+    """(lo, hi), each q_pos's shape ([b] decode rows, [b, t] new tokens): the query at cache index
+    q_pos reads keys (q_pos - window, q_pos], none if q_pos is at or past kv_len (a parked decode
+    row's q_pos is max_len; a prefill bucket's padding tokens sit past the call's end)."""
     window = mask.sliding_window if mask is not None else None
     lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
-    return lo, jnp.minimum(q_pos + 1, kv_len)
+    return lo, jnp.where(q_pos < kv_len, q_pos + 1, 0)
 
 
 def _cpu_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
