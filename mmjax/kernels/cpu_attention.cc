@@ -1,5 +1,7 @@
 // Decode attention on the CPU: one new token per row over that row's own cached keys, read in
-// place from the engine's segmented KV cache, one call per layer (mmjax/kernels/cpu_attention.py).
+// place from the engine's segmented KV cache, one call per layer (mmjax/kernels/cpu_attention.py);
+// and prefill attention (mmjax_prefill_attention_*, below): several new tokens per row, each
+// query over its own causal / windowed range.
 //
 //   mmjax_decode_attention_f32 / _bf16: q f32 [B, KVH, N, HD] (N: the queries of one KV head,
 //     a GQA group), lo, hi s32 [B] (row b sees cache indexes [lo_b, hi_b)), then S K^T segments
