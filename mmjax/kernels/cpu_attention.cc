@@ -165,6 +165,44 @@ MMJAX_AVX512 inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// After a key block: query's running max m and exp-sum l move to the block's max mx (the block's
+// exp-weights, taken against mx, sum to block_sum) and its accumulator row [HDp] is rescaled.
+MMJAX_AVX512 inline void Rescale(float& m, float& l, float mx, float block_sum, float* acc_row, int HDp) {
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - mx);
+  l = l * alpha + block_sum;
+  m = mx;
+  if (alpha != 1.f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int c = 0; c < HDp; c += 16) _mm512_store_ps(acc_row + c, _mm512_mul_ps(va, _mm512_load_ps(acc_row + c)));
+  }
+}
+
+// acc[i] += sum_jj p[i * pstride + jj] V[jj] for a block's cnt V rows [cnt, HD] (read in order),
+// CC 16-dim chunks at a time (Q * CC accumulators in registers); acc [Q, HDp].
+template <int Q, typename T>
+MMJAX_AVX512 void AccumulateV(const T* v, int cnt, int HD, const float* p, int pstride, float* acc) {
+  constexpr int CC = Q <= 4 ? 4 : 16 / Q;
+  const int HDp = (HD + 15) / 16 * 16;
+  for (int c0 = 0; c0 < HDp; c0 += 16 * CC) {
+    __mmask16 cm[CC];
+    __m512 o[Q][CC];
+    for (int c = 0; c < CC; ++c) cm[c] = Mask16(HD - c0 - 16 * c);
+    for (int i = 0; i < Q; ++i)
+      for (int c = 0; c < CC; ++c) o[i][c] = cm[c] ? _mm512_load_ps(acc + i * HDp + c0 + 16 * c) : _mm512_setzero_ps();
+    for (int jj = 0; jj < cnt; ++jj) {
+      __m512 vv[CC];
+      for (int c = 0; c < CC; ++c) vv[c] = Load16(v + jj * HD + c0 + 16 * c, cm[c]);
+      for (int i = 0; i < Q; ++i) {
+        const __m512 pi = _mm512_set1_ps(p[i * pstride + jj]);
+        for (int c = 0; c < CC; ++c) o[i][c] = _mm512_fmadd_ps(pi, vv[c], o[i][c]);
+      }
+    }
+    for (int i = 0; i < Q; ++i)
+      for (int c = 0; c < CC; ++c)
+        if (cm[c]) _mm512_store_ps(acc + i * HDp + c0 + 16 * c, o[i][c]);
+  }
+}
+
 // Q queries (a group padded to 1, 2, 4, 8 or 16) of one (row, head) over its visible keys, in
 // blocks of up to kRowBlock keys within a segment: the block's scores [Q, kRowBlock] in an L1
 // buffer (sbuf), accumulated head dim by head dim, so each head dim's K^T row of the block is
@@ -227,35 +265,9 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
           if (seg.vs) pw = _mm512_mul_ps(pw, Load16(seg.vs + j0 + 16 * w, km));
           _mm512_store_ps(si + 16 * w, pw);
         }
-        const float alpha = m[i] == kNegInf ? 0.f : std::exp(m[i] - mx);
-        l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
-        m[i] = mx;
-        if (alpha != 1.f) {
-          const __m512 va = _mm512_set1_ps(alpha);
-          for (int c = 0; c < HDp; c += 16)
-            _mm512_store_ps(acc + i * HDp + c, _mm512_mul_ps(va, _mm512_load_ps(acc + i * HDp + c)));
-        }
+        Rescale(m[i], l[i], mx, _mm512_reduce_add_ps(sum), acc + i * HDp, HDp);
       }
-      constexpr int CC = Q <= 4 ? 4 : 16 / Q;
-      const T* v = seg.v + j0 * HD;
-      for (int c0 = 0; c0 < HDp; c0 += 16 * CC) {
-        __mmask16 cm[CC];
-        __m512 o[Q][CC];
-        for (int c = 0; c < CC; ++c) cm[c] = Mask16(HD - c0 - 16 * c);
-        for (int i = 0; i < Q; ++i)
-          for (int c = 0; c < CC; ++c) o[i][c] = cm[c] ? _mm512_load_ps(acc + i * HDp + c0 + 16 * c) : _mm512_setzero_ps();
-        for (int jj = 0; jj < cnt; ++jj) {
-          __m512 vv[CC];
-          for (int c = 0; c < CC; ++c) vv[c] = Load16(v + jj * HD + c0 + 16 * c, cm[c]);
-          for (int i = 0; i < Q; ++i) {
-            const __m512 pi = _mm512_set1_ps(sbuf[i * kRowBlock + jj]);
-            for (int c = 0; c < CC; ++c) o[i][c] = _mm512_fmadd_ps(pi, vv[c], o[i][c]);
-          }
-        }
-        for (int i = 0; i < Q; ++i)
-          for (int c = 0; c < CC; ++c)
-            if (cm[c]) _mm512_store_ps(acc + i * HDp + c0 + 16 * c, o[i][c]);
-      }
+      AccumulateV<Q, T>(seg.v + j0 * HD, cnt, HD, sbuf, kRowBlock, acc);
     }
   }
   for (int i = 0; i < nq; ++i) {
@@ -336,35 +348,9 @@ MMJAX_AVX512 void PrefillTask512(const float* q, int nq, int HD, const std::vect
           sum = _mm512_add_ps(sum, pw);
           _mm512_store_ps(p[i] + 16 * w, _mm512_mul_ps(pw, vfactor[w]));
         }
-        const float alpha = m[i] == kNegInf ? 0.f : std::exp(m[i] - mx);
-        l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
-        m[i] = mx;
-        if (alpha != 1.f) {
-          const __m512 va = _mm512_set1_ps(alpha);
-          for (int c = 0; c < HDp; c += 16)
-            _mm512_store_ps(acc + i * HDp + c, _mm512_mul_ps(va, _mm512_load_ps(acc + i * HDp + c)));
-        }
+        Rescale(m[i], l[i], mx, _mm512_reduce_add_ps(sum), acc + i * HDp, HDp);
       }
-      constexpr int CC = Q <= 4 ? 4 : 16 / Q;
-      const T* v = seg.v + j0 * HD;
-      for (int c0 = 0; c0 < HDp; c0 += 16 * CC) {
-        __mmask16 cm[CC];
-        __m512 o[Q][CC];
-        for (int c = 0; c < CC; ++c) cm[c] = Mask16(HD - c0 - 16 * c);
-        for (int i = 0; i < Q; ++i)
-          for (int c = 0; c < CC; ++c) o[i][c] = cm[c] ? _mm512_load_ps(acc + i * HDp + c0 + 16 * c) : _mm512_setzero_ps();
-        for (int jj = 0; jj < cnt; ++jj) {
-          __m512 vv[CC];
-          for (int c = 0; c < CC; ++c) vv[c] = Load16(v + jj * HD + c0 + 16 * c, cm[c]);
-          for (int i = 0; i < Q; ++i) {
-            const __m512 pi = _mm512_set1_ps(p[i][jj]);
-            for (int c = 0; c < CC; ++c) o[i][c] = _mm512_fmadd_ps(pi, vv[c], o[i][c]);
-          }
-        }
-        for (int i = 0; i < Q; ++i)
-          for (int c = 0; c < CC; ++c)
-            if (cm[c]) _mm512_store_ps(acc + i * HDp + c0 + 16 * c, o[i][c]);
-      }
+      AccumulateV<Q, T>(seg.v + j0 * HD, cnt, HD, &p[0][0], kKeys, acc);
     }
   }
   for (int i = 0; i < nq; ++i) {
