@@ -518,16 +518,22 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// The remaining operands of a call as buffers (false: one could not be read).
+inline bool Buffers(const ffi::RemainingArgs& args, std::vector<ffi::AnyBuffer>* out) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return false;
+    out->push_back(*x);
+  }
+  return true;
+}
+
 template <ffi::DataType DT>
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo,
                            ffi::Buffer<ffi::S32> hi, ffi::RemainingArgs cache, ffi::ResultBuffer<ffi::F32> out,
                            float scale) {
   std::vector<ffi::AnyBuffer> segs;
-  for (size_t i = 0; i < cache.size(); ++i) {
-    auto x = cache.get<ffi::AnyBuffer>(i);
-    if (!x.has_value()) return ffi::Error::InvalidArgument("mmjax_decode_attention: bad operand");
-    segs.push_back(*x);
-  }
+  if (!Buffers(cache, &segs)) return ffi::Error::InvalidArgument("mmjax_decode_attention: bad operand");
   return Attend<DT>(pool, q, lo, hi, segs, NewKV<CacheT<DT>>{}, out->typed_data(), scale);
 }
 
@@ -600,11 +606,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         "mmjax_prefill_attention: q [B, KVH, T * G, HD], lo / hi [B, T], slots [B] expected");
   const int64_t B = qd[0], KVH = qd[1], N = qd[2], HD = qd[3], tokens = ld[1], G = N / tokens;
   std::vector<ffi::AnyBuffer> cache;
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto x = args.get<ffi::AnyBuffer>(i);
-    if (!x.has_value()) return ffi::Error::InvalidArgument("mmjax_prefill_attention: bad operand");
-    cache.push_back(*x);
-  }
+  if (!Buffers(args, &cache)) return ffi::Error::InvalidArgument("mmjax_prefill_attention: bad operand");
   CacheView<DT> cv;
   if (const char* err = cv.Parse(cache, KVH, HD))
     return ffi::Error::InvalidArgument(std::string("mmjax_prefill_attention: ") + err);
@@ -672,15 +674,6 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                                                                     .RemainingRets()        \
                                                                     .Attr<float>("scale"));
 
-MMJAX_DECODE_ATTENTION(mmjax_decode_attention_f32, ffi::DataType::F32)
-MMJAX_DECODE_ATTENTION(mmjax_decode_attention_bf16, ffi::DataType::BF16)
-MMJAX_DECODE_ATTENTION(mmjax_decode_attention_s8, ffi::DataType::S8)
-MMJAX_DECODE_ATTENTION(mmjax_decode_attention_f8e4m3fn, ffi::DataType::F8E4M3FN)
-MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_f32, ffi::DataType::F32)
-MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_bf16, ffi::DataType::BF16)
-MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_s8, ffi::DataType::S8)
-MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_f8e4m3fn, ffi::DataType::F8E4M3FN)
-
 #define MMJAX_PREFILL_ATTENTION(name, dt)                                             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, PrefillAttention<dt>, ffi::Ffi::Bind()           \
                                                                 .Ctx<ffi::ThreadPool>() \
@@ -692,7 +685,13 @@ MMJAX_DECODE_ATTENTION_WRITE(mmjax_decode_attention_write_f8e4m3fn, ffi::DataTyp
                                                                 .Ret<ffi::Buffer<ffi::F32>>() \
                                                                 .Attr<float>("scale"));
 
-MMJAX_PREFILL_ATTENTION(mmjax_prefill_attention_f32, ffi::DataType::F32)
-MMJAX_PREFILL_ATTENTION(mmjax_prefill_attention_bf16, ffi::DataType::BF16)
-MMJAX_PREFILL_ATTENTION(mmjax_prefill_attention_s8, ffi::DataType::S8)
-MMJAX_PREFILL_ATTENTION(mmjax_prefill_attention_f8e4m3fn, ffi::DataType::F8E4M3FN)
+// each handler for the four cache dtypes: name_f32, _bf16, _s8, _f8e4m3fn
+#define MMJAX_EACH_CACHE_DTYPE(define, name)              \
+  define(name##_f32, ffi::DataType::F32)                  \
+  define(name##_bf16, ffi::DataType::BF16)                \
+  define(name##_s8, ffi::DataType::S8)                    \
+  define(name##_f8e4m3fn, ffi::DataType::F8E4M3FN)
+
+MMJAX_EACH_CACHE_DTYPE(MMJAX_DECODE_ATTENTION, mmjax_decode_attention)
+MMJAX_EACH_CACHE_DTYPE(MMJAX_DECODE_ATTENTION_WRITE, mmjax_decode_attention_write)
+MMJAX_EACH_CACHE_DTYPE(MMJAX_PREFILL_ATTENTION, mmjax_prefill_attention)

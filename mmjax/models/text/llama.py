@@ -261,16 +261,14 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     # the fused multiply-reduce, where XLA:CPU's dot would first write a converted copy of the segment
     small = reduce_small and n <= SMALL_N and (b * kvh >= SMALL_N_MIN_CALLS or scales is not None)
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
-    kernel = _decode_kernel(t, slots, mask, kts, vs, scales)
+    kernel = _attention_kernel(t, slots, mask, kts, vs, scales)
     if kernel == "gpu":
         return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
                               scales).reshape(b, 1, h, hd).astype(q.dtype)
     if kernel == "cpu":
         return _cpu_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
                            scales).reshape(b, 1, h, hd).astype(q.dtype)
-    if (mask is None or mask.spans is None) and cpu_attention.covers(kts, vs, scales):
-        # several tokens per row (prefill) on the CPU: one kernel call, each query over its own
-        # causal (window) range, instead of XLA's per-segment cond, full score blocks and masks
+    if kernel == "cpu_prefill":
         lo, hi = _visible_range(q_index, kv_len, mask)
         out = cpu_attention.prefill_attention(qn, kts, vs, lo, hi, jnp.arange(b) if slots is None else slots,
                                               scale=1 / np.sqrt(hd) if scale is None else scale, scales=scales)
@@ -324,18 +322,22 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
-def _decode_kernel(t: int, slots, mask: MaskSpec | None, kts: list, vs: list, scales: tuple | None) -> str | None:
-    """Which kernel takes this attention (trace time): one new token per row over rows [0, b)
-    without image runs goes to "gpu", the ragged Pallas kernel (mmjax.attention.decode: no
-    per-segment lax.cond, which a GPU runs as a host sync per segment and layer), or "cpu"
-    (mmjax.kernels.cpu_attention) where one covers it; None: XLA's per-segment path."""
+def _attention_kernel(t: int, slots, mask: MaskSpec | None, kts: list, vs: list, scales: tuple | None) -> str | None:
+    """Which kernel takes this attention (trace time); image runs (spans) always take XLA's
+    per-segment path (None). One new token per row over rows [0, b) (decode) goes to "gpu", the
+    ragged Pallas kernel (mmjax.attention.decode: no per-segment lax.cond, which a GPU runs as a
+    host sync per segment and layer), or "cpu" (mmjax.kernels.cpu_attention) where one covers
+    it; any other (prefill: several tokens per row, rows in any slots) to "cpu_prefill", the CPU
+    kernel with each query over its own causal (window) range, where one covers it."""
     from mmjax.attention.decode import supported
     from mmjax.backend import pallas_kernels_enabled
-    if t != 1 or slots is not None or (mask is not None and mask.spans is not None):
+    if mask is not None and mask.spans is not None:
         return None
-    if pallas_kernels_enabled() and supported(kts[0].shape[2]):
-        return "gpu"
-    return "cpu" if cpu_attention.covers(kts, vs, scales) else None
+    if t == 1 and slots is None:
+        if pallas_kernels_enabled() and supported(kts[0].shape[2]):
+            return "gpu"
+        return "cpu" if cpu_attention.covers(kts, vs, scales) else None
+    return "cpu_prefill" if cpu_attention.covers(kts, vs, scales) else None
 
 
 def _visible_range(q_pos: jax.Array, kv_len, mask: MaskSpec | None) -> tuple[jax.Array, jax.Array]:
@@ -545,7 +547,7 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     # CPU decode: the attention kernel writes the new K/V itself, then attends (no scatter into
     # every segment: a handful of small XLA ops per segment and layer)
     fused = (packing is None and not capture_attn
-             and _decode_kernel(t, slots, mask, kv["k"], kv["v"], layer_scales(kv)) == "cpu")
+             and _attention_kernel(t, slots, mask, kv["k"], kv["v"], layer_scales(kv)) == "cpu")
     if not fused:
         kv = scatter_kv(kv, k, v, q_index, rows if packing is None else packing.token_slot[None])
     captured = None
