@@ -1,12 +1,13 @@
-"""Attention benchmark: reference / chunked / flash / cudnn, non-causal, side by side.
+"""Attention benchmark: reference / chunked / flash / cudnn / tokamax, non-causal, side by side.
 
     python -m benchmarks.attention [--smoke] [--n 1024 4096 ...] [--head-dims 80 128]
                                    [--heads 16] [--dtype float32|bfloat16] [--sweep]
 
 For every (N, head_dim) and implementation: compile time, compile-time temp memory
-(`compiled.memory_analysis().temp_size_in_bytes`), median run time, TFLOP/s
-(4 * B * H * N^2 * head_dim useful FLOPs, i.e. the unpadded head_dim) and two ratios: to cuDNN
-(GPU) and to this device's own measured dense-matmul peak in the same dtype. Implementations
+(`compiled.memory_analysis().temp_size_in_bytes`), median run time (short calls queued
+back to back: `queued_seconds`), TFLOP/s (4 * B * H * N^2 * head_dim useful FLOPs, i.e. the
+unpadded head_dim) and two ratios: to cuDNN (GPU) and to this device's own measured dense-matmul
+peak in the same dtype. Implementations
 that cannot run are listed with the reason (reference whose N x N scores do not fit, flash in
 Pallas interpret mode on CPU, cudnn off GPU, calls estimated to run longer than --max-call-s).
 Prints a table, then one JSON line.
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from mmjax.attention import attention
 from mmjax.attention.flash import FlashBlockSizes, flash_attention
 
-IMPLS = ("reference", "chunked", "flash", "cudnn", "tokamax")
+IMPLS = ("reference", "chunked", "flash", "cudnn", "tokamax", "tokamax-triton")
 
 
 def on_gpu() -> bool:
@@ -38,11 +39,12 @@ def attention_flops(b: int, h: int, n: int, d: int) -> float:
 
 
 def matmul_peak(dtype, n: int) -> float:
-    """Best FLOP/s of an [n, n] @ [n, n] matmul in `dtype` on the default device."""
+    """Best FLOP/s of an [n, n] @ [n, n] matmul in `dtype` on the default device (calls queued
+    back to back, see `queued_seconds`)."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     mm = jax.jit(jnp.matmul)
     mm(a, a).block_until_ready()
-    best = min(_timed(lambda: mm(a, a).block_until_ready()) for _ in range(5))
+    best = min(queued_seconds(lambda: mm(a, a), 10) for _ in range(3))
     return 2.0 * n**3 / best
 
 
@@ -50,6 +52,19 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def queued_seconds(call, n: int) -> float:
+    """Seconds per call of `call` (dispatching one jitted computation) issued n times back to
+    back, then waited for once: the device's time per call once it is busier than the host's
+    dispatch. Waiting for every call instead adds a host round trip per call: on the lent H200s
+    (a virtualised host) that was 0.1-0.3 ms, a fifth of an 8192^3 bf16 matmul, so the peak
+    read 542-610 TFLOP/s and cuDNN's attention above 100% of it."""
+    jax.block_until_ready(call())
+    t0 = time.perf_counter()
+    out = [call() for _ in range(n)]
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / n
 
 
 def memory_budget() -> int:
@@ -62,9 +77,17 @@ def memory_budget() -> int:
 
 
 def make_fn(impl: str, block_sizes: FlashBlockSizes | None = None):
-    if impl == "tokamax":   # the maintained Pallas kernel library, as a peer (its own choice of kernel)
+    if impl.startswith("tokamax"):   # the maintained Pallas kernel library, as a peer
+        import sys
+
         import tokamax
-        return jax.jit(tokamax.dot_product_attention)
+        from absl import flags
+        if not flags.FLAGS.is_parsed():      # tokamax reads absl flags from sys.argv (ours are not its)
+            flags.FLAGS(sys.argv[:1])
+        # "tokamax": its own choice of kernel (Mosaic GPU first on Hopper); "tokamax-triton": its
+        # Triton kernel (0.0.12's Mosaic kernel failed to trace on jax 0.11.2)
+        kw = {"implementation": "triton"} if impl == "tokamax-triton" else {}
+        return jax.jit(functools.partial(tokamax.dot_product_attention, **kw))
     if impl == "flash":
         return jax.jit(functools.partial(flash_attention, block_sizes=block_sizes))
     return jax.jit(functools.partial(attention, impl=impl))
@@ -73,9 +96,9 @@ def make_fn(impl: str, block_sizes: FlashBlockSizes | None = None):
 def skip_reason(impl: str, b: int, h: int, n: int, budget: int) -> str | None:
     if impl == "flash" and not on_gpu():
         return "Pallas interpret mode on CPU is a correctness tool (tests), not timed"
-    if impl in ("cudnn", "tokamax") and not on_gpu():
+    if impl in ("cudnn", "tokamax", "tokamax-triton") and not on_gpu():
         return "needs a CUDA GPU"
-    if impl == "tokamax":
+    if impl.startswith("tokamax"):
         try:
             import tokamax  # noqa: F401
         except ImportError:
@@ -101,9 +124,12 @@ def bench_one(fn, q, k, v, flops: float, est_rate: float | None, max_call_s: flo
         row["skipped"] = f"estimated {est:.0f} s per call > --max-call-s {max_call_s:.0f}"
         return row
     first = _timed(lambda: compiled(q, k, v).block_until_ready())
-    reps = 1 if first > 5 else (3 if first > 0.5 else 10)
-    times = [first] if first > 5 else [
-        _timed(lambda: compiled(q, k, v).block_until_ready()) for _ in range(reps)]
+    if first > 5:
+        times = [first]
+    elif first > 0.5:
+        times = [_timed(lambda: compiled(q, k, v).block_until_ready()) for _ in range(3)]
+    else:                   # short calls: queued, so the host's round trip per call is not timed
+        times = [queued_seconds(lambda: compiled(q, k, v), 10) for _ in range(3)]
     row["time_s"] = statistics.median(times)
     row["tflops"] = flops / row["time_s"] / 1e12
     return row

@@ -3,11 +3,13 @@
 On a GPU (bfloat16):
   1. attention TFLOP/s, non-causal, N = 1k..64k, head_dim 64 / 80 / 128: mmjax's Pallas flash
      kernel, cuDNN (jax.nn.dot_product_attention) and tokamax (if installed: `pip install
-     tokamax`), each as % of the device's measured bf16 matmul peak (benchmarks/attention.py);
+     tokamax`; its own choice of kernel and its Triton kernel), each as % of the device's
+     measured bf16 matmul peak (benchmarks/attention.py);
   2. decode tok/s at batch 1 / 16 / 64 (one compiled decode step, 512 cache positions in use) on
      the "gpu" random-weight LLaVA checkpoint (CLIP ViT-L/14-336 + a 24-layer hidden-2048
      Llama, ~1.6B params), with the weight bytes each step streams over the device's measured
-     read bandwidth (roofline);
+     read bandwidth (roofline), and where a step's time goes: the host's dispatch, steps queued
+     back to back, 16 steps in one call, and the kernels' own time (a profiler trace);
   3. TTFT of one image request (median of 5, preprocessing included);
   4. a 3840x2160 image through a Qwen2.5-VL-sized vision tower at native resolution (42,196
      patches, 10,549 tokens; ViT depth 32, hidden 1280, head_dim 80);
@@ -51,20 +53,18 @@ def on_gpu() -> bool:
 
 
 def memory_bandwidth(nbytes: int) -> tuple[float, float]:
-    """Device memory bandwidth, bytes/s: (copy: best of 5 `a + 1` over an nbytes f32 buffer,
-    counting read + write; read: best of 5 sums of it, counting the read). Decode streams its
-    weights, so the read rate is the roofline's denominator (an H200's copy read 3265 GB/s)."""
+    """Device memory bandwidth, bytes/s: (copy: `a + 1` over an nbytes f32 buffer, counting read
+    + write; read: a sum of it, counting the read), each the best of 3 rounds of 5 calls queued
+    back to back (`queued_seconds`: a wait per call added the virtualised host's round trip,
+    a third of a 2 GiB sum on the lent H200s). Decode streams its weights, so the read rate is
+    the roofline's denominator."""
     import jax
     import jax.numpy as jnp
+    from benchmarks.attention import queued_seconds
     x = jnp.ones((nbytes // 4,), jnp.float32)
     rates = []
     for fn, moved in ((jax.jit(lambda a: a + 1.0), 2 * nbytes), (jax.jit(jnp.sum), nbytes)):
-        fn(x).block_until_ready()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn(x).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
+        best = min(queued_seconds(lambda: fn(x), 5) for _ in range(3))
         rates.append(moved / best)
     return rates[0], rates[1]
 
@@ -76,7 +76,9 @@ def param_bytes(tree) -> int:
 
 def decode_rates(vlm, batches: list[int], kv_len: int, bandwidth: float, repeats: int) -> list[dict]:
     """One decode step of `b` rows at `kv_len` positions: tok/s and the roofline (LM weights +
-    the rows' KV read once per step, over the read bandwidth)."""
+    the rows' KV read once per step, over the read bandwidth), and where the step's time goes:
+    the host's dispatch, steps queued back to back, 16 steps in one call, and (on a GPU) the
+    kernels' own time from a profiler trace."""
     r = vlm.engine.runner
     lm_bytes = param_bytes(r.params["text"])
     tm = vlm.family.text_model
@@ -103,11 +105,77 @@ def decode_rates(vlm, batches: list[int], kv_len: int, bandwidth: float, repeats
         pending[-1].result()
         pipelined = (time.perf_counter() - t0) / len(pending)
         floor = (lm_bytes + b * kv_len * kv_per_pos) / bandwidth
+        busy = kernel_seconds_per_step(r, kv_len, b)
         rows.append({"batch": b, "kv_len": kv_len, "step_ms": step * 1e3, "tok_s": b / step,
                      "roofline_tok_s": b / floor, "roofline": floor / step,
-                     "dispatch_ms": statistics.median(dispatch) * 1e3, "pipelined_step_ms": pipelined * 1e3})
+                     "dispatch_ms": statistics.median(dispatch) * 1e3, "pipelined_step_ms": pipelined * 1e3,
+                     "loop_step_ms": loop_step_seconds(r, kv_len, b) * 1e3,
+                     "kernel_ms": None if busy is None else busy * 1e3,
+                     "kernel_roofline": None if busy is None else floor / busy})
     vlm.engine.reset_device_state()
     return rows
+
+
+def loop_step_seconds(r, kv_len: int, rows: int, steps: int = 16) -> float:
+    """Seconds per decode step of `rows` rows with `steps` steps in one jitted call (a
+    `fori_loop`, each step feeding the next its sampled tokens): the host's dispatch paid once
+    a call, what a multi-step engine loop would get (XLA's GPU runtime may still launch the
+    loop body once per iteration)."""
+    import jax
+
+    from mmjax.backend import compiling_for
+    lens = np.full(r.text_model.num_layers, kv_len, np.int32)
+    bits = r.all_allowed(rows)
+    step = r._decode.__wrapped__               # the runner's decode step, unjitted
+
+    def many(params, cache, state):
+        def body(_, carry):
+            cache, state, _ = step(params, *carry, lens, bits, rows=rows)
+            return cache, state
+        return jax.lax.fori_loop(0, steps, body, (cache, state))
+
+    loop = jax.jit(many, donate_argnums=(1, 2), compiler_options=r.tuning.compiler_options("decode"))
+    times = []
+    with compiling_for(r.tuning.platform):
+        for _ in range(4):                   # the first compiles
+            t0 = time.perf_counter()
+            r.cache, r.state = jax.block_until_ready(loop(r.lm_params, r.cache, r.state))
+            times.append(time.perf_counter() - t0)
+    return min(times[1:]) / steps
+
+
+def kernel_seconds_per_step(r, kv_len: int, rows: int, steps: int = 10) -> float | None:
+    """The GPU's kernel time per decode step (the durations on its compute streams in a
+    `jax.profiler` trace of `steps` waited steps), None off a GPU. An H200 ran the 24-layer
+    bf16 16-row step in 1.7 ms of kernels within 4-5 ms of wall (benchmarks/README.md): the
+    rest is the host's."""
+    import glob
+    import gzip
+
+    import jax
+    if not on_gpu():
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            for _ in range(steps):
+                r.decode(kv_len, rows)
+        finally:
+            jax.profiler.stop_trace()
+        traces = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
+        if not traces:
+            return None
+        busy = compute_stream_seconds(json.load(gzip.open(traces[0]))["traceEvents"])
+    return busy / steps if busy else None
+
+
+def compute_stream_seconds(events: list[dict]) -> float:
+    """Seconds of kernels on a GPU's compute streams in a profiler trace's `traceEvents`."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpu = {e["pid"] for e in meta if e.get("name") == "process_name" and "/device:GPU" in e["args"]["name"]}
+    compute = {(e["pid"], e["tid"]) for e in meta if e.get("name") == "thread_name" and e["pid"] in gpu
+               and "Compute" in e["args"]["name"]}
+    return sum(e.get("dur", 0) for e in events if e.get("ph") == "X" and (e["pid"], e["tid"]) in compute) / 1e6
 
 
 def ttft(vlm, size: int, repeats: int) -> float:
@@ -333,7 +401,7 @@ def main(argv=None) -> int:
         return model["vlm"]
 
     def attention():
-        impls = ["reference", "chunked"] if smoke else ["flash", "cudnn", "tokamax"]
+        impls = ["reference", "chunked"] if smoke else ["flash", "cudnn", "tokamax", "tokamax-triton"]
         ns, hds = ([256, 512], [64]) if smoke else ([1024, 4096, 16384, 65536], [64, 80, 128])
         ns, hds = args.attention_n or ns, args.attention_head_dims or hds
         return attn_bench.run(ns, hds, 4 if smoke else 16, 1, jnp.dtype(dtype), impls, 60.0 if smoke else 600.0,
@@ -428,7 +496,10 @@ def format_table(r: dict) -> str:
             lines.append(f"{label} batch {d['batch']:>3} @ {d['kv_len']} positions: {d['step_ms']:8.2f} ms/step "
                          f"{d['tok_s']:9.1f} tok/s  (roofline {d['roofline_tok_s']:.0f} tok/s, "
                          f"{100 * d['roofline']:.0f}%; dispatch {d['dispatch_ms']:.2f} ms, queued back to back "
-                         f"{d['pipelined_step_ms']:.2f} ms/step)" + (f"; transformers {peer['tok_s']:.1f} tok/s, mmjax/hf "
+                         f"{d['pipelined_step_ms']:.2f} ms/step; 16 steps a call {d['loop_step_ms']:.2f} ms/step"
+                         + ("" if d.get("kernel_ms") is None else f"; kernels {d['kernel_ms']:.2f} ms/step, "
+                            f"{100 * d['kernel_roofline']:.0f}% of roofline") + ")"
+                         + (f"; transformers {peer['tok_s']:.1f} tok/s, mmjax/hf "
                                                             f"{d['tok_s'] / peer['tok_s']:.2f}x" if peer else ""))
     shown = {d["batch"] for d in r.get("decode", [])}
     for d in hf.get("decode", []):

@@ -373,5 +373,25 @@ def test_gpu_bench_smoke(tmp_path):
     assert acc[0]["rel_err"] < 1e-5 and acc[1]["rel_err"] < 2e-2 and acc[2]["within_test_tolerance"]
     assert {row["impl"] for row in r["attention"]["rows"]} == {"reference", "chunked"}
     assert [d["batch"] for d in r["decode"]] == [1, 2] and all(_finite(d["tok_s"]) for d in r["decode"])
+    # the step's time split: 16 steps in one call everywhere, kernel time from a trace on GPUs only
+    assert all(_finite(d["loop_step_ms"]) and d["kernel_ms"] is None for d in r["decode"])
     assert _finite(r["ttft_s"]) and "engine" not in r and "qwen_4k_encode" not in r
     assert "SMOKE" in out.stdout
+
+
+def test_gpu_bench_kernel_time_reads_compute_streams():
+    """bench gpu's kernel time per decode step sums the GPU's compute-stream events of a
+    profiler trace (as jax.profiler writes it: metadata names processes and threads), not the
+    host's threads or the copy streams."""
+    from benchmarks.gpu import compute_stream_seconds
+
+    def meta(kind, pid, name, tid=0):
+        return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+    events = [meta("process_name", 1, "/host:CPU"), meta("thread_name", 1, "python3", 7),
+              meta("process_name", 2, "/device:GPU:0"), meta("thread_name", 2, "Stream #14(Compute)", 14),
+              meta("thread_name", 2, "Stream #15(MemcpyH2D)", 15),
+              {"ph": "X", "pid": 1, "tid": 7, "name": "PjitFunction(decode)", "ts": 0, "dur": 5000},
+              {"ph": "X", "pid": 2, "tid": 14, "name": "gemm_fusion_dot", "ts": 10, "dur": 900},
+              {"ph": "X", "pid": 2, "tid": 14, "name": "mmjax_ragged_decode_attention", "ts": 910, "dur": 250},
+              {"ph": "X", "pid": 2, "tid": 15, "name": "memcpy", "ts": 0, "dur": 40}]
+    assert abs(compute_stream_seconds(events) - 1150e-6) < 1e-12

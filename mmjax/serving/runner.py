@@ -111,7 +111,9 @@ class PendingOutput:
         segments' rows are dropped)."""
         if self._out is None:
             t0 = time.perf_counter()
-            self._out = StepOutput(*(np.asarray(x)[:self._rows] for x in self._arrays))
+            # one device_get: every output's copy to the host starts before the first is read
+            # (np.asarray per output waited for each copy in turn: 0.3-0.7 ms each on an H200)
+            self._out = StepOutput(*(x[:self._rows] for x in jax.device_get(tuple(self._arrays))))
             self._runner.step_seconds[self._kind] += time.perf_counter() - t0
             self._arrays = None
         return self._out
