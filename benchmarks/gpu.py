@@ -14,7 +14,7 @@ On a GPU (bfloat16):
   4. a 3840x2160 image through a Qwen2.5-VL-sized vision tower at native resolution (42,196
      patches, 10,549 tokens; ViT depth 32, hidden 1280, head_dim 80);
   5. engine throughput (AsyncEngine, closed-loop clients, 128 new tokens, greedy) at
-     concurrency 16 and 64;
+     concurrency 16 and 64, and the same with --decode-steps (4) decode steps a call;
   6. the peer: transformers on the same device and checkpoint (bf16, its own process): decode
      tok/s of a padded batch of 1 / 16 / 64, TTFT, and the engine's requests as padded batches;
   7. the kernels' accuracy as compiled on this device (flash and ragged decode against the test
@@ -239,7 +239,7 @@ def engine_throughput(vlm, concurrency: list[int], new_tokens: int, size: int) -
     return rows
 
 
-SECTIONS = ("accuracy", "decode", "ttft", "engine", "hf", "qwen4k", "attention", "decode-xla",
+SECTIONS = ("accuracy", "decode", "ttft", "engine", "engine-steps", "hf", "qwen4k", "attention", "decode-xla",
             "decode-fp8", "decode-int8")
 
 
@@ -361,6 +361,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-head-dims", type=int, nargs="+", default=None, help="default 64 80 128")
     ap.add_argument("--accuracy-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                     help="the flash cases' dtypes in the accuracy section")
+    ap.add_argument("--decode-steps", type=int, default=4,
+                    help="decode steps a call in the engine-steps section (the engine A/B against one step)")
     ap.add_argument("--hf-peer", default=None, help=argparse.SUPPRESS)   # the peer's own process
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -414,6 +416,16 @@ def main(argv=None) -> int:
         result["engine_compile_s"] = v.engine.stats()["compile_seconds"] - before
         return rows
 
+    def engine_steps():      # the A/B: the same engine taking --decode-steps tokens a decode call
+        v = mmjax.load(path, dtype=dtype, max_num_seqs=max(batches + conc), max_model_len=max_model_len,
+                       prefill_chunk=64 if smoke else 1024, max_encode_batch=2 if smoke else 16,
+                       decode_steps=args.decode_steps)
+        try:
+            return {"decode_steps": args.decode_steps,
+                    "rows": engine_throughput(v, conc, new_tokens, v.family.cfg.vision.image_size)}
+        finally:
+            del v
+
     def hf():
         cmd = [sys.executable, "-m", "benchmarks.gpu", "--hf-peer", path] + (["--smoke"] if smoke else [])
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
@@ -438,6 +450,7 @@ def main(argv=None) -> int:
         ("decode", "decode", lambda: decode_rates(vlm(), args.decode_batches or batches, kv_len, bandwidth, repeats)),
         ("ttft", "ttft_s", lambda: ttft(vlm(), vlm().family.cfg.vision.image_size, 2 if smoke else 5)),
         ("engine", "engine", engine),
+        ("engine-steps", "engine_multistep", engine_steps),
         ("hf", "transformers", hf),
         ("qwen4k", "qwen_4k_encode", qwen4k),
         ("attention", "attention", attention),
@@ -521,6 +534,13 @@ def format_table(r: dict) -> str:
                      f"{e['compile_s_in_run']:.1f} s"
                      + (f"; transformers batched {peer['output_tok_s']:.1f} tok/s, mmjax/hf "
                         f"{e['output_tok_s'] / peer['output_tok_s']:.2f}x" if peer else ""))
+    multi = r.get("engine_multistep", {})
+    for e in multi.get("rows", []):
+        one = next((x for x in r.get("engine", []) if x["concurrency"] == e["concurrency"]), None)
+        lines.append(f"engine, {multi['decode_steps']} decode steps a call, concurrency {e['concurrency']:>3}: "
+                     f"{e['output_tok_s']:9.1f} tok/s, TTFT p50 {e['ttft_p50_s'] * 1e3:.0f} ms, p99 "
+                     f"{e['ttft_p99_s'] * 1e3:.0f} ms, compiles in the run {e['compile_s_in_run']:.1f} s"
+                     + (f"; {e['output_tok_s'] / one['output_tok_s']:.2f}x one step a call" if one else ""))
     if "qwen_4k_encode" in r:
         q = r["qwen_4k_encode"]
         lines.append(f"Qwen2.5-VL image encode (3840x2160 native; smoke 320x240): {q['patches']} patches -> {q['tokens']} tokens in "

@@ -531,7 +531,9 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     memory plan's peak fits; `engine.runner.memory_plan()`), kv_cache_dtype ("auto": the model's
     dtype, "bfloat16", "int8" or "fp8": float8_e4m3fn; int8 / fp8 keep one bfloat16 scale per
     token and KV head, mmjax.models.text.kv_quant), pack_prefill (default True: the prefill
-    chunks of several requests in one packed call; False: one call per request).
+    chunks of several requests in one packed call; False: one call per request), decode_steps
+    (default 1: decode tokens per call for each running request, vLLM's multi-step scheduling;
+    for hosts whose per-call cost exceeds a step's device time, as on GPUs: Engine).
     """
     enable_compilation_cache()
     if "kv_cache_dtype" in engine_kw:      # a bad name fails here, not at the first request

@@ -173,3 +173,23 @@ def test_gpu_runner_ladders(checkpoints, name):
         again = ModelRunner(model.family, model.params, max_num_seqs=2, max_model_len=2048, prefill_chunk=64,
                             max_encode_batch=1, dtype=model.dtype, platform="cpu")
     assert {len(layer["v"]) for layer in again.cache} >= {5}
+
+
+@pytest.mark.parametrize("name", ["llava-gqa", "qwen2_5_vl"])
+def test_multi_step_decode_lowers_for_cuda(checkpoints, name):
+    """A runner with decode_steps=4 (the engine's multi-step decode, meant for GPUs) adds a
+    four-step decode shape per row bucket: it exports for CUDA as one loop over the one-step
+    body (one ragged attention kernel per layer in it, not four), outputs stacked per step."""
+    model = load_model(checkpoints[name], "bfloat16")
+    runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
+                         max_encode_batch=1, dtype=model.dtype, platform="cuda", decode_steps=4)
+    sigs = {n: (fn, args, kw) for n, fn, args, kw in runner.step_signatures() if n.startswith("decode")}
+    assert sorted(sigs) == ["decode[1]", "decode[1]x4", "decode[2]", "decode[2]x4", "decode[4]", "decode[4]x4"]
+    fn, args, kw = sigs["decode[4]x4"]
+    with compiling_for("cuda"):
+        exp = jax.export.export(fn, platforms=("cuda",), disabled_checks=[TRITON])(*args, **kw)
+    mlir = exp.mlir_module()
+    layers = runner.text_model.num_layers
+    assert "stablehlo.while" in mlir and mlir.count("__gpu$xla.gpu.triton") == layers
+    tokens = exp.out_avals[-4]
+    assert tokens.shape == (4, 4), tokens

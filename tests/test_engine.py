@@ -174,7 +174,7 @@ def test_decode_rows_follow_busy_slots(path):
     prompts = [make_prompt(rng, int(rng.integers(3, 30)), 0) for _ in range(4)]
     sp = mmjax.SamplingParams(max_tokens=12, **GREEDY)
     alone = [eng.run_until_done([eng.add_request(p, [], sp)])[0].token_ids for p in prompts]
-    assert eng.runner.compiled["decode"] == {1}
+    assert eng.runner.compiled["decode"] == {(1, 1)}           # (rows, steps a call)
     rids = [eng.add_request(p, [], sp) for p in prompts[:3]]
     for _ in range(3):
         eng.step()
@@ -185,7 +185,7 @@ def test_decode_rows_follow_busy_slots(path):
     assert eng.requests[late].slot in (1, 3)
     outs = eng.run_until_done([rids[0], rids[2], late])
     assert [o.token_ids for o in outs] == [alone[0], alone[2], alone[3]]
-    assert eng.runner.compiled["decode"] == {1, 2, 4}
+    assert eng.runner.compiled["decode"] == {(1, 1), (2, 1), (4, 1)}
 
 
 def test_prefill_budget_packs_requests_into_one_call(path):
@@ -571,3 +571,59 @@ def test_overlapped_steps_equal_synchronous_steps(path):
         for x, y in zip(a.logprobs or [], b.logprobs or []):
             assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) <= 1e-5
     assert sync[3].token_ids != sync[4].token_ids     # n = 2: two sampled choices
+
+
+def test_multi_step_decode_equals_one_step(path):
+    """decode_steps=4 (four tokens a row per decode call) gives the one-step engine's outputs:
+    greedy ids and logprobs, a stop string and a stop id ending a request inside a call (the
+    call's later tokens discarded), max_tokens that are not multiples of 4, n = 2 sampled with
+    a seed, a grammar-constrained request (calls while it decodes take one step) and a request
+    running into the context end (the calls near it take one step); the four-step calls ran
+    (fewer decode calls than decode steps), within the compile bound (one- and four-step
+    shapes)."""
+    from mmjax.serving.structured import StructuredSpec
+    kw = dict(max_num_seqs=4, max_model_len=512, prefill_chunk=64, enable_prefix_cache=False)
+    one, four = mmjax.load(path, **kw), mmjax.load(path, decode_steps=4, **kw)
+    img = one.prepare_images([noise_image(71, 38, 52)])
+    p0, p1 = "USER: <image>\ndescribe it ASSISTANT:", [5 + i % 120 for i in range(250)]
+    lp = lambda n, **k: mmjax.SamplingParams(logprobs=n, **{**GREEDY, **k})  # noqa: E731
+    ref, ref1 = one.engine.run_until_done([one.engine.add_request(p0, img, lp(3, max_tokens=21)),
+                                           one.engine.add_request(p1, [], lp(0, max_tokens=11))])
+    stop = ref.text[len(ref.text) // 2:][:2]
+    assert len(stop) == 2 and "\ufffd" not in stop
+    script = [  # (arrival step, prompt, images, sampling)
+        (0, p0, img, lp(3, max_tokens=21, stop=[stop])),
+        (0, p1, [], lp(0, max_tokens=11, stop_token_ids=[ref1.token_ids[6]])),
+        (1, [7 + i % 90 for i in range(502)], [], lp(1, max_tokens=30)),                # 10 tokens to the end
+        (2, p1, [], mmjax.SamplingParams(max_tokens=13, temperature=0.8, seed=5, n=2, logprobs=1)),
+        (6, "USER: pick ASSISTANT:", [], mmjax.SamplingParams(max_tokens=30, temperature=1.0, seed=3,
+                                                              structured=StructuredSpec("regex", "[a-c]{4,9}"))),
+        (7, p0, img, lp(2, max_tokens=7)),
+    ]
+
+    def run(eng):
+        ids, step = [None] * len(script), 0
+        while any(i is None for i in ids) or any(eng.requests[r].finish_reason is None for g in ids for r in g):
+            for k, (at, prompt, images, sp) in enumerate(script):
+                if ids[k] is None and at <= step:
+                    ids[k] = [eng.submit(q) for q in eng.siblings(eng.make_request(prompt, images, sp), sp.n)]
+            eng.step()
+            step += 1
+        assert eng.stats()["slots_used"] == 0
+        return [eng.output(r) for g in ids for r in g]
+
+    a, b = run(one.engine), run(four.engine)
+    reasons = [o.finish_reason for o in a]
+    assert reasons == ["stop", "stop", "length", "length", "length", "stop", "length"], reasons
+    assert len(a[2].token_ids) == 10                  # the context end, not max_tokens
+    for x, y in zip(a, b):
+        assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+        assert (x.logprobs is None) == (y.logprobs is None)
+        for u, v in zip(x.logprobs or [], y.logprobs or []):
+            assert u.keys() == v.keys() and max(abs(u[t] - v[t]) for t in u) <= 1e-5
+    assert a[3].token_ids != a[4].token_ids           # n = 2: two sampled choices
+    st = four.engine.stats()
+    assert four.engine.runner.calls["decode"] < four.engine.counters["decode_steps"]
+    assert one.engine.runner.calls["decode"] == one.engine.counters["decode_steps"]
+    assert 1 <= st["compiled_shapes"]["decode"] <= st["compiled_shapes_bound"]["decode"]
+    assert {s for _, s in four.engine.runner.compiled["decode"]} == {1, 4}

@@ -69,15 +69,21 @@ class Engine:
                  encoder_cache_bytes: int = 512 * 2**20, max_images_per_request: int = 16,
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
                  vision_offload: bool = False, memory_budget: int | float | None = None,
-                 kv_cache_dtype: str = "auto", overlap: bool = True, pack_prefill: bool = True):
+                 kv_cache_dtype: str = "auto", overlap: bool = True, pack_prefill: bool = True,
+                 decode_steps: int = 1):
         """overlap: queue each step before reading the previous step's tokens (module docstring).
         pack_prefill: the prefill chunks of several requests in one packed call (False: one call
-        per request)."""
+        per request). decode_steps: tokens a running request gets per decode call (vLLM's
+        multi-step scheduling): the host's cost of a call is paid once for that many steps,
+        while new requests' prefills and stop checks wait for the call; a request that stops
+        inside a call has the rest of its tokens discarded. Calls with grammar-constrained or
+        FastV-pruned requests, or a request within decode_steps of the context end, take one
+        step."""
         self.model = model
         self.overlap = overlap
         # dispatched calls whose sampled tokens the host has not read yet, in dispatch order:
-        # (PendingOutput, [(request, output row)]); see _collect
-        self._pending: list[tuple[Any, list[tuple[Request, int]]]] = []
+        # (PendingOutput, [(request, output row)], steps); see _collect
+        self._pending: list[tuple[Any, list[tuple[Request, int]], int]] = []
         self.tokenizer = model.tokenizer
         self.family = model.family
         max_model_len = max_model_len or min(model.family.text_model.max_position_embeddings, 4096)
@@ -90,7 +96,8 @@ class Engine:
                                   max_encode_batch=max_encode_batch, mesh=mesh,
                                   vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
                                   memory_budget=memory_budget, kv_cache_dtype=kv_cache_dtype,
-                                  max_prefill_seqs=MAX_PREFILL_SEQS if pack_prefill else 1)
+                                  max_prefill_seqs=MAX_PREFILL_SEQS if pack_prefill else 1,
+                                  decode_steps=decode_steps)
         max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
@@ -364,30 +371,31 @@ class Engine:
         hand them to their requests (rows of requests that ended meanwhile are discarded). A
         call that failed on the device fails what it held (`_device_failure`)."""
         while len(self._pending) > keep:
-            pending, rows = self._pending.pop(0)
+            pending, rows, steps = self._pending.pop(0)
             for req, _ in rows:
-                req.inflight -= 1
+                req.inflight -= steps
             try:
-                out = pending.result()
+                outs = pending.result().steps()
             except Exception as e:
                 self._device_failure(None, _as_error(e, "running a step"), deltas)
                 return
-            for req, row in rows:
-                if req.finish_reason is None:
-                    if req.first_token_time is None:
-                        req.first_token_time = time.monotonic()
-                    self._emit_token(req, out, row, deltas)
+            for out in outs:
+                for req, row in rows:
+                    if req.finish_reason is None:
+                        if req.first_token_time is None:
+                            req.first_token_time = time.monotonic()
+                        self._emit_token(req, out, row, deltas)
 
     def _drop_pending(self) -> None:
-        for _, rows in self._pending:
+        for _, rows, steps in self._pending:
             for req, _ in rows:
-                req.inflight -= 1
+                req.inflight -= steps
         self._pending = []
 
-    def _dispatched(self, pending, rows: list[tuple[Request, int]]) -> None:
+    def _dispatched(self, pending, rows: list[tuple[Request, int]], steps: int = 1) -> None:
         for req, _ in rows:
-            req.inflight += 1
-        self._pending.append((pending, rows))
+            req.inflight += steps
+        self._pending.append((pending, rows, steps))
 
     def fail_request(self, req: Request, err: MMJaxError, deltas: list[Delta]) -> None:
         """End `req` with `err` (an error delta is appended to `deltas`)."""
@@ -558,23 +566,31 @@ class Engine:
         # positions in use after this step; per layer only when a pruned request (shorter after
         # its layer) is running
         lens = max(r.prompt_len + len(r.output_ids) + r.inflight for r in running)
-        if any(r.prune is not None for r in running):
+        pruned = any(r.prune is not None for r in running)
+        constrained = any(r.constraints for r in running)
+        # several steps a call unless a row needs the host between tokens (its grammar's next
+        # bitmask), per-layer lengths (pruning), or could run past the context
+        steps = self.runner.decode_steps
+        if pruned or constrained or lens + steps - 1 > self.max_model_len:
+            steps = 1
+        lens += steps - 1
+        if pruned:
             lens = np.asarray([max(r.kv_positions(i) for r in running)
                                for i in range(self.family.text_model.num_layers)])
         rows = max(r.slot for r in running) + 1
         bits = None
-        if any(r.constraints for r in running):
+        if constrained:
             bits = self.runner.all_allowed(rows)
             for r in running:
                 if r.constraints:
                     self._bits(r, bits[r.slot])
         try:
-            out = self.runner.decode(lens, rows, bits, wait=False)
+            out = self.runner.decode(lens, rows, bits, wait=False, steps=steps)
         except Exception as e:
             self._device_failure(None, _as_error(e, "decoding"), deltas)
             return False
-        self.counters["decode_steps"] += 1
-        self._dispatched(out, [(r, r.slot) for r in running])
+        self.counters["decode_steps"] += steps
+        self._dispatched(out, [(r, r.slot) for r in running], steps)
         return True
 
     def _emit_token(self, req: Request, out, row: int, deltas: list[Delta]) -> None:

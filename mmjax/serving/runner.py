@@ -96,6 +96,14 @@ class StepOutput:
         """Already on the host (the PendingOutput interface, for steps that always wait)."""
         return self
 
+    def steps(self) -> list["StepOutput"]:
+        """One StepOutput per decode step of a multi-step call (arrays [steps, rows, ...]); a
+        one-step output is its own list."""
+        if self.tokens.ndim == 1:
+            return [self]
+        return [StepOutput(*(x[j] for x in (self.tokens, self.logprobs, self.top_logprobs, self.top_ids)))
+                for j in range(self.tokens.shape[0])]
+
 
 class PendingOutput:
     """One dispatched step's sampling results, still on the device (overlapped steps: the host
@@ -287,16 +295,19 @@ def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_shard
 
 
 def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
-    """(params, cache, state, kv_lens, bits, *, rows) -> (cache, state, sample outputs): one token
-    for each of the first `rows` slots (static); bits [rows, words] uint32: each row's
+    """(params, cache, state, kv_lens, bits, *, rows, steps=1) -> (cache, state, sample outputs):
+    one token for each of the first `rows` slots (static); bits [rows, words] uint32: each row's
     allowed-token bitmask (all ones: unconstrained); the other slots' cache and state rows are
     untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_lens
     [num_layers] int32: cache positions the active rows use after the step, per layer (they
-    differ after pruned layers). `tm` as in prefill."""
+    differ after pruned layers). `tm` as in prefill. steps > 1 (static): that many steps in one
+    call (a `lax.scan`, each step reading the tokens the one before sampled), the outputs
+    stacked [steps, rows, ...], kv_lens then the positions in use after the last step and
+    `bits` the same for every step: one host dispatch for several tokens a row."""
     tm = tm or family.text_model
     prunable = getattr(tm, "supports_prune", False)
 
-    def decode(params, cache, state, kv_lens, bits, *, rows):
+    def one(params, cache, state, kv_lens, bits, rows):
         text = params["text"]
         st = state.head(rows)
         embeds = tm.embed(text, st.tokens)[:, None]
@@ -308,6 +319,16 @@ def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None
         split = jax.vmap(jax.random.split)(st.keys)
         res = sample(logits, split[:, 1], st.sampling, st.hist, bits)
         return out.cache, state.advance(res[0], split[:, 0]), res
+
+    def decode(params, cache, state, kv_lens, bits, *, rows, steps=1):
+        if steps == 1:
+            return one(params, cache, state, kv_lens, bits, rows)
+
+        def body(carry, _):
+            cache, state, res = one(params, *carry, kv_lens, bits, rows)
+            return (cache, state), res
+        (cache, state), res = jax.lax.scan(body, (cache, state), None, length=steps)
+        return cache, state, res
     return decode
 
 
@@ -380,9 +401,14 @@ class ModelRunner:
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
                  vision_tensor_parallel: bool = False, vision_offload: bool = False,
                  memory_budget: int | float | None = None, kv_cache_dtype: str | None = None,
-                 max_prefill_seqs: int = 8):
+                 max_prefill_seqs: int = 8, decode_steps: int = 1):
         """max_prefill_seqs: the most sequences one prefill call packs (1: one per call; text
-        models without `supports_packing` always take one)."""
+        models without `supports_packing` always take one). decode_steps: the decode steps a
+        multi-step decode call takes (`decode(steps=)`; 1: none), compiled beside the one-step
+        calls."""
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        self.decode_steps = decode_steps
         self.family = family
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
@@ -439,8 +465,8 @@ class ModelRunner:
         from mmjax import distributed
         index = distributed.register(self)
         self._announce = distributed.Leader(index) if index is not None and distributed.is_leader() else None
-        # shapes compiled so far (`compiled`, set above); "prefill_pruned": (chunk, layer, keep,
-        # out_len) of FastV prefills
+        # shapes compiled so far (`compiled`, set above); "decode": (rows, steps a call);
+        # "prefill_pruned": (chunk, layer, keep, out_len) of FastV prefills
         self.compile_seconds = 0.0
         self.calls = {k: 0 for k in self.compiled}  # compiled-step invocations
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
@@ -481,7 +507,8 @@ class ModelRunner:
         self._prefill_scores = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather, scores=True)),
                                        donate_argnums=(1, 2), out_shardings=scores_outs,
                                        compiler_options=t.compiler_options("prefill"))
-        self._decode = jax.jit(t.traced(make_decode_step(family, t, self.text_model, gather)), static_argnames=("rows",),
+        self._decode = jax.jit(t.traced(make_decode_step(family, t, self.text_model, gather)),
+                               static_argnames=("rows", "steps"),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
         if family.cross_attention:
@@ -730,7 +757,7 @@ class ModelRunner:
                                  np.int32(len(feats)), tiles, np.int32(dec))
 
     def decode(self, max_length: int | np.ndarray, active_rows: int | None = None,
-               bits: np.ndarray | None = None, wait: bool = True) -> StepOutput | PendingOutput:
+               bits: np.ndarray | None = None, wait: bool = True, steps: int = 1) -> StepOutput | PendingOutput:
         """Advance the first `active_rows` slots (default: all; rounded up to the decode ladder)
         by one token; `max_length` = longest active sequence after the step (per layer
         [num_layers] where pruned rows make later layers shorter); bits [>= active_rows,
@@ -738,23 +765,27 @@ class ModelRunner:
         are unconstrained). Outputs have one row per advanced slot. The step reads each slot's
         input token from the decode state on the device (the previous step's sample), so with
         wait=False (a PendingOutput comes back) the next step can be queued before the host
-        reads this one's tokens."""
+        reads this one's tokens. steps = this runner's `decode_steps`: that many tokens a slot in
+        one call (max_length: after the last; the same bits for each), outputs [steps, rows]
+        (`StepOutput.steps()` splits them)."""
+        if steps not in (1, self.decode_steps):
+            raise ValueError(f"steps must be 1 or this runner's decode_steps ({self.decode_steps}), got {steps}")
         if self._announce is not None:
-            return self._announce("decode", (max_length, active_rows, bits),
-                                  lambda: self._decode_rows(max_length, active_rows, bits, wait))
-        return self._decode_rows(max_length, active_rows, bits, wait)
+            return self._announce("decode", (max_length, active_rows, bits, True, steps),
+                                  lambda: self._decode_rows(max_length, active_rows, bits, wait, steps))
+        return self._decode_rows(max_length, active_rows, bits, wait, steps)
 
     def _decode_rows(self, max_length: int | np.ndarray, active_rows: int | None, bits=None,
-                     wait: bool = True) -> StepOutput | PendingOutput:
+                     wait: bool = True, steps: int = 1) -> StepOutput | PendingOutput:
         rows = bucket_for(self.num_slots if active_rows is None else active_rows, self.buckets.decode)
         kv_lens = np.broadcast_to(np.asarray(max_length, np.int32), (self.text_model.num_layers,))
         full = self.all_allowed(rows)
         if bits is not None:
             k = min(rows, len(bits))
             full[:k] = bits[:k]
-        self.cache, self.state, out = self._track("decode", rows, self._decode, self.lm_params, self.cache,
+        self.cache, self.state, out = self._track("decode", (rows, steps), self._decode, self.lm_params, self.cache,
                                                   self.state, np.ascontiguousarray(kv_lens), full, rows=rows,
-                                                  wait=wait)
+                                                  steps=steps, wait=wait)
         return self._output("decode", out, wait)
 
     def warmup(self) -> None:
@@ -769,7 +800,8 @@ class ModelRunner:
                                            np.zeros((rows, c // s), np.int32), 0, self._idle_sampling,
                                            np.zeros(2, np.uint32)) for i in range(s)])
         for r in self.buckets.decode:
-            self.decode(1, r)
+            for steps in sorted({1, self.decode_steps}):
+                self.decode(steps, r, steps=steps)
         self.copy_slot(0, 0)
 
     def step_signatures(self, num_slots: int | None = None) -> list[tuple[str, object, tuple, dict]]:
@@ -832,9 +864,10 @@ class ModelRunner:
         out.append(("copy_slot", self._copy, (cache, i32, i32), {}))
         for r in buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
-            out.append((f"decode[{r}]", self._decode, (lm, cache, state, lens,
-                                                       jax.ShapeDtypeStruct((r, self.bit_words), jnp.uint32)),
-                        {"rows": r}))
+            for steps in sorted({1, self.decode_steps}):
+                out.append((f"decode[{r}]" if steps == 1 else f"decode[{r}]x{steps}", self._decode,
+                            (lm, cache, state, lens, jax.ShapeDtypeStruct((r, self.bit_words), jnp.uint32)),
+                            {"rows": r, "steps": steps}))
         return out
 
     def _abstract_device_state(self, num_slots: int | None):
@@ -946,5 +979,5 @@ class ModelRunner:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
                 "prefill": len(self.buckets.prefill) * len(self.buckets.segments),
-                "decode": len(self.buckets.decode), "copy_slot": 1,
+                "decode": len(self.buckets.decode) * len({1, self.decode_steps}), "copy_slot": 1,
                 **({"fill_cross": 1} if self.family.cross_attention else {})}
