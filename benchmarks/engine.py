@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="the engine waits for every step before queuing the next (A/B of overlapped steps)")
     ap.add_argument("--no-pack", action="store_true", help="prefill one request per call (pack_prefill=False)")
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="decode steps per engine call (multi-step decode; default 1)")
     ap.add_argument("--pack-ab", action="store_true",
                     help="also run every concurrency level without packed prefill (A/B of TTFT in one run)")
     ap.add_argument("--decode-only", action="store_true",
@@ -230,7 +232,8 @@ def main(argv=None) -> int:
     threads = args.threads or os.cpu_count()
     engine_kw = dict(max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
                      prefill_chunk=64 if args.smoke else 256, max_encode_batch=8, overlap=not args.no_overlap,
-                     kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, quantize=args.quantize)
+                     kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, quantize=args.quantize,
+                     decode_steps=args.decode_steps)
     if (args.dtype != "float32" or args.quantize) and not args.no_hf:
         ap.error("--dtype / --quantize change mmjax's precision only: add --no-hf (peers compare at the same precision)")
     vlm = mmjax.load(path, pack_prefill=not args.no_pack, **engine_kw)
@@ -309,7 +312,7 @@ def main(argv=None) -> int:
                      "vs_hf_batched": tps(r) / hfb_tps if hfb_tps else None, "step_s": r["step_s"]})
     precision = args.dtype + (f" + {args.quantize} weights" if args.quantize else "")
     print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, {precision}, {threads} threads, "
-          f"{'synchronous' if args.no_overlap else 'overlapped'} engine steps)")
+          f"{'synchronous' if args.no_overlap else 'overlapped'} engine steps, {args.decode_steps} decode step(s) a call)")
     print(f"warmup: {sum(compiled.values())} compiled shapes {compiled} in {compile_s:.1f}s (excluded below)")
     print(f"{'who':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'lat. p50':>10}"
           f"{'vs HF seq':>11}{'vs HF batch':>13}{'% roofline':>12}")
@@ -339,7 +342,7 @@ def main(argv=None) -> int:
     print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads, "dtype": args.dtype, "quantize": args.quantize,
-               "overlap": not args.no_overlap,
+               "overlap": not args.no_overlap, "steps_per_decode_call": args.decode_steps,
                "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,
                "mmjax": rows, "decode_steps": decode_steps, "machine_probes": probes,
                "hf_sequential": None if not hf else stats(hf),
