@@ -417,6 +417,7 @@ def main(argv=None) -> int:
         return rows
 
     def engine_steps():      # the A/B: the same engine taking --decode-steps tokens a decode call
+        release()            # two engines' KV caches (~26 GB each) would not fit an H100's 60%
         v = mmjax.load(path, dtype=dtype, max_num_seqs=max(batches + conc), max_model_len=max_model_len,
                        prefill_chunk=64 if smoke else 1024, max_encode_batch=2 if smoke else 16,
                        decode_steps=args.decode_steps)
