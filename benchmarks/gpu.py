@@ -117,29 +117,21 @@ def decode_rates(vlm, batches: list[int], kv_len: int, bandwidth: float, repeats
 
 
 def loop_step_seconds(r, kv_len: int, rows: int, steps: int = 16) -> float:
-    """Seconds per decode step of `rows` rows with `steps` steps in one jitted call (a
-    `fori_loop`, each step feeding the next its sampled tokens): the host's dispatch paid once
-    a call, what a multi-step engine loop would get (XLA's GPU runtime may still launch the
-    loop body once per iteration)."""
+    """Seconds per decode step of `rows` rows with `steps` steps in one call (the runner's
+    multi-step decode step, a `lax.scan`, each step feeding the next its sampled tokens): the
+    host's dispatch paid once a call, what the engine's `decode_steps` gets (XLA's GPU runtime
+    may still launch the loop body once per iteration)."""
     import jax
 
     from mmjax.backend import compiling_for
     lens = np.full(r.text_model.num_layers, kv_len, np.int32)
     bits = r.all_allowed(rows)
-    step = r._decode.__wrapped__               # the runner's decode step, unjitted
-
-    def many(params, cache, state):
-        def body(_, carry):
-            cache, state, _ = step(params, *carry, lens, bits, rows=rows)
-            return cache, state
-        return jax.lax.fori_loop(0, steps, body, (cache, state))
-
-    loop = jax.jit(many, donate_argnums=(1, 2), compiler_options=r.tuning.compiler_options("decode"))
     times = []
     with compiling_for(r.tuning.platform):
         for _ in range(4):                   # the first compiles
             t0 = time.perf_counter()
-            r.cache, r.state = jax.block_until_ready(loop(r.lm_params, r.cache, r.state))
+            r.cache, r.state, _ = jax.block_until_ready(
+                r._decode(r.lm_params, r.cache, r.state, lens, bits, rows=rows, steps=steps))
             times.append(time.perf_counter() - t0)
     return min(times[1:]) / steps
 
@@ -394,11 +386,13 @@ def main(argv=None) -> int:
     path = str(build_llava("smoke" if smoke else "gpu"))
     model: dict = {}
 
+    def load(**kw):
+        return mmjax.load(path, dtype=dtype, max_num_seqs=max(batches + conc), max_model_len=max_model_len,
+                          prefill_chunk=64 if smoke else 1024, max_encode_batch=2 if smoke else 16, **kw)
+
     def vlm():
         if "vlm" not in model:
-            model["vlm"] = mmjax.load(path, dtype=dtype, max_num_seqs=max(batches + conc),
-                                      max_model_len=max_model_len, prefill_chunk=64 if smoke else 1024,
-                                      max_encode_batch=2 if smoke else 16)
+            model["vlm"] = load()
             result["lm_weight_bytes"] = param_bytes(model["vlm"].engine.runner.params["text"])
         return model["vlm"]
 
@@ -418,9 +412,7 @@ def main(argv=None) -> int:
 
     def engine_steps():      # the A/B: the same engine taking --decode-steps tokens a decode call
         release()            # two engines' KV caches (~26 GB each) would not fit an H100's 60%
-        v = mmjax.load(path, dtype=dtype, max_num_seqs=max(batches + conc), max_model_len=max_model_len,
-                       prefill_chunk=64 if smoke else 1024, max_encode_batch=2 if smoke else 16,
-                       decode_steps=args.decode_steps)
+        v = load(decode_steps=args.decode_steps)
         try:
             return {"decode_steps": args.decode_steps,
                     "rows": engine_throughput(v, conc, new_tokens, v.family.cfg.vision.image_size)}

@@ -409,6 +409,7 @@ class ModelRunner:
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps
+        self._decode_step_counts = sorted({1, decode_steps})     # the decode shapes per row bucket
         self.family = family
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
         # tensor parallel: the text model for tp shards and its params in per-shard layout
@@ -768,7 +769,7 @@ class ModelRunner:
         reads this one's tokens. steps = this runner's `decode_steps`: that many tokens a slot in
         one call (max_length: after the last; the same bits for each), outputs [steps, rows]
         (`StepOutput.steps()` splits them)."""
-        if steps not in (1, self.decode_steps):
+        if steps not in self._decode_step_counts:
             raise ValueError(f"steps must be 1 or this runner's decode_steps ({self.decode_steps}), got {steps}")
         if self._announce is not None:
             return self._announce("decode", (max_length, active_rows, bits, True, steps),
@@ -800,7 +801,7 @@ class ModelRunner:
                                            np.zeros((rows, c // s), np.int32), 0, self._idle_sampling,
                                            np.zeros(2, np.uint32)) for i in range(s)])
         for r in self.buckets.decode:
-            for steps in sorted({1, self.decode_steps}):
+            for steps in self._decode_step_counts:
                 self.decode(steps, r, steps=steps)
         self.copy_slot(0, 0)
 
@@ -864,7 +865,7 @@ class ModelRunner:
         out.append(("copy_slot", self._copy, (cache, i32, i32), {}))
         for r in buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
-            for steps in sorted({1, self.decode_steps}):
+            for steps in self._decode_step_counts:
                 out.append((f"decode[{r}]" if steps == 1 else f"decode[{r}]x{steps}", self._decode,
                             (lm, cache, state, lens, jax.ShapeDtypeStruct((r, self.bit_words), jnp.uint32)),
                             {"rows": r, "steps": steps}))
@@ -979,5 +980,5 @@ class ModelRunner:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
         return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
                 "prefill": len(self.buckets.prefill) * len(self.buckets.segments),
-                "decode": len(self.buckets.decode) * len({1, self.decode_steps}), "copy_slot": 1,
+                "decode": len(self.buckets.decode) * len(self._decode_step_counts), "copy_slot": 1,
                 **({"fill_cross": 1} if self.family.cross_attention else {})}
