@@ -80,9 +80,10 @@ def pack_leaf(path, x):
 
 
 def cpu_packs() -> bool:
-    """Are weights kept packed here: the default backend is the CPU and the kernels build."""
+    """Are weights kept packed here: the default backend is the CPU and the kernels build and run
+    a SIMD path (`cpu_library.simd`)."""
     from mmjax.kernels import cpu_gemv
-    return jax.default_backend() == "cpu" and cpu_gemv.available()
+    return jax.default_backend() == "cpu" and cpu_gemv.simd()
 
 
 def with_packing(params, packed: bool):

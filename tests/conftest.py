@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -122,3 +123,15 @@ def rel_err(a, b) -> float:
     """max |a - b| / max |b|: the relative error used throughout the parity tests."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@contextlib.contextmanager
+def kernel_path(name: str):
+    """mmjax's CPU kernels on their code path `name` ("generic", "avx2", "avx512": one this CPU
+    runs, `cpu_library.isas()`) inside the block, the CPU's best after it."""
+    from mmjax.kernels import cpu_library
+    assert cpu_library.set_isa(name) == name
+    try:
+        yield
+    finally:
+        cpu_library.set_isa(None)

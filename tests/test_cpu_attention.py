@@ -6,7 +6,7 @@
   of 1-20 queries (padded inside the kernel to 1/2/4/8/16), head dims not multiples of 16,
   segment lengths not multiples of the kernel's key blocks, more visible keys in one segment than
   a key block holds, rows that see nothing, sliding-window
-  ranges, ranges past the cache; on the AVX-512 path and the plain C++ one; each row's result the
+  ranges, ranges past the cache; on every code path the CPU runs (plain C++, AVX2, AVX-512); each row's result the
   same bit for bit alone or beside other rows;
 * wired in: a decode step's `cache_attention` takes it on the CPU (one custom call per layer, no
   per-segment lax.cond) with the XLA path's outputs, sliding window and int8 / fp8 caches
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from conftest import kernel_path, rel_err
 from mmjax.backend import compiling_for, cpu_kernels, tuning
 from mmjax.kernels import cpu_attention, cpu_library
 from mmjax.models.text import MaskSpec
@@ -82,89 +82,81 @@ def _cache(rng, dtype, slots, kvh, hd, lens):
             ([sc(slots, kvh, L) for L in lens], [sc(slots, kvh, L) for L in lens]))
 
 
-@pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn],
                          ids=["f32", "bf16", "int8", "fp8"])
-def test_kernel_equals_reference(generic, dtype):
+def test_kernel_equals_reference(dtype):
     assert cpu_attention.available()
-    simd = cpu_library.set_generic(generic)
-    try:
-        assert not (generic and simd)
-        rng = np.random.default_rng(0)
-        attend = jax.jit(lambda q, kts, vs, lo, hi, scale, scales=None: cpu_attention.decode_attention(
-            q, kts, vs, lo, hi, scale=scale, scales=scales), static_argnums=5)
-        for b, slots, kvh, n, hd, lens, lo, hi in CASES:
-            q = jnp.asarray(rng.standard_normal((b, kvh, n, hd)), jnp.float32)
-            kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
-            assert cpu_attention.covers(kts, vs, scales)
-            lo_, hi_ = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-            got = attend(q, kts, vs, lo_, hi_, hd ** -0.5, scales)
-            want = _want(q, kts, vs, lo, hi, hd ** -0.5, scales)
-            assert got.shape == q.shape and got.dtype == jnp.float32
-            # f32 sums over up to 700 keys against float64
-            assert rel_err(got, want) < 4e-6, (b, kvh, n, hd, lens)
-            for i in range(b):
-                if min(hi[i], sum(lens)) <= max(lo[i], 0):
-                    assert not np.asarray(got[i]).any()                  # nothing visible: zeros
-            # a row's result does not depend on the rows beside it
-            last = (lambda xs: [x[b - 1:] for x in xs])   # noqa: E731
-            alone = attend(q[b - 1:], last(kts), last(vs), lo_[b - 1:], hi_[b - 1:], hd ** -0.5,
-                           None if scales is None else (last(scales[0]), last(scales[1])))
-            np.testing.assert_array_equal(alone[0], got[b - 1])
-    finally:
-        cpu_library.set_generic(False)
+    for path in cpu_library.isas():          # every code path this CPU runs
+        with kernel_path(path):
+            rng = np.random.default_rng(0)
+            attend = jax.jit(lambda q, kts, vs, lo, hi, scale, scales=None: cpu_attention.decode_attention(
+                q, kts, vs, lo, hi, scale=scale, scales=scales), static_argnums=5)
+            for b, slots, kvh, n, hd, lens, lo, hi in CASES:
+                q = jnp.asarray(rng.standard_normal((b, kvh, n, hd)), jnp.float32)
+                kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
+                assert cpu_attention.covers(kts, vs, scales) == (path != "generic")   # never the plain loops
+                lo_, hi_ = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+                got = attend(q, kts, vs, lo_, hi_, hd ** -0.5, scales)
+                want = _want(q, kts, vs, lo, hi, hd ** -0.5, scales)
+                assert got.shape == q.shape and got.dtype == jnp.float32
+                # f32 sums over up to 700 keys against float64
+                assert rel_err(got, want) < 4e-6, (b, kvh, n, hd, lens)
+                for i in range(b):
+                    if min(hi[i], sum(lens)) <= max(lo[i], 0):
+                        assert not np.asarray(got[i]).any()                  # nothing visible: zeros
+                # a row's result does not depend on the rows beside it
+                last = (lambda xs: [x[b - 1:] for x in xs])   # noqa: E731
+                alone = attend(q[b - 1:], last(kts), last(vs), lo_[b - 1:], hi_[b - 1:], hd ** -0.5,
+                               None if scales is None else (last(scales[0]), last(scales[1])))
+                np.testing.assert_array_equal(alone[0], got[b - 1])
 
 
-@pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn],
                          ids=["f32", "bf16", "int8", "fp8"])
-def test_write_kernel_equals_reference(generic, dtype):
+def test_write_kernel_equals_reference(dtype):
     """decode_attention_write: each row's new K / V (and int8 / fp8 scales) lands at its index
     in the right segment, bit for bit as `write_reference` (rows past b and indexes outside the
     segments untouched), and the attention is the float64 one over the written cache; with the
     segments donated, the compiled call updates them in place (no copy of a segment)."""
-    simd = cpu_library.set_generic(generic)
-    try:
-        assert not (generic and simd)
-        rng = np.random.default_rng(5)
-        fn = jax.jit(lambda q, k, v, kts, vs, lo, hi, pos, scale, scales, ns: cpu_attention.decode_attention_write(
-            q, k, v, kts, vs, lo, hi, pos, scale=scale, scales=scales, new_scales=ns), static_argnums=8)
-        for b, slots, kvh, n, hd, lens, lo, hi in CASES:
-            total = sum(lens)
-            q = jnp.asarray(rng.standard_normal((b, kvh, n, hd)), jnp.float32)
+    for path in cpu_library.isas():          # every code path this CPU runs
+        with kernel_path(path):
+            rng = np.random.default_rng(5)
+            fn = jax.jit(lambda q, k, v, kts, vs, lo, hi, pos, scale, scales, ns: cpu_attention.decode_attention_write(
+                q, k, v, kts, vs, lo, hi, pos, scale=scale, scales=scales, new_scales=ns), static_argnums=8)
+            for b, slots, kvh, n, hd, lens, lo, hi in CASES:
+                total = sum(lens)
+                q = jnp.asarray(rng.standard_normal((b, kvh, n, hd)), jnp.float32)
+                kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
+                new_k, new_v, new_sc = _cache(rng, dtype, b, kvh, hd, [1])     # [b, kvh, hd, 1] / [b, kvh, 1, hd]
+                k, v = new_k[0][..., 0], new_v[0][:, :, 0]
+                ns = None if new_sc is None else (new_sc[0][0][..., 0], new_sc[1][0][..., 0])
+                # each row's index: its last visible key (inside any segment), the last row parked past the cache
+                pos = np.clip(np.asarray(hi) - 1, 0, total - 1)
+                pos[-1] = total if b > 1 else pos[-1]
+                pos = jnp.asarray(pos, jnp.int32)
+                lo_, hi_ = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+                out, kts2, vs2, sc2 = fn(q, k, v, kts, vs, lo_, hi_, pos, hd ** -0.5, scales, ns)
+                wk, wv, wsc = cpu_attention.write_reference(kts, vs, scales, k, v, ns, pos)
+                for got, want in zip(jax.tree.leaves((kts2, vs2, sc2)), jax.tree.leaves((wk, wv, wsc))):
+                    assert got.dtype == want.dtype
+                    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+                changed = sum(int((np.asarray(a.astype(jnp.float32)) != np.asarray(c.astype(jnp.float32))).any())
+                              for a, c in zip(kts + vs, wk + wv))
+                assert changed >= 1                                   # (the reference did write something)
+                assert rel_err(out, _want(q, wk, wv, lo, hi, hd ** -0.5, wsc)) < 4e-6, (b, kvh, n, hd, lens)
+            # donated segments: updated in place (XLA's aliasing), no copy of a segment in the step
+            b, slots, kvh, n, hd, lens, lo, hi = CASES[1]
             kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
-            new_k, new_v, new_sc = _cache(rng, dtype, b, kvh, hd, [1])     # [b, kvh, hd, 1] / [b, kvh, 1, hd]
-            k, v = new_k[0][..., 0], new_v[0][:, :, 0]
+            new_k, new_v, new_sc = _cache(rng, dtype, b, kvh, hd, [1])
             ns = None if new_sc is None else (new_sc[0][0][..., 0], new_sc[1][0][..., 0])
-            # each row's index: its last visible key (inside any segment), the last row parked past the cache
-            pos = np.clip(np.asarray(hi) - 1, 0, total - 1)
-            pos[-1] = total if b > 1 else pos[-1]
-            pos = jnp.asarray(pos, jnp.int32)
-            lo_, hi_ = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-            out, kts2, vs2, sc2 = fn(q, k, v, kts, vs, lo_, hi_, pos, hd ** -0.5, scales, ns)
-            wk, wv, wsc = cpu_attention.write_reference(kts, vs, scales, k, v, ns, pos)
-            for got, want in zip(jax.tree.leaves((kts2, vs2, sc2)), jax.tree.leaves((wk, wv, wsc))):
-                assert got.dtype == want.dtype
-                np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-            changed = sum(int((np.asarray(a.astype(jnp.float32)) != np.asarray(c.astype(jnp.float32))).any())
-                          for a, c in zip(kts + vs, wk + wv))
-            assert changed >= 1                                   # (the reference did write something)
-            assert rel_err(out, _want(q, wk, wv, lo, hi, hd ** -0.5, wsc)) < 4e-6, (b, kvh, n, hd, lens)
-        # donated segments: updated in place (XLA's aliasing), no copy of a segment in the step
-        b, slots, kvh, n, hd, lens, lo, hi = CASES[1]
-        kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
-        new_k, new_v, new_sc = _cache(rng, dtype, b, kvh, hd, [1])
-        ns = None if new_sc is None else (new_sc[0][0][..., 0], new_sc[1][0][..., 0])
-        args = (jnp.zeros((b, kvh, n, hd)), new_k[0][..., 0], new_v[0][:, :, 0], kts, vs, jnp.asarray(lo),
-                jnp.asarray(hi), jnp.asarray([1, 70, 150]), hd ** -0.5, scales, ns)
-        def segment_copies(**kw):
-            hlo = jax.jit(fn.__wrapped__, static_argnums=8, **kw).lower(*args).compile().as_text()
-            assert "mmjax_decode_attention_write" in hlo
-            return [ln for ln in hlo.splitlines() if re.search(r"= \S+\[4,2,[\d,]+\]\S* copy\(", ln)]
-        assert segment_copies(donate_argnums=(3, 4, 9)) == []
-        assert len(segment_copies()) >= 6          # not donated: each written segment is a copy
-    finally:
-        cpu_library.set_generic(False)
+            args = (jnp.zeros((b, kvh, n, hd)), new_k[0][..., 0], new_v[0][:, :, 0], kts, vs, jnp.asarray(lo),
+                    jnp.asarray(hi), jnp.asarray([1, 70, 150]), hd ** -0.5, scales, ns)
+            def segment_copies(**kw):
+                hlo = jax.jit(fn.__wrapped__, static_argnums=8, **kw).lower(*args).compile().as_text()
+                assert "mmjax_decode_attention_write" in hlo
+                return [ln for ln in hlo.splitlines() if re.search(r"= \S+\[4,2,[\d,]+\]\S* copy\(", ln)]
+            assert segment_copies(donate_argnums=(3, 4, 9)) == []
+            assert len(segment_copies()) >= 6          # not donated: each written segment is a copy
 
 
 def test_write_kernel_differentiates():
@@ -298,38 +290,34 @@ def _want_prefill(q, kts, vs, lo, hi, slots, scale, scales=None) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn],
                          ids=["f32", "bf16", "int8", "fp8"])
-def test_prefill_kernel_equals_reference(generic, dtype):
+def test_prefill_kernel_equals_reference(dtype):
     """Several tokens per row, each query over its own causal / windowed range of its row's cache
     row (any slot), against float64: f32 / bf16 / int8 / fp8 caches, both code paths; a row whose
     slot is past the cache and tokens past kv_len (a bucket's padding) get zeros."""
-    simd = cpu_library.set_generic(generic)
-    try:
-        assert not (generic and simd)
-        rng = np.random.default_rng(3)
-        attend = jax.jit(lambda q, kts, vs, lo, hi, slots, scale, scales=None: cpu_attention.prefill_attention(
-            q, kts, vs, lo, hi, slots, scale=scale, scales=scales), static_argnums=6)
-        for b, nslots, kvh, t, g, hd, lens, slots, start, window in PREFILL_CASES:
-            kv_len = max(start) + t - 2                                  # the last tokens past it
-            q = jnp.asarray(rng.standard_normal((b, kvh, t * g, hd)), jnp.float32)
-            kts, vs, scales = _cache(rng, dtype, nslots, kvh, hd, lens)
-            lo, hi = _prefill_ranges(start, t, kv_len, window)
-            sl = np.asarray(slots, np.int32)
-            got = attend(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(sl), hd ** -0.5, scales)
-            want = _want_prefill(np.asarray(q), kts, vs, lo, hi, sl, hd ** -0.5, scales)
-            assert got.shape == q.shape and got.dtype == jnp.float32
-            assert rel_err(got, want) < 4e-6, (b, kvh, t, g, hd, lens)
-            assert rel_err(cpu_attention.reference(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), hd ** -0.5, scales,
-                                                   jnp.asarray(sl)), want) < 4e-6
-            for i in range(b):
-                if sl[i] >= nslots:
-                    assert not np.asarray(got[i]).any()
-                if start[i] == max(start):                                   # its last 2 tokens: past kv_len
-                    assert (hi[i] == 0).sum() == 2 and not np.asarray(got[i][:, (t - 2) * g:]).any()
-    finally:
-        cpu_library.set_generic(False)
+    for path in cpu_library.isas():          # every code path this CPU runs
+        with kernel_path(path):
+            rng = np.random.default_rng(3)
+            attend = jax.jit(lambda q, kts, vs, lo, hi, slots, scale, scales=None: cpu_attention.prefill_attention(
+                q, kts, vs, lo, hi, slots, scale=scale, scales=scales), static_argnums=6)
+            for b, nslots, kvh, t, g, hd, lens, slots, start, window in PREFILL_CASES:
+                kv_len = max(start) + t - 2                                  # the last tokens past it
+                q = jnp.asarray(rng.standard_normal((b, kvh, t * g, hd)), jnp.float32)
+                kts, vs, scales = _cache(rng, dtype, nslots, kvh, hd, lens)
+                lo, hi = _prefill_ranges(start, t, kv_len, window)
+                sl = np.asarray(slots, np.int32)
+                got = attend(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(sl), hd ** -0.5, scales)
+                want = _want_prefill(np.asarray(q), kts, vs, lo, hi, sl, hd ** -0.5, scales)
+                assert got.shape == q.shape and got.dtype == jnp.float32
+                assert rel_err(got, want) < 4e-6, (b, kvh, t, g, hd, lens)
+                assert rel_err(cpu_attention.reference(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), hd ** -0.5, scales,
+                                                       jnp.asarray(sl)), want) < 4e-6
+                for i in range(b):
+                    if sl[i] >= nslots:
+                        assert not np.asarray(got[i]).any()
+                    if start[i] == max(start):                                   # its last 2 tokens: past kv_len
+                        assert (hi[i] == 0).sum() == 2 and not np.asarray(got[i][:, (t - 2) * g:]).any()
 
 
 def test_prefill_takes_the_kernel_with_the_xla_paths_outputs():

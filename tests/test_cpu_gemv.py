@@ -5,7 +5,7 @@ issues 25 and 28):
   jnp.matmul's f32 dot), int8 per-group integer sums exactly, each row's result the same bit
   for bit whatever rows are beside it, at 1 and 16 rows, odd K / N (not multiples of the
   kernel's tiles), groups whose size is not a multiple of 4, inside jit / lax.scan / lax.cond /
-  vmap; on the AVX-512 path and the plain C++ one;
+  vmap; on every code path the CPU runs (plain C++, AVX2, AVX-512);
 * the packed int8 layout (`pack_s8`, a CPU runner's int8 weights) at any number of rows, exact;
   the packed f32 / bf16 layout (`pack_panels`, a CPU runner's f32 / bf16 weights) at any number of rows;
 * wired in: layers.matmul / quant.qmatmul take it for few rows on the CPU (packed int8, f32 and bf16:
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from conftest import kernel_path, rel_err
 from mmjax.backend import compiling_for, cpu_kernels, tuning
 from mmjax.kernels import cpu_gemv, cpu_library
 from mmjax.models.layers import matmul
@@ -67,76 +67,72 @@ def _qmatmul_want(x: np.ndarray, wq, scale: np.ndarray) -> np.ndarray:
     return y
 
 
-@pytest.mark.parametrize("generic", [False, True], ids=["simd", "plain-c++"])
-def test_kernel_equals_reference(generic):
+def test_kernel_equals_reference():
     assert cpu_gemv.available()
     rng = np.random.default_rng(0)
     bf16, f32 = jax.jit(cpu_gemv.gemv_bf16), jax.jit(cpu_gemv.gemv_f32)
     s8 = jax.jit(cpu_gemv.gemv_s8, static_argnums=2)
-    simd = cpu_gemv.set_generic(generic)
-    try:
-        assert not (generic and simd)
-        # (rows, K, N, groups): N below / across the 32- and 64-column tiles and split over
-        # threads, odd K, groups of a size not a multiple of 4, each register-block size of rows;
-        # up to 4 rows with enough K the weight's rows are split over threads (partial sums
-        # added): odd K, a part ending inside a group, a last quad / pair cut short
-        for m, k, n, g in ((1, 77, 1000, 1), (16, 130, 531, 2), (3, 96, 70, 3), (8, 1030, 4160, 5),
-                           (1, 256, 8300, 2), (16, 9, 1, 1), (2, 1001, 300, 1), (4, 2050, 129, 2),
-                           (1, 3000, 2000, 3)):
-            for kernel, cast in ((bf16, _bf16), (f32, _f32)):
-                x, w = cast(rng, m, k), cast(rng, k, n)
-                got = np.asarray(kernel(x, w))
-                want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-                assert got.dtype == np.float32 and got.shape == (m, n)
-                # f32 sums (of exact products for bf16): as close to float64 as XLA's f32 dot
-                ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
-                assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n, x.dtype)
-                # batch invariance: each row alone gives the same bits as in the batch
-                for i in {0, m - 1}:
-                    np.testing.assert_array_equal(np.asarray(kernel(x[i:i + 1], w)), got[i:i + 1])
-            xq, wq = _s8(rng, m, k - k % g), _s8(rng, k - k % g, n)
-            np.testing.assert_array_equal(np.asarray(s8(xq, wq, g)), _s8_want(xq, wq, g))
-        # extreme values: sums beyond 2^24 (where f32 accumulation would round) stay exact
-        xq, wq = jnp.full((2, 4099), -127, jnp.int8), jnp.full((4099, 67), -127, jnp.int8)
-        np.testing.assert_array_equal(np.asarray(s8(xq, wq, 1)), _s8_want(xq, wq, 1))
-        # the packed int8 layout (mmjax_qmatmul_s8p, what a CPU runner's int8 weights are): the
-        # whole W8A8 product at any number of rows (decode, prefill and encode sizes: register
-        # blocks of 6 rows and a remainder; rows quantized on the threads from 2^16 elements),
-        # N cut inside a 64-column panel, groups, panels split over threads: the same bits as
-        # numpy's float32 evaluation of mmjax.quant.qmatmul's formula
-        s8p = jax.jit(cpu_gemv.qmatmul_s8p)
-        for m, k, n, g in ((1, 4, 1, 1), (1, 1024, 1000, 1), (7, 96, 70, 3), (16, 2048, 129, 2),
-                           (37, 256, 640, 4), (3, 1000, 8300, 2), (13, 64, 64, 1), (70, 1024, 200, 2)):
-            x, wq = rng.standard_normal((m, k)).astype(np.float32), _s8(rng, k, n)
-            x[0, :k // g] = 0.0                      # a group of zeros: scale 1
-            x[-1, -1] = 1e4                          # an outlier
-            scale = np.abs(rng.standard_normal((g, n))).astype(np.float32) / 100
-            wp = cpu_gemv.pack_s8(wq)
-            assert wp.dtype == np.uint8 and wp.shape == (-(-n // 64), k // 4, 64, 4)
-            got = np.asarray(s8p(jnp.asarray(x), jnp.asarray(wp), jnp.asarray(scale)))
-            np.testing.assert_array_equal(got, _qmatmul_want(x, wq, scale))
-            np.testing.assert_array_equal(np.asarray(s8p(jnp.asarray(x[m - 1:]), jnp.asarray(wp), jnp.asarray(scale))),
-                                          got[m - 1:])
-        # the packed f32 / bf16 layouts (mmjax_matmul_f32p / _bf16p, what a CPU runner's f32 /
-        # bf16 weights are): any number of rows (register blocks of 6, row blocks of 192 across
-        # several panels), odd K (bf16: x's last pair completed by a zero), N cut inside a panel,
-        # panels split over threads
-        packed = jax.jit(cpu_gemv.matmul_packed, static_argnums=2)
-        for m, k, n in ((1, 2, 1), (1, 1024, 1000), (7, 97, 70), (16, 2048, 129), (37, 256, 640),
-                        (3, 1001, 8300), (200, 64, 64), (70, 1023, 200)):
-            for cast, r in ((_bf16, 2), (_f32, 1)):
-                x, w = cast(rng, m, k), cast(rng, k, n)
-                wp = cpu_gemv.pack_panels(w)
-                assert wp.dtype == w.dtype and wp.shape == (-(-n // 64), -(-k // r), 64, r)
-                got = np.asarray(packed(x, jnp.asarray(wp), n))
-                want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-                ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
-                assert got.dtype == np.float32 and got.shape == (m, n)
-                assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n, x.dtype)
-                for i in {0, m - 1}:
-                    np.testing.assert_array_equal(np.asarray(packed(x[i:i + 1], jnp.asarray(wp), n)), got[i:i + 1])
-    finally:
-        cpu_gemv.set_generic(False)
+    for path in cpu_library.isas():          # every code path this CPU runs
+        with kernel_path(path):
+            # (rows, K, N, groups): N below / across the 32- and 64-column tiles and split over
+            # threads, odd K, groups of a size not a multiple of 4, each register-block size of rows;
+            # up to 4 rows with enough K the weight's rows are split over threads (partial sums
+            # added): odd K, a part ending inside a group, a last quad / pair cut short
+            for m, k, n, g in ((1, 77, 1000, 1), (16, 130, 531, 2), (3, 96, 70, 3), (8, 1030, 4160, 5),
+                               (1, 256, 8300, 2), (16, 9, 1, 1), (2, 1001, 300, 1), (4, 2050, 129, 2),
+                               (1, 3000, 2000, 3)):
+                for kernel, cast in ((bf16, _bf16), (f32, _f32)):
+                    x, w = cast(rng, m, k), cast(rng, k, n)
+                    got = np.asarray(kernel(x, w))
+                    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+                    assert got.dtype == np.float32 and got.shape == (m, n)
+                    # f32 sums (of exact products for bf16): as close to float64 as XLA's f32 dot
+                    ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+                    assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n, x.dtype)
+                    # batch invariance: each row alone gives the same bits as in the batch
+                    for i in {0, m - 1}:
+                        np.testing.assert_array_equal(np.asarray(kernel(x[i:i + 1], w)), got[i:i + 1])
+                xq, wq = _s8(rng, m, k - k % g), _s8(rng, k - k % g, n)
+                np.testing.assert_array_equal(np.asarray(s8(xq, wq, g)), _s8_want(xq, wq, g))
+            # extreme values: sums beyond 2^24 (where f32 accumulation would round) stay exact
+            xq, wq = jnp.full((2, 4099), -127, jnp.int8), jnp.full((4099, 67), -127, jnp.int8)
+            np.testing.assert_array_equal(np.asarray(s8(xq, wq, 1)), _s8_want(xq, wq, 1))
+            # the packed int8 layout (mmjax_qmatmul_s8p, what a CPU runner's int8 weights are): the
+            # whole W8A8 product at any number of rows (decode, prefill and encode sizes: register
+            # blocks of 6 rows and a remainder; rows quantized on the threads from 2^16 elements),
+            # N cut inside a 64-column panel, groups, panels split over threads: the same bits as
+            # numpy's float32 evaluation of mmjax.quant.qmatmul's formula
+            s8p = jax.jit(cpu_gemv.qmatmul_s8p)
+            for m, k, n, g in ((1, 4, 1, 1), (1, 1024, 1000, 1), (7, 96, 70, 3), (16, 2048, 129, 2),
+                               (37, 256, 640, 4), (3, 1000, 8300, 2), (13, 64, 64, 1), (70, 1024, 200, 2)):
+                x, wq = rng.standard_normal((m, k)).astype(np.float32), _s8(rng, k, n)
+                x[0, :k // g] = 0.0                      # a group of zeros: scale 1
+                x[-1, -1] = 1e4                          # an outlier
+                scale = np.abs(rng.standard_normal((g, n))).astype(np.float32) / 100
+                wp = cpu_gemv.pack_s8(wq)
+                assert wp.dtype == np.uint8 and wp.shape == (-(-n // 64), k // 4, 64, 4)
+                got = np.asarray(s8p(jnp.asarray(x), jnp.asarray(wp), jnp.asarray(scale)))
+                np.testing.assert_array_equal(got, _qmatmul_want(x, wq, scale))
+                np.testing.assert_array_equal(np.asarray(s8p(jnp.asarray(x[m - 1:]), jnp.asarray(wp), jnp.asarray(scale))),
+                                              got[m - 1:])
+            # the packed f32 / bf16 layouts (mmjax_matmul_f32p / _bf16p, what a CPU runner's f32 /
+            # bf16 weights are): any number of rows (register blocks of 6, row blocks of 192 across
+            # several panels), odd K (bf16: x's last pair completed by a zero), N cut inside a panel,
+            # panels split over threads
+            packed = jax.jit(cpu_gemv.matmul_packed, static_argnums=2)
+            for m, k, n in ((1, 2, 1), (1, 1024, 1000), (7, 97, 70), (16, 2048, 129), (37, 256, 640),
+                            (3, 1001, 8300), (200, 64, 64), (70, 1023, 200)):
+                for cast, r in ((_bf16, 2), (_f32, 1)):
+                    x, w = cast(rng, m, k), cast(rng, k, n)
+                    wp = cpu_gemv.pack_panels(w)
+                    assert wp.dtype == w.dtype and wp.shape == (-(-n // 64), -(-k // r), 64, r)
+                    got = np.asarray(packed(x, jnp.asarray(wp), n))
+                    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+                    ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+                    assert got.dtype == np.float32 and got.shape == (m, n)
+                    assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n, x.dtype)
+                    for i in {0, m - 1}:
+                        np.testing.assert_array_equal(np.asarray(packed(x[i:i + 1], jnp.asarray(wp), n)), got[i:i + 1])
 
     # leading dims, inside scan / cond / vmap
     x, w, xq, wq = _bf16(rng, 2, 3, 64), _bf16(rng, 64, 96), _s8(rng, 4, 64), _s8(rng, 64, 96)

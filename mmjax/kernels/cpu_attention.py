@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.kernels.cpu_library import VMAP, available, enabled
+from mmjax.kernels.cpu_library import VMAP, available, enabled, isa
 
 _TARGETS = {jnp.dtype(jnp.float32): "mmjax_decode_attention_f32", jnp.dtype(jnp.bfloat16): "mmjax_decode_attention_bf16",
             jnp.dtype(jnp.int8): "mmjax_decode_attention_s8",
@@ -38,7 +38,7 @@ def covers(kts: list, vs: list, scales: tuple | None = None) -> bool:
     """Does the kernel take attention over these cache segments here? (trace time: `enabled()`;
     f32 or bf16 segments, all of one dtype, or int8 / fp8 (e4m3) segments with their bf16 scales)"""
     dtypes = {jnp.dtype(x.dtype) for x in (*kts, *vs)}
-    if len(dtypes) != 1 or not enabled():
+    if len(dtypes) != 1 or not enabled() or isa() != "avx512":
         return False
     (dtype,) = dtypes
     if dtype in _SCALED:

@@ -951,10 +951,12 @@ void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_
   g_block_quads = std::max(0, quads);
   g_threads = std::max(0, threads);
 }
-// 1: plain C++ loops even where AVX-512 is there (tests); 0: choose at run time. Returns 1 when
-// the AVX-512 path is in use afterwards.
-int mmjax_gemv_set_generic(int generic) {
-  mmjax_cpu::g_force_generic.store(generic);
-  return HasAvx512() ? 1 : 0;
+// The highest code path the kernels may take (mmjax_cpu::Isa: 0 plain C++, 1 AVX2, 2 AVX-512;
+// tests lower it; a negative cap leaves it as it is); returns the path in use afterwards.
+int mmjax_cpu_set_isa(int cap) {
+  if (cap >= 0) mmjax_cpu::g_isa_cap.store(cap);
+  return mmjax_cpu::ActiveIsa();
 }
+// the CPU's best path (mmjax_cpu::Isa)
+int mmjax_cpu_detected_isa() { return mmjax_cpu::DetectedIsa(); }
 }

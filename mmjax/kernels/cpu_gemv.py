@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels.cpu_library import VMAP as _VMAP
-from mmjax.kernels.cpu_library import available, enabled, set_generic  # noqa: F401 (the module's API)
+from mmjax.kernels.cpu_library import available, enabled, isa, set_isa, simd  # noqa: F401 (the module's API)
 
 MAX_ROWS = 16                 # rows one call handles (the .cc's kMaxRows)
 
@@ -69,9 +69,10 @@ def gemv_s8(xq: jax.Array, w: jax.Array, groups: int = 1) -> jax.Array:
 
 
 def covers(x: jax.Array, w) -> bool:
-    """Does the kernel take x [..., K] @ w here? Trace-time answer: `enabled()`, 1..MAX_ROWS rows,
-    and w a 2-D f32 / bf16 array with x of its dtype, or a 2-D int8 `mmjax.quant.QArray` (the int8
-    dot inside qmatmul). Measured (2 cores, [1..16, 1024..2048] x [.., 8192..32000]): it beats
+    """Does the row-major kernel take x [..., K] @ w here? Trace-time answer: `enabled()` on the
+    AVX-512 path (the row-major kernels have no AVX2 one: a CPU runner's weights are packed, and
+    the packed kernels have both), 1..MAX_ROWS rows, and w a 2-D f32 / bf16 array with x of its
+    dtype, or a 2-D int8 `mmjax.quant.QArray` (the int8 dot inside qmatmul). Measured (2 cores, [1..16, 1024..2048] x [.., 8192..32000]): it beats
     both XLA's one-row dot and YNNPACK's library dot at every such row count, in bf16 and int8;
     in f32, on the bench model's layer shapes, 1.1-2.0x XLA's dot at 1-8 rows, level at 16
     (benchmarks/README.md, "Decode matmuls in f32")."""
@@ -85,7 +86,7 @@ def covers(x: jax.Array, w) -> bool:
         ok = w.q.dtype == jnp.int8
     else:
         ok = x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float32)
-    return ok and enabled()
+    return ok and enabled() and isa() == "avx512"
 
 
 def pack_s8(q) -> "np.ndarray":

@@ -103,7 +103,7 @@ def load():
             lib = ctypes.CDLL(str(_build()))
             for name in _TARGETS:
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
-            lib.mmjax_gemv_set_generic.argtypes = [ctypes.c_int]
+            lib.mmjax_cpu_set_isa.argtypes = [ctypes.c_int]
             _state["lib"] = lib
         except Exception as e:       # no compiler, a compile error, a missing symbol: XLA's ops
             _state["error"] = f"{type(e).__name__}: {e}"
@@ -117,20 +117,50 @@ def available() -> bool:
     return load() is not None
 
 
-def set_generic(generic: bool) -> bool:
-    """Force the plain C++ loops (True) or let the CPU's features choose (False), for tests;
-    returns whether the AVX-512 paths are in use afterwards. Takes effect at the next call."""
+ISAS = ("generic", "avx2", "avx512")
+"""The kernels' code paths, lowest first (cpu_parallel.h): plain C++ loops, AVX2 + FMA, AVX-512
+F/BW/VL/VNNI/BF16."""
+
+
+def isa() -> str:
+    """The code path the kernels take now: the CPU's best, unless a test capped it (`set_isa`)."""
     lib = load()
     if lib is None:
         raise RuntimeError(_state.get("error", "CPU kernels unavailable"))
-    return bool(lib.mmjax_gemv_set_generic(int(generic)))
+    return ISAS[lib.mmjax_cpu_set_isa(-1)]
+
+
+def isas() -> tuple[str, ...]:
+    """The code paths this CPU can run, lowest first (what tests compare against each other)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(_state.get("error", "CPU kernels unavailable"))
+    return ISAS[:lib.mmjax_cpu_detected_isa() + 1]
+
+
+def set_isa(name: str | None) -> str:
+    """Cap the kernels' code path at `name` (tests: "generic" runs the plain loops even where
+    AVX-512 is there), or lift the cap (None); returns the path in use afterwards. Takes effect at
+    the next call."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(_state.get("error", "CPU kernels unavailable"))
+    return ISAS[lib.mmjax_cpu_set_isa(ISAS.index(name) if name is not None else len(ISAS) - 1)]
+
+
+def simd() -> bool:
+    """Do the kernels run one of their SIMD paths here (built, and an AVX2 or AVX-512 CPU)? The
+    plain C++ loops are slower than XLA's own ops, so without a SIMD path nothing calls a kernel
+    and no weight is packed for one (aarch64, x86 before AVX2): XLA's ops throughout."""
+    return available() and isa() != "generic"
 
 
 def enabled() -> bool:
     """May the code being traced call a kernel? (trace time: compiling for the CPU, outside an
-    SPMD-partitioned step, and the kernels build). See `mmjax.backend.cpu_kernels_enabled`."""
+    SPMD-partitioned step, and the kernels build and run a SIMD path here). See
+    `mmjax.backend.cpu_kernels_enabled`."""
     from mmjax.backend import cpu_kernels_enabled
-    return cpu_kernels_enabled() and available()
+    return cpu_kernels_enabled() and simd()
 
 
 # vmap (research code, per-example transforms): one kernel call per batch element

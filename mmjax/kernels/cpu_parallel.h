@@ -3,6 +3,7 @@
 // thread pool.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <thread>
@@ -18,19 +19,33 @@ namespace mmjax_cpu {
 
 namespace ffi = xla::ffi;
 
-// 0: choose at run time, 1: force the plain C++ loops (tests), set through mmjax_gemv_set_generic.
-inline std::atomic<int> g_force_generic{0};
+// The kernels' code paths, lowest first: plain C++ loops (any CPU), AVX2 + FMA (Haswell, Zen 1-3
+// and later), AVX-512 F/BW/VL/VNNI/BF16 (Zen 4, Sapphire Rapids and later). mmjax/kernels/
+// cpu_library.py uses the kernels only where one of the SIMD paths runs (the plain loops are
+// slower than XLA's own ops, there to test against and for nothing else).
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
 
-// AVX-512 F/BW/VL/VNNI/BF16 (Zen 4, Sapphire Rapids and later), unless the plain loops are forced.
-inline bool HasAvx512() {
+// the highest path allowed (tests lower it to run a lower path), set through mmjax_cpu_set_isa
+inline std::atomic<int> g_isa_cap{kAvx512};
+
+inline int DetectedIsa() {
 #if defined(__x86_64__)
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
-  return ok && g_force_generic.load(std::memory_order_relaxed) == 0;
+  static const int isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                                 __builtin_cpu_supports("avx512bf16")
+                             ? kAvx512
+                         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kAvx2
+                                                                                            : kGeneric;
+  return isa;
 #else
-  return false;
+  return kGeneric;
 #endif
 }
+
+// the path the kernels take now: the CPU's best, at most the cap
+inline int ActiveIsa() { return std::min(DetectedIsa(), g_isa_cap.load(std::memory_order_relaxed)); }
+inline bool HasAvx512() { return ActiveIsa() == kAvx512; }
+inline bool HasAvx2() { return ActiveIsa() == kAvx2; }
 
 // ---------------------------------------------------------------------------------------------
 // Threads: `parts` tiles claimed from a shared counter by the caller and by up to `threads - 1`

@@ -419,7 +419,7 @@ class ModelRunner:
                                           narrow_weights=any(x.dtype in narrow for x in jax.tree.leaves(params["text"])))
         # f32 / bf16 / int8 weights packed for the CPU matmul kernels where they run, [in, out]
         # elsewhere (a no-op for a model loaded on this platform: mmjax.load packs on a CPU host)
-        params = packed_weights.with_packing(params, self.tuning.cpu_kernels and cpu_gemv.available())
+        params = packed_weights.with_packing(params, self.tuning.cpu_kernels and cpu_gemv.simd())
         self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
         # the KV cache's element dtype: the model's ("auto"), bfloat16, or int8 / fp8 with scales
         self.kv_cache_dtype = kv_quant.resolve(kv_cache_dtype, self.tuning.auto_kv_cache_dtype(self.dtype))
