@@ -1,4 +1,5 @@
-"""Weights re-laid for mmjax's CPU matmul kernels: f32 and bf16 weights in 64-column panels
+"""Weights re-laid for mmjax's CPU matmul kernels: f32 and bf16 weights in panels of 64 (AVX-512)
+or 16 (AVX2) columns
 (`PackedWeight`), int8 ones inside their `mmjax.quant.QArray` (`quant.pack`).
 
 Why: a weight stored [in, out] is read by a matmul kernel as many short row streams that it must
@@ -27,9 +28,10 @@ _PACKED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 @jax.tree_util.register_dataclass
 @dataclass
 class PackedWeight:
-    """An f32 / bf16 [in, out] matmul weight packed for the CPU kernel: data [ceil(out / 64),
-    ceil(in / R), 64, R] of the weight's dtype (R = 1 for f32, 2 for bf16), panel p = columns
-    64p..64p+63 (zero-padded), each column's R consecutive rows adjacent
+    """An f32 / bf16 [in, out] matmul weight packed for the CPU kernel: data [ceil(out / PW),
+    ceil(in / R), PW, R] of the weight's dtype (PW = 64 columns a panel on AVX-512, 16 on AVX2; R
+    = 1 for f32, 2 for bf16), panel p = columns PW p .. PW p + PW - 1 (zero-padded), each
+    column's R consecutive rows adjacent
     (`mmjax.kernels.cpu_gemv.pack_panels`). `shape` / `ndim` / `dtype` report the logical weight,
     so model code that inspects a weight reads it as the array it stands for."""
     data: jax.Array
@@ -54,8 +56,8 @@ class PackedWeight:
 
 
 def _unpack(data, d_in: int, d_out: int):
-    p, kp, _, r = data.shape
-    return data.transpose(1, 3, 0, 2).reshape(r * kp, 64 * p)[:d_in, :d_out]
+    p, kp, width, r = data.shape
+    return data.transpose(1, 3, 0, 2).reshape(r * kp, width * p)[:d_in, :d_out]
 
 
 def pack_weight(w) -> PackedWeight:

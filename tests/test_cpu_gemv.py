@@ -16,6 +16,7 @@ issues 25 and 28):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -116,21 +117,24 @@ def test_kernel_equals_reference():
                 np.testing.assert_array_equal(np.asarray(s8p(jnp.asarray(x[m - 1:]), jnp.asarray(wp), jnp.asarray(scale))),
                                               got[m - 1:])
             # the packed f32 / bf16 layouts (mmjax_matmul_f32p / _bf16p, what a CPU runner's f32 /
-            # bf16 weights are): any number of rows (register blocks of 6, row blocks of 192 across
-            # several panels), odd K (bf16: x's last pair completed by a zero), N cut inside a panel,
+            # bf16 weights are), in 64- and 16-column panels (AVX-512's and AVX2's; every path reads
+            # both): any number of rows (AVX-512: register blocks of 6; AVX2: tiles of 1 x 8, 2 x 4
+            # and 6 / 4 x 2 vectors, K blocks of 256 steps; both: row blocks of 192 across several
+            # panels), odd K (bf16: x's last pair completed by a zero), N cut inside a panel,
             # panels split over threads
+            assert cpu_gemv.panel_width() == (64 if path == "avx512" else 16)
             packed = jax.jit(cpu_gemv.matmul_packed, static_argnums=2)
-            for m, k, n in ((1, 2, 1), (1, 1024, 1000), (7, 97, 70), (16, 2048, 129), (37, 256, 640),
+            for m, k, n in ((1, 2, 1), (1, 1024, 1000), (2, 600, 100), (7, 97, 70), (16, 2048, 129), (37, 256, 640),
                             (3, 1001, 8300), (200, 64, 64), (70, 1023, 200)):
-                for cast, r in ((_bf16, 2), (_f32, 1)):
+                for (cast, r), width in itertools.product(((_bf16, 2), (_f32, 1)), (16, 64)):
                     x, w = cast(rng, m, k), cast(rng, k, n)
-                    wp = cpu_gemv.pack_panels(w)
-                    assert wp.dtype == w.dtype and wp.shape == (-(-n // 64), -(-k // r), 64, r)
+                    wp = cpu_gemv.pack_panels(w, width)
+                    assert wp.dtype == w.dtype and wp.shape == (-(-n // width), -(-k // r), width, r)
                     got = np.asarray(packed(x, jnp.asarray(wp), n))
                     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
                     ref = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
                     assert got.dtype == np.float32 and got.shape == (m, n)
-                    assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n, x.dtype)
+                    assert rel_err(got, want) <= max(4 * rel_err(ref, want), 1e-7), (m, k, n, x.dtype, width)
                     for i in {0, m - 1}:
                         np.testing.assert_array_equal(np.asarray(packed(x[i:i + 1], jnp.asarray(wp), n)), got[i:i + 1])
 
@@ -151,7 +155,8 @@ def test_kernel_equals_reference():
 def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
     """int8 through layers.matmul equals XLA's s8 dots bit for bit (1 row, 16 rows, 3-D
     activations, groups); f32 and bf16 equal XLA's f32-result dots up to summation order; beyond
-    16 rows, for CUDA, sharded, or with no compiler, XLA's dots."""
+    16 rows (row-major kernels; packed ones: any rows), on the AVX2 path (row-major kernels), for
+    CUDA, sharded, or with no compiler, XLA's dots."""
     rng = np.random.default_rng(1)
     wf = rng.standard_normal((96, 130)).astype(np.float32)
     wb = jnp.asarray(wf, jnp.bfloat16)
@@ -163,7 +168,8 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
 
     for shape in ((1, 96), (16, 96), (2, 3, 96), (17, 96)):
         x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-        taken = int(np.prod(shape[:-1])) <= cpu_gemv.MAX_ROWS
+        # the row-major kernels: up to 16 rows, on the AVX-512 path (they have no AVX2 one)
+        taken = int(np.prod(shape[:-1])) <= cpu_gemv.MAX_ROWS and cpu_gemv.isa() == "avx512"
         for gs in (None, 32):
             w = quantize_weight(wf, "int8", gs)
             got, text = run(x, w)
@@ -225,7 +231,9 @@ def test_matmul_takes_the_kernel_on_cpu_only(monkeypatch, tmp_path):
         assert "mmjax_" not in jax.jit(lambda x, w: matmul(x, w)).lower(x, pack_weight(wb)).as_text()
     sharded = dataclasses.replace(tuning("cpu"), sharded=True)
     assert "mmjax_gemv" not in jax.jit(sharded.traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()
-    assert "mmjax_gemv" in jax.jit(tuning("cpu").traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()
+    assert ("mmjax_gemv" in jax.jit(tuning("cpu").traced(lambda x, w: matmul(x, w))).lower(x, wb).as_text()) == (
+        cpu_gemv.isa() == "avx512")
+    assert "mmjax_matmul_bf16p" in jax.jit(tuning("cpu").traced(lambda x, w: matmul(x, w))).lower(x, pack_weight(wb)).as_text()
     # no compiler: one warning, XLA's dots
     monkeypatch.setattr(cpu_library, "_state", {})
     monkeypatch.setenv("CXX", "no-such-compiler")
@@ -246,14 +254,18 @@ def test_kernel_calls_differentiate():
         x = jnp.asarray(rng.standard_normal((3, 96)), dtype)
         w = jnp.asarray(rng.standard_normal((96, 130)) * 0.1, dtype)
 
-        def loss(x, w):
-            return jnp.sin(matmul(x, w, jnp.float32)).sum()
+        kernel = cpu_gemv.gemv_f32 if dtype == jnp.float32 else cpu_gemv.gemv_bf16
+
+        def loss(x, w):        # the row-major kernel's call itself (layers.matmul takes it on AVX-512 only)
+            return jnp.sin(kernel(x, w)).sum()
+
+        def xla_loss(x, w):
+            return jnp.sin(jnp.matmul(x, w, preferred_element_type=jnp.float32)).sum()
         grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
         assert "mmjax_gemv" in grad.lower(x, w).as_text()
         got = grad(x, w)
-        with cpu_kernels(False):
-            want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
-            _, want_t = jax.jvp(loss, (x, w), (x, w))
+        want = jax.jit(jax.grad(xla_loss, argnums=(0, 1)))(x, w)
+        _, want_t = jax.jvp(xla_loss, (x, w), (x, w))
         for g, h in zip(got, want):
             tol = 1e-5 if dtype == jnp.float32 else 1e-2      # bf16 gradients are rounded to bf16
             assert g.dtype == h.dtype and rel_err(g.astype(jnp.float32), h.astype(jnp.float32)) < tol

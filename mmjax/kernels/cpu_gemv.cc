@@ -122,24 +122,25 @@ void GenericS8(const int8_t* x, const int8_t* w, int32_t* y, int64_t M, int64_t 
   }
 }
 
-// panels [pa, pb) of the packed f32 / bf16 product (layout: PackedRange), each column one
+// panels [pa, pb) of the packed f32 / bf16 product (layout: PackedRange; PW columns a panel), each column one
 // sequential sum; the R values of a step: f32 one value, bf16 a pair word's low then high half
 inline float Part(float x, int) { return x; }
 inline float Part(uint32_t x, int r) { return Bf16ToF32(static_cast<uint16_t>(x >> (16 * r))); }
 inline float Part(float w) { return w; }
 inline float Part(uint16_t w) { return Bf16ToF32(w); }
 template <typename X, typename W>
-void GenericPacked(const X* x, const W* w, float* y, int64_t M, int64_t Kp, int64_t N, int64_t pa, int64_t pb) {
+void GenericPacked(const X* x, const W* w, float* y, int64_t M, int64_t Kp, int64_t N, int64_t PW, int64_t pa,
+                   int64_t pb) {
   constexpr int R = sizeof(X) / sizeof(W);
   for (int64_t p = pa; p < pb; ++p) {
-    const W* panel = w + p * Kp * 64 * R;
-    const int64_t cols = std::min<int64_t>(64, N - 64 * p);
+    const W* panel = w + p * Kp * PW * R;
+    const int64_t cols = std::min<int64_t>(PW, N - PW * p);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < cols; ++j) {
         float s = 0.f;
         for (int64_t k = 0; k < Kp; ++k)
-          for (int r = 0; r < R; ++r) s += Part(x[m * Kp + k], r) * Part(panel[(k * 64 + j) * R + r]);
-        y[m * N + 64 * p + j] = s;
+          for (int r = 0; r < R; ++r) s += Part(x[m * Kp + k], r) * Part(panel[(k * PW + j) * R + r]);
+        y[m * N + PW * p + j] = s;
       }
   }
 }
@@ -568,6 +569,221 @@ MMJAX_AVX512 void QuantizeRowAvx512(const float* x, int64_t G, int64_t Kg, int8_
     xsum[g] = _mm512_reduce_add_epi32(sum);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA (CPUs without AVX-512: Haswell to Alder Lake, Zen 1-3): the packed kernels only (a
+// CPU runner's weights are all packed; the row-major kernels stay AVX-512-only, XLA's dots
+// elsewhere). The same panels as the AVX-512 path, for 16 ymm registers instead of 32 zmm.
+//
+// f32 / bf16: the weight packed in panels of PW = 16 columns (`pack_panels`' width where AVX-512
+// is not there): a panel step is one 64-byte line, two vectors, so every register tile reads its
+// panel as one contiguous stream. (On the 64-column AVX-512 panels a tile of 16 columns read a
+// quarter of each 256-byte step: 4 KiB-aliased strided lines, half of XLA's GEMM rate at 240
+// rows.) A tile is MG rows x CW vectors of 8 columns (MG * CW <= 12 accumulators): 6 x 2 for f32
+// (the classic AVX2 GEMM tile) and 4 x 2 for bf16 (each of its weight vectors is two, the pair
+// word's rows widened), fewer rows at the end; 64-column panels (packed for AVX-512) take tiles
+// of 8, 4 or 2 vectors. K runs in blocks of kKc panel steps, so that a tile's slice of the panel
+// and its rows of x stay in L1 while the row groups sweep it; the running sums go through a
+// scratch tile [rows, PW] between blocks, so every output is still one sequential FMA chain over
+// k in order: the same bits whatever M, the tile or the block (a row decodes the same tokens
+// alone and in a batch). bf16 x is widened to f32 once per call; the product of two bf16 is
+// exact in f32, the even row's FMA comes before the odd row's.
+#define MMJAX_AVX2 __attribute__((target("avx2,fma")))
+
+constexpr int64_t kKc = 256;
+
+template <int MG, int CW, bool kBf16>
+MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t steps, float* acc) {
+  __m256 a[MG][CW];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_loadu_ps(acc + PW * m + 8 * i);
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // the step's weight vectors first, then one broadcast of x per row (loading a weight vector per
+  // (vector, row) pair made the compiler broadcast each x CW times: 40 -> 70 GFLOP/s on one core)
+  for (int64_t k = 0; k < steps; ++k, r += PW) {
+    if constexpr (kBf16) {
+      __m256 we[CW], wo[CW];
+      _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 8 * i));
+        we[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        wo[i] = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+      }
+      _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+        const __m256 xe = _mm256_broadcast_ss(x + m * ldx + 2 * k), xo = _mm256_broadcast_ss(x + m * ldx + 2 * k + 1);
+        _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) {
+          a[m][i] = _mm256_fmadd_ps(xe, we[i], a[m][i]);
+          a[m][i] = _mm256_fmadd_ps(xo, wo[i], a[m][i]);
+        }
+      }
+    } else {
+      __m256 w[CW];
+      _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) w[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(r + 8 * i));
+      _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+        _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_fmadd_ps(xb, w[i], a[m][i]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) _mm256_storeu_ps(acc + PW * m + 8 * i, a[m][i]);
+}
+
+// `rows` rows (1 .. 6) of one tile column: the register tile for that many rows
+template <int CW, bool kBf16>
+MMJAX_AVX2 void PackedRows2(int64_t rows, const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t steps,
+                            float* acc) {
+  switch (rows) {
+    case 1: return PackedTile2<1, CW, kBf16>(x, ldx, r, PW, steps, acc);
+    case 2: return PackedTile2<2, CW, kBf16>(x, ldx, r, PW, steps, acc);
+    case 3: if constexpr (CW <= 4) return PackedTile2<3, CW, kBf16>(x, ldx, r, PW, steps, acc); break;
+    case 4: if constexpr (CW <= 2) return PackedTile2<4, CW, kBf16>(x, ldx, r, PW, steps, acc); break;
+    case 5: if constexpr (CW <= 2) return PackedTile2<5, CW, kBf16>(x, ldx, r, PW, steps, acc); break;
+    default: if constexpr (CW <= 2) return PackedTile2<6, CW, kBf16>(x, ldx, r, PW, steps, acc); break;
+  }
+}
+
+// panels [pa, pb) of y[M, N] = x @ W (packed, PW = 16 or 64 columns a panel): x f32 [M, ldx]
+// (bf16: widened, ldx = 2 Kp), the panels as 32-bit units (an f32 value / a bf16 pair word)
+template <bool kBf16>
+MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp, int64_t N, const uint32_t* w,
+                             int64_t PW, float* y, int64_t pa, int64_t pb) {
+  alignas(64) static thread_local float acc[kPackedRows * 64];
+  const int CW = static_cast<int>(std::min<int64_t>(PW / 8, M == 1 ? 8 : M == 2 ? 4 : 2));
+  const int64_t MG = CW == 8 ? 1 : CW == 4 ? 2 : kBf16 ? 4 : 6;
+  for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
+    const int64_t m1 = std::min<int64_t>(M, m0 + kPackedRows);
+    for (int64_t p = pa; p < pb; ++p) {
+      const uint32_t* panel = w + p * Kp * PW;
+      const int64_t cols = std::min<int64_t>(PW, N - PW * p);
+      std::fill(acc, acc + (m1 - m0) * PW, 0.f);
+      for (int64_t k0 = 0; k0 < Kp; k0 += kKc) {
+        const int64_t steps = std::min<int64_t>(kKc, Kp - k0);
+        for (int64_t c = 0; c < PW; c += 8 * CW)
+          for (int64_t m = m0; m < m1; m += MG) {
+            const float* xm = x + m * ldx + (kBf16 ? 2 : 1) * k0;
+            const uint32_t* r = panel + k0 * PW + c;
+            float* am = acc + (m - m0) * PW + c;
+            const int64_t rows = std::min<int64_t>(MG, m1 - m);
+            if (CW == 8) PackedRows2<8, kBf16>(rows, xm, ldx, r, PW, steps, am);
+            else if (CW == 4) PackedRows2<4, kBf16>(rows, xm, ldx, r, PW, steps, am);
+            else PackedRows2<2, kBf16>(rows, xm, ldx, r, PW, steps, am);
+          }
+      }
+      for (int64_t m = m0; m < m1; ++m) std::memcpy(y + m * N + PW * p, acc + (m - m0) * PW, sizeof(float) * cols);
+    }
+  }
+}
+
+// int8 (mmjax_qmatmul_s8p): AVX2 has no vpdpbusd. A quad's four products per column come from
+// vpmaddubsw (u8 x s8 -> pairs summed into s16) and vpmaddwd against ones (-> s32): the weight
+// back to signed (the packed byte ^ 0x80), the signs of x moved onto it (vpsignb) and |x| the
+// unsigned operand. Exact where |x|, |w| <= 127, what quantization makes (a pair is at most 2 x
+// 127 x 127 = 32258, no s16 saturation): the same s32 sums as the AVX-512 path, so the same bits
+// after the same f32 rescale. Tiles of MG rows x 2 vectors (16 columns) over a group's quads.
+template <int MG>
+MMJAX_AVX2 void S8PTile2(const uint32_t* xw, const uint32_t* xa, int64_t ldx, int64_t q0, int64_t q1,
+                         const uint8_t* panel, int64_t c, __m256i (*out)[2]) {
+  __m256i a[MG][2];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const uint8_t* r = panel + q0 * 256 + 4 * c;
+  for (int64_t q = q0; q < q1; ++q, r += 256) {
+    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)), flip);
+    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32)), flip);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+      const __m256i xs = _mm256_set1_epi32(static_cast<int>(xw[m * ldx + q]));
+      const __m256i xu = _mm256_set1_epi32(static_cast<int>(xa[m * ldx + q]));
+      a[m][0] = _mm256_add_epi32(a[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w0, xs)), ones));
+      a[m][1] = _mm256_add_epi32(a[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w1, xs)), ones));
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) out[m][0] = a[m][0], out[m][1] = a[m][1];
+}
+
+// panels [pa, pb) of y[M, N] (int8 packed): xw / xa [M, G * Qg] quads of the quantized x and of
+// |x|, xscale [M, G], wscale [G, N]; y (+)= (float(dot) * x_scale) * w_scale, groups in order
+MMJAX_AVX2 void S8PRange2(const uint32_t* xw, const uint32_t* xa, const float* xscale, const float* wscale, int64_t M,
+                          int64_t G, int64_t Qg, int64_t N, const uint8_t* w, float* y, int64_t pa, int64_t pb) {
+  constexpr int MG = 4;
+  const int64_t Q = G * Qg;
+  alignas(32) float ws[64];
+  for (int64_t p = pa; p < pb; ++p) {
+    const uint8_t* panel = w + p * Q * 256;
+    const int64_t cols = std::min<int64_t>(64, N - 64 * p);
+    for (int64_t g = 0; g < G; ++g) {
+      std::fill(ws, ws + 64, 0.f);
+      std::memcpy(ws, wscale + g * N + 64 * p, sizeof(float) * cols);
+      for (int64_t m = 0; m < M; m += MG) {
+        const int mg = static_cast<int>(std::min<int64_t>(MG, M - m));
+        for (int64_t c = 0; c < 64; c += 16) {
+          __m256i dots[MG][2];
+          const uint32_t *xm = xw + m * Q, *am = xa + m * Q;
+          switch (mg) {
+            case 1: S8PTile2<1>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
+            case 2: S8PTile2<2>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
+            case 3: S8PTile2<3>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
+            default: S8PTile2<4>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
+          }
+          for (int i = 0; i < mg; ++i) {
+            const __m256 xs = _mm256_set1_ps(xscale[(m + i) * G + g]);
+            for (int h = 0; h < 2 && c + 8 * h < cols; ++h) {
+              alignas(32) float v[8];
+              _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots[i][h]), xs),
+                                               _mm256_load_ps(ws + c + 8 * h)));
+              float* o = y + (m + i) * N + 64 * p + c + 8 * h;
+              const int64_t n = std::min<int64_t>(8, cols - c - 8 * h);
+              for (int64_t j = 0; j < n; ++j) o[j] = g == 0 ? v[j] : o[j] + v[j];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// QuantizeRow (bit for bit) on 8 values at a time, and the |x| quads S8PRange2 reads
+MMJAX_AVX2 void QuantizeRowAvx2(const float* x, int64_t G, int64_t Kg, int8_t* q, float* scale, int32_t* xsum) {
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* xg = x + g * Kg;
+    int8_t* qg = q + g * Kg;
+    const int64_t K8 = Kg / 8 * 8;
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) amax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xg + k), absmask), amax);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax);
+    float a = 0.f;
+    for (int j = 0; j < 8; ++j) a = std::max(a, lanes[j]);
+    for (int64_t k = K8; k < Kg; ++k) a = std::max(a, std::fabs(xg[k]));
+    const float s = a > 0.f ? a * kInv127 : 1.f, r = 1.f / s;
+    const __m256 rv = _mm256_set1_ps(r);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K8; k += 8) {
+      const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + k), rv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i iv = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+      sum = _mm256_add_epi32(sum, iv);
+      const __m256i b = _mm256_shuffle_epi8(iv, bytes);
+      const uint32_t b0 = static_cast<uint32_t>(_mm256_extract_epi32(b, 0)), b1 = static_cast<uint32_t>(_mm256_extract_epi32(b, 4));
+      std::memcpy(qg + k, &b0, 4);
+      std::memcpy(qg + k + 4, &b1, 4);
+    }
+    alignas(32) int32_t s8[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s8), sum);
+    int32_t total = 0;
+    for (int j = 0; j < 8; ++j) total += s8[j];
+    for (int64_t k = K8; k < Kg; ++k) {
+      const float v = std::min(std::max(std::nearbyint(xg[k] * r), -127.f), 127.f);
+      qg[k] = static_cast<int8_t>(v);
+      total += static_cast<int32_t>(v);
+    }
+    scale[g] = s;
+    xsum[g] = total;
+  }
+}
+
 #endif  // __x86_64__
 
 int Threads(ffi::ThreadPool& pool) {
@@ -807,16 +1023,21 @@ ffi::Error QmatmulS8P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* sp = wscale.typed_data();
   float* yp = y->typed_data();
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
-  const bool simd = HasAvx512();
+  const int isa = mmjax_cpu::ActiveIsa();
   const int threads = Threads(pool);
-  std::vector<int8_t> xq(M * K);
+  std::vector<int8_t> xq(M * K), xabs(isa == mmjax_cpu::kAvx2 ? M * K : 0);
   std::vector<float> xscale(M * G);
   std::vector<int32_t> xsum(M * G);
   auto quantize = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
 #if defined(__x86_64__)
-      if (simd) {
+      if (isa == mmjax_cpu::kAvx512) {
         QuantizeRowAvx512(xp + m * K, G, Kg, xq.data() + m * K, xscale.data() + m * G, xsum.data() + m * G);
+        continue;
+      }
+      if (isa == mmjax_cpu::kAvx2) {
+        QuantizeRowAvx2(xp + m * K, G, Kg, xq.data() + m * K, xscale.data() + m * G, xsum.data() + m * G);
+        for (int64_t k = 0; k < K; ++k) xabs[m * K + k] = static_cast<int8_t>(std::abs(int(xq[m * K + k])));
         continue;
       }
 #endif
@@ -833,46 +1054,77 @@ ffi::Error QmatmulS8P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, P)));
   ParallelFor(pool, threads, parts, [&](int part) {
     const int64_t pa = P * part / parts, pb = P * (part + 1) / parts;
+    const auto* xw = reinterpret_cast<const uint32_t*>(xq.data());
 #if defined(__x86_64__)
-    if (simd)
-      return S8PRange(reinterpret_cast<const uint32_t*>(xq.data()), xsum.data(), xscale.data(), sp, M, G, Kg / 4, N,
-                      wp, yp, pa, pb);
+    if (isa == mmjax_cpu::kAvx512)
+      return S8PRange(xw, xsum.data(), xscale.data(), sp, M, G, Kg / 4, N, wp, yp, pa, pb);
+    if (isa == mmjax_cpu::kAvx2)
+      return S8PRange2(xw, reinterpret_cast<const uint32_t*>(xabs.data()), xscale.data(), sp, M, G, Kg / 4, N, wp, yp,
+                       pa, pb);
 #endif
     GenericS8P(xq.data(), xscale.data(), sp, wp, yp, M, G, Kg, N, pa, pb);
   });
   return ffi::Error::Success();
 }
 
-// x [M, Kp] (f32 values / bf16 pair words) @ a packed weight with P panels -> y f32 [M, N]
+// x [M, Kp] (f32 values / bf16 pair words) @ a packed weight with P panels of PW columns -> y f32
+// [M, N]: 64-column panels (packed for AVX-512) on the AVX-512 path, any panels on the AVX2 one
+// where AVX-512 is not running (an AVX-512 CPU runs AVX2 code too: 16-column panels there are a
+// test's or a moved checkpoint's), the plain loops below AVX2
 template <typename X, typename W>
-void RunPacked(ffi::ThreadPool& pool, const X* x, int64_t M, int64_t Kp, int64_t N, int64_t P, const W* w, float* y) {
-  const bool simd = HasAvx512();
+void RunPacked(ffi::ThreadPool& pool, const X* x, int64_t M, int64_t Kp, int64_t N, int64_t P, int64_t PW, const W* w,
+               float* y) {
+  const int isa = mmjax_cpu::ActiveIsa();
+  const bool avx512 = isa == mmjax_cpu::kAvx512 && PW == 64, avx2 = isa >= mmjax_cpu::kAvx2 && !avx512;
   const int threads = Threads(pool);
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(int64_t(g_parts_per_thread) * threads, P)));
+  // x as f32 rows for the AVX2 tiles (bf16 pair words widened), from three rows on copied to
+  // rows 16 floats longer: rows 4 KiB apart (K = 1024) put a tile's six broadcast streams in the
+  // same L1 sets (one core on 240 x 1024 x 1024: 70 -> 89 GFLOP/s)
+  constexpr bool kBf16 = std::is_same_v<X, uint32_t>;
+  const int64_t K = kBf16 ? 2 * Kp : Kp;
+  const bool copy = avx2 && (kBf16 || M > 2);
+  const int64_t ldx = copy ? K + 16 : K;
+  std::vector<float> rows(copy ? M * ldx : 0);
+  if (copy)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < Kp; ++k) {
+        if constexpr (kBf16) {
+          const uint32_t lo = x[m * Kp + k] << 16, hi = x[m * Kp + k] & 0xFFFF0000u;
+          std::memcpy(&rows[m * ldx + 2 * k], &lo, 4);
+          std::memcpy(&rows[m * ldx + 2 * k + 1], &hi, 4);
+        } else {
+          rows[m * ldx + k] = x[m * Kp + k];
+        }
+      }
+  const float* xf = copy ? rows.data() : reinterpret_cast<const float*>(x);
   ParallelFor(pool, threads, parts, [&](int part) {
     const int64_t pa = P * part / parts, pb = P * (part + 1) / parts;
 #if defined(__x86_64__)
-    if (simd) return PackedRange(x, M, Kp, N, w, y, pa, pb);
+    if (avx512) return PackedRange(x, M, Kp, N, w, y, pa, pb);
+    if (avx2)
+      return PackedRange2<kBf16>(xf, ldx, M, Kp, N, reinterpret_cast<const uint32_t*>(w), PW, y, pa, pb);
 #endif
-    GenericPacked(x, w, y, M, Kp, N, pa, pb);
+    GenericPacked(x, w, y, M, Kp, N, PW, pa, pb);
   });
 }
 
-// x [M, K] @ w [ceil(N / 64), ceil(K / R), 64, R] -> y f32 [M, N]: the shape check
+// x [M, K] @ w [ceil(N / PW), ceil(K / R), PW, R] (PW = 64 or 16 columns a panel) -> y f32 [M, N]:
+// the shape check
 bool PackedShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> yd, int R) {
-  return xd.size() == 2 && wd.size() == 4 && yd.size() == 2 && wd[2] == 64 && wd[3] == R &&
-         (xd[1] + R - 1) / R == wd[1] && yd[0] == xd[0] && (yd[1] + 63) / 64 == wd[0];
+  return xd.size() == 2 && wd.size() == 4 && yd.size() == 2 && (wd[2] == 64 || wd[2] == 16) && wd[3] == R &&
+         (xd[1] + R - 1) / R == wd[1] && yd[0] == xd[0] && (yd[1] + wd[2] - 1) / wd[2] == wd[0];
 }
 
 // x f32 [M, K] @ the packed f32 weight -> y f32 [M, N], any M (the f32 dot up to summation order)
 ffi::Error MatmulF32P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y) {
   if (!PackedShapes(x.dimensions(), w.dimensions(), y->dimensions(), 1))
-    return ffi::Error::InvalidArgument("mmjax_matmul_f32p: x [M, K], w [ceil(N / 64), K, 64, 1], y [M, N] expected");
+    return ffi::Error::InvalidArgument("mmjax_matmul_f32p: x [M, K], w [ceil(N / PW), K, PW, 1] (PW 64 or 16), y [M, N] expected");
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   float* yp = y->typed_data();
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
-  RunPacked(pool, x.typed_data(), M, K, N, w.dimensions()[0], w.typed_data(), yp);
+  RunPacked(pool, x.typed_data(), M, K, N, w.dimensions()[0], w.dimensions()[2], w.typed_data(), yp);
   return ffi::Error::Success();
 }
 
@@ -882,13 +1134,14 @@ ffi::Error MatmulBf16P(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buff
                        ffi::ResultBuffer<ffi::F32> y) {
   if (!PackedShapes(x.dimensions(), w.dimensions(), y->dimensions(), 2))
     return ffi::Error::InvalidArgument(
-        "mmjax_matmul_bf16p: x [M, K], w [ceil(N / 64), ceil(K / 2), 64, 2], y [M, N] expected");
+        "mmjax_matmul_bf16p: x [M, K], w [ceil(N / PW), ceil(K / 2), PW, 2] (PW 64 or 16), y [M, N] expected");
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1], Kp = (K + 1) / 2;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   float* yp = y->typed_data();
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   std::vector<uint32_t> odd;
-  RunPacked(pool, PairWords(xp, M, K, odd), M, Kp, N, w.dimensions()[0], reinterpret_cast<const uint16_t*>(w.typed_data()), yp);
+  RunPacked(pool, PairWords(xp, M, K, odd), M, Kp, N, w.dimensions()[0], w.dimensions()[2],
+            reinterpret_cast<const uint16_t*>(w.typed_data()), yp);
   return ffi::Error::Success();
 }
 

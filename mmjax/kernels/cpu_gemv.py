@@ -7,8 +7,8 @@
   reads bf16 at ~7-15 GB/s and s8 at ~5 GB/s, against ~35 GB/s the machine can read; in f32,
   XLA's dots at 2-16 rows read at 13-22 GB/s.
 * packed (`matmul_packed` for f32 / bf16, `qmatmul_s8p` for int8's whole W8A8 product): any M,
-  over a weight re-laid at load into 64-column panels (`pack_panels` / `pack_s8`, applied by
-  mmjax.packed_weights / mmjax.quant): one contiguous stream per panel, the dot instructions'
+  over a weight re-laid at load into panels of 64 (AVX-512) or 16 (AVX2) columns (`pack_panels`;
+  int8: 64-column `pack_s8`), applied by mmjax.packed_weights / mmjax.quant: one contiguous stream per panel, the dot instructions'
   operands as they lie; decode at the read bandwidth, prefill and encode faster than XLA's dots.
 
 AVX-512 FMA / BF16 / VNNI, plain C++ on other CPUs; the work split over XLA's intra-op threads.
@@ -103,18 +103,28 @@ def pack_s8(q) -> "np.ndarray":
     return np.ascontiguousarray(packed).view(np.uint8) ^ np.uint8(0x80)
 
 
-def pack_panels(w) -> "np.ndarray":
-    """f32 / bf16 [K, N] -> the packed layout mmjax_matmul_f32p / _bf16p read: [ceil(N / 64),
-    ceil(K / R), 64, R] of w's dtype (R = 1 for f32, 2 for bf16), panel p = columns 64p..64p+63,
-    each column's R consecutive rows adjacent (zero-padded; host numpy, once at load)."""
+def panel_width() -> int:
+    """Columns per panel of the packed f32 / bf16 layout for this CPU: 64 on the AVX-512 path (a
+    panel step is four zmm operands, one 256-byte run), 16 on the AVX2 one (one 64-byte line: the
+    AVX2 tiles are 16 columns wide). The kernel reads either; this is the fast one here."""
+    return 64 if isa() == "avx512" else 16
+
+
+def pack_panels(w, width: int | None = None) -> "np.ndarray":
+    """f32 / bf16 [K, N] -> the packed layout mmjax_matmul_f32p / _bf16p read: [ceil(N / PW),
+    ceil(K / R), PW, R] of w's dtype (PW = `width` columns a panel, 64 or 16, default
+    `panel_width()`; R = 1 for f32, 2 for bf16), panel p = columns PW p .. PW p + PW - 1, each
+    column's R consecutive rows adjacent (zero-padded; host numpy, once at load)."""
     import numpy as np
+    width = panel_width() if width is None else width
+    assert width in (16, 64), width
     w = np.asarray(w)
     k, n = w.shape
     r = 2 if w.dtype == jnp.bfloat16 else 1
-    p, kp = -(-n // 64), -(-k // r)
-    wp = np.zeros((r * kp, p * 64), w.dtype)
+    p, kp = -(-n // width), -(-k // r)
+    wp = np.zeros((r * kp, p * width), w.dtype)
     wp[:k, :n] = w
-    return np.ascontiguousarray(wp.reshape(kp, r, p, 64).transpose(2, 0, 3, 1))
+    return np.ascontiguousarray(wp.reshape(kp, r, p, width).transpose(2, 0, 3, 1))
 
 
 def matmul_packed(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
