@@ -27,8 +27,10 @@
 //     activation is the signed operand; the 128 * sum(x) this adds is taken off at the store.
 //   The interleave permutes columns inside 128-bit lanes; accumulators are kept in that order
 //   and put back in order once per chunk.
-// CPUs without those instructions take the plain C++ loops below (same results: exact for int8,
-// up to summation order for f32 / bf16).
+// CPUs with AVX2 + FMA but not those instructions take the packed kernels' AVX2 section below
+// (16-column f32 / bf16 panels; int8 exact as on AVX-512); the plain C++ loops (same results:
+// exact for int8, up to summation order for f32 / bf16) run only in the tests, which compare
+// every path the CPU has (mmjax/kernels/cpu_library.py calls no kernel without a SIMD path).
 #include <atomic>
 #include <cstdint>
 #include <algorithm>
@@ -592,11 +594,18 @@ MMJAX_AVX512 void QuantizeRowAvx512(const float* x, int64_t G, int64_t Kg, int8_
 
 constexpr int64_t kKc = 256;
 
-template <int MG, int CW, bool kBf16>
-MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t steps, float* acc) {
+// One register tile: MG rows x CW vectors over `steps` panel steps, VP vectors a panel (CW / VP
+// adjacent panels, pstride units apart: one or two rows on 16-column panels take 4 or 2 panels
+// at a time, for 8 independent FMA chains); acc [panel][row][PW] (astride floats a panel) holds
+// the running sums.
+template <int MG, int CW, int VP, bool kBf16>
+MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t pstride,
+                            int64_t steps, float* acc, int64_t astride) {
+  const auto wat = [&](int i) { return (i / VP) * pstride + 8 * (i % VP); };
+  const auto aat = [&](int m, int i) { return (i / VP) * astride + m * PW + 8 * (i % VP); };
   __m256 a[MG][CW];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_loadu_ps(acc + PW * m + 8 * i);
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_loadu_ps(acc + aat(m, i));
   const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   // the step's weight vectors first, then one broadcast of x per row (loading a weight vector per
   // (vector, row) pair made the compiler broadcast each x CW times: 40 -> 70 GFLOP/s on one core)
@@ -604,7 +613,7 @@ MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int6
     if constexpr (kBf16) {
       __m256 we[CW], wo[CW];
       _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 8 * i));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + wat(i)));
         we[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         wo[i] = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
       }
@@ -617,7 +626,7 @@ MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int6
       }
     } else {
       __m256 w[CW];
-      _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) w[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(r + 8 * i));
+      _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) w[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(r + wat(i)));
       _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
         const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
         _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_fmadd_ps(xb, w[i], a[m][i]);
@@ -625,51 +634,74 @@ MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int6
     }
   }
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) _mm256_storeu_ps(acc + PW * m + 8 * i, a[m][i]);
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) _mm256_storeu_ps(acc + aat(m, i), a[m][i]);
 }
 
 // `rows` rows (1 .. 6) of one tile column: the register tile for that many rows
-template <int CW, bool kBf16>
-MMJAX_AVX2 void PackedRows2(int64_t rows, const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t steps,
-                            float* acc) {
+template <int CW, int VP, bool kBf16>
+MMJAX_AVX2 void PackedRows2(int64_t rows, const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t pstride,
+                            int64_t steps, float* acc, int64_t astride) {
   switch (rows) {
-    case 1: return PackedTile2<1, CW, kBf16>(x, ldx, r, PW, steps, acc);
-    case 2: return PackedTile2<2, CW, kBf16>(x, ldx, r, PW, steps, acc);
-    case 3: if constexpr (CW <= 4) return PackedTile2<3, CW, kBf16>(x, ldx, r, PW, steps, acc); break;
-    case 4: if constexpr (CW <= 2) return PackedTile2<4, CW, kBf16>(x, ldx, r, PW, steps, acc); break;
-    case 5: if constexpr (CW <= 2) return PackedTile2<5, CW, kBf16>(x, ldx, r, PW, steps, acc); break;
-    default: if constexpr (CW <= 2) return PackedTile2<6, CW, kBf16>(x, ldx, r, PW, steps, acc); break;
+    case 1: return PackedTile2<1, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride);
+    case 2: if constexpr (CW <= 4) return PackedTile2<2, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
+    case 3: if constexpr (CW <= 2) return PackedTile2<3, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
+    case 4: if constexpr (CW <= 2) return PackedTile2<4, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
+    case 5: if constexpr (CW <= 2) return PackedTile2<5, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
+    default: if constexpr (CW <= 2) return PackedTile2<6, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
   }
 }
 
 // panels [pa, pb) of y[M, N] = x @ W (packed, PW = 16 or 64 columns a panel): x f32 [M, ldx]
-// (bf16: widened, ldx = 2 Kp), the panels as 32-bit units (an f32 value / a bf16 pair word)
+// (bf16: widened, ldx = 2 Kp), the panels as 32-bit units (an f32 value / a bf16 pair word).
+// Panels in groups of 128 columns: a row group's slice of x, once in L1, serves every panel of
+// the group before the next slice is read (one panel at a time re-read all of x from L3 for each
+// 16 columns). Tiles: one row 8 vectors, two rows 4, more rows 2 (rows in groups of 6 for f32,
+// 4 for bf16), over one 64-column panel or 4 / 2 / 1 adjacent 16-column ones.
 template <bool kBf16>
 MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp, int64_t N, const uint32_t* w,
                              int64_t PW, float* y, int64_t pa, int64_t pb) {
-  alignas(64) static thread_local float acc[kPackedRows * 64];
-  const int CW = static_cast<int>(std::min<int64_t>(PW / 8, M == 1 ? 8 : M == 2 ? 4 : 2));
-  const int64_t MG = CW == 8 ? 1 : CW == 4 ? 2 : kBf16 ? 4 : 6;
+  constexpr int64_t kGroupCols = 128;
+  alignas(64) static thread_local float acc[kPackedRows * kGroupCols];
+  const int64_t G = kGroupCols / PW, pstride = Kp * PW;
+  const int CW = M == 1 ? 8 : M == 2 ? 4 : 2;
+  const int64_t MG = M <= 2 ? M : kBf16 ? 4 : 6;
   for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
-    const int64_t m1 = std::min<int64_t>(M, m0 + kPackedRows);
-    for (int64_t p = pa; p < pb; ++p) {
-      const uint32_t* panel = w + p * Kp * PW;
-      const int64_t cols = std::min<int64_t>(PW, N - PW * p);
-      std::fill(acc, acc + (m1 - m0) * PW, 0.f);
+    const int64_t m1 = std::min<int64_t>(M, m0 + kPackedRows), rows = m1 - m0, astride = rows * PW;
+    for (int64_t g0 = pa; g0 < pb; g0 += G) {
+      const int64_t g1 = std::min<int64_t>(pb, g0 + G);
+      std::fill(acc, acc + (g1 - g0) * astride, 0.f);       // [panel of the group][row][PW]
       for (int64_t k0 = 0; k0 < Kp; k0 += kKc) {
         const int64_t steps = std::min<int64_t>(kKc, Kp - k0);
-        for (int64_t c = 0; c < PW; c += 8 * CW)
-          for (int64_t m = m0; m < m1; m += MG) {
-            const float* xm = x + m * ldx + (kBf16 ? 2 : 1) * k0;
-            const uint32_t* r = panel + k0 * PW + c;
-            float* am = acc + (m - m0) * PW + c;
-            const int64_t rows = std::min<int64_t>(MG, m1 - m);
-            if (CW == 8) PackedRows2<8, kBf16>(rows, xm, ldx, r, PW, steps, am);
-            else if (CW == 4) PackedRows2<4, kBf16>(rows, xm, ldx, r, PW, steps, am);
-            else PackedRows2<2, kBf16>(rows, xm, ldx, r, PW, steps, am);
+        for (int64_t m = m0; m < m1; m += MG) {
+          const float* xm = x + m * ldx + (kBf16 ? 2 : 1) * k0;
+          const int64_t mg = std::min<int64_t>(MG, m1 - m);
+          float* am = acc + (m - m0) * PW;
+          const uint32_t* r = w + k0 * PW;
+          if (PW == 64) {              // (AVX-512's panels) CW vectors of one panel at a time
+            for (int64_t p = g0; p < g1; ++p)
+              for (int64_t c = 0; c < 64; c += 8 * CW) {
+                const uint32_t* rp = r + p * pstride + c;
+                float* ap = am + (p - g0) * astride + c;
+                if (CW == 8) PackedRows2<8, 8, kBf16>(mg, xm, ldx, rp, PW, pstride, steps, ap, astride);
+                else if (CW == 4) PackedRows2<4, 4, kBf16>(mg, xm, ldx, rp, PW, pstride, steps, ap, astride);
+                else PackedRows2<2, 2, kBf16>(mg, xm, ldx, rp, PW, pstride, steps, ap, astride);
+              }
+            continue;
           }
+          int64_t p = g0;              // 16-column panels: CW / 2 of them at a time, then singles
+          for (; CW == 8 && p + 4 <= g1; p += 4)
+            PackedRows2<8, 2, kBf16>(mg, xm, ldx, r + p * pstride, PW, pstride, steps, am + (p - g0) * astride, astride);
+          for (; CW == 4 && p + 2 <= g1; p += 2)
+            PackedRows2<4, 2, kBf16>(mg, xm, ldx, r + p * pstride, PW, pstride, steps, am + (p - g0) * astride, astride);
+          for (; p < g1; ++p)
+            PackedRows2<2, 2, kBf16>(mg, xm, ldx, r + p * pstride, PW, pstride, steps, am + (p - g0) * astride, astride);
+        }
       }
-      for (int64_t m = m0; m < m1; ++m) std::memcpy(y + m * N + PW * p, acc + (m - m0) * PW, sizeof(float) * cols);
+      for (int64_t p = g0; p < g1; ++p) {
+        const int64_t cols = std::min<int64_t>(PW, N - PW * p);
+        for (int64_t m = m0; m < m1; ++m)
+          std::memcpy(y + m * N + PW * p, acc + (p - g0) * astride + (m - m0) * PW, sizeof(float) * cols);
+      }
     }
   }
 }

@@ -7,11 +7,15 @@
   reads bf16 at ~7-15 GB/s and s8 at ~5 GB/s, against ~35 GB/s the machine can read; in f32,
   XLA's dots at 2-16 rows read at 13-22 GB/s.
 * packed (`matmul_packed` for f32 / bf16, `qmatmul_s8p` for int8's whole W8A8 product): any M,
-  over a weight re-laid at load into panels of 64 (AVX-512) or 16 (AVX2) columns (`pack_panels`;
-  int8: 64-column `pack_s8`), applied by mmjax.packed_weights / mmjax.quant: one contiguous stream per panel, the dot instructions'
-  operands as they lie; decode at the read bandwidth, prefill and encode faster than XLA's dots.
+  over a weight re-laid at load into panels (`pack_panels`: 64 columns on an AVX-512 CPU, 16 on
+  an AVX2 one; `pack_s8`: 64), applied by mmjax.packed_weights / mmjax.quant: one contiguous
+  stream per panel, the dot instructions' operands as they lie; decode at the read bandwidth,
+  prefill and encode level with or faster than XLA's dots.
 
-AVX-512 FMA / BF16 / VNNI, plain C++ on other CPUs; the work split over XLA's intra-op threads.
+Code paths (cpu_library.isa): AVX-512 FMA / BF16 / VNNI; AVX2 + FMA (the packed kernels only:
+bf16 widened by shifts, int8 through vpsignb + vpmaddubsw + vpmaddwd); plain C++ loops, which
+nothing calls outside the tests (`enabled()` needs a SIMD path). The work is split over XLA's
+intra-op threads.
 Built and registered with the other CPU kernels by mmjax/kernels/cpu_library.py (one warning
 and XLA's dots where no compiler is found); only on the CPU (`enabled()` at trace time).
 """
