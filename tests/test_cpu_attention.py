@@ -3,7 +3,7 @@
 * the kernel against a float64 numpy softmax attention: f32, bf16, int8 and fp8 e4m3 (with
   per-key bf16 K and V scales, the quantized KV cache; fp8 over every bit pattern but NaN)
   cache segments, GQA groups
-  of 1-20 queries (padded inside the kernel to 1/2/4/8/16), head dims not multiples of 16,
+  of 1-20 queries (padded inside the kernel to 1/2/4/8/16), head dims not multiples of 16 or 8,
   segment lengths not multiples of the kernel's key blocks, more visible keys in one segment than
   a key block holds, rows that see nothing, sliding-window
   ranges, ranges past the cache; on every code path the CPU runs (plain C++, AVX2, AVX-512); each row's result the
@@ -57,6 +57,7 @@ CASES = [  # b, slots, kvh, n, hd, segment lengths, lo, hi
     (2, 3, 4, 3, 256, [128], [0, 20], [128, 21]),
     (2, 2, 2, 1, 48, [40, 24, 64], [30, 77], [200, 101]),               # window; hi past the cache
     (2, 2, 2, 2, 64, [256, 600], [0, 300], [700, 856]),                 # > 256 keys of one segment
+    (2, 3, 2, 5, 36, [40, 27], [0, 3], [67, 30]),                       # hd 36: not whole 8-lane vectors
 ]
 
 
@@ -263,6 +264,7 @@ PREFILL_CASES = [
     (2, 3, 2, 11, 3, 80, [64, 100], [0, 2], [50, 140], 20),            # hd 80, 33 queries a head, window
     (2, 2, 1, 5, 1, 48, [40, 24], [1, 2], [3, 60], None),              # a slot past the cache; tokens past kv_len
     (1, 2, 4, 300, 2, 64, [256, 600], [1], [0], None),                 # > 256 keys of one segment
+    (1, 2, 2, 9, 3, 20, [30, 13], [0], [20], 7),                       # hd 20: not whole 8-lane vectors
 ]
 
 

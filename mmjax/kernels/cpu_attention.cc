@@ -20,6 +20,12 @@
 // one task per (row, KV head) streams only that row's keys: K^T a whole row of up to 256 keys
 // per head dim at a time, online softmax over those blocks (running max, rescaled sums), V rows
 // accumulated into the group's outputs. All arithmetic in f32 (bf16 is widened on load).
+//
+// Code paths (mmjax_cpu::ActiveIsa, cpu_parallel.h): AVX-512 (Task512, PrefillTask512; Zen 4,
+// Sapphire Rapids), AVX2 + FMA (Task8, PrefillTask8: the same algorithm 8 lanes wide, its block
+// shapes re-chosen for 16 vector registers; Haswell, Zen 1-3), and plain C++ loops (GenericTask:
+// what the tests compare against; mmjax/kernels/cpu_library.py uses the kernels only where a SIMD
+// path runs).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,6 +37,7 @@
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
+using mmjax_cpu::HasAvx2;
 using mmjax_cpu::HasAvx512;
 using mmjax_cpu::ParallelFor;
 
@@ -361,6 +368,439 @@ MMJAX_AVX512 void PrefillTask512(const float* q, int nq, int HD, const std::vect
 #endif  // __x86_64__
 
 // ---------------------------------------------------------------------------------------------
+// AVX2 + FMA (Haswell, Zen 1-3): the AVX-512 path's algorithm 8 lanes wide, in 16 vector
+// registers instead of 32 and without mask registers: lane masks are comparison results (blends,
+// ANDs), a partial f32 vector is a _mm256_maskload_ps and a partial vector of the 1- and 2-byte
+// dtypes a small copy into a local buffer, so no load reads past a block's last key (nor past
+// a segment's end). The same f32 arithmetic as the AVX-512 path; only the order of the sums
+// differs (8 lanes, other blockings). The block shapes were re-chosen for 16 registers: the
+// timings in the comments below are ms on one thread of the 2-core Zen 3 (the best of 60-80
+// interleaved rounds), at the bench model's shape: 8 KV heads x 2 queries, head_dim 64.
+
+#if defined(__x86_64__)
+#define MMJAX_AVX2 __attribute__((target("avx2,fma")))
+
+// all ones in lanes [0, n)
+MMJAX_AVX2 inline __m256i Mask8(int64_t n) {
+  const int k = n >= 8 ? 8 : n <= 0 ? 0 : static_cast<int>(n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 8 elements widened to f32, bit for bit as ToF32
+MMJAX_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+MMJAX_AVX2 inline __m256 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+MMJAX_AVX2 inline __m256 Load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+MMJAX_AVX2 inline __m256 Load8(const F8E4M3* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  __m256 f = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+  f = _mm256_blendv_ps(f, _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / 512)),
+                       _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+  f = _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F))));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
+}
+// the first n elements (n < 8: zeros after them; nothing at or past p + n is read)
+MMJAX_AVX2 inline __m256 Load8(const float* p, int64_t n) {
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, Mask8(n));
+}
+template <typename T>
+MMJAX_AVX2 inline __m256 Load8(const T* p, int64_t n) {
+  if (n >= 8) return Load8(p);
+  T buf[8] = {};
+  if (n > 0) std::memcpy(buf, p, sizeof(T) * n);
+  return Load8(buf);
+}
+
+MMJAX_AVX2 inline float ReduceMax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+MMJAX_AVX2 inline float ReduceAdd8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// exp(x) for x <= 0, the AVX-512 Exp's polynomial; 2^n from n's bits (x >= -87.3: n >= -126,
+// a normal exponent)
+MMJAX_AVX2 inline __m256 Exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Rescale, 8 lanes wide (acc_row [HDp], HDp a multiple of 8, 32-byte aligned)
+MMJAX_AVX2 inline void Rescale8(float& m, float& l, float mx, float block_sum, float* acc_row, int HDp) {
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - mx);
+  l = l * alpha + block_sum;
+  m = mx;
+  if (alpha != 1.f) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int c = 0; c < HDp; c += 8) _mm256_store_ps(acc_row + c, _mm256_mul_ps(va, _mm256_load_ps(acc_row + c)));
+  }
+}
+
+// AccumulateV's 8-lane pass over NC chunks of 8 dims from dim c0, the last chunk `tail` dims
+// wide (8: whole): Q x NC accumulators in registers
+template <int Q, int NC, typename T>
+MMJAX_AVX2 inline void AccumulateChunks8(const T* v, int cnt, int HD, const float* p, int pstride, float* acc, int HDp,
+                                         int c0, int tail) {
+  __m256 o[Q][NC];
+  for (int i = 0; i < Q; ++i)
+    for (int c = 0; c < NC; ++c) o[i][c] = _mm256_load_ps(acc + i * HDp + c0 + 8 * c);
+  const T* vr = v + c0;
+  if (tail == 8) {
+    for (int jj = 0; jj < cnt; ++jj, vr += HD) {
+      __m256 vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = Load8(vr + 8 * c);
+      for (int i = 0; i < Q; ++i) {
+        const __m256 pi = _mm256_broadcast_ss(p + i * pstride + jj);
+        for (int c = 0; c < NC; ++c) o[i][c] = _mm256_fmadd_ps(pi, vv[c], o[i][c]);
+      }
+    }
+  } else {
+    for (int jj = 0; jj < cnt; ++jj, vr += HD) {
+      __m256 vv[NC];
+      for (int c = 0; c + 1 < NC; ++c) vv[c] = Load8(vr + 8 * c);
+      vv[NC - 1] = Load8(vr + 8 * (NC - 1), tail);
+      for (int i = 0; i < Q; ++i) {
+        const __m256 pi = _mm256_broadcast_ss(p + i * pstride + jj);
+        for (int c = 0; c < NC; ++c) o[i][c] = _mm256_fmadd_ps(pi, vv[c], o[i][c]);
+      }
+    }
+  }
+  for (int i = 0; i < Q; ++i)
+    for (int c = 0; c < NC; ++c) _mm256_store_ps(acc + i * HDp + c0 + 8 * c, o[i][c]);
+}
+
+// Software prefetch of `rows` byte ranges [p + r * stride, + bytes), some cache lines per Step.
+// Task8 fetches a block's V rows while it computes the block's scores, and the next block's K^T
+// rows while it accumulates V: with the hardware prefetchers alone one core read a cache in DRAM
+// at ~8 GB/s (f32, 2 queries, 128-key segments) where a plain sum reads 16-18. 16 layers of
+// decode (benchmarks/cpu_attention_paths.py shapes), 2 threads, ms without -> with prefetch: 1
+// row x 300 keys f32 2.33 -> 1.99, int8 1.51 -> 1.35; 16 rows x 300 f32 26.1 -> 24.4, int8 12.7
+// -> 10.3; 16 x 2000 f32 150 -> 151, int8 58.6 -> 53.3. (A cache that stays in L2 / L3 pays for
+// the prefetch instructions: 8-15% at 8 heads x 300 keys on one thread.)
+struct Prefetch8 {
+  const char* at = nullptr;     // the next line
+  const char* end = nullptr;    // the end of the current range
+  const char* next = nullptr;   // the next range
+  int64_t bytes = 0, stride = 0, rows = 0, lines = 0;   // (rows: ranges after the current one)
+  Prefetch8() = default;
+  Prefetch8(const void* p, int64_t bytes_, int64_t stride_, int64_t rows_) {
+    if (bytes_ <= 0 || rows_ <= 0) return;
+    if (stride_ == bytes_) bytes_ *= rows_, rows_ = 1;     // adjacent ranges as one
+    const char* c = static_cast<const char*>(p);
+    bytes = bytes_, stride = stride_, rows = rows_ - 1, lines = rows_ * ((bytes_ + 126) / 64);
+    at = Line(c), end = c + bytes, next = c + stride;
+  }
+  static const char* Line(const char* c) {
+    return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(c) & ~uintptr_t(63));
+  }
+  int64_t Lines() const { return lines; }   // (at most)
+  void Step(int64_t n) {
+    for (;;) {
+      for (; at < end && n > 0; at += 64, --n) _mm_prefetch(at, _MM_HINT_T0);
+      if (n == 0 || rows == 0) return;
+      --rows, at = Line(next), end = next + bytes, next += stride;
+    }
+  }
+};
+
+// a pass of nc (1..CC) chunks
+template <int Q, typename T, int CC>
+MMJAX_AVX2 inline void AccumulatePass8(int nc, const T* v, int cnt, int HD, const float* p, int pstride, float* acc,
+                                       int HDp, int c0, int tail) {
+  if constexpr (CC > 1)
+    if (nc < CC) return AccumulatePass8<Q, T, CC - 1>(nc, v, cnt, HD, p, pstride, acc, HDp, c0, tail);
+  AccumulateChunks8<Q, CC, T>(v, cnt, HD, p, pstride, acc, HDp, c0, tail);
+}
+
+// AccumulateV, 8 lanes wide: acc[i] += sum_jj p[i * pstride + jj] V[jj] for cnt V rows [cnt, HD],
+// acc [Q, HDp] (HDp = HD rounded up to 8), CC 8-dim chunks a pass; more than 12 queries as two
+// halves. CC: Q x CC <= 12 accumulators fit, but fewer ran as fast or faster (the V rows come
+// from L2 / L3 either way). Decode, 300 keys, f32 / int8 cache, ms per 20 x 8 heads: 1 query CC
+// 4 0.52 / 0.45, CC 8 0.48 / 0.52; 2 queries CC 2 0.75 / 0.66, CC 4 0.79 / 0.78, CC 6 0.75 /
+// 0.80 (DR 4); 4 queries CC 2 1.36 / 1.35, CC 3 1.73 / 1.78 (DR 1); 8 queries CC 1 2.83 / 2.84,
+// CC 2 (16 accumulators) 2.99 / 3.01 (DR 2). Prefill (below), 6 queries: CC 2 2.29 / 2.69, CC 1
+// 3.43 / 3.73.
+template <int Q> constexpr int kChunks8 = Q == 1 ? 4 : Q <= 6 ? 2 : 1;
+
+// (pf: prefetched a piece before each pass; none by default)
+template <int Q, typename T, int CC = kChunks8<Q>>
+MMJAX_AVX2 void AccumulateV8(const T* v, int cnt, int HD, const float* p, int pstride, float* acc,
+                             Prefetch8* pf = nullptr) {
+  const int HDp = (HD + 7) / 8 * 8;
+  if constexpr (Q > 12) {
+    if (pf) pf->Step(pf->Lines() / 2 + 1);
+    AccumulateV8<Q / 2, T>(v, cnt, HD, p, pstride, acc);
+    if (pf) pf->Step(pf->Lines());
+    AccumulateV8<Q - Q / 2, T>(v, cnt, HD, p + Q / 2 * pstride, pstride, acc + Q / 2 * HDp);
+  } else {
+    const int chunks = HDp / 8, tail = HD - 8 * (chunks - 1);
+    const int64_t step = pf ? pf->Lines() / ((chunks + CC - 1) / CC) + 1 : 0;
+    for (int c = 0; c < chunks; c += CC) {
+      if (pf) pf->Step(step);
+      const int nc = std::min(CC, chunks - c);
+      AccumulatePass8<Q, T, CC>(nc, v, cnt, HD, p, pstride, acc, HDp, 8 * c, c + nc == chunks ? tail : 8);
+    }
+  }
+}
+
+// sbuf[i][j] += sum_d q[i][d] K^T[d][j] for the cnt keys of a block (K^T rows L apart), DR rows
+// of K^T at a time (DR interleaved row streams, not 64): each score vector loaded and stored once
+// per DR rows (the same sums, in the same order, as one row at a time). One row at a time, as
+// Task512 does, the score loads and stores bound the loop: decode, 300 keys, f32 / int8, ms per
+// 20 x 8 heads, DR 1 -> 2 -> 4: 2 queries (CC 4) 0.97 / 1.01 -> 0.80 / 0.78 -> 0.79 / 0.78; 4
+// queries 1.75 / 1.77 -> 1.46 / 1.47 -> 1.36 / 1.39; 8 queries 3.40 / 3.42 -> 2.74 / 2.83 -> 2.59
+// / 2.62; 16 queries 7.1 / 7.2 -> 5.5 / 5.6 -> 5.35 / 5.38.
+template <int Q, int DR, typename T>
+MMJAX_AVX2 inline void ScoreRows8(const float* q, int HD, int d, const T* kt, int64_t L, int cnt, float* sbuf) {
+  __m256 qd[Q][DR];
+  for (int i = 0; i < Q; ++i)
+    for (int r = 0; r < DR; ++r) qd[i][r] = _mm256_set1_ps(q[i * HD + d + r]);
+  const T* rows = kt + d * L;
+  const int nfull = cnt / 8;
+  for (int w = 0; w < nfull; ++w) {
+    __m256 k[DR];
+    for (int r = 0; r < DR; ++r) k[r] = Load8(rows + r * L + 8 * w);
+    for (int i = 0; i < Q; ++i) {
+      float* sp = sbuf + i * kRowBlock + 8 * w;
+      __m256 s = _mm256_load_ps(sp);
+      for (int r = 0; r < DR; ++r) s = _mm256_fmadd_ps(qd[i][r], k[r], s);
+      _mm256_store_ps(sp, s);
+    }
+  }
+  if (8 * nfull < cnt) {
+    __m256 k[DR];
+    for (int r = 0; r < DR; ++r) k[r] = Load8(rows + r * L + 8 * nfull, cnt - 8 * nfull);
+    for (int i = 0; i < Q; ++i) {
+      float* sp = sbuf + i * kRowBlock + 8 * nfull;
+      __m256 s = _mm256_load_ps(sp);
+      for (int r = 0; r < DR; ++r) s = _mm256_fmadd_ps(qd[i][r], k[r], s);
+      _mm256_store_ps(sp, s);
+    }
+  }
+}
+
+template <int Q, int DR, typename T>
+MMJAX_AVX2 __attribute__((noinline)) void Scores8(const float* q, int HD, const T* kt, int64_t L, int cnt, float* sbuf,
+                                                  Prefetch8& pf) {
+  const int64_t step = pf.Lines() / ((HD + DR - 1) / DR) + 1;
+  int d = 0;
+  for (; d + DR <= HD; d += DR) {
+    pf.Step(step);
+    ScoreRows8<Q, DR, T>(q, HD, d, kt, L, cnt, sbuf);
+  }
+  for (; d < HD; ++d) ScoreRows8<Q, 1, T>(q, HD, d, kt, L, cnt, sbuf);
+}
+
+// AccumulateV8 as a call of its own (decode: once per kRowBlock keys): inlined into Task8, GCC 12
+// kept some of the accumulators on the stack. (Not in PrefillTask8: a call per 16-key block,
+// with the vzeroupper at its return, took 2.3 -> 3.5 ms.)
+template <int Q, typename T, int CC>
+MMJAX_AVX2 __attribute__((noinline)) void AccumulateBlock8(const T* v, int cnt, int HD, const float* p, int pstride,
+                                                           float* acc, Prefetch8& pf) {
+  AccumulateV8<Q, T, CC>(v, cnt, HD, p, pstride, acc, &pf);
+}
+
+// Task512, 8 lanes wide (the same kRowBlock-key blocks, scores in sbuf [Q, kRowBlock], 32-byte
+// aligned); acc [Q, HDp], HDp = HD rounded up to 8, 32-byte aligned
+constexpr int kRows8 = 4;
+
+template <int Q, typename T, int CC = kChunks8<Q>, int DR = kRows8>
+MMJAX_AVX2 void Task8(const float* q, int nq, int HD, const std::vector<Segment<T>>& segs, int64_t lo, int64_t hi,
+                      float scale, float* acc, float* sbuf, float* out) {
+  const int HDp = (HD + 7) / 8 * 8;
+  std::fill(acc, acc + Q * HDp, 0.f);
+  float m[Q], l[Q];
+  for (int i = 0; i < Q; ++i) m[i] = kNegInf, l[i] = 0.f;
+  const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+  int64_t start = 0;
+  for (size_t sn = 0; sn < segs.size(); ++sn) {
+    const auto& seg = segs[sn];
+    const int64_t L = seg.len;
+    const int64_t a = std::max(lo, start) - start, e = std::min(hi, start + L) - start;
+    start += L;
+    for (int64_t j0 = a; j0 < e; j0 += kRowBlock) {
+      const int cnt = static_cast<int>(std::min<int64_t>(kRowBlock, e - j0));
+      const int nv = (cnt + 7) / 8;
+      for (int i = 0; i < Q; ++i)
+        for (int w = 0; w < nv; ++w) _mm256_store_ps(sbuf + i * kRowBlock + 8 * w, _mm256_setzero_ps());
+      Prefetch8 pv(seg.v + j0 * HD, int64_t{sizeof(T)} * cnt * HD, 0, 1);   // the block's V rows
+      Scores8<Q, DR, T>(q, HD, seg.kt + j0, L, cnt, sbuf, pv);
+      for (int i = 0; i < nq; ++i) {     // (padding rows: never read out)
+        float* si = sbuf + i * kRowBlock;
+        __m256 top = ninf;
+        for (int w = 0; w < nv; ++w) {
+          const __m256 km = _mm256_castsi256_ps(Mask8(cnt - 8 * w));
+          const __m256 ks = seg.ks ? _mm256_mul_ps(vscale, Load8(seg.ks + j0 + 8 * w, cnt - 8 * w)) : vscale;
+          const __m256 sw = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_load_ps(si + 8 * w), ks), km);
+          _mm256_store_ps(si + 8 * w, sw);
+          top = _mm256_max_ps(top, sw);
+        }
+        const float mx = std::max(m[i], ReduceMax8(top));
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 sum = _mm256_setzero_ps();
+        for (int w = 0; w < nv; ++w) {
+          const __m256 km = _mm256_castsi256_ps(Mask8(cnt - 8 * w));
+          __m256 pw = _mm256_and_ps(km, Exp8(_mm256_sub_ps(_mm256_load_ps(si + 8 * w), vmx)));
+          sum = _mm256_add_ps(sum, pw);
+          if (seg.vs) pw = _mm256_mul_ps(pw, Load8(seg.vs + j0 + 8 * w, cnt - 8 * w));
+          _mm256_store_ps(si + 8 * w, pw);
+        }
+        Rescale8(m[i], l[i], mx, ReduceAdd8(sum), acc + i * HDp, HDp);
+      }
+      // the next block's K^T rows (HD rows of up to kRowBlock keys), prefetched during this
+      // block's V rows
+      Prefetch8 pk;
+      constexpr int64_t kSize = sizeof(T);
+      if (j0 + kRowBlock < e) {
+        const int64_t n = std::min<int64_t>(kRowBlock, e - j0 - kRowBlock);
+        pk = Prefetch8(seg.kt + j0 + kRowBlock, kSize * n, kSize * L, HD);
+      } else {
+        int64_t next = start;          // (start: segment sn + 1's first index)
+        for (size_t s2 = sn + 1; s2 < segs.size(); next += segs[s2].len, ++s2) {
+          const int64_t a2 = std::max(lo, next) - next, e2 = std::min(hi, next + segs[s2].len) - next;
+          if (a2 < e2) {
+            pk = Prefetch8(segs[s2].kt + a2, kSize * std::min<int64_t>(kRowBlock, e2 - a2), kSize * segs[s2].len, HD);
+            break;
+          }
+        }
+      }
+      AccumulateBlock8<Q, T, CC>(seg.v + j0 * HD, cnt, HD, sbuf, kRowBlock, acc, pk);
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    for (int d = 0; d < HD; ++d) out[i * HD + d] = acc[i * HDp + d] * inv;
+  }
+}
+
+// PrefillTask512, 8 lanes wide: Q queries x 8W keys a block, the Q x W scores in registers (with
+// the W K^T vectors and a query broadcast, at most 16). 240 causal tokens x 2 queries, f32 / bf16
+// / int8 cache, ms per 8 heads: 6 queries x 16 keys 2.29 / 2.72 / 2.69; 4 x 24 2.25 / 2.73 /
+// 2.78; 4 x 16 2.27 / 2.82 / 2.87; 3 x 24 2.34 / 3.61 / 3.70; 8 x 16 (16 score registers:
+// spilled) 3.87 / 3.87 / 3.90; 8 x 8 5.08 / 5.05 / 5.07; 2 x 32 3.77 / 3.80 / 4.75; 12 x 8 5.12 /
+// 5.20 / 5.17. PrefillAttention takes 6 x 16: with 4 x 24 the fastest, a register to spare, and a
+// third fewer passes over each K^T block than with 4 queries.
+template <int Q, int W, typename T, int CC = kChunks8<Q>>
+MMJAX_AVX2 void PrefillTask8(const float* q, int nq, int HD, const std::vector<Segment<T>>& segs, const int64_t* lo,
+                             const int64_t* hi, float scale, float* acc, float* out) {
+  constexpr int kKeys = 8 * W;
+  const int HDp = (HD + 7) / 8 * 8;
+  std::fill(acc, acc + Q * HDp, 0.f);
+  float m[Q], l[Q];
+  alignas(32) float p[Q][kKeys] = {};
+  int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
+  for (int i = 0; i < Q; ++i) {
+    m[i] = kNegInf, l[i] = 0.f;
+    if (i < nq && lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
+  }
+  const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(kNegInf);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t start = 0;
+  for (const auto& seg : segs) {
+    const int64_t L = seg.len, base = start;
+    const int64_t a = std::max(first, base) - base, e = std::min(last, base + L) - base;
+    start += L;
+    for (int64_t j0 = a; j0 < e; j0 += kKeys) {
+      const int cnt = static_cast<int>(std::min<int64_t>(kKeys, e - j0));
+      __m256 s[Q][W];
+      for (int i = 0; i < Q; ++i)
+        for (int w = 0; w < W; ++w) s[i][w] = _mm256_setzero_ps();
+      const T* kt = seg.kt + j0;
+      // (whole blocks without the partial loads' branches: those kept the scores in memory)
+      if (cnt == kKeys) {
+        for (int d = 0; d < HD; ++d) {
+          __m256 k[W];
+          for (int w = 0; w < W; ++w) k[w] = Load8(kt + d * L + 8 * w);
+          for (int i = 0; i < Q; ++i) {
+            const __m256 qi = _mm256_broadcast_ss(q + i * HD + d);
+            for (int w = 0; w < W; ++w) s[i][w] = _mm256_fmadd_ps(qi, k[w], s[i][w]);
+          }
+        }
+      } else {
+        for (int d = 0; d < HD; ++d) {
+          __m256 k[W];
+          for (int w = 0; w < W; ++w) k[w] = Load8(kt + d * L + 8 * w, cnt - 8 * w);
+          for (int i = 0; i < Q; ++i) {
+            const __m256 qi = _mm256_broadcast_ss(q + i * HD + d);
+            for (int w = 0; w < W; ++w) s[i][w] = _mm256_fmadd_ps(qi, k[w], s[i][w]);
+          }
+        }
+      }
+      // the scores to p (indexing s by the runtime query below kept s in memory in the loops
+      // above); padding rows keep their zeros
+      for (int i = 0; i < Q; ++i)
+        for (int w = 0; w < W; ++w)
+          if (i < nq) _mm256_store_ps(p[i] + 8 * w, s[i][w]);
+      __m256 kscale[W], vfactor[W];
+      __m256i km[W], kidx[W];
+      for (int w = 0; w < W; ++w) {
+        km[w] = Mask8(cnt - 8 * w);
+        kscale[w] = seg.ks ? _mm256_mul_ps(vscale, Load8(seg.ks + j0 + 8 * w, cnt - 8 * w)) : vscale;
+        vfactor[w] = seg.vs ? Load8(seg.vs + j0 + 8 * w, cnt - 8 * w) : _mm256_set1_ps(1.f);
+        kidx[w] = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(base + j0 + 8 * w)), iota);
+      }
+      for (int i = 0; i < nq; ++i) {
+        const __m256i qlo = _mm256_set1_epi32(static_cast<int32_t>(lo[i]));
+        const __m256i qhi = _mm256_set1_epi32(static_cast<int32_t>(hi[i]));
+        __m256 valid[W], si[W];
+        bool any = false;
+        __m256 top = ninf;
+        for (int w = 0; w < W; ++w) {
+          // key index in [lo, hi) and inside the block
+          valid[w] = _mm256_castsi256_ps(_mm256_and_si256(
+              km[w], _mm256_andnot_si256(_mm256_cmpgt_epi32(qlo, kidx[w]), _mm256_cmpgt_epi32(qhi, kidx[w]))));
+          any |= _mm256_movemask_ps(valid[w]) != 0;
+          si[w] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_load_ps(p[i] + 8 * w), kscale[w]), valid[w]);
+          top = _mm256_max_ps(top, si[w]);
+        }
+        if (!any) {
+          for (int w = 0; w < W; ++w) _mm256_store_ps(p[i] + 8 * w, _mm256_setzero_ps());
+          continue;
+        }
+        const float mx = std::max(m[i], ReduceMax8(top));
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 sum = _mm256_setzero_ps();
+        for (int w = 0; w < W; ++w) {
+          const __m256 pw = _mm256_and_ps(valid[w], Exp8(_mm256_sub_ps(si[w], vmx)));
+          sum = _mm256_add_ps(sum, pw);
+          _mm256_store_ps(p[i] + 8 * w, _mm256_mul_ps(pw, vfactor[w]));
+        }
+        Rescale8(m[i], l[i], mx, ReduceAdd8(sum), acc + i * HDp, HDp);
+      }
+      AccumulateV8<Q, T, CC>(seg.v + j0 * HD, cnt, HD, &p[0][0], kKeys, acc);
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    for (int d = 0; d < HD; ++d) out[i * HD + d] = acc[i * HDp + d] * inv;
+  }
+}
+#endif  // __x86_64__
+
+// ---------------------------------------------------------------------------------------------
 
 template <ffi::DataType DT>
 using CacheT = std::conditional_t<
@@ -460,7 +900,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   const float* qp = q.typed_data();
   const int32_t* lop = lo.typed_data();
   const int32_t* hip = hi.typed_data();
-  const bool simd = HasAvx512();
+  const bool simd = HasAvx512(), avx2 = HasAvx2();
   constexpr int kGroup = 16;    // queries per pass (registers: 16 score accumulators)
   const int64_t groups = (N + kGroup - 1) / kGroup;
   const int64_t tasks = B * KVH * groups;
@@ -510,6 +950,23 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
         case 4: return Task512<4, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
         case 8: return Task512<8, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
         default: return Task512<16, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+      }
+    }
+    if (avx2) {
+      const int Q = nq <= 1 ? 1 : nq <= 2 ? 2 : nq <= 4 ? 4 : nq <= 8 ? 8 : 16;
+      const int HDp = static_cast<int>((HD + 7) / 8 * 8);
+      thread_local std::vector<float> scratch;
+      scratch.assign(static_cast<size_t>(Q) * (HD + HDp + kRowBlock) + 16, 0.f);
+      float* qpad = scratch.data();                                    // [Q, HD], zero padding rows
+      float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qpad + Q * HD) + 31) & ~uintptr_t(31));
+      float* sbuf = acc + Q * HDp;                                     // [Q, kRowBlock] scores
+      std::memcpy(qpad, qh, sizeof(float) * nq * HD);
+      switch (Q) {
+        case 1: return Task8<1, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+        case 2: return Task8<2, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+        case 4: return Task8<4, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+        case 8: return Task8<8, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
+        default: return Task8<16, T>(qpad, nq, HD, segs, a, e, scale, acc, sbuf, oh);
       }
     }
 #endif
@@ -593,7 +1050,7 @@ ffi::Error DecodeAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
 // Operands: q f32 [B, KVH, N, HD] (N = T * G: query n is token n / G's), lo, hi s32 [B, T]
 // (token t of row b sees cache indexes [lo, hi) of cache row slots_b), slots s32 [B] (a row whose
 // slot is outside the cache gets zeros), then the segments as above; attribute scale
-// -> out f32 [B, KVH, N, HD]. One task per (row, KV head, 8 queries).
+// -> out f32 [B, KVH, N, HD]. One task per (row, KV head, 8 queries; AVX2: 6 queries).
 template <ffi::DataType DT>
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo,
                             ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs args,
@@ -616,12 +1073,15 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   // 8 queries x 32 keys per block: 8 x 2 score registers (16 x 16 and 4 x 64 ran 10-25% slower
   // at 240 causal tokens, head_dim 64)
   constexpr int kBlock = 8;
-  const int64_t blocks = (N + kBlock - 1) / kBlock, tasks = B * KVH * blocks;
-  const bool simd = HasAvx512();
+  // AVX2: 6 queries x 16 keys per block (see PrefillTask8)
+  constexpr int kBlock8 = 6, kKeyVectors8 = 2;
+  const bool simd = HasAvx512(), avx2 = HasAvx2();
+  const int block = avx2 ? kBlock8 : kBlock;
+  const int64_t blocks = (N + block - 1) / block, tasks = B * KVH * blocks;
   const int threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 256));
   ParallelFor(pool, threads, static_cast<int>(tasks), [&](int t) {
-    const int64_t bh = t / blocks, b = bh / KVH, h = bh % KVH, n0 = t % blocks * kBlock;
-    const int nq = static_cast<int>(std::min<int64_t>(kBlock, N - n0));
+    const int64_t bh = t / blocks, b = bh / KVH, h = bh % KVH, n0 = t % blocks * block;
+    const int nq = static_cast<int>(std::min<int64_t>(block, N - n0));
     const float* qh = qp + (bh * N + n0) * HD;
     float* oh = op + (bh * N + n0) * HD;
     const int64_t slot = slotp[b];
@@ -629,7 +1089,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       std::fill(oh, oh + int64_t(nq) * HD, 0.f);
       return;
     }
-    int64_t qlo[kBlock], qhi[kBlock];
+    int64_t qlo[std::max(kBlock, kBlock8)], qhi[std::max(kBlock, kBlock8)];
     for (int i = 0; i < nq; ++i) {
       const int64_t tok = b * tokens + (n0 + i) / G;
       qlo[i] = std::max<int64_t>(0, lop[tok]), qhi[i] = hip[tok];
@@ -644,6 +1104,15 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qpad + kBlock * HD) + 63) & ~uintptr_t(63));
       std::memcpy(qpad, qh, sizeof(float) * nq * HD);
       return PrefillTask512<kBlock, 2, T>(qpad, nq, static_cast<int>(HD), segs, qlo, qhi, scale, acc, oh);
+    }
+    if (avx2) {
+      const int HDp = static_cast<int>((HD + 7) / 8 * 8);
+      thread_local std::vector<float> scratch;
+      scratch.assign(static_cast<size_t>(kBlock8) * (HD + HDp) + 8, 0.f);
+      float* qpad = scratch.data();                                    // [Q, HD], zero padding rows
+      float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qpad + kBlock8 * HD) + 31) & ~uintptr_t(31));
+      std::memcpy(qpad, qh, sizeof(float) * nq * HD);
+      return PrefillTask8<kBlock8, kKeyVectors8, T>(qpad, nq, static_cast<int>(HD), segs, qlo, qhi, scale, acc, oh);
     }
 #endif
     for (int i = 0; i < nq; ++i)
