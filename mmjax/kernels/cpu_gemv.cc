@@ -583,29 +583,26 @@ MMJAX_AVX512 void QuantizeRowAvx512(const float* x, int64_t G, int64_t Kg, int8_
 // quarter of each 256-byte step: 4 KiB-aliased strided lines, half of XLA's GEMM rate at 240
 // rows.) A tile is MG rows x CW vectors of 8 columns (MG * CW <= 12 accumulators): 6 x 2 for f32
 // (the classic AVX2 GEMM tile) and 4 x 2 for bf16 (each of its weight vectors is two, the pair
-// word's rows widened), fewer rows at the end; 64-column panels (packed for AVX-512) take tiles
-// of 8, 4 or 2 vectors. K runs in blocks of kKc panel steps, so that a tile's slice of the panel
-// and its rows of x stay in L1 while the row groups sweep it; the running sums go through a
-// scratch tile [rows, PW] between blocks, so every output is still one sequential FMA chain over
-// k in order: the same bits whatever M, the tile or the block (a row decodes the same tokens
-// alone and in a batch). bf16 x is widened to f32 once per call; the product of two bf16 is
-// exact in f32, the even row's FMA comes before the odd row's.
+// word's rows widened), fewer rows at the end; one and two rows take 8 and 4 vectors across
+// adjacent panels; 64-column panels (packed for AVX-512) take tiles of 8, 4 or 2 vectors of one
+// panel. A tile runs over all of K, so every output is one sequential FMA chain over k in
+// order: the same bits whatever M or the tile (a row decodes the same tokens alone and in a
+// batch). x is read as f32 rows (bf16 widened once per call); the product of two bf16 is exact
+// in f32, the even row's FMA comes before the odd row's.
 #define MMJAX_AVX2 __attribute__((target("avx2,fma")))
-
-constexpr int64_t kKc = 256;
 
 // One register tile: MG rows x CW vectors over `steps` panel steps, VP vectors a panel (CW / VP
 // adjacent panels, pstride units apart: one or two rows on 16-column panels take 4 or 2 panels
-// at a time, for 8 independent FMA chains); acc [panel][row][PW] (astride floats a panel) holds
-// the running sums.
+// at a time, for 8 independent FMA chains); the sums written to c (row m at m * ldc, the next
+// panel astride floats on).
 template <int MG, int CW, int VP, bool kBf16>
 MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t pstride,
-                            int64_t steps, float* acc, int64_t astride) {
+                            int64_t steps, float* c, int64_t ldc, int64_t astride) {
   const auto wat = [&](int i) { return (i / VP) * pstride + 8 * (i % VP); };
-  const auto aat = [&](int m, int i) { return (i / VP) * astride + m * PW + 8 * (i % VP); };
+  const auto cat = [&](int m, int i) { return (i / VP) * astride + m * ldc + 8 * (i % VP); };
   __m256 a[MG][CW];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_loadu_ps(acc + aat(m, i));
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_setzero_ps();
   const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   // the step's weight vectors first, then one broadcast of x per row (loading a weight vector per
   // (vector, row) pair made the compiler broadcast each x CW times: 40 -> 70 GFLOP/s on one core)
@@ -634,76 +631,63 @@ MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int6
     }
   }
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) _mm256_storeu_ps(acc + aat(m, i), a[m][i]);
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) _mm256_storeu_ps(c + cat(m, i), a[m][i]);
 }
 
-// `rows` rows (1 .. 6) of one tile column: the register tile for that many rows
+// rows [m0, m1) of one tile column: register tiles of up to MG rows (1 .. 6)
 template <int CW, int VP, bool kBf16>
-MMJAX_AVX2 void PackedRows2(int64_t rows, const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t pstride,
-                            int64_t steps, float* acc, int64_t astride) {
-  switch (rows) {
-    case 1: return PackedTile2<1, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride);
-    case 2: if constexpr (CW <= 4) return PackedTile2<2, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
-    case 3: if constexpr (CW <= 2) return PackedTile2<3, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
-    case 4: if constexpr (CW <= 2) return PackedTile2<4, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
-    case 5: if constexpr (CW <= 2) return PackedTile2<5, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
-    default: if constexpr (CW <= 2) return PackedTile2<6, CW, VP, kBf16>(x, ldx, r, PW, pstride, steps, acc, astride); break;
+MMJAX_AVX2 void PackedRows2(int64_t m0, int64_t m1, int64_t MG, const float* x, int64_t ldx, const uint32_t* r,
+                            int64_t PW, int64_t pstride, int64_t steps, float* c, int64_t ldc, int64_t astride) {
+  for (int64_t m = m0; m < m1; m += MG) {
+    const float* xm = x + m * ldx;
+    float* cm = c + m * ldc;
+    switch (std::min<int64_t>(MG, m1 - m)) {
+      case 1: PackedTile2<1, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
+      case 2: if constexpr (CW <= 4) PackedTile2<2, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
+      case 3: if constexpr (CW <= 2) PackedTile2<3, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
+      case 4: if constexpr (CW <= 2) PackedTile2<4, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
+      case 5: if constexpr (CW <= 2) PackedTile2<5, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
+      default: if constexpr (CW <= 2) PackedTile2<6, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
+    }
   }
 }
 
 // panels [pa, pb) of y[M, N] = x @ W (packed, PW = 16 or 64 columns a panel): x f32 [M, ldx]
-// (bf16: widened, ldx = 2 Kp), the panels as 32-bit units (an f32 value / a bf16 pair word).
-// Panels in groups of 128 columns: a row group's slice of x, once in L1, serves every panel of
-// the group before the next slice is read (one panel at a time re-read all of x from L3 for each
-// 16 columns). Tiles: one row 8 vectors, two rows 4, more rows 2 (rows in groups of 6 for f32,
-// 4 for bf16), over one 64-column panel or 4 / 2 / 1 adjacent 16-column ones.
+// (bf16: widened, ldx = 2 Kp), the panels as 32-bit units (an f32 value / a bf16 pair word);
+// tail [M, PW]: the sums of a last panel that N cuts (copied into y by the caller). Each tile
+// runs over all of K with its sums in registers (written once): a panel (K x 64 bytes) from L2
+// while the row groups sweep it. Blocking K (256-1024 steps, the sums in y or a scratch between
+// blocks) and rows (192) ran 5-20% slower on one core of the Zen 3 at CLIP's and the bench
+// model's shapes (the hardware prefetchers stream the panel and x's rows well enough). Tiles: one
+// row 8 vectors, two rows 4, more rows 2 (rows in groups of 6 for f32, 4 for bf16), over one
+// 64-column panel or 4 / 2 / 1 adjacent 16-column ones.
 template <bool kBf16>
 MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp, int64_t N, const uint32_t* w,
-                             int64_t PW, float* y, int64_t pa, int64_t pb) {
-  constexpr int64_t kGroupCols = 128;
-  alignas(64) static thread_local float acc[kPackedRows * kGroupCols];
-  const int64_t G = kGroupCols / PW, pstride = Kp * PW;
+                             int64_t PW, float* y, float* tail, int64_t pa, int64_t pb) {
+  const int64_t pstride = Kp * PW, full = std::min<int64_t>(pb, N / PW);   // panels [pa, full) whole in y
   const int CW = M == 1 ? 8 : M == 2 ? 4 : 2;
   const int64_t MG = M <= 2 ? M : kBf16 ? 4 : 6;
-  for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
-    const int64_t m1 = std::min<int64_t>(M, m0 + kPackedRows), rows = m1 - m0, astride = rows * PW;
-    for (int64_t g0 = pa; g0 < pb; g0 += G) {
-      const int64_t g1 = std::min<int64_t>(pb, g0 + G);
-      std::fill(acc, acc + (g1 - g0) * astride, 0.f);       // [panel of the group][row][PW]
-      for (int64_t k0 = 0; k0 < Kp; k0 += kKc) {
-        const int64_t steps = std::min<int64_t>(kKc, Kp - k0);
-        for (int64_t m = m0; m < m1; m += MG) {
-          const float* xm = x + m * ldx + (kBf16 ? 2 : 1) * k0;
-          const int64_t mg = std::min<int64_t>(MG, m1 - m);
-          float* am = acc + (m - m0) * PW;
-          const uint32_t* r = w + k0 * PW;
-          if (PW == 64) {              // (AVX-512's panels) CW vectors of one panel at a time
-            for (int64_t p = g0; p < g1; ++p)
-              for (int64_t c = 0; c < 64; c += 8 * CW) {
-                const uint32_t* rp = r + p * pstride + c;
-                float* ap = am + (p - g0) * astride + c;
-                if (CW == 8) PackedRows2<8, 8, kBf16>(mg, xm, ldx, rp, PW, pstride, steps, ap, astride);
-                else if (CW == 4) PackedRows2<4, 4, kBf16>(mg, xm, ldx, rp, PW, pstride, steps, ap, astride);
-                else PackedRows2<2, 2, kBf16>(mg, xm, ldx, rp, PW, pstride, steps, ap, astride);
-              }
-            continue;
-          }
-          int64_t p = g0;              // 16-column panels: CW / 2 of them at a time, then singles
-          for (; CW == 8 && p + 4 <= g1; p += 4)
-            PackedRows2<8, 2, kBf16>(mg, xm, ldx, r + p * pstride, PW, pstride, steps, am + (p - g0) * astride, astride);
-          for (; CW == 4 && p + 2 <= g1; p += 2)
-            PackedRows2<4, 2, kBf16>(mg, xm, ldx, r + p * pstride, PW, pstride, steps, am + (p - g0) * astride, astride);
-          for (; p < g1; ++p)
-            PackedRows2<2, 2, kBf16>(mg, xm, ldx, r + p * pstride, PW, pstride, steps, am + (p - g0) * astride, astride);
-        }
-      }
-      for (int64_t p = g0; p < g1; ++p) {
-        const int64_t cols = std::min<int64_t>(PW, N - PW * p);
-        for (int64_t m = m0; m < m1; ++m)
-          std::memcpy(y + m * N + PW * p, acc + (p - g0) * astride + (m - m0) * PW, sizeof(float) * cols);
+  if (PW == 64) {                    // (AVX-512's panels) CW vectors of one panel at a time
+    for (int64_t p = pa; p < pb; ++p) {
+      float* c = p < full ? y + PW * p : tail;
+      const int64_t ldc = p < full ? N : PW;
+      for (int64_t col = 0; col < 64; col += 8 * CW) {
+        const uint32_t* r = w + p * pstride + col;
+        if (CW == 8) PackedRows2<8, 8, kBf16>(0, M, MG, x, ldx, r, PW, pstride, Kp, c + col, ldc, PW);
+        else if (CW == 4) PackedRows2<4, 4, kBf16>(0, M, MG, x, ldx, r, PW, pstride, Kp, c + col, ldc, PW);
+        else PackedRows2<2, 2, kBf16>(0, M, MG, x, ldx, r, PW, pstride, Kp, c + col, ldc, PW);
       }
     }
+    return;
   }
+  int64_t p = pa;                    // 16-column panels: CW / 2 whole ones at a time, then singles
+  for (; CW == 8 && p + 4 <= full; p += 4)
+    PackedRows2<8, 2, kBf16>(0, M, MG, x, ldx, w + p * pstride, PW, pstride, Kp, y + PW * p, N, PW);
+  for (; CW == 4 && p + 2 <= full; p += 2)
+    PackedRows2<4, 2, kBf16>(0, M, MG, x, ldx, w + p * pstride, PW, pstride, Kp, y + PW * p, N, PW);
+  for (; p < pb; ++p)
+    PackedRows2<2, 2, kBf16>(0, M, MG, x, ldx, w + p * pstride, PW, pstride, Kp, p < full ? y + PW * p : tail,
+                             p < full ? N : PW, PW);
 }
 
 // int8 (mmjax_qmatmul_s8p): AVX2 has no vpdpbusd. A quad's four products per column come from
@@ -1130,15 +1114,18 @@ void RunPacked(ffi::ThreadPool& pool, const X* x, int64_t M, int64_t Kp, int64_t
         }
       }
   const float* xf = copy ? rows.data() : reinterpret_cast<const float*>(x);
+  std::vector<float> tail(avx2 && N % PW ? M * PW : 0);     // a last panel that N cuts (PackedRange2)
   ParallelFor(pool, threads, parts, [&](int part) {
     const int64_t pa = P * part / parts, pb = P * (part + 1) / parts;
 #if defined(__x86_64__)
     if (avx512) return PackedRange(x, M, Kp, N, w, y, pa, pb);
     if (avx2)
-      return PackedRange2<kBf16>(xf, ldx, M, Kp, N, reinterpret_cast<const uint32_t*>(w), PW, y, pa, pb);
+      return PackedRange2<kBf16>(xf, ldx, M, Kp, N, reinterpret_cast<const uint32_t*>(w), PW, y, tail.data(), pa, pb);
 #endif
     GenericPacked(x, w, y, M, Kp, N, PW, pa, pb);
   });
+  for (int64_t m = 0; m < M && !tail.empty(); ++m)
+    std::memcpy(y + m * N + PW * (P - 1), tail.data() + m * PW, sizeof(float) * (N - PW * (P - 1)));
 }
 
 // x [M, K] @ w [ceil(N / PW), ceil(K / R), PW, R] (PW = 64 or 16 columns a panel) -> y f32 [M, N]:
