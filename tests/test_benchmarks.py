@@ -120,6 +120,19 @@ def test_cpu_attention_bench_smoke(capsys):
     assert r["engine"] == [] and "int8    cache,   1 rows x   130 keys: kernel" in capsys.readouterr().out
 
 
+def test_cpu_attention_paths_bench_smoke(capsys):
+    from benchmarks.cpu_attention_paths import main
+    from mmjax.kernels import cpu_library
+    r = main(["--cases", "decode:2x40", "prefill:1x20", "--dtypes", "f32", "int8", "--repeats", "1"])
+    assert r["paths"] == list(cpu_library.isas())
+    assert [(x["kind"], x["rows"], x["context"], x["dtype"]) for x in r["cases"]] == [
+        ("decode", 2, 40, "f32"), ("decode", 2, 40, "int8"), ("prefill", 1, 20, "f32"), ("prefill", 1, 20, "int8")]
+    for x in r["cases"]:
+        assert all(_finite(x[f"{k}_ms"]) and x[f"{k}_ms"] > 0 for k in (*r["paths"], "xla_model", "xla_ref"))
+        assert x["max_abs_diff_vs_ref"] < 1e-4
+    assert "prefill  1 x    20 int8" in capsys.readouterr().out
+
+
 def test_gemv_bench_smoke(capsys):
     from benchmarks.gemv import main
     r = main(["--rows", "1", "3", "--shapes", "64x200", "--repeat", "1", "--chain", "--chain-layers", "1"])
