@@ -597,7 +597,7 @@ MMJAX_AVX512 void QuantizeRowAvx512(const float* x, int64_t G, int64_t Kg, int8_
 // panel astride floats on).
 template <int MG, int CW, int VP, bool kBf16>
 MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t pstride,
-                            int64_t steps, float* c, int64_t ldc, int64_t astride) {
+                            int64_t steps, float* c, int64_t ldc, int64_t astride, const uint32_t* pf) {
   const auto wat = [&](int i) { return (i / VP) * pstride + 8 * (i % VP); };
   const auto cat = [&](int m, int i) { return (i / VP) * astride + m * ldc + 8 * (i % VP); };
   __m256 a[MG][CW];
@@ -607,6 +607,7 @@ MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int6
   // the step's weight vectors first, then one broadcast of x per row (loading a weight vector per
   // (vector, row) pair made the compiler broadcast each x CW times: 40 -> 70 GFLOP/s on one core)
   for (int64_t k = 0; k < steps; ++k, r += PW) {
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * PW), _MM_HINT_T1);
     if constexpr (kBf16) {
       __m256 we[CW], wo[CW];
       _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) {
@@ -638,16 +639,25 @@ MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int6
 template <int CW, int VP, bool kBf16>
 MMJAX_AVX2 void PackedRows2(int64_t m0, int64_t m1, int64_t MG, const float* x, int64_t ldx, const uint32_t* r,
                             int64_t PW, int64_t pstride, int64_t steps, float* c, int64_t ldc, int64_t astride) {
-  for (int64_t m = m0; m < m1; m += MG) {
+  // the rows in as few groups of at most MG as cover them, of sizes differing by one at most (8
+  // rows as 4 + 4, not 6 + 2: a 2-row tile has 4 FMA chains, too few to fill the FMA pipes)
+  const int64_t groups = (m1 - m0 + MG - 1) / MG, base = (m1 - m0) / groups, extra = (m1 - m0) % groups;
+  for (int64_t g = 0, m = m0; g < groups; ++g) {
+    const int64_t rows = base + (g < extra);
     const float* xm = x + m * ldx;
     float* cm = c + m * ldc;
-    switch (std::min<int64_t>(MG, m1 - m)) {
-      case 1: PackedTile2<1, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
-      case 2: if constexpr (CW <= 4) PackedTile2<2, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
-      case 3: if constexpr (CW <= 2) PackedTile2<3, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
-      case 4: if constexpr (CW <= 2) PackedTile2<4, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
-      case 5: if constexpr (CW <= 2) PackedTile2<5, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
-      default: if constexpr (CW <= 2) PackedTile2<6, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride); break;
+    // the first row group's tile pulls the next panel into L2, one line a step (16-column panels:
+    // a step is a line), so that reading the weight from memory overlaps the FMAs instead of
+    // preceding them (6 and 16 rows took the memory time plus the compute time)
+    const uint32_t* pf = g == 0 && PW == 16 && CW == 2 ? r + pstride : nullptr;
+    m += rows;
+    switch (rows) {
+      case 1: PackedTile2<1, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
+      case 2: if constexpr (CW <= 4) PackedTile2<2, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
+      case 3: if constexpr (CW <= 2) PackedTile2<3, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
+      case 4: if constexpr (CW <= 2) PackedTile2<4, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
+      case 5: if constexpr (CW <= 2) PackedTile2<5, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
+      default: if constexpr (CW <= 2) PackedTile2<6, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
     }
   }
 }
