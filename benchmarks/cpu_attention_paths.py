@@ -148,7 +148,7 @@ def bench(kind: str, rows: int, context: int, dtype: str, repeats: int, slow_eve
     for _ in range(max(3, repeats // 3)):
         timed("xla_ref", ref, None)
     out = {"kind": kind, "rows": rows, "context": context, "dtype": dtype, "repeats": repeats}
-    out.update({f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in times.items()})
+    out.update({f"{k}_ms": float(f"{1e3 * statistics.median(v):.3g}") for k, v in times.items()})
     got, want = np.asarray(kernel(q, layers, kv_len)), np.asarray(ref(q, layers, kv_len))
     out["max_abs_diff_vs_ref"] = float(np.abs(got - want).max())
     return out

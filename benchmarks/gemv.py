@@ -93,9 +93,14 @@ def chain(rows: list[int], layers: int = CHAIN_LAYERS) -> list[dict]:
                 t0 = time.perf_counter()
                 c(xs, ws).block_until_ready()
                 best = min(best, time.perf_counter() - t0)
-            out.append({"path": path, "rows": m, "ms": round(best * 1e3, 3), "gb_s": round(nbytes / best / 1e9, 1)})
+            out.append({"path": path, "rows": m, "ms": round(best * 1e3, 3), "gb_s": _gb_s(nbytes, best)})
             print(f"chain {path:12s} rows {m:2d} {best * 1e3:8.2f} ms {out[-1]['gb_s']:6.1f} GB/s", flush=True)
     return out
+
+
+def _gb_s(nbytes: int, seconds: float) -> float:
+    """GB/s to three significant figures: a tiny smoke shape's rate must not round to 0."""
+    return float(f"{nbytes / seconds / 1e9:.3g}")
 
 
 def main(argv=None) -> dict:
@@ -135,7 +140,7 @@ def main(argv=None) -> dict:
             for name, (f, a, w) in cases.items():
                 s = _time(f, a, w, repeat=args.repeat)
                 rows_out.append({"shape": f"[{m},{k}]x[{k},{n}]", "path": name, "ms": round(s * 1e3, 3),
-                                 "gb_s": round(w.size * w.dtype.itemsize / s / 1e9, 1)})
+                                 "gb_s": _gb_s(w.size * w.dtype.itemsize, s)})
                 print(f"{rows_out[-1]['shape']:24s} {name:12s} {s * 1e3:8.3f} ms {rows_out[-1]['gb_s']:6.1f} GB/s",
                       flush=True)
     out = {"bench": "gemv", "rows": rows_out}
