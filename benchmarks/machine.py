@@ -93,6 +93,21 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
     return out
 
 
+def others_busy_cores(seconds: float = 1.0) -> float:
+    """Cores kept busy over `seconds` by everything else (other processes, other VMs' steal time),
+    read from /proc/stat while this process sleeps. The load average cannot say this: on 2 cores
+    it still counts the benchmark's own threads from the section just before."""
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]                 # all jiffies, idle + iowait
+    try:
+        (t0, i0), _, (t1, i1) = snap(), time.sleep(seconds), snap()
+    except OSError:                                 # no /proc (macOS): unknown, not contended
+        return 0.0
+    return round((os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0)), 2)
+
+
 def measure(smoke: bool = False, quick: bool = False) -> dict:
     """Everything the roofline needs, in one dict (FLOP/s and bytes/s). `quick`: a ~2 s probe
     (3072 GEMM, 512 MiB reads) to take between benchmark sections on a shared machine."""
@@ -102,9 +117,11 @@ def measure(smoke: bool = False, quick: bool = False) -> dict:
         n, reps, nbytes, breps = 3072, 2, 512 << 20, 3
     else:
         n, reps, nbytes, breps = 4096, 3, 1 << 30, 5
+    busy = others_busy_cores(0.3 if smoke else 1.0)
     g = gemm_flops(n, reps)
     m = memory_bandwidth(nbytes, breps)
-    return {"cores": os.cpu_count(), "loadavg_1m": os.getloadavg()[0], "gemm_flops": g, "bandwidth": m,
+    return {"cores": os.cpu_count(), "loadavg_1m": os.getloadavg()[0], "others_busy_cores": busy,
+            "gemm_flops": g, "bandwidth": m,
             "peak_flops": g["peak"], "read_bw": m["read"]}
 
 
