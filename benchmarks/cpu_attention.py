@@ -2,7 +2,7 @@
 against XLA's path, one run, side by side.
 
   layers    16 layers' decode attention of the bench model's shape (8 KV heads x 2 queries,
-            head_dim 64, 128-position segments; f32, or with --cache-dtype int8 / fp8 the quantized
+            head_dim 64, KV_SEGMENT-position segments (256); f32, or with --cache-dtype int8 / fp8 the quantized
             cache with its scales) over distinct caches, one jitted chain: `cache_attention`
             with the kernel and with `cpu_kernels(False)` (XLA's fusions per segment behind
             lax.cond); ms per 16 layers and GB/s of K + V (+ scales) read
