@@ -17,7 +17,8 @@ import re
 import sys
 from collections import Counter
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")   # multihost_worker sets its own
+if "device_count" not in os.environ.get("XLA_FLAGS", ""):       # multihost_worker sets its own
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]

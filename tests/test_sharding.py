@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE_FLAGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,7 +44,7 @@ def tp_checkpoints(tmp_path_factory):
 
 def run_worker(mode: str, paths: tuple[str, str], timeout: int = 600) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS     # the worker adds its own device count
     p = subprocess.run([sys.executable, os.path.join(HERE, "sharding_worker.py"), mode, *paths],
                        capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(HERE))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -301,7 +302,7 @@ def test_two_processes_serve_one_mesh(tp_checkpoints):
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = {**os.environ}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS     # the worker adds its own device count
     cmd = [sys.executable, os.path.join(HERE, "multihost_worker.py")]
     follower = subprocess.Popen(cmd + ["1", port, tp_checkpoints[0]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, cwd=os.path.dirname(HERE))
@@ -397,7 +398,8 @@ def test_serve_flags_tensor_and_data_parallel(tp_checkpoints):
     import time
     import urllib.request
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_FLAGS}"}
     p = subprocess.Popen([sys.executable, "-m", "serve", "--model", tp_checkpoints[0], "--port", "0",
                           "--served-model-name", "tiny", "--max-num-seqs", "2", "--max-model-len", "128",
                           "--tensor-parallel-size", "2", "--data-parallel-size", "2"],
@@ -449,7 +451,7 @@ def test_bench_sharding_smoke():
     """`mmjax bench sharding --smoke`: per-device decoder bytes fall as 1/TP, a TP decode step has
     2 all-reduces per layer + 1 and one all-gather, and the 72B-shaped row is Qwen2.5-VL-72B's."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS     # the benchmark adds its own device count
     p = subprocess.run([sys.executable, "-m", "mmjax.cli", "bench", "sharding", "--smoke"], capture_output=True,
                        text=True, timeout=600, env=env, cwd=os.path.dirname(HERE))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
