@@ -706,24 +706,27 @@ MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp,
 // unsigned operand. Exact where |x|, |w| <= 127, what quantization makes (a pair is at most 2 x
 // 127 x 127 = 32258, no s16 saturation): the same s32 sums as the AVX-512 path, so the same bits
 // after the same f32 rescale. Tiles of MG rows x 2 vectors (16 columns) over a group's quads.
-template <int MG>
+template <int MG, int CW>
 MMJAX_AVX2 void S8PTile2(const uint32_t* xw, const uint32_t* xa, int64_t ldx, int64_t q0, int64_t q1,
-                         const uint8_t* panel, int64_t c, __m256i (*out)[2]) {
-  __m256i a[MG][2];
-  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
+                         const uint8_t* panel, int64_t c, __m256i (*out)[8]) {
+  __m256i a[MG][CW];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_setzero_si256();
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   const uint8_t* r = panel + q0 * 256 + 4 * c;
   for (int64_t q = q0; q < q1; ++q, r += 256) {
-    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)), flip);
-    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32)), flip);
+    __m256i w[CW];
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i)
+      w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32 * i)), flip);
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
       const __m256i xs = _mm256_set1_epi32(static_cast<int>(xw[m * ldx + q]));
       const __m256i xu = _mm256_set1_epi32(static_cast<int>(xa[m * ldx + q]));
-      a[m][0] = _mm256_add_epi32(a[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w0, xs)), ones));
-      a[m][1] = _mm256_add_epi32(a[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w1, xs)), ones));
+      _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i)
+        a[m][i] = _mm256_add_epi32(a[m][i], _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w[i], xs)), ones));
     }
   }
-  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) out[m][0] = a[m][0], out[m][1] = a[m][1];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) out[m][i] = a[m][i];
 }
 
 // panels [pa, pb) of y[M, N] (int8 packed): xw / xa [M, G * Qg] quads of the quantized x and of
@@ -741,18 +744,22 @@ MMJAX_AVX2 void S8PRange2(const uint32_t* xw, const uint32_t* xa, const float* x
       std::memcpy(ws, wscale + g * N + 64 * p, sizeof(float) * cols);
       for (int64_t m = 0; m < M; m += MG) {
         const int mg = static_cast<int>(std::min<int64_t>(MG, M - m));
-        for (int64_t c = 0; c < 64; c += 16) {
-          __m256i dots[MG][2];
+        // one row takes the whole 64-column step (256 contiguous bytes, 8 chains), two rows half
+        // of it: 16 columns a tile read a line of every four, 4 passes over the panel, and left
+        // one row at ~12 GB/s from memory
+        const int cw = mg == 1 ? 8 : mg == 2 ? 4 : 2;
+        for (int64_t c = 0; c < 64; c += 8 * cw) {
+          __m256i dots[MG][8];
           const uint32_t *xm = xw + m * Q, *am = xa + m * Q;
           switch (mg) {
-            case 1: S8PTile2<1>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
-            case 2: S8PTile2<2>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
-            case 3: S8PTile2<3>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
-            default: S8PTile2<4>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
+            case 1: S8PTile2<1, 8>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
+            case 2: S8PTile2<2, 4>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
+            case 3: S8PTile2<3, 2>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
+            default: S8PTile2<4, 2>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
           }
           for (int i = 0; i < mg; ++i) {
             const __m256 xs = _mm256_set1_ps(xscale[(m + i) * G + g]);
-            for (int h = 0; h < 2 && c + 8 * h < cols; ++h) {
+            for (int h = 0; h < cw && c + 8 * h < cols; ++h) {
               alignas(32) float v[8];
               _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots[i][h]), xs),
                                                _mm256_load_ps(ws + c + 8 * h)));
