@@ -120,9 +120,9 @@ def test_kernel_equals_reference():
                                               got[m - 1:])
             # the packed f32 / bf16 layouts (mmjax_matmul_f32p / _bf16p, what a CPU runner's f32 /
             # bf16 weights are), in 64- and 16-column panels (AVX-512's and AVX2's; every path reads
-            # both): any number of rows (AVX-512: register blocks of 6; AVX2: tiles of 1 x 8, 2 x 4
-            # and 6 / 4 x 2 vectors, K blocks of 256 steps; both: row blocks of 192 across several
-            # panels), odd K (bf16: x's last pair completed by a zero), N cut inside a panel,
+            # both): any number of rows (AVX-512: register blocks of 6 and row blocks of 192 across
+            # several panels; AVX2: tiles of 1 x 8, 2 x 4 and 6 / 4 x 2 vectors over all of K, rows
+            # in balanced groups), odd K (bf16: x's last pair completed by a zero), N cut inside a panel,
             # panels split over threads
             assert cpu_gemv.panel_width() == (64 if path == "avx512" else 16)
             packed = jax.jit(cpu_gemv.matmul_packed, static_argnums=2)

@@ -591,6 +591,10 @@ MMJAX_AVX512 void QuantizeRowAvx512(const float* x, int64_t G, int64_t Kg, int8_
 // in f32, the even row's FMA comes before the odd row's.
 #define MMJAX_AVX2 __attribute__((target("avx2,fma")))
 
+// vectors (of 8 columns) an AVX2 register tile spans for a group of `rows` rows: one row 8, two
+// rows 4 (8 FMA chains either way, the weight read as whole 64-byte lines), more rows 2
+constexpr int Avx2TileVectors(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : 2; }
+
 // One register tile: MG rows x CW vectors over `steps` panel steps, VP vectors a panel (CW / VP
 // adjacent panels, pstride units apart: one or two rows on 16-column panels take 4 or 2 panels
 // at a time, for 8 independent FMA chains); the sums written to c (row m at m * ldc, the next
@@ -675,7 +679,7 @@ template <bool kBf16>
 MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp, int64_t N, const uint32_t* w,
                              int64_t PW, float* y, float* tail, int64_t pa, int64_t pb) {
   const int64_t pstride = Kp * PW, full = std::min<int64_t>(pb, N / PW);   // panels [pa, full) whole in y
-  const int CW = M == 1 ? 8 : M == 2 ? 4 : 2;
+  const int CW = Avx2TileVectors(M);
   const int64_t MG = M <= 2 ? M : kBf16 ? 4 : 6;
   if (PW == 64) {                    // (AVX-512's panels) CW vectors of one panel at a time
     for (int64_t p = pa; p < pb; ++p) {
@@ -705,7 +709,7 @@ MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp,
 // back to signed (the packed byte ^ 0x80), the signs of x moved onto it (vpsignb) and |x| the
 // unsigned operand. Exact where |x|, |w| <= 127, what quantization makes (a pair is at most 2 x
 // 127 x 127 = 32258, no s16 saturation): the same s32 sums as the AVX-512 path, so the same bits
-// after the same f32 rescale. Tiles of MG rows x 2 vectors (16 columns) over a group's quads.
+// after the same f32 rescale. Tiles of MG rows x CW vectors (8 CW columns) over a group's quads.
 template <int MG, int CW>
 MMJAX_AVX2 void S8PTile2(const uint32_t* xw, const uint32_t* xa, int64_t ldx, int64_t q0, int64_t q1,
                          const uint8_t* panel, int64_t c, __m256i (*out)[8]) {
@@ -747,7 +751,7 @@ MMJAX_AVX2 void S8PRange2(const uint32_t* xw, const uint32_t* xa, const float* x
         // one row takes the whole 64-column step (256 contiguous bytes, 8 chains), two rows half
         // of it: 16 columns a tile read a line of every four, 4 passes over the panel, and left
         // one row at ~12 GB/s from memory
-        const int cw = mg == 1 ? 8 : mg == 2 ? 4 : 2;
+        const int cw = Avx2TileVectors(mg);
         for (int64_t c = 0; c < 64; c += 8 * cw) {
           __m256i dots[MG][8];
           const uint32_t *xm = xw + m * Q, *am = xa + m * Q;
