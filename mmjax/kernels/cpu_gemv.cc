@@ -63,7 +63,7 @@ constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64;
+    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64, g_packed_prefetch = 4096;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 // int8 quads re-swept in the ninth session (a chain through 8 layers of the bench model's int8
@@ -488,6 +488,14 @@ MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float*
 // once per block. Against XLA's dots on the 2-core Zen 4 (twelfth session, 256 rows of the bench
 // model's layers): f32 213-223 vs 197-201 GFLOP/s, bf16 335-390 vs 297-342; one row streams as
 // fast as the row-major kernels, 8 rows 1.25-1.3x faster.
+// From two rows on, a block's first pass (the one that reads the panel from memory) prefetches
+// g_packed_prefetch = 4096 bytes ahead into L2: its FMAs keep the core from running far enough
+// ahead for the hardware prefetchers alone, so compute and the memory stream add up instead of
+// overlapping. On a 2-core Sapphire-Rapids-class VM (eighteenth session, interleaved, weights
+// from memory): 1024 x 5632 at 4 / 8 / 16 rows 19.5 / 14.8 / 12.4 -> 23.5 / 19.4 / 15.4 GB/s,
+// bf16 at 8 rows 11.0 -> 14.4, prefill shapes (240 rows) +5%; 1024 to 16384 bytes ahead gained
+// alike from 4096 on, a prefetch of the next panel spread over every pass gained less, and one
+// row streams best without it (25.6 vs 24.4 GB/s).
 constexpr int64_t kPackedRows = 192;
 
 MMJAX_AVX512 inline void Load4(const float* r, __m512* w) {
@@ -501,13 +509,17 @@ MMJAX_AVX512 inline __m512 Madd(__m512 a, __m512 w, uint32_t x) {
   return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)));
 }
 
+// pf: where to prefetch into L2 (nullptr: nowhere), 256 bytes (a step) each step on
 template <int MG, typename X, typename W>
-MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out, int64_t ldo, int64_t cols) {
+MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out, int64_t ldo, int64_t cols,
+                              const char* pf) {
   __m512 a[MG][4];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
     _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_ps();
   const W* r = panel;
   for (int64_t k = 0; k < Kp; ++k, r += 256 / sizeof(W)) {
+    if (pf)
+      _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) _mm_prefetch(pf + 256 * k + 64 * i, _MM_HINT_T1);
     __m512 w[4];
     Load4(r, w);
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
@@ -532,13 +544,15 @@ MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, cons
       for (int64_t m = m0; m < m1; m += 6) {
         const X* xm = x + m * Kp;
         float* om = y + m * N + 64 * p;
+        const char* pf = m == m0 && M > 1 && g_packed_prefetch ? reinterpret_cast<const char*>(panel) + g_packed_prefetch
+                                                              : nullptr;
         switch (std::min<int64_t>(6, m1 - m)) {
-          case 1: PackedBlock<1>(xm, Kp, panel, om, N, cols); break;
-          case 2: PackedBlock<2>(xm, Kp, panel, om, N, cols); break;
-          case 3: PackedBlock<3>(xm, Kp, panel, om, N, cols); break;
-          case 4: PackedBlock<4>(xm, Kp, panel, om, N, cols); break;
-          case 5: PackedBlock<5>(xm, Kp, panel, om, N, cols); break;
-          default: PackedBlock<6>(xm, Kp, panel, om, N, cols); break;
+          case 1: PackedBlock<1>(xm, Kp, panel, om, N, cols, pf); break;
+          case 2: PackedBlock<2>(xm, Kp, panel, om, N, cols, pf); break;
+          case 3: PackedBlock<3>(xm, Kp, panel, om, N, cols, pf); break;
+          case 4: PackedBlock<4>(xm, Kp, panel, om, N, cols, pf); break;
+          case 5: PackedBlock<5>(xm, Kp, panel, om, N, cols, pf); break;
+          default: PackedBlock<6>(xm, Kp, panel, om, N, cols, pf); break;
         }
       }
     }
@@ -1235,6 +1249,8 @@ extern "C" {
 // benchmark sweeps only, like mmjax_gemv_tune: floats ahead the f32 kernel prefetches (0: none)
 void mmjax_gemv_f32_prefetch(int floats) { g_f32_prefetch = std::max(0, floats); }
 void mmjax_gemv_bf16_prefetch(int elems) { g_bf16_prefetch = std::max(0, elems); }
+// bytes ahead the packed kernels' first pass prefetches (0: none)
+void mmjax_gemv_packed_prefetch(int bytes) { g_packed_prefetch = std::max(0, bytes); }
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
   g_parts_per_thread = std::max(1, parts_per_thread);
