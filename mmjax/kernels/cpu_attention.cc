@@ -45,6 +45,14 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Decode tasks prefetch their cache ahead of use (Task512: K^T 4 head-dim rows ahead, then the
+// block's first V rows, V 8 rows ahead): each task reads only ~2 x 64 KiB, too short for the
+// hardware prefetchers to ramp up. 16 layers of the bench model's attention, f32, distinct caches,
+// interleaved medians on the 2-core SPR-class VM (eighteenth session): 16 x 300 keys 22.6 -> 20.2
+// ms, 8 x 300 10.7 -> 10.3, 1 x 300 1.35 -> 1.24, 16 x 1000 70.8 -> 65.2 (8 / 16 rows ahead gained
+// less). 0: off (mmjax_attention_prefetch, benchmark A/B only).
+int g_attn_prefetch = 1;
+
 // One task's view of the cache: the segments' K^T [HD, L] and V [L, HD] blocks of its (row, head),
 // and for an int8 cache the per-key K and V scales [L] (bf16; null otherwise).
 template <typename T>
@@ -187,7 +195,7 @@ MMJAX_AVX512 inline void Rescale(float& m, float& l, float mx, float block_sum, 
 // acc[i] += sum_jj p[i * pstride + jj] V[jj] for a block's cnt V rows [cnt, HD] (read in order),
 // CC 16-dim chunks at a time (Q * CC accumulators in registers); acc [Q, HDp].
 template <int Q, typename T>
-MMJAX_AVX512 void AccumulateV(const T* v, int cnt, int HD, const float* p, int pstride, float* acc) {
+MMJAX_AVX512 void AccumulateV(const T* v, int cnt, int HD, const float* p, int pstride, float* acc, bool pf = false) {
   constexpr int CC = Q <= 4 ? 4 : 16 / Q;
   const int HDp = (HD + 15) / 16 * 16;
   for (int c0 = 0; c0 < HDp; c0 += 16 * CC) {
@@ -197,6 +205,10 @@ MMJAX_AVX512 void AccumulateV(const T* v, int cnt, int HD, const float* p, int p
     for (int i = 0; i < Q; ++i)
       for (int c = 0; c < CC; ++c) o[i][c] = cm[c] ? _mm512_load_ps(acc + i * HDp + c0 + 16 * c) : _mm512_setzero_ps();
     for (int jj = 0; jj < cnt; ++jj) {
+      if (pf && c0 == 0) {          // the row 8 ahead (a 64-dim f32 row: 4 lines)
+        const char* r = reinterpret_cast<const char*>(v + (jj + 8) * HD);
+        for (int64_t b = 0; b < int64_t(HD * sizeof(T)); b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+      }
       __m512 vv[CC];
       for (int c = 0; c < CC; ++c) vv[c] = Load16(v + jj * HD + c0 + 16 * c, cm[c]);
       for (int i = 0; i < Q; ++i) {
@@ -240,10 +252,17 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
       for (int i = 0; i < Q; ++i)
         for (int w = 0; w < nv; ++w) _mm512_store_ps(sbuf + i * kRowBlock + 16 * w, _mm512_setzero_ps());
       const T* kt = seg.kt + j0;
+      const int64_t row_bytes = cnt * int64_t(sizeof(T));
       for (int d = 0; d < HD; ++d) {
         __m512 qd[Q];
         for (int i = 0; i < Q; ++i) qd[i] = _mm512_set1_ps(q[i * HD + d]);
         const T* row = kt + d * L;
+        if (g_attn_prefetch) {      // K^T 4 head dims ahead, then the block's V rows
+          const char* r = d + 4 < HD ? reinterpret_cast<const char*>(row + 4 * L)
+                                     : reinterpret_cast<const char*>(seg.v + (j0 + (d + 4 - HD) * 2) * HD);
+          const int64_t n = d + 4 < HD ? row_bytes : int64_t(2 * HD * sizeof(T));
+          for (int64_t b = 0; b < n; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+        }
         for (int w = 0; w < nv; ++w) {
           const __m512 k = Load16(row + 16 * w, Mask16(cnt - 16 * w));
           for (int i = 0; i < Q; ++i) {
@@ -274,7 +293,7 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
         }
         Rescale(m[i], l[i], mx, _mm512_reduce_add_ps(sum), acc + i * HDp, HDp);
       }
-      AccumulateV<Q, T>(seg.v + j0 * HD, cnt, HD, sbuf, kRowBlock, acc);
+      AccumulateV<Q, T>(seg.v + j0 * HD, cnt, HD, sbuf, kRowBlock, acc, g_attn_prefetch != 0);
     }
   }
   for (int i = 0; i < nq; ++i) {
@@ -1164,3 +1183,8 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 MMJAX_EACH_CACHE_DTYPE(MMJAX_DECODE_ATTENTION, mmjax_decode_attention)
 MMJAX_EACH_CACHE_DTYPE(MMJAX_DECODE_ATTENTION_WRITE, mmjax_decode_attention_write)
 MMJAX_EACH_CACHE_DTYPE(MMJAX_PREFILL_ATTENTION, mmjax_prefill_attention)
+
+extern "C" {
+// benchmark A/B only: decode attention's software prefetch on (1) or off (0)
+void mmjax_attention_prefetch(int on) { g_attn_prefetch = on; }
+}
