@@ -63,7 +63,7 @@ constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64, g_packed_prefetch = 4096;
+    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64, g_packed_prefetch = 4096, g_panel_mode = 1;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 // int8 quads re-swept in the ninth session (a chain through 8 layers of the bench model's int8
@@ -509,17 +509,19 @@ MMJAX_AVX512 inline __m512 Madd(__m512 a, __m512 w, uint32_t x) {
   return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)));
 }
 
-// pf: where to prefetch into L2 (nullptr: nowhere), 256 bytes (a step) each step on
+// pf: where to prefetch into L2 (nullptr: nowhere): `lines` 64-byte lines spread evenly over the
+// Kp steps (lines = 4 Kp: the 256 bytes of a step each step)
 template <int MG, typename X, typename W>
 MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out, int64_t ldo, int64_t cols,
-                              const char* pf) {
+                              const char* pf, int64_t lines) {
   __m512 a[MG][4];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
     _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_ps();
   const W* r = panel;
+  int64_t due = 0;
   for (int64_t k = 0; k < Kp; ++k, r += 256 / sizeof(W)) {
     if (pf)
-      _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) _mm_prefetch(pf + 256 * k + 64 * i, _MM_HINT_T1);
+      for (due += lines; due >= Kp; due -= Kp, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
     __m512 w[4];
     Load4(r, w);
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
@@ -536,24 +538,60 @@ MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out
 template <typename X, typename W>
 MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, const W* w, float* y, int64_t pa,
                               int64_t pb) {
+  const int64_t step_bytes = 256, panel_lines = 4 * Kp;
+  const auto block = [&](int64_t m, int64_t rows, const W* panel, int64_t p, const char* pf, int64_t lines) {
+    const X* xm = x + m * Kp;
+    float* om = y + m * N + 64 * p;
+    const int64_t cols = std::min<int64_t>(64, N - 64 * p);
+    switch (rows) {
+      case 1: return PackedBlock<1>(xm, Kp, panel, om, N, cols, pf, lines);
+      case 2: return PackedBlock<2>(xm, Kp, panel, om, N, cols, pf, lines);
+      case 3: return PackedBlock<3>(xm, Kp, panel, om, N, cols, pf, lines);
+      case 4: return PackedBlock<4>(xm, Kp, panel, om, N, cols, pf, lines);
+      case 5: return PackedBlock<5>(xm, Kp, panel, om, N, cols, pf, lines);
+      default: return PackedBlock<6>(xm, Kp, panel, om, N, cols, pf, lines);
+    }
+  };
+  const int64_t groups = (M + 5) / 6;
+  if (g_panel_mode && groups >= 4 && M <= 2 * kPackedRows) {
+    // 24 to 384 rows (prefill chunks): each panel once from memory, all rows over it from L2,
+    // while the row groups prefetch the next panel into L2 in equal shares (the first panel: its
+    // first group, 4 KiB ahead), so no group waits on memory. On the 2-core SPR-class VM
+    // (eighteenth session, interleaved, weights from memory): 240 x 1024 x 5632 267 -> 282
+    // GFLOP/s, 240 x 2816 x 1024 257 -> 269, 32 x 1024 x 5632 163 -> 197; at 514 rows and more
+    // x no longer stays in L2 over a panel and 192-row blocks that re-read each panel are faster
+    // (514 x 1024 x 3072: 282 vs 271; 2056 x 1024 x 4096: 274 vs 266). (The hot-weight rate, the
+    // weight in L3: 312-344 GFLOP/s at 240 rows.)
+    const int64_t share = (panel_lines + groups - 1) / groups;
+    for (int64_t p = pa; p < pb; ++p) {
+      const W* panel = w + p * Kp * (256 / sizeof(W));
+      const char* next = reinterpret_cast<const char*>(panel) + Kp * step_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        const char* pf = nullptr;
+        int64_t lines = 0;
+        if (p + 1 < pb && g * share < panel_lines) {
+          pf = next + 64 * g * share;
+          lines = std::min(share, panel_lines - g * share);
+        }
+        if (p == pa && g == 0) {
+          block(0, std::min<int64_t>(6, M), panel, p,
+                g_packed_prefetch ? reinterpret_cast<const char*>(panel) + g_packed_prefetch : nullptr, panel_lines);
+          if (pf) for (int64_t i = 0; i < lines; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
+          continue;
+        }
+        block(6 * g, std::min<int64_t>(6, M - 6 * g), panel, p, pf, lines);
+      }
+    }
+    return;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
     const int64_t m1 = std::min<int64_t>(M, m0 + kPackedRows);
     for (int64_t p = pa; p < pb; ++p) {
       const W* panel = w + p * Kp * (256 / sizeof(W));
-      const int64_t cols = std::min<int64_t>(64, N - 64 * p);
       for (int64_t m = m0; m < m1; m += 6) {
-        const X* xm = x + m * Kp;
-        float* om = y + m * N + 64 * p;
-        const char* pf = m == m0 && M > 1 && g_packed_prefetch ? reinterpret_cast<const char*>(panel) + g_packed_prefetch
-                                                              : nullptr;
-        switch (std::min<int64_t>(6, m1 - m)) {
-          case 1: PackedBlock<1>(xm, Kp, panel, om, N, cols, pf); break;
-          case 2: PackedBlock<2>(xm, Kp, panel, om, N, cols, pf); break;
-          case 3: PackedBlock<3>(xm, Kp, panel, om, N, cols, pf); break;
-          case 4: PackedBlock<4>(xm, Kp, panel, om, N, cols, pf); break;
-          case 5: PackedBlock<5>(xm, Kp, panel, om, N, cols, pf); break;
-          default: PackedBlock<6>(xm, Kp, panel, om, N, cols, pf); break;
-        }
+        const bool first = m == m0 && M > 1 && g_packed_prefetch;
+        block(m, std::min<int64_t>(6, m1 - m), panel, p,
+              first ? reinterpret_cast<const char*>(panel) + g_packed_prefetch : nullptr, first ? panel_lines : 0);
       }
     }
   }
@@ -1250,6 +1288,8 @@ extern "C" {
 void mmjax_gemv_f32_prefetch(int floats) { g_f32_prefetch = std::max(0, floats); }
 void mmjax_gemv_bf16_prefetch(int elems) { g_bf16_prefetch = std::max(0, elems); }
 // bytes ahead the packed kernels' first pass prefetches (0: none)
+// the packed kernels' panel-outer sweep for 24 to 384 rows on (1) or off (0)
+void mmjax_gemv_panel_mode(int mode) { g_panel_mode = mode; }
 void mmjax_gemv_packed_prefetch(int bytes) { g_packed_prefetch = std::max(0, bytes); }
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
