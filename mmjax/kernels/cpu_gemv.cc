@@ -484,8 +484,8 @@ MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float*
 // vector i: column 16i + j); x's row-major values are the other operand (bf16: its (2k, 2k + 1)
 // pair as one 32-bit word). A panel is one contiguous run: a thread streams its panels front to
 // back (no short rows, no interleaving shuffles). Rows in register passes of up to 6 (24
-// accumulators), in blocks of kPackedRows whose activations stay in L2 while each panel is read
-// once per block. Against XLA's dots on the 2-core Zen 4 (twelfth session, 256 rows of the bench
+// accumulators); 24 to 384 rows all over each panel in turn (PackedRange), more rows in blocks
+// of kPackedRows whose activations stay in L2 while each panel is read once per block. Against XLA's dots on the 2-core Zen 4 (twelfth session, 256 rows of the bench
 // model's layers): f32 213-223 vs 197-201 GFLOP/s, bf16 335-390 vs 297-342; one row streams as
 // fast as the row-major kernels, 8 rows 1.25-1.3x faster.
 // From two rows on, a block's first pass (the one that reads the panel from memory) prefetches
