@@ -265,7 +265,8 @@ def _categorize(hlo_text: str) -> dict[str, str]:
     cats = {}
     for body in comps.values():
         for line in body.splitlines():
-            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(", line)
+            # (a tuple shape has spaces: the attention kernels that write the cache return one)
+            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\([^()]*\)|\S+) (\w[\w\-]*)\(", line)
             if not m:
                 continue
             name, shape, op = m.groups()
@@ -275,6 +276,8 @@ def _categorize(hlo_text: str) -> dict[str, str]:
             if "dot(" in text or op in ("dot", "convolution") or "custom-call" in op and (
                     "matmul" in line or "mmjax_gemv" in line):
                 cat = "matmul"
+            elif "custom-call" in op and "attention" in line:
+                cat = "attention"
             elif "scatter" in text or "dynamic-update-slice" in text:
                 cat = "kv-cache write"
             elif "sort" in text or "topk" in line.lower():
