@@ -73,8 +73,8 @@ def assert_f32_sum_error(got, want, x, w, what) -> None:
     of sum |x_k w_k| of want (float64), per element: the rounding of K additions is a random walk
     of K steps of at most an ulp of the partial sum, so this holds with a wide margin however the
     sum is ordered, and a lost or doubled term (an error of a whole |x_k w_k|, ~sqrt(K) times
-    more at K >= 64) fails it. (Measured against XLA's own dot's error before, which moves with
-    the machine's library: AMX-era oneDNN sums bf16 more accurately than one FMA chain.)"""
+    more at K >= 64) fails it. Not a multiple of XLA's own dot's error: that moves with the
+    machine's library (oneDNN on AMX sums bf16 more accurately than one FMA chain)."""
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
     bound = 2 * np.sqrt(x64.shape[1]) * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))
     err = np.abs(np.asarray(got, np.float64) - want)

@@ -485,9 +485,10 @@ MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float*
 // pair as one 32-bit word). A panel is one contiguous run: a thread streams its panels front to
 // back (no short rows, no interleaving shuffles). Rows in register passes of up to 6 (24
 // accumulators); 24 to 384 rows all over each panel in turn (PackedRange), more rows in blocks
-// of kPackedRows whose activations stay in L2 while each panel is read once per block. Against XLA's dots on the 2-core Zen 4 (twelfth session, 256 rows of the bench
-// model's layers): f32 213-223 vs 197-201 GFLOP/s, bf16 335-390 vs 297-342; one row streams as
-// fast as the row-major kernels, 8 rows 1.25-1.3x faster.
+// of kPackedRows whose activations stay in L2 while each panel is read once per block. Against
+// XLA's dots on the 2-core Zen 4 (twelfth session, 256 rows of the bench model's layers): f32
+// 213-223 vs 197-201 GFLOP/s, bf16 335-390 vs 297-342; one row streams as fast as the row-major
+// kernels, 8 rows 1.25-1.3x faster.
 // From two rows on, a block's first pass (the one that reads the panel from memory) prefetches
 // g_packed_prefetch = 4096 bytes ahead into L2: its FMAs keep the core from running far enough
 // ahead for the hardware prefetchers alone, so compute and the memory stream add up instead of
@@ -538,7 +539,8 @@ MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out
 template <typename X, typename W>
 MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, const W* w, float* y, int64_t pa,
                               int64_t pb) {
-  const int64_t step_bytes = 256, panel_lines = 4 * Kp;
+  constexpr int64_t kStep = 256 / sizeof(W);           // a panel step (256 bytes), in W
+  const int64_t panel_lines = 4 * Kp;
   const auto block = [&](int64_t m, int64_t rows, const W* panel, int64_t p, const char* pf, int64_t lines) {
     const X* xm = x + m * Kp;
     float* om = y + m * N + 64 * p;
@@ -555,8 +557,8 @@ MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, cons
   const int64_t groups = (M + 5) / 6;
   if (g_panel_mode && groups >= 4 && M <= 2 * kPackedRows) {
     // 24 to 384 rows (prefill chunks): each panel once from memory, all rows over it from L2,
-    // while the row groups prefetch the next panel into L2 in equal shares (the first panel: its
-    // first group, 4 KiB ahead), so no group waits on memory. On the 2-core SPR-class VM
+    // while the row groups prefetch the next panel into L2 in equal shares, so no group waits on
+    // memory (but the first group on a thread's first panel). On the 2-core SPR-class VM
     // (eighteenth session, interleaved, weights from memory): 240 x 1024 x 5632 267 -> 282
     // GFLOP/s, 240 x 2816 x 1024 257 -> 269, 32 x 1024 x 5632 163 -> 197; at 514 rows and more
     // x no longer stays in L2 over a panel and 192-row blocks that re-read each panel are faster
@@ -564,22 +566,12 @@ MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, cons
     // weight in L3: 312-344 GFLOP/s at 240 rows.)
     const int64_t share = (panel_lines + groups - 1) / groups;
     for (int64_t p = pa; p < pb; ++p) {
-      const W* panel = w + p * Kp * (256 / sizeof(W));
-      const char* next = reinterpret_cast<const char*>(panel) + Kp * step_bytes;
+      const W* panel = w + p * Kp * kStep;
+      const char* next = reinterpret_cast<const char*>(panel + Kp * kStep);
       for (int64_t g = 0; g < groups; ++g) {
-        const char* pf = nullptr;
-        int64_t lines = 0;
-        if (p + 1 < pb && g * share < panel_lines) {
-          pf = next + 64 * g * share;
-          lines = std::min(share, panel_lines - g * share);
-        }
-        if (p == pa && g == 0) {
-          block(0, std::min<int64_t>(6, M), panel, p,
-                g_packed_prefetch ? reinterpret_cast<const char*>(panel) + g_packed_prefetch : nullptr, panel_lines);
-          if (pf) for (int64_t i = 0; i < lines; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
-          continue;
-        }
-        block(6 * g, std::min<int64_t>(6, M - 6 * g), panel, p, pf, lines);
+        const bool ahead = p + 1 < pb && g * share < panel_lines;
+        block(6 * g, std::min<int64_t>(6, M - 6 * g), panel, p, ahead ? next + 64 * g * share : nullptr,
+              ahead ? std::min(share, panel_lines - g * share) : 0);
       }
     }
     return;
@@ -587,7 +579,7 @@ MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, cons
   for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
     const int64_t m1 = std::min<int64_t>(M, m0 + kPackedRows);
     for (int64_t p = pa; p < pb; ++p) {
-      const W* panel = w + p * Kp * (256 / sizeof(W));
+      const W* panel = w + p * Kp * kStep;
       for (int64_t m = m0; m < m1; m += 6) {
         const bool first = m == m0 && M > 1 && g_packed_prefetch;
         block(m, std::min<int64_t>(6, m1 - m), panel, p,
@@ -1287,9 +1279,9 @@ extern "C" {
 // benchmark sweeps only, like mmjax_gemv_tune: floats ahead the f32 kernel prefetches (0: none)
 void mmjax_gemv_f32_prefetch(int floats) { g_f32_prefetch = std::max(0, floats); }
 void mmjax_gemv_bf16_prefetch(int elems) { g_bf16_prefetch = std::max(0, elems); }
-// bytes ahead the packed kernels' first pass prefetches (0: none)
 // the packed kernels' panel-outer sweep for 24 to 384 rows on (1) or off (0)
 void mmjax_gemv_panel_mode(int mode) { g_panel_mode = mode; }
+// bytes ahead the packed kernels' first pass prefetches at decode rows (0: none)
 void mmjax_gemv_packed_prefetch(int bytes) { g_packed_prefetch = std::max(0, bytes); }
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
