@@ -7,11 +7,15 @@ segments, distinct caches per layer) as one jitted chain, q <- q + 1e-3 attentio
 
   decode:RxC   R rows of one new token over C cached keys (`decode_attention`)
   prefill:1xT  one T-token causal prompt (`prefill_attention`)
+  vision:BxN   B images of N patches through a ViT's full attention (`dense_attention`; CLIP
+               ViT-B shapes instead: 12 layers, 12 heads, head_dim 64, distinct K / V a layer;
+               q, k, v [B, N, heads, hd] as the tower holds them)
 
 Columns, ms per 16 layers: the kernel on each path; `xla_model`: what the model runs without the
 kernel (`cache_attention` traced with `cpu_kernels(False)`: per-segment fusions behind lax.cond,
-kv_len traced as in the steps); `xla_ref`: `cpu_attention.reference` jitted (the kernels' XLA
-definition, which concatenates the segments). Prints one line per case, then one JSON line.
+kv_len traced as in the steps; for vision: `mmjax.attention`'s "auto" XLA choice, the chunked
+online softmax); `xla_ref`: `cpu_attention.reference` jitted (the kernels' XLA definition, which
+concatenates the segments; for vision `reference_attention`). Prints one line per case, then one JSON line.
 """
 from __future__ import annotations
 
@@ -105,6 +109,27 @@ def _chains(kind: str, rows: int, context: int):
     return kernel, ref, model
 
 
+def _vision(batch: int, tokens: int, rng):
+    """(q, layers, kernel, ref, model) for 12 CLIP-B layers' attention over `tokens` patches."""
+    import jax.numpy as jnp
+
+    from mmjax.attention import attention, reference_attention
+    from mmjax.kernels import cpu_attention
+
+    heads, hd = 12, 64
+    x = lambda: jnp.asarray(rng.standard_normal((batch, tokens, heads, hd)), jnp.float32)  # noqa: E731
+    q, layers = x(), [(x(), x()) for _ in range(12)]
+
+    def chain(fn):
+        def run(q, layers, _):
+            for k, v in layers:
+                q = q + 1e-3 * fn(q, k, v)
+            return q
+        return run
+    return (q, layers, chain(lambda q, k, v: cpu_attention.dense_attention(q, k, v)),
+            chain(reference_attention), chain(lambda q, k, v: attention(q, k, v)))
+
+
 def bench(kind: str, rows: int, context: int, dtype: str, repeats: int, slow_every: int = 1) -> dict:
     """Medians (ms) of the chain per kernel path and for XLA; the slow plain-C++ path is timed
     every `slow_every`-th round only (rounds 0, slow_every, ...), the reference in a third as many
@@ -117,11 +142,15 @@ def bench(kind: str, rows: int, context: int, dtype: str, repeats: int, slow_eve
     from mmjax.models.text.llama import KV_SEGMENT
 
     rng = np.random.default_rng(0)
-    size = -(-context // KV_SEGMENT) * KV_SEGMENT
-    n = G if kind == "decode" else context * G
-    q = jnp.asarray(rng.standard_normal((rows, KVH, n, HD)), jnp.float32)
-    layers = _layers(rows, size, dtype, rng)
-    kernel, ref, model = (jax.jit(f) for f in _chains(kind, rows, context))
+    if kind == "vision":
+        q, layers, *chains = _vision(rows, context, rng)
+    else:
+        size = -(-context // KV_SEGMENT) * KV_SEGMENT
+        n = G if kind == "decode" else context * G
+        q = jnp.asarray(rng.standard_normal((rows, KVH, n, HD)), jnp.float32)
+        layers = _layers(rows, size, dtype, rng)
+        chains = _chains(kind, rows, context)
+    kernel, ref, model = (jax.jit(f) for f in chains)
     kv_len = jnp.int32(context)
     with cpu_kernels(False):                       # traced here: XLA's path
         model(q, layers, kv_len).block_until_ready()
@@ -156,8 +185,9 @@ def bench(kind: str, rows: int, context: int, dtype: str, repeats: int, slow_eve
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_attention_paths", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", nargs="+", default=["decode:1x300", "decode:16x300", "decode:16x2000", "prefill:1x240"],
-                    help="decode:ROWSxCONTEXT or prefill:1xTOKENS")
+    ap.add_argument("--cases", nargs="+", default=["decode:1x300", "decode:16x300", "decode:16x2000", "prefill:1x240",
+                                                    "vision:1x197", "vision:8x197"],
+                    help="decode:ROWSxCONTEXT, prefill:1xTOKENS or vision:IMAGESxPATCHES")
     ap.add_argument("--dtypes", nargs="+", default=["f32"], choices=["f32", "bf16", "int8", "fp8"], help="cache dtypes")
     ap.add_argument("--repeats", type=int, default=21, help="rounds (a third, at least 5, above 10k rows x keys)")
     args = ap.parse_args(argv)
@@ -169,7 +199,7 @@ def main(argv=None) -> dict:
     for case in args.cases:
         kind, shape = case.split(":")
         rows, ctx = map(int, shape.split("x"))
-        for dtype in args.dtypes:
+        for dtype in (args.dtypes if kind != "vision" else ["f32"]):
             big = rows * ctx > 10000
             r = bench(kind, rows, ctx, dtype, max(5, args.repeats // 3) if big else args.repeats, 3 if big else 1)
             res["cases"].append(r)

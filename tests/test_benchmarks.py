@@ -128,10 +128,11 @@ def test_cpu_attention_bench_smoke(capsys):
 def test_cpu_attention_paths_bench_smoke(capsys):
     from benchmarks.cpu_attention_paths import main
     from mmjax.kernels import cpu_library
-    r = main(["--cases", "decode:2x40", "prefill:1x20", "--dtypes", "f32", "int8", "--repeats", "1"])
+    r = main(["--cases", "decode:2x40", "prefill:1x20", "vision:2x20", "--dtypes", "f32", "int8", "--repeats", "1"])
     assert r["paths"] == list(cpu_library.isas())
     assert [(x["kind"], x["rows"], x["context"], x["dtype"]) for x in r["cases"]] == [
-        ("decode", 2, 40, "f32"), ("decode", 2, 40, "int8"), ("prefill", 1, 20, "f32"), ("prefill", 1, 20, "int8")]
+        ("decode", 2, 40, "f32"), ("decode", 2, 40, "int8"), ("prefill", 1, 20, "f32"), ("prefill", 1, 20, "int8"),
+        ("vision", 2, 20, "f32")]
     for x in r["cases"]:
         assert all(_finite(x[f"{k}_ms"]) and x[f"{k}_ms"] > 0 for k in (*r["paths"], "xla_model", "xla_ref"))
         assert x["max_abs_diff_vs_ref"] < 1e-4

@@ -11,7 +11,9 @@
 * wired in: a decode step's `cache_attention` takes it on the CPU (one custom call per layer, no
   per-segment lax.cond) with the XLA path's outputs, sliding window and int8 / fp8 caches
   included, and never when tracing for CUDA or inside a sharded step (XLA's path);
-* derivatives equal those of the XLA reference.
+* derivatives equal those of the XLA reference;
+* the vision towers' full attention (`dense_attention`) against float64 on every code path, and
+  `mmjax.attention`'s "auto" taking it only for full attention on an AVX-512 CPU.
 """
 from __future__ import annotations
 
@@ -364,4 +366,106 @@ def test_prefill_kernel_differentiates():
     assert "mmjax_prefill_attention" in grad.lower(q, kts, vs).as_text()
     got, want = grad(q, kts, vs), jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(q, kts, vs)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(g, w) < 1e-5
+
+
+# dense (a vision tower's full attention): b, sq, sk, heads, kv heads, hd, lengths (None: all keys)
+DENSE_CASES = [
+    (1, 197, 197, 12, 12, 64, None),            # CLIP-B/16 at 224 px: 6 blocks of 32 queries + 5
+    (2, 50, 77, 4, 2, 80, [77, 0]),              # GQA, hd 80; a row that sees no key
+    (3, 13, 300, 2, 1, 72, [300, 257, 5]),       # <= 16 queries (one vector); > 256 keys: two chunks
+    (1, 40, 600, 3, 3, 20, [999]),              # hd 20 (8 + 8 + 4 dims); 3 chunks; lengths past sk
+    (2, 33, 6, 2, 2, 128, None),                 # fewer keys than one 8-key tile
+]
+
+
+def _want_dense(q, k, v, lengths, scale) -> np.ndarray:
+    """float64 softmax attention, row b's queries over keys [0, lengths_b) (zeros for none)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    out = np.zeros(q.shape)
+    for b in range(q.shape[0]):
+        n = k.shape[1] if lengths is None else min(int(lengths[b]), k.shape[1])
+        if n <= 0:
+            continue
+        s = np.einsum("qhd,khd->hqk", q[b], k[b, :n]) * scale
+        w = np.exp(s - s.max(axis=2, keepdims=True))
+        out[b] = np.einsum("hqk,khd->qhd", w / w.sum(axis=2, keepdims=True), v[b, :n])
+    return out
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=[f"case{i}" for i in range(len(DENSE_CASES))])
+def test_dense_kernel_equals_reference(case):
+    """Full attention (a vision tower's) against float64 on every code path the CPU runs: blocks of
+    32 and of <= 16 queries, several key chunks (the running max moving), key tiles and head dims
+    that are not whole, GQA, lengths (a row that sees nothing: zeros; past the keys: clipped);
+    each row's result the same bits alone as beside other rows."""
+    b, sq, sk, h, hkv, hd, lengths = case
+    rng = np.random.default_rng(DENSE_CASES.index(case))
+    q = jnp.asarray(rng.standard_normal((b, sq, h, hd)) * 2, jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, sk, hkv, hd)), jnp.float32) for _ in range(2))
+    lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+    scale = hd ** -0.5
+    want = _want_dense(q, k, v, lengths, scale)
+    for path in cpu_library.isas():
+        with kernel_path(path):
+            got = np.asarray(cpu_attention.dense_attention(q, k, v, lens, scale=scale))
+            assert np.abs(got - want).max() < 2e-6 * max(1.0, np.abs(want).max()), path
+            if lengths is not None and 0 in lengths:
+                assert not got[lengths.index(0)].any()
+            for i in range(b):       # alone: the same bits
+                alone = cpu_attention.dense_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1],
+                                                      None if lens is None else lens[i:i + 1], scale=scale)
+                np.testing.assert_array_equal(np.asarray(alone)[0], got[i])
+
+
+def test_vision_attention_takes_the_dense_kernel():
+    """`mmjax.attention` with impl="auto" on an AVX-512 CPU sends full attention (with or without
+    lengths, f32 or bf16) to the kernel with the XLA reference's outputs; causal, windowed and
+    segmented attention, a CUDA lowering, a sharded step and training's reference bound keep
+    XLA's ops."""
+    from mmjax.attention import attention, auto_reference_up_to, reference_attention
+    rng = np.random.default_rng(9)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 197, 4, 64)), jnp.float32) for _ in range(3))
+    lens = jnp.asarray([197, 100], jnp.int32)
+    auto = jax.jit(lambda q, k, v, lens: attention(q, k, v, lengths=lens))
+    text = auto.lower(q, k, v, lens).as_text()
+    avx512 = cpu_library.isa() == "avx512"
+    assert ("mmjax_dense_attention_f32" in text) == avx512
+    assert rel_err(auto(q, k, v, lens), reference_attention(q, k, v, lengths=lens)) < 2e-6
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = jax.jit(lambda q, k, v: attention(q, k, v))(*bf)
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got, reference_attention(*[x.astype(jnp.float32) for x in bf])) < 8e-3
+    for kw in (dict(causal=True), dict(window=(16, 16)), dict(segment_ids=jnp.zeros((2, 197), jnp.int32))):
+        assert "mmjax_dense_attention" not in jax.jit(lambda q, k, v: attention(q, k, v, **kw)).lower(q, k, v).as_text()
+    with compiling_for("cuda"):
+        assert not cpu_attention.dense_covers(q, k, v)
+    sharded = dataclasses.replace(tuning("cpu"), sharded=True)
+    assert "mmjax_dense_attention" not in jax.jit(sharded.traced(lambda q, k, v: attention(q, k, v))).lower(
+        q, k, v).as_text()
+    small = q[:, :20], k[:, :20], v[:, :20]
+    with auto_reference_up_to(2**22):
+        assert "mmjax_dense_attention" not in jax.jit(lambda q, k, v: attention(q, k, v)).lower(*small).as_text()
+    assert ("mmjax_dense_attention" in jax.jit(lambda q, k, v: attention(q, k, v)).lower(*small).as_text()) == avx512
+    with pytest.raises(ValueError, match="full attention"):
+        attention(q, k, v, causal=True, impl="cpu")
+
+
+def test_dense_kernel_differentiates():
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((2, 21, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 30, 2, 16)), jnp.float32) for _ in range(2))
+    lens = jnp.asarray([30, 7], jnp.int32)
+    from mmjax.attention import reference_attention
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sin(fn(q, k, v)).sum()
+    kernel = loss(lambda q, k, v: cpu_attention.dense_attention(q, k, v, lens, scale=0.3))
+    ref = loss(lambda q, k, v: reference_attention(q, k, v, lengths=lens, scale=0.3))
+    grad = jax.jit(jax.grad(kernel, argnums=(0, 1, 2)))
+    assert "mmjax_dense_attention" in grad.lower(q, k, v).as_text()
+    got, want = grad(q, k, v), jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(q, k, v)
+    for g, w in zip(got, want):
         assert rel_err(g, w) < 1e-5

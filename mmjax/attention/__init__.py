@@ -13,8 +13,12 @@ impl:
   "chunked"    blockwise XLA with online softmax, O(N * block) temporaries
   "flash"      Pallas tiled flash-attention kernel (GPU; interpret mode elsewhere)
   "cudnn"      jax.nn.dot_product_attention(implementation="cudnn") (GPU only)
-  "auto"       flash on GPU; on other backends chunked when the reference's score matrix
-               would exceed AUTO_REFERENCE_MAX_SCORE_BYTES, reference otherwise.
+  "cpu"        mmjax's CPU kernel (mmjax.kernels.cpu_attention.dense_attention): full
+               attention with optional lengths only (no causal, window or segment ids); AVX-512
+  "auto"       flash on GPU; on the CPU full attention (the vision towers') goes to "cpu" where
+               the kernel runs; otherwise chunked when the reference's score matrix would exceed
+               AUTO_REFERENCE_MAX_SCORE_BYTES, reference otherwise (inside
+               `auto_reference_up_to`, the reference up to its bound).
 causal, window, scale and impl are static Python values and segment_ids / lengths may be traced
 arrays, so `attention` works inside jax.jit.
 """
@@ -33,7 +37,7 @@ __all__ = ["attention", "reference_attention", "chunked_attention", "flash_atten
            "FlashBlockSizes", "IMPLS", "AUTO_REFERENCE_MAX_SCORE_BYTES",
            "auto_reference_up_to"]
 
-IMPLS = ("auto", "reference", "chunked", "flash", "cudnn")
+IMPLS = ("auto", "reference", "chunked", "flash", "cudnn", "cpu")
 
 # Above this many bytes of float32 scores (B * H * Sq * Sk * 4) "auto" leaves the reference.
 # Measured on the 2-core CPU (benchmarks/attention.py, 4 heads, d=80): chunked ran 2x faster
@@ -41,6 +45,7 @@ IMPLS = ("auto", "reference", "chunked", "flash", "cudnn")
 # N x N f32 arrays through memory), but compiles ~3x slower (nested while loops), so only
 # tiny problems (<= 1 MiB of scores, e.g. 16 heads x 128^2) stay on the reference.
 AUTO_REFERENCE_MAX_SCORE_BYTES = 2**20
+_DEFAULT_REFERENCE_MAX_SCORE_BYTES = AUTO_REFERENCE_MAX_SCORE_BYTES
 
 
 @contextlib.contextmanager
@@ -62,6 +67,12 @@ def _on_gpu() -> bool:
     mmjax.backend.pallas_kernels_enabled)"""
     from mmjax.backend import pallas_kernels_enabled
     return pallas_kernels_enabled()
+
+
+def _cpu_dense_covers(q, k, v) -> bool:
+    """Does mmjax's CPU kernel take full attention on these operands here (trace time)?"""
+    from mmjax.kernels.cpu_attention import dense_covers
+    return dense_covers(q, k, v)
 
 
 def _cudnn_attention(q, k, v, *, causal, segment_ids, lengths, window, scale):
@@ -89,9 +100,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     b, sq, h, d, sk, hkv = check_shapes(q, k, v)
     kw = dict(causal=causal, segment_ids=segment_ids, lengths=lengths, window=window, scale=scale)
     if impl == "auto":
+        score_bytes = b * h * sq * sk * 4
+        training = score_bytes <= AUTO_REFERENCE_MAX_SCORE_BYTES != _DEFAULT_REFERENCE_MAX_SCORE_BYTES
         if _on_gpu():
             impl = "flash"
-        elif b * h * sq * sk * 4 > AUTO_REFERENCE_MAX_SCORE_BYTES:
+        elif not (causal or training or segment_ids is not None or window is not None) and _cpu_dense_covers(q, k, v):
+            impl = "cpu"
+        elif score_bytes > AUTO_REFERENCE_MAX_SCORE_BYTES:
             impl = "chunked"
         else:
             impl = "reference"
@@ -104,6 +119,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
         return flash_attention(q, k, v, **kw)
     if impl == "cudnn":
         return _cudnn_attention(q, k, v, **kw)
+    if impl == "cpu":
+        if causal or segment_ids is not None or window is not None:
+            raise ValueError("impl='cpu' is full attention: no causal, window or segment_ids (use 'auto')")
+        from mmjax.kernels.cpu_attention import dense_attention
+        return dense_attention(q, k, v, lengths, scale=scale)
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
 
 

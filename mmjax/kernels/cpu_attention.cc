@@ -53,6 +53,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // less). 0: off (mmjax_attention_prefetch, benchmark A/B only).
 int g_attn_prefetch = 1;
 
+// Dense attention (mmjax_dense_attention_f32): queries a task (on the vector lanes: two 16-lane
+// vectors) and keys a softmax chunk (scores [chunk, 32] in L1).
+constexpr int kDenseQ = 32, kDenseChunk = 256;
+
 // One task's view of the cache: the segments' K^T [HD, L] and V [L, HD] blocks of its (row, head),
 // and for an int8 cache the per-key K and V scales [L] (bf16; null otherwise).
 template <typename T>
@@ -383,6 +387,127 @@ MMJAX_AVX512 void PrefillTask512(const float* q, int nq, int HD, const std::vect
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     for (int d = 0; d < HD; ++d) out[i * HD + d] = acc[i * HDp + d] * inv;
   }
+}
+
+// Dense attention (mmjax_dense_attention_f32, below): up to 32 queries of one (row, head) on the
+// vector lanes (QV = 2 vectors; 1 for a last block of at most 16), so a key's scores for all of
+// them are QV vectors and the softmax over keys is elementwise (no horizontal max / sum per key
+// block). Keys in chunks of kDenseChunk: scores [chunk, 32] into an L1 buffer, tiles of KT keys
+// x the queries over the head dims (K rows broadcast as they lie, the task's Q^T [D, 32] as
+// vector loads); then the chunk's softmax update; then P V, tiles of DT head dims x the queries
+// into O^T [D, 32] (V rows broadcast as they lie).
+template <int KT, int QV>
+MMJAX_AVX512 inline void DenseScores(const float* qt, const float* k, int64_t kstride, int D, float* s, __m512* mx) {
+  __m512 a[KT][QV];
+  for (int t = 0; t < KT; ++t)
+    for (int u = 0; u < QV; ++u) a[t][u] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 qv[QV];
+    for (int u = 0; u < QV; ++u) qv[u] = _mm512_load_ps(qt + d * kDenseQ + 16 * u);
+    for (int t = 0; t < KT; ++t) {
+      const __m512 kb = _mm512_set1_ps(k[t * kstride + d]);
+      for (int u = 0; u < QV; ++u) a[t][u] = _mm512_fmadd_ps(kb, qv[u], a[t][u]);
+    }
+  }
+  for (int t = 0; t < KT; ++t)
+    for (int u = 0; u < QV; ++u) _mm512_store_ps(s + t * kDenseQ + 16 * u, a[t][u]), mx[u] = _mm512_max_ps(mx[u], a[t][u]);
+}
+
+template <int DT, int QV>
+MMJAX_AVX512 inline void DenseValues(const float* s, int cnt, const float* v, int64_t vstride, float* ot) {
+  __m512 o[DT][QV];
+  for (int t = 0; t < DT; ++t)
+    for (int u = 0; u < QV; ++u) o[t][u] = _mm512_load_ps(ot + t * kDenseQ + 16 * u);
+  for (int j = 0; j < cnt; ++j) {
+    __m512 p[QV];
+    for (int u = 0; u < QV; ++u) p[u] = _mm512_load_ps(s + j * kDenseQ + 16 * u);
+    const float* vr = v + j * vstride;
+    for (int t = 0; t < DT; ++t) {
+      const __m512 vb = _mm512_set1_ps(vr[t]);
+      for (int u = 0; u < QV; ++u) o[t][u] = _mm512_fmadd_ps(vb, p[u], o[t][u]);
+    }
+  }
+  for (int t = 0; t < DT; ++t)
+    for (int u = 0; u < QV; ++u) _mm512_store_ps(ot + t * kDenseQ + 16 * u, o[t][u]);
+}
+
+// the last < 8 keys (or head dims) of a chunk in one tile
+template <int QV>
+MMJAX_AVX512 void DenseScoresTail(int n, const float* qt, const float* k, int64_t kstride, int D, float* s, __m512* mx) {
+  switch (n) {
+    case 1: return DenseScores<1, QV>(qt, k, kstride, D, s, mx);
+    case 2: return DenseScores<2, QV>(qt, k, kstride, D, s, mx);
+    case 3: return DenseScores<3, QV>(qt, k, kstride, D, s, mx);
+    case 4: return DenseScores<4, QV>(qt, k, kstride, D, s, mx);
+    case 5: return DenseScores<5, QV>(qt, k, kstride, D, s, mx);
+    case 6: return DenseScores<6, QV>(qt, k, kstride, D, s, mx);
+    default: return DenseScores<7, QV>(qt, k, kstride, D, s, mx);
+  }
+}
+template <int QV>
+MMJAX_AVX512 void DenseValuesTail(int n, const float* s, int cnt, const float* v, int64_t vstride, float* ot) {
+  switch (n) {
+    case 1: return DenseValues<1, QV>(s, cnt, v, vstride, ot);
+    case 2: return DenseValues<2, QV>(s, cnt, v, vstride, ot);
+    case 3: return DenseValues<3, QV>(s, cnt, v, vstride, ot);
+    case 4: return DenseValues<4, QV>(s, cnt, v, vstride, ot);
+    case 5: return DenseValues<5, QV>(s, cnt, v, vstride, ot);
+    case 6: return DenseValues<6, QV>(s, cnt, v, vstride, ot);
+    default: return DenseValues<7, QV>(s, cnt, v, vstride, ot);
+  }
+}
+
+// nq (<= 16 QV) queries q (row i at q + i * qstride) over keys / values k, v (key j at j *
+// kstride), nk >= 1 of them; scratch: 64-byte aligned, (2 D + kDenseChunk) * 32 floats; out row i
+// at out + i * ostride
+template <int QV>
+MMJAX_AVX512 void DenseTask512(const float* q, int nq, int64_t qstride, const float* k, const float* v,
+                               int64_t kstride, int64_t nk, int D, float scale, float* scratch, float* out,
+                               int64_t ostride) {
+  float* qt = scratch;                    // [D, 32] scaled queries
+  float* ot = qt + D * kDenseQ;           // [D, 32] unnormalized outputs
+  float* s = ot + D * kDenseQ;            // [kDenseChunk, 32] scores, then weights
+  for (int d = 0; d < D; ++d)
+    for (int i = 0; i < 16 * QV; ++i) qt[d * kDenseQ + i] = i < nq ? q[i * qstride + d] * scale : 0.f;
+  std::fill(ot, ot + D * kDenseQ, 0.f);
+  __m512 m[QV], l[QV];
+  for (int u = 0; u < QV; ++u) m[u] = _mm512_set1_ps(kNegInf), l[u] = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < nk; j0 += kDenseChunk) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kDenseChunk, nk - j0));
+    __m512 c[QV], sum[QV];
+    for (int u = 0; u < QV; ++u) c[u] = m[u], sum[u] = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= cnt; j += 8) DenseScores<8, QV>(qt, k + (j0 + j) * kstride, kstride, D, s + j * kDenseQ, c);
+    if (j < cnt) DenseScoresTail<QV>(cnt - j, qt, k + (j0 + j) * kstride, kstride, D, s + j * kDenseQ, c);
+    for (int jj = 0; jj < cnt; ++jj)
+      for (int u = 0; u < QV; ++u) {
+        float* sj = s + jj * kDenseQ + 16 * u;
+        const __m512 p = Exp(_mm512_sub_ps(_mm512_load_ps(sj), c[u]));
+        _mm512_store_ps(sj, p);
+        sum[u] = _mm512_add_ps(sum[u], p);
+      }
+    for (int u = 0; u < QV; ++u) {
+      if (j0 == 0) {
+        l[u] = sum[u];
+      } else {                            // the running max moved: earlier sums and outputs shrink
+        const __m512 alpha = Exp(_mm512_sub_ps(m[u], c[u]));
+        l[u] = _mm512_fmadd_ps(l[u], alpha, sum[u]);
+        for (int d = 0; d < D; ++d) {
+          float* od = ot + d * kDenseQ + 16 * u;
+          _mm512_store_ps(od, _mm512_mul_ps(alpha, _mm512_load_ps(od)));
+        }
+      }
+      m[u] = c[u];
+    }
+    const float* vc = v + j0 * kstride;
+    int d = 0;
+    for (; d + 8 <= D; d += 8) DenseValues<8, QV>(s, cnt, vc + d, kstride, ot + d * kDenseQ);
+    if (d < D) DenseValuesTail<QV>(D - d, s, cnt, vc + d, kstride, ot + d * kDenseQ);
+  }
+  alignas(64) float inv[kDenseQ];
+  for (int u = 0; u < QV; ++u) _mm512_store_ps(inv + 16 * u, _mm512_div_ps(_mm512_set1_ps(1.f), l[u]));
+  for (int i = 0; i < nq; ++i)
+    for (int d = 0; d < D; ++d) out[i * ostride + d] = ot[d * kDenseQ + i] * inv[i];
 }
 #endif  // __x86_64__
 
@@ -1139,6 +1264,95 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   });
   return ffi::Error::Success();
 }
+
+// mmjax_dense_attention_f32: full (bidirectional) attention as the vision towers take it, operands
+// as they lie: q f32 [B, Sq, H, D], k, v f32 [B, Sk, Hkv, D] (H % Hkv == 0; query head h reads kv
+// head h / (H / Hkv)), lengths s32 [B] (row b's queries see keys [0, lengths_b), clipped to
+// [0, Sk]); attribute scale -> out f32 [B, Sq, H, D] (zeros for a row that sees no key). One task
+// per (row, head, 32 queries): DenseTask512, or where AVX-512 is not there the plain loops below
+// (the same chunks and online softmax, one query at a time).
+void GenericDense(const float* q, int nq, int64_t qstride, const float* k, const float* v, int64_t kstride,
+                  int64_t nk, int D, float scale, float* out, int64_t ostride) {
+  std::vector<float> sc(static_cast<size_t>(std::min<int64_t>(nk, kDenseChunk))), acc(D);
+  for (int i = 0; i < nq; ++i) {
+    const float* qi = q + i * qstride;
+    float m = kNegInf, l = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j0 = 0; j0 < nk; j0 += kDenseChunk) {
+      const int64_t cnt = std::min<int64_t>(kDenseChunk, nk - j0);
+      float mx = m;
+      for (int64_t j = 0; j < cnt; ++j) {
+        const float* kj = k + (j0 + j) * kstride;
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot += qi[d] * scale * kj[d];
+        sc[j] = dot;
+        mx = std::max(mx, dot);
+      }
+      const float alpha = m == kNegInf ? 0.f : std::exp(m - mx);
+      float sum = 0.f;
+      for (int64_t j = 0; j < cnt; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+      l = l * alpha + sum;
+      m = mx;
+      for (int d = 0; d < D; ++d) {
+        float o = acc[d] * alpha;
+        for (int64_t j = 0; j < cnt; ++j) o += sc[j] * v[(j0 + j) * kstride + d];
+        acc[d] = o;
+      }
+    }
+    for (int d = 0; d < D; ++d) out[i * ostride + d] = acc[d] / l;
+  }
+}
+
+ffi::Error DenseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out,
+                          float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] || kd[3] != qd[3] ||
+      vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] || kd[2] == 0 || qd[2] % kd[2] ||
+      lengths.element_count() != qd[0])
+    return ffi::Error::InvalidArgument(
+        "mmjax_dense_attention: q [B, Sq, H, D], k / v [B, Sk, Hkv, D] (H % Hkv == 0), lengths [B] expected");
+  const int64_t B = qd[0], Sq = qd[1], H = qd[2], D = qd[3], Sk = kd[1], Hkv = kd[2], G = H / Hkv;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const int32_t* lens = lengths.typed_data();
+  float* op = out->typed_data();
+  // A task: `per` consecutive query blocks of one (row, head), so its K and V come from L2 after
+  // the first block (as many blocks as keep ~8 tasks a thread).
+  const int64_t blocks = (Sq + kDenseQ - 1) / kDenseQ;
+  const bool simd = HasAvx512();
+  const int threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 256));
+  const int64_t per = std::clamp<int64_t>(B * H * blocks / (8 * threads), 1, blocks);
+  const int64_t spans = (blocks + per - 1) / per, tasks = B * H * spans;
+  ParallelFor(pool, threads, static_cast<int>(tasks), [&](int t) {
+    const int64_t b = t / (H * spans), h = t / spans % H;
+    const int64_t nk = std::clamp<int64_t>(lens[b], 0, Sk);
+    const float* kh = kp + (b * Sk * Hkv + h / G) * D;
+    const float* vh = vp + (b * Sk * Hkv + h / G) * D;
+    for (int64_t i0 = t % spans * per * kDenseQ; i0 < std::min(Sq, (t % spans + 1) * per * kDenseQ); i0 += kDenseQ) {
+      const int nq = static_cast<int>(std::min<int64_t>(kDenseQ, Sq - i0));
+      const float* qh = qp + ((b * Sq + i0) * H + h) * D;
+      float* oh = op + ((b * Sq + i0) * H + h) * D;
+      if (nk == 0) {
+        for (int i = 0; i < nq; ++i) std::fill(oh + i * H * D, oh + i * H * D + D, 0.f);
+        continue;
+      }
+#if defined(__x86_64__)
+      if (simd) {
+        thread_local std::vector<float> scratch;
+        scratch.resize(static_cast<size_t>(2 * D + kDenseChunk) * kDenseQ + 16);
+        float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+        if (nq <= 16)
+          DenseTask512<1>(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, aligned, oh, H * D);
+        else
+          DenseTask512<2>(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, aligned, oh, H * D);
+        continue;
+      }
+#endif
+      GenericDense(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, oh, H * D);
+    }
+  });
+  return ffi::Error::Success();
+}
 }  // namespace
 
 #define MMJAX_DECODE_ATTENTION(name, dt)                                             \
@@ -1183,6 +1397,15 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 MMJAX_EACH_CACHE_DTYPE(MMJAX_DECODE_ATTENTION, mmjax_decode_attention)
 MMJAX_EACH_CACHE_DTYPE(MMJAX_DECODE_ATTENTION_WRITE, mmjax_decode_attention_write)
 MMJAX_EACH_CACHE_DTYPE(MMJAX_PREFILL_ATTENTION, mmjax_prefill_attention)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_dense_attention_f32, DenseAttention, ffi::Ffi::Bind()
+                                                                         .Ctx<ffi::ThreadPool>()
+                                                                         .Arg<ffi::Buffer<ffi::F32>>()
+                                                                         .Arg<ffi::Buffer<ffi::F32>>()
+                                                                         .Arg<ffi::Buffer<ffi::F32>>()
+                                                                         .Arg<ffi::Buffer<ffi::S32>>()
+                                                                         .Ret<ffi::Buffer<ffi::F32>>()
+                                                                         .Attr<float>("scale"));
 
 extern "C" {
 // benchmark A/B only: decode attention's software prefetch on (1) or off (0)
