@@ -50,7 +50,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // hardware prefetchers to ramp up. 16 layers of the bench model's attention, f32, distinct caches,
 // interleaved medians on the 2-core SPR-class VM (eighteenth session): 16 x 300 keys 22.6 -> 20.2
 // ms, 8 x 300 10.7 -> 10.3, 1 x 300 1.35 -> 1.24, 16 x 1000 70.8 -> 65.2 (8 / 16 rows ahead gained
-// less). 0: off (mmjax_attention_prefetch, benchmark A/B only).
+// less). 0: off (mmjax_attention_prefetch, benchmark A/B only). The score pass takes 4 head dims
+// at a time for up to 4 queries (2 for 8), a score's chain in a register over them (nineteenth
+// session, same bits, processes alternated 3 times: 16 x 1000 keys 55-60 -> 49-52 ms, 16 x 300
+// 19.3-21.2 -> 18.9-19.7).
 int g_attn_prefetch = 1;
 
 // Dense attention (mmjax_dense_attention_f32): queries a task (on the vector lanes: two 16-lane
@@ -240,6 +243,7 @@ constexpr int kRowBlock = 256;
 template <int Q, typename T>
 MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segment<T>>& segs, int64_t lo,
                           int64_t hi, float scale, float* acc, float* sbuf, float* out) {
+  constexpr int DP = Q <= 4 ? 4 : Q <= 8 ? 2 : 1;     // head dims a pass (registers: DP x Q queries)
   const int HDp = (HD + 15) / 16 * 16;
   std::fill(acc, acc + Q * HDp, 0.f);
   float m[Q], l[Q];
@@ -257,21 +261,31 @@ MMJAX_AVX512 void Task512(const float* q, int nq, int HD, const std::vector<Segm
         for (int w = 0; w < nv; ++w) _mm512_store_ps(sbuf + i * kRowBlock + 16 * w, _mm512_setzero_ps());
       const T* kt = seg.kt + j0;
       const int64_t row_bytes = cnt * int64_t(sizeof(T));
-      for (int d = 0; d < HD; ++d) {
-        __m512 qd[Q];
-        for (int i = 0; i < Q; ++i) qd[i] = _mm512_set1_ps(q[i * HD + d]);
-        const T* row = kt + d * L;
-        if (g_attn_prefetch) {      // K^T 4 head dims ahead, then the block's V rows
-          const char* r = d + 4 < HD ? reinterpret_cast<const char*>(row + 4 * L)
-                                     : reinterpret_cast<const char*>(seg.v + (j0 + (d + 4 - HD) * 2) * HD);
-          const int64_t n = d + 4 < HD ? row_bytes : int64_t(2 * HD * sizeof(T));
-          for (int64_t b = 0; b < n; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
-        }
+      // DP head dims a pass over the scores: each score's FMA chain over d in order (the same
+      // bits as one dim a pass), kept in a register for DP steps between its load and store
+      for (int d0 = 0; d0 < HD; d0 += DP) {
+        const int dn = std::min(DP, HD - d0);
+        __m512 qd[DP][Q];
+        for (int dd = 0; dd < dn; ++dd)
+          for (int i = 0; i < Q; ++i) qd[dd][i] = _mm512_set1_ps(q[i * HD + d0 + dd]);
+        if (g_attn_prefetch)        // K^T 4 head dims ahead, then the block's V rows
+          for (int dd = 0; dd < dn; ++dd) {
+            const int d = d0 + dd;
+            const char* r = d + 4 < HD ? reinterpret_cast<const char*>(kt + (d + 4) * L)
+                                       : reinterpret_cast<const char*>(seg.v + (j0 + (d + 4 - HD) * 2) * HD);
+            const int64_t n = d + 4 < HD ? row_bytes : int64_t(2 * HD * sizeof(T));
+            for (int64_t b = 0; b < n; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+          }
+        const T* row = kt + d0 * L;
         for (int w = 0; w < nv; ++w) {
-          const __m512 k = Load16(row + 16 * w, Mask16(cnt - 16 * w));
+          const __mmask16 km = Mask16(cnt - 16 * w);
+          __m512 k[DP];
+          for (int dd = 0; dd < dn; ++dd) k[dd] = Load16(row + dd * L + 16 * w, km);
           for (int i = 0; i < Q; ++i) {
             float* sp = sbuf + i * kRowBlock + 16 * w;
-            _mm512_store_ps(sp, _mm512_fmadd_ps(qd[i], k, _mm512_load_ps(sp)));
+            __m512 acc = _mm512_load_ps(sp);
+            for (int dd = 0; dd < dn; ++dd) acc = _mm512_fmadd_ps(qd[dd][i], k[dd], acc);
+            _mm512_store_ps(sp, acc);
           }
         }
       }
