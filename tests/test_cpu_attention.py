@@ -13,7 +13,9 @@
   included, and never when tracing for CUDA or inside a sharded step (XLA's path);
 * derivatives equal those of the XLA reference;
 * the vision towers' full attention (`dense_attention`) against float64 on every code path, and
-  `mmjax.attention`'s "auto" taking it only for full attention on an AVX-512 CPU.
+  `mmjax.attention`'s "auto" taking it only for full attention on an AVX-512 CPU;
+* a prefill's K / V written into the cache by `kv_write`, bit for bit XLA's scatter, for every
+  cache dtype, and `scatter_kv` taking it on the CPU.
 """
 from __future__ import annotations
 
@@ -469,3 +471,61 @@ def test_dense_kernel_differentiates():
     got, want = grad(q, k, v), jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):
         assert rel_err(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn],
+                         ids=["f32", "bf16", "int8", "fp8"])
+def test_kv_write_equals_scatter(dtype):
+    """A prefill's K / V written by the kernel, bit for bit what XLA's scatter writes: every cache
+    dtype (int8 / fp8 with their bf16 scales), tokens across segment boundaries, a row per token
+    (packed prefill), rows past the cache and indexes outside the segments dropped; and
+    `scatter_kv` takes it on the CPU with the XLA path's cache."""
+    from mmjax.models.text.llama import scatter_kv
+    rng = np.random.default_rng(11)
+    slots, kvh, hd, lens, b, t = 3, 2, 20, (16, 8, 32), 2, 9
+    kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)
+    _, (k,), _ = _cache(rng, dtype, b, t, hd, (kvh,))        # V-shaped pieces [b, t, kvh, hd] of the dtype
+    _, (v,), _ = _cache(rng, dtype, b, t, hd, (kvh,))
+    new_scales = None if scales is None else tuple(jnp.asarray(rng.uniform(0.001, 0.01, (b, t, kvh)), jnp.bfloat16)
+                                                   for _ in range(2))
+    rows = jnp.asarray([[0] * t, [2, 2, 2, 5, 2, 2, -1, 2, 1]], jnp.int32)
+    idx = jnp.asarray([list(range(10, 19)), [14, 15, 16, 17, 56, 60, 3, -2, 23]], jnp.int32)
+    write = jax.jit(lambda kts, vs, k, v, scales, new_scales: cpu_attention.kv_write(
+        kts, vs, k, v, rows, idx, scales=scales, new_scales=new_scales))
+    got = write(kts, vs, k, v, scales, new_scales)
+    want = cpu_attention.kv_write_reference(kts, vs, scales, k, v, new_scales, rows, idx)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    assert sum(int((g != x).sum()) for g, x in zip(jax.tree.leaves(got), jax.tree.leaves((kts, vs, scales)))) > 0
+    # wired: scatter_kv (one row per call row, q_index [b, t]) on the CPU takes the kernel, with
+    # the bits of its XLA path
+    kv = {"k": kts, "v": vs} if scales is None else {"k": kts, "v": vs, "k_scale": scales[0], "v_scale": scales[1]}
+    kf, vf = (x.astype(jnp.float32) * 0.01 for x in (k, v))
+    q_index = jnp.asarray([list(range(5, 14)), list(range(20, 29))], jnp.int32)
+    def step():      # a fresh function per trace: the kernel choice is made at trace time
+        return jax.jit(lambda kv, k, v: scatter_kv(kv, k, v, q_index, jnp.asarray([1, 0], jnp.int32)))
+    assert "mmjax_kv_write" in step().lower(kv, kf, vf).as_text()
+    got = step()(kv, kf, vf)
+    with cpu_kernels(False):
+        assert "mmjax_kv_write" not in step().lower(kv, kf, vf).as_text()
+        want = step()(kv, kf, vf)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+
+
+def test_kv_write_differentiates():
+    rng = np.random.default_rng(12)
+    kts = [jnp.asarray(rng.standard_normal((2, 2, 8, L)), jnp.float32) for L in (6, 10)]
+    vs = [jnp.asarray(rng.standard_normal((2, 2, L, 8)), jnp.float32) for L in (6, 10)]
+    k, v = (jnp.asarray(rng.standard_normal((1, 5, 2, 8)), jnp.float32) for _ in range(2))
+    rows, idx = jnp.asarray([[1, 1, 0, 1, 1]], jnp.int32), jnp.asarray([[3, 4, 5, 6, 7]], jnp.int32)
+
+    def loss(fn):
+        return lambda kts, vs, k, v: sum(jnp.sin(x).sum() * (i + 1) for i, x in enumerate(jax.tree.leaves(fn(kts, vs, k, v))))
+    kernel = loss(lambda kts, vs, k, v: cpu_attention.kv_write(kts, vs, k, v, rows, idx)[:2])
+    ref = loss(lambda kts, vs, k, v: cpu_attention.kv_write_reference(kts, vs, None, k, v, None, rows, idx)[:2])
+    grad = jax.jit(jax.grad(kernel, argnums=(0, 1, 2, 3)))
+    assert "mmjax_kv_write" in grad.lower(kts, vs, k, v).as_text()
+    got, want = grad(kts, vs, k, v), jax.jit(jax.grad(ref, argnums=(0, 1, 2, 3)))(kts, vs, k, v)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(g, w) < 1e-6

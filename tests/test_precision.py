@@ -344,11 +344,13 @@ def test_cpu_decode_step_writes_the_cache_in_the_attention_kernel(llava_dirs):
             calls = re.findall(rf"custom_call_target=\"{target}\"", hlo)
             assert len(calls) == layers, (kv_dtype, name, len(calls))
             assert _of_shapes(hlo, "scatter", seg_shapes) == _of_shapes(hlo, "copy", seg_shapes) == [], (kv_dtype, name)
-    # the checker sees the step as it was: the cache scattered by XLA, then the attention kernel
+    # the checker sees the step as it was: the cache scattered by XLA (scatter_kv without its CPU
+    # kernel), then the attention kernel
     from mmjax.models.text import llama
 
     def scatter_then_attend(q, k, v, kv, q_pos, kv_len, mask):
-        kv = llama.scatter_kv(kv, k, v, q_pos[:, None], jnp.arange(q.shape[0]))
+        with patch.object(llama.cpu_library, "enabled", lambda: False):
+            kv = llama.scatter_kv(kv, k, v, q_pos[:, None], jnp.arange(q.shape[0]))
         return llama.cache_attention(q, kv["k"], kv["v"], q_pos[:, None], kv_len, mask=mask, reduce_small=True), kv
     runner = _runner(load_model(llava_dirs["gqa"], "float32"))
     seg_shapes = {tuple(x.shape) for x in jax.tree.leaves(runner.cache)}

@@ -13,6 +13,8 @@
 //     HD] of the cache's dtype, an int8 / fp8 cache's scales [B, KVH]) at its cache index pos_b,
 //     in place (the segments are results aliased to their operands): the decode step's cache
 //     update without XLA's scatter into every segment of every layer.
+//   mmjax_dense_attention_f32: a vision tower's full attention (no cache), below.
+//   mmjax_kv_write: a prefill's new K / V into the cache in place, any cache dtype, below.
 //
 // Why: XLA computes decode attention segment by segment, each behind a lax.cond on the batch's
 // longest row, as 6-10 small fusions per segment and layer (~25 us each on the 2-core box): at
@@ -1455,6 +1457,97 @@ ffi::Error DenseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   });
   return ffi::Error::Success();
 }
+
+// mmjax_kv_write: a prefill's new K / V written into the segmented cache in place, one call per
+// layer, whatever the cache's dtype (the bytes are moved as they are). Operands: rows, idx s32
+// [B, T] (token (b, t) goes to cache row rows_bt at cache index idx_bt; a row outside the cache or
+// an index outside the segments: dropped), K, V [B, T, KVH, HD] (the cache's dtype), for a scaled
+// (int8 / fp8) cache their scales [B, T, KVH] (bf16), then the segments: K^T [slots, KVH, HD, L_i]
+// x S, V [slots, KVH, L_i, HD] x S (, K scale, V scale [slots, KVH, L_i] x S); attribute nseg = S.
+// Results: the segments, aliased to their operands. Why: XLA:CPU's scatter walks every update of
+// every segment (dropped ones included) and K^T's update is a strided transpose: 64 scatters and
+// their transposes were ~10 ms of a 240-token prefill of the bench model.
+ffi::Error KvWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> idx, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, int64_t nseg) {
+  const auto rd = rows.dimensions();
+  const size_t S = static_cast<size_t>(nseg);
+  if (rd.size() != 2 || idx.element_count() != rows.element_count() || S == 0 ||
+      (args.size() != 2 + 2 * S && args.size() != 4 + 4 * S) || rets.size() != args.size() - (args.size() == 2 + 2 * S ? 2 : 4))
+    return ffi::Error::InvalidArgument(
+        "mmjax_kv_write: rows, idx [B, T], K, V (, K / V scales), then nseg K^T, V (, scale) segments; results: the segments");
+  const bool scaled = args.size() == 4 + 4 * S;
+  const size_t kNew = scaled ? 4 : 2;
+  std::vector<ffi::AnyBuffer> news, segs;
+  for (size_t i = 0; i < kNew; ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return ffi::Error::InvalidArgument("mmjax_kv_write: bad operand");
+    news.push_back(*x);
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto x = rets.get<ffi::AnyBuffer>(i);
+    auto a = args.get<ffi::AnyBuffer>(kNew + i);
+    if (!x.has_value() || !a.has_value() || (*x)->size_bytes() != a->size_bytes())
+      return ffi::Error::InvalidArgument("mmjax_kv_write: result i is segment i");
+    if ((*x)->untyped_data() != a->untyped_data())      // not aliased: the result starts as the operand
+      std::memcpy((*x)->untyped_data(), a->untyped_data(), a->size_bytes());
+    segs.push_back(**x);
+  }
+  const auto kd = news[0].dimensions();
+  const auto k0 = segs[0].dimensions();
+  if (kd.size() != 4 || k0.size() != 4 || kd[0] != rd[0] || kd[1] != rd[1] || news[1].element_count() != news[0].element_count() ||
+      news[0].element_type() != segs[0].element_type() || news[1].element_type() != segs[S].element_type())
+    return ffi::Error::InvalidArgument("mmjax_kv_write: K, V [B, T, KVH, HD] of the cache's dtype expected");
+  const int64_t B = rd[0], T = rd[1], KVH = kd[2], HD = kd[3], slots = k0[0];
+  const size_t es = news[0].size_bytes() / news[0].element_count(), ss = scaled ? 2 : 0;
+  if (es != 4 && es != 2 && es != 1) return ffi::Error::InvalidArgument("mmjax_kv_write: 1-, 2- or 4-byte cache elements");
+  if (scaled && (news[2].element_type() != ffi::DataType::BF16 || news[3].element_type() != ffi::DataType::BF16 ||
+                 segs[2 * S].element_type() != ffi::DataType::BF16 || segs[3 * S].element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("mmjax_kv_write: K / V scales and their segments bf16");
+  std::vector<int64_t> lens(S), starts(S);
+  for (size_t i = 0, start = 0; i < S; ++i) {
+    const auto kt = segs[i].dimensions(), v = segs[S + i].dimensions();
+    if (kt.size() != 4 || v.size() != 4 || kt[0] != slots || kt[1] != KVH || kt[2] != HD || v[0] != slots ||
+        v[1] != KVH || v[2] != kt[3] || v[3] != HD || segs[i].size_bytes() != size_t(slots * KVH * HD * kt[3]) * es)
+      return ffi::Error::InvalidArgument("mmjax_kv_write: segments K^T [slots, KVH, HD, L_i], V [slots, KVH, L_i, HD]");
+    lens[i] = kt[3], starts[i] = static_cast<int64_t>(start), start += kt[3];
+  }
+  const int32_t *rp = rows.typed_data(), *ip = idx.typed_data();
+  const char* kn = static_cast<const char*>(news[0].untyped_data());
+  const char* vn = static_cast<const char*>(news[1].untyped_data());
+  const int threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 256));
+  // a task per (row of the call, KV head): its tokens' writes, so K^T's strided rows stay with one thread
+  ParallelFor(pool, threads, static_cast<int>(B * KVH), [&](int task) {
+    const int64_t b = task / KVH, h = task % KVH;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t r = rp[b * T + t], x = ip[b * T + t];
+      if (r < 0 || r >= slots) continue;
+      size_t i = 0;
+      while (i < S && !(x >= starts[i] && x < starts[i] + lens[i])) ++i;
+      if (i == S) continue;
+      const int64_t L = lens[i], j = x - starts[i], src = ((b * T + t) * KVH + h) * HD;
+      char* kt = static_cast<char*>(segs[i].untyped_data()) + ((r * KVH + h) * HD * L + j) * es;
+      const auto column = [&](auto word) {     // K's head dims down a K^T column, one element each
+        using W = decltype(word);
+        const W* from = reinterpret_cast<const W*>(kn) + src;
+        W* to = reinterpret_cast<W*>(kt);
+        for (int64_t d = 0; d < HD; ++d) to[d * L] = from[d];
+      };
+      if (es == 4) column(uint32_t{});
+      else if (es == 2) column(uint16_t{});
+      else column(uint8_t{});
+      char* v = static_cast<char*>(segs[S + i].untyped_data()) + ((r * KVH + h) * L + j) * HD * es;
+      std::memcpy(v, vn + src * es, HD * es);
+      if (scaled) {
+        const int64_t so = (b * T + t) * KVH + h, di = (r * KVH + h) * L + j;
+        std::memcpy(static_cast<char*>(segs[2 * S + i].untyped_data()) + di * ss,
+                    static_cast<const char*>(news[2].untyped_data()) + so * ss, ss);
+        std::memcpy(static_cast<char*>(segs[3 * S + i].untyped_data()) + di * ss,
+                    static_cast<const char*>(news[3].untyped_data()) + so * ss, ss);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
 }  // namespace
 
 #define MMJAX_DECODE_ATTENTION(name, dt)                                             \
@@ -1499,6 +1592,14 @@ ffi::Error DenseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 MMJAX_EACH_CACHE_DTYPE(MMJAX_DECODE_ATTENTION, mmjax_decode_attention)
 MMJAX_EACH_CACHE_DTYPE(MMJAX_DECODE_ATTENTION_WRITE, mmjax_decode_attention_write)
 MMJAX_EACH_CACHE_DTYPE(MMJAX_PREFILL_ATTENTION, mmjax_prefill_attention)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_kv_write, KvWrite, ffi::Ffi::Bind()
+                                                           .Ctx<ffi::ThreadPool>()
+                                                           .Arg<ffi::Buffer<ffi::S32>>()
+                                                           .Arg<ffi::Buffer<ffi::S32>>()
+                                                           .RemainingArgs()
+                                                           .RemainingRets()
+                                                           .Attr<int64_t>("nseg"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_dense_attention_f32, DenseAttention, ffi::Ffi::Bind()
                                                                          .Ctx<ffi::ThreadPool>()

@@ -20,6 +20,12 @@ key's scores are two vectors and the softmax over keys needs no horizontal reduc
 2-core SPR-class VM (nineteenth session), 11 CLIP-B layers at 197 patches: 1 image 15.1 -> 7.4
 ms, 8 images 147 -> 68 ms (chunked -> kernel; the reference 23 / 201 ms); in the bench model's
 encode (interleaved, two sides each traced under its choice) b1 133 -> 125 ms, b8 996 -> 915 ms.
+Its queries-on-lanes core (`Lanes` in the .cc) also takes prefill over an f32 cache.
+
+`kv_write` writes a prefill's K / V into the segments in place (what `scatter_kv` calls on the
+CPU): XLA's scatter walked every update for every segment and transposed K for K^T first (64
+scatters of a 240-token prefill of the bench model, ~10 ms with their transposes); TTFT median
+435 -> 429 ms (two sides, interleaved).
 
 Built and registered with the other CPU kernels (mmjax/kernels/cpu_library.py); only on the CPU
 (`enabled()` at trace time: a CPU with one of the kernels' SIMD paths, AVX-512 or AVX2 + FMA).
@@ -264,3 +270,55 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
                else jnp.broadcast_to(jnp.asarray(lengths), (b,)).astype(jnp.int32))
     f32 = lambda x: x.astype(jnp.float32)                                     # noqa: E731
     return _dense(f32(q), f32(k), f32(v), lengths, scale).astype(q.dtype)
+
+
+def kv_write_reference(kts: list, vs: list, scales: tuple | None, k: jax.Array, v: jax.Array,
+                       new_scales: tuple | None, rows: jax.Array, idx: jax.Array) -> tuple[list, list, tuple | None]:
+    """What `kv_write` writes, in XLA ops (its derivative rule, the tests' reference)."""
+    t = idx.shape[1]
+    out_k, out_v, out_ks, out_vs, start = [], [], [], [], 0
+    for i, (kt, vv) in enumerate(zip(kts, vs)):
+        size = vv.shape[2]
+        j = idx - start
+        j = jnp.where((j >= 0) & (j < size), j, size + jnp.arange(t))              # past the segment: dropped
+        r = jnp.where((rows >= 0) & (rows < kt.shape[0]), rows, kt.shape[0])       # past the cache: dropped
+        put = dict(mode="drop")
+        out_k.append(kt.at[r, :, :, j].set(k.astype(kt.dtype), **put))
+        out_v.append(vv.at[r, :, j].set(v.astype(vv.dtype), **put))
+        if scales is not None:
+            out_ks.append(scales[0][i].at[r, :, j].set(new_scales[0], **put))
+            out_vs.append(scales[1][i].at[r, :, j].set(new_scales[1], **put))
+        start += size
+    return out_k, out_v, None if scales is None else (out_ks, out_vs)
+
+
+@jax.custom_jvp
+def _kv_write(kts, vs, scales, k, v, new_scales, rows, idx):
+    segments = [*kts, *vs] + ([] if scales is None else [*scales[0], *scales[1]])
+    news = [k, v] + ([] if new_scales is None else list(new_scales))
+    first = 2 + len(news)             # operand index of the first segment
+    segs = jax.ffi.ffi_call(
+        "mmjax_kv_write", [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in segments],
+        input_output_aliases={first + i: i for i in range(len(segments))}, vmap_method=VMAP)(
+        rows.astype(jnp.int32), idx.astype(jnp.int32), *news, *segments, nseg=np.int64(len(kts)))
+    n = len(kts)
+    return list(segs[:n]), list(segs[n:2 * n]), None if scales is None else (list(segs[2 * n:3 * n]), list(segs[3 * n:]))
+
+
+@_kv_write.defjvp
+def _kv_write_jvp(primals, tangents):
+    _, tangent = jax.jvp(kv_write_reference, primals, tangents)
+    return _kv_write(*primals), tangent
+
+
+def kv_write(kts: list, vs: list, k: jax.Array, v: jax.Array, rows: jax.Array, idx: jax.Array, *,
+             scales: tuple | None = None, new_scales: tuple | None = None) -> tuple[list, list, tuple | None]:
+    """Write a prefill's new K, V [b, t, kvh, hd] (the cache's dtype; an int8 / fp8 cache's
+    new_scales (K, V) bf16 [b, t, kvh]) into the segments, in place, one call: token (i, j) goes
+    to cache row rows_ij at cache index idx_ij (rows, idx [b, t] int32; a row past the cache or an
+    index outside the segments writes nothing). Returns (kts, vs, scales) as given, updated.
+    XLA's scatter walks every update for every segment and transposes K into K^T first."""
+    if not available():
+        raise RuntimeError("mmjax's CPU kernels are unavailable (see the warning); use enabled() first")
+    scales = None if scales is None else (list(scales[0]), list(scales[1]))
+    return _kv_write(list(kts), list(vs), scales, k, v, new_scales, rows, idx)

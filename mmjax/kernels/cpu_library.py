@@ -35,7 +35,7 @@ _TARGETS = ["mmjax_gemv_bf16", "mmjax_matmul_bf16p", "mmjax_matmul_f32p", "mmjax
             "mmjax_decode_attention_f8e4m3fn", "mmjax_decode_attention_write_f32", "mmjax_decode_attention_write_bf16",
             "mmjax_decode_attention_write_s8", "mmjax_decode_attention_write_f8e4m3fn",
             "mmjax_prefill_attention_f32", "mmjax_prefill_attention_bf16", "mmjax_prefill_attention_s8",
-            "mmjax_prefill_attention_f8e4m3fn", "mmjax_dense_attention_f32"]
+            "mmjax_prefill_attention_f8e4m3fn", "mmjax_dense_attention_f32", "mmjax_kv_write"]
 
 _lock = threading.Lock()
 _state: dict = {}             # "lib": the loaded library, or "error": why there is none

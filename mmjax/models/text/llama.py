@@ -28,7 +28,7 @@ import numpy as np
 
 from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import UnsupportedModelError
-from mmjax.kernels import cpu_attention
+from mmjax.kernels import cpu_attention, cpu_library
 from mmjax.models.hf_config import require
 from mmjax.models.layers import bf16_einsum, dense, matmul, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
@@ -587,6 +587,16 @@ def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: j
     write: `kv_quant.quantize`). See the comment in `layer_forward` for the index scheme."""
     t = k.shape[1]
     new = quantize_kv(kv, k, v)
+    if cpu_library.enabled():       # one kernel call writes every token once, in place
+        kq, vq, ks, vs = new
+        scales = layer_scales(kv)
+        kts, vss, written = cpu_attention.kv_write(
+            kv["k"], kv["v"], kq, vq, jnp.broadcast_to(rows[:, None] if rows.ndim == 1 else rows, q_index.shape),
+            q_index, scales=scales, new_scales=None if ks is None else (ks, vs))
+        out = {"k": kts, "v": vss}
+        if written is not None:
+            out["k_scale"], out["v_scale"] = written
+        return out
     out, start = {name: [] for name in kv}, 0
     for i, cv in enumerate(kv["v"]):
         size = cv.shape[2]
