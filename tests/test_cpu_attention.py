@@ -13,7 +13,7 @@
   included, and never when tracing for CUDA or inside a sharded step (XLA's path);
 * derivatives equal those of the XLA reference;
 * the vision towers' full attention (`dense_attention`) against float64 on every code path, and
-  `mmjax.attention`'s "auto" taking it only for full attention on an AVX-512 CPU;
+  `mmjax.attention`'s "auto" taking it only for full attention on a CPU the kernels run on;
 * a prefill's K / V written into the cache by `kv_write`, bit for bit XLA's scatter, for every
   cache dtype, and `scatter_kv` taking it on the CPU.
 """
@@ -423,18 +423,18 @@ def test_dense_kernel_equals_reference(case):
 
 
 def test_vision_attention_takes_the_dense_kernel():
-    """`mmjax.attention` with impl="auto" on an AVX-512 CPU sends full attention (with or without
-    lengths, f32 or bf16) to the kernel with the XLA reference's outputs; causal, windowed and
-    segmented attention, a CUDA lowering, a sharded step and training's reference bound keep
-    XLA's ops."""
+    """`mmjax.attention` with impl="auto" on a CPU with AVX2 or AVX-512 sends full attention
+    (with or without lengths, f32 or bf16) to the kernel with the XLA reference's outputs;
+    causal, windowed and segmented attention, a CUDA lowering, a sharded step and training's
+    reference bound keep XLA's ops."""
     from mmjax.attention import attention, auto_reference_up_to, reference_attention
     rng = np.random.default_rng(9)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 197, 4, 64)), jnp.float32) for _ in range(3))
     lens = jnp.asarray([197, 100], jnp.int32)
     auto = jax.jit(lambda q, k, v, lens: attention(q, k, v, lengths=lens))
     text = auto.lower(q, k, v, lens).as_text()
-    avx512 = cpu_library.isa() == "avx512"
-    assert ("mmjax_dense_attention_f32" in text) == avx512
+    simd = cpu_library.simd()              # AVX2 or AVX-512: the kernel; plain loops only: XLA
+    assert ("mmjax_dense_attention_f32" in text) == simd
     assert rel_err(auto(q, k, v, lens), reference_attention(q, k, v, lengths=lens)) < 2e-6
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     got = jax.jit(lambda q, k, v: attention(q, k, v))(*bf)
@@ -450,7 +450,7 @@ def test_vision_attention_takes_the_dense_kernel():
     small = q[:, :20], k[:, :20], v[:, :20]
     with auto_reference_up_to(2**22):
         assert "mmjax_dense_attention" not in jax.jit(lambda q, k, v: attention(q, k, v)).lower(*small).as_text()
-    assert ("mmjax_dense_attention" in jax.jit(lambda q, k, v: attention(q, k, v)).lower(*small).as_text()) == avx512
+    assert ("mmjax_dense_attention" in jax.jit(lambda q, k, v: attention(q, k, v)).lower(*small).as_text()) == simd
     with pytest.raises(ValueError, match="full attention"):
         attention(q, k, v, causal=True, impl="cpu")
 

@@ -14,9 +14,9 @@ impl:
   "flash"      Pallas tiled flash-attention kernel (GPU; interpret mode elsewhere)
   "cudnn"      jax.nn.dot_product_attention(implementation="cudnn") (GPU only)
   "cpu"        mmjax's CPU kernel (mmjax.kernels.cpu_attention.dense_attention): full
-               attention with optional lengths only (no causal, window or segment ids); AVX-512
+               attention with optional lengths only (no causal, window or segment ids)
   "auto"       flash on GPU; on the CPU full attention (the vision towers') goes to "cpu" where
-               the kernel runs; otherwise chunked when the reference's score matrix would exceed
+               the kernel has a SIMD path (AVX2, AVX-512); otherwise chunked when the reference's score matrix would exceed
                AUTO_REFERENCE_MAX_SCORE_BYTES, reference otherwise (inside
                `auto_reference_up_to`, the reference up to its bound).
 causal, window, scale and impl are static Python values and segment_ids / lengths may be traced

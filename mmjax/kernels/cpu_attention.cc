@@ -407,7 +407,7 @@ MMJAX_AVX512 void PrefillTask512(const float* q, int nq, int HD, const std::vect
   }
 }
 
-// Queries on the lanes (mmjax_dense_attention_f32, and f32-cache prefill on the AVX-512 path):
+// Queries on the lanes (mmjax_dense_attention_f32, and f32-cache prefill; Lanes8 below for AVX2):
 // up to 32 queries of one (row, head) on the vector lanes (QV = 2 vectors; 1 for a last block of
 // at most 16), so a key's scores for all of them are QV vectors and the softmax over keys is
 // elementwise: no horizontal max / sum and no accumulator rescale per key block, the online
@@ -1031,6 +1031,145 @@ MMJAX_AVX2 void PrefillTask8(const float* q, int nq, int HD, const std::vector<S
     for (int d = 0; d < HD; ++d) out[i * HD + d] = acc[i * HDp + d] * inv;
   }
 }
+// Queries on the lanes, 8 lanes wide (AVX2 + FMA): Lanes' algorithm for 16 vector registers, 16
+// queries a task (two 8-lane vectors), score tiles of 6 keys and P V tiles of 6 head dims (12
+// accumulators); lane masks are comparison results (blends). Scratch strides stay kDenseQ.
+constexpr int kLanes8 = 16;
+
+template <int KT, bool kMasked>
+MMJAX_AVX2 inline void LaneScores8(const float* qt, const float* k, int64_t kj, int64_t kd, int D, float* s, __m256* mx,
+                                   const __m256i* lo, const __m256i* hi, int32_t idx) {
+  __m256 a[KT][2];
+  for (int t = 0; t < KT; ++t) a[t][0] = a[t][1] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m256 q0 = _mm256_load_ps(qt + d * kDenseQ), q1 = _mm256_load_ps(qt + d * kDenseQ + 8);
+    const float* kr = k + d * kd;
+    for (int t = 0; t < KT; ++t) {
+      const __m256 kb = _mm256_broadcast_ss(kr + t * kj);
+      a[t][0] = _mm256_fmadd_ps(kb, q0, a[t][0]);
+      a[t][1] = _mm256_fmadd_ps(kb, q1, a[t][1]);
+    }
+  }
+  for (int t = 0; t < KT; ++t)
+    for (int u = 0; u < 2; ++u) {
+      __m256 x = a[t][u];
+      if (kMasked) {      // lo <= idx + t < hi
+        const __m256i i = _mm256_set1_epi32(idx + t);
+        const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo[u], i), _mm256_cmpgt_epi32(hi[u], i));
+        x = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), x, _mm256_castsi256_ps(in));
+      }
+      _mm256_store_ps(s + t * kDenseQ + 8 * u, x);
+      mx[u] = _mm256_max_ps(mx[u], x);
+    }
+}
+
+template <int DT>
+MMJAX_AVX2 inline void LaneValues8(const float* s, int cnt, const float* v, int64_t vstride, float* ot) {
+  __m256 o[DT][2];
+  for (int t = 0; t < DT; ++t) o[t][0] = _mm256_load_ps(ot + t * kDenseQ), o[t][1] = _mm256_load_ps(ot + t * kDenseQ + 8);
+  for (int j = 0; j < cnt; ++j) {
+    const __m256 p0 = _mm256_load_ps(s + j * kDenseQ), p1 = _mm256_load_ps(s + j * kDenseQ + 8);
+    const float* vr = v + j * vstride;
+    for (int t = 0; t < DT; ++t) {
+      const __m256 vb = _mm256_broadcast_ss(vr + t);
+      o[t][0] = _mm256_fmadd_ps(vb, p0, o[t][0]);
+      o[t][1] = _mm256_fmadd_ps(vb, p1, o[t][1]);
+    }
+  }
+  for (int t = 0; t < DT; ++t) _mm256_store_ps(ot + t * kDenseQ, o[t][0]), _mm256_store_ps(ot + t * kDenseQ + 8, o[t][1]);
+}
+
+template <bool kMasked>
+struct Lanes8 {
+  int D;
+  float *qt, *ot, *s;
+  __m256 m[2], l[2];
+  __m256i lo[2], hi[2];
+
+  MMJAX_AVX2 Lanes8(const float* q, int nq, int64_t qstride, int D_, float scale, float* scratch,
+                    const int64_t* qlo = nullptr, const int64_t* qhi = nullptr)
+      : D(D_), qt(scratch), ot(scratch + D_ * kDenseQ), s(scratch + 2 * D_ * kDenseQ) {
+    for (int d = 0; d < D; ++d)
+      for (int i = 0; i < kLanes8; ++i) qt[d * kDenseQ + i] = i < nq ? q[i * qstride + d] * scale : 0.f;
+    for (int d = 0; d < D; ++d) std::fill(ot + d * kDenseQ, ot + d * kDenseQ + kLanes8, 0.f);
+    for (int u = 0; u < 2; ++u) m[u] = _mm256_set1_ps(kNegInf), l[u] = _mm256_setzero_ps();
+    if (kMasked) {
+      alignas(32) int32_t a[kLanes8] = {}, e[kLanes8] = {};     // padding lanes: empty
+      for (int i = 0; i < nq; ++i) a[i] = static_cast<int32_t>(qlo[i]), e[i] = static_cast<int32_t>(qhi[i]);
+      for (int u = 0; u < 2; ++u)
+        lo[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(a + 8 * u)),
+        hi[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(e + 8 * u));
+    }
+  }
+
+  MMJAX_AVX2 void Chunk(const float* k, int64_t kj, int64_t kd, const float* v, int64_t vstride, int cnt, int64_t key0) {
+    const __m256 ninf = _mm256_set1_ps(kNegInf);
+    __m256 c[2] = {m[0], m[1]}, sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int32_t idx = static_cast<int32_t>(key0);
+    int j = 0;
+    for (; j + 6 <= cnt; j += 6) LaneScores8<6, kMasked>(qt, k + j * kj, kj, kd, D, s + j * kDenseQ, c, lo, hi, idx + j);
+    for (; j < cnt; ++j) LaneScores8<1, kMasked>(qt, k + j * kj, kj, kd, D, s + j * kDenseQ, c, lo, hi, idx + j);
+    for (int jj = 0; jj < cnt; ++jj)
+      for (int u = 0; u < 2; ++u) {
+        float* sj = s + jj * kDenseQ + 8 * u;
+        const __m256 x = _mm256_load_ps(sj);
+        __m256 p = Exp8(_mm256_sub_ps(x, c[u]));
+        if (kMasked) p = _mm256_and_ps(p, _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));   // masked keys: 0
+        _mm256_store_ps(sj, p);
+        sum[u] = _mm256_add_ps(sum[u], p);
+      }
+    for (int u = 0; u < 2; ++u) {
+      const __m256 alpha = _mm256_and_ps(Exp8(_mm256_sub_ps(m[u], c[u])), _mm256_cmp_ps(m[u], ninf, _CMP_NEQ_OQ));
+      l[u] = _mm256_fmadd_ps(l[u], alpha, sum[u]);
+      for (int d = 0; d < D; ++d) {
+        float* od = ot + d * kDenseQ + 8 * u;
+        _mm256_store_ps(od, _mm256_mul_ps(alpha, _mm256_load_ps(od)));
+      }
+      m[u] = c[u];
+    }
+    int d = 0;
+    for (; d + 6 <= D; d += 6) LaneValues8<6>(s, cnt, v + d, vstride, ot + d * kDenseQ);
+    for (; d < D; ++d) LaneValues8<1>(s, cnt, v + d, vstride, ot + d * kDenseQ);
+  }
+
+  MMJAX_AVX2 void Store(int nq, float* out, int64_t ostride) const {
+    alignas(32) float inv[kLanes8];
+    for (int u = 0; u < 2; ++u) {
+      const __m256 pos = _mm256_cmp_ps(l[u], _mm256_setzero_ps(), _CMP_GT_OQ);
+      _mm256_store_ps(inv + 8 * u, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), l[u]), pos));
+    }
+    for (int i = 0; i < nq; ++i)
+      for (int d = 0; d < D; ++d) out[i * ostride + d] = ot[d * kDenseQ + i] * inv[i];
+  }
+};
+
+MMJAX_AVX2 void DenseTask8(const float* q, int nq, int64_t qstride, const float* k, const float* v, int64_t kstride,
+                           int64_t nk, int D, float scale, float* scratch, float* out, int64_t ostride) {
+  Lanes8<false> lanes(q, nq, qstride, D, scale, scratch);
+  for (int64_t j0 = 0; j0 < nk; j0 += kDenseChunk)
+    lanes.Chunk(k + j0 * kstride, kstride, 1, v + j0 * kstride, kstride,
+                static_cast<int>(std::min<int64_t>(kDenseChunk, nk - j0)), j0);
+  lanes.Store(nq, out, ostride);
+}
+
+MMJAX_AVX2 void PrefillLanes8(const float* q, int nq, int HD, const std::vector<Segment<float>>& segs,
+                              const int64_t* lo, const int64_t* hi, float scale, float* scratch, float* out) {
+  int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
+  for (int i = 0; i < nq; ++i)
+    if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
+  Lanes8<true> lanes(q, nq, HD, HD, scale, scratch, lo, hi);
+  int64_t start = 0;
+  for (const auto& seg : segs) {
+    const int64_t L = seg.len, base = start;
+    const int64_t a = std::max(first, base) - base, e = std::min(last, base + L) - base;
+    start += L;
+    for (int64_t j0 = a; j0 < e; j0 += kDenseChunk)
+      lanes.Chunk(seg.kt + j0, 1, L, seg.v + j0 * HD, HD, static_cast<int>(std::min<int64_t>(kDenseChunk, e - j0)),
+                  base + j0);
+  }
+  lanes.Store(nq, out, HD);
+}
+
 #endif  // __x86_64__
 
 // ---------------------------------------------------------------------------------------------
@@ -1309,13 +1448,13 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   // AVX2: 6 queries x 16 keys per block (see PrefillTask8)
   constexpr int kBlock8 = 6, kKeyVectors8 = 2;
   const bool simd = HasAvx512(), avx2 = HasAvx2();
-  // an f32 cache on the AVX-512 path: 32 queries on the lanes (PrefillLanes512). 16 layers of the
+  // an f32 cache: queries on the lanes (PrefillLanes512: 32; AVX2 PrefillLanes8: 16). 16 layers of the
   // bench model's causal prefill attention, interleaved in one process (nineteenth session, the
   // SPR-class VM; g_prefill_lanes 0 / 1): 240 tokens 20.1 -> 15.5 and 22.5 -> 16.9 ms, 1000 tokens
   // 262 -> 169 and 278 -> 186 ms.
   constexpr bool kF32 = std::is_same_v<T, float>;
-  const bool lanes = simd && kF32 && g_prefill_lanes;
-  const int block = lanes ? kDenseQ : avx2 ? kBlock8 : kBlock;
+  const bool lanes = (simd || avx2) && kF32 && g_prefill_lanes;
+  const int block = lanes ? (simd ? kDenseQ : kLanes8) : avx2 ? kBlock8 : kBlock;
   const int64_t blocks = (N + block - 1) / block, tasks = B * KVH * blocks;
   const int threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 256));
   ParallelFor(pool, threads, static_cast<int>(tasks), [&](int t) {
@@ -1340,6 +1479,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         thread_local std::vector<float> scratch;
         scratch.resize(static_cast<size_t>(2 * HD + kDenseChunk) * kDenseQ + 16);
         float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+        if (!simd) return PrefillLanes8(qh, nq, static_cast<int>(HD), segs, qlo, qhi, scale, aligned, oh);
         if (nq <= 16) return PrefillLanes512<1>(qh, nq, static_cast<int>(HD), segs, qlo, qhi, scale, aligned, oh);
         return PrefillLanes512<2>(qh, nq, static_cast<int>(HD), segs, qlo, qhi, scale, aligned, oh);
       }
@@ -1373,8 +1513,8 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 // as they lie: q f32 [B, Sq, H, D], k, v f32 [B, Sk, Hkv, D] (H % Hkv == 0; query head h reads kv
 // head h / (H / Hkv)), lengths s32 [B] (row b's queries see keys [0, lengths_b), clipped to
 // [0, Sk]); attribute scale -> out f32 [B, Sq, H, D] (zeros for a row that sees no key). One task
-// per (row, head, 32 queries): DenseTask512, or where AVX-512 is not there the plain loops below
-// (the same chunks and online softmax, one query at a time).
+// per (row, head, 32 queries; 16 on AVX2): DenseTask512 / DenseTask8, or without either the plain
+// loops below (the same chunks and online softmax, one query at a time).
 void GenericDense(const float* q, int nq, int64_t qstride, const float* k, const float* v, int64_t kstride,
                   int64_t nk, int D, float scale, float* out, int64_t ostride) {
   std::vector<float> sc(static_cast<size_t>(std::min<int64_t>(nk, kDenseChunk))), acc(D);
@@ -1422,8 +1562,9 @@ ffi::Error DenseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   float* op = out->typed_data();
   // A task: `per` consecutive query blocks of one (row, head), so its K and V come from L2 after
   // the first block (as many blocks as keep ~8 tasks a thread).
-  const int64_t blocks = (Sq + kDenseQ - 1) / kDenseQ;
-  const bool simd = HasAvx512();
+  const bool simd = HasAvx512(), avx2 = HasAvx2();
+  const int64_t qb = avx2 ? kLanes8 : kDenseQ;        // queries a block (the AVX2 path's: 16)
+  const int64_t blocks = (Sq + qb - 1) / qb;
   const int threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 256));
   const int64_t per = std::clamp<int64_t>(B * H * blocks / (8 * threads), 1, blocks);
   const int64_t spans = (blocks + per - 1) / per, tasks = B * H * spans;
@@ -1432,8 +1573,8 @@ ffi::Error DenseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     const int64_t nk = std::clamp<int64_t>(lens[b], 0, Sk);
     const float* kh = kp + (b * Sk * Hkv + h / G) * D;
     const float* vh = vp + (b * Sk * Hkv + h / G) * D;
-    for (int64_t i0 = t % spans * per * kDenseQ; i0 < std::min(Sq, (t % spans + 1) * per * kDenseQ); i0 += kDenseQ) {
-      const int nq = static_cast<int>(std::min<int64_t>(kDenseQ, Sq - i0));
+    for (int64_t i0 = t % spans * per * qb; i0 < std::min(Sq, (t % spans + 1) * per * qb); i0 += qb) {
+      const int nq = static_cast<int>(std::min<int64_t>(qb, Sq - i0));
       const float* qh = qp + ((b * Sq + i0) * H + h) * D;
       float* oh = op + ((b * Sq + i0) * H + h) * D;
       if (nk == 0) {
@@ -1449,6 +1590,13 @@ ffi::Error DenseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
           DenseTask512<1>(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, aligned, oh, H * D);
         else
           DenseTask512<2>(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, aligned, oh, H * D);
+        continue;
+      }
+      if (avx2) {
+        thread_local std::vector<float> scratch;
+        scratch.resize(static_cast<size_t>(2 * D + kDenseChunk) * kDenseQ + 8);
+        float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t(31));
+        DenseTask8(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, aligned, oh, H * D);
         continue;
       }
 #endif

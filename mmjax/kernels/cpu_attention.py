@@ -13,14 +13,18 @@ a third of the bench engine's warmup (137 -> 89 s with the kernel; a 230-token p
 650 -> 632 ms).
 
 `dense_attention` is a vision tower's full attention (no cache: q, k, v [B, N, heads, hd] as
-they lie; `mmjax.attention` "auto" takes it on AVX-512 CPUs): XLA ran CLIP-B/16's 12 x 197^2
+they lie; `mmjax.attention` "auto" takes it where the kernels have a SIMD path): XLA ran CLIP-B/16's 12 x 197^2
 scores a layer as batched small dots around the chunked online softmax. The kernel puts 32
 queries of one (image, head) on the vector lanes: K and V rows are broadcast as they lie, a
 key's scores are two vectors and the softmax over keys needs no horizontal reductions. On the
 2-core SPR-class VM (nineteenth session), 11 CLIP-B layers at 197 patches: 1 image 15.1 -> 7.4
 ms, 8 images 147 -> 68 ms (chunked -> kernel; the reference 23 / 201 ms); in the bench model's
 encode (interleaved, two sides each traced under its choice) b1 133 -> 125 ms, b8 996 -> 915 ms.
-Its queries-on-lanes core (`Lanes` in the .cc) also takes prefill over an f32 cache.
+Its queries-on-lanes core (`Lanes` in the .cc; `Lanes8`, 16 queries a task, on the AVX2 path)
+also takes prefill over an f32 cache. The AVX2 path on the same machine (set_isa("avx2"), 12
+layers, distinct K / V; XLA there still uses AVX-512): 1 x 197 patches 12.9 ms against XLA's
+21.7, 8 x 197 98 against 187; a 240-token f32 prefill's attention 16.7 ms (the 6-query AVX2
+kernel: 24).
 
 `kv_write` writes a prefill's K / V into the segments in place (what `scatter_kv` calls on the
 CPU): XLA's scatter walked every update for every segment and transposed K for K^T first (64
@@ -227,11 +231,9 @@ def prefill_attention(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax
 
 
 def dense_covers(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-    """Does `dense_attention` take this full (bidirectional) attention here? (trace time: the
-    kernels' AVX-512 path, f32 / bf16 operands; elsewhere XLA's ops stay faster than the plain
-    loops)"""
-    from mmjax.kernels import cpu_library
-    return (enabled() and cpu_library.isa() == "avx512"
+    """Does `dense_attention` take this full (bidirectional) attention here? (trace time: a SIMD
+    path of the kernels, f32 / bf16 operands)"""
+    return (enabled()
             and all(jnp.dtype(x.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) for x in (q, k, v)))
 
 
