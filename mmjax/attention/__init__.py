@@ -16,9 +16,9 @@ impl:
   "cpu"        mmjax's CPU kernel (mmjax.kernels.cpu_attention.dense_attention): full
                attention with optional lengths only (no causal, window or segment ids)
   "auto"       flash on GPU; on the CPU full attention (the vision towers') goes to "cpu" where
-               the kernel has a SIMD path (AVX2, AVX-512); otherwise chunked when the reference's score matrix would exceed
-               AUTO_REFERENCE_MAX_SCORE_BYTES, reference otherwise (inside
-               `auto_reference_up_to`, the reference up to its bound).
+               the kernel has a SIMD path (AVX2, AVX-512); otherwise chunked when the
+               reference's score matrix would exceed AUTO_REFERENCE_MAX_SCORE_BYTES, reference
+               otherwise (inside `auto_reference_up_to`, the reference up to its bound).
 causal, window, scale and impl are static Python values and segment_ids / lengths may be traced
 arrays, so `attention` works inside jax.jit.
 """
@@ -101,7 +101,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     kw = dict(causal=causal, segment_ids=segment_ids, lengths=lengths, window=window, scale=scale)
     if impl == "auto":
         score_bytes = b * h * sq * sk * 4
-        training = score_bytes <= AUTO_REFERENCE_MAX_SCORE_BYTES != _DEFAULT_REFERENCE_MAX_SCORE_BYTES
+        # inside auto_reference_up_to (the bound raised for training) small problems keep the reference
+        training = (AUTO_REFERENCE_MAX_SCORE_BYTES != _DEFAULT_REFERENCE_MAX_SCORE_BYTES
+                    and score_bytes <= AUTO_REFERENCE_MAX_SCORE_BYTES)
         if _on_gpu():
             impl = "flash"
         elif not (causal or training or segment_ids is not None or window is not None) and _cpu_dense_covers(q, k, v):

@@ -564,40 +564,6 @@ struct Lanes {
   }
 };
 
-// dense: nq queries over nk >= 1 keys / values k, v (key j's row at j * kstride)
-template <int QV>
-MMJAX_AVX512 void DenseTask512(const float* q, int nq, int64_t qstride, const float* k, const float* v,
-                               int64_t kstride, int64_t nk, int D, float scale, float* scratch, float* out,
-                               int64_t ostride) {
-  Lanes<QV, false> lanes(q, nq, qstride, D, scale, scratch);
-  for (int64_t j0 = 0; j0 < nk; j0 += kDenseChunk)
-    lanes.Chunk(k + j0 * kstride, kstride, 1, v + j0 * kstride, kstride,
-                static_cast<int>(std::min<int64_t>(kDenseChunk, nk - j0)), j0);
-  lanes.Store(nq, out, ostride);
-}
-
-// prefill over an f32 cache: nq queries (rows of [N, HD]), each over its cache range [lo_i, hi_i),
-// the keys of the union of the ranges in chunks within each segment (K^T [HD, L]: key j's dim d at
-// kt[j + d L])
-template <int QV>
-MMJAX_AVX512 void PrefillLanes512(const float* q, int nq, int HD, const std::vector<Segment<float>>& segs,
-                                  const int64_t* lo, const int64_t* hi, float scale, float* scratch, float* out) {
-  int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
-  for (int i = 0; i < nq; ++i)
-    if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
-  Lanes<QV, true> lanes(q, nq, HD, HD, scale, scratch, lo, hi);
-  int64_t start = 0;
-  for (const auto& seg : segs) {
-    const int64_t L = seg.len, base = start;
-    const int64_t a = std::max(first, base) - base, e = std::min(last, base + L) - base;
-    start += L;
-    for (int64_t j0 = a; j0 < e; j0 += kDenseChunk) {
-      const int cnt = static_cast<int>(std::min<int64_t>(kDenseChunk, e - j0));
-      lanes.Chunk(seg.kt + j0, 1, L, seg.v + j0 * HD, HD, cnt, base + j0);
-    }
-  }
-  lanes.Store(nq, out, HD);
-}
 #endif  // __x86_64__
 
 // ---------------------------------------------------------------------------------------------
@@ -1143,21 +1109,33 @@ struct Lanes8 {
   }
 };
 
-MMJAX_AVX2 void DenseTask8(const float* q, int nq, int64_t qstride, const float* k, const float* v, int64_t kstride,
-                           int64_t nk, int D, float scale, float* scratch, float* out, int64_t ostride) {
-  Lanes8<false> lanes(q, nq, qstride, D, scale, scratch);
+// The lanes kernels' drivers, for either path's state (Lanes<QV, kMasked>, Lanes8<kMasked>), and
+// a thread's scratch for them ((2 D + kDenseChunk) x kDenseQ floats, 64-byte aligned).
+inline float* LaneScratch(int64_t D) {
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(2 * D + kDenseChunk) * kDenseQ + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+}
+
+// dense: the lanes' queries over nk >= 1 keys / values k, v (key j's row at j * kstride)
+template <class LanesT>
+void DenseLanes(LanesT& lanes, int nq, const float* k, const float* v, int64_t kstride, int64_t nk, float* out,
+                int64_t ostride) {
   for (int64_t j0 = 0; j0 < nk; j0 += kDenseChunk)
     lanes.Chunk(k + j0 * kstride, kstride, 1, v + j0 * kstride, kstride,
                 static_cast<int>(std::min<int64_t>(kDenseChunk, nk - j0)), j0);
   lanes.Store(nq, out, ostride);
 }
 
-MMJAX_AVX2 void PrefillLanes8(const float* q, int nq, int HD, const std::vector<Segment<float>>& segs,
-                              const int64_t* lo, const int64_t* hi, float scale, float* scratch, float* out) {
+// prefill over an f32 cache: the lanes' queries (rows of [N, HD]), each over its cache range
+// [lo_i, hi_i), the keys of the union of the ranges in chunks within each segment (K^T [HD, L]:
+// key j's dim d at kt[j + d L])
+template <class LanesT>
+void PrefillLanes(LanesT& lanes, int nq, int HD, const std::vector<Segment<float>>& segs, const int64_t* lo,
+                  const int64_t* hi, float* out) {
   int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
   for (int i = 0; i < nq; ++i)
     if (lo[i] < hi[i]) first = std::min(first, lo[i]), last = std::max(last, hi[i]);
-  Lanes8<true> lanes(q, nq, HD, HD, scale, scratch, lo, hi);
   int64_t start = 0;
   for (const auto& seg : segs) {
     const int64_t L = seg.len, base = start;
@@ -1448,7 +1426,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   // AVX2: 6 queries x 16 keys per block (see PrefillTask8)
   constexpr int kBlock8 = 6, kKeyVectors8 = 2;
   const bool simd = HasAvx512(), avx2 = HasAvx2();
-  // an f32 cache: queries on the lanes (PrefillLanes512: 32; AVX2 PrefillLanes8: 16). 16 layers of the
+  // an f32 cache: queries on the lanes (PrefillLanes: 32 a task; 16 on AVX2). 16 layers of the
   // bench model's causal prefill attention, interleaved in one process (nineteenth session, the
   // SPR-class VM; g_prefill_lanes 0 / 1): 240 tokens 20.1 -> 15.5 and 22.5 -> 16.9 ms, 1000 tokens
   // 262 -> 169 and 278 -> 186 ms.
@@ -1476,12 +1454,18 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 #if defined(__x86_64__)
     if constexpr (kF32) {
       if (lanes) {
-        thread_local std::vector<float> scratch;
-        scratch.resize(static_cast<size_t>(2 * HD + kDenseChunk) * kDenseQ + 16);
-        float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-        if (!simd) return PrefillLanes8(qh, nq, static_cast<int>(HD), segs, qlo, qhi, scale, aligned, oh);
-        if (nq <= 16) return PrefillLanes512<1>(qh, nq, static_cast<int>(HD), segs, qlo, qhi, scale, aligned, oh);
-        return PrefillLanes512<2>(qh, nq, static_cast<int>(HD), segs, qlo, qhi, scale, aligned, oh);
+        float* sc = LaneScratch(HD);
+        const int hd = static_cast<int>(HD);
+        if (!simd) {
+          Lanes8<true> l(qh, nq, HD, hd, scale, sc, qlo, qhi);
+          return PrefillLanes(l, nq, hd, segs, qlo, qhi, oh);
+        }
+        if (nq <= 16) {
+          Lanes<1, true> l(qh, nq, HD, hd, scale, sc, qlo, qhi);
+          return PrefillLanes(l, nq, hd, segs, qlo, qhi, oh);
+        }
+        Lanes<2, true> l(qh, nq, HD, hd, scale, sc, qlo, qhi);
+        return PrefillLanes(l, nq, hd, segs, qlo, qhi, oh);
       }
     }
     if (simd) {
@@ -1513,7 +1497,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 // as they lie: q f32 [B, Sq, H, D], k, v f32 [B, Sk, Hkv, D] (H % Hkv == 0; query head h reads kv
 // head h / (H / Hkv)), lengths s32 [B] (row b's queries see keys [0, lengths_b), clipped to
 // [0, Sk]); attribute scale -> out f32 [B, Sq, H, D] (zeros for a row that sees no key). One task
-// per (row, head, 32 queries; 16 on AVX2): DenseTask512 / DenseTask8, or without either the plain
+// per (row, head, 32 queries; 16 on AVX2): DenseLanes, or without a SIMD path the plain
 // loops below (the same chunks and online softmax, one query at a time).
 void GenericDense(const float* q, int nq, int64_t qstride, const float* k, const float* v, int64_t kstride,
                   int64_t nk, int D, float scale, float* out, int64_t ostride) {
@@ -1561,7 +1545,8 @@ ffi::Error DenseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int32_t* lens = lengths.typed_data();
   float* op = out->typed_data();
   // A task: `per` consecutive query blocks of one (row, head), so its K and V come from L2 after
-  // the first block (as many blocks as keep ~8 tasks a thread).
+  // the first block (as many blocks as keep ~8 tasks a thread; 11 CLIP-B layers with distinct K /
+  // V, 8 images: 71.9 -> 61.3 ms, 1 image level).
   const bool simd = HasAvx512(), avx2 = HasAvx2();
   const int64_t qb = avx2 ? kLanes8 : kDenseQ;        // queries a block (the AVX2 path's: 16)
   const int64_t blocks = (Sq + qb - 1) / qb;
@@ -1582,21 +1567,19 @@ ffi::Error DenseAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
         continue;
       }
 #if defined(__x86_64__)
-      if (simd) {
-        thread_local std::vector<float> scratch;
-        scratch.resize(static_cast<size_t>(2 * D + kDenseChunk) * kDenseQ + 16);
-        float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-        if (nq <= 16)
-          DenseTask512<1>(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, aligned, oh, H * D);
-        else
-          DenseTask512<2>(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, aligned, oh, H * D);
-        continue;
-      }
-      if (avx2) {
-        thread_local std::vector<float> scratch;
-        scratch.resize(static_cast<size_t>(2 * D + kDenseChunk) * kDenseQ + 8);
-        float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t(31));
-        DenseTask8(qh, nq, H * D, kh, vh, Hkv * D, nk, static_cast<int>(D), scale, aligned, oh, H * D);
+      if (simd || avx2) {
+        float* sc = LaneScratch(D);
+        const int d = static_cast<int>(D);
+        if (avx2) {
+          Lanes8<false> l(qh, nq, H * D, d, scale, sc);
+          DenseLanes(l, nq, kh, vh, Hkv * D, nk, oh, H * D);
+        } else if (nq <= 16) {
+          Lanes<1, false> l(qh, nq, H * D, d, scale, sc);
+          DenseLanes(l, nq, kh, vh, Hkv * D, nk, oh, H * D);
+        } else {
+          Lanes<2, false> l(qh, nq, H * D, d, scale, sc);
+          DenseLanes(l, nq, kh, vh, Hkv * D, nk, oh, H * D);
+        }
         continue;
       }
 #endif

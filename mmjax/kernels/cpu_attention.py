@@ -144,18 +144,9 @@ def write_reference(kts: list, vs: list, scales: tuple | None, k: jax.Array, v: 
     (what `decode_attention_write` writes; its derivative rule and the tests' reference): k, v
     [b, kvh, hd] in the cache's dtype, new_scales (K, V) bf16 [b, kvh] for an int8 / fp8 cache;
     an index outside the segments writes nothing. Returns (kts, vs, scales) as given."""
-    rows = jnp.arange(pos.shape[0])
-    out_k, out_v, out_ks, out_vs, start = [], [], [], [], 0
-    for i, (kt, vv) in enumerate(zip(kts, vs)):
-        size = vv.shape[2]
-        j = jnp.where((pos >= start) & (pos < start + size), pos - start, size)      # size: dropped
-        out_k.append(kt.at[rows, :, :, j].set(k, mode="drop"))
-        out_v.append(vv.at[rows, :, j, :].set(v, mode="drop"))
-        if scales is not None:
-            out_ks.append(scales[0][i].at[rows, :, j].set(new_scales[0], mode="drop"))
-            out_vs.append(scales[1][i].at[rows, :, j].set(new_scales[1], mode="drop"))
-        start += size
-    return out_k, out_v, None if scales is None else (out_ks, out_vs)
+    rows = jnp.arange(pos.shape[0])[:, None]
+    one = lambda x: None if x is None else tuple(s[:, None] for s in x)          # noqa: E731
+    return kv_write_reference(kts, vs, scales, k[:, None], v[:, None], one(new_scales), rows, pos[:, None])
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(9,))
