@@ -46,7 +46,7 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
     import mmjax
     sp = mmjax.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     queue = list(requests)
-    ttfts, latencies, prompt_lens, tokens = [], [], [], 0
+    ttfts, latencies, prompt_lens, gaps, tokens = [], [], [], [], 0
 
     async def client():
         nonlocal tokens
@@ -57,11 +57,15 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
                                                                            {"type": "text", "text": q}]}])
             req = vlm.engine.make_request(prompt, vlm.prepare_images(images), sp)
             prompt_lens.append(req.prompt_len)
-            first = True
+            last = None
             async for d in ae.stream(req):
-                if first and d.token_ids:
-                    ttfts.append(time.perf_counter() - t0)
-                    first = False
+                if d.token_ids:
+                    now = time.perf_counter()
+                    if last is None:
+                        ttfts.append(now - t0)
+                    else:       # inter-token latency: a delta's gap spread over its tokens
+                        gaps.extend([(now - last) / len(d.token_ids)] * len(d.token_ids))
+                    last = now
                 tokens += len(d.token_ids)
             latencies.append(time.perf_counter() - t0)
 
@@ -70,7 +74,7 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
     await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     steps = {k: v - before[k] for k, v in vlm.engine.runner.step_seconds.items()}
-    return {"wall_s": wall, "tokens": tokens, "ttft": ttfts, "latency": latencies, "step_s": steps,
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttfts, "latency": latencies, "itl": gaps, "step_s": steps,
             "prompt_lens": prompt_lens, "concurrency": concurrency}
 
 
@@ -214,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-pack", action="store_true", help="prefill one request per call (pack_prefill=False)")
     ap.add_argument("--decode-steps", type=int, default=1,
                     help="decode steps per engine call (multi-step decode; default 1)")
+    ap.add_argument("--mixed-ab", action="store_true",
+                    help="also run every concurrency level with each decode step in a call of its own (no mixed "
+                         "steps: the decode step riding in a prefill call), on the same engine, in the same run")
     ap.add_argument("--pack-ab", action="store_true",
                     help="also run every concurrency level without packed prefill (A/B of TTFT in one run)")
     ap.add_argument("--decode-only", action="store_true",
@@ -272,6 +279,14 @@ def main(argv=None) -> int:
         return out
     label = "mmjax (no pack)" if args.no_pack else "mmjax engine"
     variants = {label: serve(vlm)}
+    if args.mixed_ab and vlm.engine.runner.mixes:   # the same engine with its decode steps apart
+        from mmjax.serving.caches import EncoderCache
+        eng = vlm.engine
+        eng.encoder_cache = EncoderCache(eng.encoder_cache.max_bytes)   # the same images again: no hits
+        eng.reset_device_state()                                        # (and no prefix-cache hits)
+        eng._riders = lambda group: []      # the same compiled steps, nothing rides
+        variants["mmjax (no mixed)"] = serve(vlm)
+        del eng._riders
     if args.pack_ab and not args.no_pack:     # the same requests, one prefill call per request
         unpacked = mmjax.load(path, pack_prefill=False, **engine_kw)
         unpacked.engine.warmup()
@@ -303,6 +318,8 @@ def main(argv=None) -> int:
     def stats(r):
         return {"output_tok_s": tps(r), "ttft_p50_s": percentile(r["ttft"], 50), "ttft_p99_s": percentile(r["ttft"], 99),
                 "latency_p50_s": percentile(r["latency"], 50), "wall_s": r["wall_s"],
+                "itl_p50_s": percentile(r["itl"], 50) if r.get("itl") else None,
+                "itl_p99_s": percentile(r["itl"], 99) if r.get("itl") else None,
                 "roofline": limit(r, r.get("batch") or r.get("concurrency", 1))}
 
     rows = []
@@ -314,13 +331,15 @@ def main(argv=None) -> int:
     print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, {precision}, {threads} threads, "
           f"{'synchronous' if args.no_overlap else 'overlapped'} engine steps, {args.decode_steps} decode step(s) a call)")
     print(f"warmup: {sum(compiled.values())} compiled shapes {compiled} in {compile_s:.1f}s (excluded below)")
-    print(f"{'who':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'lat. p50':>10}"
-          f"{'vs HF seq':>11}{'vs HF batch':>13}{'% roofline':>12}")
+    print(f"{'who':<24}{'conc':>5}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+          f"{'lat. p50':>10}{'vs HF seq':>11}{'vs HF batch':>13}{'% roofline':>12}")
 
     def line(who, conc, st, seq, bat):
         x = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
+        ms = lambda v: f"{v * 1e3:>7.0f}ms" if v is not None else f"{'-':>9}"  # noqa: E731
         print(f"{who:<24}{conc:>5}{st['output_tok_s']:>10.1f}{st['ttft_p50_s'] * 1e3:>8.0f}ms"
-              f"{st['ttft_p99_s'] * 1e3:>8.0f}ms{st['latency_p50_s']:>9.1f}s{x(seq):>11}{x(bat):>13}"
+              f"{st['ttft_p99_s'] * 1e3:>8.0f}ms{ms(st['itl_p50_s'])}{ms(st['itl_p99_s'])}"
+              f"{st['latency_p50_s']:>9.1f}s{x(seq):>11}{x(bat):>13}"
               + (f"{100 * st['roofline']['fraction']:>11.0f}%" if st["roofline"] else f"{'-':>12}"))
     for row in rows:
         line(row["who"], row["concurrency"], row, row["vs_hf_sequential"], row["vs_hf_batched"])

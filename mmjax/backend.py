@@ -63,6 +63,16 @@ class Tuning:
         return self.platform == "cpu"
 
     @property
+    def mixed_steps(self) -> bool:
+        """Running requests' decode step rides in the packed prefill calls while prompts are
+        prefilled (a mixed step, models/text/packing.DecodeRows): on the CPU, where a decode step
+        of its own reads every weight again (34-64 ms of the bench model on the 2-core box) and a
+        token riding along costs its share of the prefill's GEMMs (~1.3 ms). Elsewhere not yet:
+        a GPU's prefill would carry the riders' XLA attention (a lax.cond per KV segment and
+        layer, each a host sync there) even when none ride, and it is unmeasured there."""
+        return self.platform == "cpu"
+
+    @property
     def kv_segment_ladder(self) -> tuple[int, int]:
         """(segment, fine) of the KV cache's segment ladder (models/text/llama.kv_segments:
         `fine` segments of `segment` positions, then each as long as all before it). Each

@@ -64,8 +64,10 @@ def test_concurrent_random_arrivals_equal_one_at_a_time(path, monkeypatch):
         assert t.token_ids == a.token_ids
         assert len(t.token_ids) == r["sampling"].max_tokens
         assert max(abs(x[i] - y[i]) for x, y, i in zip(t.logprobs, a.logprobs, t.token_ids)) <= 1e-4
-    # prefills were packed (several requests' chunks in one call), some of them after prefix hits
+    # prefills were packed (several requests' chunks in one call), some of them after prefix hits,
+    # and running requests' decode steps rode in prefill calls (mixed steps; alone: never)
     assert base.engine.counters["prefill_chunks"] > base.engine.counters["prefill_calls"]
+    assert base.engine.counters["mixed_steps"] > 0 and alone_vlm.engine.counters["mixed_steps"] == 0
     assert base.engine.stats()["tokens_cached"] > 0
 
 
@@ -508,6 +510,64 @@ def test_bare_image_token_ids_are_a_prompt_error(path):
         vlm.engine.add_request([1, 5, image_id, 7], [], mmjax.SamplingParams(max_tokens=2))
 
 
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_mixed_steps_equal_separate_steps(family, llava_dirs, qwen_dirs):
+    """A running request's decode step riding in a prefill call (a mixed step: its token in the
+    packed row's padding, attending as a decode step does) gives what a decode step of its own
+    gives: greedy ids and logprobs, seeded sampling with penalties (the decode state's history),
+    n = 2 siblings, a prompt chunked over several calls, images, and M-RoPE
+    positions past an image (Qwen2-VL's rope_delta)."""
+    path = llava_dirs["gqa"] if family == "llava" else qwen_dirs[family]
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=512, prefill_chunk=64, enable_prefix_cache=False)
+    eng = vlm.engine
+    assert eng.runner.mixes and eng.runner.rider_rows() == 4
+
+    def chat(seed, text, w, h):
+        content = ([{"type": "image", "image": noise_image(seed, w, h)}] if seed is not None else []) + \
+            [{"type": "text", "text": text}]
+        prompt, images = vlm.render_chat([{"role": "user", "content": content}])
+        return prompt, vlm.prepare_images(images)
+    lp = lambda n, **kw: mmjax.SamplingParams(logprobs=n, **{**GREEDY, **kw})  # noqa: E731
+    long = " ".join(WORDS[i % 60] for i in range(110))            # chunked over several calls
+    script = [  # (arrival step, (prompt, images), sampling)
+        (0, chat(3, "describe it", 37, 52), lp(3, max_tokens=14)),
+        (1, chat(None, long, 0, 0), lp(1, max_tokens=9)),
+        (2, chat(None, "count to ten", 0, 0), mmjax.SamplingParams(
+            max_tokens=16, temperature=0.9, seed=7, repetition_penalty=1.3, presence_penalty=0.4,
+            frequency_penalty=0.2, logprobs=2)),
+        (3, chat(5, "what colour", 50, 29), mmjax.SamplingParams(max_tokens=10, temperature=1.0, seed=11, n=2)),
+        (6, chat(None, long[:200], 0, 0), lp(0, max_tokens=7)),
+    ]
+
+    def run():
+        eng.reset_device_state()
+        before = eng.counters["mixed_steps"]
+        ids, step = [None] * len(script), 0
+        while any(i is None for i in ids) or any(eng.requests[r].finish_reason is None for g in ids for r in g):
+            for k, (at, (prompt, images), sp) in enumerate(script):
+                if ids[k] is None and at <= step:
+                    ids[k] = [eng.submit(q) for q in eng.siblings(eng.make_request(prompt, images, sp), sp.n)]
+            eng.step()
+            step += 1
+        outs = [eng.output(r) for g in ids for r in g]
+        for g in ids:
+            for r in g:
+                eng.release(r)
+        return outs, eng.counters["mixed_steps"] - before
+
+    mixed, rode = run()
+    eng._riders = lambda group: []        # the same compiled steps, every decode step a call of its own
+    apart, none = run()
+    assert rode >= 3 and none == 0
+    assert [len(o.token_ids) for o in apart] == [14, 9, 16, 10, 10, 7]
+    for a, b in zip(mixed, apart):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) <= 1e-4
+    assert apart[3].token_ids != apart[4].token_ids       # n = 2: two sampled choices
+    assert len(set(apart[2].token_ids)) > 4               # penalties spread the sampled tokens
+
+
 def test_overlapped_steps_equal_synchronous_steps(path):
     """Overlapped steps (the host reads step N's tokens after queuing step N + 1) give the same
     outputs as waiting for every step: greedy ids and logprobs, a stop string, a stop id,
@@ -624,6 +684,7 @@ def test_multi_step_decode_equals_one_step(path):
     assert a[3].token_ids != a[4].token_ids           # n = 2: two sampled choices
     st = four.engine.stats()
     assert four.engine.runner.calls["decode"] < four.engine.counters["decode_steps"]
-    assert one.engine.runner.calls["decode"] == one.engine.counters["decode_steps"]
+    # (a mixed step's decode rides in a prefill call)
+    assert one.engine.runner.calls["decode"] + one.engine.counters["mixed_steps"] == one.engine.counters["decode_steps"]
     assert 1 <= st["compiled_shapes"]["decode"] <= st["compiled_shapes_bound"]["decode"]
     assert {s for _, s in four.engine.runner.compiled["decode"]} == {1, 4}

@@ -5,7 +5,9 @@ chunks and encode the images of those requests not in the encoder cache, batched
 requests (not every admitted request's: TTFT); prefill chunks up to `prefill_chunk` tokens in
 total, the chunks of several requests packed into one call (`pack_prefill`; a long image prompt
 is spread over several steps and never freezes running streams); one decode
-step over the lowest slots that cover every running one (the decode ladder's rows). Host-only
+step over the lowest slots that cover every running one (the decode ladder's rows), or, while a
+step prefills, the running requests' tokens riding in its packed call (a mixed step: one weight
+read for both; `_riders`). Host-only
 work (tokenizing, stop strings, detokenizing) stays on the host (serving/output.py).
 
 Overlapped steps (`overlap=True`, the default): a step's compiled calls are queued without
@@ -110,7 +112,7 @@ class Engine:
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                          "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
                          "images_encoded": 0, "videos_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
-                         "prefill_chunks": 0,
+                         "prefill_chunks": 0, "mixed_steps": 0,
                          "tokens_pruned": 0}
 
     def _min_resume(self):
@@ -346,8 +348,18 @@ class Engine:
             self._prefill([item], deltas)
         plan = [x for x in plan if not any(x[0] is a[0] for a in alone)]
         size = self.runner.buckets.segments[-1]
-        for i in range(0, len(plan), size):
-            self._prefill(plan[i:i + size], deltas)
+        groups = [plan[i:i + size] for i in range(0, len(plan), size)]
+        # the requests decoding before this step's prefill ride in its last packed call (a mixed
+        # step: one weight read for both) where they can
+        riders = self._riders(groups[-1]) if groups else []
+        for group in groups[:-1] if riders else groups:
+            self._prefill(group, deltas)
+        if riders and self._prefill(groups[-1], deltas, riders):
+            # this step's decode is done; prompts the call finished decode from the next step on
+            # (one with host constraints makes the engine synchronous from now, as below)
+            sync = not self.overlap or any(r.constraints for r in self.scheduler.decoding())
+            self._collect(deltas, keep=0 if sync else 1)
+            return deltas
         running = self.scheduler.decoding()
         # host constraints need the previous token for the next bitmask: no overlap then
         sync = not self.overlap or any(r.constraints for r in running)
@@ -359,6 +371,20 @@ class Engine:
         # prefills) while the decode runs; synchronous: everything
         self._collect(deltas, keep=1 if queued and not sync else 0)
         return deltas
+
+    def _riders(self, group: list[tuple[Request, int]]) -> list[Request]:
+        """The running requests whose next token a mixed step computes beside `group`'s chunks
+        (runner.mixes): all that decode this step, unless one needs the host between tokens
+        (constraints), per-layer lengths (a pruned request) or their tokens would not fit the
+        largest rung beside the chunks ([]: prefill and decode as two calls)."""
+        if not self.runner.mixes:
+            return []
+        running = [x for x in self.scheduler.decoding() if not self._must_end(x)]
+        if any(x.constraints or x.prune is not None for x in running):
+            return []
+        if sum(n for _, n in group) + len(running) > self.runner.buckets.prefill[-1]:
+            return []
+        return running
 
     def _must_end(self, req: Request) -> bool:
         """Will `req` end on a token already in flight (max_tokens or the context reached)? Then
@@ -516,11 +542,13 @@ class Engine:
         """Does `req`'s prefill score its prompt (prompt_logprobs; siblings share choice 0's)?"""
         return req.sampling.prompt_logprobs is not None and req.parent is None
 
-    def _prefill(self, items: list[tuple[Request, int]], deltas: list[Delta]) -> None:
+    def _prefill(self, items: list[tuple[Request, int]], deltas: list[Delta], riders: list[Request] = ()) -> bool:
         """One prefill call over the chunks of `items` (request, tokens), packed (scheduler.
         prefill_plan keeps them within one call's token and segment budget). If a packed call
         fails and the device state survived, each chunk is retried alone, so that only a culprit
-        fails."""
+        fails. riders (`_riders`): the decode step of these running requests rides in the call
+        (a mixed step); returns whether it did (False: they still need their decode step; a
+        failed mixed call is retried as the prefill alone)."""
         todo, chunks = [], []
         for req, n in items:
             try:
@@ -529,23 +557,29 @@ class Engine:
             except Exception as e:
                 self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
         if not todo:
-            return
+            return False
         try:
             # queued without waiting (overlapped steps); a prompt_logprobs call has waited
-            out = self.runner.prefill(chunks, prune=todo[0][0].prune if len(todo) == 1 else None, wait=False)
+            out = self.runner.prefill(chunks, prune=todo[0][0].prune if len(todo) == 1 else None, wait=False,
+                                      riders=[r.slot for r in riders])
             for (req, _), chunk in zip(todo, chunks):
                 if chunk.next_ids is not None:   # its output (a StepOutput) is on the host
                     req.prompt_scores = (req.prompt_scores or []) + [out.scores]
         except Exception as e:
+            if riders and not self.runner.device_state_lost():
+                log.warning("mixed step of %d prompts and %d decode rows failed (%s: %s); prefilling alone",
+                            len(todo), len(riders), type(e).__name__, e)
+                self._prefill(todo, deltas)
+                return False
             if len(todo) > 1 and not self.runner.device_state_lost():
                 log.warning("packed prefill of %d requests failed (%s: %s); prefilling one at a time", len(todo),
                             type(e).__name__, e)
                 for item in todo:
                     self._prefill([item], deltas)
-                return
+                return False
             self._device_failure(todo[0][0] if len(todo) == 1 else None, _as_error(e, "prefilling the request"),
                                  deltas)
-            return
+            return False
         self.counters["prefill_calls"] += 1
         self.counters["prefill_chunks"] += len(todo)        # > prefill_calls: calls were packed
         first = []          # requests whose prompt this call finished: (request, its output row)
@@ -558,8 +592,16 @@ class Engine:
                 first.append((req, row))
         for req, _ in first:
             self._fork(req)
+        if riders:      # the riders' rows come first in a mixed call's outputs
+            self.counters["decode_steps"] += 1
+            self.counters["mixed_steps"] += 1
+            order = sorted(riders, key=lambda r: r.slot)        # the runner's rows: riders by slot
+            self._dispatched(out, [(r, i) for i, r in enumerate(order)] + [(req, len(riders) + row)
+                                                                         for req, row in first])
+            return True
         if first:
             self._dispatched(out, first)    # their first tokens (row per request): read in _collect
+        return False
 
     def _decode(self, running: list[Request], deltas: list[Delta]) -> bool:
         """Queue one decode step over `running` (True) or fail what it held (False)."""

@@ -26,7 +26,7 @@ from mmjax.errors import InvalidRequestError
 from mmjax.kernels import cpu_gemv
 from mmjax.models.family import EncodeCall, Family
 from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs, kv_quant
-from mmjax.models.text.packing import Packing
+from mmjax.models.text.packing import NO_INDEX, DecodeRows, Packing
 from mmjax.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams, SlotHistory, SlotSampling, VocabRow, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -72,6 +72,14 @@ class DecodeState:
                                    lengths=self.lengths.at[:rows].add(1), keys=self.keys.at[:rows].set(keys),
                                    hist=self.hist.after(tokens))
 
+    def advance_slots(self, slots: jax.Array, tokens: jax.Array, keys: jax.Array) -> "DecodeState":
+        """`advance` for the rows of slots [n] (a slot past the end: dropped) instead of the
+        first n: their sampled tokens [n], next PRNG keys [n, 2] and history."""
+        return dataclasses.replace(
+            self, tokens=self.tokens.at[slots].set(tokens, mode="drop"),
+            lengths=self.lengths.at[slots].add(1, mode="drop"), keys=self.keys.at[slots].set(keys, mode="drop"),
+            hist=self.hist.after_slots(slots, tokens))
+
     def set_slot(self, slot: jax.Array, row: "DecodeState") -> "DecodeState":
         return jax.tree.map(lambda x, y: x.at[slot].set(y), self, row)
 
@@ -110,18 +118,20 @@ class PendingOutput:
     queues the next step before it reads these). `result()` waits for them and copies them to
     the host once; the wait is what the host spent on this step kind (`step_seconds`)."""
 
-    def __init__(self, runner: "ModelRunner", kind: str, arrays, rows: int | None = None):
-        self._runner, self._kind, self._arrays, self._rows = runner, kind, arrays, rows
+    def __init__(self, runner: "ModelRunner", kind: str, arrays, rows: int | None = None,
+                 take: np.ndarray | None = None):
+        self._runner, self._kind, self._arrays, self._rows, self._take = runner, kind, arrays, rows, take
         self._out: StepOutput | None = None
 
     def result(self) -> StepOutput:
         """rows (a packed prefill): the first `rows` output rows (one per chunk; the unused
-        segments' rows are dropped)."""
+        segments' rows are dropped); take: these rows instead (a mixed step's riders and chunks)."""
         if self._out is None:
             t0 = time.perf_counter()
+            pick = (lambda x: x[:self._rows]) if self._take is None else (lambda x: x[self._take])  # noqa: E731
             # one device_get: every output's copy to the host starts before the first is read
             # (np.asarray per output waited for each copy in turn: 0.3-0.7 ms each on an H200)
-            self._out = StepOutput(*(x[:self._rows] for x in jax.device_get(tuple(self._arrays))))
+            self._out = StepOutput(*(pick(x) for x in jax.device_get(tuple(self._arrays))))
             self._runner.step_seconds[self._kind] += time.perf_counter() - t0
             self._arrays = None
         return self._out
@@ -213,6 +223,19 @@ class Segments:
 jax.tree_util.register_dataclass(Segments, data_fields=[f.name for f in fields(Segments)], meta_fields=[])
 
 
+@dataclass
+class Riders:
+    """The running requests whose next token a packed prefill call computes too (a mixed step;
+    models/text/packing.DecodeRows): ride [D] bool, slot j's next token rides; offset (int32
+    scalar), the row position of the first rider, the others after it in slot order. D is
+    static: 0 (no mixed steps: the graph is the plain prefill) or the slot count."""
+    ride: jax.Array
+    offset: jax.Array
+
+
+jax.tree_util.register_dataclass(Riders, data_fields=["ride", "offset"], meta_fields=[])
+
+
 def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None, scores: bool = False):
     """(params, cache, state, token_ids [T], image_embeds [T, width] (width: the text model's
     `image_feature_width`, hidden or more with per-layer image features), image_mask [T],
@@ -231,16 +254,30 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
     scores=True (prompt_logprobs; S = 1 only): one more argument, next_ids [T] int32 (each
     position's next prompt token), and one more output, `prompt_scores` of the logits of every
     chunk position (the forward computed their hidden states anyway: the LM head runs over T
-    rows, not 1)."""
+    rows, not 1).
+
+    riders: Riders of D rows (D static; D > 0: text models with `supports_riders`, S > 1): the
+    decode step of those slots rides in the call, each slot's token from the decode state taking
+    a padding position of the row (unconstrained, one step). The outputs are then D rider rows
+    (as `make_decode_step`'s rows) followed by the S segments' rows, and the riders' decode
+    state advances as a decode step advances it."""
     tm = tm or family.text_model
 
     def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, spans, token_seg, seg,
-                next_ids=None):
+                riders, next_ids=None):
         text = params["text"]
-        t, s = token_ids.shape[0], seg.slot.shape[0]
+        t, s, d = token_ids.shape[0], seg.slot.shape[0], riders.ride.shape[0]
+        ride = None
+        if d:           # the riders' tokens, positions and cache indexes, from the decode state
+            st = state.head(d)
+            ride = DecodeRows(jnp.where(riders.ride, st.lengths, NO_INDEX),
+                              jnp.where(riders.ride, riders.offset + jnp.cumsum(riders.ride) - 1, t))
+            token_ids = token_ids.at[ride.position].set(st.tokens, mode="drop")
+            positions = positions.at[:, ride.position].set(
+                jnp.broadcast_to(st.lengths + st.rope_delta, (positions.shape[0], d)), mode="drop")
         embeds, extra = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
         mask = image_mask_spec(family, spans[None])
-        if s == 1:      # one sequence: the row is its chunk (no gathers around attention)
+        if s == 1 and not d:    # one sequence: the row is its chunk (no gathers around attention)
             out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, seg.start[0] + t,
                              slots=seg.slot, mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
                              **extra)
@@ -248,15 +285,25 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
             if scores:
                 raise ValueError("prompt scores come from a one-sequence prefill")
             packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg)
+            kw = {} if ride is None else {"riders": ride}
             out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, packing.kv_len, slots=seg.slot,
                              mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
-                             packing=packing, **extra)
+                             packing=packing, **kw, **extra)
         last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
+        if d:       # one LM head call for the segments' last tokens and the riders
+            last = jnp.concatenate([last, jnp.clip(ride.position, 0, t - 1)])
         if scores:
             every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [T, vocab]
             logits = every[last]
         else:
-            logits = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)         # [S, vocab]
+            logits = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)         # [S (+ D), vocab]
+        if d:       # the riders' sampling and state, as a decode step's (make_decode_step)
+            row_split = jax.vmap(jax.random.split)(st.keys)
+            row_res = sample(logits[s:], row_split[:, 1], st.sampling, st.hist,
+                             jnp.full((d, seg.bits.shape[1]), 0xFFFFFFFF, jnp.uint32))
+            state = state.advance_slots(jnp.where(riders.ride, jnp.arange(d), state.tokens.shape[0]), row_res[0],
+                                        row_split[:, 0])
+            logits = logits[:s]
         split = jax.vmap(jax.random.split)(seg.keys)
         hist = SlotHistory(seg.vrow, jnp.zeros((s, logits.shape[-1]), jnp.int32), jnp.zeros((s,), jnp.int32))
         res = sample(logits, split[:, 1], seg.sampling, hist, seg.bits)
@@ -264,6 +311,8 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
                            jnp.full((s,), tm.num_layers, jnp.int32), jnp.zeros((s,), jnp.int32), hist.after(res[0]))
         if scores:
             return out.cache, state.set_slots(seg.slot, rows), res, prompt_scores(every, next_ids)
+        if d:
+            res = tuple(jnp.concatenate([a, b]) for a, b in zip(row_res, res))
         return out.cache, state.set_slots(seg.slot, rows), res
     return prefill
 
@@ -448,6 +497,9 @@ class ModelRunner:
                                          "copy_slot": set(), "prefill_scores": set()}
         if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
             self.compiled["fill_cross"] = set()
+        # mixed steps: running requests' decode step riding in packed prefill calls (Riders)
+        self.mixes = (self.tuning.mixed_steps and self.max_prefill_seqs > 1
+                      and getattr(self.text_model, "supports_riders", False))
         self._memory_plan: dict | None = None
         # the slots axis is never sharded: one set of cache shardings and jitted steps serves
         # every slot count, so they exist before memory_budget sizes the slots
@@ -634,8 +686,12 @@ class ModelRunner:
         feats = self.encode(self.family.encode_plan(images, self.max_encode_batch))
         return [f if im.post is None else im.post(f) for im, f in zip(images, feats)]
 
+    def rider_rows(self, buckets: Buckets | None = None) -> int:
+        """D, the rider rows every packed prefill call has (0: no mixed steps): every slot."""
+        return (buckets or self.buckets).decode[-1] if self.mixes else 0
+
     def prefill(self, chunks: list[PrefillChunk], prune: tuple[int, int] | None = None,
-                wait: bool = True) -> StepOutput | PendingOutput:
+                wait: bool = True, riders: list[int] = ()) -> StepOutput | PendingOutput:
         """Prefill the chunks of up to `buckets.segments[-1]` sequences (distinct slots, <=
         prefill_chunk tokens together) in one call, packed into one row (one chunk: a plain
         one-sequence prefill). prune (layer, keep): FastV pruning of the image tokens after
@@ -643,16 +699,26 @@ class ModelRunner:
         remaining tokens' bucket). A chunk with next_ids (prompt_logprobs) goes alone: its
         output's `scores` then holds `prompt_scores` of the chunk's positions (no pruning; such a
         step always waits). Outputs have one row per chunk, in order. wait=False: return a
-        PendingOutput without waiting for the step."""
-        if self._announce is not None:
-            return self._announce("prefill", (chunks, prune), lambda: self._prefill_call(chunks, prune, wait))
-        return self._prefill_call(chunks, prune, wait)
+        PendingOutput without waiting for the step.
 
-    def _output(self, kind: str, out, wait: bool, rows: int | None = None) -> StepOutput | PendingOutput:
-        pending = PendingOutput(self, kind, out, rows)
+        riders (a mixed step; runners that `mixes`, packed chunks without prune or prompt scores):
+        the slots of running requests whose next token this call computes too, as a one-step
+        unconstrained decode does; their tokens follow the chunks in the row (<= the largest rung
+        together). Outputs: one row per rider in slot order, then one per chunk."""
+        if self._announce is not None:
+            return self._announce("prefill", (chunks, prune, True, riders),
+                                  lambda: self._prefill_call(chunks, prune, wait, riders))
+        return self._prefill_call(chunks, prune, wait, riders)
+
+    def _output(self, kind: str, out, wait: bool, rows: int | None = None,
+                take: np.ndarray | None = None) -> StepOutput | PendingOutput:
+        pending = PendingOutput(self, kind, out, rows, take)
         return pending.result() if wait else pending
 
-    def _prefill_call(self, chunks: list[PrefillChunk], prune=None, wait: bool = True) -> StepOutput | PendingOutput:
+    def _prefill_call(self, chunks: list[PrefillChunk], prune=None, wait: bool = True,
+                      riders: list[int] = ()) -> StepOutput | PendingOutput:
+        if riders and (not self.mixes or prune is not None or any(c.next_ids is not None for c in chunks)):
+            raise ValueError("riders take a packed prefill call without prune or prompt scores on a runner that mixes")
         if prune is not None:
             if len(chunks) != 1 or chunks[0].start != 0:
                 raise ValueError("a pruned prefill takes one whole prompt from cache index 0")
@@ -665,7 +731,8 @@ class ModelRunner:
             raise ValueError("a prompt_logprobs chunk is prefilled alone")
         # the scores step is the one-sequence graph (S = 1) whatever the segment rung
         s = 1 if scoring else bucket_for(k, self.buckets.segments)
-        c_len, args = self._pack(chunks, s)
+        d = 0 if scoring else self.rider_rows()
+        c_len, args = self._pack(chunks, s, riders, d)
         if scoring:
             c = chunks[0]
             nxt = np.pad(np.asarray(c.next_ids, np.int32), (0, c_len - len(c.next_ids)))
@@ -675,14 +742,17 @@ class ModelRunner:
             return StepOutput(*(np.asarray(x) for x in out), scores=tuple(np.asarray(x)[:n] for x in sc))
         self.cache, self.state, out = self._track("prefill", (c_len, s), self._prefill, self.lm_params, self.cache,
                                                   self.state, *args, wait=wait)
-        return self._output("prefill", out, wait, rows=k)
+        if not d:
+            return self._output("prefill", out, wait, rows=k)
+        # the riders' rows (row j: slot j), then the chunks' (after all D rider rows)
+        return self._output("prefill", out, wait, take=np.r_[np.sort(np.asarray(riders, np.int64)), d + np.arange(k)])
 
-    def _pack(self, chunks: list[PrefillChunk], s: int) -> tuple[int, tuple]:
-        """The chunks packed into one row for S = s segments -> (row length T, the step's array
-        arguments after params, cache, state)."""
+    def _pack(self, chunks: list[PrefillChunk], s: int, riders: list[int] = (), d: int = 0) -> tuple[int, tuple]:
+        """The chunks packed into one row for S = s segments, the riders' tokens after them (D =
+        d rider rows) -> (row length T, the step's array arguments after params, cache, state)."""
         n = [len(c.token_ids) for c in chunks]
         k = len(chunks)
-        c_len = bucket_for(sum(n), self.buckets.prefill)
+        c_len = bucket_for(sum(n) + len(riders), self.buckets.prefill)
         rows = self.text_model.position_rows
         ids, mask = np.zeros(c_len, np.int32), np.zeros(c_len, bool)
         emb = np.zeros((c_len, self.feature_width), self.dtype)
@@ -710,7 +780,9 @@ class ModelRunner:
                                     *[self.default_row()] * pad),
                        np.stack([self.all_allowed() if c.bits is None else np.asarray(c.bits, np.uint32)
                                  for c in chunks] + [self.all_allowed()] * pad))
-        return c_len, (ids, emb, mask, pos, spans, token_seg, seg)
+        ride = np.zeros(d, bool)
+        ride[list(riders)] = True
+        return c_len, (ids, emb, mask, pos, spans, token_seg, seg, Riders(ride, np.int32(o)))
 
     def _prefill_pruned_call(self, chunk: PrefillChunk, prune: tuple[int, int],
                              wait: bool = True) -> StepOutput | PendingOutput:
@@ -841,16 +913,18 @@ class ModelRunner:
             tokens = (shape((c,), jnp.int32), shape((c, self.feature_width), self.dtype), shape((c,), jnp.bool_),
                       shape((rows, c), jnp.int32))
 
-            def seg_args(s):
+            def seg_args(s, d=self.rider_rows(buckets)):
                 per = shape((s,), jnp.int32)
                 seg = Segments(per, per, per, per, per, jax.tree.map(lambda x: shape((s,), x.dtype), samp),
                                shape((s, 2), jnp.uint32), jax.tree.map(lambda x: shape((s,) + x.shape, x.dtype), vrow),
                                shape((s, self.bit_words), jnp.uint32))
-                return (lm, cache, state, *tokens, shape((c,), jnp.int32), shape((c,), jnp.int32), seg)
+                return (lm, cache, state, *tokens, shape((c,), jnp.int32), shape((c,), jnp.int32), seg,
+                        Riders(shape((d,), jnp.bool_), i32))
             for s in buckets.segments:
                 out.append((f"prefill[{c}]" if s == 1 else f"prefill[{c},{s}]", self._prefill, seg_args(s), {}))
             if c == buckets.prefill[0]:     # prompt_logprobs: the one-sequence prefill with every position's logits
-                out.append((f"prefill_scores[{c}]", self._prefill_scores, seg_args(1) + (shape((c,), jnp.int32),), {}))
+                out.append((f"prefill_scores[{c}]", self._prefill_scores, seg_args(1, 0) + (shape((c,), jnp.int32),),
+                            {}))
             if c == buckets.prefill[0] and self.family.cross_attention:
                 tm = self.text_model
                 out.append(("fill_cross", self._fill_cross,

@@ -218,6 +218,11 @@ class SlotHistory:
         return dataclasses.replace(self, counts=self.counts.at[jnp.arange(n), tokens].add(1),
                                    generated=self.generated.at[:n].add(1))
 
+    def after_slots(self, slots: jax.Array, tokens: jax.Array) -> "SlotHistory":
+        """The history once slots [n] generated `tokens` [n] (a slot past the end: dropped)."""
+        return dataclasses.replace(self, counts=self.counts.at[slots, tokens].add(1, mode="drop"),
+                                   generated=self.generated.at[slots].add(1, mode="drop"))
+
 
 jax.tree_util.register_dataclass(SlotHistory, data_fields=["row", "counts", "generated"], meta_fields=[])
 

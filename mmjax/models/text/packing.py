@@ -33,6 +33,13 @@ one-sequence shape), so packing costs a lone prompt nothing and no extra compile
 
 Segments past the call's count are unused: length 0 (their rows are all padding) and a slot
 index past the cache (`num_slots`) so that every write aimed at them is dropped.
+
+Riders (`DecodeRows`, a mixed step): running sequences' next tokens may take padding positions
+of the row after the packed chunks, one token each. They go through every weight GEMM with the
+chunks (a decode step of their own reads every weight again: 34-64 ms of the bench model on the
+2-core box, against ~1.3 ms of compute per token riding along); their K / V are written with the
+chunks' and their attention is a decode step's, over their own cache rows. The row is a prefill
+rung holding chunks + riders, so riding costs no compiled shape beyond the prefill ladder.
 """
 from __future__ import annotations
 
@@ -163,6 +170,32 @@ class Packing:
             mask = MaskSpec(sliding_window=mask.sliding_window, spans=jnp.where(real, spans[take], -1), key_spans=keys)
         return Blocks(start[:, None] + local, self.seg_slot[seg], start, start + length, used, self.kv_len,
                       mask), take
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Riders of a packed row (module docstring) in the decode step's layout: row j of D is cache
+    row j's next token, at cache index index[j] [D] and row position position[j] [D] (traced
+    int32). A row that does not ride: index NO_INDEX (nothing written, nothing read), position
+    past the row."""
+    index: jax.Array
+    position: jax.Array
+
+    def token_index(self, packing: Packing) -> jax.Array:
+        """[T] every token's cache index: the packing's, the riders' at their positions."""
+        return packing.token_index.at[self.position].set(self.index, mode="drop")
+
+    def token_slot(self, packing: Packing) -> jax.Array:
+        """[T] every token's cache row: the packing's, the riders' at their positions."""
+        return packing.token_slot.at[self.position].set(jnp.arange(self.index.shape[0]), mode="drop")
+
+    @property
+    def kv_len(self) -> jax.Array:
+        """Cache positions the riders use after the call (0: none rides)."""
+        return jnp.where(self.index < NO_INDEX, self.index + 1, 0).max(initial=0)
+
+
+jax.tree_util.register_dataclass(DecodeRows, data_fields=["index", "position"], meta_fields=[])
 
 
 jax.tree_util.register_dataclass(Packing, data_fields=["seg_slot", "seg_start", "seg_offset", "seg_len",
