@@ -472,24 +472,41 @@ def test_a_failing_prefill_fails_only_its_request(path):
     assert eng.output(ids[0]).token_ids == alone[0]
 
     # the cache consumed mid-run: request 0 has output (fails); request 1, halfway through its
-    # prefill (16-token chunks), has none: it goes back to the queue and reruns from its prompt
-    eng2 = mmjax.load(path, max_num_seqs=2, max_model_len=256, prefill_chunk=16).engine
-    a, b = (eng2.add_request(p, [], sp) for p in prompts)
-    real_decode = eng2.runner.decode
-    calls = {"n": 0}
+    # prefill (16-token chunks), has none: lost in a decode call (mixed steps off: every decode
+    # a call of its own), it goes back to the queue and reruns from its prompt; lost in a mixed
+    # call (its chunk with request 0's decode riding), it is the culprit as in a prefill call of
+    # its own (a prompt that takes the device down must not be rerun forever), and request 0
+    # fails with the lost state
+    for mixed in (False, True):
+        eng2 = mmjax.load(path, max_num_seqs=2, max_model_len=256, prefill_chunk=16).engine
+        if not mixed:
+            eng2._riders = lambda group: []
+        a, b = (eng2.add_request(p, [], sp) for p in prompts)
+        kind = "prefill" if mixed else "decode"
+        real_call = getattr(eng2.runner, kind)
+        calls = {"n": 0}
 
-    def decode(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            for x in __import__("jax").tree.leaves(eng2.runner.cache):
-                x.delete()
-            raise RuntimeError("simulated device loss")
-        return real_decode(*args, **kw)
-    eng2.runner.decode = decode
-    seen = _step_all(eng2, [a, b])
-    assert len(eng2.requests[b].prompt_ids) > 32 and not any(d.error for d in seen[b])
-    assert eng2.requests[a].finish_reason == "error" and "simulated device loss" in eng2.requests[a].error.message
-    assert eng2.output(b).token_ids == alone[1]
+        def call(*args, **kw):
+            if mixed and not kw.get("riders"):
+                return real_call(*args, **kw)
+            calls["n"] += 1
+            if calls["n"] == 2:
+                for x in __import__("jax").tree.leaves(eng2.runner.cache):
+                    x.delete()
+                raise RuntimeError("simulated device loss")
+            return real_call(*args, **kw)
+        setattr(eng2.runner, kind, call)
+        seen = _step_all(eng2, [a, b])
+        assert eng2.requests[a].finish_reason == "error"
+        if mixed:
+            assert calls["n"] == 2 and eng2.counters["mixed_steps"] == 1
+            assert "simulated device loss" in eng2.requests[b].error.message
+            assert "device state was lost while running request " + b in eng2.requests[a].error.message
+            continue
+        assert eng2.counters["mixed_steps"] == 0
+        assert len(eng2.requests[b].prompt_ids) > 32 and not any(d.error for d in seen[b])
+        assert "simulated device loss" in eng2.requests[a].error.message
+        assert eng2.output(b).token_ids == alone[1]
 
 
 def test_generate_takes_one_sampling_params_per_request(path):
@@ -566,6 +583,30 @@ def test_mixed_steps_equal_separate_steps(family, llava_dirs, qwen_dirs):
             assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) <= 1e-4
     assert apart[3].token_ids != apart[4].token_ids       # n = 2: two sampled choices
     assert len(set(apart[2].token_ids)) > 4               # penalties spread the sampled tokens
+
+
+def test_chunked_prompt_leaves_room_for_riders(path):
+    """A prompt chunked anyway takes budget - riders tokens a call, so that the running
+    requests' decode rides in each of its calls (no decode call of their own); a prompt that
+    fits whole is not split for them."""
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=512, prefill_chunk=64, enable_prefix_cache=False)
+    eng = vlm.engine
+    sp = mmjax.SamplingParams(max_tokens=40, **GREEDY)
+    running = [eng.add_request(list(range(5, 5 + n)), [], sp) for n in (7, 9)]
+    eng.step()                                      # both prompts in one call; then they decode
+    long = eng.add_request(list(range(5, 155)), [], sp)
+    seen = []
+    for _ in range(3):
+        mixed, decodes = eng.counters["mixed_steps"], eng.runner.calls["decode"]
+        eng.step()
+        seen.append((eng.requests[long].prefilled, eng.counters["mixed_steps"] - mixed,
+                     eng.runner.calls["decode"] - decodes))
+    assert seen == [(62, 1, 0), (124, 1, 0), (150, 1, 0)]      # 64 - 2 riders a chunk, its tail whole
+    short = eng.add_request(list(range(5, 68)), [], sp)        # 63 tokens: fits whole, not split
+    eng.step()
+    assert eng.requests[short].prefilled == 63
+    outs = eng.run_until_done(running + [long, short])
+    assert [len(o.token_ids) for o in outs] == [40] * 4
 
 
 def test_overlapped_steps_equal_synchronous_steps(path):

@@ -336,7 +336,8 @@ class Engine:
         deltas: list[Delta] = []
         for req in self.scheduler.admit():
             self.counters["tokens_cached"] += req.cached_tokens
-        plan = self.scheduler.prefill_plan()
+        # a chunked prompt leaves room for the requests that would ride in its call (mixed step)
+        plan = self.scheduler.prefill_plan(reserve=len(self._riders([])))
         # only the images this step's prefill chunks need: encoding every admitted request's
         # images up front would put all of them before the first request's first token
         self._encode_missing([r for r, _ in plan], deltas)

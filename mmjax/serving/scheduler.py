@@ -87,7 +87,7 @@ class Scheduler:
         n = min(self.prefix.match(slot, req.keys), req.prompt_len - 1)
         return n if n >= self.min_resume(len(self.prefix.keys[slot])) else 0
 
-    def prefill_plan(self) -> list[tuple[Request, int]]:
+    def prefill_plan(self, reserve: int = 0) -> list[tuple[Request, int]]:
         """(request, tokens to prefill this step) within the `prefill_chunk` budget.
 
         The first prefilling request takes what it needs up to the budget (a longer prompt is
@@ -99,7 +99,12 @@ class Scheduler:
         (max_segments > 1): up to max_segments whole prompts that fit share the call (short
         prompts behind a long one go first); one call per request (max_segments = 1): the
         first that does not fit ends the plan. A chunk never ends inside a bidirectional image
-        run (its tokens must see each other within one call); a FastV-pruned prompt goes whole."""
+        run (its tokens must see each other within one call); a FastV-pruned prompt goes whole.
+
+        reserve: tokens of a mixed step's riders (running requests whose decode rides in the
+        call). A prompt chunked anyway leaves them that much room (its chunk is shorter, and
+        nothing is packed behind it), so that they ride instead of a decode call of their own;
+        a prompt that fits whole is never split for them (its first token would wait a call)."""
         plan, budget, packed = [], self.prefill_chunk, self.max_segments > 1
         for req in (r for r in self.slots if r is not None and r.prefilling):
             rest = req.prompt_len - req.prefilled
@@ -112,6 +117,9 @@ class Scheduler:
             n = _outside_runs(req, min(rest, budget))
             if req.prune is not None and n < rest:      # a pruned prompt goes in one call
                 n = 0
+            if 0 < n < rest and reserve and budget > reserve:
+                n = _outside_runs(req, budget - reserve) or n     # chunked anyway: room for the riders
+                budget -= reserve
             if n == 0:
                 if packed:          # a later request's chunk may still fit
                     continue
