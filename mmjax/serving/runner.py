@@ -290,20 +290,27 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
                              mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
                              packing=packing, **kw, **extra)
         last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
-        if d:       # one LM head call for the segments' last tokens and the riders
-            last = jnp.concatenate([last, jnp.clip(ride.position, 0, t - 1)])
         if scores:
             every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [T, vocab]
             logits = every[last]
-        else:
-            logits = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)         # [S (+ D), vocab]
-        if d:       # the riders' sampling and state, as a decode step's (make_decode_step)
+        elif not d:
+            logits = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)         # [S, vocab]
+        else:       # the riders' sampling and state, as a decode step's (make_decode_step)
             row_split = jax.vmap(jax.random.split)(st.keys)
-            row_res = sample(logits[s:], row_split[:, 1], st.sampling, st.hist,
-                             jnp.full((d, seg.bits.shape[1]), 0xFFFFFFFF, jnp.uint32))
+
+            def riding():       # one LM head call for the segments' last tokens and the riders
+                both = _gathered(tm.logits(text, out.hidden[0][jnp.concatenate([last, jnp.clip(ride.position, 0, t - 1)])]),
+                                 logits_sharding)
+                return both[:s], sample(both[s:], row_split[:, 1], st.sampling, st.hist,
+                                        jnp.full((d, seg.bits.shape[1]), 0xFFFFFFFF, jnp.uint32))
+
+            def idle():         # none rides: the LM head and sampling of D rows skipped
+                shapes = jax.eval_shape(riding)[1]
+                return (_gathered(tm.logits(text, out.hidden[0][last]), logits_sharding),
+                        jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+            logits, row_res = jax.lax.cond(riders.ride.any(), riding, idle)
             state = state.advance_slots(jnp.where(riders.ride, jnp.arange(d), state.tokens.shape[0]), row_res[0],
                                         row_split[:, 0])
-            logits = logits[:s]
         split = jax.vmap(jax.random.split)(seg.keys)
         hist = SlotHistory(seg.vrow, jnp.zeros((s, logits.shape[-1]), jnp.int32), jnp.zeros((s,), jnp.int32))
         res = sample(logits, split[:, 1], seg.sampling, hist, seg.bits)
