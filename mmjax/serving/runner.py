@@ -285,8 +285,9 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
             if scores:
                 raise ValueError("prompt scores come from a one-sequence prefill")
             packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg)
-            kw = {} if ride is None else {"riders": ride}
-            out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, packing.kv_len, slots=seg.slot,
+            kw, kv_len = ({}, packing.kv_len) if ride is None else (
+                {"riders": ride}, jnp.maximum(packing.kv_len, ride.kv_len))
+            out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, kv_len, slots=seg.slot,
                              mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
                              packing=packing, **kw, **extra)
         last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
