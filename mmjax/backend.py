@@ -67,9 +67,10 @@ class Tuning:
         """Running requests' decode step rides in the packed prefill calls while prompts are
         prefilled (a mixed step, models/text/packing.DecodeRows): on the CPU, where a decode step
         of its own reads every weight again (34-64 ms of the bench model on the 2-core box) and a
-        token riding along costs its share of the prefill's GEMMs (~1.3 ms). Elsewhere not yet:
-        a GPU's prefill would carry the riders' XLA attention (a lax.cond per KV segment and
-        layer, each a host sync there) even when none ride, and it is unmeasured there."""
+        token riding along costs its share of the prefill's GEMMs (~1.3 ms). Elsewhere not yet,
+        unmeasured: an unsharded GPU's riders would take the ragged Pallas decode kernel, but the
+        riders' `lax.cond` is a host sync there on every prefill call, and a sharded step's riders
+        take XLA's attention with a cond per KV segment and layer (Gemma 3's ring: always XLA)."""
         return self.platform == "cpu"
 
     @property
