@@ -527,15 +527,17 @@ def test_bare_image_token_ids_are_a_prompt_error(path):
         vlm.engine.add_request([1, 5, image_id, 7], [], mmjax.SamplingParams(max_tokens=2))
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
-def test_mixed_steps_equal_separate_steps(family, llava_dirs, qwen_dirs, gemma3_dirs):
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3", "gemma4_dense", "gemma4_moe"])
+def test_mixed_steps_equal_separate_steps(family, llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs):
     """A running request's decode step riding in a prefill call (a mixed step: its token in the
     packed row's padding, attending as a decode step does) gives what a decode step of its own
     gives: greedy ids and logprobs, seeded sampling with penalties (the decode state's history),
     n = 2 siblings, a prompt chunked over several calls, images, and M-RoPE
-    positions past an image (Qwen2-VL's rope_delta), and Gemma 3's ring-buffer sliding-window
-    layers (a window smaller than the prompts)."""
-    path = {"llava": llava_dirs["gqa"], "qwen2_vl": qwen_dirs["qwen2_vl"], "gemma3": gemma3_dirs["window"]}[family]
+    positions past an image (Qwen2-VL's rope_delta), Gemma 3's ring-buffer sliding-window
+    layers (a window smaller than the prompts), Gemma 4's KV-shared layers and per-layer input
+    embeddings (dense) and its mixture of experts (moe)."""
+    path = {"llava": llava_dirs["gqa"], "qwen2_vl": qwen_dirs["qwen2_vl"], "gemma3": gemma3_dirs["window"],
+            "gemma4_dense": gemma4_dirs["dense"], "gemma4_moe": gemma4_dirs["moe"]}[family]
     vlm = mmjax.load(path, max_num_seqs=4, max_model_len=512, prefill_chunk=64, enable_prefix_cache=False)
     eng = vlm.engine
     assert eng.runner.mixes and eng.runner.rider_rows() == 4
