@@ -284,12 +284,11 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
         else:
             if scores:
                 raise ValueError("prompt scores come from a one-sequence prefill")
-            packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg)
-            kw, kv_len = ({}, packing.kv_len) if ride is None else (
-                {"riders": ride}, jnp.maximum(packing.kv_len, ride.kv_len))
+            packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg, ride)
+            kv_len = packing.kv_len if ride is None else jnp.maximum(packing.kv_len, ride.kv_len)
             out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, kv_len, slots=seg.slot,
                              mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
-                             packing=packing, **kw, **extra)
+                             packing=packing, **extra)
         last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
         if scores:
             every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [T, vocab]
@@ -300,8 +299,8 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
             row_split = jax.vmap(jax.random.split)(st.keys)
 
             def riding():       # one LM head call for the segments' last tokens and the riders
-                both = _gathered(tm.logits(text, out.hidden[0][jnp.concatenate([last, jnp.clip(ride.position, 0, t - 1)])]),
-                                 logits_sharding)
+                rows = jnp.concatenate([last, jnp.clip(ride.position, 0, t - 1)])
+                both = _gathered(tm.logits(text, out.hidden[0][rows]), logits_sharding)
                 return both[:s], sample(both[s:], row_split[:, 1], st.sampling, st.hist,
                                         jnp.full((d, seg.bits.shape[1]), 0xFFFFFFFF, jnp.uint32))
 

@@ -52,7 +52,7 @@ from mmjax.models.text.kv_quant import dequantize, layer_scales, operand
 from mmjax.models.text.llama import (_grouped_dense, _split_grouped_qkv, allocate_cache, cache_attention,
                                      cache_kv_heads, check_tensor_parallel, init_kv_cache, kv_layer, quantize_kv,
                                      scatter_kv, scatter_segment, split_grouped_gate_up, tp_layout)
-from mmjax.models.text.packing import DecodeRows, Packing
+from mmjax.models.text.packing import Packing
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -325,19 +325,19 @@ def _gate_up(layer: dict, cfg: Gemma3TextConfig, hn: jax.Array) -> tuple[jax.Arr
 
 def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, kv: dict, rope: tuple,
                   q_index: jax.Array, valid: jax.Array, kv_len, *, slots, mask: MaskSpec | None, starts,
-                  reduce_small: bool, capture_attn: bool = False, packing: Packing | None = None,
-                  riders: DecodeRows | None = None) -> tuple[jax.Array, dict, tuple | None]:
+                  reduce_small: bool, capture_attn: bool = False,
+                  packing: Packing | None = None) -> tuple[jax.Array, dict, tuple | None]:
     """One decoder layer: x [b, t, hidden] -> (x, this layer's updated cache, (probs [b, h, t,
     kv_len], per-head outputs [b, t, h, hd]) when capture_attn (kv_len static) else None).
     packing: a packed prefill (models/text/packing.py): K/V are written per token, attention
-    runs in query blocks, each over its own sequence's cache row (`Packing.attend`); riders:
-    decode tokens in its padding (llama.forward), attending as a decode step does."""
+    runs in query blocks, each over its own sequence's cache row (`Packing.attend`); its riders
+    attend as a decode step does."""
     b, t, _ = x.shape
     h, hd = cfg.num_heads, cfg.head_dim
     cos, sin = rope
     rows = jnp.arange(b) if slots is None else slots
     if packing is not None:
-        rows = (packing.token_slot if riders is None else riders.token_slot(packing))[None]
+        rows = packing.token_slot[None]
     hn = gemma_rms_norm(layer["ln_in"], x, cfg.rms_norm_eps)
     q, k, v = _qkv(layer, cfg, hn)
     # per-head norms over head_dim: local to the shard holding the head under tensor parallelism
@@ -369,14 +369,15 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
                                   cfg.attn_logit_softcapping, sc)
         if packing is not None:
             attn = packing.attend(ring_blocks, q, mask)
-            if riders is not None:      # rows [0, D) of the ring, as a decode step reads them
-                d = riders.index.shape[0]
+            if packing.riders is not None:     # rows [0, D) of the ring, as a decode step reads them
+                ride = packing.riders
+                d = ride.index.shape[0]
                 sc = None if ring_scales is None else (ring_scales[0][0][:d], ring_scales[1][0][:d])
-                vis = ring_visible(ring_key_index(riders.index + 1, ring), riders.index[:, None], cfg.sliding_window,
-                                   None, riders.index)
-                ride = ring_attention(q[0, jnp.clip(riders.position, 0, t - 1)][:, None], new_kv["k"][0][:d],
-                                      new_kv["v"][0][:d], vis, cfg.scale, cfg.attn_logit_softcapping, sc)
-                attn = attn.at[0, riders.position].set(ride[:, 0], mode="drop")
+                vis = ring_visible(ring_key_index(ride.index + 1, ring), ride.index[:, None], cfg.sliding_window,
+                                   None, ride.index)
+                attn = packing.with_riders(attn, ring_attention(
+                    packing.rider_queries(q), new_kv["k"][0][:d], new_kv["v"][0][:d], vis, cfg.scale,
+                    cfg.attn_logit_softcapping, sc))
         elif capture_attn:
             if scales is not None:    # research capture: dequantized (materialised) like the rest of it
                 kts, vs = dequantize(kts, scales[0], 2, q.dtype), dequantize(vs, scales[1], 3, q.dtype)
@@ -400,10 +401,10 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
         if packing is not None:
             attn = packing.attend(lambda qb, blk: full(qb, blk.q_index, blk.kv_len, blk.slots, blk.mask, blk.starts),
                                   q, spans_only)
-            if riders is not None:      # cache rows [0, D), as a decode step reads them
-                ride = full(q[0, jnp.clip(riders.position, 0, t - 1)][:, None], riders.index[:, None], riders.kv_len,
-                            None, None, riders.index)
-                attn = attn.at[0, riders.position].set(ride[:, 0], mode="drop")
+            if packing.riders is not None:     # cache rows [0, D), as a decode step reads them
+                ride = packing.riders
+                attn = packing.with_riders(attn, full(packing.rider_queries(q), ride.index[:, None], ride.kv_len,
+                                                      None, None, ride.index))
         elif capture_attn:
             kt, vv = jnp.concatenate(new_k, axis=3)[..., :kv_len], jnp.concatenate(new_v, axis=2)[:, :, :kv_len]
             if scales is not None:    # research capture: dequantized (materialised) like the rest of it
@@ -427,14 +428,13 @@ def layer_forward(layer: dict, cfg: Gemma3TextConfig, kind: str, x: jax.Array, k
 def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: jax.Array, cache: list,
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
             capture: Capture | None = None, reduce_small: bool = False, prune: Prune | None = None,
-            dropped: Dropped | None = None, packing: Packing | None = None,
-            riders: DecodeRows | None = None) -> Output:
+            dropped: Dropped | None = None, packing: Packing | None = None) -> Output:
     """embeds [b, t, hidden] (already scaled: `embed`), positions [1, b, t], starts [b] (cache
     index of each row's first token), slots [b] or None, kv_len bounds the full layers' segments
     read. mask.spans [b, t]: image runs (bidirectional within a run). prune / dropped: FastV as in
     llama.forward (kept image tokens keep their runs; later layers index the compacted sequence,
-    so windows count kept positions). packing: several sequences in the one row, riders: decode
-    tokens in its padding (llama.forward; kv_len then covers theirs too).
+    so windows count kept positions). packing: several sequences in the one row, and its riders
+    (llama.forward; kv_len then covers theirs too).
     Returns Output(final-normed hidden [b, t, hidden], cache,
     intermediates as `Capture` asks: "hidden", and "attn" / "attn_out" per captured layer, which
     needs a static kv_len; "pruned" [b] under prune)."""
@@ -443,15 +443,8 @@ def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: j
         raise ValueError("prune cannot be combined with capture or dropped")
     if packing is not None and (prune is not None or dropped is not None or capture.any):
         raise ValueError("a packed prefill takes no prune, dropped or capture")
-    if riders is not None and packing is None:
-        raise ValueError("riders take padding positions of a packed row")
     t = embeds.shape[1]
     valid = _valid_tokens(positions) if packing is None else packing.token_valid[None]
-    token_index = None
-    if packing is not None:
-        token_index = packing.token_index if riders is None else riders.token_index(packing)
-        if riders is not None:
-            valid = valid.at[0, riders.position].set(True, mode="drop")
 
     def ropes_at(pos):
         return {kind: rope_cos_sin(jnp.asarray(rope_inv_freq(r, cfg.head_dim)), pos)
@@ -464,12 +457,11 @@ def forward(params: dict, cfg: Gemma3TextConfig, embeds: jax.Array, positions: j
         if dropped is not None:      # rows pruned after an earlier layer index a shorter sequence here
             layer_starts = starts - jnp.where(i > dropped.after, dropped.count, 0)
             layer_kv_len = dropped.kv_lens[i]
-        q_index = layer_starts[:, None] + jnp.arange(t)[None, :] if packing is None else token_index[None]
+        q_index = layer_starts[:, None] + jnp.arange(t)[None, :] if packing is None else packing.token_index[None]
         scoring = prune is not None and i == prune.layer
         x, kv, cap = layer_forward(layer, cfg, kind, x, kv, ropes[kind], q_index, valid, layer_kv_len, slots=slots,
                                    mask=mask, starts=layer_starts, reduce_small=reduce_small,
-                                   capture_attn=i in capture.attn_layers or scoring, packing=packing,
-                                   riders=riders)
+                                   capture_attn=i in capture.attn_layers or scoring, packing=packing)
         new_cache.append(kv)
         if scoring:
             order, inter["pruned"] = prune_order(cap[0], prune)
@@ -496,7 +488,7 @@ class Gemma3TextModel(ConfigShape):
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
     supports_prune = True
     supports_packing = True     # forward(..., packing=): packed multi-sequence prefill
-    supports_riders = True      # forward(..., packing=, riders=): decode tokens riding in it (mixed steps)
+    supports_riders = True      # forward(..., packing=) with packing.riders: decode tokens riding in it
 
     @property
     def cache_cfg(self) -> Gemma3TextConfig:
@@ -537,11 +529,9 @@ class Gemma3TextModel(ConfigShape):
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache, starts: jax.Array, kv_len, *,
                 slots: jax.Array | None = None, mask: MaskSpec | None = None, ids: jax.Array | None = None,
                 capture: Capture | None = None, reduce_small: bool = False, prune: Prune | None = None,
-                dropped: Dropped | None = None, packing: Packing | None = None,
-                riders: DecodeRows | None = None) -> Output:
+                dropped: Dropped | None = None, packing: Packing | None = None) -> Output:
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
-                       capture=capture, reduce_small=reduce_small, prune=prune, dropped=dropped, packing=packing,
-                       riders=riders)
+                       capture=capture, reduce_small=reduce_small, prune=prune, dropped=dropped, packing=packing)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         z = matmul(hidden, params["lm_head"], jnp.float32)

@@ -49,7 +49,7 @@ from mmjax.models.text.llama import (_grouped_dense, _host, allocate_cache, cach
                                      group_gate_up, group_heads, kv_layer, kv_segments, pad_vocab, scatter_kv,
                                      split_grouped_gate_up, tp_kv_index)
 from mmjax.models.text.moe import experts_forward, gemma4_route
-from mmjax.models.text.packing import DecodeRows, Packing
+from mmjax.models.text.packing import Packing
 from mmjax.models.text.rope import apply_rope, rope_cos_sin
 from mmjax.models.vision.gemma4 import gemma4_rms_norm as norm
 from mmjax.quant import map_columns
@@ -411,11 +411,10 @@ def _gated(p: dict, spec: LayerSpec, hn: jax.Array, act) -> jax.Array:
 
 
 def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: dict | None, own: bool,
-           rope, q_index, kv_len, ple, *, slots, mask, starts, reduce_small, capture_attn, packing=None,
-           riders: DecodeRows | None = None):
+           rope, q_index, kv_len, ple, *, slots, mask, starts, reduce_small, capture_attn, packing=None):
     """One decoder layer -> (x, this layer's cache entry if it owns K/V else the source's, captured).
     packing: a packed prefill (models/text/packing.py): K/V written per token, attention per segment;
-    riders: decode tokens in its padding (llama.forward), attending as a decode step does."""
+    its riders attend as a decode step does."""
     b, t, d = x.shape
     h, kvh, hd, eps = cfg.num_heads, spec.num_kv_heads, spec.head_dim, cfg.rms_norm_eps
     act = activation(cfg.hidden_act)
@@ -427,9 +426,7 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
         k = apply_rope(norm(p["k_norm"], k, eps), cos, sin)
         v = norm(None, v, eps)
         rows = jnp.arange(b) if slots is None else slots
-        if packing is not None:
-            rows = (packing.token_slot if riders is None else riders.token_slot(packing))[None]
-        kv = scatter_kv(kv, k, v, q_index, rows)
+        kv = scatter_kv(kv, k, v, q_index, rows if packing is None else packing.token_slot[None])
     # full layers: causal only; sliding: the window over causal | image spans
     lmask = MaskSpec(sliding_window=cfg.sliding_window, spans=mask.spans if mask is not None else None) \
         if spec.kind == SLIDING else None
@@ -439,12 +436,12 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
         attn = packing.attend(lambda qb, blk: cache_attention(
             qb, kv["k"], kv["v"], blk.q_index, blk.kv_len, blk.slots, reduce_small=reduce_small,
             **{**akw, "mask": blk.mask, "starts": blk.starts}), q, lmask)
-        if riders is not None:      # cache rows [0, D), as a decode step reads them (no image spans)
-            ride = cache_attention(q[0, jnp.clip(riders.position, 0, t - 1)][:, None], kv["k"], kv["v"],
-                                   riders.index[:, None], riders.kv_len, reduce_small=reduce_small,
-                                   **{**akw, "starts": riders.index, "mask": None if lmask is None else MaskSpec(
-                                       sliding_window=cfg.sliding_window)})
-            attn = attn.at[0, riders.position].set(ride[:, 0], mode="drop")
+        if packing.riders is not None:     # cache rows [0, D), as a decode step reads them (no image spans)
+            ride = packing.riders
+            window = None if lmask is None else MaskSpec(sliding_window=cfg.sliding_window)
+            attn = packing.with_riders(attn, cache_attention(
+                packing.rider_queries(q), kv["k"], kv["v"], ride.index[:, None], ride.kv_len, reduce_small=reduce_small,
+                **{**akw, "starts": ride.index, "mask": window}))
     elif capture_attn:
         attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, kv_len, slots, **akw)
         captured = (probs, attn)
@@ -469,10 +466,9 @@ def _layer(p: dict, cfg: Gemma4TextConfig, spec: LayerSpec, x: jax.Array, kv: di
 def forward(params: dict, cfg: Gemma4TextConfig, embeds: jax.Array, positions: jax.Array, cache: list,
             starts: jax.Array, kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
             capture: Capture | None = None, reduce_small: bool = False, ids: jax.Array | None = None,
-            prune: Prune | None = None, dropped: Dropped | None = None, packing: Packing | None = None,
-            riders: DecodeRows | None = None) -> Output:
+            prune: Prune | None = None, dropped: Dropped | None = None, packing: Packing | None = None) -> Output:
     """Run the decoder on new tokens [b, t] and write their K/V into the cache (llama.forward's
-    contract, prune / dropped / packing / riders included). ids [b, t]: the new tokens' ids (image positions may hold
+    contract, prune / dropped / packing and its riders included). ids [b, t]: the new tokens' ids (image positions may hold
     the image token id), needed when the model has per-layer input embeddings. mask.spans: image
     runs, applied in sliding layers when the config enables bidirectional vision attention."""
     capture = capture or Capture()
@@ -480,8 +476,6 @@ def forward(params: dict, cfg: Gemma4TextConfig, embeds: jax.Array, positions: j
         raise ValueError("prune cannot be combined with capture or dropped")
     if packing is not None and (prune is not None or dropped is not None or capture.any):
         raise ValueError("a packed prefill takes no prune, dropped or capture")
-    if riders is not None and packing is None:
-        raise ValueError("riders take padding positions of a packed row")
     b, t, _ = embeds.shape
     if not cfg.bidirectional_vision and mask is not None and mask.spans is not None:
         mask = dataclasses.replace(mask, spans=None)
@@ -506,15 +500,12 @@ def forward(params: dict, cfg: Gemma4TextConfig, embeds: jax.Array, positions: j
         if dropped is not None:      # rows pruned after an earlier layer index a shorter sequence here
             layer_starts = starts - jnp.where(i > dropped.after, dropped.count, 0)
             layer_kv_len = dropped.kv_lens[i]
-        if packing is None:
-            q_index = layer_starts[:, None] + jnp.arange(t)[None, :]
-        else:
-            q_index = (packing.token_index if riders is None else riders.token_index(packing))[None]
+        q_index = layer_starts[:, None] + jnp.arange(t)[None, :] if packing is None else packing.token_index[None]
         scoring = prune is not None and i == prune.layer
         x, kv, probs = _layer(p, cfg, spec, x, new_cache[c], own, ropes[spec.kind], q_index, layer_kv_len,
                               None if ple is None else ple[:, :, i], slots=slots, mask=mask, starts=layer_starts,
                               reduce_small=reduce_small, capture_attn=i in capture.attn_layers or scoring,
-                              packing=packing, riders=riders)
+                              packing=packing)
         if own:
             new_cache[c] = kv
         if scoring:
@@ -559,7 +550,7 @@ class Gemma4TextModel(ConfigShape):
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
     supports_prune = True
     supports_packing = True     # forward(..., packing=): packed multi-sequence prefill
-    supports_riders = True      # forward(..., packing=, riders=): decode tokens riding in it (mixed steps)
+    supports_riders = True      # forward(..., packing=) with packing.riders: decode tokens riding in it
 
     @property
     def max_prune_layer(self) -> int:
@@ -593,11 +584,10 @@ class Gemma4TextModel(ConfigShape):
     def forward(self, params: dict, embeds: jax.Array, positions: jax.Array, cache, starts: jax.Array, kv_len, *,
                 slots: jax.Array | None = None, mask: MaskSpec | None = None, capture: Capture | None = None,
                 reduce_small: bool = False, ids: jax.Array | None = None, prune: Prune | None = None,
-                dropped: Dropped | None = None, packing: Packing | None = None,
-                riders: DecodeRows | None = None) -> Output:
+                dropped: Dropped | None = None, packing: Packing | None = None) -> Output:
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
                        capture=capture, reduce_small=reduce_small, ids=ids, prune=prune, dropped=dropped,
-                       packing=packing, riders=riders)
+                       packing=packing)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         return logits(params, self.cfg, hidden)

@@ -34,7 +34,7 @@ from mmjax.models.layers import bf16_einsum, dense, matmul, rms_norm
 from mmjax.models.text import Capture, ConfigShape, Dropped, MaskSpec, Output, Prune, prune_order, take_rows
 from mmjax.models.text.kv_quant import dequantize, is_quantized, layer_scales, operand, quantize, zero_scales
 from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
-from mmjax.models.text.packing import DecodeRows, Packing
+from mmjax.models.text.packing import Packing
 from mmjax.models.text.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 from mmjax.quant import QArray, as_2d, map_columns
 
@@ -432,7 +432,7 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
             capture: Capture | None = None, reduce_small: bool = False,
             inv_freq: jax.Array | None = None, prune: Prune | None = None,
             dropped: Dropped | None = None, layer_adds: jax.Array | None = None,
-            packing: Packing | None = None, riders: DecodeRows | None = None) -> Output:
+            packing: Packing | None = None) -> Output:
     """Run the decoder on new tokens and write their K/V into the cache.
 
     embeds [b, t, hidden]; positions [rows, b, t] rope positions (rows 3 for M-RoPE); starts [b]:
@@ -449,15 +449,13 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
     packing: the one row (b = 1) holds several sequences' tokens (models/text/packing.py); slots,
     starts and mask.spans are then per segment / per packed token as `Packing` says (starts and
     slots are ignored: the packing carries them).
-    riders (with packing; a mixed step): running sequences' next tokens in padding positions of
-    the row (models/text/packing.DecodeRows), attending as a decode step does (the config's
-    window, no image spans).
+    packing.riders (a mixed step): running sequences' next tokens in padding positions of the
+    row (models/text/packing.DecodeRows), attending as a decode step does (the config's window,
+    no image spans).
     Returns Output(final-normed hidden [b, t, hidden], updated cache, intermediates).
     """
     if packing is not None and (prune is not None or dropped is not None or (capture is not None and capture.any)):
         raise ValueError("a packed prefill takes no prune, dropped or capture")
-    if riders is not None and packing is None:
-        raise ValueError("riders take padding positions of a packed row")
     if cfg.sliding_window is not None and (mask is None or mask.sliding_window is None):
         mask = dataclasses.replace(mask or MaskSpec(), sliding_window=cfg.sliding_window)
     capture = capture or Capture()
@@ -466,7 +464,7 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
     x = embeds
     rope = rope_for(cfg, positions, starts, embeds.shape[1], inv_freq)
     if packing is not None:
-        rope = (rope[0], rope[1], (packing.token_index if riders is None else riders.token_index(packing))[None])
+        rope = (rope[0], rope[1], packing.token_index[None])
     hidden, attn, attn_out, new_cache, inter = [x], {}, {}, [], {}
     for i, (layer, kv) in enumerate(zip(params["layers"], cache)):
         layer_rope, layer_starts, layer_kv_len = rope, starts, kv_len
@@ -478,8 +476,7 @@ def forward(params: dict, cfg: LlamaConfig, embeds: jax.Array, positions: jax.Ar
         x, kv, probs = layer_forward(layer, cfg, x, kv, layer_rope, layer_kv_len, slots=slots, mask=mask,
                                      starts=layer_starts, reduce_small=reduce_small,
                                      capture_attn=i in capture.attn_layers or scoring,
-                                     explicit_kv_len=x.shape[1] if scoring else None, packing=packing,
-                                     riders=riders)
+                                     explicit_kv_len=x.shape[1] if scoring else None, packing=packing)
         new_cache.append(kv)
         if scoring:
             x, rope, inter["pruned"] = _prune_tokens(x, rope, probs[0], prune)
@@ -520,12 +517,12 @@ def rope_for(cfg: LlamaConfig, positions: jax.Array, starts: jax.Array, t: int,
 def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: tuple, kv_len, *,
                   slots: jax.Array | None = None, mask: MaskSpec | None = None, starts: jax.Array | None = None,
                   reduce_small: bool = False, capture_attn: bool = False,
-                  explicit_kv_len: int | None = None, packing: Packing | None = None,
-                  riders: DecodeRows | None = None) -> tuple[jax.Array, dict, tuple | None]:
+                  explicit_kv_len: int | None = None,
+                  packing: Packing | None = None) -> tuple[jax.Array, dict, tuple | None]:
     """One decoder layer: x [b, t, hidden] (residual stream) -> (x, updated {"k", "v"} cache of
     this layer, (probs, per-head outputs) when capture_attn else None). rope = rope_for(...);
-    kv_len / slots / mask / packing / riders as in `forward`; explicit_kv_len: a static kv_len
-    for the captured attention when kv_len is traced."""
+    kv_len / slots / mask / packing as in `forward`; explicit_kv_len: a static kv_len for the
+    captured attention when kv_len is traced."""
     b, t, _ = x.shape
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin, q_index = rope
@@ -555,11 +552,7 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
     fused = (packing is None and not capture_attn
              and _attention_kernel(t, slots, mask, kv["k"], kv["v"], layer_scales(kv)) == "cpu")
     if not fused:
-        if packing is None:
-            token_rows = rows
-        else:
-            token_rows = (packing.token_slot if riders is None else riders.token_slot(packing))[None]
-        kv = scatter_kv(kv, k, v, q_index, token_rows)
+        kv = scatter_kv(kv, k, v, q_index, rows if packing is None else packing.token_slot[None])
     captured = None
     if fused:
         attn, kv = _cpu_decode_write(q, k, v, kv, q_index[:, 0], kv_len, mask)
@@ -567,13 +560,13 @@ def layer_forward(layer: dict, cfg: LlamaConfig, x: jax.Array, kv: dict, rope: t
         attn = packing.attend(lambda qb, blk: cache_attention(
             qb, kv["k"], kv["v"], blk.q_index, blk.kv_len, blk.slots, mask=blk.mask, starts=blk.starts,
             reduce_small=reduce_small, scales=layer_scales(kv)), q, mask)
-        if riders is not None:      # their attention is a decode step's, rows [0, D) (after the write)
+        if packing.riders is not None:     # a decode step's attention, rows [0, D) (after the write)
             window = None if mask is None or mask.sliding_window is None else MaskSpec(
                 sliding_window=mask.sliding_window)
-            ride = cache_attention(q[0, jnp.clip(riders.position, 0, t - 1)][:, None], kv["k"], kv["v"],
-                                   riders.index[:, None], riders.kv_len, mask=window, starts=riders.index,
-                                   reduce_small=reduce_small, scales=layer_scales(kv))
-            attn = attn.at[0, riders.position].set(ride[:, 0], mode="drop")
+            ride = packing.riders
+            attn = packing.with_riders(attn, cache_attention(
+                packing.rider_queries(q), kv["k"], kv["v"], ride.index[:, None], ride.kv_len, mask=window,
+                starts=ride.index, reduce_small=reduce_small, scales=layer_scales(kv)))
     elif capture_attn:
         attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, explicit_kv_len or kv_len, slots, mask=mask,
                                          starts=starts, scales=layer_scales(kv))
@@ -804,7 +797,7 @@ class LlamaTextModel(ConfigShape):
     cfg: LlamaConfig
     tp: int = 1          # tensor-parallel shards the params were laid out for (tp_layout)
     supports_packing = True     # forward(..., packing=): packed multi-sequence prefill
-    supports_riders = True      # forward(..., packing=, riders=): decode tokens riding in it (mixed steps)
+    supports_riders = True      # forward(..., packing=) with packing.riders: decode tokens riding in it
 
     @property
     def supports_prune(self) -> bool:
@@ -848,12 +841,11 @@ class LlamaTextModel(ConfigShape):
                 kv_len, *, slots: jax.Array | None = None, mask: MaskSpec | None = None,
                 ids: jax.Array | None = None, capture: Capture | None = None, reduce_small: bool = False,
                 prune: Prune | None = None, dropped: Dropped | None = None,
-                layer_adds: jax.Array | None = None, packing: Packing | None = None,
-                riders: DecodeRows | None = None) -> Output:
+                layer_adds: jax.Array | None = None, packing: Packing | None = None) -> Output:
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg.rope, self.cfg.head_dim))
         return forward(params, self.cfg, embeds, positions, cache, starts, kv_len, slots=slots, mask=mask,
                        capture=capture, reduce_small=reduce_small, inv_freq=inv_freq, prune=prune, dropped=dropped,
-                       layer_adds=layer_adds, packing=packing, riders=riders)
+                       layer_adds=layer_adds, packing=packing)
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         out = lm_logits(params, hidden)

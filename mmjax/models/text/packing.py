@@ -59,17 +59,38 @@ GROUP_QUERIES = 64
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """Riders of a packed row (module docstring) in the decode step's layout: row j of D is cache
+    row j's next token, at cache index index[j] [D] and row position position[j] [D] (traced
+    int32). A row that does not ride: index NO_INDEX (nothing written, nothing read), position
+    past the row."""
+    index: jax.Array
+    position: jax.Array
+
+    @property
+    def kv_len(self) -> jax.Array:
+        """Cache positions the riders use after the call (0: none rides)."""
+        return jnp.where(self.index < NO_INDEX, self.index + 1, 0).max(initial=0)
+
+
+jax.tree_util.register_dataclass(DecodeRows, data_fields=["index", "position"], meta_fields=[])
+
+
+@dataclass(frozen=True)
 class Packing:
     """S segments packed into one row of T new tokens (all int32 arrays, traced).
 
     seg_slot [S]: each segment's cache row; seg_start [S]: the cache index of its first new
     token; seg_offset [S]: where its tokens start in the row; seg_len [S]: how many (0: unused).
-    token_seg [T]: each token's segment (padding: any)."""
+    token_seg [T]: each token's segment (padding: any). riders: decode tokens in the row's
+    padding (a mixed step; None: none), which the per-token views below include; their
+    attention is the decoder's to run (`rider_queries`, `with_riders`)."""
     seg_slot: jax.Array
     seg_start: jax.Array
     seg_offset: jax.Array
     seg_len: jax.Array
     token_seg: jax.Array
+    riders: DecodeRows | None = None
 
     @property
     def width(self) -> int:
@@ -81,19 +102,37 @@ class Packing:
         return jnp.arange(self.width) - self.seg_offset[self.token_seg]
 
     @property
-    def token_valid(self) -> jax.Array:
-        """[T] bool: real tokens (not padding)."""
+    def _in_segment(self) -> jax.Array:
         return self.local < self.seg_len[self.token_seg]
+
+    def _at_riders(self, x: jax.Array, values) -> jax.Array:
+        """x [T] with the riders' positions set to values (no riders: x)."""
+        return x if self.riders is None else x.at[self.riders.position].set(values, mode="drop")
+
+    @property
+    def token_valid(self) -> jax.Array:
+        """[T] bool: real tokens (segments' and riders'; not padding)."""
+        return self._at_riders(self._in_segment, True)
 
     @property
     def token_slot(self) -> jax.Array:
-        """[T] each token's cache row."""
-        return self.seg_slot[self.token_seg]
+        """[T] each token's cache row (rider j: row j)."""
+        d = 0 if self.riders is None else self.riders.index.shape[0]
+        return self._at_riders(self.seg_slot[self.token_seg], jnp.arange(d))
 
     @property
     def token_index(self) -> jax.Array:
         """[T] each token's cache index (padding: NO_INDEX, past every cache)."""
-        return jnp.where(self.token_valid, self.seg_start[self.token_seg] + self.local, NO_INDEX)
+        index = jnp.where(self._in_segment, self.seg_start[self.token_seg] + self.local, NO_INDEX)
+        return index if self.riders is None else self._at_riders(index, self.riders.index)
+
+    def rider_queries(self, q: jax.Array) -> jax.Array:
+        """The riders' rows of q [1, T, heads, hd] in the decode layout [D, 1, heads, hd]."""
+        return q[0, jnp.clip(self.riders.position, 0, self.width - 1)][:, None]
+
+    def with_riders(self, attn: jax.Array, rows: jax.Array) -> jax.Array:
+        """attn [1, T, heads, hd] with the riders' positions set to their rows [D, 1, heads, hd]."""
+        return attn.at[0, self.riders.position].set(rows[:, 0], mode="drop")
 
     @property
     def kv_len(self) -> jax.Array:
@@ -172,34 +211,8 @@ class Packing:
                       mask), take
 
 
-@dataclass(frozen=True)
-class DecodeRows:
-    """Riders of a packed row (module docstring) in the decode step's layout: row j of D is cache
-    row j's next token, at cache index index[j] [D] and row position position[j] [D] (traced
-    int32). A row that does not ride: index NO_INDEX (nothing written, nothing read), position
-    past the row."""
-    index: jax.Array
-    position: jax.Array
-
-    def token_index(self, packing: Packing) -> jax.Array:
-        """[T] every token's cache index: the packing's, the riders' at their positions."""
-        return packing.token_index.at[self.position].set(self.index, mode="drop")
-
-    def token_slot(self, packing: Packing) -> jax.Array:
-        """[T] every token's cache row: the packing's, the riders' at their positions."""
-        return packing.token_slot.at[self.position].set(jnp.arange(self.index.shape[0]), mode="drop")
-
-    @property
-    def kv_len(self) -> jax.Array:
-        """Cache positions the riders use after the call (0: none rides)."""
-        return jnp.where(self.index < NO_INDEX, self.index + 1, 0).max(initial=0)
-
-
-jax.tree_util.register_dataclass(DecodeRows, data_fields=["index", "position"], meta_fields=[])
-
-
 jax.tree_util.register_dataclass(Packing, data_fields=["seg_slot", "seg_start", "seg_offset", "seg_len",
-                                                       "token_seg"], meta_fields=[])
+                                                       "token_seg", "riders"], meta_fields=[])
 
 
 @dataclass(frozen=True)
