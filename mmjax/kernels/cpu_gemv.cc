@@ -63,7 +63,8 @@ constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L
 // dot instructions and gain from fewer accumulator loads / stores); threads (0: XLA's pool's);
 // column ranges per thread; the narrowest range in bytes of a weight row.
 int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_parts_per_thread = 2,
-    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64, g_packed_prefetch = 4096, g_panel_mode = 1;
+    g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64, g_packed_prefetch = 4096, g_panel_mode = 1,
+    g_kblock_steps = 64, g_kblock_ahead = 32768;
 
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 // int8 quads re-swept in the ninth session (a chain through 8 layers of the bench model's int8
@@ -484,12 +485,14 @@ MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float*
 // vector i: column 16i + j); x's row-major values are the other operand (bf16: its (2k, 2k + 1)
 // pair as one 32-bit word). A panel is one contiguous run: a thread streams its panels front to
 // back (no short rows, no interleaving shuffles). Rows in register passes of up to 6 (24
-// accumulators); 24 to 384 rows all over each panel in turn (PackedRange), more rows in blocks
-// of kPackedRows whose activations stay in L2 while each panel is read once per block. Against
+// accumulators); 7 to kKBlockRows rows all over each 64-step block of a panel in turn, 129 to 384
+// rows all over each panel in turn (PackedRange), more rows in blocks of kPackedRows whose
+// activations stay in L2 while each panel is read once per block. Against
 // XLA's dots on the 2-core Zen 4 (twelfth session, 256 rows of the bench model's layers): f32
 // 213-223 vs 197-201 GFLOP/s, bf16 335-390 vs 297-342; one row streams as fast as the row-major
 // kernels, 8 rows 1.25-1.3x faster.
-// From two rows on, a block's first pass (the one that reads the panel from memory) prefetches
+// From two rows on (past 6 rows: where the step blocks do not run), a block's first pass (the one
+// that reads the panel from memory) prefetches
 // g_packed_prefetch = 4096 bytes ahead into L2: its FMAs keep the core from running far enough
 // ahead for the hardware prefetchers alone, so compute and the memory stream add up instead of
 // overlapping. On a 2-core Sapphire-Rapids-class VM (eighteenth session, interleaved, weights
@@ -498,6 +501,7 @@ MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float*
 // alike from 4096 on, a prefetch of the next panel spread over every pass gained less, and one
 // row streams best without it (25.6 vs 24.4 GB/s).
 constexpr int64_t kPackedRows = 192;
+constexpr int64_t kKBlockRows = 128;
 
 MMJAX_AVX512 inline void Load4(const float* r, __m512* w) {
   for (int i = 0; i < 4; ++i) w[i] = _mm512_loadu_ps(r + 16 * i);
@@ -535,6 +539,38 @@ MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out
       _mm512_mask_storeu_ps(out + m * ldo + 16 * i, Mask16(cols - 16 * i), a[m][i]);
 }
 
+// One row group's pass over steps [k0, k1) of a panel, its sums carried in acc [MG][64] (L1)
+// between the passes of consecutive step blocks (zero: the panel's first block); the last block
+// writes them to out. pf: `lines` lines prefetched into L2, spread evenly over the pass's steps.
+template <int MG, typename X, typename W>
+MMJAX_AVX512 void PackedKBlock(const X* x, int64_t Kp, int64_t k0, int64_t k1, const W* panel, float* acc, bool zero,
+                               float* out, int64_t ldo, int64_t cols, const char* pf, int64_t lines) {
+  __m512 a[MG][4];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i)
+      a[m][i] = zero ? _mm512_setzero_ps() : _mm512_load_ps(acc + 64 * m + 16 * i);
+  const W* r = panel + k0 * (256 / sizeof(W));
+  const int64_t steps = k1 - k0;
+  int64_t due = 0;
+  for (int64_t k = k0; k < k1; ++k, r += 256 / sizeof(W)) {
+    for (due += lines; due >= steps; due -= steps, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+    __m512 w[4];
+    Load4(r, w);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+      const X xv = x[m * Kp + k];
+      _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = Madd(a[m][i], w[i], xv);
+    }
+  }
+  if (out) {
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+      _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i)
+        _mm512_mask_storeu_ps(out + m * ldo + 16 * i, Mask16(cols - 16 * i), a[m][i]);
+  } else {
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+      _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) _mm512_store_ps(acc + 64 * m + 16 * i, a[m][i]);
+  }
+}
+
 // panels [pa, pb) of y[M, N] = x @ W (packed); x [M, Kp] f32 values / bf16 pair words
 template <typename X, typename W>
 MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, const W* w, float* y, int64_t pa,
@@ -555,6 +591,46 @@ MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, cons
     }
   };
   const int64_t groups = (M + 5) / 6;
+  if (g_kblock_steps && M > 6 && M <= kKBlockRows) {
+    // 7 to 128 rows (decode, short prefill chunks): blocks of g_kblock_steps panel steps (16 KiB),
+    // every row group over a block in turn, so the later groups read it from L1, while all of them
+    // prefetch into L2, in equal shares, the lines g_kblock_ahead bytes on. The sums are carried
+    // in L1 between blocks: each output is the same FMA chain over k, the same bits. The whole
+    // panel's first pass reading memory and the later passes only L2 (the sweep below) took the
+    // memory time plus the FMA time; here every pass streams a share while it computes. 2-core
+    // SPR-class VM (twenty-first session, in-process, interleaved): the bench model's 16 layers
+    // + LM head as one chain, f32, 8 / 12 / 16 / 24 / 32 / 64 / 128 rows 42.6 / 47.7 / 53.3 /
+    // 60.1 / 68.4 / 101.8 / 190.3 -> 36.6-37.1 / 37.3-38.1 / 41.0-41.3 / 47.3-48.9 / 55.3-56.0 /
+    // 91.5 / 175.1 ms, bf16 16 rows 47.0 -> 36.6; the engine's 16-row decode step 65.0 -> 53.3
+    // ms at kv_len 128. At 1-6 rows (one pass) level; from 192 rows level or slower (240: 378 vs
+    // 377 ms, 256: 405 vs 421, 384: 597 vs 640: the sums no longer stay in L1).
+    alignas(64) float acc[(kKBlockRows + 5) / 6 * 6 * 64];
+    const int64_t kb = g_kblock_steps;
+    for (int64_t p = pa; p < pb; ++p) {
+      const W* panel = w + p * Kp * kStep;
+      const int64_t cols = std::min<int64_t>(64, N - 64 * p);
+      for (int64_t k0 = 0; k0 < Kp; k0 += kb) {
+        const int64_t k1 = std::min(Kp, k0 + kb), lines = 4 * (k1 - k0), share = (lines + groups - 1) / groups;
+        const char* pf = reinterpret_cast<const char*>(panel + k0 * kStep) + g_kblock_ahead;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t m = 6 * g, rows = std::min<int64_t>(6, M - m), n = std::min(share, lines - g * share);
+          const X* xm = x + m * Kp;
+          float* a = acc + 64 * m;
+          float* om = k1 == Kp ? y + m * N + 64 * p : nullptr;
+          const char* pg = pf + 64 * g * share;
+          switch (rows) {
+            case 1: PackedKBlock<1>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
+            case 2: PackedKBlock<2>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
+            case 3: PackedKBlock<3>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
+            case 4: PackedKBlock<4>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
+            case 5: PackedKBlock<5>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
+            default: PackedKBlock<6>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
+          }
+        }
+      }
+    }
+    return;
+  }
   if (g_panel_mode && groups >= 4 && M <= 2 * kPackedRows) {
     // 24 to 384 rows (prefill chunks): each panel once from memory, all rows over it from L2,
     // while the row groups prefetch the next panel into L2 in equal shares, so no group waits on
@@ -1283,6 +1359,11 @@ void mmjax_gemv_bf16_prefetch(int elems) { g_bf16_prefetch = std::max(0, elems);
 void mmjax_gemv_panel_mode(int mode) { g_panel_mode = mode; }
 // bytes ahead the packed kernels' first pass prefetches at decode rows (0: none)
 void mmjax_gemv_packed_prefetch(int bytes) { g_packed_prefetch = std::max(0, bytes); }
+// decode rows' (7 to 18) step blocks and how far ahead they prefetch (steps 0: off)
+void mmjax_gemv_kblock(int steps, int ahead_bytes) {
+  g_kblock_steps = std::max(0, steps);
+  g_kblock_ahead = std::max(0, ahead_bytes);
+}
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
   g_parts_per_thread = std::max(1, parts_per_thread);
