@@ -112,14 +112,14 @@ def test_kernel_equals_reference():
             np.testing.assert_array_equal(np.asarray(s8(xq, wq, 1)), _s8_want(xq, wq, 1))
             # the packed int8 layout (mmjax_qmatmul_s8p, what a CPU runner's int8 weights are): the
             # whole W8A8 product at any number of rows (decode, prefill and encode sizes: register
-            # blocks of 6 rows and a remainder; AVX2: one row over a panel's 8 vectors, two over
+            # blocks of 6 rows and a remainder, 64-quad blocks of a group and a shorter last one; AVX2: one row over a panel's 8 vectors, two over
             # 4, more over 2; rows quantized on the threads from 2^16 elements),
             # N cut inside a 64-column panel, groups, panels split over threads: the same bits as
             # numpy's float32 evaluation of mmjax.quant.qmatmul's formula
             s8p = jax.jit(cpu_gemv.qmatmul_s8p)
             for m, k, n, g in ((1, 4, 1, 1), (1, 1024, 1000, 1), (7, 96, 70, 3), (16, 2048, 129, 2),
                                (37, 256, 640, 4), (3, 1000, 8300, 2), (13, 64, 64, 1), (70, 1024, 200, 2),
-                               (2, 512, 100, 2)):
+                               (2, 512, 100, 2), (200, 1000, 96, 2)):
                 x, wq = rng.standard_normal((m, k)).astype(np.float32), _s8(rng, k, n)
                 x[0, :k // g] = 0.0                      # a group of zeros: scale 1
                 x[-1, -1] = 1e4                          # an outlier

@@ -56,6 +56,7 @@ namespace {
 
 constexpr int kMaxRows = 16;               // M handled per call (cpu_gemv.MAX_ROWS)
 constexpr int kAccBytes = 128 * 1024;      // accumulator budget per chunk (in L2)
+constexpr int64_t kKBlockRows = 128;       // the packed f32 / bf16 kernels' step blocks up to this many rows
 
 // Tuning (picked on the 2-core box, [1..16, 1024..2048] x [.., 8192..32000]; mmjax_gemv_tune
 // sets them for benchmark sweeps): the widest chunk in columns; rows per block in bf16 pairs /
@@ -446,12 +447,106 @@ MMJAX_AVX512 void S8PBlock(const uint32_t* xw, int64_t ldx, int64_t q0, int64_t 
   }
 }
 
+// One row group's pass over quads [k0, k1) of a panel (S8PBlock's arithmetic), its int32 sums
+// carried in acc [MG][64] (L1) between the passes of consecutive quad blocks of one quant group
+// (zero: the group's first block); the group's last block (last) rescales them into out as
+// S8PBlock does. pf: `lines` lines prefetched into L2, spread evenly over the pass's quads.
+template <int MG>
+MMJAX_AVX512 void S8PKBlock(const uint32_t* xw, int64_t ldx, int64_t k0, int64_t k1, const uint8_t* panel,
+                            int32_t* acc, bool zero, bool last, const int32_t* xsum, const float* xscale,
+                            const float* wscale, float* out, int64_t ldo, int64_t cols, bool first, const char* pf,
+                            int64_t lines) {
+  __m512i a[MG][4];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i)
+      a[m][i] = zero ? _mm512_setzero_si512() : _mm512_load_si512(acc + 64 * m + 16 * i);
+  const uint8_t* r = panel + k0 * 256;
+  const int64_t steps = k1 - k0;
+  int64_t due = 0;
+  for (int64_t q = k0; q < k1; ++q, r += 256) {
+    for (due += lines; due >= steps; due -= steps, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+    const __m512i w0 = _mm512_loadu_si512(r), w1 = _mm512_loadu_si512(r + 64);
+    const __m512i w2 = _mm512_loadu_si512(r + 128), w3 = _mm512_loadu_si512(r + 192);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xw[m * ldx + q]));
+      a[m][0] = _mm512_dpbusd_epi32(a[m][0], w0, xb);
+      a[m][1] = _mm512_dpbusd_epi32(a[m][1], w1, xb);
+      a[m][2] = _mm512_dpbusd_epi32(a[m][2], w2, xb);
+      a[m][3] = _mm512_dpbusd_epi32(a[m][3], w3, xb);
+    }
+  }
+  if (!last) {
+    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
+      _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) _mm512_store_si512(acc + 64 * m + 16 * i, a[m][i]);
+    return;
+  }
+  __m512 ws[4];
+  _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) ws[i] = _mm512_maskz_loadu_ps(Mask16(cols - 16 * i), wscale + 16 * i);
+  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
+    const __m512i off = _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(xsum[m]) * 128u));
+    const __m512 xs = _mm512_set1_ps(xscale[m]);
+    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) {
+      const __mmask16 k = Mask16(cols - 16 * i);
+      float* o = out + m * ldo + 16 * i;
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][i], off)), xs), ws[i]);
+      if (!first) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, o), v);
+      _mm512_mask_storeu_ps(o, k, v);
+    }
+  }
+}
+
 // panels [pa, pb) of y[M, N] (int8 packed): xw [M, G * Qg] quads of the quantized x, xsum and
 // xscale [M, G], wscale [G, N]
 MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float* xscale, const float* wscale,
                            int64_t M, int64_t G, int64_t Qg, int64_t N, const uint8_t* w, float* y, int64_t pa,
                            int64_t pb) {
   const int64_t Q = G * Qg;
+  if (g_kblock_steps && M > 6) {
+    // from 7 rows: quad blocks of a panel with every row group over each in turn, prefetching
+    // ahead in shares, as PackedRange (the sums exact in int32: the same results). Four
+    // products an instruction make the panel's L2 reads, not only memory, the limit of the
+    // whole-panel passes below. The bench model's 16 layers + LM head as one int8 chain
+    // (twenty-first session, in-process, interleaved): 8 / 16 / 32 / 64 / 128 / 240 / 512 / 1024
+    // rows 16.4 / 23.0-23.8 / 34.7 / 55.8 / 107.8 / 201 / 402 / 790 -> 11.4 / 13.3-14.3 / 18.2 /
+    // 28.3 / 56.5 / 120 / 257 / 525 ms; 1 row level.
+    const int64_t groups = (M + 5) / 6, kb = g_kblock_steps;
+    thread_local std::vector<int32_t> sums;
+    sums.resize(groups * 6 * 64 + 16);
+    int32_t* acc = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t(63));
+    int32_t xsb[6];
+    float xsc[6];
+    for (int64_t p = pa; p < pb; ++p) {
+      const uint8_t* panel = w + p * Q * 256;
+      const int64_t cols = std::min<int64_t>(64, N - 64 * p);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t k0 = g * Qg; k0 < (g + 1) * Qg; k0 += kb) {
+          const int64_t k1 = std::min((g + 1) * Qg, k0 + kb), lines = 4 * (k1 - k0);
+          const int64_t share = (lines + groups - 1) / groups;
+          const char* pf = reinterpret_cast<const char*>(panel + k0 * 256) + g_kblock_ahead;
+          const bool zero = k0 == g * Qg, last = k1 == (g + 1) * Qg;
+          for (int64_t rg = 0; rg < groups; ++rg) {
+            const int64_t m = 6 * rg, n = std::min(share, lines - rg * share);
+            const int mg = static_cast<int>(std::min<int64_t>(6, M - m));
+            if (last)
+              for (int i = 0; i < mg; ++i) xsb[i] = xsum[(m + i) * G + g], xsc[i] = xscale[(m + i) * G + g];
+            const uint32_t* xm = xw + m * Q;
+            const float* ws = wscale + g * N + 64 * p;
+            float* om = y + m * N + 64 * p;
+            int32_t* a = acc + 64 * m;
+            const char* pg = pf + 64 * rg * share;
+            switch (mg) {
+              case 1: S8PKBlock<1>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
+              case 2: S8PKBlock<2>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
+              case 3: S8PKBlock<3>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
+              case 4: S8PKBlock<4>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
+              case 5: S8PKBlock<5>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
+              default: S8PKBlock<6>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
+            }
+          }
+        }
+    }
+    return;
+  }
   for (int64_t p = pa; p < pb; ++p) {
     const uint8_t* panel = w + p * Q * 256;
     const int64_t cols = std::min<int64_t>(64, N - 64 * p);
@@ -501,7 +596,6 @@ MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float*
 // alike from 4096 on, a prefetch of the next panel spread over every pass gained less, and one
 // row streams best without it (25.6 vs 24.4 GB/s).
 constexpr int64_t kPackedRows = 192;
-constexpr int64_t kKBlockRows = 128;
 
 MMJAX_AVX512 inline void Load4(const float* r, __m512* w) {
   for (int i = 0; i < 4; ++i) w[i] = _mm512_loadu_ps(r + 16 * i);
