@@ -501,14 +501,15 @@ MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float*
                            int64_t M, int64_t G, int64_t Qg, int64_t N, const uint8_t* w, float* y, int64_t pa,
                            int64_t pb) {
   const int64_t Q = G * Qg;
-  if (g_kblock_steps && M > 6) {
-    // from 7 rows: quad blocks of a panel with every row group over each in turn, prefetching
+  if (g_kblock_steps && M > 1) {
+    // from 2 rows: quad blocks of a panel with every row group over each in turn, prefetching
     // ahead in shares, as PackedRange (the sums exact in int32: the same results). Four
     // products an instruction make the panel's L2 reads, not only memory, the limit of the
-    // whole-panel passes below. The bench model's 16 layers + LM head as one int8 chain
-    // (twenty-first session, in-process, interleaved): 8 / 16 / 32 / 64 / 128 / 240 / 512 / 1024
-    // rows 16.4 / 23.0-23.8 / 34.7 / 55.8 / 107.8 / 201 / 402 / 790 -> 11.4 / 13.3-14.3 / 18.2 /
-    // 28.3 / 56.5 / 120 / 257 / 525 ms; 1 row level.
+    // whole-panel passes below (which have no software prefetch: one row streams best without).
+    // The bench model's 16 layers + LM head as one int8 chain (twenty-first session, in-process,
+    // interleaved): 2 / 4 / 6 / 8 / 16 / 32 / 64 / 128 / 240 / 512 / 1024 rows 10.4 / 12.3 /
+    // 14.9 / 16.4 / 23.0-23.8 / 34.7 / 55.8 / 107.8 / 201 / 402 / 790 -> 8.9 / 9.5 / 10.2 / 11.4
+    // / 13.3-14.3 / 18.2 / 28.3 / 56.5 / 120 / 257 / 525 ms; 1 row level.
     const int64_t groups = (M + 5) / 6, kb = g_kblock_steps;
     thread_local std::vector<int32_t> sums;
     sums.resize(groups * 6 * 64 + 16);
@@ -925,14 +926,21 @@ MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp,
 // 127 x 127 = 32258, no s16 saturation): the same s32 sums as the AVX-512 path, so the same bits
 // after the same f32 rescale. Tiles of MG rows x CW vectors (8 CW columns) over a group's quads.
 template <int MG, int CW>
+// init: sums to continue (row m's at init + 64 m + c; null: zeros); pf: `lines` lines prefetched
+// into L2, spread evenly over the quads
 MMJAX_AVX2 void S8PTile2(const uint32_t* xw, const uint32_t* xa, int64_t ldx, int64_t q0, int64_t q1,
-                         const uint8_t* panel, int64_t c, __m256i (*out)[8]) {
+                         const uint8_t* panel, int64_t c, __m256i (*out)[8], const int32_t* init = nullptr,
+                         const char* pf = nullptr, int64_t lines = 0) {
   __m256i a[MG][CW];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_setzero_si256();
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i)
+      a[m][i] = init ? _mm256_load_si256(reinterpret_cast<const __m256i*>(init + 64 * m + c + 8 * i))
+                     : _mm256_setzero_si256();
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   const uint8_t* r = panel + q0 * 256 + 4 * c;
+  int64_t due = 0;
   for (int64_t q = q0; q < q1; ++q, r += 256) {
+    for (due += lines; due >= q1 - q0; due -= q1 - q0, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
     __m256i w[CW];
     _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i)
       w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32 * i)), flip);
@@ -954,36 +962,64 @@ MMJAX_AVX2 void S8PRange2(const uint32_t* xw, const uint32_t* xa, const float* x
   constexpr int MG = 4;
   const int64_t Q = G * Qg;
   alignas(32) float ws[64];
+  // from 2 rows (several tiles a panel): 64-quad blocks of a group, every tile over each in turn
+  // with its sums carried in L1 (exact: the same results) and a share of the lines ahead
+  // prefetched, as on the AVX-512 path; one row: its tile over the whole group. The bench
+  // model's int8 chain on this path (AVX2 capped on the 2-core SPR-class VM, twenty-first
+  // session, interleaved): 2 / 4 / 8 / 16 / 64 rows 21.0 / 29.6 / 38.4 / 53.8 / 129 -> 14.6 /
+  // 13.5 / 17.1 / 32.1 / 109 ms; 1 and 240 rows level.
+  const bool blocks = g_kblock_steps && M > 1;
+  const int64_t tiles = blocks ? (M + MG - 1) / MG * (64 / 16) : 1;
+  thread_local std::vector<int32_t> sums;
+  sums.resize(blocks ? (M + MG) * 64 + 16 : 0);
+  int32_t* acc = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t(63));
   for (int64_t p = pa; p < pb; ++p) {
     const uint8_t* panel = w + p * Q * 256;
     const int64_t cols = std::min<int64_t>(64, N - 64 * p);
     for (int64_t g = 0; g < G; ++g) {
       std::fill(ws, ws + 64, 0.f);
       std::memcpy(ws, wscale + g * N + 64 * p, sizeof(float) * cols);
-      for (int64_t m = 0; m < M; m += MG) {
-        const int mg = static_cast<int>(std::min<int64_t>(MG, M - m));
-        // one row takes the whole 64-column step (256 contiguous bytes, 8 chains), two rows half
-        // of it: 16 columns a tile read a line of every four, 4 passes over the panel, and left
-        // one row at ~12 GB/s from memory
-        const int cw = Avx2TileVectors(mg);
-        for (int64_t c = 0; c < 64; c += 8 * cw) {
-          __m256i dots[MG][8];
-          const uint32_t *xm = xw + m * Q, *am = xa + m * Q;
-          switch (mg) {
-            case 1: S8PTile2<1, 8>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
-            case 2: S8PTile2<2, 4>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
-            case 3: S8PTile2<3, 2>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
-            default: S8PTile2<4, 2>(xm, am, Q, g * Qg, (g + 1) * Qg, panel, c, dots); break;
-          }
-          for (int i = 0; i < mg; ++i) {
-            const __m256 xs = _mm256_set1_ps(xscale[(m + i) * G + g]);
-            for (int h = 0; h < cw && c + 8 * h < cols; ++h) {
-              alignas(32) float v[8];
-              _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots[i][h]), xs),
-                                               _mm256_load_ps(ws + c + 8 * h)));
-              float* o = y + (m + i) * N + 64 * p + c + 8 * h;
-              const int64_t n = std::min<int64_t>(8, cols - c - 8 * h);
-              for (int64_t j = 0; j < n; ++j) o[j] = g == 0 ? v[j] : o[j] + v[j];
+      const int64_t kb = blocks ? g_kblock_steps : Qg;
+      for (int64_t k0 = g * Qg; k0 < (g + 1) * Qg; k0 += kb) {
+        const int64_t k1 = std::min((g + 1) * Qg, k0 + kb), lines = blocks ? 4 * (k1 - k0) : 0;
+        const int64_t share = (lines + tiles - 1) / tiles;
+        const bool zero = k0 == g * Qg, last = k1 == (g + 1) * Qg;
+        const char* pf = reinterpret_cast<const char*>(panel + k0 * 256) + g_kblock_ahead;
+        int64_t tile = 0;
+        for (int64_t m = 0; m < M; m += MG) {
+          const int mg = static_cast<int>(std::min<int64_t>(MG, M - m));
+          // one row takes the whole 64-column step (256 contiguous bytes, 8 chains), two rows half
+          // of it: 16 columns a tile read a line of every four, 4 passes over the panel, and left
+          // one row at ~12 GB/s from memory
+          const int cw = Avx2TileVectors(mg);
+          for (int64_t c = 0; c < 64; c += 8 * cw, ++tile) {
+            __m256i dots[MG][8];
+            const uint32_t *xm = xw + m * Q, *am = xa + m * Q;
+            const int32_t* init = blocks && !zero ? acc + 64 * m : nullptr;
+            const char* pt = pf + 64 * tile * share;
+            const int64_t npf = std::max<int64_t>(0, std::min(share, lines - tile * share));
+            switch (mg) {
+              case 1: S8PTile2<1, 8>(xm, am, Q, k0, k1, panel, c, dots, init, pt, npf); break;
+              case 2: S8PTile2<2, 4>(xm, am, Q, k0, k1, panel, c, dots, init, pt, npf); break;
+              case 3: S8PTile2<3, 2>(xm, am, Q, k0, k1, panel, c, dots, init, pt, npf); break;
+              default: S8PTile2<4, 2>(xm, am, Q, k0, k1, panel, c, dots, init, pt, npf); break;
+            }
+            if (!last) {
+              for (int i = 0; i < mg; ++i)
+                for (int h = 0; h < cw; ++h)
+                  _mm256_store_si256(reinterpret_cast<__m256i*>(acc + 64 * (m + i) + c + 8 * h), dots[i][h]);
+              continue;
+            }
+            for (int i = 0; i < mg; ++i) {
+              const __m256 xs = _mm256_set1_ps(xscale[(m + i) * G + g]);
+              for (int h = 0; h < cw && c + 8 * h < cols; ++h) {
+                alignas(32) float v[8];
+                _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots[i][h]), xs),
+                                                 _mm256_load_ps(ws + c + 8 * h)));
+                float* o = y + (m + i) * N + 64 * p + c + 8 * h;
+                const int64_t n = std::min<int64_t>(8, cols - c - 8 * h);
+                for (int64_t j = 0; j < n; ++j) o[j] = g == 0 ? v[j] : o[j] + v[j];
+              }
             }
           }
         }
