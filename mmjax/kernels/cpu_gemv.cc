@@ -816,17 +816,19 @@ constexpr int Avx2TileVectors(int64_t rows) { return rows == 1 ? 8 : rows == 2 ?
 // panel astride floats on).
 template <int MG, int CW, int VP, bool kBf16>
 MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int64_t PW, int64_t pstride,
-                            int64_t steps, float* c, int64_t ldc, int64_t astride, const uint32_t* pf) {
+                            int64_t steps, float* c, int64_t ldc, int64_t astride, bool add, const char* pf,
+                            int64_t lines) {
   const auto wat = [&](int i) { return (i / VP) * pstride + 8 * (i % VP); };
   const auto cat = [&](int m, int i) { return (i / VP) * astride + m * ldc + 8 * (i % VP); };
   __m256 a[MG][CW];
   _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) a[m][i] = add ? _mm256_loadu_ps(c + cat(m, i)) : _mm256_setzero_ps();
+  int64_t due = 0;
   const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   // the step's weight vectors first, then one broadcast of x per row (loading a weight vector per
   // (vector, row) pair made the compiler broadcast each x CW times: 40 -> 70 GFLOP/s on one core)
   for (int64_t k = 0; k < steps; ++k, r += PW) {
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * PW), _MM_HINT_T1);
+    for (due += lines; due >= steps; due -= steps, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
     if constexpr (kBf16) {
       __m256 we[CW], wo[CW];
       _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) {
@@ -856,8 +858,12 @@ MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int6
 
 // rows [m0, m1) of one tile column: register tiles of up to MG rows (1 .. 6)
 template <int CW, int VP, bool kBf16>
+// add: continue the sums already in c (a block of steps after the first); pf, lines >= 0: the
+// lines to prefetch, in equal shares over the row groups (else the first group pulls the next
+// 16-column panel, one line a step)
 MMJAX_AVX2 void PackedRows2(int64_t m0, int64_t m1, int64_t MG, const float* x, int64_t ldx, const uint32_t* r,
-                            int64_t PW, int64_t pstride, int64_t steps, float* c, int64_t ldc, int64_t astride) {
+                            int64_t PW, int64_t pstride, int64_t steps, float* c, int64_t ldc, int64_t astride,
+                            bool add = false, const char* pf = nullptr, int64_t lines = -1) {
   // the rows in as few groups of at most MG as cover them, of sizes differing by one at most (8
   // rows as 4 + 4, not 6 + 2: a 2-row tile has 4 FMA chains, too few to fill the FMA pipes)
   const int64_t groups = (m1 - m0 + MG - 1) / MG, base = (m1 - m0) / groups, extra = (m1 - m0) % groups;
@@ -868,15 +874,22 @@ MMJAX_AVX2 void PackedRows2(int64_t m0, int64_t m1, int64_t MG, const float* x, 
     // the first row group's tile pulls the next panel into L2, one line a step (16-column panels:
     // a step is a line), so that reading the weight from memory overlaps the FMAs instead of
     // preceding them (6 and 16 rows took the memory time plus the compute time)
-    const uint32_t* pf = g == 0 && PW == 16 && CW == 2 ? r + pstride : nullptr;
+    const char* pg = nullptr;
+    int64_t n = 0;
+    if (lines >= 0) {
+      const int64_t share = (lines + groups - 1) / groups;
+      pg = pf + 64 * g * share, n = std::max<int64_t>(0, std::min(share, lines - g * share));
+    } else if (g == 0 && PW == 16 && CW == 2) {
+      pg = reinterpret_cast<const char*>(r + pstride), n = steps;
+    }
     m += rows;
     switch (rows) {
-      case 1: PackedTile2<1, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
-      case 2: if constexpr (CW <= 4) PackedTile2<2, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
-      case 3: if constexpr (CW <= 2) PackedTile2<3, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
-      case 4: if constexpr (CW <= 2) PackedTile2<4, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
-      case 5: if constexpr (CW <= 2) PackedTile2<5, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
-      default: if constexpr (CW <= 2) PackedTile2<6, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, pf); break;
+      case 1: PackedTile2<1, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
+      case 2: if constexpr (CW <= 4) PackedTile2<2, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
+      case 3: if constexpr (CW <= 2) PackedTile2<3, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
+      case 4: if constexpr (CW <= 2) PackedTile2<4, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
+      case 5: if constexpr (CW <= 2) PackedTile2<5, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
+      default: if constexpr (CW <= 2) PackedTile2<6, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
     }
   }
 }
@@ -905,6 +918,27 @@ MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp,
         if (CW == 8) PackedRows2<8, 8, kBf16>(0, M, MG, x, ldx, r, PW, pstride, Kp, c + col, ldc, PW);
         else if (CW == 4) PackedRows2<4, 4, kBf16>(0, M, MG, x, ldx, r, PW, pstride, Kp, c + col, ldc, PW);
         else PackedRows2<2, 2, kBf16>(0, M, MG, x, ldx, r, PW, pstride, Kp, c + col, ldc, PW);
+      }
+    }
+    return;
+  }
+  if (CW == 2 && g_kblock_steps && M > MG && M <= kKBlockRows) {
+    // several row groups (decode): blocks of 16 KiB of a panel, every group over each in turn, the
+    // sums carried in y (the same FMA chains, the same bits) and the lines g_kblock_ahead bytes
+    // on prefetched in shares, as on the AVX-512 path. The bench model's chain on this path (AVX2
+    // capped on the 2-core SPR-class VM, twenty-first session, interleaved): f32 8 / 16 / 64 / 128
+    // rows 52.8 / 70.9 / 180.6 / 329.2 -> 42.9 / 52.9 / 161.8 / 307.2 ms, bf16 8 / 16 rows 35.5 /
+    // 56.8 -> 28.6 / 45.6 ms; 4 rows (one group) level.
+    const int64_t kb = 4 * g_kblock_steps;
+    for (int64_t p = pa; p < pb; ++p) {
+      const uint32_t* panel = w + p * pstride;
+      float* c = p < full ? y + PW * p : tail;
+      const int64_t ldc = p < full ? N : PW;
+      for (int64_t k0 = 0; k0 < Kp; k0 += kb) {
+        const int64_t k1 = std::min(Kp, k0 + kb);
+        const char* pf = reinterpret_cast<const char*>(panel + k0 * PW) + g_kblock_ahead;
+        PackedRows2<2, 2, kBf16>(0, M, MG, x + (kBf16 ? 2 : 1) * k0, ldx, panel + k0 * PW, PW, pstride, k1 - k0, c,
+                                 ldc, PW, k0 > 0, pf, (k1 - k0) * PW * 4 / 64);
       }
     }
     return;
