@@ -1,6 +1,6 @@
 """Decode's weight matmuls alone: mmjax's CPU kernel (mmjax.kernels.cpu_gemv) vs XLA's dots.
 
-    python -m benchmarks.gemv [--rows 1 8] [--shapes 1024x32000 2048x8192] [--repeat 5] [--chain]
+    python -m benchmarks.gemv [--rows 1 8] [--shapes 1024x32000 2048x8192] [--repeat 5] [--chain [--blocks-ab]]
 
 For each [rows, K] @ [K, N]: XLA's f32 dot (decode's f32 compiler options), the bf16 and int8
 paths without the kernel (one row run as two on YNNPACK: `layers.one_row_as_two`, decode's
@@ -54,8 +54,11 @@ CHAIN_SHAPES = ((1024, 2048), (1024, 1024), (1024, 5632), (2816, 1024))   # qkv,
 CHAIN_LAYERS = 8
 
 
-def chain(rows: list[int], layers: int = CHAIN_LAYERS) -> list[dict]:
-    """Best time of one jitted chain through `layers` layers of distinct weights per path."""
+def chain(rows: list[int], layers: int = CHAIN_LAYERS, blocks_ab: bool = False) -> list[dict]:
+    """Best time of one jitted chain through `layers` layers of distinct weights per path;
+    blocks_ab: the packed paths also with the kernels' step blocks off (cpu_gemv.cc
+    `mmjax_gemv_kblock`), rounds alternating, the same compiled chain."""
+    from mmjax.kernels import cpu_library
     rng = np.random.default_rng(1)
     shapes = [s for _ in range(layers) for s in CHAIN_SHAPES]
     out = []
@@ -88,13 +91,23 @@ def chain(rows: list[int], layers: int = CHAIN_LAYERS) -> list[dict]:
             opts = _CPU_DECODE_OPTIONS if dtype == jnp.float32 else _CPU_DECODE_OPTIONS_NARROW
             c = jax.jit(f).lower(xs, ws).compile(opts)
             c(xs, ws).block_until_ready()
-            best = float("inf")
-            for _ in range(25):
-                t0 = time.perf_counter()
-                c(xs, ws).block_until_ready()
-                best = min(best, time.perf_counter() - t0)
-            out.append({"path": path, "rows": m, "ms": round(best * 1e3, 3), "gb_s": _gb_s(nbytes, best)})
-            print(f"chain {path:12s} rows {m:2d} {best * 1e3:8.2f} ms {out[-1]['gb_s']:6.1f} GB/s", flush=True)
+            lib = cpu_library.load()
+            sides = ("blocks", "no blocks") if blocks_ab and "packed" in path else ("blocks",)
+            steps = lib.mmjax_gemv_kblock(0, -1)        # the default (set back below)
+            best = dict.fromkeys(sides, float("inf"))
+            try:
+                for _ in range(25):
+                    for side in sides:
+                        lib.mmjax_gemv_kblock(steps if side == "blocks" else 0, -1)
+                        t0 = time.perf_counter()
+                        c(xs, ws).block_until_ready()
+                        best[side] = min(best[side], time.perf_counter() - t0)
+            finally:
+                lib.mmjax_gemv_kblock(steps, -1)
+            for side in sides:
+                name = path if side == "blocks" else f"{path} (no blocks)"
+                out.append({"path": name, "rows": m, "ms": round(best[side] * 1e3, 3), "gb_s": _gb_s(nbytes, best[side])})
+                print(f"chain {name:12s} rows {m:2d} {best[side] * 1e3:8.2f} ms {out[-1]['gb_s']:6.1f} GB/s", flush=True)
     return out
 
 
@@ -110,6 +123,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--chain", action="store_true", help="also time chains of distinct layer weights")
     ap.add_argument("--chain-layers", type=int, default=CHAIN_LAYERS)
+    ap.add_argument("--blocks-ab", action="store_true",
+                    help="with --chain: the packed paths also without the step blocks (A/B, rounds alternating)")
     args = ap.parse_args(argv)
     if not cpu_gemv.available():
         raise SystemExit("the CPU kernel is unavailable (see the warning above)")
@@ -145,7 +160,7 @@ def main(argv=None) -> dict:
                       flush=True)
     out = {"bench": "gemv", "rows": rows_out}
     if args.chain:
-        out["chain"] = chain(args.rows, args.chain_layers)
+        out["chain"] = chain(args.rows, args.chain_layers, args.blocks_ab)
     print(json.dumps(out))
     return out
 

@@ -141,14 +141,16 @@ def test_cpu_attention_paths_bench_smoke(capsys):
 
 def test_gemv_bench_smoke(capsys):
     from benchmarks.gemv import main
-    r = main(["--rows", "1", "3", "--shapes", "64x200", "--repeat", "1", "--chain", "--chain-layers", "1"])
+    r = main(["--rows", "1", "3", "--shapes", "64x200", "--repeat", "1", "--chain", "--chain-layers", "1",
+              "--blocks-ab"])
     paths = ["f32 xla", "bf16 xla", "f32 kernel", "bf16 kernel", "int8 xla", "int8 kernel", "f32 packed",
              "bf16 packed", "int8 packed"]
     assert [(x["shape"], x["path"]) for x in r["rows"]] == [(s, p) for s in ("[1,64]x[64,200]", "[3,64]x[64,200]")
                                                             for p in paths]
     assert {(x["path"], x["rows"]) for x in r["chain"]} == {
         (p, m) for p in ("f32 xla", "f32 kernel", "f32 packed", "bf16 kernel", "bf16 packed", "int8 kernel",
-                         "int8 packed") for m in (1, 3)}
+                         "int8 packed", "f32 packed (no blocks)", "bf16 packed (no blocks)",
+                         "int8 packed (no blocks)") for m in (1, 3)}
     assert all(_finite(x["ms"]) and x["ms"] > 0 and x["gb_s"] > 0 for x in r["rows"] + r["chain"])
     assert "chain bf16 packed  rows  3" in capsys.readouterr().out
 

@@ -1523,10 +1523,13 @@ void mmjax_gemv_bf16_prefetch(int elems) { g_bf16_prefetch = std::max(0, elems);
 void mmjax_gemv_panel_mode(int mode) { g_panel_mode = mode; }
 // bytes ahead the packed kernels' first pass prefetches at decode rows (0: none)
 void mmjax_gemv_packed_prefetch(int bytes) { g_packed_prefetch = std::max(0, bytes); }
-// decode rows' (7 to 18) step blocks and how far ahead they prefetch (steps 0: off)
-void mmjax_gemv_kblock(int steps, int ahead_bytes) {
+// benchmark A/Bs only: the packed kernels' step blocks (steps a block, 0: off) and how far ahead
+// they prefetch (bytes; negative: unchanged); returns the steps before the call
+int mmjax_gemv_kblock(int steps, int ahead_bytes) {
+  const int before = g_kblock_steps;
   g_kblock_steps = std::max(0, steps);
-  g_kblock_ahead = std::max(0, ahead_bytes);
+  if (ahead_bytes >= 0) g_kblock_ahead = ahead_bytes;
+  return before;
 }
 // benchmark sweeps only (not thread-safe against running calls): see the tuning globals above
 void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_thread, int min_part_bytes) {
