@@ -413,44 +413,12 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
 // vector i is column 16i + j. Rows in register passes of up to 6 (24 accumulators); a panel
 // re-read by a later pass comes from L2 (<= 64 * K bytes). The store rescales in f32 exactly as
 // mmjax.quant.qmatmul does: y (+)= (float(acc) * x_scale) * w_scale, groups in order.
-template <int MG>
-MMJAX_AVX512 void S8PBlock(const uint32_t* xw, int64_t ldx, int64_t q0, int64_t q1, const uint8_t* panel,
-                           const int32_t* xsum, const float* xscale, const float* wscale, float* out,
-                           int64_t ldo, int64_t cols, bool first) {
-  __m512i a[MG][4];
-  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_si512();
-  const uint8_t* r = panel + q0 * 256;
-  for (int64_t q = q0; q < q1; ++q, r += 256) {
-    const __m512i w0 = _mm512_loadu_si512(r), w1 = _mm512_loadu_si512(r + 64);
-    const __m512i w2 = _mm512_loadu_si512(r + 128), w3 = _mm512_loadu_si512(r + 192);
-    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
-      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xw[m * ldx + q]));
-      a[m][0] = _mm512_dpbusd_epi32(a[m][0], w0, xb);
-      a[m][1] = _mm512_dpbusd_epi32(a[m][1], w1, xb);
-      a[m][2] = _mm512_dpbusd_epi32(a[m][2], w2, xb);
-      a[m][3] = _mm512_dpbusd_epi32(a[m][3], w3, xb);
-    }
-  }
-  __m512 ws[4];
-  _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) ws[i] = _mm512_maskz_loadu_ps(Mask16(cols - 16 * i), wscale + 16 * i);
-  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
-    const __m512i off = _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(xsum[m]) * 128u));
-    const __m512 xs = _mm512_set1_ps(xscale[m]);
-    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) {
-      const __mmask16 k = Mask16(cols - 16 * i);
-      float* o = out + m * ldo + 16 * i;
-      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][i], off)), xs), ws[i]);
-      if (!first) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, o), v);
-      _mm512_mask_storeu_ps(o, k, v);
-    }
-  }
-}
 
-// One row group's pass over quads [k0, k1) of a panel (S8PBlock's arithmetic), its int32 sums
-// carried in acc [MG][64] (L1) between the passes of consecutive quad blocks of one quant group
-// (zero: the group's first block); the group's last block (last) rescales them into out as
-// S8PBlock does. pf: `lines` lines prefetched into L2, spread evenly over the pass's quads.
+// One row group's pass over quads [k0, k1) of a panel, its int32 sums carried in acc [MG][64]
+// (L1) between the passes of consecutive quad blocks of one quant group (zero: start from 0);
+// the group's last block (last) rescales them into out: y = (float(sum - 128 xsum) * x_scale) *
+// w_scale, stored (first: the first quant group) or added. pf: `lines` lines prefetched into
+// L2, spread evenly over the pass's quads.
 template <int MG>
 MMJAX_AVX512 void S8PKBlock(const uint32_t* xw, int64_t ldx, int64_t k0, int64_t k1, const uint8_t* panel,
                             int32_t* acc, bool zero, bool last, const int32_t* xsum, const float* xscale,
@@ -493,6 +461,15 @@ MMJAX_AVX512 void S8PKBlock(const uint32_t* xw, int64_t ldx, int64_t k0, int64_t
       _mm512_mask_storeu_ps(o, k, v);
     }
   }
+}
+
+// one row group over a quant group's quads [q0, q1) of a panel, rescaled into out (first: stored,
+// else added)
+template <int MG>
+MMJAX_AVX512 void S8PBlock(const uint32_t* xw, int64_t ldx, int64_t q0, int64_t q1, const uint8_t* panel,
+                           const int32_t* xsum, const float* xscale, const float* wscale, float* out,
+                           int64_t ldo, int64_t cols, bool first) {
+  S8PKBlock<MG>(xw, ldx, q0, q1, panel, nullptr, true, true, xsum, xscale, wscale, out, ldo, cols, first, nullptr, 0);
 }
 
 // panels [pa, pb) of y[M, N] (int8 packed): xw [M, G * Qg] quads of the quantized x, xsum and
@@ -609,34 +586,10 @@ MMJAX_AVX512 inline __m512 Madd(__m512 a, __m512 w, uint32_t x) {
   return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)));
 }
 
-// pf: where to prefetch into L2 (nullptr: nowhere): `lines` 64-byte lines spread evenly over the
-// Kp steps (lines = 4 Kp: the 256 bytes of a step each step)
-template <int MG, typename X, typename W>
-MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out, int64_t ldo, int64_t cols,
-                              const char* pf, int64_t lines) {
-  __m512 a[MG][4];
-  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_ps();
-  const W* r = panel;
-  int64_t due = 0;
-  for (int64_t k = 0; k < Kp; ++k, r += 256 / sizeof(W)) {
-    if (pf)
-      for (due += lines; due >= Kp; due -= Kp, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-    __m512 w[4];
-    Load4(r, w);
-    _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m) {
-      const X xv = x[m * Kp + k];
-      _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) a[m][i] = Madd(a[m][i], w[i], xv);
-    }
-  }
-  _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
-    _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i)
-      _mm512_mask_storeu_ps(out + m * ldo + 16 * i, Mask16(cols - 16 * i), a[m][i]);
-}
-
 // One row group's pass over steps [k0, k1) of a panel, its sums carried in acc [MG][64] (L1)
-// between the passes of consecutive step blocks (zero: the panel's first block); the last block
-// writes them to out. pf: `lines` lines prefetched into L2, spread evenly over the pass's steps.
+// between the passes of consecutive step blocks (zero: start from 0); with out, the sums are
+// written there instead (the panel's last block). pf: where to prefetch into L2, `lines` 64-byte
+// lines spread evenly over the pass's steps (0: none; 4 per step: the 256 bytes of a step).
 template <int MG, typename X, typename W>
 MMJAX_AVX512 void PackedKBlock(const X* x, int64_t Kp, int64_t k0, int64_t k1, const W* panel, float* acc, bool zero,
                                float* out, int64_t ldo, int64_t cols, const char* pf, int64_t lines) {
@@ -664,6 +617,13 @@ MMJAX_AVX512 void PackedKBlock(const X* x, int64_t Kp, int64_t k0, int64_t k1, c
     _Pragma("GCC unroll 16") for (int m = 0; m < MG; ++m)
       _Pragma("GCC unroll 16") for (int i = 0; i < 4; ++i) _mm512_store_ps(acc + 64 * m + 16 * i, a[m][i]);
   }
+}
+
+// one row group over all of a panel, written to out
+template <int MG, typename X, typename W>
+MMJAX_AVX512 void PackedBlock(const X* x, int64_t Kp, const W* panel, float* out, int64_t ldo, int64_t cols,
+                              const char* pf, int64_t lines) {
+  PackedKBlock<MG>(x, Kp, 0, Kp, panel, nullptr, true, out, ldo, cols, pf, lines);
 }
 
 // panels [pa, pb) of y[M, N] = x @ W (packed); x [M, Kp] f32 values / bf16 pair words
