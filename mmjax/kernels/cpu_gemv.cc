@@ -67,6 +67,17 @@ int g_max_cols = 16384, g_block_pairs = 0, g_block_quads = 0, g_threads = 0, g_p
     g_min_part_bytes = 4096, g_f32_prefetch = 32, g_bf16_prefetch = 64, g_packed_prefetch = 4096, g_panel_mode = 1,
     g_kblock_steps = 64, g_kblock_ahead = 32768;
 
+// Part i of `parts` equal shares of `lines` 64-byte lines from pf (what several passes over one
+// block prefetch between them): its first line and its count (0 past the end).
+struct Lines {
+  const char* pf;
+  int64_t n;
+};
+inline Lines ShareOf(const char* pf, int64_t lines, int64_t parts, int64_t i) {
+  const int64_t share = (lines + parts - 1) / parts;
+  return {pf + 64 * i * share, std::max<int64_t>(0, std::min(share, lines - i * share))};
+}
+
 int BlockPairs(int M) { return g_block_pairs ? g_block_pairs : M <= 4 ? 4 : M <= 8 ? 8 : 16; }
 // int8 quads re-swept in the ninth session (a chain through 8 layers of the bench model's int8
 // weights, 2-core Zen 4, interleaved): 4 quads beat 3 by 10-15% at 1, 2 and 4 rows (1 row: 28.6
@@ -410,8 +421,9 @@ MMJAX_AVX512 void S8Range(const uint32_t* xw, const int32_t* xsum, int M, int64_
 // as w ^ 0x80 (w + 128, unsigned for vpdpbusd). One panel is one contiguous run of 64 * K bytes,
 // so a thread streams its panels front to back (no short rows, no interleaving shuffles), and
 // the four 64-byte vectors of a quad are the four vpdpbusd operands as they are: lane j of
-// vector i is column 16i + j. Rows in register passes of up to 6 (24 accumulators); a panel
-// re-read by a later pass comes from L2 (<= 64 * K bytes). The store rescales in f32 exactly as
+// vector i is column 16i + j. Rows in register passes of up to 6 (24 accumulators), every pass
+// over a 64-quad block of the panel before the next block (S8PRange), so the later passes read it
+// from L1. The store rescales in f32 exactly as
 // mmjax.quant.qmatmul does: y (+)= (float(acc) * x_scale) * w_scale, groups in order.
 
 // One row group's pass over quads [k0, k1) of a panel, its int32 sums carried in acc [MG][64]
@@ -463,89 +475,54 @@ MMJAX_AVX512 void S8PKBlock(const uint32_t* xw, int64_t ldx, int64_t k0, int64_t
   }
 }
 
-// one row group over a quant group's quads [q0, q1) of a panel, rescaled into out (first: stored,
-// else added)
-template <int MG>
-MMJAX_AVX512 void S8PBlock(const uint32_t* xw, int64_t ldx, int64_t q0, int64_t q1, const uint8_t* panel,
-                           const int32_t* xsum, const float* xscale, const float* wscale, float* out,
-                           int64_t ldo, int64_t cols, bool first) {
-  S8PKBlock<MG>(xw, ldx, q0, q1, panel, nullptr, true, true, xsum, xscale, wscale, out, ldo, cols, first, nullptr, 0);
-}
 
 // panels [pa, pb) of y[M, N] (int8 packed): xw [M, G * Qg] quads of the quantized x, xsum and
 // xscale [M, G], wscale [G, N]
 MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float* xscale, const float* wscale,
                            int64_t M, int64_t G, int64_t Qg, int64_t N, const uint8_t* w, float* y, int64_t pa,
                            int64_t pb) {
-  const int64_t Q = G * Qg;
-  if (g_kblock_steps && M > 1) {
-    // from 2 rows: quad blocks of a panel with every row group over each in turn, prefetching
-    // ahead in shares, as PackedRange (the sums exact in int32: the same results). Four
-    // products an instruction make the panel's L2 reads, not only memory, the limit of the
-    // whole-panel passes below (which have no software prefetch: one row streams best without).
-    // The bench model's 16 layers + LM head as one int8 chain (twenty-first session, in-process,
-    // interleaved): 2 / 4 / 6 / 8 / 16 / 32 / 64 / 128 / 240 / 512 / 1024 rows 10.4 / 12.3 /
-    // 14.9 / 16.4 / 23.0-23.8 / 34.7 / 55.8 / 107.8 / 201 / 402 / 790 -> 8.9 / 9.5 / 10.2 / 11.4
-    // / 13.3-14.3 / 18.2 / 28.3 / 56.5 / 120 / 257 / 525 ms; 1 row level.
-    const int64_t groups = (M + 5) / 6, kb = g_kblock_steps;
-    thread_local std::vector<int32_t> sums;
-    sums.resize(groups * 6 * 64 + 16);
-    int32_t* acc = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t(63));
-    int32_t xsb[6];
-    float xsc[6];
-    for (int64_t p = pa; p < pb; ++p) {
-      const uint8_t* panel = w + p * Q * 256;
-      const int64_t cols = std::min<int64_t>(64, N - 64 * p);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t k0 = g * Qg; k0 < (g + 1) * Qg; k0 += kb) {
-          const int64_t k1 = std::min((g + 1) * Qg, k0 + kb), lines = 4 * (k1 - k0);
-          const int64_t share = (lines + groups - 1) / groups;
-          const char* pf = reinterpret_cast<const char*>(panel + k0 * 256) + g_kblock_ahead;
-          const bool zero = k0 == g * Qg, last = k1 == (g + 1) * Qg;
-          for (int64_t rg = 0; rg < groups; ++rg) {
-            const int64_t m = 6 * rg, n = std::min(share, lines - rg * share);
-            const int mg = static_cast<int>(std::min<int64_t>(6, M - m));
-            if (last)
-              for (int i = 0; i < mg; ++i) xsb[i] = xsum[(m + i) * G + g], xsc[i] = xscale[(m + i) * G + g];
-            const uint32_t* xm = xw + m * Q;
-            const float* ws = wscale + g * N + 64 * p;
-            float* om = y + m * N + 64 * p;
-            int32_t* a = acc + 64 * m;
-            const char* pg = pf + 64 * rg * share;
-            switch (mg) {
-              case 1: S8PKBlock<1>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
-              case 2: S8PKBlock<2>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
-              case 3: S8PKBlock<3>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
-              case 4: S8PKBlock<4>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
-              case 5: S8PKBlock<5>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
-              default: S8PKBlock<6>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, pg, n); break;
-            }
-          }
-        }
-    }
-    return;
-  }
+  // Quad blocks of a panel's quant group with every row group over each in turn, the int32 sums
+  // carried in L1 between blocks (exact: any blocking gives the same results) and a share of the
+  // lines g_kblock_ahead bytes on prefetched by every pass, as PackedRange. Four products an
+  // instruction made the panel's L2 reads, not only memory, the limit of whole-group passes
+  // without prefetch (g_kblock_steps 0: a block is the whole group, nothing prefetched). The
+  // bench model's 16 layers + LM head as one int8 chain (twenty-first session, in-process,
+  // interleaved; the whole-group loop this replaced -> blocks): 1 / 2 / 4 / 6 / 8 / 16 / 32 / 64
+  // / 128 / 240 / 512 / 1024 rows 9.7 / 10.4 / 12.3 / 14.9 / 16.4 / 23.0-23.8 / 34.7 / 55.8 /
+  // 107.8 / 201 / 402 / 790 -> 9.4 / 8.9 / 9.5 / 10.2 / 11.4 / 13.3-14.3 / 18.2 / 28.3 / 56.5 /
+  // 120 / 257 / 525 ms.
+  const int64_t Q = G * Qg, groups = (M + 5) / 6, kb = g_kblock_steps ? g_kblock_steps : Qg;
+  thread_local std::vector<int32_t> sums;
+  sums.resize(groups * 6 * 64 + 16);
+  int32_t* acc = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t(63));
+  int32_t xsb[6];          // a row group's correction and scale in quant group g: [(m + i) * G + g]
+  float xsc[6];
   for (int64_t p = pa; p < pb; ++p) {
     const uint8_t* panel = w + p * Q * 256;
     const int64_t cols = std::min<int64_t>(64, N - 64 * p);
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t m = 0; m < M; m += 6) {
-        // the block's rows' correction and scale (row m + i of group g sits at [(m + i) * G + g])
-        int32_t xsb[6];
-        float xsc[6];
-        const int mg = static_cast<int>(std::min<int64_t>(6, M - m));
-        for (int i = 0; i < mg; ++i) xsb[i] = xsum[(m + i) * G + g], xsc[i] = xscale[(m + i) * G + g];
-        const uint32_t* xm = xw + m * Q;
-        const float* ws = wscale + g * N + 64 * p;
-        float* om = y + m * N + 64 * p;
-        const int64_t q0 = g * Qg, q1 = (g + 1) * Qg;
-        switch (mg) {
-          case 1: S8PBlock<1>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
-          case 2: S8PBlock<2>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
-          case 3: S8PBlock<3>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
-          case 4: S8PBlock<4>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
-          case 5: S8PBlock<5>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
-          default: S8PBlock<6>(xm, Q, q0, q1, panel, xsb, xsc, ws, om, N, cols, g == 0); break;
+      for (int64_t k0 = g * Qg; k0 < (g + 1) * Qg; k0 += kb) {
+        const int64_t k1 = std::min((g + 1) * Qg, k0 + kb), lines = g_kblock_steps ? 4 * (k1 - k0) : 0;
+        const char* pf = reinterpret_cast<const char*>(panel + k0 * 256) + g_kblock_ahead;
+        const bool zero = k0 == g * Qg, last = k1 == (g + 1) * Qg;
+        for (int64_t rg = 0; rg < groups; ++rg) {
+          const int64_t m = 6 * rg;
+          const int mg = static_cast<int>(std::min<int64_t>(6, M - m));
+          if (last)
+            for (int i = 0; i < mg; ++i) xsb[i] = xsum[(m + i) * G + g], xsc[i] = xscale[(m + i) * G + g];
+          const uint32_t* xm = xw + m * Q;
+          const float* ws = wscale + g * N + 64 * p;
+          float* om = y + m * N + 64 * p;
+          int32_t* a = acc + 64 * m;
+          const Lines l = ShareOf(pf, lines, groups, rg);
+          switch (mg) {
+            case 1: S8PKBlock<1>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, l.pf, l.n); break;
+            case 2: S8PKBlock<2>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, l.pf, l.n); break;
+            case 3: S8PKBlock<3>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, l.pf, l.n); break;
+            case 4: S8PKBlock<4>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, l.pf, l.n); break;
+            case 5: S8PKBlock<5>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, l.pf, l.n); break;
+            default: S8PKBlock<6>(xm, Q, k0, k1, panel, a, zero, last, xsb, xsc, ws, om, N, cols, g == 0, l.pf, l.n); break;
+          }
         }
       }
   }
@@ -665,21 +642,21 @@ MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, cons
       const W* panel = w + p * Kp * kStep;
       const int64_t cols = std::min<int64_t>(64, N - 64 * p);
       for (int64_t k0 = 0; k0 < Kp; k0 += kb) {
-        const int64_t k1 = std::min(Kp, k0 + kb), lines = 4 * (k1 - k0), share = (lines + groups - 1) / groups;
+        const int64_t k1 = std::min(Kp, k0 + kb);
         const char* pf = reinterpret_cast<const char*>(panel + k0 * kStep) + g_kblock_ahead;
         for (int64_t g = 0; g < groups; ++g) {
-          const int64_t m = 6 * g, rows = std::min<int64_t>(6, M - m), n = std::min(share, lines - g * share);
+          const int64_t m = 6 * g, rows = std::min<int64_t>(6, M - m);
           const X* xm = x + m * Kp;
           float* a = acc + 64 * m;
           float* om = k1 == Kp ? y + m * N + 64 * p : nullptr;
-          const char* pg = pf + 64 * g * share;
+          const Lines l = ShareOf(pf, 4 * (k1 - k0), groups, g);
           switch (rows) {
-            case 1: PackedKBlock<1>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
-            case 2: PackedKBlock<2>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
-            case 3: PackedKBlock<3>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
-            case 4: PackedKBlock<4>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
-            case 5: PackedKBlock<5>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
-            default: PackedKBlock<6>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, pg, n); break;
+            case 1: PackedKBlock<1>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, l.pf, l.n); break;
+            case 2: PackedKBlock<2>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, l.pf, l.n); break;
+            case 3: PackedKBlock<3>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, l.pf, l.n); break;
+            case 4: PackedKBlock<4>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, l.pf, l.n); break;
+            case 5: PackedKBlock<5>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, l.pf, l.n); break;
+            default: PackedKBlock<6>(xm, Kp, k0, k1, panel, a, k0 == 0, om, N, cols, l.pf, l.n); break;
           }
         }
       }
@@ -695,14 +672,12 @@ MMJAX_AVX512 void PackedRange(const X* x, int64_t M, int64_t Kp, int64_t N, cons
     // x no longer stays in L2 over a panel and 192-row blocks that re-read each panel are faster
     // (514 x 1024 x 3072: 282 vs 271; 2056 x 1024 x 4096: 274 vs 266). (The hot-weight rate, the
     // weight in L3: 312-344 GFLOP/s at 240 rows.)
-    const int64_t share = (panel_lines + groups - 1) / groups;
     for (int64_t p = pa; p < pb; ++p) {
       const W* panel = w + p * Kp * kStep;
       const char* next = reinterpret_cast<const char*>(panel + Kp * kStep);
       for (int64_t g = 0; g < groups; ++g) {
-        const bool ahead = p + 1 < pb && g * share < panel_lines;
-        block(6 * g, std::min<int64_t>(6, M - 6 * g), panel, p, ahead ? next + 64 * g * share : nullptr,
-              ahead ? std::min(share, panel_lines - g * share) : 0);
+        const Lines l = ShareOf(next, p + 1 < pb ? panel_lines : 0, groups, g);
+        block(6 * g, std::min<int64_t>(6, M - 6 * g), panel, p, l.pf, l.n);
       }
     }
     return;
@@ -816,11 +791,11 @@ MMJAX_AVX2 void PackedTile2(const float* x, int64_t ldx, const uint32_t* r, int6
     _Pragma("GCC unroll 16") for (int i = 0; i < CW; ++i) _mm256_storeu_ps(c + cat(m, i), a[m][i]);
 }
 
-// rows [m0, m1) of one tile column: register tiles of up to MG rows (1 .. 6)
+// rows [m0, m1) of one tile column: register tiles of up to MG rows (1 .. 6). add: continue the
+// sums already in c (a block of steps after the first); pf, lines >= 0: the lines to prefetch,
+// in equal shares over the row groups (else the first group pulls the next 16-column panel, one
+// line a step)
 template <int CW, int VP, bool kBf16>
-// add: continue the sums already in c (a block of steps after the first); pf, lines >= 0: the
-// lines to prefetch, in equal shares over the row groups (else the first group pulls the next
-// 16-column panel, one line a step)
 MMJAX_AVX2 void PackedRows2(int64_t m0, int64_t m1, int64_t MG, const float* x, int64_t ldx, const uint32_t* r,
                             int64_t PW, int64_t pstride, int64_t steps, float* c, int64_t ldc, int64_t astride,
                             bool add = false, const char* pf = nullptr, int64_t lines = -1) {
@@ -834,14 +809,13 @@ MMJAX_AVX2 void PackedRows2(int64_t m0, int64_t m1, int64_t MG, const float* x, 
     // the first row group's tile pulls the next panel into L2, one line a step (16-column panels:
     // a step is a line), so that reading the weight from memory overlaps the FMAs instead of
     // preceding them (6 and 16 rows took the memory time plus the compute time)
-    const char* pg = nullptr;
-    int64_t n = 0;
-    if (lines >= 0) {
-      const int64_t share = (lines + groups - 1) / groups;
-      pg = pf + 64 * g * share, n = std::max<int64_t>(0, std::min(share, lines - g * share));
-    } else if (g == 0 && PW == 16 && CW == 2) {
-      pg = reinterpret_cast<const char*>(r + pstride), n = steps;
-    }
+    Lines l = {nullptr, 0};
+    if (lines >= 0)
+      l = ShareOf(pf, lines, groups, g);
+    else if (g == 0 && PW == 16 && CW == 2)
+      l = {reinterpret_cast<const char*>(r + pstride), steps};
+    const char* pg = l.pf;
+    const int64_t n = l.n;
     m += rows;
     switch (rows) {
       case 1: PackedTile2<1, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
@@ -919,9 +893,9 @@ MMJAX_AVX2 void PackedRange2(const float* x, int64_t ldx, int64_t M, int64_t Kp,
 // unsigned operand. Exact where |x|, |w| <= 127, what quantization makes (a pair is at most 2 x
 // 127 x 127 = 32258, no s16 saturation): the same s32 sums as the AVX-512 path, so the same bits
 // after the same f32 rescale. Tiles of MG rows x CW vectors (8 CW columns) over a group's quads.
-template <int MG, int CW>
 // init: sums to continue (row m's at init + 64 m + c; null: zeros); pf: `lines` lines prefetched
 // into L2, spread evenly over the quads
+template <int MG, int CW>
 MMJAX_AVX2 void S8PTile2(const uint32_t* xw, const uint32_t* xa, int64_t ldx, int64_t q0, int64_t q1,
                          const uint8_t* panel, int64_t c, __m256i (*out)[8], const int32_t* init = nullptr,
                          const char* pf = nullptr, int64_t lines = 0) {
@@ -976,7 +950,6 @@ MMJAX_AVX2 void S8PRange2(const uint32_t* xw, const uint32_t* xa, const float* x
       const int64_t kb = blocks ? g_kblock_steps : Qg;
       for (int64_t k0 = g * Qg; k0 < (g + 1) * Qg; k0 += kb) {
         const int64_t k1 = std::min((g + 1) * Qg, k0 + kb), lines = blocks ? 4 * (k1 - k0) : 0;
-        const int64_t share = (lines + tiles - 1) / tiles;
         const bool zero = k0 == g * Qg, last = k1 == (g + 1) * Qg;
         const char* pf = reinterpret_cast<const char*>(panel + k0 * 256) + g_kblock_ahead;
         int64_t tile = 0;
@@ -990,13 +963,12 @@ MMJAX_AVX2 void S8PRange2(const uint32_t* xw, const uint32_t* xa, const float* x
             __m256i dots[MG][8];
             const uint32_t *xm = xw + m * Q, *am = xa + m * Q;
             const int32_t* init = blocks && !zero ? acc + 64 * m : nullptr;
-            const char* pt = pf + 64 * tile * share;
-            const int64_t npf = std::max<int64_t>(0, std::min(share, lines - tile * share));
+            const Lines l = ShareOf(pf, lines, tiles, tile);
             switch (mg) {
-              case 1: S8PTile2<1, 8>(xm, am, Q, k0, k1, panel, c, dots, init, pt, npf); break;
-              case 2: S8PTile2<2, 4>(xm, am, Q, k0, k1, panel, c, dots, init, pt, npf); break;
-              case 3: S8PTile2<3, 2>(xm, am, Q, k0, k1, panel, c, dots, init, pt, npf); break;
-              default: S8PTile2<4, 2>(xm, am, Q, k0, k1, panel, c, dots, init, pt, npf); break;
+              case 1: S8PTile2<1, 8>(xm, am, Q, k0, k1, panel, c, dots, init, l.pf, l.n); break;
+              case 2: S8PTile2<2, 4>(xm, am, Q, k0, k1, panel, c, dots, init, l.pf, l.n); break;
+              case 3: S8PTile2<3, 2>(xm, am, Q, k0, k1, panel, c, dots, init, l.pf, l.n); break;
+              default: S8PTile2<4, 2>(xm, am, Q, k0, k1, panel, c, dots, init, l.pf, l.n); break;
             }
             if (!last) {
               for (int i = 0; i < mg; ++i)
