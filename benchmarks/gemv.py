@@ -59,6 +59,7 @@ def chain(rows: list[int], layers: int = CHAIN_LAYERS, blocks_ab: bool = False) 
     blocks_ab: the packed paths also with the kernels' step blocks off (cpu_gemv.cc
     `mmjax_gemv_kblock`), rounds alternating, the same compiled chain."""
     from mmjax.kernels import cpu_library
+    lib = cpu_library.load()
     rng = np.random.default_rng(1)
     shapes = [s for _ in range(layers) for s in CHAIN_SHAPES]
     out = []
@@ -91,7 +92,6 @@ def chain(rows: list[int], layers: int = CHAIN_LAYERS, blocks_ab: bool = False) 
             opts = _CPU_DECODE_OPTIONS if dtype == jnp.float32 else _CPU_DECODE_OPTIONS_NARROW
             c = jax.jit(f).lower(xs, ws).compile(opts)
             c(xs, ws).block_until_ready()
-            lib = cpu_library.load()
             sides = ("blocks", "no blocks") if blocks_ab and "packed" in path else ("blocks",)
             steps = lib.mmjax_gemv_kblock(0, -1)        # the default (set back below)
             best = dict.fromkeys(sides, float("inf"))
