@@ -577,6 +577,10 @@ class ModelRunner:
                                        donate_argnums=(1,), out_shardings=self.cache_shardings)
         self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
                              donate_argnums=(0,), out_shardings=self.cache_shardings)
+        # jitted, not an eager .at[].set: the eager op re-traced for every state a step returned
+        # (~10 ms a park, inside generate()'s time to first token on the 2-core box)
+        self._park_lengths = jax.jit(lambda lengths, slot: lengths.at[slot].set(self.max_model_len),
+                                     out_shardings=p.sharding("state"))
         self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, self.text_model, gather)),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
@@ -636,7 +640,7 @@ class ModelRunner:
         self._park(slot)
 
     def _park(self, slot: int) -> None:
-        self.state = dataclasses.replace(self.state, lengths=self.state.lengths.at[slot].set(self.max_model_len))
+        self.state = dataclasses.replace(self.state, lengths=self._park_lengths(self.state.lengths, np.int32(slot)))
 
     def device_state_lost(self) -> bool:
         """Did a failed call consume the donated cache or state?"""
