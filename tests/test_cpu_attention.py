@@ -280,19 +280,28 @@ def _prefill_ranges(start, t, kv_len, window):
 
 
 def _want_prefill(q, kts, vs, lo, hi, slots, scale, scales=None) -> np.ndarray:
-    """float64: query j of row i (token j // g) over [lo_ij, hi_ij) of cache row slots_i."""
+    """float64: query j of row i (token j // g) over [lo_ij, hi_ij) of cache row slots_i (all of
+    a row's queries at once, each masked to its own range)."""
+    q = np.asarray(q, np.float64)
     b, _, n, _ = q.shape
     g = n // lo.shape[1]
+    f64 = lambda xs, axis: np.concatenate([np.asarray(x.astype(jnp.float32), np.float64) for x in xs], axis=axis)  # noqa: E731
+    kt, v = f64(kts, 3), f64(vs, 2)
+    if scales is not None:
+        kt, v = kt * f64(scales[0], 2)[:, :, None, :], v * f64(scales[1], 2)[..., None]
+    keys = np.arange(kt.shape[3])
     out = np.zeros(q.shape)
     for i in range(b):
         s = int(slots[i])
-        if not 0 <= s < kts[0].shape[0]:
+        if not 0 <= s < kt.shape[0]:
             continue
-        row = lambda xs: [x[s:s + 1] for x in xs]                        # noqa: E731
-        sc = None if scales is None else (row(scales[0]), row(scales[1]))
-        for j in range(n):
-            out[i, :, j:j + 1] = _want(q[i:i + 1, :, j:j + 1], row(kts), row(vs), lo[i, j // g:j // g + 1],
-                                       hi[i, j // g:j // g + 1], scale, sc)[0]
+        tok = np.arange(n) // g
+        vis = (keys[None] >= np.maximum(lo[i, tok], 0)[:, None]) & (keys[None] < hi[i, tok][:, None])   # [n, L]
+        sc = np.where(vis[None], np.einsum("knd,kdt->knt", q[i], kt[s]) * scale, -np.inf)
+        top = sc.max(axis=2, keepdims=True)
+        w = np.where(vis[None], np.exp(sc - np.where(np.isfinite(top), top, 0)), 0.0)
+        tot = w.sum(axis=2, keepdims=True)
+        out[i] = np.einsum("knt,ktd->knd", w / np.where(tot > 0, tot, 1), v[s])      # no visible key: zeros
     return out
 
 
@@ -302,23 +311,26 @@ def test_prefill_kernel_equals_reference(dtype):
     """Several tokens per row, each query over its own causal / windowed range of its row's cache
     row (any slot), against float64: f32 / bf16 / int8 / fp8 caches, both code paths; a row whose
     slot is past the cache and tokens past kv_len (a bucket's padding) get zeros."""
+    rng = np.random.default_rng(3)
+    cases = []      # the inputs and float64 answers, once for every code path
+    for b, nslots, kvh, t, g, hd, lens, slots, start, window in PREFILL_CASES:
+        kv_len = max(start) + t - 2                                          # the last tokens past it
+        q = jnp.asarray(rng.standard_normal((b, kvh, t * g, hd)), jnp.float32)
+        kts, vs, scales = _cache(rng, dtype, nslots, kvh, hd, lens)
+        lo, hi = _prefill_ranges(start, t, kv_len, window)
+        sl = np.asarray(slots, np.int32)
+        want = _want_prefill(np.asarray(q), kts, vs, lo, hi, sl, hd ** -0.5, scales)
+        assert rel_err(cpu_attention.reference(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), hd ** -0.5, scales,
+                                               jnp.asarray(sl)), want) < 4e-6
+        cases.append((b, nslots, kvh, t, g, hd, lens, start, q, kts, vs, scales, lo, hi, sl, want))
     for path in cpu_library.isas():          # every code path this CPU runs
         with kernel_path(path):
-            rng = np.random.default_rng(3)
             attend = jax.jit(lambda q, kts, vs, lo, hi, slots, scale, scales=None: cpu_attention.prefill_attention(
                 q, kts, vs, lo, hi, slots, scale=scale, scales=scales), static_argnums=6)
-            for b, nslots, kvh, t, g, hd, lens, slots, start, window in PREFILL_CASES:
-                kv_len = max(start) + t - 2                                  # the last tokens past it
-                q = jnp.asarray(rng.standard_normal((b, kvh, t * g, hd)), jnp.float32)
-                kts, vs, scales = _cache(rng, dtype, nslots, kvh, hd, lens)
-                lo, hi = _prefill_ranges(start, t, kv_len, window)
-                sl = np.asarray(slots, np.int32)
+            for b, nslots, kvh, t, g, hd, lens, start, q, kts, vs, scales, lo, hi, sl, want in cases:
                 got = attend(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(sl), hd ** -0.5, scales)
-                want = _want_prefill(np.asarray(q), kts, vs, lo, hi, sl, hd ** -0.5, scales)
                 assert got.shape == q.shape and got.dtype == jnp.float32
-                assert rel_err(got, want) < 4e-6, (b, kvh, t, g, hd, lens)
-                assert rel_err(cpu_attention.reference(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), hd ** -0.5, scales,
-                                                       jnp.asarray(sl)), want) < 4e-6
+                assert rel_err(got, want) < 4e-6, (path, b, kvh, t, g, hd, lens)
                 for i in range(b):
                     if sl[i] >= nslots:
                         assert not np.asarray(got[i]).any()
