@@ -577,8 +577,8 @@ class ModelRunner:
                                        donate_argnums=(1,), out_shardings=self.cache_shardings)
         self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
                              donate_argnums=(0,), out_shardings=self.cache_shardings)
-        # jitted, not an eager .at[].set: the eager op re-traced for every state a step returned
-        # (~10 ms a park, inside generate()'s time to first token on the 2-core box)
+        # jitted, not an eager .at[].set: right after a step the eager op took ~10 ms a park
+        # (inside generate()'s time to first token on the 2-core box), this 3-4 ms
         self._park_lengths = jax.jit(lambda lengths, slot: lengths.at[slot].set(self.max_model_len),
                                      out_shardings=p.sharding("state"))
         self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, self.text_model, gather)),
