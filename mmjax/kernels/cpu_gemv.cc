@@ -475,7 +475,6 @@ MMJAX_AVX512 void S8PKBlock(const uint32_t* xw, int64_t ldx, int64_t k0, int64_t
   }
 }
 
-
 // panels [pa, pb) of y[M, N] (int8 packed): xw [M, G * Qg] quads of the quantized x, xsum and
 // xscale [M, G], wscale [G, N]
 MMJAX_AVX512 void S8PRange(const uint32_t* xw, const int32_t* xsum, const float* xscale, const float* wscale,
@@ -814,16 +813,14 @@ MMJAX_AVX2 void PackedRows2(int64_t m0, int64_t m1, int64_t MG, const float* x, 
       l = ShareOf(pf, lines, groups, g);
     else if (g == 0 && PW == 16 && CW == 2)
       l = {reinterpret_cast<const char*>(r + pstride), steps};
-    const char* pg = l.pf;
-    const int64_t n = l.n;
     m += rows;
     switch (rows) {
-      case 1: PackedTile2<1, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
-      case 2: if constexpr (CW <= 4) PackedTile2<2, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
-      case 3: if constexpr (CW <= 2) PackedTile2<3, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
-      case 4: if constexpr (CW <= 2) PackedTile2<4, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
-      case 5: if constexpr (CW <= 2) PackedTile2<5, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
-      default: if constexpr (CW <= 2) PackedTile2<6, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, pg, n); break;
+      case 1: PackedTile2<1, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, l.pf, l.n); break;
+      case 2: if constexpr (CW <= 4) PackedTile2<2, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, l.pf, l.n); break;
+      case 3: if constexpr (CW <= 2) PackedTile2<3, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, l.pf, l.n); break;
+      case 4: if constexpr (CW <= 2) PackedTile2<4, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, l.pf, l.n); break;
+      case 5: if constexpr (CW <= 2) PackedTile2<5, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, l.pf, l.n); break;
+      default: if constexpr (CW <= 2) PackedTile2<6, CW, VP, kBf16>(xm, ldx, r, PW, pstride, steps, cm, ldc, astride, add, l.pf, l.n); break;
     }
   }
 }
