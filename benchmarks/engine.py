@@ -42,6 +42,55 @@ def make_requests(n: int, size: int, seed: int = 0):
             for i in range(n)]
 
 
+class DeviceTimeline:
+    """When each of the runner's compiled calls finished on the device, without waiting for it
+    on the engine's thread: every dispatched call's output (the sampled tokens or the features,
+    never the donated cache) goes to a watcher thread that blocks on it and stamps the time.
+    Calls run one after another on the device, so a call's device time is its ready time minus
+    the later of its dispatch and the previous call's ready time, and the device sat idle
+    between a call's ready time and a later dispatch. Calls that return only a cache (copy_slot,
+    fill_cross) are not watched: their time counts in the next call's."""
+
+    def __init__(self, runner):
+        import queue
+        import threading
+        self.runner, self.events, self._queue = runner, [], queue.Queue()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        self._track = runner._track
+        runner._track = self._tracked
+
+    def _tracked(self, kind, shape, fn, *args, **kw):
+        t0 = time.perf_counter()
+        result = self._track(kind, shape, fn, *args, **kw)
+        # (cache, state, out[, scores]): the cache and state are donated to the next call
+        out = result[2:] if isinstance(result, tuple) and len(result) >= 3 else result
+        if kind not in ("copy_slot", "fill_cross"):
+            self._queue.put((kind, shape, t0, out))
+        return result
+
+    def _watch(self):
+        import jax
+        while (item := self._queue.get()) is not None:
+            kind, shape, t0, out = item
+            jax.block_until_ready(out)
+            self.events.append((kind, shape, t0, time.perf_counter()))
+
+    def close(self, start: float) -> dict:
+        """Stop watching; device seconds per call kind, calls per kind, and idle seconds since
+        `start` (perf_counter)."""
+        self._queue.put(None)
+        self._thread.join()
+        self.runner._track = self._track
+        busy, calls, idle, ready = {}, {}, 0.0, start
+        for kind, _, t0, t1 in sorted(self.events, key=lambda e: e[3]):
+            idle += max(0.0, t0 - ready)
+            busy[kind] = busy.get(kind, 0.0) + t1 - max(t0, ready)
+            calls[kind] = calls.get(kind, 0) + 1
+            ready = t1
+        return {"busy_s": busy, "calls": calls, "idle_s": idle, "last_ready_s": ready - start}
+
+
 async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
     import mmjax
     sp = mmjax.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -70,11 +119,17 @@ async def run_mmjax(vlm, ae, requests, concurrency: int, new_tokens: int):
             latencies.append(time.perf_counter() - t0)
 
     before = dict(vlm.engine.runner.step_seconds)
+    images_before = vlm.engine.counters["images_encoded"]
+    timeline = DeviceTimeline(vlm.engine.runner)
     t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+    try:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    finally:
+        device = timeline.close(t0)
     steps = {k: v - before[k] for k, v in vlm.engine.runner.step_seconds.items()}
     return {"wall_s": wall, "tokens": tokens, "ttft": ttfts, "latency": latencies, "itl": gaps, "step_s": steps,
+            "device": device, "images_encoded": vlm.engine.counters["images_encoded"] - images_before,
             "prompt_lens": prompt_lens, "concurrency": concurrency}
 
 
@@ -322,11 +377,25 @@ def main(argv=None) -> int:
                 "itl_p99_s": percentile(r["itl"], 99) if r.get("itl") else None,
                 "roofline": limit(r, r.get("batch") or r.get("concurrency", 1))}
 
+    def device_rates(r) -> dict:
+        """Per call kind, the device's rate against the probes (f32): encode and prefill in
+        GFLOP/s of their matmuls and attention (prefill: the prompts' tokens only, not the decode
+        rows riding in the calls), decode in GB/s of the decoder weights (a lower bound on what
+        a step reads: its rows' K / V are not counted)."""
+        busy = r["device"]["busy_s"]
+        work = {"encode": (r["images_encoded"] * arch.encode_flops(), peak, "GFLOP/s"),
+                "prefill": (sum(arch.prefill_flops(p) for p in r["prompt_lens"]), peak, "GFLOP/s (prompt tokens)"),
+                "decode": (r["device"]["calls"].get("decode", 0) * arch.decode_bytes(0, 0), bw, "GB/s (weights)")}
+        return {k: {"rate": w / busy[k] / 1e9, "unit": unit, "fraction": w / busy[k] / lim}
+                for k, (w, lim, unit) in work.items() if busy.get(k)}
+
     rows = []
     for who, c, r in ((w, c, r) for w, res in variants.items() for c, r in res.items()):
+        device = {**r["device"], "rates": device_rates(r)} if f32 else r["device"]
         rows.append({"who": who, "concurrency": c, "requests": args.requests, **stats(r),
                      "vs_hf_sequential": tps(r) / hf_tps if hf_tps else None,
-                     "vs_hf_batched": tps(r) / hfb_tps if hfb_tps else None, "step_s": r["step_s"]})
+                     "vs_hf_batched": tps(r) / hfb_tps if hfb_tps else None, "step_s": r["step_s"],
+                     "device": device})
     precision = args.dtype + (f" + {args.quantize} weights" if args.quantize else "")
     print(f"checkpoint: {path}  ({'smoke' if args.smoke else 'default'}, {precision}, {threads} threads, "
           f"{'synchronous' if args.no_overlap else 'overlapped'} engine steps, {args.decode_steps} decode step(s) a call)")
@@ -353,6 +422,14 @@ def main(argv=None) -> int:
         print(f"{row['who']} time at concurrency {row['concurrency']}: wall {row['wall_s']:.2f}s = "
               + " + ".join(f"{k} {v:.2f}s" for k, v in row["step_s"].items())
               + f" + host/idle {row['wall_s'] - busy:.2f}s")
+    for row in rows:
+        dev = row["device"]
+        print(f"{row['who']} device at concurrency {row['concurrency']}: busy {sum(dev['busy_s'].values()):.2f}s of wall "
+              f"{row['wall_s']:.2f}s, idle {dev['idle_s']:.2f}s: " + ", ".join(
+                  f"{k} {dev['calls'][k]} calls {v:.2f}s ({1e3 * v / dev['calls'][k]:.1f} ms each"
+                  + (f", {dev['rates'][k]['rate']:.0f} {dev['rates'][k]['unit']}, {100 * dev['rates'][k]['fraction']:.0f}%"
+                     if k in dev.get("rates", {}) else "") + ")"
+                  for k, v in dev["busy_s"].items()))
     for row in rows if f32 else ():
         roof = row["roofline"]
         print(f"roofline at concurrency {row['concurrency']} ({row['who']}): {roof['flops'] / 1e12:.2f} TFLOP at "

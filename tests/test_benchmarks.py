@@ -100,6 +100,15 @@ def test_engine_bench_smoke(tmp_path):
         assert set(row["step_s"]) == {"encode", "prefill", "decode", "prefill_pruned", "prefill_scores", "copy_slot"}
         assert row["step_s"]["decode"] > 0
         assert row["step_s"]["prefill_pruned"] == row["step_s"]["prefill_scores"] == 0   # no FastV / prompt_logprobs
+        # the device timeline: every watched call finished inside the run; busy + idle = the last
+        # call's ready time
+        dev = row["device"]
+        assert min(dev["calls"][k] for k in ("encode", "prefill", "decode")) >= 1
+        assert all(v > 0 for v in dev["busy_s"].values()) and dev["idle_s"] >= 0
+        assert sum(dev["busy_s"].values()) + dev["idle_s"] == pytest.approx(dev["last_ready_s"])
+        assert dev["last_ready_s"] <= row["wall_s"] + 0.5
+        assert set(dev["rates"]) == {"encode", "prefill", "decode"}
+        assert all(_finite(x["rate"]) and 0 < x["fraction"] for x in dev["rates"].values())
     assert _finite(r["hf_sequential"]["output_tok_s"]) and r["hf_sequential"]["output_tok_s"] > 0
     hfb = r["hf_batched"]          # one left-padded batch of the same 4 requests
     assert hfb["batch"] == 4 and all(_finite(hfb[k]) and hfb[k] > 0 for k in ("output_tok_s", "latency_p50_s"))
