@@ -13,7 +13,9 @@ latency p50 (submit -> last token; a batch's requests all end with the batch), a
 both transformers runs; `--pack-ab` also runs the same requests on an engine without packed
 prefill (one prefill call per request, `pack_prefill=False`) in the same run (`--no-pack`: only
 that one); plus what the decode step pays for: one decode step of 1 row vs every slot,
-with 128 cache positions in use vs the whole max_model_len. Compile time (warmup) is reported apart.
+with 128 cache positions in use vs the whole max_model_len; and for each mmjax run, where the
+device's time went (`DeviceTimeline`: busy seconds per call kind, idle seconds, each kind's rate
+against the probed limits). Compile time (warmup) is reported apart.
 Prints a table, then one JSON line.
 """
 from __future__ import annotations
