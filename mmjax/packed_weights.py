@@ -15,6 +15,8 @@ weight without the kernel (lowered for CUDA, kernels off) unpacks it inside the 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -103,28 +105,53 @@ def with_packing(params, packed: bool):
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (QArray, PackedWeight)))
 
 
+_LEADING_ROWS: contextvars.ContextVar = contextvars.ContextVar("leading_rows", default=None)
+
+
+@contextlib.contextmanager
+def leading_rows(total: int, n: jax.Array):
+    """While a step is traced inside the block, the packed matmuls (f32, bf16, int8) whose input
+    has `total` rows (flattened) multiply only its first `n` (int32 scalar, traced) and give
+    zeros for the others: a prefill's rows past its tokens are its bucket's padding (a 230-token
+    prompt in the 240-row bucket: the kernels' FMAs for 10 rows, 3% of the prefill's matmuls).
+    The caller wraps only code whose `total`-row matmuls are over those token rows."""
+    token = _LEADING_ROWS.set((total, n))
+    try:
+        yield
+    finally:
+        _LEADING_ROWS.reset(token)
+
+
+def rows_to_multiply(m: int) -> jax.Array:
+    """The `rows` operand of a packed matmul over m rows: the traced count inside
+    `leading_rows(m, n)`, else all m."""
+    ctx = _LEADING_ROWS.get()
+    return ctx[1] if ctx is not None and ctx[0] == m else jnp.int32(m)
+
+
 def matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     """x [..., in] (w's dtype) @ w -> f32 [..., out] through the kernel, any number of rows (the
     f32 dot / f32 sums of the exact bf16 products, up to summation order)."""
     m = 1
     for d in x.shape[:-1]:
         m *= d
-    y = _matmul(x.reshape(m, w.d_in), w.data, w.d_out)
+    y = _matmul(x.reshape(m, w.d_in), w.data, rows_to_multiply(m), w.d_out)
     return y.reshape(*x.shape[:-1], w.d_out)
 
 
 # differentiable for research code (gradients through a served model's steps): the derivative
 # is XLA's dots over the unpacked weight (the product is linear in each operand)
-@partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _matmul(x: jax.Array, data: jax.Array, d_out: int) -> jax.Array:
+@partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _matmul(x: jax.Array, data: jax.Array, rows: jax.Array, d_out: int) -> jax.Array:
     from mmjax.kernels import cpu_gemv
-    return cpu_gemv.matmul_packed(x, data, d_out)
+    return cpu_gemv.matmul_packed(x, data, d_out, rows)
 
 
 @_matmul.defjvp
 def _matmul_jvp(d_out, primals, tangents):
-    x, data = primals
-    dx, ddata = tangents
+    x, data, rows = primals
+    dx, ddata, _ = tangents
     d_in = x.shape[-1]
     dot = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)   # noqa: E731
-    return _matmul(x, data, d_out), dot(dx, _unpack(data, d_in, d_out)) + dot(x, _unpack(ddata, d_in, d_out))
+    return (_matmul(x, data, rows, d_out),
+            dot(dx, _unpack(data, d_in, d_out)) + dot(x, _unpack(ddata, d_in, d_out)))

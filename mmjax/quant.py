@@ -27,6 +27,7 @@ few lines below are the whole of what the steps need.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,26 +194,29 @@ def qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
     from mmjax.kernels import cpu_gemv
     if w.packed:
         if cpu_gemv.enabled():   # the whole product, any number of rows, in one kernel call
-            return _packed_qmatmul(x, w.q, w.scale).astype(out_dtype or x.dtype)
+            from mmjax.packed_weights import rows_to_multiply
+            rows = rows_to_multiply(math.prod(x.shape[:-1]))
+            return _packed_qmatmul(x, w.q, w.scale, rows).astype(out_dtype or x.dtype)
         w = unpack(w)
     return _qmatmul(x, w, out_dtype)
 
 
 @jax.custom_jvp
-def _packed_qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """f32 [..., out]: the CPU kernel's product, differentiable: its derivative is XLA's
-    formula's over the unpacked weight (research code takes gradients of served steps)."""
+def _packed_qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, rows: jax.Array) -> jax.Array:
+    """f32 [..., out]: the CPU kernel's product (of x's first `rows` rows; zeros after them),
+    differentiable: its derivative is XLA's formula's over the unpacked weight (research code
+    takes gradients of served steps)."""
     from mmjax.kernels import cpu_gemv
-    return cpu_gemv.qmatmul_s8p(x, q, scale)
+    return cpu_gemv.qmatmul_s8p(x, q, scale, rows)
 
 
 @_packed_qmatmul.defjvp
 def _packed_qmatmul_jvp(primals, tangents):
-    x, q, scale = primals
-    dx, _, dscale = tangents
+    x, q, scale, rows = primals
+    dx, _, dscale, _ = tangents
     w = unpack(QArray(q, scale))
     ref = lambda x, scale: _qmatmul(x, QArray(w.q, scale), jnp.float32)    # noqa: E731
-    return _packed_qmatmul(x, q, scale), jax.jvp(ref, (x, scale), (dx, dscale))[1]
+    return _packed_qmatmul(x, q, scale, rows), jax.jvp(ref, (x, scale), (dx, dscale))[1]
 
 
 def _qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:

@@ -130,6 +130,11 @@ def test_kernel_equals_reference():
                 np.testing.assert_array_equal(got, _qmatmul_want(x, wq, scale))
                 np.testing.assert_array_equal(np.asarray(s8p(jnp.asarray(x[m - 1:]), jnp.asarray(wp), jnp.asarray(scale))),
                                               got[m - 1:])
+                # rows: only the leading rows are multiplied (their bits unchanged), zeros after
+                for r in {0, m // 2, m - 1} | ({m + 3} if m < 9 else set()):
+                    part = np.asarray(s8p(jnp.asarray(x), jnp.asarray(wp), jnp.asarray(scale), jnp.int32(r)))
+                    np.testing.assert_array_equal(part[:r], got[:r])
+                    assert not part[r:].any(), (m, k, n, r)
             # the packed f32 / bf16 layouts (mmjax_matmul_f32p / _bf16p, what a CPU runner's f32 /
             # bf16 weights are), in 64- and 16-column panels (AVX-512's and AVX2's; every path reads
             # both): any number of rows (AVX-512: register blocks of 6 and row blocks of 192 across
@@ -138,6 +143,7 @@ def test_kernel_equals_reference():
             # panels split over threads
             assert cpu_gemv.panel_width() == (64 if path == "avx512" else 16)
             packed = jax.jit(cpu_gemv.matmul_packed, static_argnums=2)
+            nonzero = 0
             for m, k, n in ((1, 2, 1), (1, 1024, 1000), (2, 600, 100), (7, 97, 70), (16, 2048, 129), (37, 256, 640),
                             (3, 1001, 8300), (200, 64, 64), (70, 1023, 200)):
                 for (cast, r), width in itertools.product(((_bf16, 2), (_f32, 1)), (16, 64)):
@@ -150,6 +156,14 @@ def test_kernel_equals_reference():
                     assert_f32_sum_error(got, want, x, w, (m, k, n, x.dtype, width))
                     for i in {0, m - 1}:
                         np.testing.assert_array_equal(np.asarray(packed(x[i:i + 1], jnp.asarray(wp), n)), got[i:i + 1])
+                    # rows (a prefill's padding): the leading rows' bits unchanged, zeros after
+                    # them (a count past M takes all M)
+                    for r in {0, m // 2, m - 1, m + 5}:
+                        part = np.asarray(packed(x, jnp.asarray(wp), n, jnp.int32(r)))
+                        np.testing.assert_array_equal(part[:r], got[:r])
+                        assert not part[r:].any(), (m, k, n, r)
+                        nonzero += int(np.count_nonzero(got[r:]))
+            assert nonzero > 0      # the zeros above replaced values that were not zeros
 
     # leading dims, inside scan / cond / vmap
     x, w, xq, wq = _bf16(rng, 2, 3, 64), _bf16(rng, 64, 96), _s8(rng, 4, 64), _s8(rng, 64, 96)

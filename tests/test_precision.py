@@ -86,6 +86,15 @@ def _compiled(runner: ModelRunner, *names: str) -> dict[str, str]:
     return {n: sigs[n][0].lower(*sigs[n][1], **sigs[n][2]).compile().as_text() for n in names}
 
 
+def _rows_operands(hlo: str, target: str) -> list[bool]:
+    """For each packed-kernel call (`target`) in optimized HLO text: is its last operand, `rows`,
+    computed (True) rather than a constant (False)?"""
+    consts = set(re.findall(r"%([\w.\-]+) = s32\[\] constant\(", hlo))
+    calls = [re.search(r"custom-call\(([^)]*)\)", ln).group(1).split(", ")[-1].lstrip("%")
+             for ln in hlo.splitlines() if f'custom_call_target="{target}"' in ln]
+    return [op not in consts for op in calls]
+
+
 def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     """int8 and bf16 weights are read as they are stored by the compiled CPU steps: s8 x s8 ->
     s32 / bf16 x bf16 -> f32 dots, and no f32 / s32 array of any weight's shape (XLA:CPU converts
@@ -147,6 +156,16 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
             assert hlo.count(f'custom_call_target="{target}"') >= (9 if name != names[-1] else 4), (dtype, name)
             assert name == names[-1] or "mmjax_gemv" not in hlo, (dtype, name)   # (encode: the patch embedding)
             assert _wide_copies(hlo, shapes) == [], (dtype, name)
+            # the prefill's decoder matmuls (qkv, o, gate_up, down of each layer) are told how
+            # many of the row's leading tokens are real (the rest, the bucket's padding, skipped):
+            # their `rows` operand is computed from the segments; the LM head's rows (gathered
+            # last tokens) are all real: a constant
+            computed = _rows_operands(hlo, target)
+            if name.startswith("prefill"):
+                assert computed.count(True) == 4 * model.family.text_model.num_layers, (dtype, computed)
+                assert False in computed, (dtype, computed)
+            else:
+                assert True not in computed, (dtype, name)
     bf16 = model
     assert runner.kv_cache_dtype == np.dtype(np.float32)
     runner = _runner(bf16, kv_cache_dtype="bfloat16")

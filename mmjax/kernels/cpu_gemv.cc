@@ -7,8 +7,10 @@
 //     in f32, so the result is the f32 dot up to summation order.
 //   mmjax_gemv_s8:   x int8 [M, G * Kg], W int8 [G * Kg, N] -> int32 [M, G, N]: one exact
 //     integer dot per group of Kg weight rows (s8 x s8 -> s32, wrapping like XLA's s32 dot).
-//   mmjax_matmul_bf16p, mmjax_qmatmul_s8p: any M, over a weight packed at load into 64-column
-//     panels (bf16; int8 with the whole W8A8 product): see their sections below.
+//   mmjax_matmul_f32p, mmjax_matmul_bf16p, mmjax_qmatmul_s8p: any M, over a weight packed at load
+//     into 64-column panels (f32, bf16; int8 with the whole W8A8 product): see their sections
+//     below. Their last operand, rows (s32 scalar), is how many leading rows of x hold data:
+//     only those are multiplied, the later rows of y are zeros (LeadingRows).
 //
 // Layout of the work: the K weight rows are split into contiguous blocks, one per thread (the
 // caller and tasks on XLA's intra-op thread pool), whose partial sums are added at the end (see
@@ -1120,6 +1122,13 @@ bool Trivial(T* y, int64_t outputs, int64_t K, int64_t size) {
   return K == 0;
 }
 
+// The packed products' `rows` operand (s32 scalar): how many leading rows of x hold data (a
+// prefill's tokens before its bucket's padding). Only those are multiplied, y's later rows are
+// zeros: a 230-token prompt in the 240-row bucket skips the 10 rows' FMAs (3% of its matmuls).
+int64_t LeadingRows(ffi::Buffer<ffi::S32> rows, int64_t M) {
+  return rows.element_count() == 1 ? std::clamp<int64_t>(rows.typed_data()[0], 0, M) : M;
+}
+
 // x bf16 [M, K] as (row 2k, row 2k + 1) pairs, one 32-bit word per pair [M, ceil(K / 2)]: x itself
 // for even K, else a copy into `odd` with each row's last pair completed by a zero
 const uint32_t* PairWords(const uint16_t* x, int64_t M, int64_t K, std::vector<uint32_t>& odd) {
@@ -1260,18 +1269,19 @@ void GenericS8P(const int8_t* xq, const float* xscale, const float* wscale, cons
 // x f32 [M, K] @ the packed int8 weight w, scales wscale f32 [G, N] -> y f32 [M, N]: mmjax.quant's
 // W8A8 qmatmul in one call (x quantized per row and group, the s32 dots, the f32 rescale), any M.
 ffi::Error QmatmulS8P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                      ffi::Buffer<ffi::F32> wscale, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::F32> wscale, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = wscale.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || sd.size() != 2 || yd.size() != 2 || wd[2] != 64 || wd[3] != 4 ||
       sd[0] < 1 || xd[1] != 4 * wd[1] || xd[1] % (4 * sd[0]) || yd[0] != xd[0] || yd[1] != sd[1] ||
       (yd[1] + 63) / 64 != wd[0])
     return ffi::Error::InvalidArgument(
         "mmjax_qmatmul_s8p: x [M, K], w [ceil(N / 64), K / 4, 64, 4], scale [G, N] (4 * G dividing K), y [M, N] expected");
-  const int64_t M = xd[0], K = xd[1], N = yd[1], G = sd[0], Kg = K / G, P = wd[0];
+  const int64_t K = xd[1], N = yd[1], G = sd[0], Kg = K / G, P = wd[0], M = LeadingRows(rows, xd[0]);
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   const float* sp = wscale.typed_data();
   float* yp = y->typed_data();
+  std::fill(yp + M * N, yp + xd[0] * N, 0.f);
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   const int isa = mmjax_cpu::ActiveIsa();
   const int threads = Threads(pool);
@@ -1371,11 +1381,12 @@ bool PackedShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi:
 
 // x f32 [M, K] @ the packed f32 weight -> y f32 [M, N], any M (the f32 dot up to summation order)
 ffi::Error MatmulF32P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
   if (!PackedShapes(x.dimensions(), w.dimensions(), y->dimensions(), 1))
     return ffi::Error::InvalidArgument("mmjax_matmul_f32p: x [M, K], w [ceil(N / PW), K, PW, 1] (PW 64 or 16), y [M, N] expected");
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
+  const int64_t M = LeadingRows(rows, x.dimensions()[0]), K = x.dimensions()[1], N = y->dimensions()[1];
   float* yp = y->typed_data();
+  std::fill(yp + M * N, yp + x.dimensions()[0] * N, 0.f);
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   RunPacked(pool, x.typed_data(), M, K, N, w.dimensions()[0], w.dimensions()[2], w.typed_data(), yp);
   return ffi::Error::Success();
@@ -1384,13 +1395,15 @@ ffi::Error MatmulF32P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // x bf16 [M, K] @ the packed bf16 weight -> y f32 [M, N], any M: f32 sums of the exact bf16
 // products (a bf16 x bf16 -> f32 dot up to summation order)
 ffi::Error MatmulBf16P(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                       ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
   if (!PackedShapes(x.dimensions(), w.dimensions(), y->dimensions(), 2))
     return ffi::Error::InvalidArgument(
         "mmjax_matmul_bf16p: x [M, K], w [ceil(N / PW), ceil(K / 2), PW, 2] (PW 64 or 16), y [M, N] expected");
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1], Kp = (K + 1) / 2;
+  const int64_t M = LeadingRows(rows, x.dimensions()[0]), K = x.dimensions()[1], N = y->dimensions()[1],
+                Kp = (K + 1) / 2;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   float* yp = y->typed_data();
+  std::fill(yp + M * N, yp + x.dimensions()[0] * N, 0.f);
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   std::vector<uint32_t> odd;
   RunPacked(pool, PairWords(xp, M, K, odd), M, Kp, N, w.dimensions()[0], w.dimensions()[2],
@@ -1419,6 +1432,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_bf16p, MatmulBf16P,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_f32p, MatmulF32P,
@@ -1426,6 +1440,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_matmul_f32p, MatmulF32P,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_gemv_s8, GemvS8,
@@ -1442,6 +1457,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mmjax_qmatmul_s8p, QmatmulS8P,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" {

@@ -131,21 +131,30 @@ def pack_panels(w, width: int | None = None) -> "np.ndarray":
     return np.ascontiguousarray(wp.reshape(kp, r, p, width).transpose(2, 0, 3, 1))
 
 
-def matmul_packed(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
+def _rows(rows, m: int) -> jax.Array:
+    """The packed kernels' `rows` operand: int32 scalar, all m rows when None."""
+    return jnp.asarray(m if rows is None else rows, jnp.int32).reshape(())
+
+
+def matmul_packed(x: jax.Array, wp: jax.Array, n: int, rows: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] @ a packed weight (`pack_panels`) of N columns, both f32 or both bf16 -> f32 [M,
-    N], any M: the f32 dot / f32 sums of the exact bf16 products, up to summation order. Not
-    differentiable itself: mmjax.packed_weights.matmul gives it XLA's derivative."""
+    N], any M: the f32 dot / f32 sums of the exact bf16 products, up to summation order. rows
+    (int32 scalar, default M): only x's first `rows` rows are multiplied, the later rows of the
+    result are zeros. Not differentiable itself: mmjax.packed_weights.matmul gives it XLA's
+    derivative."""
     target = "mmjax_matmul_bf16p" if wp.dtype == jnp.bfloat16 else "mmjax_matmul_f32p"
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method=_VMAP)(x, wp)
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method=_VMAP)(
+        x, wp, _rows(rows, x.shape[0]))
 
 
-def qmatmul_s8p(x: jax.Array, wp: jax.Array, scale: jax.Array) -> jax.Array:
+def qmatmul_s8p(x: jax.Array, wp: jax.Array, scale: jax.Array, rows: jax.Array | int | None = None) -> jax.Array:
     """x f32 [..., K] @ a packed int8 weight (`pack_s8`) with its scales f32 [G, N] -> f32
     [..., N], any number of rows: mmjax.quant.qmatmul's W8A8 product in one call, the same bits
     per channel (x quantized per row and group of K / G: s = amax * f32(1 / 127), q =
     clip(round(x * (1 / s))); exact s32 dots; y = sum over groups in order of (float(dot) * s) *
-    scale). Not differentiable itself: quant.qmatmul wraps it with XLA's derivative."""
+    scale). rows: as matmul_packed's, over x's rows flattened. Not differentiable itself:
+    quant.qmatmul wraps it with XLA's derivative."""
     m, k, n = math.prod(x.shape[:-1]), x.shape[-1], scale.shape[-1]
     y = jax.ffi.ffi_call("mmjax_qmatmul_s8p", jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method=_VMAP)(
-        x.astype(jnp.float32).reshape(m, k), wp, scale)
+        x.astype(jnp.float32).reshape(m, k), wp, scale, _rows(rows, m))
     return y.reshape(*x.shape[:-1], n)
