@@ -283,19 +283,17 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
         if d:
             used = jnp.maximum(used, riders.offset + jnp.sum(riders.ride.astype(jnp.int32)))
         if s == 1 and not d:    # one sequence: the row is its chunk (no gathers around attention)
-            with packed_weights.leading_rows(t, used):
-                out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, seg.start[0] + t,
-                                 slots=seg.slot, mask=mask, ids=token_ids[None],
-                                 reduce_small=tune.reduce_small_attention, **extra)
+            kv_len, packed = seg.start[0] + t, {}
         else:
             if scores:
                 raise ValueError("prompt scores come from a one-sequence prefill")
             packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg, ride)
             kv_len = packing.kv_len if ride is None else jnp.maximum(packing.kv_len, ride.kv_len)
-            with packed_weights.leading_rows(t, used):
-                out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, kv_len, slots=seg.slot,
-                                 mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
-                                 packing=packing, **extra)
+            packed = {"packing": packing}
+        with packed_weights.leading_rows(t, used):
+            out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, kv_len, slots=seg.slot,
+                             mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
+                             **packed, **extra)
         last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
         if scores:
             every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [T, vocab]
