@@ -122,6 +122,41 @@ def test_sample_computes_logprobs_only_when_a_row_asks():
     np.testing.assert_allclose(top, np.sort(lp, -1)[:, ::-1][:, :MAX_TOP_LOGPROBS], atol=1e-5)
 
 
+def test_plain_rows_skip_processing_and_a_rule_still_applies():
+    """SlotSampling.plain is False for every logits rule (and a grammar), True otherwise; sample()
+    skips process_logits only when every row is plain, so one row's rule beside plain rows still
+    changes its token, and an all-plain batch's greedy tokens are the raw argmax."""
+    import jax
+    import jax.numpy as jnp
+
+    from mmjax.serving.structured import StructuredSpec
+
+    rules = [dict(presence_penalty=0.5), dict(frequency_penalty=0.1), dict(repetition_penalty=1.2),
+             dict(logit_bias={3: 1.0}), dict(min_tokens=2), dict(allowed_token_ids=[1, 2]), dict(bad_words=["x"]),
+             dict(structured=StructuredSpec("regex", "[ab]+"))]
+    assert all(not SlotSampling.from_params(SamplingParams(**r)).plain for r in rules)
+    assert SlotSampling.from_params(SamplingParams(temperature=0.3, top_k=5, top_p=0.9, min_p=0.1, logprobs=2,
+                                                   stop=["z"], seed=1, max_tokens=9)).plain
+    rng = np.random.default_rng(5)
+    vocab = 300
+    logits = rng.normal(0, 3, (3, vocab)).astype(np.float32)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = [SamplingParams(temperature=0.0)] * 3
+    sps = [SlotSampling.from_params(sp) for sp in params]
+    stack = lambda sps: SlotSampling(*(np.stack([getattr(s, f) for s in sps])  # noqa: E731
+                                       for f in SlotSampling.__dataclass_fields__))
+    bias = np.zeros((3, vocab), np.float32)
+    bias[1, 7] = 100.0              # a row whose rule is set in its VocabRow...
+    hist = SlotHistory(VocabRow(bias, np.zeros((3, vocab), bool), np.zeros((3, vocab), bool)),
+                       np.zeros((3, vocab), np.int32), np.zeros(3, np.int32))
+    bits = np.full((3, -(-vocab // 32)), 0xFFFFFFFF, np.uint32)
+    tokens = np.asarray(sample(jnp.asarray(logits), keys, stack(sps), hist, bits)[0])
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))        # ...is not read while all rows are plain
+    sps[1] = SlotSampling.from_params(SamplingParams(temperature=0.0, logit_bias={7: 100.0}))
+    tokens = np.asarray(sample(jnp.asarray(logits), keys, stack(sps), hist, bits)[0])
+    assert list(tokens) == [logits[0].argmax(), 7, logits[2].argmax()]
+
+
 @pytest.fixture(scope="module")
 def vlm(llava_dirs):
     return mmjax.load(llava_dirs["gqa"], max_num_seqs=4, max_model_len=128)
