@@ -280,6 +280,10 @@ def main(argv=None) -> int:
                          "steps: the decode step riding in a prefill call), on the same engine, in the same run")
     ap.add_argument("--pack-ab", action="store_true",
                     help="also run every concurrency level without packed prefill (A/B of TTFT in one run)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of mmjax and transformers batched at the top concurrency, alternating which "
+                         "goes first (the first round is the main run): the ratio per round and its median, "
+                         "so a drift of the machine's speed between the two sides' runs shows")
     ap.add_argument("--decode-only", action="store_true",
                     help="only time the decode step over rows x cache length in use (A/B of decode changes)")
     args = ap.parse_args(argv)
@@ -353,6 +357,35 @@ def main(argv=None) -> int:
     hfb = None if args.no_hf else run_hf_batched(peer, make_requests(args.requests, size, seed=top), args.new_tokens)
     hf = None if args.no_hf or args.no_hf_sequential else run_hf(peer, make_requests(args.requests, size, seed=99),
                                                                  args.new_tokens)
+    rounds = []
+    if hfb and args.rounds > 1:
+        from mmjax.serving.caches import EncoderCache
+
+        def again(who):
+            if who == "transformers":
+                return run_hf_batched(peer, make_requests(args.requests, size, seed=top), args.new_tokens)
+            eng = vlm.engine      # the same requests again: no encoder- or prefix-cache hits
+            eng.encoder_cache = EncoderCache(eng.encoder_cache.max_bytes)
+            eng.reset_device_state()
+            ae = AsyncEngine(eng, max_waiting=10_000)
+            try:
+                return asyncio.run(run_mmjax(vlm, ae, make_requests(args.requests, size, seed=top), top,
+                                             args.new_tokens))
+            finally:
+                ae.shutdown()
+        first = variants[label][top]
+        rounds.append({"first": "mmjax", "mmjax_tok_s": first["tokens"] / first["wall_s"],
+                       "mmjax_ttft_p50_s": percentile(first["ttft"], 50),
+                       "hf_batched_tok_s": hfb["tokens"] / hfb["wall_s"]})
+        for k in range(1, args.rounds):
+            order = ("transformers", "mmjax") if k % 2 else ("mmjax", "transformers")
+            got = {who: again(who) for who in order}
+            rounds.append({"first": order[0].replace("transformers", "hf_batched"),
+                           "mmjax_tok_s": got["mmjax"]["tokens"] / got["mmjax"]["wall_s"],
+                           "mmjax_ttft_p50_s": percentile(got["mmjax"]["ttft"], 50),
+                           "hf_batched_tok_s": got["transformers"]["tokens"] / got["transformers"]["wall_s"]})
+        for r in rounds:
+            r["ratio"] = r["mmjax_tok_s"] / r["hf_batched_tok_s"]
 
     if f32:
         probes.append(machine.measure(smoke=args.smoke, quick=True))
@@ -437,6 +470,13 @@ def main(argv=None) -> int:
         print(f"roofline at concurrency {row['concurrency']} ({row['who']}): {roof['flops'] / 1e12:.2f} TFLOP at "
               f"{peak / 1e9:.0f} GFLOP/s = {roof['compute_s']:.2f}s, weight reads {roof['read_s']:.2f}s at "
               f"{bw / 1e9:.1f} GB/s -> floor {roof['floor_s']:.2f}s, ceiling {roof['ceiling_tok_s']:.1f} tok/s")
+    for i, r in enumerate(rounds):
+        print(f"round {i + 1} at concurrency {top} ({r['first']} first): mmjax {r['mmjax_tok_s']:.1f} tok/s "
+              f"(TTFT p50 {r['mmjax_ttft_p50_s'] * 1e3:.0f} ms), transformers batched {r['hf_batched_tok_s']:.1f} "
+              f"tok/s: {r['ratio']:.2f}x")
+    if rounds:
+        print(f"rounds: median ratio {statistics.median(r['ratio'] for r in rounds):.2f}x, "
+              f"range {min(r['ratio'] for r in rounds):.2f}-{max(r['ratio'] for r in rounds):.2f}x")
     print("decode step: " + ", ".join(f"{d['rows']} rows x kv_len {d['kv_len']} -> {d['step_s'] * 1e3:.1f} ms"
                                       for d in decode_steps))
     summary = {"bench": "engine", "checkpoint": path, "smoke": args.smoke, "threads": threads, "dtype": args.dtype, "quantize": args.quantize,
@@ -444,7 +484,8 @@ def main(argv=None) -> int:
                "new_tokens": args.new_tokens, "compile_s": compile_s, "compiled_shapes": compiled,
                "mmjax": rows, "decode_steps": decode_steps, "machine_probes": probes,
                "hf_sequential": None if not hf else stats(hf),
-               "hf_batched": None if not hfb else {"batch": hfb["batch"], **stats(hfb)}}
+               "hf_batched": None if not hfb else {"batch": hfb["batch"], **stats(hfb)}, "rounds": rounds,
+               "rounds_median_ratio": statistics.median(r["ratio"] for r in rounds) if rounds else None}
     print(json.dumps(summary))
     return 0
 

@@ -88,7 +88,7 @@ def test_kernel_decode_profile_smoke(tmp_path):
 
 
 def test_engine_bench_smoke(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.engine", "--smoke"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "benchmarks.engine", "--smoke", "--rounds", "2"], cwd=ROOT,
                          env=_env(tmp_path), capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     r = _last_json(out.stdout)
@@ -113,6 +113,15 @@ def test_engine_bench_smoke(tmp_path):
     hfb = r["hf_batched"]          # one left-padded batch of the same 4 requests
     assert hfb["batch"] == 4 and all(_finite(hfb[k]) and hfb[k] > 0 for k in ("output_tok_s", "latency_p50_s"))
     assert "transformers (batch 4)" in out.stdout
+    # --rounds 2: the main run, then transformers first; each round's ratio is its own two runs'
+    first, second = r["rounds"]
+    top = r["mmjax"][-1]
+    assert first["mmjax_tok_s"] == pytest.approx(top["output_tok_s"]) and first["first"] == "mmjax"
+    assert first["hf_batched_tok_s"] == pytest.approx(hfb["output_tok_s"]) and second["first"] == "hf_batched"
+    for x in (first, second):
+        assert x["ratio"] == pytest.approx(x["mmjax_tok_s"] / x["hf_batched_tok_s"]) and x["mmjax_ttft_p50_s"] > 0
+    assert min(first["ratio"], second["ratio"]) <= r["rounds_median_ratio"] <= max(first["ratio"], second["ratio"])
+    assert "rounds: median ratio" in out.stdout
     assert {(d["rows"], d["kv_len"]) for d in r["decode_steps"]} == {(1, 128), (1, 256), (4, 128), (4, 256)}
     assert r["compiled_shapes"]["decode"] == 3 and "transformers (seq.)" in out.stdout  # rows 1, 2, 4
     # the f32 roofline of every system's run: probed limits, a floor, its fraction
