@@ -129,6 +129,7 @@ def test_plain_rows_skip_processing_and_a_rule_still_applies():
     import jax
     import jax.numpy as jnp
 
+    from mmjax.backend import compiling_for
     from mmjax.serving.structured import StructuredSpec
 
     rules = [dict(presence_penalty=0.5), dict(frequency_penalty=0.1), dict(repetition_penalty=1.2),
@@ -155,6 +156,13 @@ def test_plain_rows_skip_processing_and_a_rule_still_applies():
     sps[1] = SlotSampling.from_params(SamplingParams(temperature=0.0, logit_bias={7: 100.0}))
     tokens = np.asarray(sample(jnp.asarray(logits), keys, stack(sps), hist, bits)[0])
     assert list(tokens) == [logits[0].argmax(), 7, logits[2].argmax()]
+    with compiling_for("cuda"):     # off the CPU the processing is always applied (no cond)
+        traced = str(jax.make_jaxpr(lambda lg: sample(lg, keys, stack(sps), hist, bits)[0])(jnp.asarray(logits)))
+        tokens = np.asarray(sample(jnp.asarray(logits), keys, stack(sps), hist, bits)[0])
+    assert list(tokens) == [logits[0].argmax(), 7, logits[2].argmax()]
+    assert traced.count("cond[") == 2       # temperature and logprobs only
+    assert str(jax.make_jaxpr(lambda lg: sample(lg, keys, stack(sps), hist, bits)[0])(jnp.asarray(logits))).count(
+        "cond[") == 3
 
 
 @pytest.fixture(scope="module")

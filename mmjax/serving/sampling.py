@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.backend import current_platform
 from mmjax.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit; a step computes this many when any of its rows asks
@@ -290,11 +291,16 @@ def sample(logits: jax.Array, keys: jax.Array, sp: SlotSampling, hist: SlotHisto
 
     def processed():
         return logits if hist is None else process_logits(logits, sp, hist, bits)
-    # the processing is skipped when no row has a rule (a plain row's VocabRow is zeros and its
-    # bits all ones): it reads ~4 vocab-sized arrays a row, 0.5 ms of a 16-row CPU decode step;
-    # the cond returns ids only (a [b, vocab] result would be one more copy of the logits)
-    greedy = greedy_ids(logits) if hist is None else jax.lax.cond(
-        jnp.all(sp.plain), lambda: greedy_ids(logits), lambda: greedy_ids(processed()))
+    # On the CPU the processing is skipped when no row has a rule (a plain row's VocabRow is
+    # zeros and its bits all ones): it reads ~4 vocab-sized arrays a row, 0.5 ms of a 16-row
+    # decode step; the cond returns ids only (a [b, vocab] result would be one more copy of the
+    # logits). Elsewhere the fused pass is cheap and a cond is a host sync: always applied.
+    if hist is None:
+        greedy = greedy_ids(logits)
+    elif current_platform() == "cpu":
+        greedy = jax.lax.cond(jnp.all(sp.plain), lambda: greedy_ids(logits), lambda: greedy_ids(processed()))
+    else:
+        greedy = greedy_ids(processed())
     temperature = sp.temperature
 
     def draw(_):
