@@ -328,23 +328,27 @@ def main(argv=None) -> int:
     f32 = args.dtype == "float32" and not args.quantize
     probes = [machine.measure(smoke=args.smoke, quick=True)] if f32 else []
 
-    def serve(vlm):
+    def serve(vlm, levels=args.concurrency):
         out = {}
         ae = AsyncEngine(vlm.engine, max_waiting=10_000)
         try:
-            for c in args.concurrency:
+            for c in levels:
                 out[c] = asyncio.run(run_mmjax(vlm, ae, make_requests(args.requests, size, seed=c), c,
                                                args.new_tokens))
         finally:
             ae.shutdown()
         return out
+    def forget(eng):
+        """The same images and prompts again on `eng`: no encoder- or prefix-cache hits."""
+        from mmjax.serving.caches import EncoderCache
+        eng.encoder_cache = EncoderCache(eng.encoder_cache.max_bytes)
+        eng.reset_device_state()
+
     label = "mmjax (no pack)" if args.no_pack else "mmjax engine"
     variants = {label: serve(vlm)}
     if args.mixed_ab and vlm.engine.runner.mixes:   # the same engine with its decode steps apart
-        from mmjax.serving.caches import EncoderCache
         eng = vlm.engine
-        eng.encoder_cache = EncoderCache(eng.encoder_cache.max_bytes)   # the same images again: no hits
-        eng.reset_device_state()                                        # (and no prefix-cache hits)
+        forget(eng)
         eng._riders = lambda group: []      # the same compiled steps, nothing rides
         variants["mmjax (no mixed)"] = serve(vlm)
         del eng._riders
@@ -359,20 +363,11 @@ def main(argv=None) -> int:
                                                                  args.new_tokens)
     rounds = []
     if hfb and args.rounds > 1:
-        from mmjax.serving.caches import EncoderCache
-
         def again(who):
             if who == "transformers":
                 return run_hf_batched(peer, make_requests(args.requests, size, seed=top), args.new_tokens)
-            eng = vlm.engine      # the same requests again: no encoder- or prefix-cache hits
-            eng.encoder_cache = EncoderCache(eng.encoder_cache.max_bytes)
-            eng.reset_device_state()
-            ae = AsyncEngine(eng, max_waiting=10_000)
-            try:
-                return asyncio.run(run_mmjax(vlm, ae, make_requests(args.requests, size, seed=top), top,
-                                             args.new_tokens))
-            finally:
-                ae.shutdown()
+            forget(vlm.engine)
+            return serve(vlm, [top])[top]
         first = variants[label][top]
         rounds.append({"first": "mmjax", "mmjax_tok_s": first["tokens"] / first["wall_s"],
                        "mmjax_ttft_p50_s": percentile(first["ttft"], 50),

@@ -288,37 +288,40 @@ def sample(logits: jax.Array, keys: jax.Array, sp: SlotSampling, hist: SlotHisto
     filters), as vLLM's default; they are computed only when some row asks for them (zeros
     otherwise: the log-softmax and top-k over the vocab were ~1 ms of a 16-row CPU decode step)."""
     raw = logits
-
-    def processed():
-        return logits if hist is None else process_logits(logits, sp, hist, bits)
-    # On the CPU the processing is skipped when no row has a rule (a plain row's VocabRow is
-    # zeros and its bits all ones): it reads ~4 vocab-sized arrays a row, 0.5 ms of a 16-row
-    # decode step; the cond returns ids only (a [b, vocab] result would be one more copy of the
-    # logits). Elsewhere the fused pass is cheap and a cond is a host sync: always applied.
-    if hist is None:
-        greedy = greedy_ids(logits)
-    elif current_platform() == "cpu":
-        greedy = jax.lax.cond(jnp.all(sp.plain), lambda: greedy_ids(logits), lambda: greedy_ids(processed()))
-    else:
-        greedy = greedy_ids(processed())
     temperature = sp.temperature
 
-    def draw(_):
-        vocab = logits.shape[-1]
-        scaled = processed() / jnp.maximum(temperature, 1e-6)[:, None]
-        vals, idx = jax.lax.top_k(scaled, vocab)  # sorted descending
-        probs = jax.nn.softmax(vals, axis=-1)
-        rank = jnp.arange(vocab)[None, :]
-        keep = rank < jnp.where(sp.top_k > 0, sp.top_k, vocab)[:, None]
-        keep &= (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p[:, None]
-        keep &= probs >= sp.min_p[:, None] * probs[:, :1]
-        vals = jnp.where(keep, vals, -jnp.inf)
-        choice = jax.vmap(jax.random.categorical)(keys, vals)
-        sampled = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(temperature > 0, sampled, greedy)
+    def pick(x):
+        """Tokens from the logits x the rules have been applied to."""
+        greedy = greedy_ids(x)
 
-    # The full-vocab sort only runs when some row actually samples.
-    tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+        def draw(_):
+            vocab = x.shape[-1]
+            scaled = x / jnp.maximum(temperature, 1e-6)[:, None]
+            vals, idx = jax.lax.top_k(scaled, vocab)  # sorted descending
+            probs = jax.nn.softmax(vals, axis=-1)
+            rank = jnp.arange(vocab)[None, :]
+            keep = rank < jnp.where(sp.top_k > 0, sp.top_k, vocab)[:, None]
+            keep &= (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p[:, None]
+            keep &= probs >= sp.min_p[:, None] * probs[:, :1]
+            vals = jnp.where(keep, vals, -jnp.inf)
+            choice = jax.vmap(jax.random.categorical)(keys, vals)
+            sampled = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+            return jnp.where(temperature > 0, sampled, greedy)
+
+        # The full-vocab sort only runs when some row actually samples.
+        return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+
+    # On the CPU the rules' pass is skipped when no row has a rule (a plain row's VocabRow is
+    # zeros and its bits all ones): it reads ~4 vocab-sized arrays a row, 0.5 ms of a 16-row
+    # decode step; the cond returns tokens only (a [b, vocab] result would be one more copy of
+    # the logits). Elsewhere the fused pass is cheap and a cond is a host sync: always applied.
+    if hist is None:
+        tokens = pick(logits)
+    elif current_platform() == "cpu":
+        tokens = jax.lax.cond(jnp.all(sp.plain), lambda: pick(logits),
+                              lambda: pick(process_logits(logits, sp, hist, bits)))
+    else:
+        tokens = pick(process_logits(logits, sp, hist, bits))
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
 
     def scores(_):
