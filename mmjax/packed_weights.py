@@ -109,17 +109,30 @@ _LEADING_ROWS: contextvars.ContextVar = contextvars.ContextVar("leading_rows", d
 
 
 @contextlib.contextmanager
-def leading_rows(total: int, n: jax.Array):
+def leading_rows(total: int, n: jax.Array | int, amx: jax.Array | int | None = None):
     """While a step is traced inside the block, the packed matmuls (f32, bf16, int8) whose input
     has `total` rows (flattened) multiply only its first `n` (int32 scalar, traced) and give
     zeros for the others: a prefill's rows past its tokens are its bucket's padding (a 230-token
     prompt in the 240-row bucket: the kernels' FMAs for 10 rows, 3% of the prefill's matmuls).
-    The caller wraps only code whose `total`-row matmuls are over those token rows."""
-    token = _LEADING_ROWS.set((total, n))
+    The caller wraps only code whose `total`-row matmuls are over those token rows.
+
+    amx: which rows the packed f32 matmuls give to the AMX path (`cpu_gemv.amx()`; f32 accuracy
+    by another summation order): the first `amx` of the `total`-row matmuls (None: all), and
+    none of any other matmul in the block. A step picks the path by what a row is, so a row's
+    bits never depend on the rows beside it: the decode step gives AMX nothing, a prefill its
+    prompt rows and not the decode rows riding in it (their bits are the decode step's)."""
+    token = _LEADING_ROWS.set((total, n, n if amx is None else amx))
     try:
         yield
     finally:
         _LEADING_ROWS.reset(token)
+
+
+def fma_only():
+    """A block whose packed f32 matmuls all take the FMA kernel (`leading_rows` with no rows of
+    its own): the decode step and the LM heads of a prefill, whose rows are decode rows or must
+    match them."""
+    return leading_rows(-1, 0, amx=0)
 
 
 def rows_to_multiply(m: int) -> jax.Array:
@@ -129,29 +142,41 @@ def rows_to_multiply(m: int) -> jax.Array:
     return ctx[1] if ctx is not None and ctx[0] == m else jnp.int32(m)
 
 
+def amx_rows(m: int) -> jax.Array | int:
+    """How many leading rows of a packed f32 matmul over m rows go to the AMX path: inside
+    `leading_rows`, its choice; elsewhere (encoders, research code calling a forward) all of them
+    from more than `cpu_gemv.MAX_ROWS` rows on (AMX pays for converting each weight block once
+    over many rows; a few rows stream the weight faster through the FMAs), none below."""
+    from mmjax.kernels.cpu_gemv import MAX_ROWS
+    ctx = _LEADING_ROWS.get()
+    if ctx is None:
+        return m if m > MAX_ROWS else 0
+    return ctx[2] if ctx[0] == m else 0
+
+
 def matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     """x [..., in] (w's dtype) @ w -> f32 [..., out] through the kernel, any number of rows (the
     f32 dot / f32 sums of the exact bf16 products, up to summation order)."""
     m = 1
     for d in x.shape[:-1]:
         m *= d
-    y = _matmul(x.reshape(m, w.d_in), w.data, rows_to_multiply(m), w.d_out)
+    y = _matmul(x.reshape(m, w.d_in), w.data, rows_to_multiply(m), jnp.asarray(amx_rows(m), jnp.int32), w.d_out)
     return y.reshape(*x.shape[:-1], w.d_out)
 
 
 # differentiable for research code (gradients through a served model's steps): the derivative
 # is XLA's dots over the unpacked weight (the product is linear in each operand)
-@partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _matmul(x: jax.Array, data: jax.Array, rows: jax.Array, d_out: int) -> jax.Array:
+@partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _matmul(x: jax.Array, data: jax.Array, rows: jax.Array, amx: jax.Array, d_out: int) -> jax.Array:
     from mmjax.kernels import cpu_gemv
-    return cpu_gemv.matmul_packed(x, data, d_out, rows)
+    return cpu_gemv.matmul_packed(x, data, d_out, rows, amx)
 
 
 @_matmul.defjvp
 def _matmul_jvp(d_out, primals, tangents):
-    x, data, rows = primals
-    dx, ddata, _ = tangents
+    x, data, rows, amx = primals
+    dx, ddata, _, _ = tangents
     d_in = x.shape[-1]
     dot = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)   # noqa: E731
-    return (_matmul(x, data, rows, d_out),
+    return (_matmul(x, data, rows, amx, d_out),
             dot(dx, _unpack(data, d_in, d_out)) + dot(x, _unpack(ddata, d_in, d_out)))

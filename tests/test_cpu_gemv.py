@@ -326,3 +326,87 @@ def test_kernel_calls_differentiate():
     with cpu_kernels(False):
         want = jax.jit(jax.grad(qloss, argnums=(0, 1)))(x, w.scale)
     assert all(rel_err(g, h) < 1e-5 and float(jnp.abs(h).max()) > 0 for g, h in zip(got, want))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_packed_f32_amx_path():
+    """The packed f32 product's AMX path (cpu_amx.cc: each f32 split into three bf16 parts, six
+    tile-dot products): within an f32 sum's error of float64 (plus the three dropped products,
+    each under 2^-24 |x w|), more accurate than the FMA kernel's bound; every row the same bits
+    alone as in any batch; the rows the caller gives it (amx_rows) and no others, the rest the FMA
+    kernel's bits exactly; padding rows zero; off (set_amx) or on a CPU without AMX, the FMA
+    kernel's bits. The AMX path is taken where the CPU lists amx_bf16 (the OS on this project's
+    machines grants the tile state), so on such a machine the test cannot pass on FMAs alone."""
+    assert cpu_gemv.available()
+    on = cpu_gemv.amx()
+    flags = _cpu_flags()
+    if cpu_gemv.isa() == "avx512" and {"amx_bf16", "amx_tile"} <= flags:
+        assert on, "the CPU lists AMX-BF16 but the kernels do not use it"
+    if not {"amx_bf16", "amx_tile"} <= flags:
+        assert not on
+    rng = np.random.default_rng(5)
+    packed = jax.jit(cpu_gemv.matmul_packed, static_argnums=2)
+    differs = 0
+    # rows across the 32-row tiles and the 512-row blocks; K across the 32-column steps and the
+    # 128-row weight blocks (odd, short); N cut inside a panel and groups of fewer than 4 panels
+    for m, k, n in ((1, 2, 1), (5, 100, 70), (37, 300, 200), (16, 2048, 129), (70, 1023, 200), (33, 130, 700),
+                    (600, 64, 70), (250, 257, 330)):
+        x, w = _f32(rng, m, k), _f32(rng, k, n)
+        wp = jnp.asarray(cpu_gemv.pack_panels(w, 64))
+        fma = np.asarray(packed(x, wp, n, None, 0))
+        got = np.asarray(packed(x, wp, n, None, m))
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+        err = np.abs(got.astype(np.float64) - want)
+        assert np.all(err <= (3 + 2 * np.sqrt(k)) * 2.0 ** -24 * scale), (m, k, n, float((err / scale).max()))
+        differs += int(np.count_nonzero(got != fma))
+        # batch invariance: the first and last rows alone, the same bits
+        for i in {0, m - 1}:
+            np.testing.assert_array_equal(np.asarray(packed(x[i:i + 1], wp, n, None, 1)), got[i:i + 1])
+        # a split: rows [0, a) AMX's bits, [a, rows) the FMA kernel's, zeros past rows
+        for a, r in {(m // 2, m), (m // 3, m - 1), (0, m), (m, m // 2)}:
+            part = np.asarray(packed(x, wp, n, jnp.int32(r), jnp.int32(a)))
+            a = min(a, r)
+            np.testing.assert_array_equal(part[:a], got[:a])
+            np.testing.assert_array_equal(part[a:r], fma[a:r])
+            assert not part[r:].any()
+        # forbidden: the FMA kernel's bits whatever amx_rows says
+        assert not cpu_gemv.set_amx(False)
+        try:
+            np.testing.assert_array_equal(np.asarray(packed(x, wp, n, None, m)), fma)
+        finally:
+            assert cpu_gemv.set_amx(True) == on
+    assert (differs > 0) == on      # the AMX path ran (its sums are ordered otherwise) exactly where it is on
+
+
+def test_amx_rows_follow_the_step():
+    """packed_weights.amx_rows: outside any step all rows of a matmul of more than MAX_ROWS rows
+    (encoders, research forwards), none below; inside leading_rows the step's choice for its
+    token rows and none for other matmuls; fma_only none. Traced into the kernel call's operand."""
+    from mmjax import packed_weights as pw
+    assert pw.amx_rows(17) == 17 and pw.amx_rows(16) == 0 and pw.amx_rows(1) == 0
+    with pw.leading_rows(40, 30, amx=12):
+        assert pw.amx_rows(40) == 12 and pw.amx_rows(17) == 0
+        assert int(pw.rows_to_multiply(40)) == 30
+    with pw.leading_rows(40, 30):
+        assert pw.amx_rows(40) == 30 and pw.amx_rows(64) == 0
+    with pw.fma_only():
+        assert pw.amx_rows(300) == 0 and int(pw.rows_to_multiply(300)) == 300
+    rng = np.random.default_rng(6)
+    x, w = _f32(rng, 40, 96), pack_weight(_f32(rng, 96, 130))
+
+    def f(x, w, a):
+        with pw.leading_rows(40, 40, amx=a):
+            return matmul(x, w)
+    whole, fma = jax.jit(f)(x, w, 40), jax.jit(f)(x, w, 0)
+    mixed = jax.jit(f)(x, w, 25)
+    np.testing.assert_array_equal(mixed[:25], whole[:25])
+    np.testing.assert_array_equal(mixed[25:], fma[25:])
+    np.testing.assert_array_equal(jax.jit(lambda x, w: matmul(x, w))(x, w), whole)   # default: all 40

@@ -48,6 +48,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_amx.h"
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
@@ -1126,7 +1127,17 @@ bool Trivial(T* y, int64_t outputs, int64_t K, int64_t size) {
 // prefill's tokens before its bucket's padding). Only those are multiplied, y's later rows are
 // zeros: a 230-token prompt in the 240-row bucket skips the 10 rows' FMAs (3% of its matmuls).
 int64_t LeadingRows(ffi::Buffer<ffi::S32> rows, int64_t M) {
-  return rows.element_count() == 1 ? std::clamp<int64_t>(rows.typed_data()[0], 0, M) : M;
+  return rows.element_count() >= 1 ? std::clamp<int64_t>(rows.typed_data()[0], 0, M) : M;
+}
+
+// The packed f32 product's rows operand may hold a second value (s32 [2]: rows, amx): the leading
+// rows [0, amx) go to the AMX product (cpu_amx.cc) where it runs, the others to the FMA kernel.
+// Which rows take which path is the caller's choice (mmjax.packed_weights): a prefill gives its
+// prompt rows to AMX and its riding decode rows to the FMAs, so that a decode row's bits are the
+// decode step's whatever it rides in.
+int64_t AmxRows(ffi::Buffer<ffi::S32> rows, int64_t M) {
+  if (rows.element_count() < 2 || !mmjax_amx::Active()) return 0;
+  return std::clamp<int64_t>(rows.typed_data()[1], 0, M);
 }
 
 // x bf16 [M, K] as (row 2k, row 2k + 1) pairs, one 32-bit word per pair [M, ceil(K / 2)]: x itself
@@ -1372,6 +1383,26 @@ void RunPacked(ffi::ThreadPool& pool, const X* x, int64_t M, int64_t Kp, int64_t
     std::memcpy(y + m * N + PW * (P - 1), tail.data() + m * PW, sizeof(float) * (N - PW * (P - 1)));
 }
 
+// x f32 [M, K] @ a packed f32 weight of P 64-column panels -> y [M, N], rows [0, amx) on AMX
+// (cpu_amx.cc), rows [amx, M) by the FMA kernel (PackedRange), work parts of a panel group each:
+// the FMA rows read the group's weight lines the conversion for AMX has just brought in.
+void RunAmx(ffi::ThreadPool& pool, const float* x, int64_t amx, int64_t M, int64_t K, int64_t N, int64_t P,
+            const float* w, float* y) {
+  const int threads = Threads(pool);
+  const mmjax_amx::SplitRows s = mmjax_amx::PrepareRows(amx, K);
+  const int row_parts = static_cast<int>(std::min<int64_t>(threads, (amx + 15) / 16));
+  ParallelFor(pool, threads, row_parts,
+              [&](int part) { mmjax_amx::SplitInto(x, K, amx * part / row_parts, amx * (part + 1) / row_parts, s); });
+  const int64_t groups = (P + mmjax_amx::kGroupPanels - 1) / mmjax_amx::kGroupPanels;
+  ParallelFor(pool, threads, static_cast<int>(groups), [&](int g) {
+    const int64_t p0 = g * mmjax_amx::kGroupPanels, p1 = std::min(P, p0 + mmjax_amx::kGroupPanels);
+    mmjax_amx::GroupProduct(s, w, K, N, p0, p1, y);
+#if defined(__x86_64__)
+    if (M > amx) PackedRange(x + amx * K, M - amx, K, N, w, y + amx * N, p0, p1);
+#endif
+  });
+}
+
 // x [M, K] @ w [ceil(N / PW), ceil(K / R), PW, R] (PW = 64 or 16 columns a panel) -> y f32 [M, N]:
 // the shape check
 bool PackedShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> yd, int R) {
@@ -1388,6 +1419,11 @@ ffi::Error MatmulF32P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* yp = y->typed_data();
   std::fill(yp + M * N, yp + x.dimensions()[0] * N, 0.f);
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
+  const int64_t amx = w.dimensions()[2] == 64 ? AmxRows(rows, M) : 0;
+  if (amx) {
+    RunAmx(pool, x.typed_data(), amx, M, K, N, w.dimensions()[0], w.typed_data(), yp);
+    return ffi::Error::Success();
+  }
   RunPacked(pool, x.typed_data(), M, K, N, w.dimensions()[0], w.dimensions()[2], w.typed_data(), yp);
   return ffi::Error::Success();
 }
@@ -1487,6 +1523,12 @@ void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_
 }
 // The highest code path the kernels may take (mmjax_cpu::Isa: 0 plain C++, 1 AVX2, 2 AVX-512;
 // tests lower it; a negative cap leaves it as it is); returns the path in use afterwards.
+// Whether the packed f32 product may use AMX (1) or not (0; tests and A/Bs; negative: unchanged);
+// returns whether it would now (the cap, the CPU, the OS's leave, the AVX-512 path).
+int mmjax_cpu_set_amx(int cap) {
+  if (cap >= 0) mmjax_amx::g_amx_cap.store(cap ? 1 : 0);
+  return mmjax_amx::Active() ? 1 : 0;
+}
 int mmjax_cpu_set_isa(int cap) {
   if (cap >= 0) mmjax_cpu::g_isa_cap.store(cap);
   return mmjax_cpu::ActiveIsa();

@@ -26,8 +26,8 @@ from pathlib import Path
 import jax
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "cpu_gemv.cc", _DIR / "cpu_attention.cc"]
-_HEADERS = [_DIR / "cpu_parallel.h"]
+_SOURCES = [_DIR / "cpu_gemv.cc", _DIR / "cpu_attention.cc", _DIR / "cpu_amx.cc"]
+_HEADERS = [_DIR / "cpu_parallel.h", _DIR / "cpu_amx.h"]
 _FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off",
           "-Wno-attributes", "-Wno-return-type"]
 _TARGETS = ["mmjax_gemv_bf16", "mmjax_matmul_bf16p", "mmjax_matmul_f32p", "mmjax_gemv_f32", "mmjax_gemv_s8", "mmjax_qmatmul_s8p",
@@ -104,6 +104,7 @@ def load():
             for name in _TARGETS:
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
             lib.mmjax_cpu_set_isa.argtypes = [ctypes.c_int]
+            lib.mmjax_cpu_set_amx.argtypes = [ctypes.c_int]
             _state["lib"] = lib
         except Exception as e:       # no compiler, a compile error, a missing symbol: XLA's ops
             _state["error"] = f"{type(e).__name__}: {e}"
@@ -146,6 +147,23 @@ def set_isa(name: str | None) -> str:
     if lib is None:
         raise RuntimeError(_state.get("error", "CPU kernels unavailable"))
     return ISAS[lib.mmjax_cpu_set_isa(ISAS.index(name) if name is not None else len(ISAS) - 1)]
+
+
+def amx() -> bool:
+    """Does the packed f32 product run its AMX path here (cpu_amx.cc: AMX-BF16 at f32 accuracy,
+    for the rows the caller gives it; the CPU, the OS's leave and the AVX-512 path, unless a test
+    turned it off with `set_amx`)?"""
+    lib = load()
+    return lib is not None and bool(lib.mmjax_cpu_set_amx(-1))
+
+
+def set_amx(on: bool) -> bool:
+    """Allow (True) or forbid (False) the AMX path of the packed f32 product (tests and A/Bs; at the
+    next call); returns `amx()` afterwards."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(_state.get("error", "CPU kernels unavailable"))
+    return bool(lib.mmjax_cpu_set_amx(1 if on else 0))
 
 
 def simd() -> bool:

@@ -290,28 +290,36 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
             packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg, ride)
             kv_len = packing.kv_len if ride is None else jnp.maximum(packing.kv_len, ride.kv_len)
             packed = {"packing": packing}
-        with packed_weights.leading_rows(t, used):
+        # the prompt rows (before the riders) go to the packed f32 matmuls' AMX path, the riders
+        # and the LM heads to their FMAs as in a decode step: a row's bits depend on what it is,
+        # not on what shares its call (packed_weights.leading_rows)
+        with packed_weights.leading_rows(t, used, amx=riders.offset if d else None):
             out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, kv_len, slots=seg.slot,
                              mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
                              **packed, **extra)
         last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
         if scores:
-            every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [T, vocab]
+            with packed_weights.fma_only():
+                every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [T, vocab]
             logits = every[last]
         elif not d:
-            logits = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)         # [S, vocab]
+            with packed_weights.fma_only():
+                logits = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)         # [S, vocab]
         else:       # the riders' sampling and state, as a decode step's (make_decode_step)
             row_split = jax.vmap(jax.random.split)(st.keys)
 
             def riding():       # one LM head call for the segments' last tokens and the riders
                 rows = jnp.concatenate([last, jnp.clip(ride.position, 0, t - 1)])
-                both = _gathered(tm.logits(text, out.hidden[0][rows]), logits_sharding)
+                with packed_weights.fma_only():
+                    both = _gathered(tm.logits(text, out.hidden[0][rows]), logits_sharding)
                 return both[:s], sample(both[s:], row_split[:, 1], st.sampling, st.hist,
                                         jnp.full((d, seg.bits.shape[1]), 0xFFFFFFFF, jnp.uint32))
 
             def idle():         # none rides: the LM head and sampling of D rows skipped
                 shapes = jax.eval_shape(riding)[1]
-                return (_gathered(tm.logits(text, out.hidden[0][last]), logits_sharding),
+                with packed_weights.fma_only():
+                    head = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)
+                return (head,
                         jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
             logits, row_res = jax.lax.cond(riders.ride.any(), riding, idle)
             state = state.advance_slots(jnp.where(riders.ride, jnp.arange(d), state.tokens.shape[0]), row_res[0],
@@ -374,9 +382,10 @@ def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None
         embeds = tm.embed(text, st.tokens)[:, None]
         pos = jnp.broadcast_to((st.lengths + st.rope_delta)[None, :, None], (tm.position_rows, rows, 1))
         extra = {"dropped": Dropped(st.drop_after, st.dropped, kv_lens)} if prunable else {}
-        out = tm.forward(text, embeds, pos, cache, st.lengths, kv_lens.max(), ids=st.tokens[:, None],
-                         reduce_small=tune.reduce_small_attention, **extra)
-        logits = _gathered(tm.logits(text, out.hidden[:, 0]), logits_sharding)
+        with packed_weights.fma_only():   # whatever the row count
+            out = tm.forward(text, embeds, pos, cache, st.lengths, kv_lens.max(), ids=st.tokens[:, None],
+                             reduce_small=tune.reduce_small_attention, **extra)
+            logits = _gathered(tm.logits(text, out.hidden[:, 0]), logits_sharding)
         split = jax.vmap(jax.random.split)(st.keys)
         res = sample(logits, split[:, 1], st.sampling, st.hist, bits)
         return out.cache, state.advance(res[0], split[:, 0]), res

@@ -1,0 +1,47 @@
+// f32 matmuls on AMX-BF16 at f32 accuracy (cpu_amx.cc; the packed f32 product in cpu_gemv.cc
+// calls it for the rows it gives to AMX). See cpu_amx.cc for the method and its error.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace mmjax_amx {
+
+// 1: the packed f32 kernel may use AMX where the CPU and the OS allow it; 0: never (tests and
+// A/Bs set it through mmjax_cpu_set_amx)
+inline std::atomic<int> g_amx_cap{1};
+
+// Has this CPU AMX-BF16 with the OS's leave to use it (the process's XTILEDATA permission is
+// asked for once, here)?
+bool Supported();
+// Supported(), the AVX-512 path active (cpu_parallel.h) and not capped off
+bool Active();
+
+// Columns a panel group takes: what one work part of the AMX product covers.
+constexpr int64_t kGroupPanels = 4;
+
+// The activations' three bf16 parts, laid out as AMX's A tiles, each 1 KiB in a row: [part 3]
+// [Mpad / 16 row blocks][Kpad / 32 steps][16 rows][32 bf16], Mpad = rows rounded up to 32, Kpad
+// = K rounded up to 32; zeros past M and K.
+struct SplitRows {
+  const uint16_t* data = nullptr;
+  int64_t rows = 0, padded_rows = 0, ld = 0, padded_k = 0;
+};
+
+// element (part i, row m, column k) of a SplitRows layout
+inline int64_t AOffsetOf(const SplitRows& s, int i, int64_t m, int64_t k) {
+  return ((i * (s.padded_rows / 16) + m / 16) * (s.padded_k / 32) + k / 32) * 512 + (m % 16) * 32 + k % 32;
+}
+
+// x f32 rows [m0, m1) of [M, K] (row-major) into the split buffer's parts (the parallel part of
+// PrepareRows; the buffer from PrepareRows)
+void SplitInto(const float* x, int64_t K, int64_t m0, int64_t m1, const SplitRows& s);
+// The split buffer for M rows of K (the caller's thread-local scratch, zeroed where padded);
+// fill it with SplitInto over [0, M).
+SplitRows PrepareRows(int64_t M, int64_t K);
+
+// y[m, 64 p0 + c] for m < s.rows and the columns of panels [p0, p1) (p1 - p0 <= kGroupPanels)
+// of a packed f32 weight w [P, K, 64] (N columns in all): y = x @ W at f32 accuracy.
+void GroupProduct(const SplitRows& s, const float* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* y);
+
+}  // namespace mmjax_amx
