@@ -1393,9 +1393,13 @@ void RunAmx(ffi::ThreadPool& pool, const float* x, int64_t amx, int64_t M, int64
   const int row_parts = static_cast<int>(std::min<int64_t>(threads, (amx + 15) / 16));
   ParallelFor(pool, threads, row_parts,
               [&](int part) { mmjax_amx::SplitInto(x, K, amx * part / row_parts, amx * (part + 1) / row_parts, s); });
-  const int64_t groups = (P + mmjax_amx::kGroupPanels - 1) / mmjax_amx::kGroupPanels;
+  // groups of up to 4 panels, fewer where that evens the groups out over the threads (a ViT-B
+  // projection's 12 panels: 4 groups of 3, not 3 of 4 on 2 threads)
+  int64_t per = mmjax_amx::kGroupPanels;
+  while (per > 1 && (P + per - 1) / per % threads && (P + per - 1) / per < 4 * threads) --per;
+  const int64_t groups = (P + per - 1) / per;
   ParallelFor(pool, threads, static_cast<int>(groups), [&](int g) {
-    const int64_t p0 = g * mmjax_amx::kGroupPanels, p1 = std::min(P, p0 + mmjax_amx::kGroupPanels);
+    const int64_t p0 = g * per, p1 = std::min(P, p0 + per);
     mmjax_amx::GroupProduct(s, w, K, N, p0, p1, y);
 #if defined(__x86_64__)
     if (M > amx) PackedRange(x + amx * K, M - amx, K, N, w, y + amx * N, p0, p1);
