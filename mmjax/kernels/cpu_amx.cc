@@ -169,53 +169,66 @@ MMJAX_AMX void TileBlock(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc,
     _tile_loadd(2, c + 16 * kLdc, kLdc * 4);
     _tile_loadd(3, c + 16 * kLdc + 16, kLdc * 4);
   }
+  // Tile loads are pipelined: a register is reloaded right after the last dot that reads it is
+  // issued, two dots before the first that needs the new value (AMX does not rename tiles, so a
+  // load issued before the dots that read the old value would wait for them, and the dots after
+  // it for the load). Order of the products a step: a1 b3, a1 b1, a1 b2, a2 b2, a2 b1, a3 b1.
+  const int64_t anext = s.padded_k / 32 * 512, bnext = pairs * 16;   // the second row / column block's tile
+  const auto a_at = [&](int i, int64_t st) { return s.data + AOffsetOf(s, i, m0, k0 + 32 * st); };
+  const auto b_at = [&](int j, int64_t st) { return b + j * part + (2 * cb * pairs + 16 * st) * 16; };
+  _tile_loadd(4, a_at(0, 0), 64);
+  _tile_loadd(5, a_at(0, 0) + anext, 64);
+  _tile_loadd(6, b_at(2, 0), 64);
+  _tile_loadd(7, b_at(2, 0) + bnext, 64);
   for (int64_t st = 0; st < steps; ++st) {
-    const uint16_t* a[3];
-    const uint32_t* bt[3];
-    for (int i = 0; i < 3; ++i) {
-      a[i] = s.data + AOffsetOf(s, i, m0, k0 + 32 * st);
-      bt[i] = b + i * part + (2 * cb * pairs + 16 * st) * 16;
+    const uint32_t* b0 = b_at(0, st);
+    const uint32_t* b1 = b_at(1, st);
+    // a1 b3, then b -> b1
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(7, b0 + bnext, 64);
+    // a1 b1, then b -> b2
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(6, b1, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(7, b1 + bnext, 64);
+    // a1 b2, then a -> a2
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(4, a_at(1, st), 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(5, a_at(1, st) + anext, 64);
+    // a2 b2, then b -> b1
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(7, b0 + bnext, 64);
+    // a2 b1, then a -> a3
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(4, a_at(2, st), 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(5, a_at(2, st) + anext, 64);
+    // a3 b1, then the next step's a1 and b3
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (st + 1 < steps) _tile_loadd(4, a_at(0, st + 1), 64);
+    _tile_dpbf16ps(2, 5, 6);
+    if (st + 1 < steps) _tile_loadd(6, b_at(2, st + 1), 64);
+    _tile_dpbf16ps(3, 5, 7);
+    if (st + 1 < steps) {
+      _tile_loadd(5, a_at(0, st + 1) + anext, 64);
+      _tile_loadd(7, b_at(2, st + 1) + bnext, 64);
     }
-    const int64_t anext = s.padded_k / 32 * 512, bnext = pairs * 16;   // the second row block's / column block's tile
-    // a1 b3, a1 b1, a1 b2, a2 b2, a2 b1, a3 b1: each change of operand reloads one of them
-    _tile_loadd(4, a[0], 64);
-    _tile_loadd(5, a[0] + anext, 64);
-    _tile_loadd(6, bt[2], 64);
-    _tile_loadd(7, bt[2] + bnext, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(6, bt[0], 64);
-    _tile_loadd(7, bt[0] + bnext, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(6, bt[1], 64);
-    _tile_loadd(7, bt[1] + bnext, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, a[1], 64);
-    _tile_loadd(5, a[1] + anext, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(6, bt[0], 64);
-    _tile_loadd(7, bt[0] + bnext, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, a[2], 64);
-    _tile_loadd(5, a[2] + anext, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
     // this step's share of the next block's conversion, while the tile dots run
     const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
     if (c1 > c0) Convert(next, c0, c1);
