@@ -239,6 +239,52 @@ MMJAX_AMX void TileBlock(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc,
   _tile_stored(3, c + 16 * kLdc + 16, kLdc * 4);
 }
 
+// As TileBlock for the last 16 rows of a row block (a row count that is 16 past a multiple of
+// 32): C tiles 0 and 1 only, one A register, the same products in the same order.
+MMJAX_AMX void TileBlockHalf(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc, const uint32_t* b, int64_t cb,
+                             float* c, bool zero, const Block& next, int64_t u0, int64_t u1) {
+  const int64_t pairs = kc / 2, part = BWords(kc), steps = kc / 32, bnext = pairs * 16;
+  if (zero) {
+    _tile_zero(0);
+    _tile_zero(1);
+  } else {
+    _tile_loadd(0, c, kLdc * 4);
+    _tile_loadd(1, c + 16, kLdc * 4);
+  }
+  const auto a_at = [&](int i, int64_t st) { return s.data + AOffsetOf(s, i, m0, k0 + 32 * st); };
+  const auto b_at = [&](int j, int64_t st) { return b + j * part + (2 * cb * pairs + 16 * st) * 16; };
+  for (int64_t st = 0; st < steps; ++st) {
+    // a1 b3, a1 b1, a1 b2, a2 b2, a2 b1, a3 b1 (A in register 4 or 5, B in 6 and 7 turn about)
+    _tile_loadd(4, a_at(0, st), 64);
+    _tile_loadd(6, b_at(2, st), 64);
+    _tile_loadd(7, b_at(2, st) + bnext, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, b_at(0, st), 64);
+    _tile_loadd(7, b_at(0, st) + bnext, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a_at(1, st), 64);
+    _tile_loadd(6, b_at(1, st), 64);
+    _tile_loadd(7, b_at(1, st) + bnext, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(6, b_at(0, st), 64);
+    _tile_loadd(7, b_at(0, st) + bnext, 64);
+    _tile_loadd(4, a_at(2, st), 64);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
+    if (c1 > c0) Convert(next, c0, c1);
+  }
+  _tile_stored(0, c, kLdc * 4);
+  _tile_stored(1, c + 16, kLdc * 4);
+}
+
 MMJAX_AMX void Group(const SplitRows& s, const float* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* y) {
   thread_local std::vector<uint32_t> bbuf;
   thread_local std::vector<float> cbuf;
@@ -248,9 +294,10 @@ MMJAX_AMX void Group(const SplitRows& s, const float* w, int64_t K, int64_t N, i
   uint32_t* b0 = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(bbuf.data()) + 63) & ~uintptr_t(63));
   float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf.data()) + 63) & ~uintptr_t(63));
   const int64_t np = p1 - p0, blocks = 2 * np, col0 = 64 * p0, cols = std::min<int64_t>(64 * np, N - col0);
-  // row blocks of at most kMc rows, as even as 32-row steps allow; the weight blocks of each in
+  // row blocks of at most kMc rows, as even as 32-row steps allow (the last may end 16 rows past
+  // a multiple of 32: a half tile block); the weight blocks of each in
   // turn, block i converted into buffer i % 2 while block i - 1's tile dots run
-  const int64_t mblocks = (s.padded_rows + kMc - 1) / kMc, step = (s.padded_rows / 32 + mblocks - 1) / mblocks * 32;
+  const int64_t mblocks = (s.padded_rows + kMc - 1) / kMc, step = ((s.padded_rows + 31) / 32 + mblocks - 1) / mblocks * 32;
   const int64_t kblocks = (s.padded_k + kKc - 1) / kKc, total = mblocks * kblocks;
   const auto block = [&](int64_t i) {
     Block blk;
@@ -266,12 +313,12 @@ MMJAX_AMX void Group(const SplitRows& s, const float* w, int64_t K, int64_t N, i
   for (int64_t i = 0; i < total; ++i) {
     const Block next = block(i + 1);
     const int64_t mo = (i / kblocks) * step, mrows = std::min<int64_t>(step, s.padded_rows - mo);
-    const int64_t tiles = blocks * (mrows / 32), units = next.units();
+    const int64_t tiles = blocks * ((mrows + 31) / 32), units = next.units();
     int64_t t = 0;
     for (int64_t cb = 0; cb < blocks; ++cb)
       for (int64_t m = 0; m < mrows; m += 32, ++t)
-        TileBlock(s, mo + m, cur.k0, cur.kc, cur.b, cb, c + m * kLdc + 32 * cb, cur.k0 == 0, next,
-                  units * t / tiles, units * (t + 1) / tiles);
+        (mrows - m == 16 ? TileBlockHalf : TileBlock)(s, mo + m, cur.k0, cur.kc, cur.b, cb, c + m * kLdc + 32 * cb,
+                                                      cur.k0 == 0, next, units * t / tiles, units * (t + 1) / tiles);
     if (cur.k0 + cur.kc == s.padded_k) {
       const int64_t last = std::min<int64_t>(s.rows - mo, mrows);
       for (int64_t m = 0; m < last; ++m) std::memcpy(y + (mo + m) * N + col0, c + m * kLdc, sizeof(float) * cols);
@@ -308,7 +355,7 @@ SplitRows PrepareRows(int64_t M, int64_t K) {
   thread_local std::vector<uint16_t> buf;
   SplitRows s;
   s.rows = M;
-  s.padded_rows = (M + 31) / 32 * 32;
+  s.padded_rows = (M + 15) / 16 * 16;
   s.padded_k = (K + 31) / 32 * 32;
   s.ld = s.padded_k;
   const size_t n = 3 * size_t(s.padded_rows) * size_t(s.ld) + 32;

@@ -21,7 +21,7 @@ bool Active();
 constexpr int64_t kGroupPanels = 4;
 
 // The activations' three bf16 parts, laid out as AMX's A tiles, each 1 KiB in a row: [part 3]
-// [Mpad / 16 row blocks][Kpad / 32 steps][16 rows][32 bf16], Mpad = rows rounded up to 32, Kpad
+// [Mpad / 16 row blocks][Kpad / 32 steps][16 rows][32 bf16], Mpad = rows rounded up to 16, Kpad
 // = K rounded up to 32; zeros past M and K.
 struct SplitRows {
   const uint16_t* data = nullptr;
