@@ -1,5 +1,6 @@
 """The machine's own limits, measured in the same run as the benchmark it normalises:
-float32 GEMM FLOP/s (numpy, torch, jax; peak = the best) and memory bandwidth (read-only
+float32 GEMM FLOP/s (numpy, torch, jax; on an AMX CPU also the tile units' rate over the six bf16
+products of an f32-accurate product, `amx_f32_flops`; peak = the best) and memory bandwidth (read-only
 reduction over a buffer far larger than the caches; peak = the best of torch and jax; plus a
 copy figure for orientation).
 
@@ -58,8 +59,35 @@ def gemm_flops(n: int = 4096, repeats: int = 3) -> dict[str, float]:
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     mm = jax.jit(jnp.matmul)
     out["jax"] = flops / _best_time(lambda: mm(ja, jb).block_until_ready(), repeats)
+    amx = amx_f32_flops()
+    if amx:
+        out["amx_bf16x6"] = amx
     out["peak"] = max(out.values())
     return out
+
+
+def amx_f32_flops(iterations: int = 1_000_000) -> float:
+    """The f32-accurate matmul rate the AMX tile units allow, on all cores at once: the tile dot's
+    bf16 FLOP/s (registers only, one thread a core) over the six bf16 products an f32 product
+    takes on mmjax's AMX path (mmjax/kernels/cpu_amx.cc). 0 where the kernels do not use AMX.
+    Part of the GEMM peak where it is higher: prefill and encode run there."""
+    import threading
+
+    from mmjax.kernels import cpu_library
+    if not cpu_library.amx():
+        return 0.0
+    lib = cpu_library.load()
+    lib.mmjax_amx_tile_flops(iterations // 10)        # warm up (the tile state, the clocks)
+    rates = [0.0] * (os.cpu_count() or 1)
+
+    def one(i: int) -> None:       # ctypes drops the GIL: the threads run at once
+        rates[i] = lib.mmjax_amx_tile_flops(iterations)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(rates))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(rates) / 6
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:

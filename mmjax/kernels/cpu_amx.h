@@ -16,6 +16,9 @@ inline std::atomic<int> g_amx_cap{1};
 bool Supported();
 // Supported(), the AVX-512 path active (cpu_parallel.h) and not capped off
 bool Active();
+// The calling thread's tile-dot rate in bf16 FLOP/s over `iterations` x 4 dots on registers (0
+// without AMX): the unit's limit, for the benchmarks' roofline.
+double TileFlopsPerSecond(long iterations);
 
 // Columns a panel group takes: what one work part of the AMX product covers.
 constexpr int64_t kGroupPanels = 4;

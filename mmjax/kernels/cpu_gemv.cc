@@ -1533,6 +1533,8 @@ int mmjax_cpu_set_amx(int cap) {
   if (cap >= 0) mmjax_amx::g_amx_cap.store(cap ? 1 : 0);
   return mmjax_amx::Active() ? 1 : 0;
 }
+// the AMX tile unit's bf16 FLOP/s on the calling thread (benchmarks' machine probe; 0 without AMX)
+double mmjax_amx_tile_flops(long iterations) { return mmjax_amx::TileFlopsPerSecond(iterations); }
 int mmjax_cpu_set_isa(int cap) {
   if (cap >= 0) mmjax_cpu::g_isa_cap.store(cap);
   return mmjax_cpu::ActiveIsa();

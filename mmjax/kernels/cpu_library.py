@@ -105,6 +105,8 @@ def load():
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
             lib.mmjax_cpu_set_isa.argtypes = [ctypes.c_int]
             lib.mmjax_cpu_set_amx.argtypes = [ctypes.c_int]
+            lib.mmjax_amx_tile_flops.argtypes = [ctypes.c_long]
+            lib.mmjax_amx_tile_flops.restype = ctypes.c_double
             _state["lib"] = lib
         except Exception as e:       # no compiler, a compile error, a missing symbol: XLA's ops
             _state["error"] = f"{type(e).__name__}: {e}"
