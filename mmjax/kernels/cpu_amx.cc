@@ -12,16 +12,16 @@
 //
 // Blocking (a BLIS-style loop over tiles): a work part is a group of up to 4 weight panels (256
 // columns). For blocks of kKc weight rows its panels are converted into the three parts' B tiles
-// (VNNI pairs, ~96-384 KiB in L2); then each 32-row x 32-column block of the output keeps four
-// 16 x 16 C tiles over the block's rows (six products per 32 rows: 24 tile dots), carried between
-// row blocks in an L2 buffer. Every output is the same sequence of tile dots over k whatever the
+// (VNNI pairs, 192 KiB a block, double-buffered in L2: the next block is converted between the
+// tile dots of this one); then each 32-row x 32-column block of the output keeps four 16 x 16 C
+// tiles over the block's rows (six products per 32 columns of k: 24 tile dots), carried between
+// weight blocks in an L2 buffer. Every output is the same sequence of tile dots over k whatever the
 // number of rows, so a row's result does not depend on the rows beside it.
 #include "cpu_amx.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #if defined(__x86_64__)
