@@ -336,14 +336,15 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def test_packed_f32_amx_path():
-    """The packed f32 product's AMX path (cpu_amx.cc: each f32 split into three bf16 parts, six
-    tile-dot products): within an f32 sum's error of float64 (plus the three dropped products,
-    each under 2^-24 |x w|), more accurate than the FMA kernel's bound; every row the same bits
-    alone as in any batch; the rows the caller gives it (amx_rows) and no others, the rest the FMA
-    kernel's bits exactly; padding rows zero; off (set_amx) or on a CPU without AMX, the FMA
-    kernel's bits. The AMX path is taken where the CPU lists amx_bf16 (the OS on this project's
-    machines grants the tile state), so on such a machine the test cannot pass on FMAs alone."""
+def test_packed_amx_path():
+    """The packed products' AMX path (cpu_amx.cc): f32 split into three bf16 parts, six tile-dot
+    products, within an f32 sum's error of float64 (plus the three dropped products, each under
+    2^-24 |x w|), more accurate than the FMA kernel's bound; bf16 one tile dot a product, within
+    the f32 sum's error of the exact products; every row the same bits alone as in any batch;
+    the rows the caller gives it (amx_rows) and no others, the rest the FMA / vdpbf16ps kernel's
+    bits exactly; padding rows zero; off (set_amx) or on a CPU without AMX, the FMA kernel's
+    bits. The AMX path is taken where the CPU lists amx_bf16 (the OS on this project's machines
+    grants the tile state), so on such a machine the test cannot pass on FMAs alone."""
     assert cpu_gemv.available()
     on = cpu_gemv.amx()
     flags = _cpu_flags()
@@ -353,37 +354,41 @@ def test_packed_f32_amx_path():
         assert not on
     rng = np.random.default_rng(5)
     packed = jax.jit(cpu_gemv.matmul_packed, static_argnums=2)
-    differs = 0
-    # rows across the 32-row tiles and the 512-row blocks; K across the 32-column steps and the
-    # 128-row weight blocks (odd, short); N cut inside a panel and groups of fewer than 4 panels
-    for m, k, n in ((1, 2, 1), (5, 100, 70), (37, 300, 200), (16, 2048, 129), (70, 1023, 200), (33, 130, 700),
-                    (600, 64, 70), (250, 257, 330)):
-        x, w = _f32(rng, m, k), _f32(rng, k, n)
-        wp = jnp.asarray(cpu_gemv.pack_panels(w, 64))
-        fma = np.asarray(packed(x, wp, n, None, 0))
-        got = np.asarray(packed(x, wp, n, None, m))
-        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-        scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
-        err = np.abs(got.astype(np.float64) - want)
-        assert np.all(err <= (3 + 2 * np.sqrt(k)) * 2.0 ** -24 * scale), (m, k, n, float((err / scale).max()))
-        differs += int(np.count_nonzero(got != fma))
-        # batch invariance: the first and last rows alone, the same bits
-        for i in {0, m - 1}:
-            np.testing.assert_array_equal(np.asarray(packed(x[i:i + 1], wp, n, None, 1)), got[i:i + 1])
-        # a split: rows [0, a) AMX's bits, [a, rows) the FMA kernel's, zeros past rows
-        for a, r in {(m // 2, m), (m // 3, m - 1), (0, m), (m, m // 2)}:
-            part = np.asarray(packed(x, wp, n, jnp.int32(r), jnp.int32(a)))
-            a = min(a, r)
-            np.testing.assert_array_equal(part[:a], got[:a])
-            np.testing.assert_array_equal(part[a:r], fma[a:r])
-            assert not part[r:].any()
-        # forbidden: the FMA kernel's bits whatever amx_rows says
-        assert not cpu_gemv.set_amx(False)
-        try:
-            np.testing.assert_array_equal(np.asarray(packed(x, wp, n, None, m)), fma)
-        finally:
-            assert cpu_gemv.set_amx(True) == on
-    assert (differs > 0) == on      # the AMX path ran (its sums are ordered otherwise) exactly where it is on
+    for cast, extra in ((_f32, 3), (_bf16, 0)):
+        differs = 0
+        # rows across the 32-row tiles and the 512-row blocks; K across the 32-column steps and
+        # the 128-row weight blocks (odd, short); N cut inside a panel and groups of fewer than 4
+        # panels
+        for m, k, n in ((1, 2, 1), (5, 100, 70), (37, 301, 200), (16, 2048, 129), (70, 1023, 200),
+                        (33, 130, 700), (600, 64, 70), (250, 257, 330)):
+            x, w = cast(rng, m, k), cast(rng, k, n)
+            wp = jnp.asarray(cpu_gemv.pack_panels(w, 64))
+            fma = np.asarray(packed(x, wp, n, None, 0))
+            got = np.asarray(packed(x, wp, n, None, m))
+            want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+            scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+            err = np.abs(got.astype(np.float64) - want)
+            assert np.all(err <= (extra + 2 * np.sqrt(k)) * 2.0 ** -24 * scale), (
+                m, k, n, x.dtype, float((err / scale).max()))
+            differs += int(np.count_nonzero(got != fma))
+            # batch invariance: the first and last rows alone, the same bits
+            for i in {0, m - 1}:
+                np.testing.assert_array_equal(np.asarray(packed(x[i:i + 1], wp, n, None, 1)), got[i:i + 1])
+            # a split: rows [0, a) AMX's bits, [a, rows) the FMA kernel's, zeros past rows
+            for a, r in {(m // 2, m), (m // 3, m - 1), (0, m), (m, m // 2)}:
+                part = np.asarray(packed(x, wp, n, jnp.int32(r), jnp.int32(a)))
+                a = min(a, r)
+                np.testing.assert_array_equal(part[:a], got[:a])
+                np.testing.assert_array_equal(part[a:r], fma[a:r])
+                assert not part[r:].any()
+            # forbidden: the FMA kernel's bits whatever amx_rows says
+            assert not cpu_gemv.set_amx(False)
+            try:
+                np.testing.assert_array_equal(np.asarray(packed(x, wp, n, None, m)), fma)
+            finally:
+                assert cpu_gemv.set_amx(True) == on
+        # the AMX path ran (its sums are ordered otherwise) exactly where it is on
+        assert (differs > 0) == on, (x.dtype, differs)
 
 
 def test_amx_rows_follow_the_step():

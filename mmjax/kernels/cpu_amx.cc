@@ -75,7 +75,9 @@ MMJAX_AMX void ConfigureTiles() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  // (not _tile_loadconfig: GCC 12's intrinsic tells the compiler it reads 8 bytes, which lets it
+  // drop the stores above once this is inlined, and the first tile instruction then faults)
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 // 16 f32 -> 16 bf16, rounded to nearest even; and back to f32 (exact)
@@ -108,14 +110,30 @@ inline int64_t BWords(int64_t kc) { return 4 * kGroupPanels * (kc / 2) * 16; }
 // kc / 2 units), so that the conversion of the next block can run between the tile dots of this
 // one (the vector units idle while AMX works).
 struct Block {
-  const float* w = nullptr;
+  const float* w = nullptr;        // an f32 weight [P, K, 64]: split into three parts
+  const uint32_t* wb = nullptr;    // or a bf16 one [P, ceil(K / 2), 64] pair words: copied as it is
   int64_t K = 0, p0 = 0, np = 0, k0 = 0, kc = 0;
   uint32_t* b = nullptr;
   int64_t units() const { return np * (kc / 2); }
 };
 
+// bf16: a unit is one pair row of a panel, its 64 pair words copied to the B layout (zeros past
+// the weight's rows); the packed bf16 layout already holds VNNI pairs
+MMJAX_AMX void CopyPairs(const Block& blk, int64_t u0, int64_t u1) {
+  const int64_t pairs = blk.kc / 2, kp = (blk.K + 1) / 2;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t q = u / pairs, t = u % pairs, k = blk.k0 / 2 + t;
+    const uint32_t* row = blk.wb + ((blk.p0 + q) * kp + k) * 64;
+    if (k + 16 < kp) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * 64), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c)
+      _mm512_store_si512(blk.b + ((4 * q + c) * pairs + t) * 16,
+                         k < kp ? _mm512_loadu_si512(row + 16 * c) : _mm512_setzero_si512());
+  }
+}
+
 // units [u0, u1) of a block; each prefetches the unit 8 ahead (4 KiB of the panel on)
 MMJAX_AMX void Convert(const Block& blk, int64_t u0, int64_t u1) {
+  if (blk.wb) return CopyPairs(blk, u0, u1);
   const int64_t pairs = blk.kc / 2, part = BWords(blk.kc);
   for (int64_t u = u0; u < u1; ++u) {
     const int64_t q = u / pairs, t = u % pairs, k = blk.k0 + 2 * t;
@@ -151,6 +169,83 @@ MMJAX_AMX void SplitRange(const float* x, int64_t K, int64_t m0, int64_t m1, con
       _mm256_store_si256(reinterpret_cast<__m256i*>(d + AOffsetOf(s, 2, m, k)), ToBf16(p3));
     }
   }
+}
+
+MMJAX_AMX void CopyRange(const uint16_t* x, int64_t K, int64_t m0, int64_t m1, const SplitRows& s) {
+  auto* d = const_cast<uint16_t*>(s.data);
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t k = 0; k < s.padded_k; k += 32) {
+      const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : K <= k ? __mmask32(0) : (__mmask32(1) << (K - k)) - 1;
+      _mm512_store_si512(d + AOffsetOf(s, 0, m, k), _mm512_maskz_loadu_epi16(mask, x + m * K + k));
+    }
+}
+
+// bf16 (one part): rows [m0, m0 + 32) x the 32 columns of block cb, as TileBlock with one product
+// (four tile dots and four loads a step, each register reloaded after the last dot that reads it)
+MMJAX_AMX void TileBlock1(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc, const uint32_t* b, int64_t cb,
+                          float* c, bool zero, const Block& next, int64_t u0, int64_t u1) {
+  const int64_t pairs = kc / 2, steps = kc / 32, anext = s.padded_k / 32 * 512, bnext = pairs * 16;
+  if (zero) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, kLdc * 4);
+    _tile_loadd(1, c + 16, kLdc * 4);
+    _tile_loadd(2, c + 16 * kLdc, kLdc * 4);
+    _tile_loadd(3, c + 16 * kLdc + 16, kLdc * 4);
+  }
+  const auto a_at = [&](int64_t st) { return s.data + AOffsetOf(s, 0, m0, k0 + 32 * st); };
+  const auto b_at = [&](int64_t st) { return b + (2 * cb * pairs + 16 * st) * 16; };
+  _tile_loadd(4, a_at(0), 64);
+  _tile_loadd(5, a_at(0) + anext, 64);
+  _tile_loadd(6, b_at(0), 64);
+  _tile_loadd(7, b_at(0) + bnext, 64);
+  for (int64_t st = 0; st < steps; ++st) {
+    const bool more = st + 1 < steps;
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (more) _tile_loadd(4, a_at(st + 1), 64);
+    _tile_dpbf16ps(2, 5, 6);
+    if (more) _tile_loadd(6, b_at(st + 1), 64);
+    _tile_dpbf16ps(3, 5, 7);
+    if (more) {
+      _tile_loadd(5, a_at(st + 1) + anext, 64);
+      _tile_loadd(7, b_at(st + 1) + bnext, 64);
+    }
+    const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
+    if (c1 > c0) Convert(next, c0, c1);
+  }
+  _tile_stored(0, c, kLdc * 4);
+  _tile_stored(1, c + 16, kLdc * 4);
+  _tile_stored(2, c + 16 * kLdc, kLdc * 4);
+  _tile_stored(3, c + 16 * kLdc + 16, kLdc * 4);
+}
+
+// bf16, the last 16 rows of a row block
+MMJAX_AMX void TileBlockHalf1(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc, const uint32_t* b, int64_t cb,
+                              float* c, bool zero, const Block& next, int64_t u0, int64_t u1) {
+  const int64_t pairs = kc / 2, steps = kc / 32, bnext = pairs * 16;
+  if (zero) {
+    _tile_zero(0);
+    _tile_zero(1);
+  } else {
+    _tile_loadd(0, c, kLdc * 4);
+    _tile_loadd(1, c + 16, kLdc * 4);
+  }
+  for (int64_t st = 0; st < steps; ++st) {
+    const uint32_t* bt = b + (2 * cb * pairs + 16 * st) * 16;
+    _tile_loadd(4, s.data + AOffsetOf(s, 0, m0, k0 + 32 * st), 64);
+    _tile_loadd(6, bt, 64);
+    _tile_loadd(7, bt + bnext, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
+    if (c1 > c0) Convert(next, c0, c1);
+  }
+  _tile_stored(0, c, kLdc * 4);
+  _tile_stored(1, c + 16, kLdc * 4);
 }
 
 // Output rows [m0, m0 + 32) x the 32 columns of block cb over the converted rows [k0, k0 + kc):
@@ -286,10 +381,13 @@ MMJAX_AMX void TileBlockHalf(const SplitRows& s, int64_t m0, int64_t k0, int64_t
   _tile_stored(1, c + 16, kLdc * 4);
 }
 
-MMJAX_AMX void Group(const SplitRows& s, const float* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* y) {
+MMJAX_AMX void Group(const SplitRows& s, const float* w, const uint32_t* wb, int64_t K, int64_t N, int64_t p0,
+                     int64_t p1, float* y) {
   thread_local std::vector<uint32_t> bbuf;
   thread_local std::vector<float> cbuf;
-  const int64_t bwords = 3 * BWords(kKc);
+  const bool bf16 = wb != nullptr;
+  const auto full = bf16 ? TileBlock1 : TileBlock, half = bf16 ? TileBlockHalf1 : TileBlockHalf;
+  const int64_t bwords = (bf16 ? 1 : 3) * BWords(kKc);
   bbuf.resize(2 * bwords + 16);
   cbuf.resize(kMc * kLdc + 16);
   uint32_t* b0 = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(bbuf.data()) + 63) & ~uintptr_t(63));
@@ -303,7 +401,7 @@ MMJAX_AMX void Group(const SplitRows& s, const float* w, int64_t K, int64_t N, i
   const auto block = [&](int64_t i) {
     Block blk;
     if (i >= total) return blk;
-    blk.w = w, blk.K = K, blk.p0 = p0, blk.np = np, blk.k0 = (i % kblocks) * kKc;
+    blk.w = w, blk.wb = wb, blk.K = K, blk.p0 = p0, blk.np = np, blk.k0 = (i % kblocks) * kKc;
     blk.kc = std::min<int64_t>(kKc, s.padded_k - blk.k0);
     blk.b = b0 + (i % 2) * bwords;
     return blk;
@@ -318,8 +416,8 @@ MMJAX_AMX void Group(const SplitRows& s, const float* w, int64_t K, int64_t N, i
     int64_t t = 0;
     for (int64_t cb = 0; cb < blocks; ++cb)
       for (int64_t m = 0; m < mrows; m += 32, ++t)
-        (mrows - m == 16 ? TileBlockHalf : TileBlock)(s, mo + m, cur.k0, cur.kc, cur.b, cb, c + m * kLdc + 32 * cb,
-                                                      cur.k0 == 0, next, units * t / tiles, units * (t + 1) / tiles);
+        (mrows - m == 16 ? half : full)(s, mo + m, cur.k0, cur.kc, cur.b, cb, c + m * kLdc + 32 * cb, cur.k0 == 0,
+                                        next, units * t / tiles, units * (t + 1) / tiles);
     if (cur.k0 + cur.kc == s.padded_k) {
       const int64_t last = std::min<int64_t>(s.rows - mo, mrows);
       for (int64_t m = 0; m < last; ++m) std::memcpy(y + (mo + m) * N + col0, c + m * kLdc, sizeof(float) * cols);
@@ -365,9 +463,13 @@ bool Supported() {
 }
 
 void SplitInto(const float* x, int64_t K, int64_t m0, int64_t m1, const SplitRows& s) { SplitRange(x, K, m0, m1, s); }
+void CopyInto(const uint16_t* x, int64_t K, int64_t m0, int64_t m1, const SplitRows& s) { CopyRange(x, K, m0, m1, s); }
 
 void GroupProduct(const SplitRows& s, const float* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* y) {
-  Group(s, w, K, N, p0, p1, y);
+  Group(s, w, nullptr, K, N, p0, p1, y);
+}
+void GroupProductBf16(const SplitRows& s, const uint16_t* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* y) {
+  Group(s, nullptr, reinterpret_cast<const uint32_t*>(w), K, N, p0, p1, y);
 }
 
 #else   // not x86-64: no AMX
@@ -375,25 +477,29 @@ void GroupProduct(const SplitRows& s, const float* w, int64_t K, int64_t N, int6
 bool Supported() { return false; }
 double TileFlopsPerSecond(long) { return 0.0; }
 void SplitInto(const float*, int64_t, int64_t, int64_t, const SplitRows&) {}
+void CopyInto(const uint16_t*, int64_t, int64_t, int64_t, const SplitRows&) {}
 void GroupProduct(const SplitRows&, const float*, int64_t, int64_t, int64_t, int64_t, float*) {}
+void GroupProductBf16(const SplitRows&, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float*) {}
 
 #endif
 
 bool Active() { return g_amx_cap.load(std::memory_order_relaxed) && mmjax_cpu::HasAvx512() && Supported(); }
 
-SplitRows PrepareRows(int64_t M, int64_t K) {
+SplitRows PrepareRows(int64_t M, int64_t K, int parts) {
   thread_local std::vector<uint16_t> buf;
   SplitRows s;
   s.rows = M;
   s.padded_rows = (M + 15) / 16 * 16;
   s.padded_k = (K + 31) / 32 * 32;
   s.ld = s.padded_k;
-  const size_t n = 3 * size_t(s.padded_rows) * size_t(s.ld) + 32;
+  s.parts = parts;
+  const size_t n = size_t(parts) * size_t(s.padded_rows) * size_t(s.ld) + 32;
   if (buf.size() < n) buf.resize(n);
   uint16_t* d = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   s.data = d;
-  // the rows past M, zeros in each part (SplitInto writes the columns past K of rows below M)
-  for (int i = 0; i < 3 && M < s.padded_rows; ++i)
+  // the rows past M, zeros in each part (SplitInto / CopyInto write the columns past K of rows
+  // below M)
+  for (int i = 0; i < parts && M < s.padded_rows; ++i)
     for (int64_t k = 0; k < s.padded_k; k += 32)
       for (int64_t m = M; m < s.padded_rows; m += 16 - m % 16) {
         const int64_t o = AOffsetOf(s, i, m, k), rows = std::min<int64_t>(16 - m % 16, s.padded_rows - m);

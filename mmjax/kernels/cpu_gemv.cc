@@ -1130,8 +1130,9 @@ int64_t LeadingRows(ffi::Buffer<ffi::S32> rows, int64_t M) {
   return rows.element_count() >= 1 ? std::clamp<int64_t>(rows.typed_data()[0], 0, M) : M;
 }
 
-// The packed f32 product's rows operand may hold a second value (s32 [2]: rows, amx): the leading
-// rows [0, amx) go to the AMX product (cpu_amx.cc) where it runs, the others to the FMA kernel.
+// The packed f32 / bf16 products' rows operand may hold a second value (s32 [2]: rows, amx): the
+// leading rows [0, amx) go to the AMX product (cpu_amx.cc) where it runs, the others to the FMA /
+// vdpbf16ps kernel.
 // Which rows take which path is the caller's choice (mmjax.packed_weights): a prefill gives its
 // prompt rows to AMX and its riding decode rows to the FMAs, so that a decode row's bits are the
 // decode step's whatever it rides in.
@@ -1386,13 +1387,20 @@ void RunPacked(ffi::ThreadPool& pool, const X* x, int64_t M, int64_t Kp, int64_t
 // x f32 [M, K] @ a packed f32 weight of P 64-column panels -> y [M, N], rows [0, amx) on AMX
 // (cpu_amx.cc), rows [amx, M) by the FMA kernel (PackedRange), work parts of a panel group each:
 // the FMA rows read the group's weight lines the conversion for AMX has just brought in.
-void RunAmx(ffi::ThreadPool& pool, const float* x, int64_t amx, int64_t M, int64_t K, int64_t N, int64_t P,
-            const float* w, float* y) {
+// (bf16: x bf16 [M, K] and its pair words xw [M, ceil(K / 2)] for the FMA rows, w [P, ceil(K /
+// 2), 64, 2]; one tile dot a product, no split.)
+template <typename X, typename W>
+void RunAmx(ffi::ThreadPool& pool, const X* x, const void* xw, int64_t amx, int64_t M, int64_t K, int64_t N,
+            int64_t P, const W* w, float* y) {
+  constexpr bool kBf16 = std::is_same_v<X, uint16_t>;
   const int threads = Threads(pool);
-  const mmjax_amx::SplitRows s = mmjax_amx::PrepareRows(amx, K);
+  const mmjax_amx::SplitRows s = mmjax_amx::PrepareRows(amx, K, kBf16 ? 1 : 3);
   const int row_parts = static_cast<int>(std::min<int64_t>(threads, (amx + 15) / 16));
-  ParallelFor(pool, threads, row_parts,
-              [&](int part) { mmjax_amx::SplitInto(x, K, amx * part / row_parts, amx * (part + 1) / row_parts, s); });
+  ParallelFor(pool, threads, row_parts, [&](int part) {
+    const int64_t m0 = amx * part / row_parts, m1 = amx * (part + 1) / row_parts;
+    if constexpr (kBf16) mmjax_amx::CopyInto(x, K, m0, m1, s);
+    else mmjax_amx::SplitInto(x, K, m0, m1, s);
+  });
   // groups of up to 4 panels, fewer where that evens the groups out over the threads (a ViT-B
   // projection's 12 panels: 4 groups of 3, not 3 of 4 on 2 threads)
   int64_t per = mmjax_amx::kGroupPanels;
@@ -1400,9 +1408,16 @@ void RunAmx(ffi::ThreadPool& pool, const float* x, int64_t amx, int64_t M, int64
   const int64_t groups = (P + per - 1) / per;
   ParallelFor(pool, threads, static_cast<int>(groups), [&](int g) {
     const int64_t p0 = g * per, p1 = std::min(P, p0 + per);
-    mmjax_amx::GroupProduct(s, w, K, N, p0, p1, y);
 #if defined(__x86_64__)
-    if (M > amx) PackedRange(x + amx * K, M - amx, K, N, w, y + amx * N, p0, p1);
+    if constexpr (kBf16) {
+      mmjax_amx::GroupProductBf16(s, w, K, N, p0, p1, y);
+      const int64_t kp = (K + 1) / 2;
+      if (M > amx)
+        PackedRange(static_cast<const uint32_t*>(xw) + amx * kp, M - amx, kp, N, w, y + amx * N, p0, p1);
+    } else {
+      mmjax_amx::GroupProduct(s, w, K, N, p0, p1, y);
+      if (M > amx) PackedRange(x + amx * K, M - amx, K, N, w, y + amx * N, p0, p1);
+    }
 #endif
   });
 }
@@ -1425,7 +1440,7 @@ ffi::Error MatmulF32P(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   const int64_t amx = w.dimensions()[2] == 64 ? AmxRows(rows, M) : 0;
   if (amx) {
-    RunAmx(pool, x.typed_data(), amx, M, K, N, w.dimensions()[0], w.typed_data(), yp);
+    RunAmx(pool, x.typed_data(), nullptr, amx, M, K, N, w.dimensions()[0], w.typed_data(), yp);
     return ffi::Error::Success();
   }
   RunPacked(pool, x.typed_data(), M, K, N, w.dimensions()[0], w.dimensions()[2], w.typed_data(), yp);
@@ -1446,8 +1461,13 @@ ffi::Error MatmulBf16P(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buff
   std::fill(yp + M * N, yp + x.dimensions()[0] * N, 0.f);
   if (Trivial(yp, M * N, K, M * N)) return ffi::Error::Success();
   std::vector<uint32_t> odd;
-  RunPacked(pool, PairWords(xp, M, K, odd), M, Kp, N, w.dimensions()[0], w.dimensions()[2],
-            reinterpret_cast<const uint16_t*>(w.typed_data()), yp);
+  const uint32_t* xw = PairWords(xp, M, K, odd);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
+  if (const int64_t amx = w.dimensions()[2] == 64 ? AmxRows(rows, M) : 0) {
+    RunAmx(pool, xp, xw, amx, M, K, N, w.dimensions()[0], wp, yp);
+    return ffi::Error::Success();
+  }
+  RunPacked(pool, xw, M, Kp, N, w.dimensions()[0], w.dimensions()[2], wp, yp);
   return ffi::Error::Success();
 }
 

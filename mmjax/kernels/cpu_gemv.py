@@ -141,15 +141,13 @@ def matmul_packed(x: jax.Array, wp: jax.Array, n: int, rows: jax.Array | int | N
     """x [M, K] @ a packed weight (`pack_panels`) of N columns, both f32 or both bf16 -> f32 [M,
     N], any M: the f32 dot / f32 sums of the exact bf16 products, up to summation order. rows
     (int32 scalar, default M): only x's first `rows` rows are multiplied, the later rows of the
-    result are zeros. amx_rows (f32 only; int32 scalar): x's first amx_rows rows go to the AMX
-    path where `amx()` (AMX-BF16, six bf16 products a multiply: f32 accuracy, another summation
-    order), the others to the FMA kernel; a row's bits depend only on its path, never on the rows
-    beside it. Not differentiable itself: mmjax.packed_weights.matmul gives it XLA's
-    derivative."""
+    result are zeros. amx_rows (int32 scalar): x's first amx_rows rows go to the AMX path where
+    `amx()` (AMX-BF16 tile dots; f32: six bf16 products a multiply, f32 accuracy; bf16: one, the
+    exact products; another summation order either way), the others to the FMA / vdpbf16ps
+    kernel; a row's bits depend only on its path, never on the rows beside it. Not
+    differentiable itself: mmjax.packed_weights.matmul gives it XLA's derivative."""
     target = "mmjax_matmul_bf16p" if wp.dtype == jnp.bfloat16 else "mmjax_matmul_f32p"
-    operand = _rows(rows, x.shape[0])
-    if wp.dtype != jnp.bfloat16:
-        operand = jnp.stack([operand, jnp.asarray(amx_rows, jnp.int32).reshape(())])
+    operand = jnp.stack([_rows(rows, x.shape[0]), jnp.asarray(amx_rows, jnp.int32).reshape(())])
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method=_VMAP)(
         x, wp, operand)
 
