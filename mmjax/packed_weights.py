@@ -116,8 +116,8 @@ def leading_rows(total: int, n: jax.Array | int, amx: jax.Array | int | None = N
     prompt in the 240-row bucket: the kernels' FMAs for 10 rows, 3% of the prefill's matmuls).
     The caller wraps only code whose `total`-row matmuls are over those token rows.
 
-    amx: which rows the packed f32 matmuls give to the AMX path (`cpu_gemv.amx()`; f32 accuracy
-    by another summation order): the first `amx` of the `total`-row matmuls (None: all), and
+    amx: which rows the packed f32 / bf16 matmuls give to the AMX path (`cpu_gemv.amx()`; the
+    same accuracy by another summation order): the first `amx` of the `total`-row matmuls (None: all), and
     none of any other matmul in the block. A step picks the path by what a row is, so a row's
     bits never depend on the rows beside it: the decode step gives AMX nothing, a prefill its
     prompt rows and not the decode rows riding in it (their bits are the decode step's)."""
@@ -129,7 +129,7 @@ def leading_rows(total: int, n: jax.Array | int, amx: jax.Array | int | None = N
 
 
 def fma_only():
-    """A block whose packed f32 matmuls all take the FMA kernel (`leading_rows` with no rows of
+    """A block whose packed f32 / bf16 matmuls all take the FMA kernel (`leading_rows` with no rows of
     its own): the decode step and the LM heads of a prefill, whose rows are decode rows or must
     match them."""
     return leading_rows(-1, 0, amx=0)
@@ -143,7 +143,7 @@ def rows_to_multiply(m: int) -> jax.Array:
 
 
 def amx_rows(m: int) -> jax.Array | int:
-    """How many leading rows of a packed f32 matmul over m rows go to the AMX path: inside
+    """How many leading rows of a packed f32 / bf16 matmul over m rows go to the AMX path: inside
     `leading_rows`, its choice; elsewhere (encoders, research code calling a forward) all of them
     from more than `cpu_gemv.MAX_ROWS` rows on (AMX pays for converting each weight block once
     over many rows; a few rows stream the weight faster through the FMAs), none below."""

@@ -290,7 +290,7 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
             packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg, ride)
             kv_len = packing.kv_len if ride is None else jnp.maximum(packing.kv_len, ride.kv_len)
             packed = {"packing": packing}
-        # the prompt rows (before the riders) go to the packed f32 matmuls' AMX path, the riders
+        # the prompt rows (before the riders) go to the packed matmuls' AMX path, the riders
         # and the LM heads to their FMAs as in a decode step: a row's bits depend on what it is,
         # not on what shares its call (packed_weights.leading_rows)
         with packed_weights.leading_rows(t, used, amx=riders.offset if d else None):
