@@ -1545,16 +1545,16 @@ void mmjax_gemv_tune(int cols, int pairs, int quads, int threads, int parts_per_
   g_block_quads = std::max(0, quads);
   g_threads = std::max(0, threads);
 }
-// The highest code path the kernels may take (mmjax_cpu::Isa: 0 plain C++, 1 AVX2, 2 AVX-512;
-// tests lower it; a negative cap leaves it as it is); returns the path in use afterwards.
-// Whether the packed f32 product may use AMX (1) or not (0; tests and A/Bs; negative: unchanged);
-// returns whether it would now (the cap, the CPU, the OS's leave, the AVX-512 path).
+// Whether the packed f32 / bf16 products may use AMX (1) or not (0; tests and A/Bs; negative:
+// unchanged); returns whether they would now (the cap, the CPU, the OS's leave, the AVX-512 path).
 int mmjax_cpu_set_amx(int cap) {
   if (cap >= 0) mmjax_amx::g_amx_cap.store(cap ? 1 : 0);
   return mmjax_amx::Active() ? 1 : 0;
 }
 // the AMX tile unit's bf16 FLOP/s on the calling thread (benchmarks' machine probe; 0 without AMX)
 double mmjax_amx_tile_flops(long iterations) { return mmjax_amx::TileFlopsPerSecond(iterations); }
+// The highest code path the kernels may take (mmjax_cpu::Isa: 0 plain C++, 1 AVX2, 2 AVX-512;
+// tests lower it; a negative cap leaves it as it is); returns the path in use afterwards.
 int mmjax_cpu_set_isa(int cap) {
   if (cap >= 0) mmjax_cpu::g_isa_cap.store(cap);
   return mmjax_cpu::ActiveIsa();

@@ -1,5 +1,6 @@
-"""Builds and registers mmjax's CPU kernels (cpu_gemv.cc: decode matmuls; cpu_attention.cc: decode
-attention; cpu_parallel.h: what they share) as one library through the XLA FFI.
+"""Builds and registers mmjax's CPU kernels (cpu_gemv.cc: decode matmuls; cpu_amx.cc: the packed
+products' AMX path; cpu_attention.cc: decode attention; cpu_parallel.h: what they share) as one
+library through the XLA FFI.
 
 Built at first use with the system C++ compiler (`$CXX`, else g++ / c++ / clang++) into
 `$MMJAX_KERNEL_CACHE` (default `$XDG_CACHE_HOME/mmjax/kernels`, i.e. ~/.cache/mmjax/kernels),
@@ -152,15 +153,15 @@ def set_isa(name: str | None) -> str:
 
 
 def amx() -> bool:
-    """Does the packed f32 product run its AMX path here (cpu_amx.cc: AMX-BF16 at f32 accuracy,
-    for the rows the caller gives it; the CPU, the OS's leave and the AVX-512 path, unless a test
-    turned it off with `set_amx`)?"""
+    """Do the packed f32 / bf16 products run their AMX path here (cpu_amx.cc: AMX-BF16 tile dots,
+    f32 at f32 accuracy, for the rows the caller gives them; the CPU, the OS's leave and the
+    AVX-512 path, unless a test turned it off with `set_amx`)?"""
     lib = load()
     return lib is not None and bool(lib.mmjax_cpu_set_amx(-1))
 
 
 def set_amx(on: bool) -> bool:
-    """Allow (True) or forbid (False) the AMX path of the packed f32 product (tests and A/Bs; at the
+    """Allow (True) or forbid (False) the AMX path of the packed products (tests and A/Bs; at the
     next call); returns `amx()` afterwards."""
     lib = load()
     if lib is None:
