@@ -180,22 +180,82 @@ MMJAX_AMX void CopyRange(const uint16_t* x, int64_t K, int64_t m0, int64_t m1, c
     }
 }
 
-// bf16 (one part): rows [m0, m0 + 32) x the 32 columns of block cb, as TileBlock with one product
-// (four tile dots and four loads a step, each register reloaded after the last dot that reads it)
-MMJAX_AMX void TileBlock1(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc, const uint32_t* b, int64_t cb,
-                          float* c, bool zero, const Block& next, int64_t u0, int64_t u1) {
-  const int64_t pairs = kc / 2, steps = kc / 32, anext = s.padded_k / 32 * 512, bnext = pairs * 16;
+// C tiles 0 .. kTiles - 1 (2: one 16-row block, 4: two) over a 32-column block of the C buffer:
+// zeroed (the first weight block) or the sums so far; and stored back
+template <int kTiles>
+MMJAX_AMX inline void LoadC(const float* c, bool zero) {
   if (zero) {
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  } else {
-    _tile_loadd(0, c, kLdc * 4);
-    _tile_loadd(1, c + 16, kLdc * 4);
+    if constexpr (kTiles == 4) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    return;
+  }
+  _tile_loadd(0, c, kLdc * 4);
+  _tile_loadd(1, c + 16, kLdc * 4);
+  if constexpr (kTiles == 4) {
     _tile_loadd(2, c + 16 * kLdc, kLdc * 4);
     _tile_loadd(3, c + 16 * kLdc + 16, kLdc * 4);
   }
+}
+template <int kTiles>
+MMJAX_AMX inline void StoreC(float* c) {
+  _tile_stored(0, c, kLdc * 4);
+  _tile_stored(1, c + 16, kLdc * 4);
+  if constexpr (kTiles == 4) {
+    _tile_stored(2, c + 16 * kLdc, kLdc * 4);
+    _tile_stored(3, c + 16 * kLdc + 16, kLdc * 4);
+  }
+}
+
+// step st's share of units [u0, u1) of the next block's conversion, while the tile dots run
+MMJAX_AMX inline void ConvertShare(const Block& next, int64_t u0, int64_t u1, int64_t st, int64_t steps) {
+  const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
+  if (c1 > c0) Convert(next, c0, c1);
+}
+
+// The four dots of one product (A in registers 4 / 5, B in 6 / 7, C tiles 0-3), with the next
+// product's operand loaded into each register right after the last dot that reads it: AMX does
+// not rename tiles, so a load issued before those dots would wait for them, and the dots after
+// it for the load. Then-B: the next B (its two column tiles bnext words apart); then-A: the next
+// A (its two row tiles anext elements apart); then-AB: both (none where an is null).
+MMJAX_AMX inline void DotsThenB(const uint32_t* bn, int64_t bnext) {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_loadd(6, bn, 64);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(3, 5, 7);
+  _tile_loadd(7, bn + bnext, 64);
+}
+MMJAX_AMX inline void DotsThenA(const uint16_t* an, int64_t anext) {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_loadd(4, an, 64);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+  _tile_loadd(5, an + anext, 64);
+}
+MMJAX_AMX inline void DotsThenAB(const uint16_t* an, int64_t anext, const uint32_t* bn, int64_t bnext) {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (an) _tile_loadd(4, an, 64);
+  _tile_dpbf16ps(2, 5, 6);
+  if (an) _tile_loadd(6, bn, 64);
+  _tile_dpbf16ps(3, 5, 7);
+  if (an) {
+    _tile_loadd(5, an + anext, 64);
+    _tile_loadd(7, bn + bnext, 64);
+  }
+}
+
+// bf16 (one part): rows [m0, m0 + 32) x the 32 columns of block cb, as TileBlock with one product
+// (four tile dots and four loads a step)
+MMJAX_AMX void TileBlock1(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc, const uint32_t* b, int64_t cb,
+                          float* c, bool zero, const Block& next, int64_t u0, int64_t u1) {
+  const int64_t pairs = kc / 2, steps = kc / 32, anext = s.padded_k / 32 * 512, bnext = pairs * 16;
+  LoadC<4>(c, zero);
   const auto a_at = [&](int64_t st) { return s.data + AOffsetOf(s, 0, m0, k0 + 32 * st); };
   const auto b_at = [&](int64_t st) { return b + (2 * cb * pairs + 16 * st) * 16; };
   _tile_loadd(4, a_at(0), 64);
@@ -204,36 +264,17 @@ MMJAX_AMX void TileBlock1(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc
   _tile_loadd(7, b_at(0) + bnext, 64);
   for (int64_t st = 0; st < steps; ++st) {
     const bool more = st + 1 < steps;
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (more) _tile_loadd(4, a_at(st + 1), 64);
-    _tile_dpbf16ps(2, 5, 6);
-    if (more) _tile_loadd(6, b_at(st + 1), 64);
-    _tile_dpbf16ps(3, 5, 7);
-    if (more) {
-      _tile_loadd(5, a_at(st + 1) + anext, 64);
-      _tile_loadd(7, b_at(st + 1) + bnext, 64);
-    }
-    const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
-    if (c1 > c0) Convert(next, c0, c1);
+    DotsThenAB(more ? a_at(st + 1) : nullptr, anext, b_at(st + 1), bnext);
+    ConvertShare(next, u0, u1, st, steps);
   }
-  _tile_stored(0, c, kLdc * 4);
-  _tile_stored(1, c + 16, kLdc * 4);
-  _tile_stored(2, c + 16 * kLdc, kLdc * 4);
-  _tile_stored(3, c + 16 * kLdc + 16, kLdc * 4);
+  StoreC<4>(c);
 }
 
 // bf16, the last 16 rows of a row block
 MMJAX_AMX void TileBlockHalf1(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc, const uint32_t* b, int64_t cb,
                               float* c, bool zero, const Block& next, int64_t u0, int64_t u1) {
   const int64_t pairs = kc / 2, steps = kc / 32, bnext = pairs * 16;
-  if (zero) {
-    _tile_zero(0);
-    _tile_zero(1);
-  } else {
-    _tile_loadd(0, c, kLdc * 4);
-    _tile_loadd(1, c + 16, kLdc * 4);
-  }
+  LoadC<2>(c, zero);
   for (int64_t st = 0; st < steps; ++st) {
     const uint32_t* bt = b + (2 * cb * pairs + 16 * st) * 16;
     _tile_loadd(4, s.data + AOffsetOf(s, 0, m0, k0 + 32 * st), 64);
@@ -241,11 +282,9 @@ MMJAX_AMX void TileBlockHalf1(const SplitRows& s, int64_t m0, int64_t k0, int64_
     _tile_loadd(7, bt + bnext, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
-    if (c1 > c0) Convert(next, c0, c1);
+    ConvertShare(next, u0, u1, st, steps);
   }
-  _tile_stored(0, c, kLdc * 4);
-  _tile_stored(1, c + 16, kLdc * 4);
+  StoreC<2>(c);
 }
 
 // Output rows [m0, m0 + 32) x the 32 columns of block cb over the converted rows [k0, k0 + kc):
@@ -254,22 +293,8 @@ MMJAX_AMX void TileBlockHalf1(const SplitRows& s, int64_t m0, int64_t k0, int64_
 MMJAX_AMX void TileBlock(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc, const uint32_t* b, int64_t cb,
                          float* c, bool zero, const Block& next, int64_t u0, int64_t u1) {
   const int64_t pairs = kc / 2, part = BWords(kc), steps = kc / 32;
-  if (zero) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  } else {
-    _tile_loadd(0, c, kLdc * 4);
-    _tile_loadd(1, c + 16, kLdc * 4);
-    _tile_loadd(2, c + 16 * kLdc, kLdc * 4);
-    _tile_loadd(3, c + 16 * kLdc + 16, kLdc * 4);
-  }
-  // Tile loads are pipelined: a register is reloaded right after the last dot that reads it is
-  // issued, two dots before the first that needs the new value (AMX does not rename tiles, so a
-  // load issued before the dots that read the old value would wait for them, and the dots after
-  // it for the load). Order of the products a step: a1 b3, a1 b1, a1 b2, a2 b2, a2 b1, a3 b1.
   const int64_t anext = s.padded_k / 32 * 512, bnext = pairs * 16;   // the second row / column block's tile
+  LoadC<4>(c, zero);
   const auto a_at = [&](int i, int64_t st) { return s.data + AOffsetOf(s, i, m0, k0 + 32 * st); };
   const auto b_at = [&](int j, int64_t st) { return b + j * part + (2 * cb * pairs + 16 * st) * 16; };
   _tile_loadd(4, a_at(0, 0), 64);
@@ -277,62 +302,16 @@ MMJAX_AMX void TileBlock(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc,
   _tile_loadd(6, b_at(2, 0), 64);
   _tile_loadd(7, b_at(2, 0) + bnext, 64);
   for (int64_t st = 0; st < steps; ++st) {
-    const uint32_t* b0 = b_at(0, st);
-    const uint32_t* b1 = b_at(1, st);
-    // a1 b3, then b -> b1
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_loadd(6, b0, 64);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(7, b0 + bnext, 64);
-    // a1 b1, then b -> b2
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_loadd(6, b1, 64);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(7, b1 + bnext, 64);
-    // a1 b2, then a -> a2
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(4, a_at(1, st), 64);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(5, a_at(1, st) + anext, 64);
-    // a2 b2, then b -> b1
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_loadd(6, b0, 64);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(7, b0 + bnext, 64);
-    // a2 b1, then a -> a3
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(4, a_at(2, st), 64);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(5, a_at(2, st) + anext, 64);
-    // a3 b1, then the next step's a1 and b3
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (st + 1 < steps) _tile_loadd(4, a_at(0, st + 1), 64);
-    _tile_dpbf16ps(2, 5, 6);
-    if (st + 1 < steps) _tile_loadd(6, b_at(2, st + 1), 64);
-    _tile_dpbf16ps(3, 5, 7);
-    if (st + 1 < steps) {
-      _tile_loadd(5, a_at(0, st + 1) + anext, 64);
-      _tile_loadd(7, b_at(2, st + 1) + bnext, 64);
-    }
-    // this step's share of the next block's conversion, while the tile dots run
-    const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
-    if (c1 > c0) Convert(next, c0, c1);
+    // the products a step in this order, each loading the next one's changed operand
+    DotsThenB(b_at(0, st), bnext);                                       // a1 b3
+    DotsThenB(b_at(1, st), bnext);                                       // a1 b1
+    DotsThenA(a_at(1, st), anext);                                       // a1 b2
+    DotsThenB(b_at(0, st), bnext);                                       // a2 b2
+    DotsThenA(a_at(2, st), anext);                                       // a2 b1
+    DotsThenAB(st + 1 < steps ? a_at(0, st + 1) : nullptr, anext, b_at(2, st + 1), bnext);   // a3 b1
+    ConvertShare(next, u0, u1, st, steps);
   }
-  _tile_stored(0, c, kLdc * 4);
-  _tile_stored(1, c + 16, kLdc * 4);
-  _tile_stored(2, c + 16 * kLdc, kLdc * 4);
-  _tile_stored(3, c + 16 * kLdc + 16, kLdc * 4);
+  StoreC<4>(c);
 }
 
 // As TileBlock for the last 16 rows of a row block (a row count that is 16 past a multiple of
@@ -340,13 +319,7 @@ MMJAX_AMX void TileBlock(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc,
 MMJAX_AMX void TileBlockHalf(const SplitRows& s, int64_t m0, int64_t k0, int64_t kc, const uint32_t* b, int64_t cb,
                              float* c, bool zero, const Block& next, int64_t u0, int64_t u1) {
   const int64_t pairs = kc / 2, part = BWords(kc), steps = kc / 32, bnext = pairs * 16;
-  if (zero) {
-    _tile_zero(0);
-    _tile_zero(1);
-  } else {
-    _tile_loadd(0, c, kLdc * 4);
-    _tile_loadd(1, c + 16, kLdc * 4);
-  }
+  LoadC<2>(c, zero);
   const auto a_at = [&](int i, int64_t st) { return s.data + AOffsetOf(s, i, m0, k0 + 32 * st); };
   const auto b_at = [&](int j, int64_t st) { return b + j * part + (2 * cb * pairs + 16 * st) * 16; };
   for (int64_t st = 0; st < steps; ++st) {
@@ -374,11 +347,9 @@ MMJAX_AMX void TileBlockHalf(const SplitRows& s, int64_t m0, int64_t k0, int64_t
     _tile_dpbf16ps(1, 5, 7);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    const int64_t c0 = u0 + (u1 - u0) * st / steps, c1 = u0 + (u1 - u0) * (st + 1) / steps;
-    if (c1 > c0) Convert(next, c0, c1);
+    ConvertShare(next, u0, u1, st, steps);
   }
-  _tile_stored(0, c, kLdc * 4);
-  _tile_stored(1, c + 16, kLdc * 4);
+  StoreC<2>(c);
 }
 
 MMJAX_AMX void Group(const SplitRows& s, const float* w, const uint32_t* wb, int64_t K, int64_t N, int64_t p0,
@@ -491,9 +462,8 @@ SplitRows PrepareRows(int64_t M, int64_t K, int parts) {
   s.rows = M;
   s.padded_rows = (M + 15) / 16 * 16;
   s.padded_k = (K + 31) / 32 * 32;
-  s.ld = s.padded_k;
   s.parts = parts;
-  const size_t n = size_t(parts) * size_t(s.padded_rows) * size_t(s.ld) + 32;
+  const size_t n = size_t(parts) * size_t(s.padded_rows) * size_t(s.padded_k) + 32;
   if (buf.size() < n) buf.resize(n);
   uint16_t* d = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   s.data = d;

@@ -29,7 +29,7 @@ constexpr int64_t kGroupPanels = 4;
 // = K rounded up to 32; zeros past M and K.
 struct SplitRows {
   const uint16_t* data = nullptr;
-  int64_t rows = 0, padded_rows = 0, ld = 0, padded_k = 0;
+  int64_t rows = 0, padded_rows = 0, padded_k = 0;
   int parts = 3;              // 3: an f32 x split; 1: a bf16 x as it is
 };
 

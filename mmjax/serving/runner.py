@@ -298,29 +298,27 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
                              mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
                              **packed, **extra)
         last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
-        if scores:
+
+        def head(hidden):    # the LM head on the FMAs, as the decode step's (its rows are decode rows)
             with packed_weights.fma_only():
-                every = _gathered(tm.logits(text, out.hidden[0]), logits_sharding)      # [T, vocab]
+                return _gathered(tm.logits(text, hidden), logits_sharding)
+        if scores:
+            every = head(out.hidden[0])                 # [T, vocab]
             logits = every[last]
         elif not d:
-            with packed_weights.fma_only():
-                logits = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)         # [S, vocab]
+            logits = head(out.hidden[0][last])          # [S, vocab]
         else:       # the riders' sampling and state, as a decode step's (make_decode_step)
             row_split = jax.vmap(jax.random.split)(st.keys)
 
             def riding():       # one LM head call for the segments' last tokens and the riders
                 rows = jnp.concatenate([last, jnp.clip(ride.position, 0, t - 1)])
-                with packed_weights.fma_only():
-                    both = _gathered(tm.logits(text, out.hidden[0][rows]), logits_sharding)
+                both = head(out.hidden[0][rows])
                 return both[:s], sample(both[s:], row_split[:, 1], st.sampling, st.hist,
                                         jnp.full((d, seg.bits.shape[1]), 0xFFFFFFFF, jnp.uint32))
 
             def idle():         # none rides: the LM head and sampling of D rows skipped
                 shapes = jax.eval_shape(riding)[1]
-                with packed_weights.fma_only():
-                    head = _gathered(tm.logits(text, out.hidden[0][last]), logits_sharding)
-                return (head,
-                        jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+                return head(out.hidden[0][last]), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             logits, row_res = jax.lax.cond(riders.ride.any(), riding, idle)
             state = state.advance_slots(jnp.where(riders.ride, jnp.arange(d), state.tokens.shape[0]), row_res[0],
                                         row_split[:, 0])
