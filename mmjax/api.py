@@ -12,12 +12,11 @@ import jax
 import numpy as np
 
 from mmjax import hub
-from mmjax.checkpoint import cast_params
 from mmjax.errors import InvalidRequestError, PromptError
 from mmjax.image.decode import ImageLimits, load_image
-from mmjax.models import load_family
-from mmjax.models.family import Family, ImageInput, ImageOptions, VideoOptions
-from mmjax.models.text import Capture
+from mmjax.models import build_family, load_family
+from mmjax.models.family import Family, ImageInput, ImageOptions, VideoOptions, VisionLanguageModel
+from mmjax.models.nn.capture import Capture
 from mmjax.serving.sampling import SamplingParams
 from mmjax.tokenizer import Tokenizer
 
@@ -59,11 +58,12 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
 
 @dataclass
 class LoadedModel:
-    """Everything host code needs about one checkpoint."""
+    """One loaded checkpoint: its module (`module`, what `vlm.model` is) and everything host code
+    needs about it."""
     path: Path
     name: str
     family: Family
-    params: dict
+    module: VisionLanguageModel
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     dtype: Any = jax.numpy.float32
@@ -98,23 +98,18 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
                                       param="quantize")
     path, name = resolve_model(model)
     hf_cfg = json.loads((path / "config.json").read_text())
-    family, np_params = load_family(path, hf_cfg)
-    # weights on a CPU host are packed for mmjax's matmul kernels once, here (f32 / bf16 ones as
-    # each is placed, int8 ones as each is quantized), so the model and its runner share one copy
-    # (a runner for another platform or a mesh unpacks its own); a restored copy is saved [in,
-    # out]: restored into that layout, then packed
-    from mmjax import packed_weights, quant
+    # weights on a CPU host are packed for mmjax's matmul kernels once, as each is placed (f32 /
+    # bf16 ones as themselves, int8 ones as each is quantized), so the model and its runner share
+    # one copy (a runner for another platform or a mesh unpacks its own)
+    from mmjax import packed_weights
     packed = on_device and packed_weights.cpu_packs()
-    params = cast_params(np_params, DTYPES[dtype], on_device=on_device,
-                         pack=packed_weights.pack_leaf if packed and quantize is None and params_dir is None else None)
-    if quantize is not None:
-        params = quant.quantize_params(params, quantize, quantize_group_size, on_device=on_device,
-                                       packed=packed and params_dir is None)
-    if params_dir is not None:
-        from mmjax.checkpoint import restore_params
-        params = restore_params(params_dir, like=params)
-        if packed:
-            params = packed_weights.with_packing(params, True)
+    if params_dir is None:
+        family, module = load_family(path, hf_cfg, DTYPES[dtype], pack=packed, quantize=quantize,
+                                     group_size=quantize_group_size, on_device=on_device)
+    else:
+        from mmjax.checkpoint import restore_module
+        family, module, _ = build_family(path, hf_cfg, DTYPES[dtype])
+        restore_module(module, params_dir, quantize, quantize_group_size)
     tokenizer = Tokenizer(path, image_token=family.image_token, video_token=family.video_token)
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -122,22 +117,26 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32",
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_id is not None and not eos_ids:
         eos_ids.add(tokenizer.eos_id)
-    return LoadedModel(path, name, family, params, tokenizer, frozenset(int(e) for e in eos_ids), DTYPES[dtype],
+    return LoadedModel(path, name, family, module, tokenizer, frozenset(int(e) for e in eos_ids), DTYPES[dtype],
                        hf_cfg, quantize, quantize_group_size)
 
 
 class VLM:
-    """A loaded model plus a lazily created engine; all generation runs on that engine."""
+    """A loaded model plus a lazily created engine; all generation runs on that engine.
 
-    def __init__(self, model: LoadedModel, *, image_limits: ImageLimits = ImageLimits(), engine=None,
+    `vlm.model` is the live Flax NNX module tree (`model.language_model.layers[3].mlp`, ...):
+    edit its weights (`nnx.update`, assignment) or replace a submodule, then call `vlm.refresh()`
+    and the offline API, the engine and a server on it use the edited model."""
+
+    def __init__(self, loaded: LoadedModel, *, image_limits: ImageLimits = ImageLimits(), engine=None,
                  video_limits=None, **engine_kw):
         from mmjax.video import VideoCache, VideoLimits
 
-        self.model = model
+        self.loaded = loaded
         self.video_limits = video_limits or VideoLimits()
         self.video_cache = VideoCache()
-        self.tokenizer = model.tokenizer
-        self.family = model.family
+        self.tokenizer = loaded.tokenizer
+        self.family = loaded.family
         self.image_limits = image_limits
         self._engine_kw = engine_kw
         self._engine = engine
@@ -145,37 +144,44 @@ class VLM:
 
     @classmethod
     def from_engine(cls, engine) -> "VLM":
-        """A VLM over an existing Engine (its model and params)."""
+        """A VLM over an existing Engine (its model)."""
         return cls(engine.model, engine=engine)
 
     @property
     def name(self) -> str:
-        return self.model.name
+        return self.loaded.name
 
     @property
-    def params(self) -> dict:
-        """The weights as research code reads, edits and differentiates them: every matmul weight
-        in its [in, out] layout (an int8 one a QArray). On a CPU host the engine keeps its copy
-        packed for its kernels (`mmjax.packed_weights`); this is then an unpacked copy made on
-        each access (hold on to it rather than reading it in a loop). Any such pytree, edited or
-        not, goes to `loss` / `jax.grad` as it is."""
-        from mmjax.packed_weights import with_packing
-        return with_packing(self.model.params, False)
+    def model(self) -> VisionLanguageModel:
+        """The live module tree (see the class docstring). On a CPU host its linear layers'
+        kernels hold the engine's packed layout (`mmjax.packed_weights.PackedWeight`: `.shape` /
+        `.dtype` the logical weight's, `.unpack()` the [in, out] array); assign a plain [in, out]
+        array to edit one."""
+        return self.loaded.module
+
+    def refresh(self) -> set[str]:
+        """Serve the edited `vlm.model`: re-split and re-place what changed (recompiling only the
+        steps of a part whose module graph changed), drop what the old weights produced (encoder
+        cache when the vision side changed, prefix cache when anything did) -> the parts that
+        changed ("language_model", "vision")."""
+        changed = self.engine.refresh()
+        if changed:
+            self._forward.clear()
+        return changed
 
     @property
     def engine(self):
         if self._engine is None:
             from mmjax.serving.data_parallel import make_engine
-            self._engine = make_engine(self.model, **self._engine_kw)   # DP replicas when the mesh asks
+            self._engine = make_engine(self.loaded, **self._engine_kw)   # DP replicas when the mesh asks
         return self._engine
 
     def save_params(self, directory: str | os.PathLike) -> Path:
-        """Write the converted params with orbax; reload with `mmjax.load(path, params_dir=...)`."""
-        from mmjax.checkpoint import save_params
-        from mmjax.packed_weights import with_packing
+        """Write the module's weights with orbax; reload with `mmjax.load(path, params_dir=...)`."""
+        from mmjax.checkpoint import save_module
         from mmjax.quant import write_quantization
-        out = save_params(with_packing(self.model.params, False), directory)   # the portable [in, out] layout
-        write_quantization(out, self.model.quantize, self.model.quantize_group_size)
+        out = save_module(self.model, directory)          # the portable [in, out] layout
+        write_quantization(out, self.loaded.quantize, self.loaded.quantize_group_size)
         return out
 
     # ---- images ------------------------------------------------------------------------------
@@ -378,11 +384,12 @@ class VLM:
             emb = np.pad(emb, ((0, k), (0, 0)))
             pos = np.pad(pos, ((0, 0), (0, k)), mode="edge")
             spans = None if spans is None else np.pad(spans, (0, k), constant_values=-1)
+        runner = self.engine.runner
         key = (capture, hidden)
         if key not in self._forward:
-            self._forward[key] = jax.jit(make_prompt_forward(self.family, capture, self.engine.runner.text_model,
-                                                             hidden=hidden))
-        out, inter = self._forward[key](self.engine.runner.params, ids, emb.astype(self.model.dtype),
+            fwd, lm_of = make_prompt_forward(self.family, capture, hidden=hidden), runner.weights.lm_of()
+            self._forward[key] = jax.jit(runner.tuning.traced(lambda leaves, *a: fwd(lm_of(leaves), *a)))
+        out, inter = self._forward[key](runner.lm_leaves, ids, emb.astype(self.loaded.dtype),
                                         np.isin(ids, self.family.media_token_ids), pos, spans)
         return np.asarray(out)[:len(p.ids)], jax.tree.map(np.asarray, inter)
 
@@ -427,7 +434,7 @@ class VLM:
             raise UnsupportedModelError(f"{self.family.name}: embeddings are not implemented for cross-attention "
                                         "families (generation is)", param="model")
         if not ps:
-            return np.zeros((0, self.family.text_model.hidden_size), np.float32)
+            return np.zeros((0, self.model.language_model.hidden_size), np.float32)
         runners = [e.runner for e in getattr(self.engine, "replicas", [self.engine])]
         order = sorted(range(len(ps)), key=lambda i: len(ps[i].ids))     # similar lengths batch together
         batches, cur = [], []
@@ -449,7 +456,7 @@ class VLM:
                 results = list(pool.map(lambda w: self._embed_batch(*w), work))
         else:
             results = [self._embed_batch(*w) for w in work]
-        out = np.zeros((len(ps), self.family.text_model.hidden_size), np.float32)
+        out = np.zeros((len(ps), self.model.language_model.hidden_size), np.float32)
         for b, (last, mean) in zip(batches, results):
             out[b] = last if pooling == "last" else mean
         if normalize:
@@ -482,8 +489,9 @@ class VLM:
                                                       for im in p.images])
         key = ("embed", id(runner))
         if key not in self._forward:
-            self._forward[key] = jax.jit(make_embed_forward(self.family, runner.text_model))
-        last, mean = self._forward[key](runner.params, ids, emb.astype(self.model.dtype),
+            fwd, lm_of = make_embed_forward(self.family), runner.weights.lm_of()
+            self._forward[key] = jax.jit(runner.tuning.traced(lambda leaves, *a: fwd(lm_of(leaves), *a)))
+        last, mean = self._forward[key](runner.lm_leaves, ids, emb.astype(self.loaded.dtype),
                                         np.isin(ids, self.family.media_token_ids), pos,
                                         None if all(p.spans is None for p in ps) else spans, lens)
         return np.asarray(last)[:len(ps)], np.asarray(mean)[:len(ps)]
@@ -537,7 +545,7 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     """
     enable_compilation_cache()
     if "kv_cache_dtype" in engine_kw:      # a bad name fails here, not at the first request
-        from mmjax.models.text.kv_quant import resolve
+        from mmjax.models.nn.kv_quant import resolve
         resolve(engine_kw["kv_cache_dtype"], jax.numpy.float32)
     if mesh is None and (tensor_parallel or 1) * (data_parallel or 1) > 1:
         from mmjax.sharding import make_mesh

@@ -160,6 +160,49 @@ def _read_fp8(path: Path, raw: str) -> np.ndarray:
     return data.view(_FP8).reshape(meta["shape"])
 
 
+def save_module(module, directory: str | os.PathLike) -> Path:
+    """A module's weights with orbax, in the portable layout (every matmul weight [in, out]: the
+    CPU kernels' packing undone; restore with `restore_module`)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from mmjax.packed_weights import with_packing
+
+    directory = Path(directory).absolute()
+    state = nnx.to_pure_dict(nnx.state(module))
+    state = with_packing(jax.tree.map(np.asarray, state), False)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(directory, state, force=True)
+    return directory
+
+
+def restore_module(module, directory: str | os.PathLike, quantize: str | None = None,
+                   group_size: int | None = None) -> None:
+    """Fill an abstractly built module from weights saved by `save_module` (quantize / group_size:
+    how the saved copy is quantized, `mmjax.quant.read_quantization`)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from mmjax.quant import abstract_quantized
+
+    directory = Path(directory).absolute()
+    if not directory.exists():
+        raise CheckpointError(f"no orbax checkpoint at {directory}", param="directory")
+    state = nnx.state(module)
+    like = nnx.to_pure_dict(state)
+    if quantize is not None:       # the saved copy holds QArrays where the module's linear layers are
+        flat = dict(nnx.to_flat_state(state))
+        like = nnx.to_pure_dict(nnx.from_flat_state({
+            p: v.replace(abstract_quantized(v.get_value(), quantize, group_size)
+                         if v.get_metadata().get("quantize") or p[-1] in ("gate_up_proj", "down_proj") and
+                         len(v.get_value().shape) == 3 else v.get_value())
+            for p, v in flat.items()}))
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(directory, like)
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(module, state)
+
+
 def linear(src: TensorSource, name: str, d_in: int, d_out: int, bias: bool) -> dict:
     """HF Linear weight [out, in] -> {"w": [in, out], "b": [out]}: transposed once here because
     XLA CPU streams `x @ W` with W [in, out] ~14x faster than `x @ W.T`."""
@@ -183,43 +226,3 @@ def norm(src: TensorSource, name: str, dim: int, bias: bool = True) -> dict:
     if bias:
         p["bias"] = src.take(f"{name}.bias", (dim,))
     return p
-
-
-def cast_params(params, dtype, on_device: bool = True, pack=None):
-    """numpy pytree -> arrays in `dtype` (float leaves only): on the default device, or, with
-    on_device=False, numpy arrays on the host (a model placed over a mesh goes from the host
-    straight to its shards, never whole onto one device). pack(path, leaf): a re-layout of each
-    cast leaf on the host before it is placed (`mmjax.packed_weights.pack_leaf`), one leaf at a
-    time, so no second copy of the weights is ever held."""
-    import jax
-    import jax.numpy as jnp
-
-    def cast(path, x):
-        x = np.asarray(x)
-        want = dtype if np.issubdtype(x.dtype, np.floating) else x.dtype
-        x = x.astype(want, copy=False)
-        if pack is not None:
-            x = pack(path, x)
-        return jax.tree.map(jnp.asarray, x) if on_device else x
-    return jax.tree_util.tree_map_with_path(cast, params)
-
-
-def save_params(params, directory: str | os.PathLike) -> Path:
-    """Save converted params with orbax (restore with `restore_params`)."""
-    import orbax.checkpoint as ocp
-
-    directory = Path(directory).absolute()
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(directory, params, force=True)
-    return directory
-
-
-def restore_params(directory: str | os.PathLike, like=None):
-    """Restore params saved by `save_params`; `like` (a pytree of arrays) fixes dtypes/shapes."""
-    import orbax.checkpoint as ocp
-
-    directory = Path(directory).absolute()
-    if not directory.exists():
-        raise CheckpointError(f"no orbax checkpoint at {directory}", param="directory")
-    with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(directory, like) if like is not None else ckptr.restore(directory)

@@ -299,3 +299,14 @@ def read_quantization(directory) -> dict | None:
     from pathlib import Path
     f = Path(directory).absolute() / _SIDECAR
     return json.loads(f.read_text()) if f.is_file() else None
+
+
+def abstract_quantized(x, kind: str, group_size: int | None = None) -> QArray:
+    """The QArray `quantize_weight` makes of a float weight of x's shape, as ShapeDtypeStructs
+    (orbax's restore target for a quantized saved copy)."""
+    s = jax.ShapeDtypeStruct
+    if len(x.shape) == 3:
+        e, d_in, d_out = x.shape
+        return QArray(s(x.shape, _QDTYPE[kind]), s((e, 1, d_out), jnp.float32), np.dtype(x.dtype))
+    d_in, d_out = x.shape
+    return QArray(s(x.shape, _QDTYPE[kind]), s((_groups(d_in, group_size), d_out), jnp.float32), np.dtype(x.dtype))

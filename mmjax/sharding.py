@@ -47,8 +47,15 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_len", None),
     ("slots", None),         # decode slots belong to one replica (DP is across engines)
     ("images", (DATA, MODEL)),
-    ("vision", None),        # ViT weights: replicated by default
+    ("vision_heads", None),  # ViT / projector weights: replicated by default (VISION_TP_RULES)
+    ("vision_mlp", None),
 )
+
+# The tensor-parallel ViT option (`vision_tensor_parallel=True`, for towers too big to
+# replicate): the vision blocks' and projector's heads / MLP split like the decoder's. Fused
+# vision weights (Qwen's qkv, gate_up) are split by columns as they are, not regrouped per shard:
+# memory is 1/TP, and XLA moves the activations their split needs.
+VISION_TP_RULES: tuple[tuple[str, Any], ...] = (("vision_heads", MODEL), ("vision_mlp", MODEL))
 
 # Logical axes of parameters by their trailing path components (most specific first). A path
 # that matches nothing is replicated.
@@ -242,6 +249,25 @@ class Placement:
         if tm is not None and hasattr(tm, "logical_axes") and "text" in params:
             axes = {**axes, "text": tm.logical_axes(params["text"])}
         return axes
+
+    @property
+    def all_rules(self) -> tuple:
+        """The rules this placement applies (vision ones first when the ViT is tensor parallel)."""
+        return (VISION_TP_RULES + self.rules) if self.vision_tp else self.rules
+
+    def sharding_of(self, value: Any, axes: tuple) -> Any:
+        """NamedShardings for one weight (an array, or a QArray's values and scales) from its
+        logical axes (`qarray_axes`); None without a mesh."""
+        if self.mesh is None:
+            return None
+        return jax.tree.map(lambda x, ax: NamedSharding(self.mesh, spec_from_logical(ax, np.shape(x), self.mesh,
+                                                                                      self.all_rules)),
+                            value, qarray_axes(axes, value))
+
+    def put(self, value: Any, axes: tuple) -> Any:
+        """One weight on its devices, sharded by its logical axes (the default device without a mesh)."""
+        s = self.sharding_of(value, axes)
+        return jax.device_put(value) if s is None else jax.device_put(value, s)
 
     def shardings_for(self, tree: Any, axes: Any) -> Any:
         """NamedShardings for `tree` from its logical-axes tree (None without a mesh)."""

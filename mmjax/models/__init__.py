@@ -1,8 +1,9 @@
 """All model code, and the family registry: HF `model_type` (or an `architectures` entry, which wins
 where one type has several) -> the module implementing that family.
 
-A family module provides `load(path, hf_cfg) -> (Family, numpy params)` (see models/family.py);
-adding a family is its module(s) plus one line here.
+A family module provides `load(path, hf_cfg, dtype) -> (Family, the abstract model, its
+TensorSource)` (see models/family.py); `load_family` fills the model from the checkpoint
+(nn/weights.py). Adding a family is its module(s) plus one line here.
 """
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ def family_module(hf_cfg: dict):
     return importlib.import_module(FAMILIES[mt])
 
 
-def load_family(path: Path, hf_cfg: dict):
-    """config.json + weights + processor configs -> (Family, numpy params pytree)."""
-    return family_module(hf_cfg).load(Path(path), hf_cfg)
+def build_family(path: Path, hf_cfg: dict, dtype=None):
+    """config.json + processor configs -> (Family, the model built abstractly, its TensorSource)."""
+    import jax.numpy as jnp
+    return family_module(hf_cfg).load(Path(path), hf_cfg, dtype or jnp.float32)
+
+
+def load_family(path: Path, hf_cfg: dict, dtype=None, **weights):
+    """config.json + weights + processor configs -> (Family, the loaded model). `weights`: the
+    options of `nn.Weights` (placement, pack, quantize, group_size, on_device)."""
+    import jax.numpy as jnp
+    from mmjax.models.nn.weights import Weights
+    family, model, src = build_family(path, hf_cfg, dtype)
+    w = Weights(src, dtype=dtype or jnp.float32, **weights)
+    model.hf_weights(w)
+    w.finish(model)
+    return family, model

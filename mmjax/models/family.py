@@ -10,13 +10,14 @@ imports the engine:
   frames, token count, before decoding) and the preparation of the decoded frames
   (`prepare_video`); a prepared video is an `ImageInput` with kind "video" that goes through the
   same encode plan, caches and placement as images, its tokens being `video_token_id`;
-- an encode plan (how prepared images group into bucketed compiled calls, `encode_plan`) and the
-  pure encode function the runner jits (`encode`);
+- an encode plan (how prepared images group into bucketed compiled calls, `encode_plan`); the
+  encode itself is the model's (`VisionLanguageModel.encode`, which the runner jits);
 - prompt positions (1-D RoPE or M-RoPE rows, `positions`);
 - how features enter the sequence (`feature_placement`: "replace" = image placeholder tokens
   take the features; "cross_attention" = the decoder's cross-attention layers read them from a
   per-slot cache the engine fills once per request, Mllama);
-- which text model it runs (`text_model`, a `mmjax.models.text.TextModel`).
+- its modules: a `VisionLanguageModel` (the vision side and `language_model`, an `nn.Decoder`),
+  built abstractly and filled from the checkpoint by the family module's `load`.
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from mmjax.errors import InvalidRequestError, PromptError, UnsupportedModelError
-from mmjax.models.text import TextModel
+from mmjax.models.nn.decoder import Decoder
 
 
 @dataclass
@@ -145,10 +147,24 @@ class EncodeCall:
     split: Callable[[np.ndarray], list[np.ndarray]]
 
 
+class VisionLanguageModel(nnx.Module):
+    """A family's top module (`vlm.model`): its vision side (tower, projector: names as the HF
+    model's) and `language_model`, the decoder. `encode` is the pure encode step the runner jits:
+    one EncodeCall's inputs -> features; `hf_weights(w)` reads the checkpoint (nn/weights.py)."""
+    language_model: Decoder
+
+    def encode(self, inputs: Any) -> jax.Array:
+        raise NotImplementedError
+
+    @property
+    def embed_dtype(self):
+        """The dtype image features enter the decoder in (the token embedding's)."""
+        return self.language_model.embed_tokens.embedding.get_value().dtype
+
+
 class Family(abc.ABC):
     """A model family bound to one checkpoint (see the module docstring)."""
     name: str
-    text_model: TextModel
     image_token_id: int
     image_token: str                     # the prompt placeholder for one image
     feature_placement: str = "replace"
@@ -213,17 +229,18 @@ class Family(abc.ABC):
 
     # ---- encode ---------------------------------------------------------------------------------
     @abc.abstractmethod
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """Group prepared images into bucketed compiled calls (`max_batch`: the engine's limit on
-        images per call for families that batch whole images)."""
+        images per call for families that batch whole images; `shards`: the devices a packed
+        encode splits its groups over, families that pack patches)."""
 
     @abc.abstractmethod
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """One dummy call per encode bucket (compiles them all)."""
 
-    @abc.abstractmethod
-    def encode(self, params: dict, inputs: Any) -> jax.Array:
+    def encode(self, model: VisionLanguageModel, inputs: Any) -> jax.Array:
         """The pure encode step (jitted by the runner): inputs of one EncodeCall -> features."""
+        return model.encode(inputs)
 
     # ---- prompt ---------------------------------------------------------------------------------
     def image_prompt(self, image: ImageInput) -> str | None:

@@ -14,11 +14,12 @@ from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.processors import ClipImagePolicy, digest, find_image_processor_config, load_policy
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
 from mmjax.models.hf_config import require, tie_word_embeddings
-from mmjax.models.text import TextModel, text_model_for
-from mmjax.models.vision.clip import ClipVisionConfig, clip_hidden_states, load_clip_params
-from mmjax.models.vision.projector import load_projector_params, project
+from mmjax.models.text import text_config
+from mmjax.models.vision.clip import ClipVisionConfig, ClipVisionModel
+from mmjax.models.nn.weights import build
+from mmjax.models.vision.projector import LlavaMultiModalProjector
 
 # LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT:") as a jinja chat template, for
 # checkpoints and fixtures that need one.
@@ -39,7 +40,7 @@ LLAVA_CHAT_TEMPLATE = (
 @dataclass(frozen=True)
 class LlavaConfig:
     vision: ClipVisionConfig
-    text_model: TextModel
+    text: object            # the decoder's config (models/text)
     image_token_id: int
     vision_feature_layers: tuple[int, ...]
     select_strategy: str
@@ -51,7 +52,7 @@ class LlavaConfig:
     def from_hf(cls, cfg: dict) -> "LlavaConfig":
         text_cfg = require(cfg, "text_config", "config")
         tie = tie_word_embeddings(cfg, text_cfg)
-        text = text_model_for(text_cfg, "text_config", tie_word_embeddings=tie)
+        text = text_config(text_cfg, "text_config", tie_word_embeddings=tie)
         vision = ClipVisionConfig.from_hf(require(cfg, "vision_config", "config"), "vision_config")
         layer = cfg.get("vision_feature_layer", -2)
         layers = tuple(layer) if isinstance(layer, (list, tuple)) else (int(layer),)
@@ -66,14 +67,9 @@ class LlavaConfig:
         token = cfg.get("image_token_index", cfg.get("image_token_id"))
         if token is None:
             raise CheckpointError("config.json: image_token_index is missing", param="image_token_index")
-        return cls(vision=vision, text_model=text, image_token_id=int(token), vision_feature_layers=layers,
+        return cls(vision=vision, text=text, image_token_id=int(token), vision_feature_layers=layers,
                    select_strategy=strategy, projector_act=cfg.get("projector_hidden_act", "gelu"),
                    projector_bias=bool(cfg.get("multimodal_projector_bias", True)))
-
-    @property
-    def text(self):
-        """The text model's config."""
-        return self.text_model.cfg
 
     @property
     def image_tokens_per_image(self) -> int:
@@ -107,26 +103,33 @@ def vision_layers_needed(cfg: LlavaConfig) -> int:
     return max(feature_layer_indices(cfg))
 
 
-def load_params(src: TensorSource, cfg: LlavaConfig) -> dict:
-    """Checkpoint tensors -> numpy params pytree {"vision", "projector", "text"}."""
-    vision_in = cfg.vision.hidden_size * len(cfg.vision_feature_layers)
-    params = {
-        "vision": load_clip_params(src, cfg.vision, "vision_tower.", vision_layers_needed(cfg)),
-        "projector": load_projector_params(src, "multi_modal_projector.", vision_in,
-                                           cfg.text.hidden_size, cfg.projector_bias),
-        "text": cfg.text_model.load_params(src, "language_model.model.", "language_model.lm_head.weight"),
-    }
-    src.check_all_used()
-    return params
+class LlavaModel(VisionLanguageModel):
+    """LlavaForConditionalGeneration: vision_tower (CLIP, cut after the deepest feature layer),
+    multi_modal_projector, language_model (the decoder with its lm_head)."""
 
+    def __init__(self, cfg: LlavaConfig, dtype=jnp.float32):
+        self.config = cfg
+        self.vision_tower = ClipVisionModel(cfg.vision, vision_layers_needed(cfg), dtype)
+        self.multi_modal_projector = LlavaMultiModalProjector(
+            cfg.vision.hidden_size * len(cfg.vision_feature_layers), cfg.text.hidden_size, act=cfg.projector_act,
+            bias=cfg.projector_bias, dtype=dtype)
+        self.language_model = cfg.text.build(dtype)
 
-def encode_images(params: dict, pixels: jax.Array, cfg: LlavaConfig) -> jax.Array:
-    """pixels [batch, H, W, 3] -> image token embeddings [batch, tokens_per_image, lm_hidden]."""
-    states = clip_hidden_states(params["vision"], pixels, cfg.vision)
-    feats = jnp.concatenate([states[i] for i in feature_layer_indices(cfg)], axis=-1)
-    if cfg.select_strategy == "default":
-        feats = feats[:, 1:]  # drop the class token
-    return project(params["projector"], feats, cfg.projector_act).astype(params["text"]["embed"].dtype)
+    def encode(self, pixels: jax.Array) -> jax.Array:
+        """pixels [batch, H, W, 3] -> image token embeddings [batch, tokens_per_image, lm_hidden]."""
+        cfg = self.config
+        states = self.vision_tower(pixels)
+        feats = jnp.concatenate([states[i] for i in feature_layer_indices(cfg)], axis=-1)
+        if cfg.select_strategy == "default":
+            feats = feats[:, 1:]  # drop the class token
+        return self.multi_modal_projector(feats).astype(self.embed_dtype)
+
+    def hf_weights(self, w, name: str = "") -> None:
+        """Tensor names as `normalize_name` maps them."""
+        self.vision_tower.hf_weights(w, "vision_tower")
+        self.multi_modal_projector.linear_1.hf_weights(w, "multi_modal_projector.linear_1")
+        self.multi_modal_projector.linear_2.hf_weights(w, "multi_modal_projector.linear_2")
+        self.language_model.hf_weights(w, "language_model.model", "language_model.lm_head.weight")
 
 
 @dataclass(eq=False)
@@ -136,10 +139,6 @@ class LlavaFamily(Family):
     policy: ClipImagePolicy
     image_token: str = "<image>"
     name: str = "llava"
-
-    @property
-    def text_model(self) -> TextModel:
-        return self.cfg.text_model
 
     @property
     def image_token_id(self) -> int:
@@ -165,11 +164,7 @@ class LlavaFamily(Family):
         side = size // self.cfg.vision.patch_size
         return ImageInput(pixels=pixels, num_tokens=n, key=key, grid=(1, side, side))
 
-    def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
-        """pixels [batch, size, size, 3] -> features [batch, tokens_per_image, lm_hidden]."""
-        return encode_images(params, pixels, self.cfg)
-
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """Stack images into calls of at most `max_batch`, each padded up the power-of-two batch
         ladder (repeating its last image)."""
         ladder = pow2_ladder(1, max_batch)
@@ -183,24 +178,24 @@ class LlavaFamily(Family):
             calls.append(EncodeCall((b,) + part.shape[1:], part, lambda f, n=n: list(f[:n])))
         return calls
 
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         size = self.cfg.vision.image_size
         return [EncodeCall((b, size, size, 3), np.zeros((b, size, size, 3), np.float32), list)
                 for b in pow2_ladder(1, max_batch)]
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[LlavaFamily, dict]:
-    """config.json + safetensors + image processor config -> (family, numpy params)."""
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[LlavaFamily, LlavaModel, TensorSource]:
+    """config.json + image processor config -> (family, the abstract model, its tensors)."""
     if (hf_cfg.get("vision_config") or {}).get("model_type") == "pixtral":  # Pixtral-12B: native resolution
         from mmjax.models import mistral3
-        return mistral3.load(path, hf_cfg)
+        return mistral3.load(path, hf_cfg, dtype)
     cfg = LlavaConfig.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, normalize_name), cfg)
     policy = load_policy(find_image_processor_config(path))
     if not isinstance(policy, ClipImagePolicy):
         raise CheckpointError(f"llava needs a CLIPImageProcessor, the checkpoint has {type(policy).__name__}",
                               param="image_processor_type")
-    return LlavaFamily(cfg, policy, image_token=image_token(path)), params
+    return (LlavaFamily(cfg, policy, image_token=image_token(path)), build(lambda: LlavaModel(cfg, dtype)),
+            TensorSource(path, normalize_name))
 
 
 def image_token(path: Path) -> str:

@@ -69,6 +69,11 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._d)
 
+    def clear(self) -> None:
+        """Forget every entry (the vision weights changed: `Engine.refresh`)."""
+        self._d.clear()
+        self.bytes = 0
+
 
 class PrefixCache:
     """Per slot: the token keys of the KV its cache row holds, and when it was last released."""

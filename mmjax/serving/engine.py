@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -88,12 +89,12 @@ class Engine:
         self._pending: list[tuple[Any, list[tuple[Request, int]], int]] = []
         self.tokenizer = model.tokenizer
         self.family = model.family
-        max_model_len = max_model_len or min(model.family.text_model.max_position_embeddings, 4096)
+        max_model_len = max_model_len or min(model.module.language_model.max_position_embeddings, 4096)
         self.max_model_len = max_model_len
         self.prefill_chunk = prefill_chunk
         self.max_encode_tokens = max_encode_tokens
         self.max_images_per_request = max_images_per_request
-        self.runner = ModelRunner(model.family, model.params, max_num_seqs=max_num_seqs,
+        self.runner = ModelRunner(model.family, model.module, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                                   max_encode_batch=max_encode_batch, mesh=mesh,
                                   vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
@@ -107,6 +108,7 @@ class Engine:
                                    min_resume=self._min_resume(), max_segments=self.runner.buckets.segments[-1])
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._step_lock = threading.RLock()     # one step, or a refresh, at a time
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
@@ -116,9 +118,9 @@ class Engine:
                          "tokens_pruned": 0}
 
     def _min_resume(self):
-        """The text model's prefix-reuse floor for this engine's caches (None: any prefix)."""
+        """The decoder's prefix-reuse floor for this engine's caches."""
         tm, chunk = self.runner.text_model, self.runner.buckets.prefill[-1]
-        return None if not hasattr(tm, "min_resume") else (lambda held: tm.min_resume(held, chunk))
+        return lambda held: tm.min_resume(held, chunk)
 
     # ---- requests ---------------------------------------------------------------------------
     @property
@@ -282,12 +284,12 @@ class Engine:
             c.fill(out, req.output_ids)
 
     def _check_prune(self, prune, prompt_len: int, n_image: int) -> None:
-        tm = self.family.text_model
-        if not getattr(tm, "supports_prune", False):
+        tm = self.runner.text_model
+        if not tm.supports_prune:
             raise UnsupportedModelError(f"token pruning is not implemented for {type(tm).__name__}",
                                         param="intervention")
         layer, keep = prune
-        last = getattr(tm, "max_prune_layer", tm.num_layers - 2)     # a later layer must remain
+        last = tm.max_prune_layer     # a later layer must remain
         if not 0 <= layer <= last:
             raise InvalidRequestError(f"Prune.layer must lie in [0, {last}] for this model, got {layer}",
                                       param="intervention.layer")
@@ -321,6 +323,20 @@ class Engine:
         self.reset_device_state()
         return self.runner.compiled_counts()
 
+    def refresh(self) -> set[str]:
+        """Serve the edited live model (`vlm.model`): the runner re-splits and re-places what
+        changed (`ModelRunner.refresh`); features of the old vision weights leave the encoder
+        cache and KV of the old weights the prefix cache. Between steps (the step lock): calls
+        already dispatched finish on the weights they were given; requests already running keep
+        the KV they have and continue on the new weights. -> the parts that changed."""
+        with self._step_lock:
+            changed = self.runner.refresh()
+            if "vision" in changed:
+                self.encoder_cache.clear()
+            if changed:
+                self.prefix_cache.clear()
+            return changed
+
     def reset_device_state(self) -> None:
         """Fresh KV cache and decode state; the prefix cache forgets what the old one held (and
         tokens of steps still in flight are dropped)."""
@@ -333,6 +349,10 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[Delta]:
         deltas: list[Delta] = []
         for req in self.scheduler.admit():
             self.counters["tokens_cached"] += req.cached_tokens
@@ -619,7 +639,7 @@ class Engine:
         lens += steps - 1
         if pruned:
             lens = np.asarray([max(r.kv_positions(i) for r in running)
-                               for i in range(self.family.text_model.num_layers)])
+                               for i in range(self.runner.text_model.num_layers)])
         rows = max(r.slot for r in running) + 1
         bits = None
         if constrained:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax import packed_weights
 from mmjax.backend import Tuning, compiling_for, tuning
@@ -25,12 +26,16 @@ from mmjax.buckets import Buckets, bucket_for
 from mmjax.errors import InvalidRequestError
 from mmjax.kernels import cpu_gemv
 from mmjax.models.family import EncodeCall, Family
-from mmjax.models.text import Capture, Dropped, MaskSpec, Prune, image_feature_width, image_inputs, kv_quant
-from mmjax.models.text.packing import NO_INDEX, DecodeRows, Packing
+from mmjax.models.nn import kv_quant
+from mmjax.models.nn.capture import Capture, captured
+from mmjax.models.nn.metadata import AttentionMetadata, Dropped, Prune
+from mmjax.models.nn.packing import NO_INDEX, DecodeRows, Packing
 from mmjax.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams, SlotHistory, SlotSampling, VocabRow, sample
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmjax.sharding import MODEL, Placement, fetch_to_device, offload_to_host, per_device_bytes, step_shardings
+from mmjax.models.nn.kv_cache import allocate_cache
+from mmjax.serving.placed_model import PlacedModel
+from mmjax.sharding import MODEL, Placement, per_device_bytes, step_shardings
 
 log = logging.getLogger("mmjax.runner")
 
@@ -137,10 +142,11 @@ class PendingOutput:
         return self._out
 
 
-def image_mask_spec(family: Family, spans: jax.Array) -> MaskSpec | None:
-    """The prefill mask for spans [b, t] (image-token run ids, -1 elsewhere): bidirectional runs
-    for families that want them, else None (plain causal: `spans` goes unused and jit drops it)."""
-    return MaskSpec(spans=spans) if family.bidirectional_images or family.cross_attention else None
+def step_spans(family: Family, spans: jax.Array) -> jax.Array | None:
+    """The metadata's spans for spans [b, t] (image-token run ids, -1 elsewhere): bidirectional
+    runs for families that want them, cross ranges for cross-attention families; else None
+    (plain causal: `spans` goes unused and jit drops it)."""
+    return spans if family.bidirectional_images or family.cross_attention else None
 
 
 def _gathered(logits: jax.Array, shardings) -> jax.Array:
@@ -236,36 +242,35 @@ class Riders:
 jax.tree_util.register_dataclass(Riders, data_fields=["ride", "offset"], meta_fields=[])
 
 
-def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None, scores: bool = False):
-    """(params, cache, state, token_ids [T], image_embeds [T, width] (width: the text model's
-    `image_feature_width`, hidden or more with per-layer image features), image_mask [T],
-    positions [rows, T], spans [T] int32, token_seg [T] int32, seg: Segments of S rows) ->
-    (cache, state, sample outputs [S]).
+def make_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None, scores: bool = False):
+    """(lm_leaves, cache, state, token_ids [T], image_embeds [T, width] (width: the decoder's
+    `feature_width`, hidden or more with per-layer image features), image_mask [T], positions
+    [rows, T], spans [T] int32, token_seg [T] int32, seg: Segments of S rows, riders) -> (cache,
+    state, sample outputs [S]). `lm_of(lm_leaves)` is the decoder (`nnx.merge` of the runner's
+    split, inside the trace).
 
     The chunks of S sequences packed back to back in one row of T tokens (S = 1: one chunk, the
-    plain one-sequence prefill), each into its own cache row (models/text/packing.py: one GEMM
-    per weight over all T tokens; attention in query blocks of one sequence each). Each
-    sequence's first token is sampled from the logits of its chunk's last valid token and its
-    slot's decode-state row is set up (the host only uses it after the final chunk). spans: image-token run ids of each
-    chunk (-1 elsewhere), used by families with bidirectional image attention; token_seg: each
-    token's segment (padding: the last used one). `tm`: the text model as placed (default: the
-    family's).
+    plain one-sequence prefill), each into its own cache row (nn/packing.py: one GEMM per weight
+    over all T tokens; attention in query blocks of one sequence each). Each sequence's first
+    token is sampled from the logits of its chunk's last valid token and its slot's decode-state
+    row is set up (the host only uses it after the final chunk). spans: image-token run ids of
+    each chunk (-1 elsewhere), used by families with bidirectional image attention; token_seg:
+    each token's segment (padding: the last used one).
 
     scores=True (prompt_logprobs; S = 1 only): one more argument, next_ids [T] int32 (each
     position's next prompt token), and one more output, `prompt_scores` of the logits of every
     chunk position (the forward computed their hidden states anyway: the LM head runs over T
     rows, not 1).
 
-    riders: Riders of D rows (D static; D > 0: text models with `supports_riders`, S > 1): the
+    riders: Riders of D rows (D static; D > 0: decoders with `supports_riders`, S > 1): the
     decode step of those slots rides in the call, each slot's token from the decode state taking
     a padding position of the row (unconstrained, one step). The outputs are then D rider rows
     (as `make_decode_step`'s rows) followed by the S segments' rows, and the riders' decode
     state advances as a decode step advances it."""
-    tm = tm or family.text_model
 
-    def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, spans, token_seg, seg,
+    def prefill(lm_leaves, cache, state, token_ids, image_embeds, image_mask, positions, spans, token_seg, seg,
                 riders, next_ids=None):
-        text = params["text"]
+        lm = lm_of(lm_leaves)
         t, s, d = token_ids.shape[0], seg.slot.shape[0], riders.ride.shape[0]
         ride = None
         if d:           # the riders' tokens, positions and cache indexes, from the decode state
@@ -275,50 +280,49 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
             token_ids = token_ids.at[ride.position].set(st.tokens, mode="drop")
             positions = positions.at[:, ride.position].set(
                 jnp.broadcast_to(st.lengths + st.rope_delta, (positions.shape[0], d)), mode="drop")
-        embeds, extra = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
-        mask = image_mask_spec(family, spans[None])
+        embeds, extra = lm.inputs(token_ids[None], image_embeds[None], image_mask[None])
         # the row's tokens (chunks back to back, then the riders) end here; the rest is the
         # bucket's padding, which the decoder's packed matmuls skip
         used = jnp.max(seg.offset + seg.n_valid)
         if d:
             used = jnp.maximum(used, riders.offset + jnp.sum(riders.ride.astype(jnp.int32)))
         if s == 1 and not d:    # one sequence: the row is its chunk (no gathers around attention)
-            kv_len, packed = seg.start[0] + t, {}
+            kv_len, packing = seg.start[0] + t, None
         else:
             if scores:
                 raise ValueError("prompt scores come from a one-sequence prefill")
             packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg, ride)
             kv_len = packing.kv_len if ride is None else jnp.maximum(packing.kv_len, ride.kv_len)
-            packed = {"packing": packing}
+        meta = AttentionMetadata(positions[:, None, :], seg.start, kv_len, slots=seg.slot,
+                                 spans=step_spans(family, spans[None]), packing=packing,
+                                 reduce_small=tune.reduce_small_attention)
         # the prompt rows (before the riders) go to the packed matmuls' AMX path, the riders
         # and the LM heads to their FMAs as in a decode step: a row's bits depend on what it is,
         # not on what shares its call (packed_weights.leading_rows)
         with packed_weights.leading_rows(t, used, amx=riders.offset if d else None):
-            out = tm.forward(text, embeds, positions[:, None, :], cache, seg.start, kv_len, slots=seg.slot,
-                             mask=mask, ids=token_ids[None], reduce_small=tune.reduce_small_attention,
-                             **packed, **extra)
+            hidden, cache = lm(embeds, meta, cache, **extra)
         last = jnp.clip(seg.offset + seg.n_valid - 1, 0, t - 1)
 
         def head(hidden):    # the LM head on the FMAs, as the decode step's (its rows are decode rows)
             with packed_weights.fma_only():
-                return _gathered(tm.logits(text, hidden), logits_sharding)
+                return _gathered(lm.logits(hidden), logits_sharding)
         if scores:
-            every = head(out.hidden[0])                 # [T, vocab]
+            every = head(hidden[0])                 # [T, vocab]
             logits = every[last]
         elif not d:
-            logits = head(out.hidden[0][last])          # [S, vocab]
+            logits = head(hidden[0][last])          # [S, vocab]
         else:       # the riders' sampling and state, as a decode step's (make_decode_step)
             row_split = jax.vmap(jax.random.split)(st.keys)
 
             def riding():       # one LM head call for the segments' last tokens and the riders
                 rows = jnp.concatenate([last, jnp.clip(ride.position, 0, t - 1)])
-                both = head(out.hidden[0][rows])
+                both = head(hidden[0][rows])
                 return both[:s], sample(both[s:], row_split[:, 1], st.sampling, st.hist,
                                         jnp.full((d, seg.bits.shape[1]), 0xFFFFFFFF, jnp.uint32))
 
             def idle():         # none rides: the LM head and sampling of D rows skipped
                 shapes = jax.eval_shape(riding)[1]
-                return head(out.hidden[0][last]), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+                return head(hidden[0][last]), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             logits, row_res = jax.lax.cond(riders.ride.any(), riding, idle)
             state = state.advance_slots(jnp.where(riders.ride, jnp.arange(d), state.tokens.shape[0]), row_res[0],
                                         row_split[:, 0])
@@ -326,74 +330,72 @@ def make_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=Non
         hist = SlotHistory(seg.vrow, jnp.zeros((s, logits.shape[-1]), jnp.int32), jnp.zeros((s,), jnp.int32))
         res = sample(logits, split[:, 1], seg.sampling, hist, seg.bits)
         rows = DecodeState(res[0], seg.start + seg.n_valid, seg.rope_delta, split[:, 0], seg.sampling,
-                           jnp.full((s,), tm.num_layers, jnp.int32), jnp.zeros((s,), jnp.int32), hist.after(res[0]))
+                           jnp.full((s,), lm.num_layers, jnp.int32), jnp.zeros((s,), jnp.int32), hist.after(res[0]))
         if scores:
-            return out.cache, state.set_slots(seg.slot, rows), res, prompt_scores(every, next_ids)
+            return cache, state.set_slots(seg.slot, rows), res, prompt_scores(every, next_ids)
         if d:
             res = tuple(jnp.concatenate([a, b]) for a, b in zip(row_res, res))
-        return out.cache, state.set_slots(seg.slot, rows), res
+        return cache, state.set_slots(seg.slot, rows), res
     return prefill
 
 
-def make_pruned_prefill_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
-    """(params, cache, state, token_ids [c], image_embeds, image_mask, positions, slot, n_valid,
-    rope_delta, sampling, key, spans, vrow, bits, *, layer, keep, out_len) -> (cache, state, sample outputs): a whole
-    prompt (from cache index 0) in one call with FastV pruning after decoder `layer` (static, as
-    are `keep` image tokens and the `out_len` rows later layers compute); text models with
-    `supports_prune` only. `tm` as in prefill."""
-    tm = tm or family.text_model
+def make_pruned_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None):
+    """(lm_leaves, cache, state, token_ids [c], image_embeds, image_mask, positions, slot, n_valid,
+    rope_delta, sampling, key, spans, vrow, bits, *, layer, keep, out_len) -> (cache, state, sample
+    outputs): a whole prompt (from cache index 0) in one call with FastV pruning after decoder
+    `layer` (static, as are `keep` image tokens and the `out_len` rows later layers compute);
+    decoders with `supports_prune` only."""
 
-    def prefill(params, cache, state, token_ids, image_embeds, image_mask, positions, slot, n_valid,
+    def prefill(lm_leaves, cache, state, token_ids, image_embeds, image_mask, positions, slot, n_valid,
                 rope_delta, sampling, key, spans, vrow, bits, *, layer, keep, out_len):
-        text = params["text"]
+        lm = lm_of(lm_leaves)
         c = token_ids.shape[0]
-        embeds, _ = image_inputs(tm, text, token_ids[None], image_embeds[None], image_mask[None])
+        embeds, extra = lm.inputs(token_ids[None], image_embeds[None], image_mask[None])
         prune = Prune(layer, keep, out_len, image_mask[None], (n_valid - 1)[None])
-        out = tm.forward(text, embeds, positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), c,
-                         slots=slot[None], mask=image_mask_spec(family, spans[None]), ids=token_ids[None], prune=prune,
-                         reduce_small=tune.reduce_small_attention)
-        dropped = out.intermediates["pruned"][0]
-        logits = _gathered(tm.logits(text, jax.lax.dynamic_index_in_dim(out.hidden[0], n_valid - 1 - dropped,
-                                                                        keepdims=True)), logits_sharding)
+        meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), c, slots=slot[None],
+                                 spans=step_spans(family, spans[None]), reduce_small=tune.reduce_small_attention)
+        hidden, cache, dropped = lm.forward_pruned(embeds, meta, cache, prune, **extra)
+        dropped = dropped[0]
+        logits = _gathered(lm.logits(jax.lax.dynamic_index_in_dim(hidden[0], n_valid - 1 - dropped,
+                                                                  keepdims=True)), logits_sharding)
         key, res, hist = _first_token(logits, key, sampling, vrow, bits)
         row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped, hist)
-        return out.cache, state.set_slot(slot, row), res
+        return cache, state.set_slot(slot, row), res
     return prefill
 
 
-def make_decode_step(family: Family, tune: Tuning, tm=None, logits_sharding=None):
-    """(params, cache, state, kv_lens, bits, *, rows, steps=1) -> (cache, state, sample outputs):
-    one token for each of the first `rows` slots (static); bits [rows, words] uint32: each row's
-    allowed-token bitmask (all ones: unconstrained); the other slots' cache and state rows are
-    untouched. Inactive slots below `rows` compute garbage in their own cache row only. kv_lens
-    [num_layers] int32: cache positions the active rows use after the step, per layer (they
-    differ after pruned layers). `tm` as in prefill. steps > 1 (static): that many steps in one
-    call (a `lax.scan`, each step reading the tokens the one before sampled), the outputs
-    stacked [steps, rows, ...], kv_lens then the positions in use after the last step and
-    `bits` the same for every step: one host dispatch for several tokens a row."""
-    tm = tm or family.text_model
-    prunable = getattr(tm, "supports_prune", False)
+def make_decode_step(family: Family, tune: Tuning, lm_of, logits_sharding=None):
+    """(lm_leaves, cache, state, kv_lens, bits, *, rows, steps=1) -> (cache, state, sample
+    outputs): one token for each of the first `rows` slots (static); bits [rows, words] uint32:
+    each row's allowed-token bitmask (all ones: unconstrained); the other slots' cache and state
+    rows are untouched. Inactive slots below `rows` compute garbage in their own cache row only.
+    kv_lens [num_layers] int32: cache positions the active rows use after the step, per layer
+    (they differ after pruned layers). steps > 1 (static): that many steps in one call (a
+    `lax.scan`, each step reading the tokens the one before sampled), the outputs stacked [steps,
+    rows, ...], kv_lens then the positions in use after the last step and `bits` the same for
+    every step: one host dispatch for several tokens a row."""
 
-    def one(params, cache, state, kv_lens, bits, rows):
-        text = params["text"]
+    def one(lm, cache, state, kv_lens, bits, rows):
         st = state.head(rows)
-        embeds = tm.embed(text, st.tokens)[:, None]
-        pos = jnp.broadcast_to((st.lengths + st.rope_delta)[None, :, None], (tm.position_rows, rows, 1))
-        extra = {"dropped": Dropped(st.drop_after, st.dropped, kv_lens)} if prunable else {}
+        embeds, extra = lm.token_inputs(st.tokens[:, None])
+        pos = jnp.broadcast_to((st.lengths + st.rope_delta)[None, :, None], (lm.position_rows, rows, 1))
+        dropped = Dropped(st.drop_after, st.dropped, kv_lens) if lm.supports_prune else None
+        meta = AttentionMetadata(pos, st.lengths, kv_lens.max(), dropped=dropped,
+                                 reduce_small=tune.reduce_small_attention)
         with packed_weights.fma_only():   # whatever the row count
-            out = tm.forward(text, embeds, pos, cache, st.lengths, kv_lens.max(), ids=st.tokens[:, None],
-                             reduce_small=tune.reduce_small_attention, **extra)
-            logits = _gathered(tm.logits(text, out.hidden[:, 0]), logits_sharding)
+            hidden, cache = lm(embeds, meta, cache, **extra)
+            logits = _gathered(lm.logits(hidden[:, 0]), logits_sharding)
         split = jax.vmap(jax.random.split)(st.keys)
         res = sample(logits, split[:, 1], st.sampling, st.hist, bits)
-        return out.cache, state.advance(res[0], split[:, 0]), res
+        return cache, state.advance(res[0], split[:, 0]), res
 
-    def decode(params, cache, state, kv_lens, bits, *, rows, steps=1):
+    def decode(lm_leaves, cache, state, kv_lens, bits, *, rows, steps=1):
+        lm = lm_of(lm_leaves)
         if steps == 1:
-            return one(params, cache, state, kv_lens, bits, rows)
+            return one(lm, cache, state, kv_lens, bits, rows)
 
         def body(carry, _):
-            cache, state, res = one(params, *carry, kv_lens, bits, rows)
+            cache, state, res = one(lm, *carry, kv_lens, bits, rows)
             return (cache, state), res
         (cache, state), res = jax.lax.scan(body, (cache, state), None, length=steps)
         return cache, state, res
@@ -417,43 +419,39 @@ def device_memory_bytes(x) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def make_prompt_forward(family: Family, capture: Capture = Capture(), tm=None, hidden: bool = False):
-    """A jittable (params, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t],
-    spans [t] int32 (image-token run ids, see models.family.run_spans; None: no runs)) ->
-    (logits [t, vocab] float32, intermediates) over a whole prompt with a private one-slot cache
-    (research / parity use; `capture` picks the intermediates, see models/text.Capture; `tm`:
-    the text model as placed, default the family's). hidden=True: the final (normed) hidden
-    states [t, hidden] instead of the logits (embeddings)."""
-    tm = tm or family.text_model
+def make_prompt_forward(family: Family, capture: Capture = Capture(), hidden: bool = False):
+    """A jittable (lm, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t], spans [t]
+    int32 (image-token run ids, see models.family.run_spans; None: no runs)) -> (logits [t, vocab]
+    float32, intermediates) over a whole prompt with a private one-slot cache (research / parity
+    use; `capture` picks the intermediates, nn/capture.Capture; `lm`: the decoder module).
+    hidden=True: the final (normed) hidden states [t, hidden] instead of the logits (embeddings)."""
 
-    def fn(params, ids, image_embeds, image_mask, positions, spans=None):
-        text = params["text"]
+    def fn(lm, ids, image_embeds, image_mask, positions, spans=None):
         t = ids.shape[0]
-        embeds, extra = image_inputs(tm, text, ids[None], image_embeds[None], image_mask[None])
-        cache = tm.init_cache(1, t, image_embeds.dtype, max_chunk=t)
-        mask = None if spans is None else image_mask_spec(family, spans[None])
-        out = tm.forward(text, embeds, positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
-                         mask=mask, ids=ids[None], capture=capture, **extra)
-        return (out.hidden[0] if hidden else tm.logits(text, out.hidden[0])), out.intermediates
+        embeds, extra = lm.inputs(ids[None], image_embeds[None], image_mask[None])
+        cache = lm.init_cache(1, t, image_embeds.dtype, max_chunk=t)
+        meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), t,
+                                 spans=None if spans is None else step_spans(family, spans[None]),
+                                 capture=tuple(capture.attn_layers))
+        (out, _), inter = captured(lambda m, *a, **kw: m(*a, **kw), capture)(lm, embeds, meta, cache, **extra)
+        return (out[0] if hidden else lm.logits(out[0])), inter
     return fn
 
 
-def make_embed_forward(family: Family, tm=None):
-    """A jittable (params, ids [b, t], image_embeds [b, t, d], image_mask [b, t], positions
-    [rows, b, t], spans [b, t] int32 or None, lengths [b] int32) -> (last [b, hidden], mean
-    [b, hidden]) float32: the final normed hidden state of each prompt's last token and its mean
-    over the prompt's tokens, for b prompts right-padded to t tokens (causal: padding after a
-    prompt changes nothing before it) in one forward (embeddings)."""
-    tm = tm or family.text_model
+def make_embed_forward(family: Family):
+    """A jittable (lm, ids [b, t], image_embeds [b, t, d], image_mask [b, t], positions [rows, b,
+    t], spans [b, t] int32 or None, lengths [b] int32) -> (last [b, hidden], mean [b, hidden])
+    float32: the final normed hidden state of each prompt's last token and its mean over the
+    prompt's tokens, for b prompts right-padded to t tokens (causal: padding after a prompt
+    changes nothing before it) in one forward (embeddings)."""
 
-    def fn(params, ids, image_embeds, image_mask, positions, spans, lengths):
-        text = params["text"]
+    def fn(lm, ids, image_embeds, image_mask, positions, spans, lengths):
         b, t = ids.shape
-        embeds, extra = image_inputs(tm, text, ids, image_embeds, image_mask)
-        cache = tm.init_cache(b, t, image_embeds.dtype, max_chunk=t)
-        mask = None if spans is None else image_mask_spec(family, spans)
-        h = tm.forward(text, embeds, positions, cache, jnp.zeros((b,), jnp.int32), t, mask=mask, ids=ids,
-                       **extra).hidden.astype(jnp.float32)
+        embeds, extra = lm.inputs(ids, image_embeds, image_mask)
+        cache = lm.init_cache(b, t, image_embeds.dtype, max_chunk=t)
+        meta = AttentionMetadata(positions, jnp.zeros((b,), jnp.int32), t,
+                                 spans=None if spans is None else step_spans(family, spans))
+        h = lm(embeds, meta, cache, **extra)[0].astype(jnp.float32)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         valid = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
         mean = (h * valid[..., None]).sum(1) / lengths[:, None].astype(jnp.float32)
@@ -462,63 +460,58 @@ def make_embed_forward(family: Family, tm=None):
 
 
 class ModelRunner:
-    """Owns the params, KV cache and decode state of one model on its devices, and the jitted
-    steps over them."""
+    """Owns the KV cache and decode state of one model on its devices, the model's weights as
+    its platform keeps them (`PlacedModel`), and the jitted steps over them."""
 
-    def __init__(self, family: Family, params: dict, *, max_num_seqs: int, max_model_len: int,
+    def __init__(self, family: Family, model, *, max_num_seqs: int, max_model_len: int,
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
                  vision_tensor_parallel: bool = False, vision_offload: bool = False,
                  memory_budget: int | float | None = None, kv_cache_dtype: str | None = None,
-                 max_prefill_seqs: int = 8, decode_steps: int = 1):
-        """max_prefill_seqs: the most sequences one prefill call packs (1: one per call; text
-        models without `supports_packing` always take one). decode_steps: the decode steps a
-        multi-step decode call takes (`decode(steps=)`; 1: none), compiled beside the one-step
-        calls."""
+                 max_prefill_seqs: int = 8, decode_steps: int = 1, primary: bool = True):
+        """model: the family's live `VisionLanguageModel` (`vlm.model`). max_prefill_seqs: the
+        most sequences one prefill call packs (1: one per call). decode_steps: the decode steps
+        a multi-step decode call takes (`decode(steps=)`; 1: none), compiled beside the one-step
+        calls. primary: this runner's placed weights are the live module's (a data-parallel
+        replica past the first keeps a copy on its own devices)."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps
         self._decode_step_counts = sorted({1, decode_steps})     # the decode shapes per row bucket
         self.family = family
+        self.model = model
         self.placement = Placement(mesh, vision_tp=vision_tensor_parallel)
-        # tensor parallel: the text model for tp shards and its params in per-shard layout
-        self.text_model = self.placement.text_model(family.text_model)
+        lm = model.language_model
         narrow = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn)}
         self.tuning = dataclasses.replace(tuning(platform), sharded=self.placement.num_devices > 1,
-                                          narrow_weights=any(x.dtype in narrow for x in jax.tree.leaves(params["text"])))
+                                          narrow_weights=any(x.dtype in narrow for x in jax.tree.leaves(nnx.state(lm))))
         # f32 / bf16 / int8 weights packed for the CPU matmul kernels where they run, [in, out]
-        # elsewhere (a no-op for a model loaded on this platform: mmjax.load packs on a CPU host)
-        params = packed_weights.with_packing(params, self.tuning.cpu_kernels and cpu_gemv.simd())
-        self.dtype = dtype or jax.tree.leaves(params["text"])[0].dtype
+        # elsewhere (a no-op for a model loaded on this platform: mmjax.load packs on a CPU host);
+        # the decoder's weights regrouped per shard under tensor parallelism; all placed
+        self.weights = PlacedModel(model, self.placement, pack=self.tuning.cpu_kernels and cpu_gemv.simd(),
+                                   primary=primary, offload=vision_offload)
+        self.dtype = dtype or lm.embed_tokens.embedding.get_value().dtype
         # the KV cache's element dtype: the model's ("auto"), bfloat16, or int8 / fp8 with scales
         self.kv_cache_dtype = kv_quant.resolve(kv_cache_dtype, self.tuning.auto_kv_cache_dtype(self.dtype))
-        if hasattr(family, "encode_shards") and not vision_tensor_parallel:
-            family.encode_shards = self.placement.num_devices   # packed encodes split per device
-        params = self.placement.layout_params(params, self.text_model)
-        self.param_shardings = self.placement.param_shardings(params, self.text_model)
-        self.params = self.placement.place_params(params, self.text_model)
-        # --vision-offload: ViT + projector in host memory, fetched to the device inside encode only
-        self._offloaded = None
-        if vision_offload:
-            self.params, self._offloaded = offload_to_host(self.params)
-        self.hidden_size = self.text_model.hidden_size
+        # packed encodes (Qwen-style patch packing) split per device unless the ViT is tensor parallel
+        self.encode_shards = 1 if vision_tensor_parallel else self.placement.num_devices
+        self.hidden_size = lm.hidden_size
         # columns of one image token's features (hidden, or more with per-layer image features)
-        self.feature_width = image_feature_width(self.text_model)
-        self.vocab_size = int(family.text_model.vocab_size)    # logits columns
+        self.feature_width = lm.feature_width
+        self.vocab_size = int(lm.vocab_size)                   # logits columns
         self.bit_words = (self.vocab_size + 31) // 32           # words of a token bitmask row
         v = self.vocab_size
         self._default_row = VocabRow(np.zeros(v, np.float32), np.zeros(v, bool), np.zeros(v, bool))
         self.max_model_len = max_model_len
         self.max_encode_batch = max_encode_batch
         self.prefill_chunk = prefill_chunk
-        self.max_prefill_seqs = max_prefill_seqs if getattr(self.text_model, "supports_packing", False) else 1
+        self.max_prefill_seqs = max_prefill_seqs
         self._idle_sampling = SlotSampling.from_params(SamplingParams(temperature=0.0))   # unused segments
         self.compiled: dict[str, set] = {"encode": set(), "prefill": set(), "decode": set(), "prefill_pruned": set(),
                                          "copy_slot": set(), "prefill_scores": set()}
         if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
             self.compiled["fill_cross"] = set()
         # mixed steps: running requests' decode step riding in packed prefill calls (Riders)
-        self.mixes = (self.tuning.mixed_steps and self.max_prefill_seqs > 1
-                      and getattr(self.text_model, "supports_riders", False))
+        self.mixes = self.tuning.mixed_steps and self.max_prefill_seqs > 1 and lm.supports_riders
         self._memory_plan: dict | None = None
         # the slots axis is never sharded: one set of cache shardings and jitted steps serves
         # every slot count, so they exist before memory_budget sizes the slots
@@ -545,18 +538,38 @@ class ModelRunner:
         self.step_seconds = {k: 0.0 for k in self.compiled}
 
     @property
-    def lm_params(self) -> dict:
-        """What the LM steps (prefill, decode, fill_cross) take: only the text weights, since a
-        jitted call's host time grows with its argument leaves (the ViT's 253 leaves were ~0.4 ms
-        of a ~2 ms dispatch per batch-1 decode step on CPU)."""
-        return {"text": self.params["text"]}
+    def text_model(self):
+        """The decoder module as this runner runs it (static facts: num_layers, ...)."""
+        return self.model.language_model
+
+    @property
+    def lm_leaves(self) -> list:
+        """What the text steps (prefill, decode, fill_cross) take: only the decoder's weight
+        leaves, flat (a jitted call's host time grows with its argument leaves)."""
+        return self.weights.split.lm_leaves
+
+    def refresh(self) -> set[str]:
+        """After an edit of the live model (values, or a replaced submodule): re-split, re-place
+        what changed, and rebuild the steps when the module graph changed (jit then compiles
+        only the steps of the changed part on their next call) -> the parts that changed
+        ("language_model", "vision")."""
+        graph = self.weights.split.graphdef
+        changed = self.weights.refresh()
+        if self.weights.split.graphdef != graph:
+            for kind in self.compiled:
+                if kind == "encode" or "language_model" in changed:
+                    self.compiled[kind] = set()
+            self._jit_steps()
+        return changed
 
     def _init_cache(self, num_slots: int, sharding=None, max_chunk: int | None = None):
-        """The text model's zero cache, laid out for this runner's platform (the KV segment
-        ladder is the platform's: `backend.Tuning.kv_segment_ladder`)."""
+        """The decoder's zero cache, laid out for this runner's platform (the KV segment ladder is
+        the platform's: `backend.Tuning.kv_segment_ladder`), allocated in its shardings."""
+        lm = self.text_model
         with compiling_for(self.tuning.platform):
-            return self.text_model.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype, sharding=sharding,
-                                              max_chunk=max_chunk or self._buckets(num_slots).prefill[-1])
+            return allocate_cache(lambda: lm.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype,
+                                                        max_chunk=max_chunk or self._buckets(num_slots).prefill[-1],
+                                                        tp=self.placement.tp), sharding)
 
     def _cache_shardings(self, num_slots: int):
         return self.placement.cache_shardings(jax.eval_shape(lambda: self._init_cache(num_slots)))
@@ -566,26 +579,28 @@ class ModelRunner:
                             max_segments=self.max_prefill_seqs, fine=self.tuning.fine_prefill_ladder)
 
     def _jit_steps(self) -> None:
-        """The jitted steps (their shapes come from the arguments: one set serves any slot count)."""
+        """The jitted steps of this model version (their shapes come from the arguments: one set
+        serves any slot count); each merges the decoder (or the model) from its flat leaves."""
         family, p, t = self.family, self.placement, self.tuning
+        lm_of, model_of = self.weights.lm_of(), self.weights.model_of()
         outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
-        self._encode = jax.jit(t.traced(self.encode_fn), out_shardings=p.sharding("outputs"),
-                               compiler_options=t.compiler_options("encode"))
+        self._encode_of = model_of
+        self._encode = jax.jit(t.traced(lambda leaves, inputs: family.encode(model_of(leaves), inputs)),
+                               out_shardings=p.sharding("outputs"), compiler_options=t.compiler_options("encode"))
         gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
-        self._prefill = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather)), donate_argnums=(1, 2),
+        self._prefill = jax.jit(t.traced(make_prefill_step(family, t, lm_of, gather)), donate_argnums=(1, 2),
                                 out_shardings=outs, compiler_options=t.compiler_options("prefill"))
         scores_outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"),
                                      p.sharding("outputs"))
-        self._prefill_scores = jax.jit(t.traced(make_prefill_step(family, t, self.text_model, gather, scores=True)),
+        self._prefill_scores = jax.jit(t.traced(make_prefill_step(family, t, lm_of, gather, scores=True)),
                                        donate_argnums=(1, 2), out_shardings=scores_outs,
                                        compiler_options=t.compiler_options("prefill"))
-        self._decode = jax.jit(t.traced(make_decode_step(family, t, self.text_model, gather)),
+        self._decode = jax.jit(t.traced(make_decode_step(family, t, lm_of, gather)),
                                static_argnames=("rows", "steps"),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
         if family.cross_attention:
-            tm = self.text_model
-            self._fill_cross = jax.jit(t.traced(lambda params, cache, *a: tm.fill_cross(params["text"], cache, *a)),
+            self._fill_cross = jax.jit(t.traced(lambda leaves, cache, *a: lm_of(leaves).fill_cross(cache, *a)),
                                        donate_argnums=(1,), out_shardings=self.cache_shardings)
         self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
                              donate_argnums=(0,), out_shardings=self.cache_shardings)
@@ -593,17 +608,14 @@ class ModelRunner:
         # (inside generate()'s time to first token on the 2-core box), this 3-4 ms
         self._park_lengths = jax.jit(lambda lengths, slot: lengths.at[slot].set(self.max_model_len),
                                      out_shardings=p.sharding("state"))
-        self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, self.text_model, gather)),
+        self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, lm_of, gather)),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
 
-    def encode_fn(self, params: dict, inputs) -> jax.Array:
-        """The family's pure encode over this runner's params as placed (offloaded vision weights
-        are fetched to the device first): what the encode step jits, and what research code
-        differentiates through."""
-        if self._offloaded is not None:
-            params = fetch_to_device(params, self._offloaded)
-        return self.family.encode(params, inputs)
+    def encode_model(self, leaves: list | None = None):
+        """The model as the encode step sees it (inside a trace: from `leaves`, default this
+        runner's vision leaves): what research code differentiates encode through."""
+        return self._encode_of(self.weights.split.vision_leaves if leaves is None else leaves)
 
     def fresh_cache(self):
         return self._init_cache(self.num_slots, self.cache_shardings, self.buckets.prefill[-1])
@@ -691,11 +703,12 @@ class ModelRunner:
         out: list[np.ndarray] = []
         for call in calls:
             inputs = call.inputs
-            if isinstance(inputs, np.ndarray) or getattr(self.family, "encode_shards", 1) > 1:
+            if isinstance(inputs, np.ndarray) or self.encode_shards > 1:
                 # data-parallel vision tower: the images of the call (or the family's packed
                 # groups, one per device) split over the replica's devices
                 inputs = jax.tree.map(self._encode_input, inputs)
-            feats = np.asarray(self._track("encode", call.bucket, self._encode, self.params, inputs))
+            feats = np.asarray(self._track("encode", call.bucket, self._encode, self.weights.split.vision_leaves,
+                                           inputs))
             out.extend(call.split(feats))
         return out
 
@@ -703,10 +716,17 @@ class ModelRunner:
         s = self.placement.encode_input_sharding(np.shape(x))
         return x if s is None else jax.device_put(x, s)
 
+    def encode_plan(self, images: list) -> list[EncodeCall]:
+        """The family's encode plan for this runner (its batch limit and device count)."""
+        return self.family.encode_plan(images, self.max_encode_batch, shards=self.encode_shards)
+
+    def warmup_plan(self) -> list[EncodeCall]:
+        return self.family.warmup_plan(self.max_encode_batch, shards=self.encode_shards)
+
     def encode_images(self, images: list) -> list[np.ndarray]:
         """Prepared images -> features [num_tokens, hidden] (the family's plan, then `encode`, then
         each image's host `post` transform, if an intervention set one)."""
-        feats = self.encode(self.family.encode_plan(images, self.max_encode_batch))
+        feats = self.encode(self.encode_plan(images))
         return [f if im.post is None else im.post(f) for im, f in zip(images, feats)]
 
     def rider_rows(self, buckets: Buckets | None = None) -> int:
@@ -759,11 +779,11 @@ class ModelRunner:
         if scoring:
             c = chunks[0]
             nxt = np.pad(np.asarray(c.next_ids, np.int32), (0, c_len - len(c.next_ids)))
-            self.cache, self.state, out, sc = self._track("prefill_scores", c_len, self._prefill_scores, self.lm_params,
+            self.cache, self.state, out, sc = self._track("prefill_scores", c_len, self._prefill_scores, self.lm_leaves,
                                                           self.cache, self.state, *args, nxt)
             n = len(c.token_ids)
             return StepOutput(*(np.asarray(x) for x in out), scores=tuple(np.asarray(x)[:n] for x in sc))
-        self.cache, self.state, out = self._track("prefill", (c_len, s), self._prefill, self.lm_params, self.cache,
+        self.cache, self.state, out = self._track("prefill", (c_len, s), self._prefill, self.lm_leaves, self.cache,
                                                   self.state, *args, wait=wait)
         if not d:
             return self._output("prefill", out, wait, rows=k)
@@ -824,7 +844,7 @@ class ModelRunner:
         layer, keep = prune
         out_len = bucket_for(n - (int(mask.sum()) - keep), self.buckets.prefill)
         self.cache, self.state, out = self._track(
-            "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.lm_params, self.cache,
+            "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.lm_leaves, self.cache,
             self.state, ids, emb, mask, pos, np.int32(chunk.slot), np.int32(n), np.int32(chunk.rope_delta),
             chunk.sampling, np.asarray(chunk.key, np.uint32), spans, vrow, bits, layer=layer, keep=keep,
             out_len=out_len, wait=wait)
@@ -849,7 +869,7 @@ class ModelRunner:
             x[:sum(len(f) for f in feats)] = np.concatenate(feats)
         tiles = np.zeros(tm.max_images, np.int32)
         tiles[:len(n_tiles)] = n_tiles
-        self.cache = self._track("fill_cross", (), self._fill_cross, self.lm_params, self.cache, np.int32(slot), x,
+        self.cache = self._track("fill_cross", (), self._fill_cross, self.lm_leaves, self.cache, np.int32(slot), x,
                                  np.int32(len(feats)), tiles, np.int32(dec))
 
     def decode(self, max_length: int | np.ndarray, active_rows: int | None = None,
@@ -879,14 +899,14 @@ class ModelRunner:
         if bits is not None:
             k = min(rows, len(bits))
             full[:k] = bits[:k]
-        self.cache, self.state, out = self._track("decode", (rows, steps), self._decode, self.lm_params, self.cache,
+        self.cache, self.state, out = self._track("decode", (rows, steps), self._decode, self.lm_leaves, self.cache,
                                                   self.state, np.ascontiguousarray(kv_lens), full, rows=rows,
                                                   steps=steps, wait=wait)
         return self._output("decode", out, wait)
 
     def warmup(self) -> None:
         """Compile every bucket of every step (leaves garbage in slot 0: reset afterwards)."""
-        self.encode(self.family.warmup_plan(self.max_encode_batch))
+        self.encode(self.warmup_plan())
         if self.family.cross_attention:
             self.fill_cross(0, [], [], 0)
         rows = self.text_model.position_rows
@@ -916,16 +936,16 @@ class ModelRunner:
             return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
                                         sharding=sharding)
 
-        params, cache, state = (jax.tree.map(spec, t) for t in (self.params, cache, state))
-        lm = {"text": params["text"]}
+        split = self.weights.split
+        lm, vision, cache, state = (jax.tree.map(spec, t) for t in (split.lm_leaves, split.vision_leaves, cache, state))
         out = []
-        for call in self.family.warmup_plan(self.max_encode_batch):
+        for call in self.warmup_plan():
             inputs = call.inputs
             if isinstance(inputs, np.ndarray):
                 inputs = spec(inputs, self.placement.encode_input_sharding(inputs.shape))
             else:
                 inputs = jax.tree.map(spec, inputs)
-            out.append((f"encode{call.bucket}", self._encode, (params, inputs), {}))
+            out.append((f"encode{call.bucket}", self._encode, (vision, inputs), {}))
         rows = self.text_model.position_rows
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
@@ -953,7 +973,7 @@ class ModelRunner:
                 out.append(("fill_cross", self._fill_cross,
                             (lm, cache, i32, jax.ShapeDtypeStruct((tm.n_vis, self.hidden_size), self.dtype), i32,
                              jax.ShapeDtypeStruct((tm.max_images,), jnp.int32), i32), {}))
-            if c == buckets.prefill[-1] and getattr(self.text_model, "supports_prune", False):
+            if c == buckets.prefill[-1] and self.text_model.supports_prune:
                 # one FastV variant (each (chunk, layer, keep, out_len) a request uses compiles like it)
                 pruned = (lm, cache, state, *tokens, i32, i32, i32, samp, shape((2,), jnp.uint32),
                           shape((c,), jnp.int32), vrow, bits)
@@ -1002,16 +1022,17 @@ class ModelRunner:
         """The device memory plan, bytes per device (the most loaded one): weights by part, KV
         cache and decode state for `num_slots` slots, each step kind's temporaries, and the peak.
         Offloaded vision weights occupy the device only during encode (counted there)."""
-        parts = {k: max(per_device_bytes(v).values(), default=0) for k, v in self.params.items()}
-        host = sum(parts[k] for k in (self._offloaded or {}))
-        vision = sum(v for k, v in parts.items() if k != "text")
+        split = self.weights.split
+        text = max(per_device_bytes(split.lm_leaves).values(), default=0)
+        vision = max(per_device_bytes(split.vision_leaves).values(), default=0)
+        host = vision if self.weights.offload else 0
         cache, state, _ = self._abstract_device_state(num_slots)
         kv = sum(_shard_bytes(x) for x in jax.tree.leaves(cache))
         st = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
-        resident = parts["text"] + vision - host + kv + st
+        resident = text + vision - host + kv + st
         step = max(temp.get("encode", 0) + host, temp.get("prefill", 0), temp.get("decode", 0))
-        return {"slots": num_slots, "weights_text": parts["text"], "weights_vision": vision,
-                "vision_offloaded": self._offloaded is not None, "kv_cache": kv, "decode_state": st,
+        return {"slots": num_slots, "weights_text": text, "weights_vision": vision,
+                "vision_offloaded": self.weights.offload, "kv_cache": kv, "decode_state": st,
                 "kv_cache_dtype": kv_quant.dtype_name(self.kv_cache_dtype),
                 "temp_encode": temp.get("encode", 0), "temp_prefill": temp.get("prefill", 0),
                 "temp_decode": temp.get("decode", 0), "peak": resident + step}
@@ -1031,7 +1052,7 @@ class ModelRunner:
             if not 0 < budget <= 1:
                 raise InvalidRequestError(f"memory_budget as a fraction must lie in (0, 1], got {budget}",
                                           param="memory_budget")
-            budget = int(budget * device_memory_bytes(jax.tree.leaves(self.params["text"])[0]))
+            budget = int(budget * device_memory_bytes(self.lm_leaves[0]))
         slots = most
         for _ in range(3):     # temporaries shrink with the slot count: settle in a few rounds
             temp = self.step_temp_bytes(slots)
@@ -1061,7 +1082,8 @@ class ModelRunner:
         return out
 
     def _measure_memory(self) -> dict:
-        w, kv = per_device_bytes(self.params), per_device_bytes(self.cache)
+        split = self.weights.split
+        w, kv = per_device_bytes(split.lm_leaves + split.vision_leaves), per_device_bytes(self.cache)
         return {"mesh": self.placement.describe(), "kv_cache_dtype": kv_quant.dtype_name(self.kv_cache_dtype),
                 "weight_bytes_per_device": w, "kv_cache_bytes_per_device": kv,
                 "weight_bytes_max_device": max(w.values(), default=0),
@@ -1075,7 +1097,7 @@ class ModelRunner:
 
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
-        return {"encode": len(self.family.warmup_plan(self.max_encode_batch)),
+        return {"encode": len(self.warmup_plan()),
                 "prefill": len(self.buckets.prefill) * len(self.buckets.segments),
                 "decode": len(self.buckets.decode) * len(self._decode_step_counts), "copy_slot": 1,
                 **({"fill_cross": 1} if self.family.cross_attention else {})}

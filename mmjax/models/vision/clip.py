@@ -5,15 +5,18 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dataclasses import dataclass
 
+from flax import nnx
+
 from mmjax.attention import attention
-from mmjax.checkpoint import TensorSource, linear, norm
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import activation, dense, layer_norm, matmul
+from mmjax.models.nn.linear import Linear, param
+from mmjax.models.nn.mlp import MLP
+from mmjax.models.nn.norm import LayerNorm
+from mmjax.models.nn.weights import ignore_tail, load_children
 
 
 @dataclass(frozen=True)
@@ -49,35 +52,6 @@ class ClipVisionConfig:
         return (self.image_size // self.patch_size) ** 2
 
 
-def load_clip_params(src: TensorSource, cfg: ClipVisionConfig, prefix: str, num_layers: int) -> dict:
-    """HF CLIPVisionModel weights -> params. Only the first `num_layers` blocks are kept (LLaVA
-    reads an inner layer; the blocks after it never influence the output)."""
-    d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
-    conv = src.take(f"{prefix}embeddings.patch_embedding.weight", (d, c, p, p))
-    params = {
-        # conv [out, c, ph, pw] -> [ph*pw*c, out] to match patches flattened as (ph, pw, c)
-        "patch_embed": np.ascontiguousarray(conv.transpose(2, 3, 1, 0).reshape(p * p * c, d)),
-        "class_embed": src.take(f"{prefix}embeddings.class_embedding", (d,)),
-        "pos_embed": src.take(f"{prefix}embeddings.position_embedding.weight", (cfg.num_patches + 1, d)),
-        "pre_ln": norm(src, f"{prefix}pre_layrnorm", d),
-        "layers": [],
-    }
-    for i in range(num_layers):
-        lp = f"{prefix}encoder.layers.{i}."
-        params["layers"].append({
-            "ln1": norm(src, lp + "layer_norm1", d),
-            "q": linear(src, lp + "self_attn.q_proj", d, d, True),
-            "k": linear(src, lp + "self_attn.k_proj", d, d, True),
-            "v": linear(src, lp + "self_attn.v_proj", d, d, True),
-            "o": linear(src, lp + "self_attn.out_proj", d, d, True),
-            "ln2": norm(src, lp + "layer_norm2", d),
-            "fc1": linear(src, lp + "mlp.fc1", d, cfg.intermediate_size, True),
-            "fc2": linear(src, lp + "mlp.fc2", cfg.intermediate_size, d, True),
-        })
-    src.ignore(re.escape(prefix) + r"(post_layernorm|encoder\.layers\.\d+)\..*")
-    return params
-
-
 def patchify(pixels: jax.Array, patch: int) -> jax.Array:
     """[b, h, w, c] -> [b, (h/p)*(w/p), p*p*c], row-major over the patch grid like a stride-p conv."""
     b, h, w, c = pixels.shape
@@ -85,30 +59,100 @@ def patchify(pixels: jax.Array, patch: int) -> jax.Array:
     return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, (h // patch) * (w // patch), patch * patch * c)
 
 
-def clip_block(p: dict, x: jax.Array, cfg: ClipVisionConfig) -> jax.Array:
-    """One pre-LN transformer block. x: [batch, seq, hidden]."""
-    b, s, d = x.shape
-    heads, hd = cfg.num_heads, d // cfg.num_heads
-    h = layer_norm(p["ln1"], x, cfg.layer_norm_eps)
-    q = dense(p["q"], h).reshape(b, s, heads, hd)
-    k = dense(p["k"], h).reshape(b, s, heads, hd)
-    v = dense(p["v"], h).reshape(b, s, heads, hd)
-    x = x + dense(p["o"], attention(q, k, v).reshape(b, s, d))
-    h = layer_norm(p["ln2"], x, cfg.layer_norm_eps)
-    return x + dense(p["fc2"], activation(cfg.hidden_act)(dense(p["fc1"], h)))
+class VisionAttention(nnx.Module):
+    """Full (bidirectional) multi-head attention of a ViT block: q_proj, k_proj, v_proj, out_proj
+    (or `o_name`), all with biases by default; the heads' logical axis is "vision_heads"
+    (replicated unless the tower is tensor parallel)."""
+
+    def __init__(self, d: int, heads: int, *, bias: bool = True, o_name: str = "out_proj", dtype=jnp.float32):
+        self.heads, self.o_name = heads, o_name
+        self.q_proj = Linear(d, d, bias=bias, dtype=dtype, axes=("embed", "vision_heads"))
+        self.k_proj = Linear(d, d, bias=bias, dtype=dtype, axes=("embed", "vision_heads"))
+        self.v_proj = Linear(d, d, bias=bias, dtype=dtype, axes=("embed", "vision_heads"))
+        self.out_proj = Linear(d, d, bias=bias, dtype=dtype, axes=("vision_heads", "embed"))
+
+    def __call__(self, x: jax.Array, **kw) -> jax.Array:
+        """x [b, s, d] -> [b, s, d]; kw: `mmjax.attention.attention` options (lengths, segment_ids)."""
+        b, s, d = x.shape
+        hd = d // self.heads
+        q, k, v = (p(x).reshape(b, s, self.heads, hd) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(attention(q, k, v, **kw).reshape(b, s, d))
+
+    def hf_weights(self, w, name: str) -> None:
+        for n in ("q_proj", "k_proj", "v_proj"):
+            getattr(self, n).hf_weights(w, f"{name}.{n}")
+        self.out_proj.hf_weights(w, f"{name}.{self.o_name}")
 
 
-def clip_hidden_states(params: dict, pixels: jax.Array, cfg: ClipVisionConfig) -> list[jax.Array]:
-    """pixels [batch, H, W, 3] -> hidden states after embeddings (index 0) and after each kept block.
+class ClipEncoderLayer(nnx.Module):
+    """One pre-LN transformer block: layer_norm1, self_attn, layer_norm2, mlp (fc1, fc2)."""
 
-    Index i matches HF's `hidden_states[i]` (output_hidden_states=True).
-    """
-    x = matmul(patchify(pixels.astype(params["patch_embed"].dtype), cfg.patch_size), params["patch_embed"])
-    cls = jnp.broadcast_to(params["class_embed"], (x.shape[0], 1, x.shape[-1]))
-    x = jnp.concatenate([cls, x], axis=1) + params["pos_embed"][None]
-    x = layer_norm(params["pre_ln"], x, cfg.layer_norm_eps)
-    states = [x]
-    for layer in params["layers"]:
-        x = clip_block(layer, x, cfg)
-        states.append(x)
-    return states
+    def __init__(self, cfg: ClipVisionConfig, dtype=jnp.float32):
+        d = cfg.hidden_size
+        self.layer_norm1 = LayerNorm(d, cfg.layer_norm_eps, dtype=dtype)
+        self.self_attn = VisionAttention(d, cfg.num_heads, dtype=dtype)
+        self.layer_norm2 = LayerNorm(d, cfg.layer_norm_eps, dtype=dtype)
+        self.mlp = MLP(d, cfg.intermediate_size, d, act=cfg.hidden_act, dtype=dtype,
+                       axes=("embed", "vision_mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class ClipEmbeddings(nnx.Module):
+    """patch_embedding (the stride-p conv as a [p*p*c, d] matmul over patches flattened (ph, pw,
+    c)), class_embedding [d], position_embedding [patches + 1, d]."""
+
+    def __init__(self, cfg: ClipVisionConfig, dtype=jnp.float32):
+        self.cfg = cfg
+        d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
+        self.patch_embedding = Linear(p * p * c, d, dtype=dtype, quantize=False)
+        self.class_embedding = param((d,), dtype, (None,))
+        self.position_embedding = param((cfg.num_patches + 1, d), dtype, (None, None))
+
+    def __call__(self, pixels: jax.Array) -> jax.Array:
+        x = self.patch_embedding(patchify(pixels.astype(self.patch_embedding.kernel.get_value().dtype),
+                                          self.cfg.patch_size))
+        cls = jnp.broadcast_to(self.class_embedding.get_value(), (x.shape[0], 1, x.shape[-1]))
+        return jnp.concatenate([cls, x], axis=1) + self.position_embedding.get_value()[None]
+
+    def hf_weights(self, w, name: str) -> None:
+        d, p, c = self.cfg.hidden_size, self.cfg.patch_size, self.cfg.num_channels
+        conv = w.take(f"{name}.patch_embedding.weight", (d, c, p, p))
+        # conv [out, c, ph, pw] -> [ph*pw*c, out] to match patches flattened as (ph, pw, c)
+        w.set(self.patch_embedding.kernel, conv.transpose(2, 3, 1, 0).reshape(p * p * c, d), matmul=True)
+        w.set(self.class_embedding, w.take(f"{name}.class_embedding", (d,)))
+        w.set(self.position_embedding, w.take(f"{name}.position_embedding.weight", (self.cfg.num_patches + 1, d)))
+
+
+class ClipEncoder(nnx.Module):
+    def __init__(self, cfg: ClipVisionConfig, num_layers: int, dtype=jnp.float32):
+        self.layers = nnx.List([ClipEncoderLayer(cfg, dtype) for _ in range(num_layers)])
+
+
+class ClipVisionModel(nnx.Module):
+    """CLIPVisionTransformer: embeddings, pre_layrnorm, encoder.layers. Only the first
+    `num_layers` blocks are built (LLaVA reads an inner layer; the blocks after it never influence
+    the output, and the post-layernorm neither)."""
+
+    def __init__(self, cfg: ClipVisionConfig, num_layers: int, dtype=jnp.float32):
+        self.config = cfg
+        self.embeddings = ClipEmbeddings(cfg, dtype)
+        self.pre_layrnorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
+        self.encoder = ClipEncoder(cfg, num_layers, dtype)
+
+    def __call__(self, pixels: jax.Array) -> list[jax.Array]:
+        """pixels [batch, H, W, 3] -> hidden states after the embeddings (index 0) and after each
+        block; index i matches HF's `hidden_states[i]`."""
+        x = self.pre_layrnorm(self.embeddings(pixels))
+        states = [x]
+        for layer in self.encoder.layers:
+            x = layer(x)
+            states.append(x)
+        return states
+
+    def hf_weights(self, w, name: str) -> None:
+        load_children(self, w, name)
+        w.ignore(re.escape(name) + r"\.post_layernorm\..*")
+        ignore_tail(w, f"{name}.encoder", len(self.encoder.layers))

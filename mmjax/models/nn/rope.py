@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.errors import UnsupportedModelError
-from mmjax.models.layers import cos_sin
+from mmjax.backend import current_platform
 
 
 @dataclass(frozen=True)
@@ -113,3 +113,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     return (x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s).astype(x.dtype)
+
+
+def cos_sin(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of RoPE angles [..., head_dim], each evaluated once per element of `angles`.
+
+    XLA:CPU fuses the transcendentals into every consumer and re-evaluates them there per
+    head and layer (it drops optimization barriers before fusing), so on the CPU the tables
+    come out of a lax.cond whose two branches are the same: a conditional's results are
+    computed once, whichever branch runs. Elsewhere plain ops (a GPU's conditional syncs with
+    the host, its sin / cos are cheap)."""
+    def tables(a):
+        return jnp.cos(a), jnp.sin(a)
+    if current_platform() != "cpu" or angles.size == 0:
+        return tables(angles)
+    return jax.lax.cond(angles.reshape(-1)[0] < 0, tables, tables, angles)

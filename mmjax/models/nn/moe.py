@@ -18,9 +18,10 @@ Routers (each returns weights [n, k] and expert ids [n, k], what `experts_forwar
 - `softmax_topk_route` (Qwen3-MoE / Qwen3-VL-MoE / Mixtral's TopKRouter): linear to expert
   logits, softmax in float32, top-k, renormalised when `norm_topk_prob`.
 
-`MoeConfig` + `load_moe` + `moe_mlp` are the whole sparse-MoE feed-forward layer of the Qwen MoE
-line (softmax router, SiLU-gated experts, optional sigmoid-gated shared expert, HF weight names),
-which a decoder drops in for its dense MLP (models/text/llama.py does, for Qwen3-VL-MoE).
+`MoeConfig` + `SparseMoeBlock` are the whole sparse-MoE feed-forward layer of the Qwen MoE line
+(softmax router, SiLU-gated experts, optional sigmoid-gated shared expert, HF module names), which
+a decoder drops in for its dense MLP (models/text/llama.py does, for Qwen3-VL-MoE). The expert
+stacks are replicated under tensor parallelism.
 """
 from __future__ import annotations
 
@@ -30,33 +31,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.checkpoint import TensorSource, fused_linear, linear
+from flax import nnx
+
 from mmjax.errors import CheckpointError, UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import dense, matmul
+from mmjax.models.nn.linear import Linear, matmul, param
+from mmjax.models.nn.mlp import GatedMLP
 
 
 def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Array, jax.Array]:
     """x [n, d] -> (weights [n, k] float32, expert ids [n, k] int32).
 
-    p: {"scale": [d], "proj": [d, experts], "per_expert_scale": [experts]}."""
+    p: {"scale": [d], "proj": [d, experts] (an array or a `Linear`), "per_expert_scale": [experts]}."""
     d = x.shape[-1]
     xf = x.astype(jnp.float32)
     h = (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + eps)).astype(x.dtype)
     h = ((h * p["scale"]).astype(jnp.float32) * np.float32(d ** -0.5)).astype(x.dtype)   # torch: scalar in f32
-    logits = matmul(h, p["proj"])
+    proj = p["proj"]
+    logits = proj(h) if isinstance(proj, Linear) else matmul(h, proj)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     w, idx = jax.lax.top_k(probs, top_k)
     w = w / w.sum(-1, keepdims=True)
     return w * p["per_expert_scale"][idx].astype(jnp.float32), idx.astype(jnp.int32)
 
 
-def softmax_topk_route(w: jax.Array, x: jax.Array, top_k: int, normalize: bool = True
+def softmax_topk_route(router: Linear, x: jax.Array, top_k: int, normalize: bool = True
                        ) -> tuple[jax.Array, jax.Array]:
-    """x [n, d], router weight w [d, experts] -> (weights [n, k] in x's dtype, expert ids [n, k]
-    int32): softmax over the experts in float32, the top k, renormalised to sum to 1 when
-    `normalize` (HF's norm_topk_prob), then cast to the logits' dtype as HF does."""
-    logits = matmul(x, w)
+    """x [n, d], router [d, experts] -> (weights [n, k] in x's dtype, expert ids [n, k] int32):
+    softmax over the experts in float32, the top k, renormalised to sum to 1 when `normalize`
+    (HF's norm_topk_prob), then cast to the logits' dtype as HF does."""
+    logits = router(x)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, idx = jax.lax.top_k(probs, top_k)
     if normalize:
@@ -169,47 +173,62 @@ class MoeConfig:
                    shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
-def load_moe(src: TensorSource, prefix: str, d: int, moe: MoeConfig) -> dict:
-    """HF's fused expert tensors -> {"router": {"w": [d, E]}, "experts": {"gate_up": [E, d, 2f],
-    "down": [E, f, d]}} (models/text/moe.py's layout), and with a shared expert "shared":
-    {"gate_up", "down", "gate": [d, 1]}. Hub files keep experts as [E, d, 2f] /
-    [E, f, d]; transformers 5's in-memory layout is transposed ([E, 2f, d] / [E, d, f]): both are
-    read (the hub shape first)."""
-    e, f = moe.num_experts, moe.intermediate_size
+class Experts(nnx.Module):
+    """`num_experts` SwiGLU experts as stacks: gate_up_proj [E, d, 2f] (gate and up halves, HF's
+    fused layout), down_proj [E, f, d]; `__call__` = `experts_forward` (replicated under TP)."""
 
-    def take(name: str, hub: tuple, v5: tuple) -> np.ndarray:
-        try:
-            return src.take(name, hub)
-        except CheckpointError:
-            if hub == v5:
-                raise
-            return src.take(name, v5).transpose(0, 2, 1)
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, act: str = "silu", dtype=jnp.float32):
+        self.num_experts, self.hidden, self.intermediate, self.act = num_experts, hidden, intermediate, act
+        self.gate_up_proj = nnx.Param(jnp.zeros((num_experts, hidden, 2 * intermediate), dtype), axes=(None,) * 3)
+        self.down_proj = nnx.Param(jnp.zeros((num_experts, intermediate, hidden), dtype), axes=(None,) * 3)
 
-    gu = take(prefix + "experts.gate_up_proj", (e, d, 2 * f), (e, 2 * f, d))
-    down = take(prefix + "experts.down_proj", (e, f, d), (e, d, f))
-    router = src.take(prefix + "gate.weight", (e, d))
-    out = {"router": {"w": np.ascontiguousarray(router.T)},
-           "experts": {"gate_up": np.ascontiguousarray(gu), "down": np.ascontiguousarray(down)}}
-    s = moe.shared_intermediate_size
-    if s:
-        sp = prefix + "shared_expert."
-        out["shared"] = {"gate_up": fused_linear(src, [sp + "gate_proj", sp + "up_proj"], d, [s, s], False),
-                         "down": linear(src, sp + "down_proj", s, d, False),
-                         "gate": linear(src, prefix + "shared_expert_gate", d, 1, False)}
-    return out
+    def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+        from mmjax.models.nn.linear import activation
+        return experts_forward({"gate_up": self.gate_up_proj.get_value(), "down": self.down_proj.get_value()},
+                               x, weights, idx, activation(self.act))
+
+    def hf_weights(self, w, name: str) -> None:
+        """Hub files keep experts as [E, d, 2f] / [E, f, d]; transformers 5's in-memory layout is
+        transposed ([E, 2f, d] / [E, d, f]): both are read (the hub shape first)."""
+        e, d, f = self.num_experts, self.hidden, self.intermediate
+
+        def take(n: str, hub: tuple, v5: tuple) -> np.ndarray:
+            try:
+                return w.take(n, hub)
+            except CheckpointError:
+                if hub == v5:
+                    raise
+                return w.take(n, v5).transpose(0, 2, 1)
+        w.set(self.gate_up_proj, take(f"{name}.gate_up_proj", (e, d, 2 * f), (e, 2 * f, d)), matmul=True)
+        w.set(self.down_proj, take(f"{name}.down_proj", (e, f, d), (e, d, f)), matmul=True)
 
 
-def moe_mlp(p: dict, moe: MoeConfig, x: jax.Array) -> jax.Array:
-    """x [b, t, hidden] -> the sparse-MoE feed-forward output [b, t, hidden] (models/text/moe.py:
-    softmax top-k router, SwiGLU experts as grouped matmuls; plus the sigmoid-gated shared expert
-    where the config has one)."""
-    b, t, d = x.shape
-    flat = x.reshape(b * t, d)
-    w, idx = softmax_topk_route(p["router"]["w"], flat, moe.top_k, moe.norm_topk_prob)
-    out = experts_forward(p["experts"], flat, w, idx, jax.nn.silu)
-    if "shared" in p:
-        sh = p["shared"]
-        gu = dense(sh["gate_up"], flat)
-        f = gu.shape[-1] // 2
-        out = out + jax.nn.sigmoid(dense(sh["gate"], flat)) * dense(sh["down"], jax.nn.silu(gu[:, :f]) * gu[:, f:])
-    return out.reshape(b, t, d)
+class SparseMoeBlock(nnx.Module):
+    """The Qwen-MoE feed-forward layer: `gate` (the router, [d, E]), `experts`, and where the
+    config has one a `shared_expert` (a gated MLP every token takes) scaled by
+    sigmoid(`shared_expert_gate`)."""
+
+    def __init__(self, hidden: int, moe: MoeConfig, *, dtype=jnp.float32):
+        self.moe = moe
+        self.gate = Linear(hidden, moe.num_experts, dtype=dtype, quantize=False)
+        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, dtype=dtype)
+        s = moe.shared_intermediate_size
+        self.shared_expert = GatedMLP(hidden, s, dtype=dtype) if s else None
+        self.shared_expert_gate = Linear(hidden, 1, dtype=dtype) if s else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [b, t, hidden] -> [b, t, hidden]."""
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        w, idx = softmax_topk_route(self.gate, flat, self.moe.top_k, self.moe.norm_topk_prob)
+        out = self.experts(flat, w, idx)
+        if self.shared_expert is not None:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(b, t, d)
+
+    def hf_weights(self, w, name: str) -> None:
+        self.gate.hf_weights(w, f"{name}.gate")
+        self.experts.hf_weights(w, f"{name}.experts")
+        if self.shared_expert is not None:
+            self.shared_expert.hf_weights(w, f"{name}.shared_expert")
+            self.shared_expert_gate.hf_weights(w, f"{name}.shared_expert_gate")

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from mmjax.models.text import MaskSpec
+from mmjax.models.nn.metadata import MaskSpec
 
 # cache index given to padding tokens: past every cache, so their K/V writes are dropped
 NO_INDEX = 2 ** 30
