@@ -167,6 +167,7 @@ class VLM:
         changed = self.engine.refresh()
         if changed:
             self._forward.clear()
+            self.__dict__.pop("_research_fns", None)
         return changed
 
     @property
@@ -509,9 +510,10 @@ class VLM:
         from mmjax.research.gradients import saliency
         return saliency(self, image, prompt, answer, **kw)
 
-    def loss(self, params: dict, prompt: Any, answer: str, images: Iterable[Any] = ()):
+    def loss(self, params, prompt: Any, answer: str, images: Iterable[Any] = ()):
         """Mean negative log-likelihood of `answer`'s tokens after the prompt, a jax scalar
-        differentiable in `params` (e.g. `jax.grad(vlm.loss)(vlm.params, prompt, answer, images)`)."""
+        differentiable in `params`, the model's State (e.g. `jax.grad(vlm.loss)(nnx.state(vlm.model),
+        prompt, answer, images)`; None: the live model's)."""
         from mmjax.research.gradients import loss
         return loss(self, params, prompt, answer, images)
 

@@ -1,5 +1,7 @@
 """Gradients through the whole VLM: log p(answer | image, prompt) as one pure function of
-(params, image-shaped normalized pixels), differentiable in both.
+(the model's state, image-shaped normalized pixels), differentiable in both. `params` is an
+`nnx.State` of `vlm.model` (default `nnx.state(vlm.model)`; a module is taken as its state), so
+`jax.grad(vlm.loss)(nnx.state(vlm.model), ...)` gives the gradient of every weight.
 
 The family's encode plan lays pixels out for its encoder (stacking, patchifying, window order,
 padding); that layout is a rearrangement, recovered once per prompt by running the plan on
@@ -16,6 +18,7 @@ from typing import Any, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.errors import InvalidRequestError
 from mmjax.research.prompt import PromptInputs, prompt_inputs
@@ -54,7 +57,7 @@ def _layout(vlm, p: PromptInputs) -> tuple[list[np.ndarray], _Layout]:
     probes = [dataclasses.replace(im, pixels=family.input_pixels(
         im, np.arange(1, x.size + 1, dtype=np.float64).reshape(x.shape) + off))
         for im, x, off in zip(p.images, pixels, offsets)]
-    plan = family.encode_plan(probes, runner.max_encode_batch)
+    plan = runner.encode_plan(probes)
     calls, leaves, per_image, row0 = [], [], [], 0
     for call in plan:
         flat, treedef = jax.tree.flatten(call.inputs)
@@ -62,7 +65,7 @@ def _layout(vlm, p: PromptInputs) -> tuple[list[np.ndarray], _Layout]:
         calls.append((treedef, pix))
         leaves.append([np.rint(np.asarray(leaf)).astype(np.int32) if i in pix else np.asarray(leaf)
                        for i, leaf in enumerate(flat)])
-        shape = jax.eval_shape(runner.encode_fn, runner.params, call.inputs).shape
+        shape = jax.eval_shape(lambda inputs: family.encode(runner.encode_model(), inputs), call.inputs).shape
         rows = int(np.prod(shape[:-1]))
         per_image += [np.asarray(r).reshape(-1) for r in call.split(
             (row0 + np.arange(rows)).reshape(shape[:-1] + (1,)))]
@@ -78,31 +81,34 @@ def _logprob_fn(vlm, calls: tuple, n_answer: int):
         return fns[key]
     family = vlm.family
     runner = vlm.engine.runner
-    tm = runner.text_model                     # as placed (tensor-parallel layout on a mesh)
-    from mmjax.models.text import image_feature_width, image_inputs
-    from mmjax.serving.runner import image_mask_spec
+    graphdef = nnx.graphdef(vlm.model)
+    from mmjax.models.nn.metadata import AttentionMetadata
+    from mmjax.serving.runner import step_spans
 
     def fn(params, pixels, leaves, feat_index, ids, positions, spans, image_pos):
-        """params, pixels (list of [..., H, W, C]) -> log p(answer tokens) (sum, float32)."""
-        text = params["text"]
-        dtype = tm.embed(text, ids[:1]).dtype
-        # image tokens' features (with per-layer blocks for DeepStack decoders: models/text image_inputs)
-        feats = jnp.zeros((ids.shape[0], image_feature_width(tm)), dtype)
+        """params (the model's State), pixels (list of [..., H, W, C]) -> log p(answer tokens)
+        (sum, float32)."""
+        model = nnx.merge(graphdef, params)
+        lm = model.language_model
+        dtype = lm.embed(ids[:1]).dtype
+        # image tokens' features (with per-layer blocks for DeepStack decoders: Decoder.inputs)
+        feats = jnp.zeros((ids.shape[0], lm.feature_width), dtype)
         if pixels:
             flat = jnp.concatenate([jnp.zeros((1,), jnp.float32)] + [x.reshape(-1).astype(jnp.float32) for x in pixels])
             outs = []
             for (treedef, pix), call_leaves in zip(calls, leaves):
                 args = [flat[leaf] if i in pix else leaf for i, leaf in enumerate(call_leaves)]
-                f = runner.encode_fn(params, jax.tree.unflatten(treedef, args))
+                f = family.encode(model, jax.tree.unflatten(treedef, args))
                 outs.append(f.reshape(-1, f.shape[-1]))
             feats = feats.at[image_pos].set(jnp.concatenate(outs)[feat_index].astype(dtype))
         mask = jnp.zeros(ids.shape, bool).at[image_pos].set(True)
-        embeds, extra = image_inputs(tm, text, ids[None], feats[None], mask[None])
+        embeds, extra = lm.inputs(ids[None], feats[None], mask[None])
         t = ids.shape[0]
-        cache = tm.init_cache(1, t, embeds.dtype, max_chunk=t)
-        out = tm.forward(text, embeds, positions[:, None, :], cache, jnp.zeros((1,), jnp.int32), t,
-                         mask=image_mask_spec(family, spans[None]), ids=ids[None], **extra)
-        logits = tm.logits(text, out.hidden[0, t - n_answer - 1:t - 1])            # [n_answer, vocab]
+        cache = lm.init_cache(1, t, embeds.dtype, max_chunk=t)
+        meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), t,
+                                 spans=step_spans(family, spans[None]))
+        hidden, _ = lm(embeds, meta, cache, **extra)
+        logits = lm.logits(hidden[0, t - n_answer - 1:t - 1])            # [n_answer, vocab]
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return jnp.take_along_axis(lp, ids[t - n_answer:, None], axis=1).sum()
 
@@ -119,18 +125,28 @@ def _prepare(vlm, prompt: Any, images: Iterable[Any], answer: str, image_options
     return pixels, fn, vg, args, n_answer
 
 
-def answer_logprob(vlm, params: dict, prompt: Any, answer: str, images: Iterable[Any] = (),
+def model_state(vlm, params=None) -> nnx.State:
+    """The State the pure functions take: `params` as given (a State, or a module's), else the
+    live model's."""
+    if params is None:
+        return nnx.state(vlm.model)
+    return nnx.state(params) if isinstance(params, nnx.Module) else params
+
+
+def answer_logprob(vlm, params, prompt: Any, answer: str, images: Iterable[Any] = (),
                    pixels: list | None = None):
     """log p(answer | prompt, images) (a jax scalar, differentiable in params and pixels).
-    pixels: image-shaped normalized pixels to use instead of the images' own (same shapes)."""
+    params: the model's State (None: the live model's); pixels: image-shaped normalized pixels to
+    use instead of the images' own (same shapes)."""
     own, fn, _, args, _ = _prepare(vlm, prompt, images, answer, None)
-    return fn(params, own if pixels is None else list(pixels), *args)
+    return fn(model_state(vlm, params), own if pixels is None else list(pixels), *args)
 
 
-def loss(vlm, params: dict, prompt: Any, answer: str, images: Iterable[Any] = ()):
-    """Mean negative log-likelihood per answer token (jax scalar, differentiable in params)."""
+def loss(vlm, params, prompt: Any, answer: str, images: Iterable[Any] = ()):
+    """Mean negative log-likelihood per answer token (jax scalar, differentiable in params: the
+    model's State, None for the live model's)."""
     pixels, fn, _, args, n_answer = _prepare(vlm, prompt, images, answer, None)
-    return -fn(params, pixels, *args) / n_answer
+    return -fn(model_state(vlm, params), pixels, *args) / n_answer
 
 
 def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradient", steps: int = 16,
@@ -158,7 +174,7 @@ def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradie
     pixels, _, vg, args, _ = _prepare(vlm, prompt, images, answer, image_options)
     if len(pixels) != 1:
         raise InvalidRequestError(f"saliency takes one image, the prompt has {len(pixels)}", param="image")
-    params, x = vlm.engine.runner.params, pixels[0]
+    params, x = model_state(vlm), pixels[0]
     lp, (g,) = vg(params, [x], *args)
     if method == "gradient":
         attr = np.asarray(g)

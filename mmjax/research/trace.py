@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from mmjax.errors import InvalidRequestError
-from mmjax.models.text import Capture
+from mmjax.models.nn.capture import Capture
 
 
 @dataclass
@@ -79,7 +79,7 @@ def trace(vlm, prompt: Any, images: Iterable[Any] = (), *, layers: Iterable[int]
                                   param="what")
     if heads not in ("all", "mean"):
         raise InvalidRequestError(f"heads must be 'all' or 'mean', got {heads!r}", param="heads")
-    n_layers = vlm.family.text_model.num_layers
+    n_layers = vlm.model.language_model.num_layers
     layers = tuple(range(n_layers)) if layers is None else tuple(sorted({int(i) for i in layers}))
     if any(not 0 <= i < n_layers for i in layers):
         raise InvalidRequestError(f"layers must lie in [0, {n_layers})", param="layers")
