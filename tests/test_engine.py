@@ -9,7 +9,7 @@ import torch
 import mmjax
 from conftest import noise_image
 from mmjax.serving import AsyncEngine
-from mmjax.models.text import llama as decoder
+from mmjax.models.nn import kv_cache as decoder
 from tiny_checkpoints import WORDS
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

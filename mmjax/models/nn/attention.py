@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmjax.attention import attention
 from mmjax.models.nn.capture import sow
 from mmjax.models.nn.kv_cache import (attention_kernel, cache_attention, cache_kv_heads, captured_attention,
                                       cpu_decode_write, dequantize, explicit_attention, kv_layer, kv_segments,
@@ -186,3 +187,28 @@ class Attention(nnx.Module):
         [b, t, heads, hd] (before o_proj)."""
         sow(self, "attn_probs", probs)
         sow(self, "attn_out", out)
+
+
+class VisionAttention(nnx.Module):
+    """Full (bidirectional) multi-head attention of a ViT block: q_proj, k_proj, v_proj, out_proj
+    (or `o_name`), all with biases by default; the heads' logical axis is "vision_heads"
+    (replicated unless the tower is tensor parallel)."""
+
+    def __init__(self, d: int, heads: int, *, bias: bool = True, o_name: str = "out_proj", dtype=jnp.float32):
+        self.heads, self.o_name = heads, o_name
+        self.q_proj = Linear(d, d, bias=bias, dtype=dtype, axes=("embed", "vision_heads"))
+        self.k_proj = Linear(d, d, bias=bias, dtype=dtype, axes=("embed", "vision_heads"))
+        self.v_proj = Linear(d, d, bias=bias, dtype=dtype, axes=("embed", "vision_heads"))
+        self.out_proj = Linear(d, d, bias=bias, dtype=dtype, axes=("vision_heads", "embed"))
+
+    def __call__(self, x: jax.Array, **kw) -> jax.Array:
+        """x [b, s, d] -> [b, s, d]; kw: `mmjax.attention.attention` options (lengths, segment_ids)."""
+        b, s, d = x.shape
+        hd = d // self.heads
+        q, k, v = (p(x).reshape(b, s, self.heads, hd) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(attention(q, k, v, **kw).reshape(b, s, d))
+
+    def hf_weights(self, w, name: str) -> None:
+        for n in ("q_proj", "k_proj", "v_proj"):
+            getattr(self, n).hf_weights(w, f"{name}.{n}")
+        self.out_proj.hf_weights(w, f"{name}.{self.o_name}")
