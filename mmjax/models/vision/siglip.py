@@ -1,10 +1,17 @@
-"""SigLIP vision transformer (Gemma 3, PaliGemma, Idefics3 / SmolVLM, ...): a plain pre-LN ViT
-without class token.
+"""SigLIP vision transformer (Gemma 3, PaliGemma, Idefics3 / SmolVLM, LLaVA-OneVision): a plain
+pre-LN ViT without class token.
 
-Patch embedding (a stride-p conv with bias, as a matmul on flattened patches), learned position
-embeddings, pre-LN blocks (MHA with biases, GELU-tanh MLP), and the final `post_layernorm`
-(HF's `last_hidden_state`). The attention-pooling head (`vision_use_head`) is not part of any VLM
+Module tree (transformers' SiglipVisionTransformer, i.e. SiglipVisionModel.vision_model, and
+Idefics3VisionTransformer, which has the same names): `embeddings` (`patch_embedding`: the
+stride-p conv with bias as a matmul on flattened patches; `position_embedding`),
+`encoder.layers[i]` (`layer_norm1`, `self_attn` (q_proj, k_proj, v_proj, out_proj, with
+biases), `layer_norm2`, `mlp` (fc1, fc2; GELU-tanh)), `post_layernorm` (HF's
+`last_hidden_state`). The attention-pooling `head` (`vision_use_head`) is part of no VLM's
 feature path: its tensors are ignored at load.
+
+A family that reads an inner layer's hidden state (LLaVA-OneVision's vision_feature_layer)
+builds the tower short (`num_layers`, `post_layernorm=False`): the blocks after that layer and
+the post-layernorm are neither built nor loaded.
 """
 from __future__ import annotations
 
@@ -12,15 +19,17 @@ import re
 from dataclasses import dataclass
 
 import jax
-import numpy as np
+import jax.numpy as jnp
+from flax import nnx
 
-from mmjax.attention import attention
-from mmjax.checkpoint import TensorSource, linear, norm
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
-from mmjax.models.layers import activation, dense, layer_norm
+from mmjax.models.nn.attention import VisionAttention
+from mmjax.models.nn.linear import Linear, activation, param
+from mmjax.models.nn.mlp import MLP
+from mmjax.models.nn.norm import LayerNorm
+from mmjax.models.nn.weights import ignore_tail, load_children
 from mmjax.models.vision.clip import patchify
-
 
 # Vision configs whose tower is this SigLIP ViT. Idefics3's (SmolVLM's) is SigLIP with NaViT-style
 # position ids for padded images; its processors only produce full square tiles, whose position
@@ -69,61 +78,91 @@ class SiglipVisionConfig:
         return self.patches_per_side ** 2
 
 
-def load_siglip_params(src: TensorSource, cfg: SiglipVisionConfig, prefix: str) -> dict:
-    """HF SiglipVisionModel weights (under `prefix`, e.g. "vision_tower.vision_model.") -> params."""
-    d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
-    conv = src.take(f"{prefix}embeddings.patch_embedding.weight", (d, c, p, p))
-    params = {
-        # conv [out, c, ph, pw] -> [ph*pw*c, out], matching patchify's (ph, pw, c) flattening
-        "patch_embed": {"w": np.ascontiguousarray(conv.transpose(2, 3, 1, 0).reshape(p * p * c, d)),
-                        "b": src.take(f"{prefix}embeddings.patch_embedding.bias", (d,))},
-        "pos_embed": src.take(f"{prefix}embeddings.position_embedding.weight", (cfg.num_patches, d)),
-        "post_ln": norm(src, f"{prefix}post_layernorm", d),
-        "layers": [],
-    }
-    for i in range(cfg.num_layers):
-        lp = f"{prefix}encoder.layers.{i}."
-        params["layers"].append({
-            "ln1": norm(src, lp + "layer_norm1", d),
-            "q": linear(src, lp + "self_attn.q_proj", d, d, True),
-            "k": linear(src, lp + "self_attn.k_proj", d, d, True),
-            "v": linear(src, lp + "self_attn.v_proj", d, d, True),
-            "o": linear(src, lp + "self_attn.out_proj", d, d, True),
-            "ln2": norm(src, lp + "layer_norm2", d),
-            "fc1": linear(src, lp + "mlp.fc1", d, cfg.intermediate_size, True),
-            "fc2": linear(src, lp + "mlp.fc2", cfg.intermediate_size, d, True),
-        })
-    src.ignore(re.escape(prefix) + r"head\..*")
-    return params
+class SiglipEmbeddings(nnx.Module):
+    """patch_embedding (the stride-p conv with bias as a [p*p*c, d] matmul over patches flattened
+    (ph, pw, c)), position_embedding [patches, d] (row-major over the patch grid)."""
+
+    def __init__(self, cfg: SiglipVisionConfig, dtype=jnp.float32):
+        self.cfg = cfg
+        d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
+        self.patch_embedding = Linear(p * p * c, d, bias=True, dtype=dtype, quantize=False)
+        self.position_embedding = param((cfg.num_patches, d), dtype, (None, None))
+
+    def __call__(self, pixels: jax.Array) -> jax.Array:
+        """pixels [b, H, W, c] -> [b, patches, d]."""
+        pos = self.position_embedding.get_value()
+        x = self.patch_embedding(patchify(pixels.astype(pos.dtype), self.cfg.patch_size))
+        return x + pos[None]
+
+    def hf_weights(self, w, name: str) -> None:
+        d, p, c = self.cfg.hidden_size, self.cfg.patch_size, self.cfg.num_channels
+        conv = w.take(f"{name}.patch_embedding.weight", (d, c, p, p))
+        # conv [out, c, ph, pw] -> [ph*pw*c, out] to match patches flattened as (ph, pw, c)
+        w.set(self.patch_embedding.kernel, conv.transpose(2, 3, 1, 0).reshape(p * p * c, d), matmul=True)
+        w.set(self.patch_embedding.bias, w.take(f"{name}.patch_embedding.bias", (d,)))
+        w.set(self.position_embedding, w.take(f"{name}.position_embedding.weight", (self.cfg.num_patches, d)))
 
 
-def siglip_block(p: dict, x: jax.Array, cfg: SiglipVisionConfig) -> jax.Array:
-    """One pre-LN block. x [batch, patches, hidden]."""
-    b, s, d = x.shape
-    heads, hd = cfg.num_heads, d // cfg.num_heads
-    h = layer_norm(p["ln1"], x, cfg.layer_norm_eps)
-    q = dense(p["q"], h).reshape(b, s, heads, hd)
-    k = dense(p["k"], h).reshape(b, s, heads, hd)
-    v = dense(p["v"], h).reshape(b, s, heads, hd)
-    x = x + dense(p["o"], attention(q, k, v).reshape(b, s, d))
-    h = layer_norm(p["ln2"], x, cfg.layer_norm_eps)
-    return x + dense(p["fc2"], activation(cfg.hidden_act)(dense(p["fc1"], h)))
+class SiglipEncoderLayer(nnx.Module):
+    """One pre-LN block: layer_norm1, self_attn, layer_norm2, mlp (fc1, fc2)."""
+
+    def __init__(self, cfg: SiglipVisionConfig, dtype=jnp.float32):
+        d = cfg.hidden_size
+        self.layer_norm1 = LayerNorm(d, cfg.layer_norm_eps, dtype=dtype)
+        self.self_attn = VisionAttention(d, cfg.num_heads, dtype=dtype)
+        self.layer_norm2 = LayerNorm(d, cfg.layer_norm_eps, dtype=dtype)
+        self.mlp = MLP(d, cfg.intermediate_size, d, act=cfg.hidden_act, dtype=dtype,
+                       axes=("embed", "vision_mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
 
 
-def siglip_hidden_states(params: dict, pixels: jax.Array, cfg: SiglipVisionConfig) -> list[jax.Array]:
-    """pixels [batch, H, W, 3] -> hidden states [batch, patches, hidden] after the embeddings
-    (index 0) and after each block, without the post layernorm: index i is HF's
-    `hidden_states[i]` (what LLaVA-OneVision's vision_feature_layer selects)."""
-    x = dense(params["patch_embed"], patchify(pixels.astype(params["pos_embed"].dtype), cfg.patch_size))
-    x = x + params["pos_embed"][None]
-    states = [x]
-    for layer in params["layers"]:
-        x = siglip_block(layer, x, cfg)
-        states.append(x)
-    return states
+class SiglipEncoder(nnx.Module):
+    def __init__(self, cfg: SiglipVisionConfig, num_layers: int, dtype=jnp.float32):
+        self.layers = nnx.List([SiglipEncoderLayer(cfg, dtype) for _ in range(num_layers)])
 
 
-def siglip_features(params: dict, pixels: jax.Array, cfg: SiglipVisionConfig) -> jax.Array:
-    """pixels [batch, H, W, 3] -> post-layernormed patch features [batch, patches, hidden]
-    (HF's `last_hidden_state`), patches in row-major grid order."""
-    return layer_norm(params["post_ln"], siglip_hidden_states(params, pixels, cfg)[-1], cfg.layer_norm_eps)
+class SiglipVisionModel(nnx.Module):
+    """SiglipVisionTransformer (see the module docstring): embeddings, encoder.layers,
+    post_layernorm. num_layers: the blocks built (default all); post_layernorm=False: none (a
+    tower read at an inner layer, `hidden_states`)."""
+
+    def __init__(self, cfg: SiglipVisionConfig, num_layers: int | None = None, *, post_layernorm: bool = True,
+                 dtype=jnp.float32):
+        n = cfg.num_layers if num_layers is None else num_layers
+        if post_layernorm and n != cfg.num_layers:
+            raise ValueError("the post-layernorm follows the last block: build all blocks or no post_layernorm")
+        self.config = cfg
+        self.embeddings = SiglipEmbeddings(cfg, dtype)
+        self.encoder = SiglipEncoder(cfg, n, dtype)
+        self.post_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype) if post_layernorm else None
+
+    def hidden_states(self, pixels: jax.Array) -> list[jax.Array]:
+        """pixels [batch, H, W, 3] -> hidden states [batch, patches, hidden] after the embeddings
+        (index 0) and after each built block, without the post-layernorm: index i is HF's
+        `hidden_states[i]`."""
+        x = self.embeddings(pixels)
+        states = [x]
+        for layer in self.encoder.layers:
+            x = layer(x)
+            states.append(x)
+        return states
+
+    def __call__(self, pixels: jax.Array) -> jax.Array:
+        """pixels [batch, H, W, 3] -> post-layernormed patch features [batch, patches, hidden]
+        (HF's `last_hidden_state`), patches in row-major grid order."""
+        x = self.embeddings(pixels)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+    def hf_weights(self, w, name: str) -> None:
+        """`name`: the HF prefix of the SiglipVisionTransformer ("vision_tower",
+        "model.vision_model", ...)."""
+        load_children(self, w, name)
+        w.ignore(re.escape(name) + r"\.head\..*")
+        if self.post_layernorm is None:
+            w.ignore(re.escape(name) + r"\.post_layernorm\..*")
+        ignore_tail(w, f"{name}.encoder", len(self.encoder.layers))
