@@ -9,14 +9,15 @@ from mmjax.models.nn.linear import FusedLinear, Linear, Part, activation
 
 
 class GatedMLP(nnx.Module):
-    """down_proj(act(gate_proj(x)) * up_proj(x)), gate and up fused as `gate_up_proj`."""
+    """down_proj(act(gate_proj(x)) * up_proj(x)), gate and up fused as `gate_up_proj`. `axis`: the
+    logical axis of the intermediate ("mlp"; a vision tower's "vision_mlp")."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, act: str = "silu", bias: bool = False,
-                 dtype=jnp.float32):
+                 axis: str = "mlp", dtype=jnp.float32):
         self.act = act
-        self.gate_up_proj = FusedLinear(hidden_size, (Part("gate_proj", intermediate_size, "mlp"),
-                                                      Part("up_proj", intermediate_size, "mlp")), bias=bias, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, axes=("mlp", "embed"))
+        self.gate_up_proj = FusedLinear(hidden_size, (Part("gate_proj", intermediate_size, axis),
+                                                      Part("up_proj", intermediate_size, axis)), bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, axes=(axis, "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_up_proj(x)
