@@ -16,6 +16,9 @@ images (one attention segment per temporal patch, as HF's cu_seqlens). Positions
 `tokens_per_second * second_per_grid_t` (absolute time, second_per_grid_t =
 temporal_patch_size / sampled fps); text resumes at start + max(grid_h, grid_w) / merge after
 any image or video (HF 5.23; Qwen's original code resumed after the largest position).
+
+Modules (`Qwen2VLModel`, transformers' Qwen2VLModel tree): `visual` (models/vision/qwen2_vl.py)
+and `language_model` (text/llama.py's LlamaModel with M-RoPE, its `lm_head` included).
 """
 from __future__ import annotations
 
@@ -24,19 +27,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.buckets import bucket_for
 from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.processors import Qwen2VLImagePolicy, digest, find_image_processor_config, load_policy, patchify
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VideoOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VideoOptions, VisionLanguageModel
 from mmjax.models.hf_config import tie_word_embeddings
-from mmjax.models.text import TextModel
-from mmjax.models.text.llama import LlamaConfig, LlamaTextModel
-from mmjax.models.vision.qwen2_vl import (QwenVisionConfig, load_vision_params, make_encode_fn, pack_images,
-                                          patch_ladder, unpack_features)
+from mmjax.models.nn.weights import build, load_module
+from mmjax.models.text.llama import LlamaConfig
+from mmjax.models.vision.qwen2_vl import (QwenVisionConfig, Qwen2VisionTransformer, pack_images, patch_ladder,
+                                          unpack_features)
 from mmjax.video.processors import Qwen2VLVideoPolicy, VideoPlan, find_video_processor_config
 
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # HF's default when the config has none
@@ -95,11 +100,35 @@ def normalize_name(name: str) -> str:
     return name
 
 
-def load_params(src: TensorSource, cfg: QwenVLConfig) -> dict:
-    params = {"vision": load_vision_params(src, cfg.vision),
-              "text": LlamaTextModel(cfg.text).load_params(src, "model.", "lm_head.weight")}
-    src.check_all_used()
-    return params
+class Qwen2VLModel(VisionLanguageModel):
+    """Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration: `visual` (the packed
+    vision tower with its merger) and `language_model` (the M-RoPE decoder with its lm_head).
+    attn_impl: the tower's attention impl ("auto")."""
+
+    def __init__(self, cfg: QwenVLConfig, dtype=jnp.float32, attn_impl: str = "auto"):
+        self.config = cfg
+        self.visual = self.make_visual(cfg, dtype, attn_impl)
+        self.language_model = cfg.text.build(dtype)
+
+    @staticmethod
+    def make_visual(cfg, dtype, attn_impl: str) -> nnx.Module:
+        return Qwen2VisionTransformer(cfg.vision, dtype, attn_impl)
+
+    def encode(self, packed: tuple) -> jax.Array:
+        """The compiled encode step: one packed group (the tower's inputs: patches, pos_hw,
+        image_seg and window_seg, or Qwen3-VL's sizes_hw) -> merged tokens [n_pad / merge**2,
+        feature width] in the decoder's dtype (window order for Qwen2.5-VL); with a leading
+        [shards] axis on every array (`encode_plan(shards=)` > 1), one packed group per shard."""
+        if packed[0].ndim == 3:
+            out = jax.vmap(lambda p: self.visual(*p))(tuple(packed))
+        else:
+            out = self.visual(*packed)
+        return out.astype(self.embed_dtype)
+
+    def hf_weights(self, w, name: str = "") -> None:
+        """Tensor names as `normalize_name` maps them (`visual.*`, `model.*`, `lm_head.weight`)."""
+        load_module(self.visual, w, "visual")
+        self.language_model.hf_weights(w, "model", "lm_head.weight")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,20 +165,12 @@ class QwenVLFamily(Family):
     cfg: QwenVLConfig
     policy: Qwen2VLImagePolicy
     limits: QwenLimits = field(default_factory=QwenLimits)
-    attn_impl: str = "auto"
     image_token: str = "<|image_pad|>"
     video_policy: Qwen2VLVideoPolicy = field(default_factory=Qwen2VLVideoPolicy)
-    # devices one encode call is split over (a replica's devices; the runner sets it): each gets
-    # its own packed group of whole images, [shards, n_pad, ...] arrays split on axis 0
-    encode_shards: int = 1
 
     @property
     def name(self) -> str:
         return self.cfg.model_type
-
-    @property
-    def text_model(self) -> TextModel:
-        return LlamaTextModel(self.cfg.text)
 
     @property
     def image_token_id(self) -> int:
@@ -294,24 +315,12 @@ class QwenVLFamily(Family):
         """Seconds one temporal patch spans (Qwen2_5_VLProcessor's second_per_grid_ts)."""
         return self.video_policy.temporal_patch_size / item.video.sampled_fps
 
-    # ---- encode ---------------------------------------------------------------------------------
-    def encode(self, params: dict, packed: tuple) -> jax.Array:
-        """The compiled encode step: packed (patches, pos_hw, image_seg, window_seg) -> merged
-        tokens [n_pad / merge**2, lm_hidden] (window order for Qwen2.5-VL); with a leading
-        [shards] axis on every array (`encode_shards` > 1), one packed group per shard."""
-        fn = self.encode_fn()
-        if packed[0].ndim == 3:
-            return jax.vmap(fn, in_axes=(None, 0))(params, packed)
-        return fn(params, packed)
-
-    def encode_fn(self):
-        """The pure (params, one packed group) -> merged tokens of this family's tower."""
-        return make_encode_fn(self.cfg.vision, self.attn_impl)
-
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    # ---- encode (the step itself is Qwen2VLModel.encode) -----------------------------------------
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """Pack images (in order) into as few calls as the per-call patch budget allows, each
         padded up the patch ladder; the split un-window-orders each image's tokens (`max_batch`
-        does not apply: packing is by patches)."""
+        does not apply: packing is by patches). shards > 1: every call holds one packed group per
+        device ([shards, n_pad, ...] arrays, split on axis 0; `_sharded_plan`)."""
         ladder = self.encode_ladder
         cap = self.limits.max_encode_patches
         for im in images:
@@ -320,8 +329,8 @@ class QwenVLFamily(Family):
                 raise ContextLengthError(f"image with grid {im.grid} has {k} patches, over the largest encode "
                                          f"bucket {ladder[-1]} (image_max_tokens={self.image_max_tokens})",
                                          param="image_max_tokens")
-        if self.encode_shards > 1:
-            return self._sharded_plan(images, ladder, cap)
+        if shards > 1:
+            return self._sharded_plan(images, ladder, cap, shards)
         groups, cur, n = [], [], 0
         for im in images:
             k = int(np.prod(im.grid))
@@ -344,12 +353,13 @@ class QwenVLFamily(Family):
         """One encode call's images packed into `n_pad` patches (a PackedImages)."""
         return pack_images(images, self.cfg.vision, n_pad)
 
-    def _sharded_plan(self, images: list[ImageInput], ladder: tuple[int, ...], cap: int) -> list[EncodeCall]:
-        """Images (in order) to the least-loaded of `encode_shards` packed groups, at most `cap`
+    def _sharded_plan(self, images: list[ImageInput], ladder: tuple[int, ...], cap: int, shards: int
+                      ) -> list[EncodeCall]:
+        """Images (in order) to the least-loaded of `shards` packed groups, at most `cap`
         patches per group; a call ends when the least-loaded group cannot take the next image.
         Each call pads every group to one bucket (the fullest group's); the split puts each
         image's features back in request order."""
-        d = self.encode_shards
+        d = shards
         calls: list[EncodeCall] = []
         groups: list[list[ImageInput]] = [[] for _ in range(d)]
         totals, where = [0] * d, []
@@ -376,10 +386,9 @@ class QwenVLFamily(Family):
             flush()
         return calls
 
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
-        if self.encode_shards > 1:
-            return [EncodeCall((self.encode_shards, n), tuple(np.stack([x] * self.encode_shards)
-                                                               for x in self.dummy_packed(n)), list)
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
+        if shards > 1:
+            return [EncodeCall((shards, n), tuple(np.stack([x] * shards) for x in self.dummy_packed(n)), list)
                     for n in self.encode_ladder]
         return [EncodeCall((n,), self.dummy_packed(n), list) for n in self.encode_ladder]
 
@@ -448,8 +457,8 @@ def checked_video_policy(path: Path, cfg: QwenVLConfig, policy_cls: type = Qwen2
     return video_policy
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[QwenVLFamily, dict]:
-    """config.json + safetensors + preprocessor configs -> (family, numpy params)."""
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[QwenVLFamily, Qwen2VLModel, TensorSource]:
+    """config.json + preprocessor configs -> (family, the abstract model, its tensors)."""
     cfg = QwenVLConfig.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, normalize_name), cfg)
-    return QwenVLFamily(cfg, checked_policy(path, cfg), video_policy=checked_video_policy(path, cfg)), params
+    family = QwenVLFamily(cfg, checked_policy(path, cfg), video_policy=checked_video_policy(path, cfg))
+    return family, build(lambda: Qwen2VLModel(cfg, dtype)), TensorSource(path, normalize_name)

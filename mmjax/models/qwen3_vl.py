@@ -5,13 +5,16 @@ counts, patch-ladder packed encoding, M-RoPE prompt positions, limits), so the f
 it. What differs:
 - the vision tower (models/vision/qwen3_vl.py): learned position embeddings resampled to each
   grid, DeepStack features from intermediate layers, each through its own merger;
-- the decoder: Qwen3 (Llama text model with QK-norm) with interleaved M-RoPE, DeepStack's
+- the decoder: Qwen3 (text/llama.py's LlamaModel with QK-norm) with interleaved M-RoPE, DeepStack's
   per-layer image features added after the first decoder layers (`image_feature_layers`), and for
-  the MoE variant sparse-MoE feed-forward layers (models/text/moe.py).
+  the MoE variant sparse-MoE feed-forward layers (nn/moe.py's SparseMoeBlock).
 
 Image features are [tokens, (1 + n_deepstack) * hidden]: the input embedding, then one block per
 DeepStack layer. They travel as one per-token array through the encoder cache and the prefill
-chunks (models/text `image_inputs` splits them in the compiled step).
+chunks (LlamaModel.inputs splits them in the compiled step).
+
+Modules (`Qwen3VLModel`, transformers' Qwen3VLModel tree): `visual` (models/vision/qwen3_vl.py)
+and `language_model` (its `lm_head` included).
 
 Video (`<|video_pad|>`): Qwen3VLVideoProcessor's sampling and sizing
 (`mmjax.video.processors.Qwen3VLVideoPolicy`), encoded by the same packed tower (one attention
@@ -28,17 +31,19 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.checkpoint import TensorSource
-from mmjax.errors import CheckpointError, UnsupportedModelError
-from mmjax.errors import PromptError
+from mmjax.errors import CheckpointError, PromptError, UnsupportedModelError
 from mmjax.models.family import ImageInput
 from mmjax.models.hf_config import tie_word_embeddings
-from mmjax.models.qwen2_vl import QwenVLConfig, QwenVLFamily, checked_policy, checked_video_policy, normalize_name
-from mmjax.models.text.llama import LlamaConfig, LlamaTextModel
-from mmjax.models.vision.qwen3_vl import Qwen3VisionConfig, load_vision_params, make_encode_fn, pack
+from mmjax.models.nn.weights import build
+from mmjax.models.qwen2_vl import (QwenVLConfig, QwenVLFamily, Qwen2VLModel, checked_policy, checked_video_policy,
+                                   normalize_name)
+from mmjax.models.text.llama import LlamaConfig
+from mmjax.models.vision.qwen3_vl import Qwen3VisionConfig, Qwen3VLVisionModel, pack
 from mmjax.video.processors import Qwen3VLVideoPolicy
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)  # HF's Qwen3VLTextRotaryEmbedding default
@@ -93,11 +98,16 @@ class Qwen3VLConfig(QwenVLConfig):
                    video_token_id=None if video is None else int(video))
 
 
-def load_params(src: TensorSource, cfg: Qwen3VLConfig) -> dict:
-    params = {"vision": load_vision_params(src, cfg.vision),
-              "text": LlamaTextModel(cfg.text).load_params(src, "model.", "lm_head.weight")}
-    src.check_all_used()
-    return params
+class Qwen3VLModel(Qwen2VLModel):
+    """Qwen3VLForConditionalGeneration / Qwen3VLMoeForConditionalGeneration: `visual` (the packed
+    tower with its DeepStack mergers) and `language_model` (the Qwen3 decoder: QK-norm,
+    interleaved M-RoPE, DeepStack additions, MoE layers). `encode` (Qwen2VLModel's): one packed
+    group (patches, pos_hw, image_seg, sizes_hw) -> [n_pad / merge**2, (1 + n_deepstack) * hidden]
+    (final merger, then DeepStack blocks)."""
+
+    @staticmethod
+    def make_visual(cfg, dtype, attn_impl: str) -> nnx.Module:
+        return Qwen3VLVisionModel(cfg.vision, dtype, attn_impl)
 
 
 @dataclass(eq=False)
@@ -151,12 +161,6 @@ class Qwen3VLFamily(QwenVLFamily):
         delta = int(pos.max()) + 1 - len(ids) if len(ids) else 0
         return pos.astype(np.int32), delta
 
-    def encode_fn(self):
-        """(params, packed (patches, pos_hw, image_seg, sizes_hw)) -> [n_pad / merge**2, (1 +
-        n_deepstack) * hidden] (final merger, then DeepStack blocks); `encode` adds the
-        per-device groups (QwenVLFamily.encode)."""
-        return make_encode_fn(self.cfg.vision, self.attn_impl)
-
     def pack(self, images: list[ImageInput], n_pad: int):
         return pack(images, self.cfg.vision, n_pad)
 
@@ -166,9 +170,9 @@ class Qwen3VLFamily(QwenVLFamily):
                 np.zeros((n_pad,), np.int32), np.ones((n_pad, 2), np.int32))
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[Qwen3VLFamily, dict]:
-    """config.json + safetensors + preprocessor config -> (family, numpy params)."""
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[Qwen3VLFamily, Qwen3VLModel, TensorSource]:
+    """config.json + preprocessor configs -> (family, the abstract model, its tensors)."""
     cfg = Qwen3VLConfig.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, normalize_name), cfg)
-    return Qwen3VLFamily(cfg, checked_policy(path, cfg),
-                         video_policy=checked_video_policy(path, cfg, Qwen3VLVideoPolicy)), params
+    family = Qwen3VLFamily(cfg, checked_policy(path, cfg),
+                           video_policy=checked_video_policy(path, cfg, Qwen3VLVideoPolicy))
+    return family, build(lambda: Qwen3VLModel(cfg, dtype)), TensorSource(path, normalize_name)

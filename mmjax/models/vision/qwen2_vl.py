@@ -1,10 +1,16 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower (pure functions of params) and its host-side packing.
+"""The Qwen2-VL / Qwen2.5-VL vision tower as NNX modules, and its host-side packing.
 
 Flattened (C, t, p, p) patches -> linear patch embed -> blocks with 2D rotary embeddings over the
 (h, w) patch grid -> 2x2 patch merger (LayerNorm for Qwen2-VL, RMSNorm for Qwen2.5-VL) -> LLM
 tokens. Qwen2-VL blocks: LayerNorm + quick_gelu MLP, full attention within each image. Qwen2.5-VL
 blocks: RMSNorm + SwiGLU MLP, attention inside `window_size`-pixel windows except in
 `fullatt_block_indexes`.
+
+Module tree as transformers' `visual` (Qwen2VisionTransformerPretrainedModel /
+Qwen2_5_VisionTransformerPretrainedModel): `patch_embed.proj` (the Conv3d, kernel == stride, as
+one [C*t*p*p, width] matmul), `blocks[i].{norm1, attn.{qkv, proj}, norm2, mlp}` (Qwen2-VL's mlp:
+`fc1`, `fc2`; Qwen2.5-VL's: `gate_up_proj` (HF gate_proj|up_proj fused), `down_proj`),
+`merger.{ln_q, mlp}` (HF's mlp Sequential: its `mlp.0` / `mlp.2` Linears as `mlp.fc1` / `mlp.fc2`).
 
 Packed encoding: any set of images (one request or several) becomes ONE padded sequence of
 patches. Attention is block-diagonal through `mmjax.attention.attention(segment_ids=...)`: one
@@ -23,11 +29,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.attention import attention
-from mmjax.checkpoint import TensorSource, fused_linear, linear, norm
 from mmjax.errors import CheckpointError, InvalidRequestError, UnsupportedModelError
-from mmjax.models.layers import activation, cos_sin, dense, layer_norm, matmul, rms_norm
+from mmjax.models.nn.linear import Linear, activation
+from mmjax.models.nn.mlp import MLP, GatedMLP
+from mmjax.models.nn.norm import LayerNorm, RMSNorm
+from mmjax.models.nn.rope import cos_sin
 
 VISION_EPS = 1e-6  # HF hard-codes eps=1e-6 for every vision norm and the merger's ln_q
 
@@ -118,36 +127,8 @@ class QwenVisionConfig:
         return cfg
 
 
-def load_vision_params(src: TensorSource, cfg: QwenVisionConfig, prefix: str = "visual.") -> dict:
-    w, i, out = cfg.hidden_size, cfg.intermediate_size, cfg.out_hidden_size
-    rms = cfg.variant == "qwen2_5_vl"
-    conv = src.take(f"{prefix}patch_embed.proj.weight",
-                    (w, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size))
-    blocks = []
-    for n in range(cfg.depth):
-        bp = f"{prefix}blocks.{n}."
-        blk = {"norm1": norm(src, bp + "norm1", w, bias=not rms), "norm2": norm(src, bp + "norm2", w, bias=not rms),
-               "qkv": linear(src, bp + "attn.qkv", w, 3 * w, True), "proj": linear(src, bp + "attn.proj", w, w, True)}
-        if rms:
-            blk["gate_up"] = fused_linear(src, [bp + "mlp.gate_proj", bp + "mlp.up_proj"], w, [i, i], True)
-            blk["down"] = linear(src, bp + "mlp.down_proj", i, w, True)
-        else:
-            blk["fc1"] = linear(src, bp + "mlp.fc1", w, i, True)
-            blk["fc2"] = linear(src, bp + "mlp.fc2", i, w, True)
-        blocks.append(blk)
-    m = cfg.merge_size ** 2 * w
-    return {
-        # Conv3d with kernel == stride over a (C, t, p, p) patch is one matmul: [C*t*p*p, width].
-        "patch_embed": np.ascontiguousarray(conv.reshape(w, -1).T),
-        "blocks": blocks,
-        "merger": {"ln_q": norm(src, f"{prefix}merger.ln_q", w, bias=not rms),
-                   "fc1": linear(src, f"{prefix}merger.mlp.0", m, m, True),
-                   "fc2": linear(src, f"{prefix}merger.mlp.2", m, out, True)},
-    }
-
-
 # ------------------------------------------------------------------------------------------------
-# Vision tower (pure functions, traced inside the compiled encode step)
+# Vision tower (traced inside the compiled encode step)
 # ------------------------------------------------------------------------------------------------
 
 def vision_inv_freq(cfg: QwenVisionConfig) -> np.ndarray:
@@ -174,60 +155,117 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, None] + rot * sin[:, None]).astype(x.dtype)
 
 
-def _norm(p: dict, x: jax.Array, cfg: QwenVisionConfig) -> jax.Array:
-    if "bias" in p:
-        return layer_norm(p, x, VISION_EPS)
-    return rms_norm(p["scale"], x, VISION_EPS)
+class PatchEmbed(nnx.Module):
+    """HF's PatchEmbed: `proj`, the Conv3d over (C, t, p, p) patches with kernel == stride, as one
+    [C*t*p*p, width] matmul (bias: Qwen3-VL). Neither quantized nor packed (the first layer)."""
+
+    def __init__(self, cfg: QwenVisionConfig, *, bias: bool = False, dtype=jnp.float32):
+        self.cfg = cfg
+        self.proj = Linear(cfg.patch_dim, cfg.hidden_size, bias=bias, dtype=dtype, quantize=False)
+
+    def __call__(self, patches: jax.Array) -> jax.Array:
+        return self.proj(patches.astype(self.proj.kernel.get_value().dtype))
+
+    def hf_weights(self, w, name: str) -> None:
+        c = self.cfg
+        conv = w.take(f"{name}.proj.weight", (c.hidden_size, c.in_channels, c.temporal_patch_size, c.patch_size,
+                                              c.patch_size))
+        w.set(self.proj.kernel, np.ascontiguousarray(conv.reshape(c.hidden_size, -1).T))
+        if self.proj.bias is not None:
+            w.set(self.proj.bias, w.take(f"{name}.proj.bias", (c.hidden_size,)))
 
 
-def vision_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
-                 cfg: QwenVisionConfig, impl: str) -> jax.Array:
-    """One pre-norm block over the packed sequence x [N, width]; segment_ids [N] (-1 = padding).
+class VisionAttention(nnx.Module):
+    """HF's VisionAttention over a packed patch sequence: `qkv` (one HF Linear [w, 3w]), 2D
+    rotary on q and k (float32), block-diagonal attention by segment id, `proj`."""
 
-    Segment ids are non-decreasing along the packed sequence (images, and windows after the
-    window reordering, are contiguous), so the blockwise kernels' segment block bounds visit
-    only each query block's own image / window: packed attention costs sum(n_i^2), not N^2."""
-    n, w = x.shape
-    heads, hd = cfg.num_heads, cfg.head_dim
-    h = _norm(p["norm1"], x, cfg)
-    qkv = dense(p["qkv"], h).reshape(n, 3, heads, hd)
-    q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-    attn = attention(q[None], k[None], v[None], segment_ids=segment_ids[None], impl=impl)
-    x = x + dense(p["proj"], attn.reshape(n, w))
-    h = _norm(p["norm2"], x, cfg)
-    act = activation(cfg.hidden_act)
-    if "gate_up" in p:
-        gu = dense(p["gate_up"], h)
-        h = act(gu[:, :cfg.intermediate_size]) * gu[:, cfg.intermediate_size:]
-        return x + dense(p["down"], h)
-    return x + dense(p["fc2"], act(dense(p["fc1"], h)))
+    def __init__(self, dim: int, num_heads: int, *, dtype=jnp.float32):
+        self.num_heads = num_heads
+        self.qkv = Linear(dim, 3 * dim, bias=True, dtype=dtype, axes=("embed", "vision_heads"))
+        self.proj = Linear(dim, dim, bias=True, dtype=dtype, axes=("vision_heads", "embed"))
 
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                 impl: str = "auto") -> jax.Array:
+        """x [N, width], cos / sin [N, head_dim], segment_ids [N] (-1 = padding) -> [N, width].
 
-def vision_forward(params: dict, cfg: QwenVisionConfig, patches: jax.Array, pos_hw: jax.Array,
-                   image_seg: jax.Array, window_seg: jax.Array, *, impl: str = "auto",
-                   out_dtype=None) -> jax.Array:
-    """Packed patches [N, C*t*p*p] (N a multiple of merge_size**2, every image's patches in HF's
-    order — window order for Qwen2.5-VL), pos_hw [N, 2], image_seg / window_seg [N] int32 (-1 =
-    padding) -> merged tokens [N / merge_size**2, out_hidden] in the same order."""
-    x = matmul(patches.astype(params["patch_embed"].dtype), params["patch_embed"])
-    cos, sin = vision_rope(cfg, pos_hw)
-    for i, blk in enumerate(params["blocks"]):
-        x = vision_block(blk, x, cos, sin, window_seg if cfg.block_is_windowed(i) else image_seg, cfg, impl)
-    mp = params["merger"]
-    x = _norm(mp["ln_q"], x, cfg).reshape(-1, cfg.merge_size ** 2 * cfg.hidden_size)
-    x = dense(mp["fc2"], jax.nn.gelu(dense(mp["fc1"], x), approximate=False))
-    return x if out_dtype is None else x.astype(out_dtype)
+        Segment ids are non-decreasing along the packed sequence (images, and windows after the
+        window reordering, are contiguous), so the blockwise kernels' segment block bounds visit
+        only each query block's own image / window: packed attention costs sum(n_i^2), not N^2."""
+        n, w = x.shape
+        heads = self.num_heads
+        qkv = self.qkv(x).reshape(n, 3, heads, w // heads)
+        q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
+        out = attention(q[None], k[None], v[None], segment_ids=segment_ids[None], impl=impl)
+        return self.proj(out.reshape(n, w))
 
 
-def make_encode_fn(cfg: QwenVisionConfig, impl: str = "auto"):
-    """A fresh jittable (params, packed) -> merged tokens in the text model's dtype, e.g. to
-    compare attention impls with `jax.jit(fn).lower(...).compile().memory_analysis()`."""
-    def encode_fn(params: dict, packed: tuple) -> jax.Array:
-        patches, pos_hw, image_seg, window_seg = packed
-        return vision_forward(params["vision"], cfg, patches, pos_hw, image_seg, window_seg, impl=impl,
-                              out_dtype=params["text"]["embed"].dtype)
-    return encode_fn
+def vision_norm(cfg: QwenVisionConfig, dim: int, dtype):
+    """Qwen2.5-VL's RMSNorm, else LayerNorm (eps 1e-6)."""
+    if cfg.variant == "qwen2_5_vl":
+        return RMSNorm(dim, VISION_EPS, dtype=dtype)
+    return LayerNorm(dim, VISION_EPS, dtype=dtype)
 
+
+class Qwen2VLVisionBlock(nnx.Module):
+    """Pre-norm block: norm1, attn, norm2, mlp (`make_mlp`: Qwen2-VL's fc1 / fc2, Qwen2.5-VL's
+    gated gate_up_proj / down_proj)."""
+
+    def __init__(self, cfg: QwenVisionConfig, dtype=jnp.float32):
+        w = cfg.hidden_size
+        self.norm1 = vision_norm(cfg, w, dtype)
+        self.norm2 = vision_norm(cfg, w, dtype)
+        self.attn = VisionAttention(w, cfg.num_heads, dtype=dtype)
+        self.mlp = self.make_mlp(cfg, dtype)
+
+    @staticmethod
+    def make_mlp(cfg: QwenVisionConfig, dtype) -> nnx.Module:
+        w, i = cfg.hidden_size, cfg.intermediate_size
+        if cfg.variant == "qwen2_5_vl":
+            return GatedMLP(w, i, act=cfg.hidden_act, bias=True, axis="vision_mlp", dtype=dtype)
+        return MLP(w, i, w, act=cfg.hidden_act, dtype=dtype, axes=("embed", "vision_mlp", "embed"))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                 impl: str = "auto") -> jax.Array:
+        x = x + self.attn(self.norm1(x), cos, sin, segment_ids, impl)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nnx.Module):
+    """HF's PatchMerger: `ln_q` over each patch, the merge_size**2 neighbours concatenated, then
+    `mlp` (HF's Sequential mlp.0 - GELU - mlp.2, here `mlp.fc1` / `mlp.fc2`)."""
+
+    def __init__(self, cfg: QwenVisionConfig, dtype=jnp.float32):
+        m = cfg.merge_size ** 2 * cfg.hidden_size
+        self.ln_q = vision_norm(cfg, cfg.hidden_size, dtype)
+        self.mlp = MLP(m, m, cfg.out_hidden_size, act="gelu", names=("0", "2"), dtype=dtype,
+                       axes=("embed", "vision_mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [N, width] -> [N / merge**2, out_hidden]."""
+        return self.mlp(self.ln_q(x).reshape(-1, self.mlp.fc1.d_in))
+
+
+class Qwen2VisionTransformer(nnx.Module):
+    """HF's `visual` (see the module docstring). attn_impl: `mmjax.attention.attention`'s impl
+    ("auto"; "reference" is the naive O(N^2) path, for comparisons)."""
+
+    def __init__(self, cfg: QwenVisionConfig, dtype=jnp.float32, attn_impl: str = "auto"):
+        self.config, self.attn_impl = cfg, attn_impl
+        self.patch_embed = PatchEmbed(cfg, dtype=dtype)
+        self.blocks = nnx.List([Qwen2VLVisionBlock(cfg, dtype) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg, dtype)
+
+    def __call__(self, patches: jax.Array, pos_hw: jax.Array, image_seg: jax.Array,
+                 window_seg: jax.Array) -> jax.Array:
+        """Packed patches [N, C*t*p*p] (N a multiple of merge_size**2, every image's patches in
+        HF's order — window order for Qwen2.5-VL), pos_hw [N, 2], image_seg / window_seg [N] int32
+        (-1 = padding) -> merged tokens [N / merge_size**2, out_hidden] in the same order."""
+        cfg = self.config
+        x = self.patch_embed(patches)
+        cos, sin = vision_rope(cfg, pos_hw)
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, window_seg if cfg.block_is_windowed(i) else image_seg, self.attn_impl)
+        return self.merger(x)
 
 # ------------------------------------------------------------------------------------------------
 # Host-side packing

@@ -1,6 +1,6 @@
-"""The Qwen3-VL vision tower (pure functions of params) and its host-side packing, on top of
-Qwen2-VL's (models/vision/qwen2_vl.py: the same blocks, 2D rotary, merge-block patch order and
-packed block-diagonal encoding with one segment per frame).
+"""The Qwen3-VL vision tower as NNX modules and its host-side packing, on top of Qwen2-VL's
+(models/vision/qwen2_vl.py: the same attention, 2D rotary, merge-block patch order and packed
+block-diagonal encoding with one segment per frame).
 
 What Qwen3-VL adds (transformers Qwen3VLVisionModel):
 - a biased patch embedding plus learned absolute position embeddings: a square table
@@ -11,7 +11,11 @@ What Qwen3-VL adds (transformers Qwen3VLVisionModel):
 - DeepStack: the hidden states after the blocks in `deepstack_visual_indexes` each go through
   their own merger (LayerNorm after the 2x2 shuffle) and are returned beside the final merger's
   tokens: the encode output is [tokens, (1 + n_deepstack) * out_hidden] (the text model adds block
-  k + 1 after decoder layer k, models/text `image_inputs`).
+  k + 1 after decoder layer k, text/llama.py's DeepStack).
+
+Module tree as transformers' `visual`: `patch_embed.proj`, `pos_embed` (the table, a Param: HF's
+pos_embed.weight), `blocks[i].{norm1, attn.{qkv, proj}, norm2, mlp.{linear_fc1, linear_fc2}}`,
+`merger.{norm, linear_fc1, linear_fc2}`, `deepstack_merger_list[k]` (the same).
 
 Frames: a grid (t, h, w) with t > 1 (video) packs as t full-attention segments of h*w patches, each
 frame taking the same position-embedding taps, as HF does; nothing here is image-only.
@@ -24,12 +28,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from mmjax.checkpoint import TensorSource, linear, norm
 from mmjax.errors import CheckpointError, UnsupportedModelError
-from mmjax.models.layers import activation, dense, layer_norm
-from mmjax.models.vision.qwen2_vl import (VISION_EPS, PackedImages, QwenVisionConfig, pack_images, vision_block,
-                                          vision_rope)
+from mmjax.models.nn.linear import Linear, activation, param
+from mmjax.models.nn.norm import LayerNorm
+from mmjax.models.nn.weights import load_children
+from mmjax.models.vision.qwen2_vl import (VISION_EPS, PackedImages, PatchEmbed, QwenVisionConfig, Qwen2VLVisionBlock,
+                                          pack_images, vision_rope)
 
 
 @dataclass(frozen=True)
@@ -77,49 +83,45 @@ class Qwen3VisionConfig(QwenVisionConfig):
         return cfg
 
 
-def _merger(src: TensorSource, prefix: str, cfg: Qwen3VisionConfig, postshuffle: bool) -> dict:
-    m = cfg.merge_size ** 2 * cfg.hidden_size
-    return {"norm": norm(src, prefix + "norm", m if postshuffle else cfg.hidden_size, bias=True),
-            "fc1": linear(src, prefix + "linear_fc1", m, m, True),
-            "fc2": linear(src, prefix + "linear_fc2", m, cfg.out_hidden_size, True)}
-
-
-def load_vision_params(src: TensorSource, cfg: Qwen3VisionConfig, prefix: str = "visual.") -> dict:
-    """HF Qwen3VLVisionModel weights -> params (block names as Qwen2-VL's, so `vision_block` runs them)."""
-    w, i = cfg.hidden_size, cfg.intermediate_size
-    conv = src.take(f"{prefix}patch_embed.proj.weight",
-                    (w, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size))
-    blocks = []
-    for n in range(cfg.depth):
-        bp = f"{prefix}blocks.{n}."
-        blocks.append({"norm1": norm(src, bp + "norm1", w, bias=True), "norm2": norm(src, bp + "norm2", w, bias=True),
-                       "qkv": linear(src, bp + "attn.qkv", w, 3 * w, True),
-                       "proj": linear(src, bp + "attn.proj", w, w, True),
-                       "fc1": linear(src, bp + "mlp.linear_fc1", w, i, True),
-                       "fc2": linear(src, bp + "mlp.linear_fc2", i, w, True)})
-    return {
-        # Conv3d with kernel == stride over a (C, t, p, p) patch is one matmul: [C*t*p*p, width] + bias
-        "patch_embed": {"w": np.ascontiguousarray(conv.reshape(w, -1).T),
-                        "b": src.take(f"{prefix}patch_embed.proj.bias", (w,))},
-        "pos_embed": src.take(f"{prefix}pos_embed.weight", (cfg.num_position_embeddings, w)),
-        "blocks": blocks,
-        "merger": _merger(src, f"{prefix}merger.", cfg, postshuffle=False),
-        "deepstack": [_merger(src, f"{prefix}deepstack_merger_list.{k}.", cfg, postshuffle=True)
-                      for k in range(len(cfg.deepstack_visual_indexes))],
-    }
-
-
 # ------------------------------------------------------------------------------------------------
-# Tower (pure functions, traced inside the compiled encode step)
+# Tower (traced inside the compiled encode step)
 # ------------------------------------------------------------------------------------------------
 
-def merge(p: dict, x: jax.Array, cfg: Qwen3VisionConfig, postshuffle: bool) -> jax.Array:
-    """Patch merger: x [N, width] -> [N / merge**2, out_hidden]; LayerNorm over each patch
-    (final merger) or over each shuffled 2x2 group (DeepStack mergers), then fc1 - GELU - fc2."""
-    m = cfg.merge_size ** 2 * cfg.hidden_size
-    x = layer_norm(p["norm"], x.reshape(-1, m), VISION_EPS) if postshuffle else \
-        layer_norm(p["norm"], x, VISION_EPS).reshape(-1, m)
-    return dense(p["fc2"], jax.nn.gelu(dense(p["fc1"], x), approximate=False))
+class Qwen3VLVisionMLP(nnx.Module):
+    """linear_fc2(act(linear_fc1(x)))."""
+
+    def __init__(self, d: int, d_hidden: int, d_out: int, *, act: str, dtype=jnp.float32):
+        self.act = act
+        self.linear_fc1 = Linear(d, d_hidden, bias=True, dtype=dtype, axes=("embed", "vision_mlp"))
+        self.linear_fc2 = Linear(d_hidden, d_out, bias=True, dtype=dtype, axes=("vision_mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear_fc2(activation(self.act)(self.linear_fc1(x)))
+
+
+class Qwen3VLVisionBlock(Qwen2VLVisionBlock):
+    """Qwen2-VL's block with LayerNorms and the linear_fc1 / linear_fc2 MLP."""
+
+    @staticmethod
+    def make_mlp(cfg: QwenVisionConfig, dtype) -> nnx.Module:
+        return Qwen3VLVisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size, act=cfg.hidden_act,
+                                dtype=dtype)
+
+
+class Qwen3VLVisionPatchMerger(Qwen3VLVisionMLP):
+    """Patch merger: x [N, width] -> [N / merge**2, out_hidden]; `norm` (LayerNorm) over each
+    patch (final merger) or over each shuffled 2x2 group (DeepStack mergers, `postshuffle`), then
+    linear_fc1 - GELU - linear_fc2."""
+
+    def __init__(self, cfg: Qwen3VisionConfig, *, postshuffle: bool, dtype=jnp.float32):
+        m = cfg.merge_size ** 2 * cfg.hidden_size
+        super().__init__(m, m, cfg.out_hidden_size, act="gelu", dtype=dtype)
+        self.m, self.postshuffle = m, postshuffle
+        self.norm = LayerNorm(m if postshuffle else cfg.hidden_size, VISION_EPS, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.norm(x.reshape(-1, self.m)) if self.postshuffle else self.norm(x).reshape(-1, self.m)
+        return super().__call__(x)
 
 
 def resampled_pos_embed(table: jax.Array, pos_hw: jax.Array, sizes_hw: jax.Array, side: int) -> jax.Array:
@@ -137,34 +139,40 @@ def resampled_pos_embed(table: jax.Array, pos_hw: jax.Array, sizes_hw: jax.Array
     return (table[idx].astype(jnp.float32) * w[..., None]).sum(axis=1)
 
 
-def vision_forward(params: dict, cfg: Qwen3VisionConfig, patches: jax.Array, pos_hw: jax.Array,
-                   image_seg: jax.Array, sizes_hw: jax.Array, *, impl: str = "auto", out_dtype=None) -> jax.Array:
-    """Packed patches [N, C*t*p*p] in HF's merge-block order, pos_hw [N, 2], image_seg [N] int32
-    (one segment per frame, -1 = padding), sizes_hw [N, 2] int32 (each patch's image grid h, w) ->
-    [N / merge**2, (1 + n_deepstack) * out_hidden]: each merged token's final features, then its
-    DeepStack features in `deepstack_visual_indexes` order."""
-    pe = params["patch_embed"]
-    x = dense(pe, patches.astype(pe["w"].dtype))
-    x = x + resampled_pos_embed(params["pos_embed"], pos_hw, sizes_hw, cfg.pos_side).astype(x.dtype)
-    cos, sin = vision_rope(cfg, pos_hw)
-    deep = {}
-    for i, blk in enumerate(params["blocks"]):
-        x = vision_block(blk, x, cos, sin, image_seg, cfg, impl)
-        if i in cfg.deepstack_visual_indexes:
-            k = cfg.deepstack_visual_indexes.index(i)
-            deep[k] = merge(params["deepstack"][k], x, cfg, postshuffle=True)
-    out = [merge(params["merger"], x, cfg, postshuffle=False)] + [deep[k] for k in sorted(deep)]
-    out = jnp.concatenate(out, axis=-1)
-    return out if out_dtype is None else out.astype(out_dtype)
+class Qwen3VLVisionModel(nnx.Module):
+    """HF's `visual` (see the module docstring). attn_impl: as Qwen2VisionTransformer's."""
 
+    def __init__(self, cfg: Qwen3VisionConfig, dtype=jnp.float32, attn_impl: str = "auto"):
+        self.config, self.attn_impl = cfg, attn_impl
+        self.patch_embed = PatchEmbed(cfg, bias=True, dtype=dtype)
+        self.pos_embed = param((cfg.num_position_embeddings, cfg.hidden_size), dtype, (None, None))
+        self.blocks = nnx.List([Qwen3VLVisionBlock(cfg, dtype) for _ in range(cfg.depth)])
+        self.merger = Qwen3VLVisionPatchMerger(cfg, postshuffle=False, dtype=dtype)
+        self.deepstack_merger_list = nnx.List([Qwen3VLVisionPatchMerger(cfg, postshuffle=True, dtype=dtype)
+                                               for _ in cfg.deepstack_visual_indexes])
 
-def make_encode_fn(cfg: Qwen3VisionConfig, impl: str = "auto"):
-    """A jittable (params, packed arrays) -> features in the text model's dtype."""
-    def encode_fn(params: dict, packed: tuple) -> jax.Array:
-        patches, pos_hw, image_seg, sizes_hw = packed
-        return vision_forward(params["vision"], cfg, patches, pos_hw, image_seg, sizes_hw, impl=impl,
-                              out_dtype=params["text"]["embed"].dtype)
-    return encode_fn
+    def __call__(self, patches: jax.Array, pos_hw: jax.Array, image_seg: jax.Array, sizes_hw: jax.Array
+                 ) -> jax.Array:
+        """Packed patches [N, C*t*p*p] in HF's merge-block order, pos_hw [N, 2], image_seg [N] int32
+        (one segment per frame, -1 = padding), sizes_hw [N, 2] int32 (each patch's image grid h, w)
+        -> [N / merge**2, (1 + n_deepstack) * out_hidden]: each merged token's final features, then
+        its DeepStack features in `deepstack_visual_indexes` order."""
+        cfg = self.config
+        x = self.patch_embed(patches)
+        x = x + resampled_pos_embed(self.pos_embed.get_value(), pos_hw, sizes_hw, cfg.pos_side).astype(x.dtype)
+        cos, sin = vision_rope(cfg, pos_hw)
+        deep = {}
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, image_seg, self.attn_impl)
+            if i in cfg.deepstack_visual_indexes:
+                k = cfg.deepstack_visual_indexes.index(i)
+                deep[k] = self.deepstack_merger_list[k](x)
+        return jnp.concatenate([self.merger(x)] + [deep[k] for k in sorted(deep)], axis=-1)
+
+    def hf_weights(self, w, name: str) -> None:
+        load_children(self, w, name)
+        w.set(self.pos_embed, w.take(f"{name}.pos_embed.weight", (self.config.num_position_embeddings,
+                                                                   self.config.hidden_size)))
 
 
 # ------------------------------------------------------------------------------------------------
