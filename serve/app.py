@@ -550,7 +550,7 @@ async def _auth_middleware(request: web.Request, handler):
 
 def _model_card(st: State) -> dict:
     return {"id": st.config.served_model_name, "object": "model", "created": st.created, "owned_by": "mmjax",
-            "root": str(getattr(st.vlm.model, "path", "")), "max_model_len": st.engine.max_model_len,
+            "root": str(st.vlm.loaded.path), "max_model_len": st.engine.max_model_len,
             "image_token": st.vlm.tokenizer.image_token, "video_token": st.vlm.tokenizer.video_token}
 
 

@@ -294,7 +294,7 @@ def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch, kv_cache_dtype):
     gpu = mmjax.load(path, **kw)
     assert {tuple(v.shape[2] for v in layer["v"]) for layer in gpu.engine.runner.cache} == {(512, 512)}
     r = gpu.engine.runner
-    jaxpr = str(r._decode.trace(r.lm_params, r.cache, r.state, np.full(2, 5, np.int32), r.all_allowed(2),
+    jaxpr = str(r._decode.trace(r.lm_leaves, r.cache, r.state, np.full(2, 5, np.int32), r.all_allowed(2),
                                 rows=2).jaxpr)
     assert jaxpr.count("name=mmjax_ragged_decode_attention") == 2      # one per layer (2 layers)
     for c, g in zip(cpu, generate(gpu)):

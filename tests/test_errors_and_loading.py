@@ -135,7 +135,7 @@ def test_shipped_model_is_mmjax_shapes_everywhere():
 
     a, b, c = mmjax.load(), mmjax.load("mmjax-shapes"), mmjax.load(default_model_path())
     assert a.name == b.name == c.name == "mmjax-shapes"
-    assert a.model.path == b.model.path
+    assert a.loaded.path == b.loaded.path
     args = build_parser().parse_args([])
     assert args.model == "mmjax-shapes"
     assert config_from_args(args, args.model).served_model_name is None   # -> the model's name at create_app
@@ -190,7 +190,7 @@ def test_orbax_round_trip_and_bfloat16(llava_dirs, tmp_path):
     with pytest.raises(InvalidRequestError, match="holds unquantized weights"):   # not an orbax error
         mmjax.load(llava_dirs["mha"], params_dir=out, quantize="int8")
     bf = mmjax.load(llava_dirs["mha"], dtype="bfloat16")
-    assert bf.params["text"]["embed"].dtype.name == "bfloat16"
+    assert bf.model.language_model.embed_tokens.embedding.get_value().dtype.name == "bfloat16"
     assert rel_err(bf.logits("USER: <image>\nhi ASSISTANT:", [img]), ref) < 5e-2
 
 
@@ -216,7 +216,7 @@ def test_hub_id_resolves_from_local_hf_cache(llava_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(hub))
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     vlm = mmjax.load("tiny/llava")
-    assert vlm.model.path == snap
+    assert vlm.loaded.path == snap
 
 
 def test_cli_generate_streams_answer(llava_dirs, tmp_path):

@@ -187,7 +187,7 @@ def test_engine_applies_each_requests_rules_in_one_batch(vlm):
     every generated token is the argmax of the numpy rule applied to the model's logits after
     the same prefix (one full forward over prompt + output)."""
     tok = vlm.tokenizer
-    eos = set(vlm.model.eos_token_ids)
+    eos = set(vlm.loaded.eos_token_ids)
     prompt = "USER: describe the red circle and the blue square ASSISTANT:"
     bad = ["color", "the", "photo", "red", "is"]
     cases = [SamplingParams(max_tokens=10, frequency_penalty=1.5, presence_penalty=0.5, logit_bias={88: 4.0},

@@ -71,11 +71,12 @@ class Weights:
             pad = [(0, 0)] * value.ndim
             pad[i] = (0, -value.shape[i] % tp)
             value = np.pad(value, pad)
-        if matmul and self.quantize is not None and value.ndim in (2, 3) and var.get_metadata().get("quantize", True):
+        takes = matmul and var.get_metadata().get("quantize", True)   # patch embeddings, routers: as they are
+        if takes and self.quantize is not None and value.ndim in (2, 3):
             from mmjax.quant import quantize_weight
             value = quantize_weight(value, self.quantize, None if value.ndim == 3 else self.group_size,
                                     on_device=False, packed=self.pack and value.ndim == 2)
-        elif matmul and self.pack and value.ndim == 2:
+        elif takes and self.pack and value.ndim == 2:
             from mmjax.packed_weights import pack_weight
             value = pack_weight(value)
         var.set_value(self.place(value, axes))
