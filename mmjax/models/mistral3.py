@@ -6,6 +6,10 @@ Projector: Mistral 3 applies RMSNorm, the `spatial_merge_size`**2 patch merger (
 each merge x merge block of patches) and Linear-act-Linear (HF's Mistral3MultiModalProjector);
 LLaVA-Pixtral only Linear-act-Linear (spatial_merge_size 1).
 
+Module tree (`Mistral3Model`, transformers' names): `vision_tower` (vision/pixtral.py),
+`multi_modal_projector.{norm, patch_merger.merging_layer, linear_1, linear_2}` (no norm / merger
+for LLaVA-Pixtral), `language_model` (the decoder with its lm_head).
+
 Prompt: each `[IMG]` placeholder becomes the processor's text, rows of merged tokens each ended by
 `[IMG_BREAK]`, the last row by `[IMG_END]` (`image_prompt`); the `[IMG]` tokens take the features
 in row-major order. Positions are 1-D.
@@ -23,27 +27,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.buckets import bucket_for
-from mmjax.checkpoint import TensorSource, linear
+from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.pixtral import PixtralImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config, patchify
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
 from mmjax.models.hf_config import require, tie_word_embeddings
-from mmjax.models.layers import activation, dense, matmul, rms_norm
 from mmjax.models.llava import normalize_name  # same weight layout (vision_tower / multi_modal_projector)
-from mmjax.models.text import TextModel, text_model_for
-from mmjax.models.vision.pixtral import PixtralVisionConfig, load_pixtral_params, pixtral_hidden_state
+from mmjax.models.nn.linear import Linear, activation
+from mmjax.models.nn.norm import RMSNorm
+from mmjax.models.nn.weights import build, load_children
+from mmjax.models.text import text_config
+from mmjax.models.vision.pixtral import PixtralVisionConfig, PixtralVisionModel
 from mmjax.models.vision.qwen2_vl import pack_images, patch_ladder, unpack_features
 
 
 @dataclass(frozen=True)
 class Mistral3Config:
     vision: PixtralVisionConfig
-    text_model: TextModel
+    text: object                  # the decoder's config (models/text)
     image_token_id: int
     merge_size: int               # spatial_merge_size (1 for LLaVA-Pixtral)
     feature_layer: int            # absolute index into the tower's hidden_states (0 = ln_pre output)
@@ -64,7 +72,7 @@ class Mistral3Config:
                                         "pixtral", param="vision_config.model_type")
         vision = PixtralVisionConfig.from_hf(vcfg)
         merger = mt == "mistral3"
-        text = text_model_for(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg, merger))
+        text = text_config(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg, merger))
         layer = cfg.get("vision_feature_layer", -1)
         if isinstance(layer, (list, tuple)):
             if len(layer) != 1:  # HF's norm and merger are sized for one layer's width
@@ -87,7 +95,7 @@ class Mistral3Config:
             raise CheckpointError(f"config.json: spatial_merge_size={merge}", param="spatial_merge_size")
         act = cfg.get("projector_hidden_act", "gelu")
         activation(act)
-        return cls(vision=vision, text_model=text, image_token_id=int(token), merge_size=merge,
+        return cls(vision=vision, text=text, image_token_id=int(token), merge_size=merge,
                    feature_layer=layer if layer >= 0 else n + 1 + layer, projector_act=act,
                    projector_bias=bool(cfg.get("multimodal_projector_bias", not merger)), merger=merger,
                    norm_eps=float(text_cfg.get("rms_norm_eps", 1e-6)), model_type=mt)
@@ -98,36 +106,72 @@ class Mistral3Config:
         return self.vision.patch_size * self.merge_size
 
 
-def load_params(src: TensorSource, cfg: Mistral3Config) -> dict:
-    """Checkpoint tensors -> {"vision", "projector", "text"}. The merger's Linear [out, d*m*m]
-    (HF unfolds each block channel-major: index c*m*m + k) is reordered once to [m*m*d, out]
-    rows k*d + c, the order of a block of our merge-block-major patches reshaped flat."""
-    d, dt, m2 = cfg.vision.hidden_size, cfg.text_model.hidden_size, cfg.merge_size ** 2
-    proj = "multi_modal_projector."
-    projector = {"fc1": linear(src, proj + "linear_1", d, dt, cfg.projector_bias),
-                 "fc2": linear(src, proj + "linear_2", dt, dt, cfg.projector_bias)}
-    if cfg.merger:
-        w = src.take(proj + "patch_merger.merging_layer.weight", (d, d * m2))
-        projector["norm"] = src.take(proj + "norm.weight", (d,))
-        projector["merge"] = np.ascontiguousarray(w.reshape(d, d, m2).transpose(2, 1, 0).reshape(m2 * d, d))
-    params = {"vision": load_pixtral_params(src, cfg.vision, "vision_tower.", cfg.feature_layer),
-              "projector": projector,
-              "text": cfg.text_model.load_params(src, "language_model.model.", "language_model.lm_head.weight")}
-    src.check_all_used()
-    return params
+class Mistral3PatchMerger(nnx.Module):
+    """`merging_layer`: one Linear over each merge x merge block of patches. Its kernel is
+    [m*m*d, out] with rows k*d + c, the order of a block of our merge-block-major patches
+    reshaped flat (HF unfolds each block channel-major: input index c*m*m + k; reordered once at
+    load)."""
+
+    def __init__(self, d: int, merge_size: int, dtype=jnp.float32):
+        self.d, self.merge_size = d, merge_size
+        self.merging_layer = Linear(merge_size ** 2 * d, d, dtype=dtype, axes=(None, "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [N, d] (N a multiple of merge**2, merge-block major) -> [N / merge**2, d]."""
+        return self.merging_layer(x.reshape(-1, self.merge_size ** 2 * x.shape[-1]))
+
+    def hf_weights(self, w, name: str) -> None:
+        d, m2 = self.d, self.merge_size ** 2
+        hf = w.take(f"{name}.merging_layer.weight", (d, d * m2))
+        w.set(self.merging_layer.kernel, np.ascontiguousarray(hf.reshape(d, d, m2).transpose(2, 1, 0).reshape(m2 * d, d)),
+              matmul=True)
 
 
-def encode_packed(params: dict, cfg: Mistral3Config, packed: tuple, impl: str = "auto") -> jax.Array:
-    """packed (patches [N, C*p*p], pos_hw [N, 2], segment_ids [N], _) with N a multiple of
-    merge**2 and each image's patches merge-block major -> LLM tokens [N / merge**2, text_hidden]."""
-    patches, pos_hw, seg, _ = packed
-    x = pixtral_hidden_state(params["vision"], cfg.vision, patches, pos_hw, seg, cfg.feature_layer, impl=impl)
-    p = params["projector"]
-    if cfg.merger:
-        x = rms_norm(p["norm"], x, cfg.norm_eps)
-        x = matmul(x.reshape(-1, cfg.merge_size ** 2 * x.shape[-1]), p["merge"])
-    x = dense(p["fc2"], activation(cfg.projector_act)(dense(p["fc1"], x)))
-    return x.astype(params["text"]["embed"].dtype)
+class Mistral3MultiModalProjector(nnx.Module):
+    """HF's Mistral3MultiModalProjector: `norm` (RMSNorm), `patch_merger`, `linear_1`, act,
+    `linear_2`; LLaVA-Pixtral's (LlavaMultiModalProjector) has no norm and no merger (None)."""
+
+    def __init__(self, cfg: Mistral3Config, dtype=jnp.float32):
+        d, dt = cfg.vision.hidden_size, cfg.text.hidden_size
+        self.act = cfg.projector_act
+        if cfg.merger:
+            self.norm = RMSNorm(d, cfg.norm_eps, dtype=dtype)
+            self.patch_merger = Mistral3PatchMerger(d, cfg.merge_size, dtype)
+        else:
+            self.norm = self.patch_merger = None
+        self.linear_1 = Linear(d, dt, bias=cfg.projector_bias, dtype=dtype, axes=("embed", "vision_mlp"))
+        self.linear_2 = Linear(dt, dt, bias=cfg.projector_bias, dtype=dtype, axes=("vision_mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [N, vision_hidden] (merge-block major) -> [N / merge**2, text_hidden]."""
+        if self.patch_merger is not None:
+            x = self.patch_merger(self.norm(x))
+        return self.linear_2(activation(self.act)(self.linear_1(x)))
+
+
+class Mistral3Model(VisionLanguageModel):
+    """Mistral3ForConditionalGeneration (and LLaVA-Pixtral): vision_tower (Pixtral, cut after the
+    feature layer), multi_modal_projector, language_model (the Mistral decoder with its lm_head)."""
+
+    def __init__(self, cfg: Mistral3Config, dtype=jnp.float32):
+        self.config = cfg
+        self.vision_tower = PixtralVisionModel(cfg.vision, cfg.feature_layer, dtype)
+        self.multi_modal_projector = Mistral3MultiModalProjector(cfg, dtype)
+        self.language_model = cfg.text.build(dtype)
+
+    def encode(self, packed: tuple) -> jax.Array:
+        """The compiled encode step: packed (patches [N, C*p*p], pos_hw [N, 2], segment_ids [N],
+        _) with N a multiple of merge**2 and each image's patches merge-block major -> LLM
+        tokens [N / merge**2, text_hidden]."""
+        patches, pos_hw, seg, _ = packed
+        x = self.vision_tower(patches, pos_hw, seg)
+        return self.multi_modal_projector(x).astype(self.embed_dtype)
+
+    def hf_weights(self, w, name: str = "") -> None:
+        """Tensor names as `llava.normalize_name` maps them."""
+        self.vision_tower.hf_weights(w, "vision_tower")
+        load_children(self.multi_modal_projector, w, "multi_modal_projector")
+        self.language_model.hf_weights(w, "language_model.model", "language_model.lm_head.weight")
 
 
 @dataclass
@@ -152,15 +196,10 @@ class Mistral3Family(Family):
     break_token: str = "[IMG_BREAK]"
     end_token: str = "[IMG_END]"
     limits: Mistral3Limits = field(default_factory=Mistral3Limits)
-    attn_impl: str = "auto"
 
     @property
     def name(self) -> str:
         return self.cfg.model_type
-
-    @property
-    def text_model(self) -> TextModel:
-        return self.cfg.text_model
 
     @property
     def image_token_id(self) -> int:
@@ -241,14 +280,10 @@ class Mistral3Family(Family):
     def _packing(self) -> "_Packing":
         return _Packing(self.cfg.vision.patch_dim, self.cfg.merge_size)
 
-    def encode(self, params: dict, packed: tuple) -> jax.Array:
-        """The compiled encode step: packed (patches, pos_hw, segment_ids, segment_ids) -> LLM
-        tokens [n_pad / merge**2, text_hidden]."""
-        return encode_packed(params, self.cfg, packed, self.attn_impl)
-
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """Pack images (in order) into as few calls as the per-call patch budget allows, each
-        padded up the patch ladder (`max_batch` does not apply: packing is by patches)."""
+        padded up the patch ladder (`max_batch` does not apply: packing is by patches; one
+        packed group a call whatever `shards`). The model's `encode` is the compiled step."""
         ladder, cap = self.encode_ladder, max(self.limits.max_encode_patches, self.encode_ladder[-1])
         groups, cur, n = [], [], 0
         for im in images:
@@ -268,7 +303,7 @@ class Mistral3Family(Family):
             calls.append(EncodeCall((packed.n_pad,), packed.arrays(), lambda f, packed=packed: unpack_features(packed, f)))
         return calls
 
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         return [EncodeCall((n,), self.dummy_packed(n), list) for n in self.encode_ladder]
 
     def dummy_packed(self, n_pad: int) -> tuple:
@@ -290,10 +325,9 @@ def _processor_config(path: Path) -> dict:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[Mistral3Family, dict]:
-    """config.json + safetensors + PixtralProcessor config -> (family, numpy params)."""
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[Mistral3Family, Mistral3Model, TensorSource]:
+    """config.json + PixtralProcessor config -> (family, the abstract model, its tensors)."""
     cfg = Mistral3Config.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, normalize_name), cfg)
     ipc = find_image_processor_config(path)
     kind = str(ipc.get("image_processor_type", ""))
     if not kind.startswith("PixtralImageProcessor"):
@@ -310,4 +344,5 @@ def load(path: Path, hf_cfg: dict) -> tuple[Mistral3Family, dict]:
     policy = PixtralImagePolicy.from_config(ipc, cfg.patch)
     strings = {k: proc[f] for k, f in (("image_token", "image_token"), ("break_token", "image_break_token"),
                                        ("end_token", "image_end_token")) if proc.get(f)}
-    return Mistral3Family(cfg, policy, **strings), params
+    return (Mistral3Family(cfg, policy, **strings), build(lambda: Mistral3Model(cfg, dtype)),
+            TensorSource(path, normalize_name))

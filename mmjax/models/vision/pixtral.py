@@ -1,31 +1,38 @@
-"""The Pixtral vision tower (PixtralVisionModel, Pixtral-12B / Mistral Small 3.x) as pure functions.
+"""The Pixtral vision tower (PixtralVisionModel, Pixtral-12B / Mistral Small 3.x) as an nnx module.
 
-Images at their native size (patch multiples) -> Conv2d patch embed (one matmul over flattened
-(C, p, p) patches, no bias) -> RMSNorm `ln_pre` -> pre-norm blocks (RMSNorm eps 1e-5, bias-free
-q/k/v/o attention with 2-D axial RoPE over each patch's (row, col), gated MLP) -> the hidden
-states the family's `vision_feature_layer` selects.
+Images at their native size (patch multiples) -> `patch_conv` (the Conv2d patch embed as one
+matmul over flattened (C, p, p) patches, no bias) -> RMSNorm `ln_pre` -> pre-norm blocks
+`transformer.layers[i]` (RMSNorm eps 1e-5 `attention_norm` / `ffn_norm`, bias-free `attention`
+with 2-D axial RoPE over each patch's (row, col), gated `feed_forward`) -> the hidden state the
+family's `vision_feature_layer` selects (only the blocks up to it are built and loaded).
 
-Packed encoding reuses Qwen2-VL's machinery (models/vision/qwen2_vl.py): any set of images is
-one padded patch sequence with one attention segment per image (block-diagonal attention, HF's
+Module tree as transformers' (fused where documented): `patch_conv`, `ln_pre`,
+`transformer.layers[i].{attention_norm, attention.{qkv_proj (HF q_proj|k_proj|v_proj fused),
+o_proj}, ffn_norm, feed_forward.{gate_up_proj (HF gate_proj|up_proj fused), down_proj}}`.
+
+Packed encoding (the family's, Qwen2-VL's host packing): any set of images is one padded patch
+sequence with one attention segment per image (block-diagonal attention, HF's
 `generate_block_attention_mask`), padded up a patch ladder. Patches are laid out merge-block
-major (`patch_positions`), so the Mistral 3 patch merger is a plain reshape; the order inside the
-tower does not matter (attention is bidirectional inside an image and positions are explicit).
+major, so the Mistral 3 patch merger is a plain reshape; the order inside the tower does not
+matter (attention is bidirectional inside an image and positions are explicit).
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.attention import attention
-from mmjax.checkpoint import TensorSource, fused_linear, linear
 from mmjax.errors import CheckpointError, UnsupportedModelError
-from mmjax.models.layers import activation, cos_sin, dense, matmul, rms_norm
-from mmjax.models.vision.qwen2_vl import _rotate
+from mmjax.models.nn.linear import FusedLinear, Linear, Part, activation
+from mmjax.models.nn.mlp import GatedMLP
+from mmjax.models.nn.norm import RMSNorm
+from mmjax.models.nn.rope import apply_rope, cos_sin
+from mmjax.models.nn.weights import ignore_tail, load_children
 
 PIXTRAL_EPS = 1e-5  # HF hard-codes eps=1e-5 for ln_pre and every block norm
 
@@ -80,29 +87,6 @@ class PixtralVisionConfig:
         return cfg
 
 
-def load_pixtral_params(src: TensorSource, cfg: PixtralVisionConfig, prefix: str, num_layers: int) -> dict:
-    """HF PixtralVisionModel weights (the first `num_layers` blocks; later ones are ignored) ->
-    {"patch_embed": [C*p*p, width], "ln_pre", "blocks": [...]}."""
-    w, i = cfg.hidden_size, cfg.intermediate_size
-    conv = src.take(f"{prefix}patch_conv.weight", (w, cfg.num_channels, cfg.patch_size, cfg.patch_size))
-    blocks = []
-    for n in range(num_layers):
-        bp = f"{prefix}transformer.layers.{n}."
-        blocks.append({
-            "attention_norm": src.take(bp + "attention_norm.weight", (w,)),
-            "qkv": fused_linear(src, [bp + f"attention.{x}_proj" for x in "qkv"], w, [w, w, w], False),
-            "o": linear(src, bp + "attention.o_proj", w, w, False),
-            "ffn_norm": src.take(bp + "ffn_norm.weight", (w,)),
-            "gate_up": fused_linear(src, [bp + "feed_forward.gate_proj", bp + "feed_forward.up_proj"], w, [i, i],
-                                    False),
-            "down": linear(src, bp + "feed_forward.down_proj", i, w, False),
-        })
-    for n in range(num_layers, cfg.num_layers):  # blocks past the feature layer never run
-        src.ignore(re.escape(f"{prefix}transformer.layers.{n}.") + ".*")
-    return {"patch_embed": np.ascontiguousarray(conv.reshape(w, -1).T),
-            "ln_pre": src.take(f"{prefix}ln_pre.weight", (w,)), "blocks": blocks}
-
-
 def pixtral_inv_freq(cfg: PixtralVisionConfig) -> tuple[np.ndarray, np.ndarray]:
     """(row freqs, col freqs) [head_dim // 4] each: the head_dim / 2 RoPE frequencies of the full
     head, even ones for rows and odd ones for columns (HF's compute_axial_rope_parameters)."""
@@ -118,34 +102,78 @@ def pixtral_rope(cfg: PixtralVisionConfig, pos_hw: jax.Array) -> tuple[jax.Array
     fr, fc = pixtral_inv_freq(cfg)
     pos = pos_hw.astype(jnp.float32)
     hw = jnp.concatenate([pos[:, :1] * jnp.asarray(fr), pos[:, 1:] * jnp.asarray(fc)], axis=-1)  # [N, hd/2]
-    emb = jnp.concatenate([hw, hw], axis=-1)
-    return cos_sin(emb)
+    return cos_sin(jnp.concatenate([hw, hw], axis=-1))
 
 
-def pixtral_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
-                  cfg: PixtralVisionConfig, impl: str) -> jax.Array:
-    """One pre-norm block over the packed sequence x [N, width]; segment_ids [N] (-1 = padding)."""
-    n, w = x.shape
-    heads, hd = cfg.num_heads, cfg.head_dim
-    h = rms_norm(p["attention_norm"], x, PIXTRAL_EPS)
-    qkv = dense(p["qkv"], h).reshape(n, 3, heads, hd)
-    q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-    attn = attention(q[None], k[None], v[None], segment_ids=segment_ids[None], impl=impl)
-    x = x + dense(p["o"], attn.reshape(n, w))
-    h = rms_norm(p["ffn_norm"], x, PIXTRAL_EPS)
-    gu = dense(p["gate_up"], h)
-    h = activation(cfg.hidden_act)(gu[:, :cfg.intermediate_size]) * gu[:, cfg.intermediate_size:]
-    return x + dense(p["down"], h)
+class PixtralAttention(nnx.Module):
+    """Bias-free full attention inside each image's segment: `qkv_proj` (HF's q_proj / k_proj /
+    v_proj fused), RoPE on q and k, `o_proj`."""
+
+    def __init__(self, cfg: PixtralVisionConfig, dtype=jnp.float32):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.head_dim = cfg.num_heads, hd
+        self.qkv_proj = FusedLinear(d, tuple(Part(f"{n}_proj", d, "vision_heads", hd) for n in "qkv"), dtype=dtype)
+        self.o_proj = Linear(d, d, dtype=dtype, axes=("vision_heads", "embed"))
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], segment_ids: jax.Array) -> jax.Array:
+        """x [N, width] (the packed sequence), rope (cos, sin) [N, head_dim], segment_ids [N]
+        (-1 = padding) -> [N, width]."""
+        n, w = x.shape
+        q, k, v = (y.reshape(1, n, self.num_heads, self.head_dim) for y in self.qkv_proj(x))
+        cos, sin = (t[None] for t in rope)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(attention(q, k, v, segment_ids=segment_ids[None]).reshape(n, w))
+
+    def hf_weights(self, w, name: str) -> None:
+        self.qkv_proj.hf_weights(w, f"{name}.")
+        self.o_proj.hf_weights(w, f"{name}.o_proj")
 
 
-def pixtral_hidden_state(params: dict, cfg: PixtralVisionConfig, patches: jax.Array, pos_hw: jax.Array,
-                         segment_ids: jax.Array, layer: int, *, impl: str = "auto") -> jax.Array:
-    """Packed patches [N, C*p*p], pos_hw [N, 2], segment_ids [N] (-1 = padding) -> HF's
-    hidden_states[layer] [N, width] (0 = ln_pre output, i = after block i; blocks past `layer`
-    are not run)."""
-    x = matmul(patches.astype(params["patch_embed"].dtype), params["patch_embed"])
-    x = rms_norm(params["ln_pre"], x, PIXTRAL_EPS)
-    cos, sin = pixtral_rope(cfg, pos_hw)
-    for blk in params["blocks"][:layer]:
-        x = pixtral_block(blk, x, cos, sin, segment_ids, cfg, impl)
-    return x
+class PixtralAttentionLayer(nnx.Module):
+    """One pre-norm block: attention_norm, attention, ffn_norm, feed_forward."""
+
+    def __init__(self, cfg: PixtralVisionConfig, dtype=jnp.float32):
+        d = cfg.hidden_size
+        self.attention_norm = RMSNorm(d, PIXTRAL_EPS, dtype=dtype)
+        self.attention = PixtralAttention(cfg, dtype)
+        self.ffn_norm = RMSNorm(d, PIXTRAL_EPS, dtype=dtype)
+        self.feed_forward = GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, axis="vision_mlp", dtype=dtype)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], segment_ids: jax.Array) -> jax.Array:
+        x = x + self.attention(self.attention_norm(x), rope, segment_ids)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class PixtralTransformer(nnx.Module):
+    def __init__(self, cfg: PixtralVisionConfig, num_layers: int, dtype=jnp.float32):
+        self.layers = nnx.List([PixtralAttentionLayer(cfg, dtype) for _ in range(num_layers)])
+
+
+class PixtralVisionModel(nnx.Module):
+    """PixtralVisionModel cut after `num_layers` blocks (the feature layer: HF's
+    hidden_states[num_layers], 0 = the ln_pre output); the blocks past it never reach the
+    output and are not built (their tensors are read past)."""
+
+    def __init__(self, cfg: PixtralVisionConfig, num_layers: int, dtype=jnp.float32):
+        self.config = cfg
+        self.patch_conv = Linear(cfg.patch_dim, cfg.hidden_size, dtype=dtype, quantize=False)
+        self.ln_pre = RMSNorm(cfg.hidden_size, PIXTRAL_EPS, dtype=dtype)
+        self.transformer = PixtralTransformer(cfg, num_layers, dtype)
+
+    def __call__(self, patches: jax.Array, pos_hw: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """Packed patches [N, C*p*p], pos_hw [N, 2], segment_ids [N] (-1 = padding) -> the
+        hidden state after the last built block [N, width]."""
+        x = self.ln_pre(self.patch_conv(patches.astype(self.patch_conv.kernel.get_value().dtype)))
+        rope = pixtral_rope(self.config, pos_hw)
+        for layer in self.transformer.layers:
+            x = layer(x, rope, segment_ids)
+        return x
+
+    def hf_weights(self, w, name: str) -> None:
+        cfg = self.config
+        d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
+        conv = w.take(f"{name}.patch_conv.weight", (d, c, p, p))    # [out, C, ph, pw] -> [C*ph*pw, out]
+        w.set(self.patch_conv.kernel, np.ascontiguousarray(conv.reshape(d, -1).T), matmul=True)
+        self.ln_pre.hf_weights(w, f"{name}.ln_pre")
+        load_children(self.transformer, w, f"{name}.transformer")
+        ignore_tail(w, f"{name}.transformer", len(self.transformer.layers))
