@@ -20,7 +20,7 @@ import torch
 import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import ContextLengthError
-from mmjax.models.text.moe import experts_forward, gemma4_route
+from mmjax.models.nn.moe import experts_forward, gemma4_route
 from tiny_gemma4 import hf_image_features, hf_inputs, load_processor
 
 VARIANTS = ("dense", "moe")
@@ -70,9 +70,13 @@ def test_config_weights_and_dispatch(pair):
         assert cfg.moe == (4, 2, 24) and cfg.ple_size == 0
     # tied embeddings as transformers saves them: no lm_head tensor, the head is the embedding
     from safetensors import safe_open
-    with safe_open(str(vlm.model.path / "model.safetensors"), "np") as f:
+    with safe_open(str(vlm.loaded.path / "model.safetensors"), "np") as f:
         assert not any("lm_head" in k for k in f.keys())
-    np.testing.assert_array_equal(np.asarray(vlm.params["text"]["lm_head"]), np.asarray(vlm.params["text"]["embed"]).T)
+    from mmjax.packed_weights import PackedWeight
+    lm = vlm.model.language_model
+    head = lm.lm_head.kernel.get_value()
+    head = head.unpack() if isinstance(head, PackedWeight) else head
+    np.testing.assert_array_equal(np.asarray(head), np.asarray(lm.embed_tokens.embedding.get_value()).T)
 
 
 def test_config_errors_name_the_field(gemma4_dirs):
@@ -328,7 +332,7 @@ def test_fastv_prune_with_per_layer_inputs_and_shared_kv(gemma4_dirs):
     from mmjax.errors import InvalidRequestError
     from mmjax.research import Prune
     vlm = mmjax.load(gemma4_dirs["dense"], prefill_chunk=128, **ENGINE)
-    assert vlm.family.text_model.max_prune_layer == 0
+    assert vlm.model.language_model.max_prune_layer == 0
     img = noise_image(73, 48, 40)
     check_prune(vlm, ONE, img, layer=0)
     with pytest.raises(InvalidRequestError, match="Prune.layer"):

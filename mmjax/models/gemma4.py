@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mmjax.buckets import bucket_for, pow2_ladder
@@ -29,11 +30,11 @@ from mmjax.errors import CheckpointError, ContextLengthError, UnsupportedModelEr
 from mmjax.image.decode import pixel_hash
 from mmjax.image.gemma4 import Gemma4ImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
 from mmjax.models.hf_config import require
-from mmjax.models.text import TextModel
-from mmjax.models.text.gemma4 import Gemma4TextConfig, Gemma4TextModel
-from mmjax.models.vision.gemma4 import Gemma4VisionConfig, encode, load_vision_params
+from mmjax.models.nn.weights import build, load_children
+from mmjax.models.text.gemma4 import Gemma4TextConfig
+from mmjax.models.vision.gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionConfig, Gemma4VisionModel
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,29 @@ class Gemma4Config:
         return cls(vision=vision, text=text, has_audio=bool(cfg.get("audio_config")), **ids)
 
 
-def load_params(src: TensorSource, cfg: Gemma4Config) -> dict:
-    """HF names (model.vision_tower.*, model.embed_vision.*, model.language_model.*) -> params;
-    the lm_head is the tied embedding unless the file holds one. Audio weights are skipped."""
-    params = {"vision": load_vision_params(src, cfg.vision),
-              "text": Gemma4TextModel(cfg.text).load_params(src)}
-    src.ignore(r"model\.(audio_tower|embed_audio)\..*")
-    src.check_all_used()
-    return params
+class Gemma4Model(VisionLanguageModel):
+    """Gemma4ForConditionalGeneration, images: vision_tower (Gemma4VisionModel), embed_vision
+    (Gemma4MultimodalEmbedder), language_model (the decoder with its lm_head). HF names:
+    model.vision_tower.*, model.embed_vision.*, model.language_model.*, lm_head (the tied
+    embedding unless the file holds one); audio weights are skipped."""
+
+    def __init__(self, cfg: Gemma4Config, dtype=jnp.float32):
+        self.config = cfg
+        self.vision_tower = Gemma4VisionModel(cfg.vision, dtype)
+        self.embed_vision = Gemma4MultimodalEmbedder(cfg.vision.hidden_size, cfg.text.hidden_size,
+                                                     cfg.vision.rms_norm_eps, dtype)
+        self.language_model = cfg.text.build(dtype)
+
+    def encode(self, inputs: tuple, impl: str = "auto") -> jax.Array:
+        """(patches [B, P, 3*p*p], positions [B, P, 2]) -> soft tokens [B, P / k**2, text_hidden]."""
+        pixels, pos = inputs
+        return self.embed_vision(self.vision_tower(pixels, pos, impl)).astype(self.embed_dtype)
+
+    def hf_weights(self, w, name: str = "") -> None:
+        self.vision_tower.hf_weights(w, "model.vision_tower")
+        load_children(self.embed_vision, w, "model.embed_vision")
+        self.language_model.hf_weights(w, "model.language_model", "lm_head.weight")
+        w.ignore(r"model\.(audio_tower|embed_audio)\..*")
 
 
 def _token_strings(path: Path, ids: list[int]) -> list[str]:
@@ -97,10 +113,6 @@ class Gemma4Family(Family):
     eoi_token: str
     attn_impl: str = "auto"
     name: str = "gemma4"
-
-    @property
-    def text_model(self) -> TextModel:
-        return Gemma4TextModel(self.cfg.text)
 
     @property
     def image_token_id(self) -> int:
@@ -162,10 +174,9 @@ class Gemma4Family(Family):
         m = self.policy.max_soft_tokens
         return tuple(sorted({-(-m // 4), -(-m // 2), m}))
 
-    def encode(self, params: dict, inputs: tuple) -> jax.Array:
+    def encode(self, model: Gemma4Model, inputs: tuple) -> jax.Array:
         """(patches [B, P, 3*p*p], positions [B, P, 2]) -> soft tokens [B, P / k**2, text_hidden]."""
-        pixels, pos = inputs
-        return encode(params["vision"], self.cfg.vision, pixels, pos, self.attn_impl)
+        return model.encode(inputs, self.attn_impl)
 
     def _call(self, images: list[ImageInput], rung: int, batch: int) -> EncodeCall:
         k2 = self.policy.pooling_kernel_size ** 2
@@ -182,7 +193,7 @@ class Gemma4Family(Family):
         counts = [self.encoder_tokens(im) for im in images]
         return EncodeCall((batch, p), (pix, pos), lambda f, counts=counts: [f[i, :c] for i, c in enumerate(counts)])
 
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """Group images by soft-token rung (in order within a rung), batches of at most
         max_batch padded up the power-of-two ladder; the split restores the input order."""
         ladder, batches = self.token_ladder, pow2_ladder(1, max_batch)
@@ -204,7 +215,7 @@ class Gemma4Family(Family):
         # the runner concatenates the calls' splits in call order: the last call puts them back
         return _reordered(calls, order)
 
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         k2 = self.policy.pooling_kernel_size ** 2
         out = []
         for rung in self.token_ladder:
@@ -237,10 +248,9 @@ def _reordered(calls: list[EncodeCall], order: list[int]) -> list[EncodeCall]:
     return out
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[Gemma4Family, dict]:
-    """config.json + safetensors + processor config -> (family, numpy params)."""
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[Gemma4Family, Gemma4Model, TensorSource]:
+    """config.json + processor config -> (family, the abstract model, its tensors)."""
     cfg = Gemma4Config.from_hf(hf_cfg)
-    params = load_params(TensorSource(path), cfg)
     ipc = find_image_processor_config(path)
     kind = str(ipc.get("image_processor_type", ""))
     if not kind.startswith("Gemma4ImageProcessor"):
@@ -257,4 +267,5 @@ def load(path: Path, hf_cfg: dict) -> tuple[Gemma4Family, dict]:
                               f"{policy.max_soft_tokens * policy.pooling_kernel_size} patches, over the vision "
                               f"position table ({v.position_embedding_size})", param="max_soft_tokens")
     image, boi, eoi = _token_strings(path, [cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id])
-    return Gemma4Family(cfg, policy, image_token=image, boi_token=boi, eoi_token=eoi), params
+    return (Gemma4Family(cfg, policy, image_token=image, boi_token=boi, eoi_token=eoi),
+            build(lambda: Gemma4Model(cfg, dtype)), TensorSource(path))
