@@ -12,6 +12,12 @@ map is over `anyres_max_N` tiles' worth, one `image_newline` after every row, th
 features first. An overview-only image (detail "low", `max_tiles=0`, OneVision multi-image
 prompts) is the overview's features + one newline, HF's one-view branch.
 
+Module tree (`LlavaNextModel`, transformers' names): `vision_tower` (CLIP, vision/clip.py, or
+SigLIP, vision/siglip.py; built up to the deepest feature layer), `multi_modal_projector`
+(linear_1, linear_2), `image_newline` [text_hidden], `language_model` (the decoder with its
+lm_head). The encode step returns each view's projected features followed by one row holding
+`image_newline` (so the host layout step reads the live model's newline).
+
 The prompt's `<image>` placeholder becomes `num_tokens` image tokens (as LLaVA-1.5); positions
 are 1-D; the text model is Llama / Mistral / Qwen2 (models/text/llama.py).
 """
@@ -31,13 +37,16 @@ from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestErro
 from mmjax.image.anyres import AnyresGrid, AnyresImagePolicy
 from mmjax.image.decode import pixel_hash
 from mmjax.image.processors import digest, find_image_processor_config
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
 from mmjax.models.hf_config import require, tie_word_embeddings
-from mmjax.models.llava import feature_layer_indices, image_token, normalize_name as llava_normalize_name
-from mmjax.models.text import TextModel, text_model_for
-from mmjax.models.vision.clip import ClipVisionConfig, clip_hidden_states, load_clip_params
-from mmjax.models.vision.projector import load_projector_params, project
-from mmjax.models.vision.siglip import SiglipVisionConfig, load_siglip_params, siglip_hidden_states
+from mmjax.models.llava import (feature_layer_indices, image_token, normalize_name as llava_normalize_name,
+                                vision_layers_needed)
+from mmjax.models.nn.linear import param
+from mmjax.models.nn.weights import build
+from mmjax.models.text import text_config
+from mmjax.models.vision.clip import ClipVisionConfig, ClipVisionModel
+from mmjax.models.vision.projector import LlavaMultiModalProjector
+from mmjax.models.vision.siglip import SiglipVisionConfig, SiglipVisionModel
 
 _ONEVISION = "llava_onevision"
 
@@ -45,7 +54,7 @@ _ONEVISION = "llava_onevision"
 @dataclass(frozen=True)
 class LlavaNextConfig:
     vision: ClipVisionConfig | SiglipVisionConfig
-    text_model: TextModel
+    text: object            # the decoder's config (models/text)
     image_token_id: int
     vision_feature_layers: tuple[int, ...]
     select_strategy: str
@@ -64,7 +73,7 @@ class LlavaNextConfig:
         tie = tie_word_embeddings(cfg, text_cfg)
         if onevision:   # LlavaOnevisionConfig also ties when only the text config says so
             tie = tie or bool(text_cfg.get("tie_word_embeddings", False))
-        text = text_model_for(text_cfg, "text_config", tie_word_embeddings=tie)
+        text = text_config(text_cfg, "text_config", tie_word_embeddings=tie)
         vcfg = dict(require(cfg, "vision_config", "config"))
         vcfg.setdefault("model_type", "siglip_vision_model" if onevision else "clip_vision_model")
         if vcfg["model_type"] in ("siglip_vision_model", "siglip"):
@@ -102,14 +111,10 @@ class LlavaNextConfig:
                 raise UnsupportedModelError(f"config.json: vision_aspect_ratio={ar!r} is not supported "
                                             "(anyres_max_N)", param="vision_aspect_ratio")
             max_patches = int(m.group(1))
-        return cls(vision=vision, text_model=text, image_token_id=int(token), vision_feature_layers=layers,
+        return cls(vision=vision, text=text, image_token_id=int(token), vision_feature_layers=layers,
                    select_strategy=strategy, pinpoints=tuple((int(h), int(w)) for h, w in pins),
                    max_patches=max_patches, projector_act=cfg.get("projector_hidden_act", "gelu"),
                    projector_bias=bool(cfg.get("multimodal_projector_bias", True)), model_type=mt)
-
-    @property
-    def text(self):
-        return self.text_model.cfg
 
     @property
     def side(self) -> int:
@@ -124,39 +129,47 @@ def normalize_name(name: str) -> str:
     return llava_normalize_name(name)
 
 
-def load_params(src: TensorSource, cfg: LlavaNextConfig) -> tuple[dict, np.ndarray]:
-    """Checkpoint tensors -> (numpy params {"vision", "projector", "text"}, image_newline [hidden])."""
-    needed = max(feature_layer_indices(cfg))
-    if isinstance(cfg.vision, SiglipVisionConfig):
-        vision = load_siglip_params(src, cfg.vision, "vision_tower.")
-        vision["layers"] = vision["layers"][:needed]   # blocks after the feature layer never count
-        src.ignore(r"vision_tower\.(encoder\.layers\.\d+|post_layernorm)\..*")
-    else:
-        vision = load_clip_params(src, cfg.vision, "vision_tower.", needed)
-    d_text = cfg.text_model.hidden_size
-    params = {
-        "vision": vision,
-        "projector": load_projector_params(src, "multi_modal_projector.",
-                                           cfg.vision.hidden_size * len(cfg.vision_feature_layers), d_text,
-                                           cfg.projector_bias),
-        "text": cfg.text_model.load_params(src, "language_model.model.", "language_model.lm_head.weight"),
-    }
-    newline = np.asarray(src.take("image_newline", (d_text,)), np.float32)
-    src.check_all_used()
-    return params, newline
+class LlavaNextModel(VisionLanguageModel):
+    """LlavaNextForConditionalGeneration / LlavaOnevisionForConditionalGeneration (images):
+    vision_tower (CLIP or SigLIP, cut after the deepest feature layer), multi_modal_projector,
+    image_newline, language_model (the decoder with its lm_head)."""
 
+    def __init__(self, cfg: LlavaNextConfig, dtype=jnp.float32):
+        self.config = cfg
+        needed = vision_layers_needed(cfg)
+        if isinstance(cfg.vision, SiglipVisionConfig):
+            self.vision_tower = SiglipVisionModel(cfg.vision, needed, post_layernorm=False, dtype=dtype)
+        else:
+            self.vision_tower = ClipVisionModel(cfg.vision, needed, dtype)
+        self.multi_modal_projector = LlavaMultiModalProjector(
+            cfg.vision.hidden_size * len(cfg.vision_feature_layers), cfg.text.hidden_size, act=cfg.projector_act,
+            bias=cfg.projector_bias, dtype=dtype)
+        self.image_newline = param((cfg.text.hidden_size,), dtype, ("embed",))
+        self.language_model = cfg.text.build(dtype)
 
-def encode_tiles(params: dict, pixels: jax.Array, cfg: LlavaNextConfig) -> jax.Array:
-    """pixels [tiles, S, S, 3] -> projected features [tiles, side*side, text_hidden] (the vision
-    feature layer(s), the CLS token dropped for "default", the projector)."""
-    if isinstance(cfg.vision, SiglipVisionConfig):
-        states = siglip_hidden_states(params["vision"], pixels, cfg.vision)
-    else:
-        states = clip_hidden_states(params["vision"], pixels, cfg.vision)
-    feats = jnp.concatenate([states[i] for i in feature_layer_indices(cfg)], axis=-1)
-    if cfg.select_strategy == "default":
-        feats = feats[:, 1:]
-    return project(params["projector"], feats, cfg.projector_act).astype(params["text"]["embed"].dtype)
+    def encode(self, pixels: jax.Array) -> jax.Array:
+        """pixels [views, S, S, 3] -> [views, side*side + 1, text_hidden]: each view's projected
+        features (the vision feature layer(s), the CLS token dropped for "default", the
+        projector), then `image_newline` (read by the host layout step, `pack_features`)."""
+        cfg = self.config
+        if isinstance(cfg.vision, SiglipVisionConfig):
+            states = self.vision_tower.hidden_states(pixels)
+        else:
+            states = self.vision_tower(pixels)
+        feats = jnp.concatenate([states[i] for i in feature_layer_indices(cfg)], axis=-1)
+        if cfg.select_strategy == "default":
+            feats = feats[:, 1:]
+        feats = self.multi_modal_projector(feats).astype(self.embed_dtype)
+        newline = self.image_newline.get_value().astype(feats.dtype)
+        return jnp.concatenate([feats, jnp.broadcast_to(newline, (feats.shape[0], 1, feats.shape[-1]))], axis=1)
+
+    def hf_weights(self, w, name: str = "") -> None:
+        """Tensor names as `normalize_name` maps them."""
+        self.vision_tower.hf_weights(w, "vision_tower")
+        self.multi_modal_projector.linear_1.hf_weights(w, "multi_modal_projector.linear_1")
+        self.multi_modal_projector.linear_2.hf_weights(w, "multi_modal_projector.linear_2")
+        w.set(self.image_newline, w.take("image_newline", (self.config.text.hidden_size,)))
+        self.language_model.hf_weights(w, "language_model.model", "language_model.lm_head.weight")
 
 
 def bilinear_resize(x: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
@@ -172,12 +185,13 @@ def bilinear_resize(x: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
     return top[:, x0] * (1 - lx)[None, :, None] + top[:, x1] * lx[None, :, None]
 
 
-def pack_features(views: np.ndarray, grid: AnyresGrid, newline: np.ndarray) -> np.ndarray:
-    """One image's view features [1 + tiles, side*side, d] -> its LLM tokens [num_tokens, d]
-    (HF's pack_image_features; host float32, cast back to the features' dtype)."""
+def pack_features(views: np.ndarray, grid: AnyresGrid) -> np.ndarray:
+    """One image's encode outputs [1 + tiles, side*side + 1, d] (each view's features, then the
+    image_newline row) -> its LLM tokens [num_tokens, d] (HF's pack_image_features; host
+    float32, cast back to the features' dtype)."""
     dtype, d, s = views.dtype, views.shape[-1], grid.side
-    v = views.astype(np.float32)
-    nl = newline.astype(np.float32)[None]
+    v = views[:, :-1].astype(np.float32)
+    nl = views[0, -1:].astype(np.float32)
     if not grid.tiles:
         return np.concatenate([v[0], nl]).astype(dtype)
     fmap = v[1:].reshape(grid.rows, grid.cols, s, s, d).transpose(0, 2, 1, 3, 4).reshape(grid.rows * s,
@@ -202,13 +216,8 @@ class LlavaNextFamily(Family):
     """A loaded LLaVA-NeXT / LLaVA-OneVision model (see the module docstring)."""
     cfg: LlavaNextConfig
     policy: AnyresImagePolicy
-    newline: np.ndarray                   # image_newline [text_hidden] float32 (host layout step)
     image_token: str = "<image>"
     name: str = "llava_next"
-
-    @property
-    def text_model(self) -> TextModel:
-        return self.cfg.text_model
 
     @property
     def image_token_id(self) -> int:
@@ -261,14 +270,12 @@ class LlavaNextFamily(Family):
         return ImageOptions() if cap == grids[-1][0] else ImageOptions(max_tiles=cap)
 
     # ---- encode -------------------------------------------------------------------------------
-    def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
-        """pixels [tiles, S, S, 3] -> [tiles, side*side, text_hidden]."""
-        return encode_tiles(params, pixels, self.cfg)
-
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """All images' views in order, cut into calls of `max_batch` views (an image may span
-        calls), each padded up the power-of-two ladder (repeating its last view). A call's
-        split returns the images whose last view it holds, laid out (`pack_features`)."""
+        calls), each padded up the power-of-two ladder (repeating its last view; the runner
+        splits a call's views over its `shards` devices). A call's split returns the images
+        whose last view it holds, laid out (`pack_features`). The model's `encode` is the
+        compiled step."""
         ladder = pow2_ladder(1, max_batch)
         views = [im.pixels for im in images]
         ends = np.cumsum([len(v) for v in views])
@@ -291,7 +298,7 @@ class LlavaNextFamily(Family):
                 if first >= last:
                     return []
                 allv = np.concatenate(done) if len(done) > 1 else done[0]
-                return [pack_features(allv[ends[i] - len(views[i]):ends[i]], grids[i], self.newline)
+                return [pack_features(allv[ends[i] - len(views[i]):ends[i]], grids[i])
                         for i in range(first, last)]
             calls.append(EncodeCall((b,) + part.shape[1:], part, split))
         return calls
@@ -306,16 +313,15 @@ class LlavaNextFamily(Family):
             layout = AnyresGrid(0, 0, self.cfg.side)
         return layout
 
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         size = self.cfg.vision.image_size
         return [EncodeCall((b, size, size, 3), np.zeros((b, size, size, 3), np.float32), list)
                 for b in pow2_ladder(1, max_batch)]
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[LlavaNextFamily, dict]:
-    """config.json + safetensors + image processor config -> (family, numpy params)."""
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[LlavaNextFamily, LlavaNextModel, TensorSource]:
+    """config.json + image processor config -> (family, the abstract model, its tensors)."""
     cfg = LlavaNextConfig.from_hf(hf_cfg)
-    params, newline = load_params(TensorSource(path, normalize_name), cfg)
     ipc = find_image_processor_config(path)
     kind = str(ipc.get("image_processor_type", ""))
     want = "LlavaOnevisionImageProcessor" if cfg.model_type == _ONEVISION else "LlavaNextImageProcessor"
@@ -329,4 +335,5 @@ def load(path: Path, hf_cfg: dict) -> tuple[LlavaNextFamily, dict]:
     if set(policy.pinpoints) != set(cfg.pinpoints):
         raise CheckpointError("image processor image_grid_pinpoints differ from config.json's",
                               param="image_grid_pinpoints")
-    return LlavaNextFamily(cfg, policy, newline, image_token=image_token(path), name=cfg.model_type), params
+    return (LlavaNextFamily(cfg, policy, image_token=image_token(path), name=cfg.model_type),
+            build(lambda: LlavaNextModel(cfg, dtype)), TensorSource(path, normalize_name))
