@@ -15,12 +15,13 @@ import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import InvalidRequestError, UnsupportedModelError
 from mmjax.models.mllama import MllamaFamily
-from mmjax.models.text.mllama import forward_full, span_key_mask
+from mmjax.models.text.mllama import span_key_mask
 from mmjax.serving.caches import EncoderCache
 from tiny_mllama import hf_processor
 
@@ -63,7 +64,6 @@ def test_pixels_features_and_logits(pair):
     fam = vlm.family
     assert type(fam) is MllamaFamily and fam.cross_attention
     v = fam.cfg.vision
-    params = jax.tree.map(jax.numpy.asarray, vlm.params)
     imgs = [noise_image(seed, w, h) for seed, (w, h) in enumerate(SIZES)]
     inputs = [fam.prepare_image(img) for img in imgs]
     feats = vlm.engine.runner.encode_images(inputs)          # one call, four images
@@ -79,8 +79,9 @@ def test_pixels_features_and_logits(pair):
             ref = hf.model.multi_modal_projector(states)[0, 0].reshape(len(f), -1)
         worst = max(worst, rel_err(f, ref.numpy()))
     assert worst <= 1e-4
-    tcfg, d = fam.cfg.text, fam.cfg.text.base.hidden_size
-    full = jax.jit(lambda *a: forward_full(params["text"], tcfg, *a))
+    d = fam.cfg.text.base.hidden_size
+    graph, state = nnx.split(vlm.model.language_model)
+    full = jax.jit(lambda state, *a: nnx.merge(graph, state).forward_full(*a))
     logit_err = 0.0
     for i, prompt in enumerate(PROMPTS[1:]):   # (one image: the engine test below)
         imgs = [noise_image(10 + i * 2 + j, *SIZES[j]) for j in range(prompt.count("<|image|>"))]
@@ -97,7 +98,7 @@ def test_pixels_features_and_logits(pair):
             assert not mask[0].any()                       # text before the image sees none
         else:
             feats, mask = np.zeros((1, n_vis, d), np.float32), np.zeros((len(ids), n_vis), bool)
-        got = np.asarray(full(ids[None], feats, mask[None], np.asarray([bool(imgs)]))[0])
+        got = np.asarray(full(state, ids[None], feats, mask[None], np.asarray([bool(imgs)]))[0])
         assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4
         logit_err = max(logit_err, rel_err(got, ref))
     print(f"\n{name}: features rel {worst:.2e}, logits rel {logit_err:.2e}")
@@ -144,9 +145,9 @@ def test_engine_greedy_batched_and_caches(pair):
     other = vlm.generate([reqs[3]], sp)[0]
     assert other.cached_tokens == 0 and other.token_ids == refs[3][1]
     st = vlm.engine.stats()
-    tm = vlm.family.text_model
-    c = tm.cfg.base
-    per_slot = 2 * len(tm.cfg.cross_layers) * tm.n_vis * c.num_kv_heads * c.head_dim * 4
+    tm = vlm.engine.runner.text_model
+    c = tm.config.base
+    per_slot = 2 * len(tm.cross_layers) * tm.n_vis * c.num_kv_heads * c.head_dim * 4
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vlm.engine.runner.cache["cross"]))
     assert st["cross_attention_cache_bytes"] == held >= ENGINE["max_num_seqs"] * per_slot
     assert st["compiled_shapes"]["fill_cross"] == 1

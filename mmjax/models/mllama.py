@@ -1,7 +1,8 @@
-"""Llama 3.2 Vision (MllamaForConditionalGeneration): the family's pure pieces (config,
-weights, image preparation, encode plan, the encode step). The engine drives it
-through `Family.cross_attention`: it fills the text model's per-slot cross-attention cache
-once per request and passes each prefill token's image range.
+"""Llama 3.2 Vision (MllamaForConditionalGeneration): the family's pure pieces (config, image
+preparation, encode plan) and its module, `MllamaModel` (`vision_model` -> `multi_modal_projector`,
+and `language_model`, the decoder with its gated cross-attention layers). The engine drives it
+through `Family.cross_attention`: it fills the decoder's per-slot cross-attention cache once per
+request (`MllamaTextModel.fill_cross`) and passes each prefill token's image range.
 
 Images never enter the token sequence: each `<|image|>` is ONE token, and the decoder's
 cross-attention layers read the image's projected vision tokens (max_num_tiles * (patches + 1)
@@ -13,19 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mmjax.buckets import bucket_for, pow2_ladder
-from mmjax.checkpoint import TensorSource, linear
+from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.mllama import MllamaImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
 from mmjax.models.hf_config import require
-from mmjax.models.layers import matmul
-from mmjax.models.text.mllama import MllamaTextConfig, MllamaTextModel, load_text_params, packed_ranges
-from mmjax.models.vision.mllama import MllamaVisionConfig, load_mllama_vision_params, mllama_vision
+from mmjax.models.nn.linear import Linear
+from mmjax.models.nn.weights import build
+from mmjax.models.text.mllama import MllamaTextConfig, MllamaTextModel, packed_ranges
+from mmjax.models.vision.mllama import MllamaVisionConfig, MllamaVisionModel
+
+MAX_IMAGES = 2       # images per request the per-slot cross-attention cache holds
 
 
 @dataclass(frozen=True)
@@ -48,15 +53,6 @@ class MllamaConfig:
         return self.vision.max_num_tiles * self.vision.num_patches
 
 
-def load_params(src: TensorSource, cfg: MllamaConfig) -> dict:
-    d = cfg.text.base.hidden_size
-    params = {"vision": load_mllama_vision_params(src, cfg.vision, "vision_model."),
-              "projector": linear(src, "multi_modal_projector", cfg.vision.output_dim, d, True),
-              "text": load_text_params(src, cfg.text)}
-    src.check_all_used()
-    return params
-
-
 def normalize_name(name: str) -> str:
     """v5 in-memory names (`model.language_model.*`, `model.vision_model.*`, ...) -> the saved layout."""
     for old, new in (("model.language_model.", "language_model.model."), ("model.vision_model.", "vision_model."),
@@ -66,14 +62,31 @@ def normalize_name(name: str) -> str:
     return "language_model.lm_head.weight" if name == "lm_head.weight" else name
 
 
-def encode_images(params: dict, cfg: MllamaConfig, inputs: tuple) -> jax.Array:
-    """(tiles [n, max_tiles, S, S, 3], aspect-ratio ids [n], tile counts [n]) -> projected vision
-    tokens [n, max_tiles * (patches + 1), text_hidden] (HF's cross_attention_states per image)."""
-    tiles, ar_ids, n_tiles = inputs
-    states = mllama_vision(params["vision"], cfg.vision, tiles, ar_ids, n_tiles)
-    p = params["projector"]
-    x = matmul(states, p["w"]) + p["b"]
-    return x.reshape(x.shape[0], -1, x.shape[-1]).astype(params["text"]["embed"].dtype)
+class MllamaModel(VisionLanguageModel):
+    """MllamaForConditionalGeneration: vision_model (the tiled tower), multi_modal_projector (one
+    Linear, vision_output_dim -> text hidden), language_model (the decoder with its lm_head)."""
+
+    def __init__(self, cfg: MllamaConfig, dtype=jnp.float32):
+        self.config = cfg
+        d = cfg.text.base.hidden_size
+        self.vision_model = MllamaVisionModel(cfg.vision, dtype)
+        self.multi_modal_projector = Linear(cfg.vision.output_dim, d, bias=True, dtype=dtype,
+                                            axes=("embed", "vision_mlp"))
+        self.language_model = MllamaTextModel(cfg.text, MAX_IMAGES, cfg.vision_tokens_per_image,
+                                              cfg.vision.num_patches, dtype)
+
+    def encode(self, inputs: tuple) -> jax.Array:
+        """(tiles [n, max_tiles, S, S, 3], aspect-ratio ids [n], tile counts [n]) -> projected
+        vision tokens [n, max_tiles * (patches + 1), text_hidden] (HF's cross_attention_states per image)."""
+        tiles, ar_ids, n_tiles = inputs
+        x = self.multi_modal_projector(self.vision_model(tiles, ar_ids, n_tiles))
+        return x.reshape(x.shape[0], -1, x.shape[-1]).astype(self.embed_dtype)
+
+    def hf_weights(self, w, name: str = "") -> None:
+        """Tensor names as `normalize_name` maps them."""
+        self.vision_model.hf_weights(w, "vision_model")
+        self.multi_modal_projector.hf_weights(w, "multi_modal_projector")
+        self.language_model.hf_weights(w, "language_model.model", "language_model.lm_head.weight")
 
 
 @dataclass(eq=False)
@@ -83,12 +96,7 @@ class MllamaFamily(Family):
     image_token: str = "<|image|>"
     name: str = "mllama"
     feature_placement: str = "cross_attention"
-    max_images: int = 2        # images per request the per-slot cross-attention cache holds
-
-    @property
-    def text_model(self) -> MllamaTextModel:
-        v = self.cfg.vision
-        return MllamaTextModel(self.cfg.text, self.max_images, self.cfg.vision_tokens_per_image, v.num_patches)
+    max_images: int = MAX_IMAGES     # images per request the per-slot cross-attention cache holds
 
     def cross_ranges(self, ids: np.ndarray, images: list) -> np.ndarray:
         """Each prompt token's packed image range (HF's cross_attention_mask rule)."""
@@ -116,10 +124,7 @@ class MllamaFamily(Family):
         _, rows, cols = image.grid
         return self.policy.aspect_ratio_id(rows, cols)
 
-    def encode(self, params: dict, inputs: tuple) -> jax.Array:
-        return encode_images(params, self.cfg, inputs)
-
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """Whole images (all max_num_tiles tiles each) stacked into calls of at most max_batch,
         padded up the power-of-two ladder by repeating the last image."""
         ladder = pow2_ladder(1, max_batch)
@@ -134,16 +139,16 @@ class MllamaFamily(Family):
             calls.append(EncodeCall((b,), inputs, lambda f, n=len(part): list(f[:n])))
         return calls
 
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         v = self.cfg.vision
         return [EncodeCall((b,), (np.zeros((b, v.max_num_tiles, v.image_size, v.image_size, 3), np.float32),
                                   np.ones((b,), np.int32), np.ones((b,), np.int32)), list)
                 for b in pow2_ladder(1, max_batch)]
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[MllamaFamily, dict]:
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[MllamaFamily, MllamaModel, TensorSource]:
+    """config.json + image processor config -> (family, the abstract model, its tensors)."""
     cfg = MllamaConfig.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, normalize_name), cfg)
     ipc = find_image_processor_config(path)
     if not str(ipc.get("image_processor_type", "")).startswith("MllamaImageProcessor"):
         raise CheckpointError("mllama needs a MllamaImageProcessor", param="image_processor_type")
@@ -151,4 +156,4 @@ def load(path: Path, hf_cfg: dict) -> tuple[MllamaFamily, dict]:
     if policy.tile != cfg.vision.image_size or policy.max_image_tiles != cfg.vision.max_num_tiles:
         raise CheckpointError("image processor tile size / max_image_tiles do not match config.json",
                               param="max_image_tiles")
-    return MllamaFamily(cfg, policy), params
+    return MllamaFamily(cfg, policy), build(lambda: MllamaModel(cfg, dtype)), TensorSource(path, normalize_name)

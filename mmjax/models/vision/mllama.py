@@ -1,4 +1,4 @@
-"""The Llama 3.2 Vision (Mllama) vision tower as pure functions (HF's MllamaVisionModel).
+"""The Llama 3.2 Vision (Mllama) vision tower as Flax NNX modules (HF's MllamaVisionModel).
 
 Per image: max_num_tiles square tiles (absent ones zero) -> Conv2d patch embed -> gated
 pre-tile aspect-ratio embedding -> class token -> gated position + tile-position embedding ->
@@ -11,6 +11,14 @@ Attention mask (HF's _prepare_aspect_ratio_attention_mask, kept exactly): a key 
 query only when both are padding (padded patch positions or tiles beyond the image's tile
 count); real tokens attend to padding tokens too. Hence every image always runs with all
 max_num_tiles tiles, and features depend only on the image (fixed shape per image).
+
+Module tree (transformers' names): `patch_embedding` (the conv as a [c*p*p, d] matmul),
+`class_embedding`, `gated_positional_embedding` (`embedding`, `gate`, `tile_embedding`),
+`pre_tile_positional_embedding` / `post_tile_positional_embedding` (`embedding`, `gate`),
+`layernorm_pre`, `layernorm_post`, `transformer.layers[i]` and `global_transformer.layers[i]`
+(`input_layernorm`, `self_attn` (q_proj, k_proj, v_proj, o_proj), `post_attention_layernorm`,
+`mlp` (fc1, fc2); the global layers also `gate_attn`, `gate_ffn`). Every weight's heads / MLP
+axes are "vision_heads" / "vision_mlp" (replicated unless the tower is tensor parallel).
 """
 from __future__ import annotations
 
@@ -19,11 +27,13 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import nnx
 
-from mmjax.checkpoint import TensorSource, linear, norm
 from mmjax.errors import CheckpointError
-from mmjax.models.layers import activation, bf16_einsum, dense, layer_norm, matmul
+from mmjax.models.nn.linear import Linear, activation, bf16_einsum, param
+from mmjax.models.nn.mlp import MLP
+from mmjax.models.nn.norm import LayerNorm
+from mmjax.models.nn.weights import load_children, load_module
 
 
 @dataclass(frozen=True)
@@ -83,93 +93,154 @@ class MllamaVisionConfig:
         return cfg
 
 
-def _block_params(src: TensorSource, p: str, cfg: MllamaVisionConfig, gated: bool) -> dict:
-    d, i = cfg.hidden_size, cfg.intermediate_size
-    blk = {"ln1": norm(src, p + "input_layernorm", d), "ln2": norm(src, p + "post_attention_layernorm", d),
-           "q": linear(src, p + "self_attn.q_proj", d, d, False), "k": linear(src, p + "self_attn.k_proj", d, d, False),
-           "v": linear(src, p + "self_attn.v_proj", d, d, False), "o": linear(src, p + "self_attn.o_proj", d, d, False),
-           "fc1": linear(src, p + "mlp.fc1", d, i, True), "fc2": linear(src, p + "mlp.fc2", i, d, True)}
-    if gated:
-        blk["gate_attn"] = src.take(p + "gate_attn", (1,))
-        blk["gate_ffn"] = src.take(p + "gate_ffn", (1,))
-    return blk
+class MllamaVisionAttention(nnx.Module):
+    """Full attention with an additive bias [b, n, n] (HF's eager path, explicit softmax in
+    float32): q_proj, k_proj, v_proj, o_proj, no biases."""
+
+    def __init__(self, d: int, heads: int, dtype=jnp.float32):
+        self.heads = heads
+        self.q_proj = Linear(d, d, dtype=dtype, axes=("embed", "vision_heads"))
+        self.k_proj = Linear(d, d, dtype=dtype, axes=("embed", "vision_heads"))
+        self.v_proj = Linear(d, d, dtype=dtype, axes=("embed", "vision_heads"))
+        self.o_proj = Linear(d, d, dtype=dtype, axes=("vision_heads", "embed"))
+
+    def __call__(self, x: jax.Array, bias: jax.Array) -> jax.Array:
+        b, n, d = x.shape
+        hd = d // self.heads
+        q, k, v = (p(x).reshape(b, n, self.heads, hd) for p in (self.q_proj, self.k_proj, self.v_proj))
+        s = bf16_einsum("bqhd,bkhd->bhqk", q, k) * (hd ** -0.5) + bias[:, None]
+        a = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(x.dtype)
+        return self.o_proj(bf16_einsum("bhqk,bkhd->bqhd", a, v).reshape(b, n, d))
 
 
-def load_mllama_vision_params(src: TensorSource, cfg: MllamaVisionConfig, prefix: str = "vision_model.") -> dict:
-    d, t, n, r = cfg.hidden_size, cfg.max_num_tiles, cfg.num_patches, cfg.num_aspect_ratios + 1
-    conv = src.take(prefix + "patch_embedding.weight", (d, cfg.num_channels, cfg.patch_size, cfg.patch_size))
-    g = prefix + "gated_positional_embedding."
-    return {
-        "patch_embed": np.ascontiguousarray(conv.reshape(d, -1).T),
-        "class_embedding": src.take(prefix + "class_embedding", (d,)),
-        "pos": {"embedding": src.take(g + "embedding", (n, d)), "gate": src.take(g + "gate", (1,)),
-                "tile": src.take(g + "tile_embedding.weight", (r, t * n * d))},
-        "pre_tile": {"embedding": src.take(prefix + "pre_tile_positional_embedding.embedding.weight", (r, t * d)),
-                     "gate": src.take(prefix + "pre_tile_positional_embedding.gate", (1,))},
-        "post_tile": {"embedding": src.take(prefix + "post_tile_positional_embedding.embedding.weight", (r, t * d)),
-                      "gate": src.take(prefix + "post_tile_positional_embedding.gate", (1,))},
-        "ln_pre": norm(src, prefix + "layernorm_pre", d), "ln_post": norm(src, prefix + "layernorm_post", d),
-        "local": [_block_params(src, f"{prefix}transformer.layers.{i}.", cfg, False) for i in range(cfg.num_layers)],
-        "global": [_block_params(src, f"{prefix}global_transformer.layers.{i}.", cfg, True)
-                   for i in range(cfg.num_global_layers)],
-    }
+class MllamaVisionEncoderLayer(nnx.Module):
+    """Pre-LN block; `gated` (the global encoder): tanh-gated residuals (`gate_attn`, `gate_ffn`)."""
+
+    def __init__(self, cfg: MllamaVisionConfig, gated: bool, dtype=jnp.float32):
+        d = cfg.hidden_size
+        self.input_layernorm = LayerNorm(d, cfg.norm_eps, dtype=dtype)
+        self.self_attn = MllamaVisionAttention(d, cfg.num_heads, dtype)
+        self.post_attention_layernorm = LayerNorm(d, cfg.norm_eps, dtype=dtype)
+        self.mlp = MLP(d, cfg.intermediate_size, d, act=cfg.hidden_act, dtype=dtype,
+                       axes=("embed", "vision_mlp", "embed"))
+        self.gate_attn = param((1,), dtype, (None,)) if gated else None
+        self.gate_ffn = param((1,), dtype, (None,)) if gated else None
+
+    def __call__(self, x: jax.Array, bias: jax.Array) -> jax.Array:
+        ga = 1.0 if self.gate_attn is None else jnp.tanh(self.gate_attn.get_value())
+        gf = 1.0 if self.gate_ffn is None else jnp.tanh(self.gate_ffn.get_value())
+        x = x + ga * self.self_attn(self.input_layernorm(x), bias)
+        return x + gf * self.mlp(self.post_attention_layernorm(x))
+
+    def hf_weights(self, w, name: str) -> None:
+        load_children(self, w, name)
+        if self.gate_attn is not None:
+            w.set(self.gate_attn, w.take(f"{name}.gate_attn", (1,)))
+            w.set(self.gate_ffn, w.take(f"{name}.gate_ffn", (1,)))
 
 
-def _attend(p: dict, x: jax.Array, bias: jax.Array, cfg: MllamaVisionConfig) -> jax.Array:
-    """Explicit masked attention over x [b, n, d] with an additive bias [b, n, n] (HF's eager)."""
-    b, n, d = x.shape
-    h, hd = cfg.num_heads, cfg.head_dim
-    q, k, v = (dense(p[w], x).reshape(b, n, h, hd) for w in "qkv")
-    s = bf16_einsum("bqhd,bkhd->bhqk", q, k) * (hd ** -0.5) + bias[:, None]
-    a = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(x.dtype)
-    return dense(p["o"], bf16_einsum("bhqk,bkhd->bqhd", a, v).reshape(b, n, d))
+class MllamaVisionEncoder(nnx.Module):
+    def __init__(self, cfg: MllamaVisionConfig, num_layers: int, gated: bool, dtype=jnp.float32):
+        self.layers = nnx.List([MllamaVisionEncoderLayer(cfg, gated, dtype) for _ in range(num_layers)])
 
 
-def _block(p: dict, x: jax.Array, bias: jax.Array, cfg: MllamaVisionConfig) -> jax.Array:
-    ga = jnp.tanh(p["gate_attn"]) if "gate_attn" in p else 1.0
-    gf = jnp.tanh(p["gate_ffn"]) if "gate_ffn" in p else 1.0
-    x = x + ga * _attend(p, layer_norm(p["ln1"], x, cfg.norm_eps), bias, cfg)
-    h = dense(p["fc2"], activation(cfg.hidden_act)(dense(p["fc1"], layer_norm(p["ln2"], x, cfg.norm_eps))))
-    return x + gf * h
+class MllamaAspectRatioEmbedding(nnx.Module):
+    """Gated per-tile embedding of the aspect-ratio id (HF's MllamaPrecomputedAspectRatioEmbedding):
+    `embedding` [ratios + 1, tiles * d] (HF's embedding.weight), `gate` [1]."""
+
+    def __init__(self, cfg: MllamaVisionConfig, dtype=jnp.float32):
+        self.tiles, self.d = cfg.max_num_tiles, cfg.hidden_size
+        self.embedding = param((cfg.num_aspect_ratios + 1, self.tiles * self.d), dtype, (None, None))
+        self.gate = param((1,), dtype, (None,))
+
+    def __call__(self, ar_ids: jax.Array) -> jax.Array:
+        """ar_ids [b] -> [b, tiles, 1, d]."""
+        e = self.embedding.get_value()[ar_ids].reshape(-1, self.tiles, 1, self.d)
+        return e * jnp.tanh(self.gate.get_value())
+
+    def hf_weights(self, w, name: str) -> None:
+        w.set(self.embedding, w.take(f"{name}.embedding.weight", self.embedding.get_value().shape))
+        w.set(self.gate, w.take(f"{name}.gate", (1,)))
 
 
-def _tile_embed(p: dict, ar_ids: jax.Array, cfg: MllamaVisionConfig) -> jax.Array:
-    """Gated aspect-ratio embedding [b, tiles, 1, d]."""
-    e = p["embedding"][ar_ids].reshape(-1, cfg.max_num_tiles, 1, cfg.hidden_size)
-    return e * jnp.tanh(p["gate"])
+class MllamaPositionEmbedding(nnx.Module):
+    """HF's MllamaPrecomputedPositionEmbedding: `embedding` [patches, d], `gate` [1],
+    `tile_embedding` [ratios + 1, tiles * patches * d] (HF's tile_embedding.weight)."""
+
+    def __init__(self, cfg: MllamaVisionConfig, dtype=jnp.float32):
+        self.tiles, self.n, self.d = cfg.max_num_tiles, cfg.num_patches, cfg.hidden_size
+        self.embedding = param((self.n, self.d), dtype, (None, None))
+        self.gate = param((1,), dtype, (None,))
+        self.tile_embedding = param((cfg.num_aspect_ratios + 1, self.tiles * self.n * self.d), dtype, (None, None))
+
+    def __call__(self, x: jax.Array, ar_ids: jax.Array) -> jax.Array:
+        """x [b, tiles, patches, d] + the gated mix of the position and tile-position embeddings."""
+        gate = jnp.tanh(self.gate.get_value())
+        tile = self.tile_embedding.get_value()[ar_ids].reshape(-1, self.tiles, self.n, self.d)
+        return x + (1 - gate) * self.embedding.get_value() + gate * tile
+
+    def hf_weights(self, w, name: str) -> None:
+        w.set(self.embedding, w.take(f"{name}.embedding", (self.n, self.d)))
+        w.set(self.gate, w.take(f"{name}.gate", (1,)))
+        w.set(self.tile_embedding, w.take(f"{name}.tile_embedding.weight", self.tile_embedding.get_value().shape))
 
 
-def mllama_vision(params: dict, cfg: MllamaVisionConfig, tiles: jax.Array, ar_ids: jax.Array,
-                  n_tiles: jax.Array) -> jax.Array:
-    """tiles [b, max_tiles, S, S, C], ar_ids [b] int32 (1-based aspect-ratio id), n_tiles [b] int32
-    -> vision states [b, max_tiles, num_patches, output_dim] (HF's vision last_hidden_state)."""
-    b, t, s = tiles.shape[0], cfg.max_num_tiles, cfg.image_size
-    p, d, n, npad = cfg.patch_size, cfg.hidden_size, cfg.num_patches, cfg.padded_patches
-    g = s // p
-    x = tiles.astype(params["patch_embed"].dtype).reshape(b, t, g, p, g, p, -1).transpose(0, 1, 2, 4, 6, 3, 5)
-    x = matmul(x.reshape(b, t, g * g, -1), params["patch_embed"])                         # [b, t, n-1, d]
-    x = x + _tile_embed(params["pre_tile"], ar_ids, cfg)
-    cls = jnp.broadcast_to(params["class_embedding"].astype(x.dtype), (b, t, 1, d))
-    x = jnp.concatenate([cls, x], axis=2)                                           # [b, t, n, d]
-    pe = params["pos"]
-    gate = jnp.tanh(pe["gate"])
-    x = x + (1 - gate) * pe["embedding"] + gate * pe["tile"][ar_ids].reshape(b, t, n, d)
-    x = layer_norm(params["ln_pre"], x, cfg.norm_eps)
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, npad - n), (0, 0))).reshape(b, t * npad, d)
-    # padding: patch slots past n, and tiles past the image's tile count; hidden only pad <-> pad
-    pad = (jnp.arange(npad)[None, None] >= n) | (jnp.arange(t)[None, :, None] >= n_tiles[:, None, None])
-    pad = pad.reshape(b, t * npad)
-    bias = jnp.where(pad[:, :, None] & pad[:, None, :], jnp.finfo(x.dtype).min, 0.0).astype(x.dtype)
-    inter = []
-    for i, blk in enumerate(params["local"]):
-        x = _block(blk, x, bias, cfg)
-        if i in cfg.intermediate_layers:
-            inter.append((i, x))
-    x = layer_norm(params["ln_post"], x, cfg.norm_eps).reshape(b, t, npad, d)
-    x = (x + _tile_embed(params["post_tile"], ar_ids, cfg)).reshape(b, t * npad, d)
-    for blk in params["global"]:
-        x = _block(blk, x, bias, cfg)
-    x = x.reshape(b, t, npad, d)[:, :, :n]
-    by = dict(inter)
-    st = jnp.stack([by[i] for i in cfg.intermediate_layers], axis=-1).reshape(b, t, npad, -1)[:, :, :n]
-    return jnp.concatenate([x, st], axis=-1)
+class MllamaVisionModel(nnx.Module):
+    """HF's MllamaVisionModel (see the module docstring)."""
+
+    def __init__(self, cfg: MllamaVisionConfig, dtype=jnp.float32):
+        self.config = cfg
+        d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
+        self.patch_embedding = Linear(c * p * p, d, dtype=dtype, quantize=False)
+        self.class_embedding = param((d,), dtype, (None,))
+        self.gated_positional_embedding = MllamaPositionEmbedding(cfg, dtype)
+        self.pre_tile_positional_embedding = MllamaAspectRatioEmbedding(cfg, dtype)
+        self.post_tile_positional_embedding = MllamaAspectRatioEmbedding(cfg, dtype)
+        self.layernorm_pre = LayerNorm(d, cfg.norm_eps, dtype=dtype)
+        self.layernorm_post = LayerNorm(d, cfg.norm_eps, dtype=dtype)
+        self.transformer = MllamaVisionEncoder(cfg, cfg.num_layers, False, dtype)
+        self.global_transformer = MllamaVisionEncoder(cfg, cfg.num_global_layers, True, dtype)
+
+    def hf_weights(self, w, name: str) -> None:
+        cfg = self.config
+        d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
+        conv = w.take(f"{name}.patch_embedding.weight", (d, c, p, p))
+        # conv [out, c, ph, pw] -> [c*ph*pw, out]: patches flattened (c, ph, pw) in __call__
+        w.set(self.patch_embedding.kernel, conv.reshape(d, -1).T, matmul=True)
+        w.set(self.class_embedding, w.take(f"{name}.class_embedding", (d,)))
+        for attr in ("gated_positional_embedding", "pre_tile_positional_embedding", "post_tile_positional_embedding",
+                     "layernorm_pre", "layernorm_post", "transformer", "global_transformer"):
+            load_module(getattr(self, attr), w, f"{name}.{attr}")
+
+    def __call__(self, tiles: jax.Array, ar_ids: jax.Array, n_tiles: jax.Array) -> jax.Array:
+        """tiles [b, max_tiles, S, S, C], ar_ids [b] int32 (1-based aspect-ratio id), n_tiles [b]
+        int32 -> vision states [b, max_tiles, num_patches, output_dim] (HF's last_hidden_state)."""
+        cfg = self.config
+        b, t, s = tiles.shape[0], cfg.max_num_tiles, cfg.image_size
+        p, d, n, npad = cfg.patch_size, cfg.hidden_size, cfg.num_patches, cfg.padded_patches
+        g = s // p
+        dtype = self.patch_embedding.kernel.get_value().dtype
+        x = tiles.astype(dtype).reshape(b, t, g, p, g, p, -1).transpose(0, 1, 2, 4, 6, 3, 5)
+        x = self.patch_embedding(x.reshape(b, t, g * g, -1))                                 # [b, t, n-1, d]
+        x = x + self.pre_tile_positional_embedding(ar_ids)
+        cls = jnp.broadcast_to(self.class_embedding.get_value().astype(x.dtype), (b, t, 1, d))
+        x = jnp.concatenate([cls, x], axis=2)                                               # [b, t, n, d]
+        x = self.gated_positional_embedding(x, ar_ids)
+        x = self.layernorm_pre(x)
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, npad - n), (0, 0))).reshape(b, t * npad, d)
+        # padding: patch slots past n, and tiles past the image's tile count; hidden only pad <-> pad
+        pad = (jnp.arange(npad)[None, None] >= n) | (jnp.arange(t)[None, :, None] >= n_tiles[:, None, None])
+        pad = pad.reshape(b, t * npad)
+        bias = jnp.where(pad[:, :, None] & pad[:, None, :], jnp.finfo(x.dtype).min, 0.0).astype(x.dtype)
+        inter = {}
+        for i, layer in enumerate(self.transformer.layers):
+            x = layer(x, bias)
+            if i in cfg.intermediate_layers:
+                inter[i] = x
+        x = self.layernorm_post(x).reshape(b, t, npad, d)
+        x = (x + self.post_tile_positional_embedding(ar_ids)).reshape(b, t * npad, d)
+        for layer in self.global_transformer.layers:
+            x = layer(x, bias)
+        x = x.reshape(b, t, npad, d)[:, :, :n]
+        st = jnp.stack([inter[i] for i in cfg.intermediate_layers], axis=-1).reshape(b, t, npad, -1)[:, :, :n]
+        return jnp.concatenate([x, st], axis=-1)
