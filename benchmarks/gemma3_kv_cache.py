@@ -16,13 +16,20 @@ GEMMA3_4B = dict(model_type="gemma3_text", vocab_size=262208, hidden_size=2560, 
 
 def kv_bytes(max_lens=(8192, 32768), prefill_chunk: int = 256, slots: int = 1) -> dict[int, tuple[int, int]]:
     """{max_len: (bytes with ring caches, bytes with all layers global)} in bfloat16."""
+    import jax
     import jax.numpy as jnp
+    import numpy as np
 
-    from mmjax.models.text.gemma3 import from_hf
-    ring = from_hf(GEMMA3_4B)
-    full = from_hf({**GEMMA3_4B, "layer_types": ["full_attention"] * GEMMA3_4B["num_hidden_layers"]})
-    return {n: (ring.cache_bytes(slots, n, jnp.bfloat16, prefill_chunk),
-                full.cache_bytes(slots, n, jnp.bfloat16, prefill_chunk)) for n in max_lens}
+    from mmjax.models.nn.weights import build
+    from mmjax.models.text.gemma3 import config_from_hf
+    ring = build(lambda: config_from_hf(GEMMA3_4B).build(jnp.bfloat16))     # shapes only: nothing allocated
+    full = build(lambda: config_from_hf({**GEMMA3_4B, "layer_types": ["full_attention"] * GEMMA3_4B[
+        "num_hidden_layers"]}).build(jnp.bfloat16))
+
+    def cache_bytes(lm, n: int) -> int:
+        shapes = jax.eval_shape(lambda: lm.init_cache(slots, n, jnp.bfloat16, max_chunk=prefill_chunk))
+        return sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+    return {n: (cache_bytes(ring, n), cache_bytes(full, n)) for n in max_lens}
 
 
 def main() -> None:

@@ -4,21 +4,22 @@ whole sequence (prompt + generated tokens) with the prune applied at the scoring
 the prompt's last token. That reference has no cache reuse, chunking or decode offsets, so it
 checks everything the engine adds; `prune_order` itself is checked against an independent FastV
 on LLaVA (test_research.py)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import mmjax
-from mmjax.models.text import Prune as PruneSpec
+from mmjax.models.nn.metadata import AttentionMetadata, Prune as PruneSpec
 from mmjax.research import Prune
 from mmjax.research.prompt import prompt_inputs
-from mmjax.serving.runner import image_mask_spec
+from mmjax.serving.runner import step_spans
 
 
 def whole_sequence_fastv(vlm, prompt, image, layer, keep, generated) -> np.ndarray:
     """Logits [len(generated) + 1, vocab]: the decoder over prompt + generated in one call,
     pruned after `layer` to `keep` image tokens."""
-    tm, family = vlm.family.text_model, vlm.family
-    params = vlm.engine.runner.params["text"]
+    lm, family = vlm.engine.runner.text_model, vlm.family
     p = prompt_inputs(vlm, prompt, [image])
     t0 = len(p.ids)
     _, rope_delta = family.positions(p.ids, p.images, family.image_starts(p.ids, [p.images[0].num_tokens]))
@@ -27,16 +28,23 @@ def whole_sequence_fastv(vlm, prompt, image, layer, keep, generated) -> np.ndarr
     gen_pos = np.arange(t0, T) + rope_delta
     positions = np.concatenate([p.positions, np.broadcast_to(gen_pos, (p.positions.shape[0], len(gen_pos)))], 1)
     img = ids == family.image_token_id
-    x = np.array(tm.embed(params, jnp.asarray(ids)))
-    x[img] = vlm.encode([image])[0]
+    feats = np.zeros((T, lm.feature_width), lm.embed_tokens.embedding.get_value().dtype)
+    feats[img] = vlm.encode([image])[0]
     spans = np.r_[p.spans, np.full(len(generated), -1, np.int32)]
     out_len = T - (int(img.sum()) - keep)
-    prune = PruneSpec(layer, keep, out_len, jnp.asarray(img)[None], jnp.asarray([t0 - 1], jnp.int32))
-    cache = tm.init_cache(1, T, x.dtype, max_chunk=T)
-    out = tm.forward(params, jnp.asarray(x)[None], jnp.asarray(positions)[:, None], cache,
-                     jnp.zeros((1,), jnp.int32), T, mask=image_mask_spec(family, jnp.asarray(spans)[None]),
-                     ids=jnp.asarray(ids)[None], prune=prune)
-    return np.asarray(tm.logits(params, out.hidden[0]))[-(len(generated) + 1):]
+    graphdef, state = nnx.split(lm)
+
+    @jax.jit
+    def logits(state, ids, feats, img, positions, spans):
+        lm = nnx.merge(graphdef, state)
+        embeds, extra = lm.inputs(ids[None], feats[None], img[None])
+        prune = PruneSpec(layer, keep, out_len, img[None], jnp.asarray([t0 - 1], jnp.int32))
+        cache = lm.init_cache(1, T, embeds.dtype, max_chunk=T)
+        meta = AttentionMetadata(positions[:, None], jnp.zeros((1,), jnp.int32), T, spans=step_spans(family, spans[None]))
+        hidden, _, _ = lm.forward_pruned(embeds, meta, cache, prune, **extra)
+        return lm.logits(hidden[0])
+    out = logits(state, *(jnp.asarray(a) for a in (ids, feats, img, positions, spans)))
+    return np.asarray(out)[-(len(generated) + 1):]
 
 
 def check_prune(vlm, prompt: str, image, layer: int, max_tokens: int = 8) -> None:

@@ -65,10 +65,10 @@ def hf_inputs(proc, vlm, messages, images, pan_and_scan: bool):
 def test_pixels_token_ids_and_chat_template(pair):
     from safetensors import safe_open
     name, _, proc, vlm = pair
-    with safe_open(str(vlm.model.path / "model.safetensors"), "np") as f:   # tied: saved without a head
+    with safe_open(str(vlm.loaded.path / "model.safetensors"), "np") as f:   # tied: saved without a head
         assert any("lm_head" in k for k in f.keys()) == (name == "softcap")
-    text = vlm.family.text_model
-    assert text.cfg.tie_word_embeddings == (name == "window")
+    text = vlm.model.language_model
+    assert text.config.tie_word_embeddings == (name == "window")
     mm = vlm.family.cfg.mm_tokens_per_image
     for seed, (w, h) in enumerate([(40, 40), (130, 40), (30, 95), (47, 40)]):
         img = noise_image(seed, w, h)
@@ -102,7 +102,7 @@ def test_features_logits_greedy_and_logprobs(pair):
     images = [noise_image(11, 60, 50), noise_image(12, 150, 50)]
     inputs = hf_inputs(proc, vlm, msgs, images, on)
     n_prompt = inputs["input_ids"].shape[1]
-    assert n_prompt > 2 * vlm.family.text_model.cfg.sliding_window
+    assert n_prompt > 2 * vlm.model.language_model.config.sliding_window
 
     with torch.no_grad():
         theirs = hf.model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output.numpy()
@@ -206,12 +206,12 @@ def test_engine_chunks_prefix_and_encoder_caches(gemma3_dirs):
 def test_ring_cache_is_window_sized(gemma3_dirs):
     from mmjax.models.text.gemma3 import FULL, SLIDING
     vlm = vlm_for(gemma3_dirs["window"])
-    tm, cache = vlm.family.text_model, vlm.engine.runner.cache
-    w, c = tm.cfg.sliding_window, ENGINE["prefill_chunk"]
-    for kind, kv in zip(tm.cfg.layer_types, cache):
+    tm, cache = vlm.model.language_model, vlm.engine.runner.cache
+    w, c = tm.config.sliding_window, ENGINE["prefill_chunk"]
+    for kind, kv in zip(tm.config.layer_types, cache):
         lens = [v.shape[2] for v in kv["v"]]
         assert sum(lens) == (w + c - 1 if kind == SLIDING else ENGINE["max_model_len"]), kind
-    assert FULL in tm.cfg.layer_types and SLIDING in tm.cfg.layer_types
+    assert FULL in tm.config.layer_types and SLIDING in tm.config.layer_types
     assert tm.min_resume(100, c) == 100 - c
     assert vlm.engine.scheduler.min_resume(100) == 100 - c     # the engine binds its chunk
     from benchmarks.gemma3_kv_cache import kv_bytes
@@ -267,10 +267,12 @@ def test_text_model_softcapping_matches_gemma3_for_causal_lm(tmp_path):
     twice the sliding window, sliding and full layers."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from mmjax.checkpoint import TensorSource
-    from mmjax.models.text import text_model_for
+    from mmjax.models.nn import AttentionMetadata, Weights, build
+    from mmjax.models.text import text_config
     torch.manual_seed(5)
     cfg = Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
@@ -283,17 +285,22 @@ def test_text_model_softcapping_matches_gemma3_for_causal_lm(tmp_path):
             p.add_(torch.randn_like(p) * 0.3)
     hf.save_pretrained(tmp_path)
     import json
-    tm = text_model_for(json.loads((tmp_path / "config.json").read_text()))
-    assert tm.cfg.final_logit_softcapping == 3.0 and tm.cfg.attn_logit_softcapping == 2.0
-    params = jax.tree.map(jnp.asarray, tm.load_params(TensorSource(tmp_path, lambda n: n), "model.", "lm_head.weight"))
+    tcfg = text_config(json.loads((tmp_path / "config.json").read_text()))
+    assert tcfg.final_logit_softcapping == 3.0 and tcfg.attn_logit_softcapping == 2.0
+    tm = build(lambda: tcfg.build(jnp.float32))
+    w = Weights(TensorSource(tmp_path, lambda n: n))
+    tm.hf_weights(w, "model", "lm_head.weight")
+    w.finish(tm)
+    graphdef, state = nnx.split(tm)
     ids = np.random.default_rng(0).integers(4, 97, 13)
 
-    def fwd(params, ids):
+    def fwd(state, ids):
+        tm = nnx.merge(graphdef, state)
         t = ids.shape[0]
-        out = tm.forward(params, tm.embed(params, ids)[None], jnp.arange(t)[None, None], tm.init_cache(1, t, jnp.float32),
-                         jnp.zeros((1,), jnp.int32), t)
-        return tm.logits(params, out.hidden[0])
-    ours = np.asarray(jax.jit(fwd)(params, ids))
+        meta = AttentionMetadata(jnp.arange(t)[None, None], jnp.zeros((1,), jnp.int32), t)
+        hidden, _ = tm(tm.embed(ids)[None], meta, tm.init_cache(1, t, jnp.float32))
+        return tm.logits(hidden[0])
+    ours = np.asarray(jax.jit(fwd)(state, ids))
     with torch.no_grad():
         theirs = hf(torch.as_tensor(ids)[None], softcap=2.0).logits[0].numpy()
         uncapped = hf(torch.as_tensor(ids)[None]).logits[0].numpy()
@@ -348,7 +355,7 @@ def test_captured_attention_matches_transformers_eager(gemma3_dirs):
     image), and hidden states its `output_hidden_states`."""
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
-    from mmjax.models.text import Capture
+    from mmjax.models.nn import Capture
     path = gemma3_dirs["window"]
     vlm = vlm_for(path)
     hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
@@ -358,10 +365,10 @@ def test_captured_attention_matches_transformers_eager(gemma3_dirs):
     with torch.no_grad():
         out = hf(**inputs, output_attentions=True, output_hidden_states=True)
     prompt, _ = vlm.render_chat(with_images(msgs, images))
-    n = vlm.family.text_model.num_layers
+    n = vlm.model.language_model.num_layers
     logits, inter = vlm.logits(prompt, images, capture=Capture(hidden=True, attn_layers=tuple(range(n))))
     assert rel_err(logits, out.logits[0].numpy()) <= 1e-4
-    w = vlm.family.text_model.cfg.sliding_window
+    w = vlm.model.language_model.config.sliding_window
     for i in range(n):
         theirs = out.attentions[i][0].numpy()
         assert inter["attn"][i][0].shape == theirs.shape

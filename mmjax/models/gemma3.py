@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.buckets import bucket_for, pow2_ladder
 from mmjax.checkpoint import TensorSource
@@ -23,19 +25,21 @@ from mmjax.errors import CheckpointError, ContextLengthError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.gemma3 import Gemma3ImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
 from mmjax.models.hf_config import require, tie_word_embeddings
-from mmjax.models.layers import matmul
 from mmjax.models.llava import normalize_name  # Gemma 3 checkpoints use LLaVA's weight layout
-from mmjax.models.text import TextModel, text_model_for
-from mmjax.models.text.gemma3 import gemma_rms_norm
-from mmjax.models.vision.siglip import SiglipVisionConfig, load_siglip_params, siglip_features
+from mmjax.models.nn.linear import Linear
+from mmjax.models.nn.norm import RMSNorm
+from mmjax.models.nn.weights import build
+from mmjax.models.text import text_config
+from mmjax.models.text.gemma3 import Gemma3TextConfig
+from mmjax.models.vision.siglip import SiglipVisionConfig, SiglipVisionModel
 
 
 @dataclass(frozen=True)
 class Gemma3Config:
     vision: SiglipVisionConfig
-    text_model: TextModel
+    text: Gemma3TextConfig
     mm_tokens_per_image: int
     image_token_id: int          # <image_soft_token>: the positions that take features
     boi_token_id: int
@@ -47,8 +51,8 @@ class Gemma3Config:
         text_cfg.setdefault("model_type", "gemma3_text")
         # transformers 5.23's Gemma3ForConditionalGeneration caps neither logits nor attention
         # scores whatever the text config says (only Gemma3ForCausalLM caps logits): do the same.
-        text = text_model_for(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg, True),
-                              final_logit_softcapping=None, attn_logit_softcapping=None)
+        text = text_config(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg, True),
+                           final_logit_softcapping=None, attn_logit_softcapping=None)
         vision = SiglipVisionConfig.from_hf(require(cfg, "vision_config", "config"), "vision_config")
         mm = int(cfg.get("mm_tokens_per_image", 256))
         side = int(round(mm ** 0.5))
@@ -56,7 +60,7 @@ class Gemma3Config:
             raise CheckpointError(f"config.json: mm_tokens_per_image={mm} must be a square whose side divides the "
                                   f"{vision.patches_per_side} patches per side", param="mm_tokens_per_image")
         token = cfg.get("image_token_index", cfg.get("image_token_id", 262144))
-        return cls(vision=vision, text_model=text, mm_tokens_per_image=mm, image_token_id=int(token),
+        return cls(vision=vision, text=text, mm_tokens_per_image=mm, image_token_id=int(token),
                    boi_token_id=int(cfg.get("boi_token_index", 255999)),
                    eoi_token_id=int(cfg.get("eoi_token_index", 256000)))
 
@@ -66,28 +70,51 @@ class Gemma3Config:
         return self.vision.patches_per_side // int(round(self.mm_tokens_per_image ** 0.5))
 
 
-def load_params(src: TensorSource, cfg: Gemma3Config) -> dict:
-    dv, dt = cfg.vision.hidden_size, cfg.text_model.hidden_size
-    params = {
-        "vision": load_siglip_params(src, cfg.vision, "vision_tower."),
-        "projector": {"norm": src.take("multi_modal_projector.mm_soft_emb_norm.weight", (dv,)),
-                      "w": src.take("multi_modal_projector.mm_input_projection_weight", (dv, dt))},
-        "text": cfg.text_model.load_params(src, "language_model.model.", "language_model.lm_head.weight"),
-    }
-    src.check_all_used()
-    return params
+class Gemma3MultiModalProjector(nnx.Module):
+    """HF's Gemma3MultiModalProjector: k x k average pooling of the patch grid, `mm_soft_emb_norm`
+    (Gemma's (1 + w) RMSNorm), `mm_input_projection` (HF's raw `mm_input_projection_weight`
+    [vision_hidden, text_hidden], already [in, out])."""
+
+    def __init__(self, cfg: Gemma3Config, dtype=jnp.float32):
+        self.config = cfg
+        dv, dt = cfg.vision.hidden_size, cfg.text.hidden_size
+        self.mm_soft_emb_norm = RMSNorm(dv, cfg.vision.layer_norm_eps, kind="gemma", dtype=dtype)
+        # one projection: replicated, also under vision tensor parallelism (as the pooled input)
+        self.mm_input_projection = Linear(dv, dt, dtype=dtype, axes=(None, None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [views, patches, vision_hidden] -> [views, mm_tokens_per_image, text_hidden]."""
+        v, _, d = x.shape
+        side, k = self.config.vision.patches_per_side, self.config.pool
+        x = x.reshape(v, side // k, k, side // k, k, d).mean(axis=(2, 4)).reshape(v, -1, d)
+        return self.mm_input_projection(self.mm_soft_emb_norm(x))
+
+    def hf_weights(self, w, name: str) -> None:
+        dv, dt = self.config.vision.hidden_size, self.config.text.hidden_size
+        self.mm_soft_emb_norm.hf_weights(w, f"{name}.mm_soft_emb_norm")
+        w.set(self.mm_input_projection.kernel, w.take(f"{name}.mm_input_projection_weight", (dv, dt)), matmul=True)
 
 
-def encode_images(params: dict, pixels: jax.Array, cfg: Gemma3Config) -> jax.Array:
-    """pixels [views, H, W, 3] -> soft tokens [views, mm_tokens_per_image, text_hidden]:
-    SigLIP's last hidden state, k x k average pooling over the patch grid, Gemma RMSNorm,
-    projection (HF's Gemma3MultiModalProjector)."""
-    x = siglip_features(params["vision"], pixels, cfg.vision)                # [v, patches, d]
-    v, _, d = x.shape
-    side, k = cfg.vision.patches_per_side, cfg.pool
-    x = x.reshape(v, side // k, k, side // k, k, d).mean(axis=(2, 4)).reshape(v, -1, d)
-    x = gemma_rms_norm(params["projector"]["norm"], x, cfg.vision.layer_norm_eps)
-    return matmul(x, params["projector"]["w"]).astype(params["text"]["embed"].dtype)
+class Gemma3Model(VisionLanguageModel):
+    """Gemma3ForConditionalGeneration: vision_tower (SigLIP; HF's `vision_tower.vision_model`),
+    multi_modal_projector, language_model (the Gemma 3 decoder with its lm_head)."""
+
+    def __init__(self, cfg: Gemma3Config, dtype=jnp.float32):
+        self.config = cfg
+        self.vision_tower = SiglipVisionModel(cfg.vision, dtype=dtype)
+        self.multi_modal_projector = Gemma3MultiModalProjector(cfg, dtype)
+        self.language_model = cfg.text.build(dtype)
+
+    def encode(self, pixels: jax.Array) -> jax.Array:
+        """pixels [views, H, W, 3] -> soft tokens [views, mm_tokens_per_image, text_hidden]:
+        SigLIP's last hidden state, pooled, normed and projected."""
+        return self.multi_modal_projector(self.vision_tower(pixels)).astype(self.embed_dtype)
+
+    def hf_weights(self, w, name: str = "") -> None:
+        """Tensor names as LLaVA's `normalize_name` maps them."""
+        self.vision_tower.hf_weights(w, "vision_tower")
+        self.multi_modal_projector.hf_weights(w, "multi_modal_projector")
+        self.language_model.hf_weights(w, "language_model.model", "language_model.lm_head.weight")
 
 
 @dataclass(eq=False)
@@ -105,10 +132,6 @@ class Gemma3Family(Family):
     @property
     def image_token(self) -> str:
         return self.boi_token
-
-    @property
-    def text_model(self) -> TextModel:
-        return self.cfg.text_model
 
     @property
     def image_token_id(self) -> int:
@@ -163,15 +186,11 @@ class Gemma3Family(Family):
         return (image.num_tokens // self.cfg.mm_tokens_per_image, side, side)
 
     # ---- encode -------------------------------------------------------------------------------
-    def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
-        """pixels [views, size, size, 3] -> [views, mm_tokens_per_image, hidden]."""
-        return encode_images(params, pixels, self.cfg)
-
     def _ladder(self, max_batch: int) -> tuple[int, ...]:
         # an image's views stay in one call: a call holds at least one whole image
         return pow2_ladder(1, max(max_batch, self.max_views))
 
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """Whole images' views stacked into calls of at most max(max_batch, views of one image)
         views, padded up the power-of-two ladder (repeating the last view)."""
         ladder = self._ladder(max_batch)
@@ -196,7 +215,7 @@ class Gemma3Family(Family):
             calls.append(EncodeCall((b,) + views.shape[1:], views, split))
         return calls
 
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         size = self.cfg.vision.image_size
         return [EncodeCall((b, size, size, 3), np.zeros((b, size, size, 3), np.float32), list)
                 for b in self._ladder(max_batch)]
@@ -210,10 +229,9 @@ def _token_strings(path: Path) -> dict[int, str]:
     return {int(t["id"]): t["content"] for t in json.loads(p.read_text()).get("added_tokens", [])}
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[Gemma3Family, dict]:
-    """config.json + safetensors + Gemma3 image processor config -> (family, numpy params)."""
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[Gemma3Family, Gemma3Model, TensorSource]:
+    """config.json + Gemma3 image processor config -> (family, the abstract model, its tensors)."""
     cfg = Gemma3Config.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, normalize_name), cfg)
     ipc = find_image_processor_config(path)
     kind = str(ipc.get("image_processor_type", ""))
     if not kind.startswith("Gemma3ImageProcessor"):
@@ -231,4 +249,5 @@ def load(path: Path, hf_cfg: dict) -> tuple[Gemma3Family, dict]:
                        ("eoi_token", cfg.eoi_token_id)):
         if tid in names:
             strings[field] = names[tid]
-    return Gemma3Family(cfg, policy, **strings), params
+    return (Gemma3Family(cfg, policy, **strings), build(lambda: Gemma3Model(cfg, dtype)),
+            TensorSource(path, normalize_name))
