@@ -12,7 +12,7 @@ from mmjax.backend import cpu_kernels
 from mmjax.kernels import cpu_attention
 from mmjax.models.text import Capture, MaskSpec
 from mmjax.models.text import llama as decoder
-from mmjax.models.text.gemma3 import ring_key_index, ring_visible
+from mmjax.models.nn.kv_cache import ring_key_index, ring_visible
 from mmjax.models.text.llama import LlamaConfig as TextConfig
 from mmjax.models.text.rope import RopeConfig
 
