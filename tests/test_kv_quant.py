@@ -28,22 +28,29 @@ TOL = {"int8": (0.9, 0.01), "fp8": (0.85, 0.05)}
 
 def _teacher_forced(model, kv_dtype, forced=None):
     """(greedy tokens [STEPS] (or `forced` fed back), log-probs [STEPS, vocab]) with a cache of kv_dtype."""
-    tm, params = model.family.text_model, model.params["text"]
+    from flax import nnx
+
+    from mmjax.models.nn import AttentionMetadata
+    tm = model.module.language_model
+    graphdef, params = nnx.split(tm)
     ids = np.random.default_rng(3).integers(5, tm.vocab_size, PROMPT).astype(np.int32)
     reduce_small = True
 
     @jax.jit
     def prefill(params, cache, ids):
-        pos = jnp.arange(ids.shape[0])[None, None]
-        out = tm.forward(params, tm.embed(params, ids[None]), pos, cache, jnp.zeros(1, jnp.int32), MAX_LEN,
-                         ids=ids[None])
-        return out.cache, jax.nn.log_softmax(tm.logits(params, out.hidden[0, -1]))
+        tm = nnx.merge(graphdef, params)
+        meta = AttentionMetadata(jnp.arange(ids.shape[0])[None, None], jnp.zeros(1, jnp.int32), MAX_LEN)
+        embeds, extra = tm.token_inputs(ids[None])
+        hidden, cache = tm(embeds, meta, cache, **extra)
+        return cache, jax.nn.log_softmax(tm.logits(hidden[0, -1]))
 
     @jax.jit
     def step(params, cache, tok, n):
-        out = tm.forward(params, tm.embed(params, tok[None, None]), n[None, None, None], cache, n[None], n + 1,
-                         ids=tok[None, None], reduce_small=reduce_small)
-        return out.cache, jax.nn.log_softmax(tm.logits(params, out.hidden[0, -1]))
+        tm = nnx.merge(graphdef, params)
+        meta = AttentionMetadata(n[None, None, None], n[None], n + 1, reduce_small=reduce_small)
+        embeds, extra = tm.token_inputs(tok[None, None])
+        hidden, cache = tm(embeds, meta, cache, **extra)
+        return cache, jax.nn.log_softmax(tm.logits(hidden[0, -1]))
 
     cache = tm.init_cache(1, MAX_LEN, kv_dtype, max_chunk=PROMPT)
     cache, lp = prefill(params, cache, jnp.asarray(ids))
