@@ -200,7 +200,7 @@ class VLM:
         images = list(images)
         opts = self.family.prompt_options(opts, len(images))
         out = [im if isinstance(im, ImageInput) else
-               image_from_embeds(self.family, im["image_embeds"], im.get("image_grid_thw"))
+               image_from_embeds(self.family, self.model.language_model, im["image_embeds"], im.get("image_grid_thw"))
                if isinstance(im, dict) and "image_embeds" in im else
                self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
         if intervention is not None:

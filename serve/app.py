@@ -805,7 +805,7 @@ async def _load_embeds(st: State, ref):
     b64, grid = ref.embeds
 
     def run():
-        return image_from_embeds(st.vlm.family, decode_npy(b64, st.config.max_image_bytes, ref.param), grid,
+        return image_from_embeds(st.vlm.family, st.vlm.model.language_model, decode_npy(b64, st.config.max_image_bytes, ref.param), grid,
                                  param=ref.param)
     return await asyncio.get_running_loop().run_in_executor(st.executor, run)
 

@@ -518,8 +518,7 @@ def test_embed_and_image_embeds_input(vlm):
     feats = vlm.encode([img])[0]
     raw = vlm.embed([{"prompt": prompt, "images": [img]}], normalize=False)[0]
     logits = vlm.prompt_forward(prompt_inputs(vlm, prompt, [img]))[0]
-    text = vlm.engine.runner.params["text"]
-    head = np.asarray(vlm.engine.runner.text_model.logits(text, raw[None]))[0]
+    head = np.asarray(vlm.model.language_model.logits(raw[None]))[0]
     assert rel_err(head, logits[-1]) < 1e-4
     unit = vlm.embed([{"prompt": prompt, "images": [img]}])[0]
     assert abs(np.linalg.norm(unit) - 1) < 1e-5 and rel_err(unit, raw / np.linalg.norm(raw)) < 1e-6
@@ -527,7 +526,7 @@ def test_embed_and_image_embeds_input(vlm):
     assert rel_err(via_feats, raw) < 1e-5
     short = "USER: hi ASSISTANT:"
     a, b = vlm.embed([short, short + " ok ok ok ok ok ok ok ok ok ok"], pooling="mean", normalize=False)
-    assert a.shape == (vlm.family.text_model.hidden_size,) and rel_err(a, b) > 1e-3
+    assert a.shape == (vlm.model.language_model.hidden_size,) and rel_err(a, b) > 1e-3
     # batched (one padded forward, image encoded with the batch) == one at a time
     mixed = [short, {"prompt": prompt, "images": [img]}, short + " ok ok ok ok ok ok ok ok ok ok"]
     for pooling in ("last", "mean"):

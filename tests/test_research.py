@@ -2,13 +2,14 @@
 interventions (off: identical; Pool: fewer tokens end to end; Ablate: what it says), saliency and
 loss gradients against finite differences."""
 import jax
+from flax import nnx
 import numpy as np
 import pytest
 
 import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import InvalidRequestError
-from mmjax.packed_weights import PackedWeight
+from mmjax.packed_weights import PackedWeight, with_packing
 from mmjax.research import Ablate, Pool
 from mmjax.research.gradients import answer_logprob
 from mmjax.research.interventions import pool_grid
@@ -47,14 +48,14 @@ def test_trace_equals_the_serving_path(vlm):
     assert all(tr.tokens[i] == vlm.family.image_token for i in im.positions)
     # attention rows are distributions over visible keys; the heatmap is that row on the grid
     a = tr.attn[1]
-    assert a.shape == (vlm.family.text_model.cfg.num_heads, len(tr.ids), len(tr.ids))
+    assert a.shape == (vlm.model.language_model.config.num_heads, len(tr.ids), len(tr.ids))
     np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-5)
     assert np.abs(np.triu(a[0], 1)).max() == 0                 # causal
     hm = tr.heatmap(1)
     assert hm.shape == (r, c)
     np.testing.assert_allclose(hm.ravel(), a[:, -1, im.positions].mean(0), rtol=1e-6)
     # hidden states: embeddings, after layer 1 (HF numbering), image rows selectable
-    assert sorted(tr.hidden) == [0, 2] and tr.image_hidden(2).shape == (len(im.positions), vlm.family.text_model.hidden_size)
+    assert sorted(tr.hidden) == [0, 2] and tr.image_hidden(2).shape == (len(im.positions), vlm.model.language_model.hidden_size)
     mean = vlm.trace(chat(img), layers=layers, what=("attn",), heads="mean")
     np.testing.assert_allclose(mean.attn[1][0], a.mean(0), rtol=1e-5, atol=1e-7)
     assert not mean.hidden
@@ -116,7 +117,7 @@ def test_saliency_and_loss_match_finite_differences(vlm):
     sal = vlm.saliency(img, "what color is it", "red")
     assert sal.map.shape == sal.pixels.shape[:-1] and sal.map.ndim == 2 and sal.map.max() > 0
     prompt, _ = vlm.render_chat(chat(img))
-    params = vlm.engine.runner.params
+    params = nnx.state(vlm.model)          # the live model's weights (packed for the CPU kernels here)
     v = np.random.default_rng(0).standard_normal(sal.pixels.shape).astype(np.float32)
 
     def f(x):
@@ -129,23 +130,27 @@ def test_saliency_and_loss_match_finite_differences(vlm):
     ig = vlm.saliency(img, "what color is it", "red", method="integrated", steps=32)
     gap = sal.logprob - f(np.full_like(sal.pixels, -1.0))
     assert abs(ig.attribution.sum() - gap) <= 0.05 * abs(gap) + 1e-4
-    # loss: jax.grad over params (`vlm.params`: the [in, out] weights research code edits; the
-    # engine's own copy may be packed for the CPU kernels), checked along a random direction in
+    # loss: jax.grad over the model's State (unpacked to the [in, out] weights research code edits;
+    # the engine's own copy is packed for the CPU kernels), checked along a random direction in
     # the LM head
-    params = vlm.params
+    live = nnx.state(vlm.model)
+    params = with_packing(live, False)
     packed = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PackedWeight))  # noqa: E731
                            if isinstance(x, PackedWeight)]
-    assert packed(vlm.engine.runner.params) and not packed(params)
-    assert params["text"]["lm_head"].shape == vlm.engine.runner.params["text"]["lm_head"].shape
+    assert packed(live) and not packed(params)
+    head = params["language_model"]["lm_head"]["kernel"]
+    assert head.get_value().shape == live["language_model"]["lm_head"]["kernel"].get_value().shape
     g = jax.grad(vlm.loss)(params, prompt, "red", [img])
-    d = np.random.default_rng(1).standard_normal(params["text"]["lm_head"].shape).astype(np.float32)
+    d = np.random.default_rng(1).standard_normal(head.get_value().shape).astype(np.float32)
 
     def lossf(delta):
-        p = {**params, "text": {**params["text"], "lm_head": params["text"]["lm_head"] + delta}}
+        p = jax.tree.map(lambda x: x, params)
+        p["language_model"]["lm_head"]["kernel"] = head.replace(head.get_value() + delta)
         return float(vlm.loss(p, prompt, "red", [img]))
     fd = (lossf(1e-2 * d) - lossf(-1e-2 * d)) / 2e-2
-    assert abs(fd - float((np.asarray(g["text"]["lm_head"]) * d).sum())) <= 0.02 * abs(fd) + 1e-5
-    assert float(np.abs(np.asarray(jax.tree.leaves(g["vision"] if "vision" in g else g)[0])).sum()) > 0
+    assert abs(fd - float((np.asarray(g["language_model"]["lm_head"]["kernel"].get_value()) * d).sum())) \
+        <= 0.02 * abs(fd) + 1e-5
+    assert float(np.abs(np.asarray(jax.tree.leaves([g[k] for k in g if k != "language_model"])[0])).sum()) > 0
 
 
 def fastv_reference(vlm, prompt, image, layer, keep, generated):
@@ -154,12 +159,11 @@ def fastv_reference(vlm, prompt, image, layer, keep, generated):
     `keep` image tokens the prompt's last token attends to most (head mean) and every other token
     through the later layers, at their original RoPE positions."""
     import jax.numpy as jnp
-    from mmjax.models.text import llama as L
-    from mmjax.models.text.rope import rope_inv_freq
+    from mmjax.models.nn.decoder import find_sown
+    from mmjax.models.nn.metadata import AttentionMetadata
     from mmjax.research.prompt import prompt_inputs
 
-    tm, family = vlm.family.text_model, vlm.family
-    cfg, params = tm.cfg, vlm.engine.runner.params["text"]
+    lm, family = vlm.engine.runner.text_model, vlm.family
     p = prompt_inputs(vlm, prompt, [image])
     t0 = len(p.ids)
     _, rope_delta = family.positions(p.ids, p.images, family.image_starts(p.ids, [p.images[0].num_tokens]))
@@ -167,18 +171,22 @@ def fastv_reference(vlm, prompt, image, layer, keep, generated):
     gen_pos = np.arange(t0, len(ids)) + rope_delta
     positions = np.concatenate([p.positions, np.broadcast_to(gen_pos, (p.positions.shape[0], len(gen_pos)))], 1)
     img = ids == family.image_token_id
-    x = np.array(L.embed_tokens(params, jnp.asarray(ids)))
+    x = np.array(lm.embed(jnp.asarray(ids)))
     x[img] = vlm.encode([image])[0]
-    inv = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
 
     def run(x, pos, layers, capture_at=None):
         T = x.shape[0]
-        rope = L.rope_for(cfg, jnp.asarray(pos)[:, None], jnp.zeros((1,), jnp.int32), T, inv)
+        pos = jnp.asarray(pos)[:, None]
+        rope = lm.rope(pos)
+        meta = AttentionMetadata(pos, jnp.zeros((1,), jnp.int32), T, capture=() if capture_at is None else (capture_at,))
         x, probs = jnp.asarray(x)[None], None
         for i in layers:
-            kv = L.init_kv_cache(cfg, 1, T, x.dtype)[0]
-            x, _, cap = L.layer_forward(params["layers"][i], cfg, x, kv, rope, T, capture_attn=i == capture_at)
-            probs = cap[0] if cap is not None else probs
+            kv = lm.layers[i].self_attn.init_cache(1, T, x.dtype)
+            if i == capture_at:
+                (x, _), inter = nnx.capture(lm.layers[i], nnx.Intermediate)(x, rope, meta, kv)
+                probs = find_sown(inter, "attn_probs")[0]
+            else:
+                x, _ = lm.layers[i](x, rope, meta, kv)
         return x[0], probs
 
     x, probs = run(x, positions, range(layer + 1), capture_at=layer)
@@ -186,9 +194,8 @@ def fastv_reference(vlm, prompt, image, layer, keep, generated):
     score[~img] = -np.inf
     kept = ~img
     kept[np.argsort(-score, kind="stable")[:keep]] = True
-    x, _ = run(x[kept], positions[:, kept], range(layer + 1, cfg.num_layers))
-    out = L.rms_norm(params["norm"], x, cfg.rms_norm_eps)
-    return np.asarray(L.lm_logits(params, out))[-(len(generated) + 1):]
+    x, _ = run(x[kept], positions[:, kept], range(layer + 1, lm.num_layers))
+    return np.asarray(lm.logits(lm.norm(x)))[-(len(generated) + 1):]
 
 
 def test_prune_matches_a_direct_fastv_and_shrinks_the_cache(vlm):

@@ -16,11 +16,12 @@ from mmjax.models.family import ImageInput
 MAX_EMBED_TOKENS = 65536
 
 
-def image_from_embeds(family, embeds: Any, grid: Any = None, param: str = "image_embeds") -> ImageInput:
-    """np.ndarray [tokens, hidden] (float16/32/bfloat16-as-float) -> ImageInput. `grid`: the
-    vision patch grid (t, h, w) families with M-RoPE positions need (Qwen2-VL's image_grid_thw);
-    others lay the tokens out as one row."""
-    hidden = family.text_model.hidden_size
+def image_from_embeds(family, decoder, embeds: Any, grid: Any = None, param: str = "image_embeds") -> ImageInput:
+    """np.ndarray [tokens, hidden] (float16/32/bfloat16-as-float) -> ImageInput. decoder: the
+    model's language model (its hidden size and position rows). `grid`: the vision patch grid
+    (t, h, w) families with M-RoPE positions need (Qwen2-VL's image_grid_thw); others lay the
+    tokens out as one row."""
+    hidden = decoder.hidden_size
     a = np.asarray(embeds)
     if a.dtype.kind != "f" or a.ndim != 2 or a.shape[1] != hidden or not 0 < a.shape[0] <= MAX_EMBED_TOKENS:
         raise InvalidRequestError(f"image_embeds must be a float array [tokens, {hidden}] with 1 to "
@@ -29,7 +30,7 @@ def image_from_embeds(family, embeds: Any, grid: Any = None, param: str = "image
     if not np.isfinite(a).all():
         raise InvalidRequestError("image_embeds holds NaN or infinite values", param=param)
     n = a.shape[0]
-    if family.text_model.position_rows > 1:
+    if decoder.position_rows > 1:
         if grid is None:
             raise InvalidRequestError("this model's positions need the image's patch grid: pass image_grid_thw "
                                       "(t, h, w) with image_embeds", param=param)
