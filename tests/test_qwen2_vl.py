@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import mmjax
 from conftest import noise_image, rel_err
@@ -231,12 +232,13 @@ def test_4k_image_end_to_end(pair):
     native = fam.configure(max_pixels=3840 * 2160, image_max_tokens=16384).num_tokens(2160, 3840)
     n_native = native * 4
     assert n_native == 42196
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), vlm.params)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.state(vlm.model))
 
     def temp_bytes(n, impl):
         packed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fam.dummy_packed(n))
-        fn = jax.jit(QV.make_encode_fn(fam.cfg.vision, impl))
-        return fn.lower(params, packed).compile().memory_analysis().temp_size_in_bytes
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Q.Qwen2VLModel(fam.cfg, attn_impl=impl)))
+        fn = jax.jit(lambda state, packed: nnx.merge(graphdef, state).encode(packed))
+        return fn.lower(state, packed).compile().memory_analysis().temp_size_in_bytes
 
     n_big = Q.bucket_for(n_native, fam.encode_ladder)
     n_half = n_big // 2 // 64 * 64

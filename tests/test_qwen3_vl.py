@@ -30,14 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import CheckpointError, PromptError, UnsupportedModelError, VideoError
 from mmjax.models import qwen3_vl as Q3
 from mmjax.models.family import image_runs
-from mmjax.models.text import Capture
-from mmjax.models.text.rope import rope_cos_sin, rope_inv_freq
+from mmjax.models.nn import Capture
+from mmjax.models.nn.rope import rope_cos_sin, rope_inv_freq
 from mmjax.serving.caches import EncoderCache
 from mmjax.video.processors import Qwen3VLVideoPolicy
 from tiny_qwen3 import hf_processor, torchvision_stand_in
@@ -85,7 +86,7 @@ def test_config_rope_and_errors(pair):
     n_deep = len(hf.config.vision_config.deepstack_visual_indexes)
     assert text.qk_norm and text.rope.mrope_interleaved and text.image_feature_layers == n_deep
     assert vlm.engine.runner.feature_width == 64 * (1 + n_deep)
-    assert not fam.text_model.supports_prune
+    assert not vlm.model.language_model.supports_prune
     if kind == "moe":
         assert text.moe.layers == (0, 2) and text.moe.top_k == 2 and text.tie_word_embeddings
     else:
@@ -200,7 +201,8 @@ def test_moe_block_with_shared_expert_matches_transformers(tmp_path):
     from transformers import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     from mmjax.checkpoint import TensorSource
-    from mmjax.models.text.moe import MoeConfig, load_moe, moe_mlp
+    from mmjax.models.nn.moe import MoeConfig, SparseMoeBlock
+    from mmjax.models.nn.weights import Weights, build
 
     cfg = Qwen2MoeConfig(hidden_size=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
                          shared_expert_intermediate_size=40, norm_topk_prob=False, num_hidden_layers=1)
@@ -212,41 +214,47 @@ def test_moe_block_with_shared_expert_matches_transformers(tmp_path):
     save_file({f"mlp.{k}": v.contiguous() for k, v in block.state_dict().items()}, tmp_path / "model.safetensors")
     moe = MoeConfig.from_hf(cfg.to_dict(), "text_config", 1)
     assert moe.shared_intermediate_size == 40 and not moe.norm_topk_prob and moe.layers == (0,)
-    src = TensorSource(tmp_path)
-    params = load_moe(src, "mlp.", 32, moe)
-    src.check_all_used()
-    fn = jax.jit(moe_mlp, static_argnums=1)
+    ours = build(lambda: SparseMoeBlock(32, moe))
+    w = Weights(TensorSource(tmp_path))
+    ours.hf_weights(w, "mlp")
+    w.finish(ours)                                  # every tensor used, every weight filled
+    graphdef, state = nnx.split(ours)
+    fn = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
     for shape in ((1, 40, 32), (3, 1, 32)):        # 80 assignments: ragged_dot; 6: skip idle experts
         x = torch.randn(shape)
         with torch.no_grad():
             ref = block(x).numpy()
-        assert rel_err(fn(params, moe, x.numpy()), ref) <= 1e-5
+        assert rel_err(fn(state, x.numpy()), ref) <= 1e-5
 
 
 def test_tensor_parallel_layout_keeps_the_math(qwen3_dirs):
-    """The Qwen3 text models (QK-norm, interleaved M-RoPE, DeepStack layer_adds; MoE layers
-    replicated) under tensor_parallel(2) + tp_layout, run on one device: the one-device logits.
-    (KV-head replication for tp > KV heads is llama.py's, tests/test_sharding.py.)"""
+    """The Qwen3 text models (QK-norm, interleaved M-RoPE, DeepStack additions; MoE layers
+    replicated) in their tensor_parallel(2) layout (tp_layout), run on one device: the one-device
+    logits. (KV-head replication for tp > KV heads is llama.py's, tests/test_sharding.py.)"""
     from mmjax.api import load_model
-    from mmjax.packed_weights import with_packing
+    from mmjax.models.nn.metadata import AttentionMetadata
+    from mmjax.serving.placed_model import tp_layout
 
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(5, 300, (2, 14)), jnp.int32)
     pos = jnp.asarray(rng.integers(0, 40, (3, 2, 14)), jnp.int32)
+    meta = AttentionMetadata(positions=pos, starts=jnp.zeros(2, jnp.int32), kv_len=14)
     for kind, path in qwen3_dirs.items():
-        model = load_model(path)
-        tm, params = model.family.text_model, with_packing(model.params, False)["text"]   # tp_layout's [in, out]
-        adds = jnp.asarray(rng.standard_normal((tm.image_feature_layers, 2, 14, 64)), jnp.float32)
+        lm = load_model(path, on_device=False).module.language_model    # host [in, out] weights
+        adds = jnp.asarray(rng.standard_normal((2, 14, lm.image_feature_layers, 64)), jnp.float32)
 
-        def run(tm, p):
-            def fn(p):
-                out = tm.forward(p, tm.embed(p, ids), pos, tm.init_cache(2, 32, jnp.float32), jnp.zeros(2, jnp.int32),
-                                 14, layer_adds=adds)
-                return tm.logits(p, out.hidden)
-            return np.asarray(jax.jit(fn)(p))
-        tp_tm = tm.tensor_parallel(2)
-        np.testing.assert_allclose(run(tp_tm, jax.tree.map(jnp.asarray, tp_tm.tp_layout(params, 2))), run(tm, params),
-                                   rtol=1e-5, atol=1e-5, err_msg=kind)
+        def run(lm, tp):
+            graphdef, state = nnx.split(lm)
+
+            def fn(state):
+                m = nnx.merge(graphdef, state)
+                hidden, _ = m(m.embed(ids), meta, m.init_cache(2, 32, jnp.float32, tp=tp), deepstack=adds)
+                return m.logits(hidden)
+            return np.asarray(jax.jit(fn)(state))
+        tp_lm = nnx.clone(lm)
+        tp_layout(tp_lm, 2)
+        assert tp_lm.layers[0].self_attn.qkv_proj.kernel.get_value().ndim == 3      # [in, tp, per shard]
+        np.testing.assert_allclose(run(tp_lm, 2), run(lm, 1), rtol=1e-5, atol=1e-5, err_msg=kind)
 
 
 # ------------------------------------------------------------------------------------------------
