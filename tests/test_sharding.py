@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _kv_segments_at(platform: str, positions: int = 256) -> int:
     """KV cache segments of one layer at the workers' 256 positions (backend.Tuning.kv_segment_ladder)."""
     from mmjax.backend import compiling_for
-    from mmjax.models.text.llama import kv_segments
+    from mmjax.models.nn.kv_cache import kv_segments
     with compiling_for(platform):
         return len(kv_segments(positions))
 
@@ -261,34 +261,44 @@ def test_gemma_tp_layout_keeps_the_math(gemma3_dirs, gemma4_dirs):
     a tp that does not divide the heads is refused."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from mmjax.api import load_model
     from mmjax.errors import UnsupportedModelError
-    from mmjax.packed_weights import with_packing
+    from mmjax.models.nn import AttentionMetadata
+    from mmjax.serving.placed_model import tp_layout
 
     ids = jnp.asarray(np.random.default_rng(0).integers(5, 300, (2, 14)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(14)[None, None], (1, 2, 14))
 
-    def run(tm, p):
-        cache = tm.init_cache(2, 32, jnp.float32, max_chunk=14)
-        out = tm.forward(p, tm.embed(p, ids), pos, cache, jnp.zeros(2, jnp.int32), 14, ids=ids)
-        return np.asarray(tm.logits(p, out.hidden))
+    def run(lm, tp=1):
+        graphdef, state = nnx.split(lm)
+
+        @jax.jit
+        def logits(state):
+            lm = nnx.merge(graphdef, state)
+            cache = lm.init_cache(2, 32, jnp.float32, max_chunk=14, tp=tp)
+            embeds, extra = lm.token_inputs(ids)
+            hidden, _ = lm(embeds, AttentionMetadata(pos, jnp.zeros(2, jnp.int32), 14), cache, **extra)
+            return lm.logits(hidden)
+        return np.asarray(logits(state))
+
+    def laid_out(lm, tp):   # a copy in the tp-shard layout (tp_layout works in place)
+        lm = nnx.clone(lm)
+        tp_layout(lm, tp)
+        return lm
     for path in (*gemma3_dirs.values(), *gemma4_dirs.values()):
-        model = load_model(path)
-        tm, params = model.family.text_model, with_packing(model.params, False)["text"]   # tp_layout's [in, out]
-        base = run(tm, params)
+        lm = load_model(path, on_device=False).module.language_model    # host [in, out] weights
+        base = run(lm)
         for tp in (2, 4):
-            tp_tm = tm.tensor_parallel(tp)
-            got = run(tp_tm, jax.tree.map(jnp.asarray, tp_tm.tp_layout(params, tp)))
+            got = run(laid_out(lm, tp), tp)
             np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5, err_msg=f"{path} tp{tp}")
         with pytest.raises(UnsupportedModelError, match="tensor_parallel=3"):
-            tm.tensor_parallel(3)
+            laid_out(lm, 3)
         if path in gemma4_dirs.values():   # int8 weights (mmjax.quant): values and scales laid out alike
-            from mmjax.quant import quantize_params
-            qp = quantize_params(params, "int8")
-            tp_tm = tm.tensor_parallel(2)
-            got = run(tp_tm, tp_tm.tp_layout(qp, 2))
-            np.testing.assert_allclose(got, run(tm, qp), rtol=1e-5, atol=1e-5, err_msg=f"{path} int8 tp2")
+            q = load_model(path, on_device=False, quantize="int8").module.language_model
+            got = run(laid_out(q, 2), 2)
+            np.testing.assert_allclose(got, run(q), rtol=1e-5, atol=1e-5, err_msg=f"{path} int8 tp2")
 
 
 @pytest.mark.slow
