@@ -186,3 +186,46 @@ def test_serve_multiturn_stream_and_metrics(mllama_dirs):
         assert "mmjax_cross_attention_cache_bytes" in metrics
     finally:
         server.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_one_device(mllama_dirs):
+    """Tensor parallelism like the other decoders (tiny GQA checkpoint, 4 query heads over 2 KV
+    heads), on fake CPU devices in a subprocess (tests/mllama_tp_worker.py, as
+    tests/test_sharding.py runs its workers): at TP 2 (KV heads split) and TP 4 (each KV head
+    replicated to 2 shards) the mixed batch (one image, two images, text only, packed into shared
+    prefill calls) gives one device's 32 greedy ids, again from the prefix cache, logprobs within
+    1e-4; every self- and cross-attention projection, MLP, the embedding and the LM head is
+    sharded 1/TP per device, and so is the cross-attention K/V cache (by KV heads; the held heads
+    and the reported bytes count the replicas)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import FAST_COMPILE_FLAGS
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE_FLAGS}   # the worker adds its device count
+    p = subprocess.run([sys.executable, os.path.join(here, "mllama_tp_worker.py"), str(mllama_dirs["tiles4"]), "2", "4"],
+                       capture_output=True, text=True, timeout=900, env=env, cwd=os.path.dirname(here))
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"worker failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert len({tuple(ids) for ids in res["ids_1dev"]}) >= 3, "requests should differ"
+    # per layer: self-attention qkv / o or cross-attention q / kv / o, gate_up / down; embed, lm_head
+    want = {f"['layers'][{i}]['{m}']['{w}']['kernel']" for i in range(5) for m, ws in
+            ((("cross_attn", ("q_proj", "kv_proj", "o_proj")) if i in (1, 3) else ("self_attn", ("qkv_proj", "o_proj"))),
+             ("mlp", ("gate_up_proj", "down_proj"))) for w in ws} | {"['embed_tokens']['embedding']",
+                                                                   "['lm_head']['kernel']"}
+    for tp, heads in ((2, 2), (4, 4)):
+        r, where = res[f"tp{tp}"], f"tp{tp}"
+        assert r["mesh"]["axes"] == {"data": 1, "model": tp}, where
+        assert r["ids_equal"] and r["ids_again_equal"] and r["tokens_cached"] > 0, where
+        assert r["logprob_diff"] <= 1e-4, (where, r["logprob_diff"])
+        assert r["packed_prefills"][-1] > 1, where                      # chunks of several requests in one call
+        assert set(r["weights"]["names"]) == want and r["weights"]["bad"] == [], (where, r["weights"])
+        assert r["cross_cache"] == {"names": [f"['{n}'][{i}]" for n in "kv" for i in range(2)], "bad": []}, where
+        assert len(r["self_cache"]["names"]) == 6 and r["self_cache"]["bad"] == [], where
+        assert r["cross_k_shape"][1] == heads, where                     # [slots, KV heads held, hd, n_vis]
+        assert r["cross_bytes"] == r["cross_bytes_held"], where
+    assert res["tp2"]["cross_bytes"] == res["cross_bytes_1dev"] < res["tp4"]["cross_bytes"]
