@@ -86,7 +86,8 @@ class Decoder(nnx.Module):
 
     # ---- the forward ---------------------------------------------------------------------------
     def rope(self, positions: jax.Array) -> Any:
-        """positions [rows, b, t] -> the RoPE tables the layers read (`layer_rope`)."""
+        """positions [rows, b, t] -> the RoPE tables the layers read (`layer_rope`); every leaf
+        [b, t, ...] (FastV gathers the kept rows of them)."""
         raise NotImplementedError
 
     def layer_rope(self, i: int, rope: Any) -> Any:
@@ -135,7 +136,8 @@ class Decoder(nnx.Module):
                 x = take_rows(x, order)
                 per_token = jax.tree.map(lambda a: take_rows(a, order), per_token)
                 meta = meta.compacted(order, prune.out_len)
-                rope = self.rope(meta.positions)
+                # the kept rows of the tables (every rope leaf is [b, t, ...]): no second cos / sin
+                rope = jax.tree.map(lambda a: take_rows(a, order), rope)
             else:
                 x, cache[c] = layer(x, self.layer_rope(i, rope), meta, cache[c], **kwargs)
             if i < self.num_layers - 1:
