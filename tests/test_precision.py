@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import mmjax
 from conftest import noise_image, rel_err
@@ -40,7 +41,7 @@ PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 
 
 def _runner(model, **kw) -> ModelRunner:
-    return ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
+    return ModelRunner(model.family, model.module, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
                        max_encode_batch=2, dtype=model.dtype, **kw)
 
 
@@ -191,7 +192,7 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     assert segs and _wide_copies(_compiled(runner, "decode[2]")["decode[2]"], segs, ("f32", "f16")) == []
     # MoE experts (Qwen3-VL-MoE, int8 expert stacks): the CPU decode step reads them as int8 too
     moe = load_model(qwen3_dirs["moe"], "float32", quantize="int8")
-    stacks = [x for x in jax.tree.leaves(moe.params, is_leaf=lambda x: isinstance(x, QArray))
+    stacks = [x for x in jax.tree.leaves(nnx.state(moe.module), is_leaf=lambda x: isinstance(x, QArray))
               if isinstance(x, QArray) and x.ndim == 3]
     assert len(stacks) == 4                           # gate_up and down of the 2 MoE layers
     hlo = _compiled(_runner(moe), "decode[1]")["decode[1]"]
@@ -411,13 +412,13 @@ def test_rope_cos_sin_are_computed_once_per_step(llava_dirs, qwen_dirs):
     conditional), however many layers and heads use it: XLA fused the transcendentals into
     each layer's q and k rotations instead, re-evaluated per head. The plain tables, patched
     back in, show a cosine per layer and rotation, so the count is live."""
-    from mmjax.models.text import rope
+    from mmjax.models.nn import rope
     from mmjax.models.vision import qwen2_vl
 
     def counts(path):
         model = load_model(path, "float32")
         runner = _runner(model)
-        layers_n = model.family.text_model.num_layers
+        layers_n = model.module.language_model.num_layers
         out = {}
         for step, fn, args, kw in runner.step_signatures():
             kind = step.split("[")[0].split("(")[0]
