@@ -388,7 +388,8 @@ class VLM:
         runner = self.engine.runner
         key = (capture, hidden)
         if key not in self._forward:
-            fwd, lm_of = make_prompt_forward(self.family, capture, hidden=hidden), runner.weights.lm_of()
+            fwd = make_prompt_forward(self.family, capture, hidden=hidden, tp=runner.placement.tp)
+            lm_of = runner.weights.lm_of()
             self._forward[key] = jax.jit(runner.tuning.traced(lambda leaves, *a: fwd(lm_of(leaves), *a)))
         out, inter = self._forward[key](runner.lm_leaves, ids, emb.astype(self.loaded.dtype),
                                         np.isin(ids, self.family.media_token_ids), pos, spans)
@@ -490,7 +491,7 @@ class VLM:
                                                       for im in p.images])
         key = ("embed", id(runner))
         if key not in self._forward:
-            fwd, lm_of = make_embed_forward(self.family), runner.weights.lm_of()
+            fwd, lm_of = make_embed_forward(self.family, tp=runner.placement.tp), runner.weights.lm_of()
             self._forward[key] = jax.jit(runner.tuning.traced(lambda leaves, *a: fwd(lm_of(leaves), *a)))
         last, mean = self._forward[key](runner.lm_leaves, ids, emb.astype(self.loaded.dtype),
                                         np.isin(ids, self.family.media_token_ids), pos,

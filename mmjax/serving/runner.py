@@ -419,17 +419,18 @@ def device_memory_bytes(x) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def make_prompt_forward(family: Family, capture: Capture = Capture(), hidden: bool = False):
+def make_prompt_forward(family: Family, capture: Capture = Capture(), hidden: bool = False, tp: int = 1):
     """A jittable (lm, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t], spans [t]
     int32 (image-token run ids, see models.family.run_spans; None: no runs)) -> (logits [t, vocab]
     float32, intermediates) over a whole prompt with a private one-slot cache (research / parity
     use; `capture` picks the intermediates, nn/capture.Capture; `lm`: the decoder module).
-    hidden=True: the final (normed) hidden states [t, hidden] instead of the logits (embeddings)."""
+    hidden=True: the final (normed) hidden states [t, hidden] instead of the logits (embeddings).
+    tp: the tensor-parallel shards the decoder's weights are laid out for (its cache's KV heads)."""
 
     def fn(lm, ids, image_embeds, image_mask, positions, spans=None):
         t = ids.shape[0]
         embeds, extra = lm.inputs(ids[None], image_embeds[None], image_mask[None])
-        cache = lm.init_cache(1, t, image_embeds.dtype, max_chunk=t)
+        cache = lm.init_cache(1, t, image_embeds.dtype, max_chunk=t, tp=tp)
         meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), t,
                                  spans=None if spans is None else step_spans(family, spans[None]),
                                  capture=tuple(capture.attn_layers))
@@ -438,17 +439,17 @@ def make_prompt_forward(family: Family, capture: Capture = Capture(), hidden: bo
     return fn
 
 
-def make_embed_forward(family: Family):
+def make_embed_forward(family: Family, tp: int = 1):
     """A jittable (lm, ids [b, t], image_embeds [b, t, d], image_mask [b, t], positions [rows, b,
     t], spans [b, t] int32 or None, lengths [b] int32) -> (last [b, hidden], mean [b, hidden])
     float32: the final normed hidden state of each prompt's last token and its mean over the
     prompt's tokens, for b prompts right-padded to t tokens (causal: padding after a prompt
-    changes nothing before it) in one forward (embeddings)."""
+    changes nothing before it) in one forward (embeddings); tp as in `make_prompt_forward`."""
 
     def fn(lm, ids, image_embeds, image_mask, positions, spans, lengths):
         b, t = ids.shape
         embeds, extra = lm.inputs(ids, image_embeds, image_mask)
-        cache = lm.init_cache(b, t, image_embeds.dtype, max_chunk=t)
+        cache = lm.init_cache(b, t, image_embeds.dtype, max_chunk=t, tp=tp)
         meta = AttentionMetadata(positions, jnp.zeros((b,), jnp.int32), t,
                                  spans=None if spans is None else step_spans(family, spans))
         h = lm(embeds, meta, cache, **extra)[0].astype(jnp.float32)
