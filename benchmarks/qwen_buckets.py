@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from mmjax.models.qwen2_vl import make_encode_fn, patch_ladder
+from mmjax.models.vision.qwen2_vl import patch_ladder
 from mmjax.image.processors import Qwen2VLImagePolicy
 
 SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080), (1080, 1920), (2048, 1536),
@@ -128,7 +128,10 @@ def time_4k() -> dict:
 
     os.environ.setdefault("MMJAX_COMPILATION_CACHE", "0")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from flax import nnx
+
     import mmjax
+    from mmjax.models.qwen2_vl import Qwen2VLModel
     from tiny_qwen import build_qwen
 
     img_rng = np.random.default_rng(0)
@@ -150,13 +153,14 @@ def time_4k() -> dict:
                     t = time.perf_counter()
                     r.encode_images([im])
                     times.append(time.perf_counter() - t)
-                n = int(np.prod(im.grid_thw))
+                n = int(np.prod(im.grid))
                 bucket_n = max(s[0] for s in r.compiled["encode"] if s[0] >= n)
                 pk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), f.dummy_packed(bucket_n))
-                ps = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), vlm.params)
+                ps = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.state(vlm.model))
                 mem, compile_s = {}, {}
                 for impl in ("auto", "reference"):
-                    fn = jax.jit(make_encode_fn(f.cfg.vision, impl))
+                    gd = nnx.graphdef(nnx.eval_shape(lambda: Qwen2VLModel(f.cfg, attn_impl=impl)))
+                    fn = jax.jit(lambda state, packed, gd=gd: nnx.merge(gd, state).encode(packed))
                     t = time.perf_counter()
                     compiled = fn.lower(ps, pk).compile()
                     compile_s[impl] = time.perf_counter() - t
