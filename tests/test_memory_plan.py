@@ -25,9 +25,8 @@ def test_memory_budget_sizes_the_slots_from_the_plan(plain, llava_dirs):
     r = plain.engine.runner
     kv_leaves = jax.tree.leaves(r.cache)
     assert plan["slots"] == 8 and plan["kv_cache"] == sum(x.nbytes for x in kv_leaves)
-    assert plan["weights_text"] == sum(x.nbytes for x in jax.tree.leaves(r.params["text"]))
-    assert plan["weights_vision"] == sum(x.nbytes for k, v in r.params.items() if k != "text"
-                                         for x in jax.tree.leaves(v))
+    assert plan["weights_text"] == sum(x.nbytes for x in r.lm_leaves)
+    assert plan["weights_vision"] == sum(x.nbytes for x in r.weights.split.vision_leaves)
     assert min(plan["temp_encode"], plan["temp_prefill"], plan["temp_decode"]) > 0
     assert plan["peak"] == (plan["weights_text"] + plan["weights_vision"] + plan["kv_cache"] + plan["decode_state"]
                             + max(plan["temp_encode"], plan["temp_prefill"], plan["temp_decode"]))
@@ -61,8 +60,10 @@ def test_vision_offload_keeps_outputs_and_lowers_for_cuda(plain, llava_dirs):
     from mmjax.serving.runner import ModelRunner
     vlm = mmjax.load(llava_dirs["gqa"], vision_offload=True, **ENGINE)
     r = vlm.engine.runner
-    kinds = {k: {x.sharding.memory_kind for x in jax.tree.leaves(v)} for k, v in r.params.items()}
-    assert kinds == {"text": {"device"}, "vision": {"pinned_host"}, "projector": {"pinned_host"}}
+    split = r.weights.split       # the vision side: the tower and the projector
+    kinds = {k: {x.sharding.memory_kind for x in v} for k, v in (("text", split.lm_leaves),
+                                                                  ("vision", split.vision_leaves))}
+    assert kinds == {"text": {"device"}, "vision": {"pinned_host"}}
     img = noise_image(5, 45, 30)
     np.testing.assert_array_equal(vlm.encode([img])[0], plain.encode([img])[0])
     prompt, images = plain.render_chat([{"role": "user", "content": [{"type": "image", "image": img},
@@ -76,13 +77,13 @@ def test_vision_offload_keeps_outputs_and_lowers_for_cuda(plain, llava_dirs):
 
     # bf16 for CUDA: the encode step takes the vision weights from pinned host memory and moves them
     model = load_model(llava_dirs["gqa"], "bfloat16")
-    cuda = ModelRunner(model.family, model.params, max_num_seqs=2, max_model_len=128, prefill_chunk=32,
+    cuda = ModelRunner(model.family, model.module, max_num_seqs=2, max_model_len=128, prefill_chunk=32,
                        max_encode_batch=2, dtype=model.dtype, platform="cuda", vision_offload=True)
     with compiling_for("cuda"):
         name, fn, args, kw = next(s for s in cuda.step_signatures() if s[0].startswith("encode"))
         text = jax.export.export(fn, platforms=("cuda",), disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args, **kw).mlir_module()
-    n_host = sum(len(jax.tree.leaves(v)) for k, v in model.params.items() if k != "text")
+    n_host = len(cuda.weights.split.vision_leaves)
     main = next(ln for ln in text.splitlines() if "func.func public @main" in ln)
     assert main.count('mhlo.memory_kind = "pinned_host"') == n_host
     assert text.count("annotate_device_placement") >= n_host
@@ -104,16 +105,16 @@ def test_kv_cache_dtype_scales_the_planned_slots(plain, monkeypatch):
     plan counts every cache leaf, scales included, against kv_quant.bytes_per_token; the step
     temporaries are held fixed (they do not depend on the cache dtype's accounting, and compiling
     them per dtype is the slow part)."""
-    from mmjax.models.text.kv_quant import bytes_per_token
+    from mmjax.models.nn.kv_quant import bytes_per_token
     from mmjax.serving.runner import ModelRunner
-    model, r = plain.model, plain.engine.runner
+    model, r = plain.loaded, plain.engine.runner
     temp = {k: plain.engine.runner.memory_plan()[f"temp_{k}"] for k in ("encode", "prefill", "decode")}
     monkeypatch.setattr(ModelRunner, "step_temp_bytes", lambda self, num_slots=None: temp)
-    cfg = r.text_model.cfg
+    cfg = r.text_model.config
     max_len = 2048                                  # KV per slot >> decode state per slot
 
     def runner(kv, budget=None, slots=4):
-        return ModelRunner(model.family, model.params, max_num_seqs=slots, max_model_len=max_len, prefill_chunk=64,
+        return ModelRunner(model.family, model.module, max_num_seqs=slots, max_model_len=max_len, prefill_chunk=64,
                            max_encode_batch=2, dtype=model.dtype, kv_cache_dtype=kv, memory_budget=budget)
 
     one = runner("auto", slots=1).memory_plan()

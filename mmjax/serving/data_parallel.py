@@ -64,7 +64,7 @@ class DataParallelEngine:
             # the leader reads every step's sampled tokens from its own devices
             raise ValueError("multi-host data parallel: every replica must include devices of this process; "
                              "run one server per host instead (README, Scaling out)")
-        self.replicas = [Engine(model, mesh=m, **engine_kw) for m in meshes]
+        self.replicas = [Engine(model, mesh=m, primary=i == 0, **engine_kw) for i, m in enumerate(meshes)]
         first = self.replicas[0]
         self.max_model_len = first.max_model_len
         self.prefill_chunk = first.prefill_chunk
@@ -163,6 +163,13 @@ class DataParallelEngine:
     def reset_device_state(self) -> None:
         for e in self.replicas:
             e.reset_device_state()
+
+    def refresh(self) -> set[str]:
+        """Every replica serves the edited live model (the first places it, the others copy)."""
+        changed = set()
+        for e in self.replicas:
+            changed |= e.refresh()
+        return changed
 
     def warmup(self) -> dict[str, int]:
         if self.has_work():

@@ -73,8 +73,10 @@ class Engine:
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
                  vision_offload: bool = False, memory_budget: int | float | None = None,
                  kv_cache_dtype: str = "auto", overlap: bool = True, pack_prefill: bool = True,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, primary: bool = True):
         """overlap: queue each step before reading the previous step's tokens (module docstring).
+        primary: this engine's runner places the live module's weights (a data-parallel replica
+        past the first places a copy on its own devices).
         pack_prefill: the prefill chunks of several requests in one packed call (False: one call
         per request). decode_steps: tokens a running request gets per decode call (vLLM's
         multi-step scheduling): the host's cost of a call is paid once for that many steps,
@@ -100,7 +102,7 @@ class Engine:
                                   vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
                                   memory_budget=memory_budget, kv_cache_dtype=kv_cache_dtype,
                                   max_prefill_seqs=MAX_PREFILL_SEQS if pack_prefill else 1,
-                                  decode_steps=decode_steps)
+                                  decode_steps=decode_steps, primary=primary)
         max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)

@@ -468,12 +468,13 @@ class ModelRunner:
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
                  vision_tensor_parallel: bool = False, vision_offload: bool = False,
                  memory_budget: int | float | None = None, kv_cache_dtype: str | None = None,
-                 max_prefill_seqs: int = 8, decode_steps: int = 1, primary: bool = True):
+                 max_prefill_seqs: int = 8, decode_steps: int = 1, primary: bool = False):
         """model: the family's live `VisionLanguageModel` (`vlm.model`). max_prefill_seqs: the
         most sequences one prefill call packs (1: one per call). decode_steps: the decode steps
         a multi-step decode call takes (`decode(steps=)`; 1: none), compiled beside the one-step
-        calls. primary: this runner's placed weights are the live module's (a data-parallel
-        replica past the first keeps a copy on its own devices)."""
+        calls. primary: this runner's placed weights become the live module's (the engine's runner;
+        any other runner, e.g. one for another platform or a data-parallel replica past the
+        first, keeps what it places to itself)."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps
