@@ -62,7 +62,7 @@ def test_tiles_token_counts_prompt_ids_and_chat_template(pair):
     fam = vlm.family
     assert type(hf).__name__ == {"idefics3": "Idefics3ForConditionalGeneration",
                                  "smolvlm": "SmolVLMForConditionalGeneration"}[name]
-    with safe_open(str(vlm.model.path / "model.safetensors"), "np") as f:   # tied: saved without a head
+    with safe_open(str(vlm.loaded.path / "model.safetensors"), "np") as f:   # tied: saved without a head
         assert any("lm_head" in k for k in f.keys()) == (name == "idefics3")
     seq, tile = fam.cfg.tokens_per_tile, fam.policy.tile
     assert seq == proc.image_seq_len
@@ -193,7 +193,7 @@ def test_engine_shared_tile_batches_chunks_and_caches(idefics3_dirs):
     feats = vlm.engine.runner.encode_images(mixed)         # images' tiles straddle the calls
     for im, f in zip(mixed, feats):
         [alone] = vlm.engine.runner.encode_images([im])
-        assert f.shape == (im.num_tokens, fam.text_model.hidden_size)
+        assert f.shape == (im.num_tokens, vlm.model.language_model.hidden_size)
         assert np.abs(f - alone).max() <= 1e-5
 
     imgs = [noise_image(21, 70, 60), noise_image(22, 160, 50), noise_image(23, 45, 45)]

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.buckets import bucket_for, pow2_ladder
 from mmjax.checkpoint import TensorSource
@@ -37,11 +39,12 @@ from mmjax.errors import CheckpointError, ContextLengthError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.idefics3 import Idefics3ImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
 from mmjax.models.hf_config import require, tie_word_embeddings
-from mmjax.models.layers import matmul
-from mmjax.models.text import TextModel, text_model_for
-from mmjax.models.vision.siglip import SiglipVisionConfig, load_siglip_params, siglip_features
+from mmjax.models.nn.linear import Linear
+from mmjax.models.nn.weights import build, load_module
+from mmjax.models.text import text_config
+from mmjax.models.vision.siglip import SiglipVisionConfig, SiglipVisionModel
 
 PROCESSORS = {"idefics3": "Idefics3ImageProcessor", "smolvlm": "SmolVLMImageProcessor"}
 
@@ -49,7 +52,7 @@ PROCESSORS = {"idefics3": "Idefics3ImageProcessor", "smolvlm": "SmolVLMImageProc
 @dataclass(frozen=True)
 class Idefics3Config:
     vision: SiglipVisionConfig
-    text_model: TextModel
+    text: object            # the decoder's config (models/text)
     scale_factor: int
     image_token_id: int
     model_type: str = "idefics3"
@@ -58,7 +61,7 @@ class Idefics3Config:
     def from_hf(cls, cfg: dict) -> "Idefics3Config":
         text_cfg = dict(require(cfg, "text_config", "config"))
         text_cfg.setdefault("model_type", "llama")
-        text = text_model_for(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg))
+        text = text_config(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg))
         # transformers builds Idefics3VisionTransformer whatever vision_config.model_type says
         # (hub configs say "idefics3", "idefics3_vision" or "smolvlm_vision")
         vision_cfg = {**require(cfg, "vision_config", "config"), "model_type": "idefics3_vision"}
@@ -67,7 +70,7 @@ class Idefics3Config:
         if scale <= 0 or vision.patches_per_side % scale:
             raise CheckpointError(f"config.json: scale_factor={scale} must divide the {vision.patches_per_side} "
                                   "patches per side", param="scale_factor")
-        return cls(vision=vision, text_model=text, scale_factor=scale,
+        return cls(vision=vision, text=text, scale_factor=scale,
                    image_token_id=int(require(cfg, "image_token_id", "config")),
                    model_type=str(cfg.get("model_type", "idefics3")))
 
@@ -75,19 +78,6 @@ class Idefics3Config:
     def tokens_per_tile(self) -> int:
         """image_seq_len: (patches per side / scale_factor) ** 2."""
         return (self.vision.patches_per_side // self.scale_factor) ** 2
-
-
-def load_params(src: TensorSource, cfg: Idefics3Config) -> dict:
-    dv, dt = cfg.vision.hidden_size, cfg.text_model.hidden_size
-    params = {
-        "vision": load_siglip_params(src, cfg.vision, "model.vision_model."),
-        # [text_hidden, vision_hidden * scale^2] -> [in, out]
-        "projector": np.ascontiguousarray(src.take("model.connector.modality_projection.proj.weight",
-                                                   (dt, dv * cfg.scale_factor ** 2)).T),
-        "text": cfg.text_model.load_params(src, "model.text_model.", "lm_head.weight"),
-    }
-    src.check_all_used()
-    return params
 
 
 def pixel_shuffle(x: jax.Array, scale: int) -> jax.Array:
@@ -100,12 +90,51 @@ def pixel_shuffle(x: jax.Array, scale: int) -> jax.Array:
     return x.transpose(0, 2, 1, 3).reshape(b, seq // scale ** 2, d * scale * scale)
 
 
-def encode_tiles(params: dict, pixels: jax.Array, cfg: Idefics3Config) -> jax.Array:
-    """pixels [tiles, size, size, 3] -> [tiles, tokens_per_tile, text_hidden]: SigLIP's last
-    hidden state (post-layernorm), pixel shuffle, projection (no bias)."""
-    x = siglip_features(params["vision"], pixels, cfg.vision)
-    x = matmul(pixel_shuffle(x, cfg.scale_factor), params["projector"])
-    return x.astype(params["text"]["embed"].dtype)
+class Idefics3SimpleMLP(nnx.Module):
+    """`proj`: vision_hidden * scale^2 -> text_hidden, no bias (one projection: replicated, also
+    under vision tensor parallelism)."""
+
+    def __init__(self, d_in: int, d_out: int, dtype=jnp.float32):
+        self.proj = Linear(d_in, d_out, dtype=dtype, axes=(None, None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.proj(x)
+
+
+class Idefics3Connector(nnx.Module):
+    """HF's Idefics3Connector: pixel shuffle (space to depth by `scale_factor`), then
+    `modality_projection`."""
+
+    def __init__(self, cfg: Idefics3Config, dtype=jnp.float32):
+        self.scale_factor = cfg.scale_factor
+        self.modality_projection = Idefics3SimpleMLP(cfg.vision.hidden_size * cfg.scale_factor ** 2,
+                                                     cfg.text.hidden_size, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [tiles, patches, vision_hidden] -> [tiles, tokens_per_tile, text_hidden]."""
+        return self.modality_projection(pixel_shuffle(x, self.scale_factor))
+
+
+class Idefics3Model(VisionLanguageModel):
+    """Idefics3ForConditionalGeneration / SmolVLMForConditionalGeneration: vision_model (SigLIP;
+    HF's `model.vision_model`), connector (`model.connector`), language_model (the Llama decoder:
+    HF's `model.text_model` with the top-level `lm_head`)."""
+
+    def __init__(self, cfg: Idefics3Config, dtype=jnp.float32):
+        self.config = cfg
+        self.vision_model = SiglipVisionModel(cfg.vision, dtype=dtype)
+        self.connector = Idefics3Connector(cfg, dtype)
+        self.language_model = cfg.text.build(dtype)
+
+    def encode(self, pixels: jax.Array) -> jax.Array:
+        """pixels [tiles, size, size, 3] -> [tiles, tokens_per_tile, text_hidden]: SigLIP's last
+        hidden state (post-layernorm), pixel shuffle, projection."""
+        return self.connector(self.vision_model(pixels)).astype(self.embed_dtype)
+
+    def hf_weights(self, w, name: str = "") -> None:
+        self.vision_model.hf_weights(w, "model.vision_model")
+        load_module(self.connector, w, "model.connector")
+        self.language_model.hf_weights(w, "model.text_model", "lm_head.weight")
 
 
 @dataclass
@@ -124,10 +153,6 @@ class Idefics3Family(Family):
     fake_token: str = "<fake_token_around_image>"
     global_token: str = "<global-img>"
     name: str = "idefics3"
-
-    @property
-    def text_model(self) -> TextModel:
-        return self.cfg.text_model
 
     @property
     def image_token_id(self) -> int:
@@ -193,11 +218,7 @@ class Idefics3Family(Family):
         return (image.num_tokens // (side * side), side, side)
 
     # ---- encode -------------------------------------------------------------------------------
-    def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
-        """pixels [tiles, size, size, 3] -> [tiles, tokens_per_tile, hidden]."""
-        return encode_tiles(params, pixels, self.cfg)
-
-    def encode_plan(self, images: list[ImageInput], max_batch: int) -> list[EncodeCall]:
+    def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """All images' views as one stream of tiles, cut into calls of at most `max_batch` tiles,
         each padded up the power-of-two ladder (repeating its last tile). Call k's `split`
         stores its tiles' features and returns the images whose last tile it holds, in order
@@ -224,7 +245,7 @@ class Idefics3Family(Family):
             calls.append(EncodeCall((b,) + part.shape[1:], part, split))
         return calls
 
-    def warmup_plan(self, max_batch: int) -> list[EncodeCall]:
+    def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         size = self.policy.tile
         return [EncodeCall((b, size, size, 3), np.zeros((b, size, size, 3), np.float32), list)
                 for b in pow2_ladder(1, max_batch)]
@@ -235,10 +256,9 @@ def _added_tokens(path: Path) -> set[str]:
     return {t["content"] for t in json.loads(p.read_text()).get("added_tokens", [])} if p.is_file() else set()
 
 
-def load(path: Path, hf_cfg: dict) -> tuple[Idefics3Family, dict]:
-    """config.json + safetensors + Idefics3 / SmolVLM processor configs -> (family, numpy params)."""
+def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[Idefics3Family, Idefics3Model, TensorSource]:
+    """config.json + Idefics3 / SmolVLM processor configs -> (family, the abstract model, its tensors)."""
     cfg = Idefics3Config.from_hf(hf_cfg)
-    params = load_params(TensorSource(path, lambda n: n), cfg)
     ipc = find_image_processor_config(path)
     kind = str(ipc.get("image_processor_type", ""))
     if not any(kind.startswith(k) for k in PROCESSORS.values()):
@@ -269,4 +289,5 @@ def load(path: Path, hf_cfg: dict) -> tuple[Idefics3Family, dict]:
         value = strings.get(field, Idefics3Family.__dataclass_fields__[field].default)
         if added and value not in added:
             raise CheckpointError(f"tokenizer has no {value!r} token", param="tokenizer")
-    return Idefics3Family(cfg, policy, name=cfg.model_type, **strings), params
+    return (Idefics3Family(cfg, policy, name=cfg.model_type, **strings), build(lambda: Idefics3Model(cfg, dtype)),
+            TensorSource(path, lambda n: n))
