@@ -216,9 +216,10 @@ def test_gemma_tensor_parallel_matches_one_device(gemma3_dirs, gemma4_dirs):
     a TP 4 runner exports for CUDA in bf16 with the model-sharded weights and caches."""
     out = run_worker("gemma", (str(gemma3_dirs["window"]), str(gemma4_dirs["dense"])))
     res = out["parity"]
-    # per-layer matmul weights (Gemma 3: qkv, o, gate_up, down; Gemma 4: q, o, gate_up, down in
-    # 5 layers + kv in the 3 layers owning K/V), embed, lm_head (+ Gemma 4's per-layer embedding)
-    weights = {"gemma3": 4 * 5 + 2, "gemma4": 4 * 5 + 3 + 3}
+    # per-layer matmul weights (qkv, o, gate_up, down in 5 layers; Gemma 4's fused qkv_proj is
+    # q|k|v, q|k (k_eq_v) or q alone (KV-shared layers)), embed, lm_head (+ Gemma 4's per-layer
+    # embedding)
+    weights = {"gemma3": 4 * 5 + 2, "gemma4": 4 * 5 + 3}
     # Gemma 3: 3 sliding layers' K/V rings + 2 full layers' K/V in segments (256 positions: 2 on
     # the CPU, 1 in the GPU ladder the CUDA exports use); Gemma 4: 3 cache-owning layers' K/V
     cache = {"gemma3": 3 * 2 + 2 * 2 * SEG_CPU, "gemma4": 3 * 2 * SEG_CPU}
