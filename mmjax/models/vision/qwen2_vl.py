@@ -175,7 +175,7 @@ class PatchEmbed(nnx.Module):
             w.set(self.proj.bias, w.take(f"{name}.proj.bias", (c.hidden_size,)))
 
 
-class VisionAttention(nnx.Module):
+class Qwen2VLVisionAttention(nnx.Module):
     """HF's VisionAttention over a packed patch sequence: `qkv` (one HF Linear [w, 3w]), 2D
     rotary on q and k (float32), block-diagonal attention by segment id, `proj`."""
 
@@ -214,7 +214,7 @@ class Qwen2VLVisionBlock(nnx.Module):
         w = cfg.hidden_size
         self.norm1 = vision_norm(cfg, w, dtype)
         self.norm2 = vision_norm(cfg, w, dtype)
-        self.attn = VisionAttention(w, cfg.num_heads, dtype=dtype)
+        self.attn = Qwen2VLVisionAttention(w, cfg.num_heads, dtype=dtype)
         self.mlp = self.make_mlp(cfg, dtype)
 
     @staticmethod
