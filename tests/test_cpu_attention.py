@@ -30,8 +30,8 @@ import pytest
 from conftest import kernel_path, rel_err
 from mmjax.backend import compiling_for, cpu_kernels, tuning
 from mmjax.kernels import cpu_attention, cpu_library
-from mmjax.models.text import MaskSpec
-from mmjax.models.text.llama import cache_attention
+from mmjax.models.nn.metadata import MaskSpec
+from mmjax.models.nn.kv_cache import cache_attention
 
 
 def _want(q, kts, vs, lo, hi, scale, scales=None) -> np.ndarray:
@@ -492,7 +492,7 @@ def test_kv_write_equals_scatter(dtype):
     dtype (int8 / fp8 with their bf16 scales), tokens across segment boundaries, a row per token
     (packed prefill), rows past the cache and indexes outside the segments dropped; and
     `scatter_kv` takes it on the CPU with the XLA path's cache."""
-    from mmjax.models.text.llama import scatter_kv
+    from mmjax.models.nn.kv_cache import scatter_kv
     rng = np.random.default_rng(11)
     slots, kvh, hd, lens, b, t = 3, 2, 20, (16, 8, 32), 2, 9
     kts, vs, scales = _cache(rng, dtype, slots, kvh, hd, lens)

@@ -42,7 +42,7 @@ def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list
     model = load_model(path, dtype, quantize=quantize)
     if hasattr(model.family, "limits"):   # keep the Qwen / Pixtral patch ladder short: every rung is the same graph
         model.family.configure(max_encode_patches=1024, image_max_tokens=256)
-    runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
+    runner = ModelRunner(model.family, model.module, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
                          max_encode_batch=2, dtype=model.dtype, platform="cuda", kv_cache_dtype=kv_cache_dtype)
     if runner_out is not None:
         runner_out.append(runner)
@@ -150,7 +150,7 @@ def test_gpu_runner_ladders(checkpoints, name):
     the CPU keeps eight chunk rungs per octave and 256-position segments (it pays for padding
     and for the cache in use in those steps). Whichever platform the caller's thread is on."""
     model = load_model(checkpoints[name], "bfloat16")
-    runners = {p: ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=2048, prefill_chunk=1024,
+    runners = {p: ModelRunner(model.family, model.module, max_num_seqs=4, max_model_len=2048, prefill_chunk=1024,
                               max_encode_batch=1, dtype=model.dtype, platform=p) for p in ("cpu", "cuda")}
     ladders = {p: r.buckets.prefill for p, r in runners.items()}
     assert ladders["cuda"] == (16, 32, 64, 128, 256, 512, 1024)
@@ -170,7 +170,7 @@ def test_gpu_runner_ladders(checkpoints, name):
     calls = mlir.count("__gpu$xla.gpu.triton")
     assert 0 < segmented <= calls <= runners["cuda"].text_model.num_layers, (name_, segmented, calls)
     with compiling_for("cuda"):     # the thread's platform does not leak into a CPU runner's cache
-        again = ModelRunner(model.family, model.params, max_num_seqs=2, max_model_len=2048, prefill_chunk=64,
+        again = ModelRunner(model.family, model.module, max_num_seqs=2, max_model_len=2048, prefill_chunk=64,
                             max_encode_batch=1, dtype=model.dtype, platform="cpu")
     assert {len(layer["v"]) for layer in again.cache} >= {5}
 
@@ -181,7 +181,7 @@ def test_multi_step_decode_lowers_for_cuda(checkpoints, name):
     four-step decode shape per row bucket: it exports for CUDA as one loop over the one-step
     body (one ragged attention kernel per layer in it, not four), outputs stacked per step."""
     model = load_model(checkpoints[name], "bfloat16")
-    runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
+    runner = ModelRunner(model.family, model.module, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
                          max_encode_batch=1, dtype=model.dtype, platform="cuda", decode_steps=4)
     sigs = {n: (fn, args, kw) for n, fn, args, kw in runner.step_signatures() if n.startswith("decode")}
     assert sorted(sigs) == ["decode[1]", "decode[1]x4", "decode[2]", "decode[2]x4", "decode[4]", "decode[4]x4"]

@@ -1,4 +1,4 @@
-"""Quantized KV caches (models/text/kv_quant: int8 / fp8 e4m3 with one bfloat16 scale per token
+"""Quantized KV caches (models/nn/kv_quant: int8 / fp8 e4m3 with one bfloat16 scale per token
 and KV head): quality against the float32 cache on tiny checkpoints, and the engine's cache
 machinery (chunked prefill, prefix cache, n > 1 cache-row copies) over an int8 cache.
 
@@ -84,7 +84,7 @@ def test_int8_cache_through_the_engine(llava_dirs):
     chunked prefills), n = 2 siblings (the prompt's cache row copied, scales included), the same
     request again served from the prefix cache: identical to the first (cache-free) run.
     stats() names the dtype and counts int8 data + bfloat16 scales."""
-    from mmjax.models.text.kv_quant import bytes_per_token
+    from mmjax.models.nn.kv_quant import bytes_per_token
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         mmjax.load(llava_dirs["gqa"], kv_cache_dtype="int4")
     kw = dict(max_num_seqs=4, max_model_len=128, prefill_chunk=16, kv_cache_dtype="int8")
@@ -115,6 +115,6 @@ def test_int8_cache_through_the_engine(llava_dirs):
     for t, a in zip(together, alone):
         assert t.token_ids == a.token_ids
         assert max(abs(x[i] - y[i]) for x, y, i in zip(t.logprobs, a.logprobs, t.token_ids)) <= 1e-4
-    cfg = on.engine.runner.text_model.cfg
+    cfg = on.engine.runner.text_model.config
     assert st["kv_cache_bytes_max_device"] == 4 * 128 * cfg.num_layers * bytes_per_token(
         cfg.num_kv_heads, cfg.head_dim, jnp.int8)
