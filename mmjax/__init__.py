@@ -16,6 +16,6 @@ def __getattr__(name):
         from mmjax.serving.sampling import SamplingParams
         return SamplingParams
     if name in ("Capture", "MaskSpec"):
-        from mmjax.models import text
-        return getattr(text, name)
+        from mmjax.models import nn
+        return getattr(nn, name)
     raise AttributeError(name)

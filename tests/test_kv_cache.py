@@ -1,20 +1,26 @@
-"""The segmented slot KV cache (models/text/llama.py): attention over consecutive segments equals
+"""The segmented slot KV cache (models/nn/kv_cache.py): attention over consecutive segments equals
 plain causal attention, segments past kv_len are skipped (also when kv_len is traced), new tokens
 land in the right segment; mask specs (sliding window, bidirectional spans) and captured
 intermediates (hidden states, attention probabilities) against float64 oracles; packed prefill's
-query blocks (models/text/packing.py) against one-sequence attention."""
+query blocks (models/nn/packing.py) against one-sequence attention."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dataclasses
+
+from flax import nnx
+
 from mmjax.backend import cpu_kernels
 from mmjax.kernels import cpu_attention
-from mmjax.models.text import Capture, MaskSpec
-from mmjax.models.text import llama as decoder
-from mmjax.models.nn.kv_cache import ring_key_index, ring_visible
+from mmjax.models.nn import kv_cache as decoder
+from mmjax.models.nn.capture import Capture, captured
+from mmjax.models.nn.kv_cache import kv_layer, kv_segments, ring_key_index, ring_visible
+from mmjax.models.nn.metadata import AttentionMetadata, MaskSpec
+from mmjax.models.nn.rope import RopeConfig
 from mmjax.models.text.llama import LlamaConfig as TextConfig
-from mmjax.models.text.rope import RopeConfig
+from mmjax.models.text.llama import LlamaModel
 
 
 def naive_attention(q, k, v, q_index, visible=None, probs_out=None):
@@ -99,15 +105,19 @@ def tiny_text(layers=2):
                       tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
 
 
-def random_params(cfg, rng):
-    d, hd = cfg.hidden_size, cfg.head_dim
-    qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
-    w = lambda *s: jnp.asarray(0.2 * rng.standard_normal(s), jnp.float32)
-    layer = lambda: {"ln1": w(d) + 1, "qkv": {"w": w(d, qkv_out)}, "o": {"w": w(cfg.num_heads * hd, d)},
-                     "ln2": w(d) + 1, "gate_up": {"w": w(d, 2 * cfg.intermediate_size)},
-                     "down": {"w": w(cfg.intermediate_size, d)}}
-    return {"embed": w(cfg.vocab_size, d), "layers": [layer() for _ in range(cfg.num_layers)],
-            "norm": w(d) + 1, "lm_head": w(d, cfg.vocab_size)}
+def random_model(cfg, rng) -> LlamaModel:
+    """The decoder with random weights (norm scales around 1)."""
+    model = LlamaModel(cfg)
+    flat = nnx.to_flat_state(nnx.state(model))
+    nnx.update(model, nnx.from_flat_state([
+        (path, v.replace(jnp.asarray(0.2 * rng.standard_normal(v.get_value().shape) + (path[-1] == "scale"),
+                                     jnp.float32))) for path, v in flat]))
+    return model
+
+
+def segmented_cache(cfg, slots, max_len, segment):
+    return [kv_layer(slots, cfg.num_kv_heads, cfg.head_dim, kv_segments(max_len, segment), jnp.float32)
+            for _ in range(cfg.num_layers)]
 
 
 @pytest.mark.parametrize("min_calls", [0, 10 ** 9])  # decode steps: broadcast-reduce / dots
@@ -119,17 +129,15 @@ def test_segmented_cache_equals_one_piece_across_boundaries(min_calls, monkeypat
     monkeypatch.setattr(decoder, "SMALL_N_MIN_CALLS", min_calls)
     cfg = tiny_text()
     rng = np.random.default_rng(0)
-    params = random_params(cfg, rng)
-    caches = {"one": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segment=32),
-              "seg": decoder.init_kv_cache(cfg, 2, 32, jnp.float32, segment=4)}
+    model = random_model(cfg, rng)
+    caches = {"one": segmented_cache(cfg, 2, 32, 32), "seg": segmented_cache(cfg, 2, 32, 4)}
     assert [c.shape[2] for c in caches["seg"][0]["v"]] == [4] * 4 + [16]       # the CPU ladder: 4 fine ones
     assert [c.shape[3] for c in caches["seg"][0]["k"]] == [4] * 4 + [16]
     emb = jnp.asarray(rng.standard_normal((1, 11, cfg.hidden_size)), jnp.float32)
     pos = jnp.arange(11)[None, None]
-    forward = jax.jit(lambda cache, e, p, starts, n, slots: tuple(vars(decoder.forward(
-        params, cfg, e, p, cache, starts, n, slots=slots, reduce_small=True)).values())[:2])
-    decode = jax.jit(lambda cache, e, p, starts, n: tuple(vars(decoder.forward(
-        params, cfg, e, p, cache, starts, n, reduce_small=True)).values())[:2])
+    forward = jax.jit(lambda cache, e, p, starts, n, slots: model(
+        e, AttentionMetadata(p, starts, n, slots=slots, reduce_small=True), cache))
+    decode = jax.jit(lambda cache, e, p, starts, n: model(e, AttentionMetadata(p, starts, n, reduce_small=True), cache))
     outs = {}
     for name, cache in caches.items():
         kv_len = jnp.int32(16 if name == "seg" else 32)
@@ -218,7 +226,7 @@ def test_packed_query_blocks_equal_one_sequence_attention(block, group, monkeypa
     one block of 32 per sequence in one group; the three sequences take more blocks than
     ceil(T / B). One sequence alone takes the whole-row path, which the block layout matches. Gemma 3's ring visibility (key_spans of a block within a longer segment) matches
     per block."""
-    from mmjax.models.text import packing as pk
+    from mmjax.models.nn import packing as pk
     monkeypatch.setattr(pk, "QUERY_BLOCK", block)
     monkeypatch.setattr(pk, "GROUP_QUERIES", group)
     rng = np.random.default_rng(11)
@@ -287,30 +295,29 @@ def test_captured_intermediates_match_a_plain_layer_loop():
     cache."""
     cfg = tiny_text()
     rng = np.random.default_rng(5)
-    params = random_params(cfg, rng)
+    model = random_model(cfg, rng)
     t = 7
     emb = jnp.asarray(rng.standard_normal((1, t, cfg.hidden_size)), jnp.float32)
     pos = jnp.arange(t)[None, None]
     zero = jnp.zeros((1,), jnp.int32)
-    plain = decoder.forward(params, cfg, emb, pos, decoder.init_kv_cache(cfg, 1, 16, jnp.float32), zero, 16)
-    cap = decoder.forward(params, cfg, emb, pos, decoder.init_kv_cache(cfg, 1, 16, jnp.float32), zero, 16,
-                          capture=Capture(hidden=True, attn_layers=(1,)))
-    np.testing.assert_allclose(np.asarray(cap.hidden), np.asarray(plain.hidden), rtol=1e-5, atol=1e-5)
-    hidden = cap.intermediates["hidden"]
+    meta = AttentionMetadata(pos, zero, 16)
+    plain = model(emb, meta, segmented_cache(cfg, 1, 16, None))
+    cap, inter = captured(lambda m, *a: m(*a), Capture(hidden=True, attn_layers=(1,)))(
+        model, emb, dataclasses.replace(meta, capture=(1,)), segmented_cache(cfg, 1, 16, None))
+    np.testing.assert_allclose(np.asarray(cap[0]), np.asarray(plain[0]), rtol=1e-5, atol=1e-5)
+    hidden = inter["hidden"]
     assert len(hidden) == cfg.num_layers + 1
     np.testing.assert_array_equal(np.asarray(hidden[0]), np.asarray(emb))
-    np.testing.assert_allclose(np.asarray(hidden[-1]), np.asarray(plain.hidden), rtol=1e-5, atol=1e-5)
-    rope = decoder.rope_for(cfg, pos, zero, t)
-    x, _, _ = decoder.layer_forward(params["layers"][0], cfg, emb, decoder.init_kv_cache(cfg, 1, 16, jnp.float32)[0],
-                                    rope, 16)
+    np.testing.assert_allclose(np.asarray(hidden[-1]), np.asarray(plain[0]), rtol=1e-5, atol=1e-5)
+    x, _ = model.layers[0](emb, model.rope(pos), meta, segmented_cache(cfg, 1, 16, None)[0])
     np.testing.assert_allclose(np.asarray(hidden[1]), np.asarray(x), rtol=1e-5, atol=1e-5)
-    probs = np.asarray(cap.intermediates["attn"][1])                    # [1, heads, t, 16]
+    probs = np.asarray(inter["attn"][1])                    # [1, heads, t, 16]
     assert probs.shape == (1, cfg.num_heads, t, 16)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     for i in range(t):
         assert np.all(probs[0, :, i, i + 1:] == 0)
-    assert cap.intermediates["attn_out"][1].shape == (1, t, cfg.num_heads, cfg.head_dim)
-    for a, b in zip(jax.tree.leaves(cap.cache), jax.tree.leaves(plain.cache)):
+    assert inter["attn_out"][1].shape == (1, t, cfg.num_heads, cfg.head_dim)
+    for a, b in zip(jax.tree.leaves(cap[1]), jax.tree.leaves(plain[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
@@ -325,7 +332,7 @@ def test_gpu_ragged_decode_kernel_matches_oracle(window, group, dtype):
     one, scales applied to scores and weights) both equal the oracle over the dequantized
     cache to float32 rounding, so the quantization error is all in the stored values."""
     from mmjax.backend import compiling_for
-    from mmjax.models.text import kv_quant
+    from mmjax.models.nn import kv_quant
     rng = np.random.default_rng(group)
     segments = (32, 32, 20)
     b, kvh, hd, s = 4, 2, 16, sum(segments)
