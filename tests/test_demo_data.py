@@ -503,14 +503,14 @@ def test_vision_step_trains_only_the_image_side(tok):
     """--vision-frac's step: the image aux losses fall on a batch it keeps seeing, the ViT,
     projector and aux heads move, and the decoder stays bit-identical (weight decay included)."""
     import jax
-    import jax.numpy as jnp
+    from flax import nnx
 
     from mmjax.demo import train as TR
 
     cfg_dict = C.notebook_config()
-    cfg, params = TR.init_params(cfg_dict, tok, 0)
+    cfg, model = TR.init_model(cfg_dict, tok, 0)
     tx, train_step, _ = TR.make_steps(cfg, aux_weight=1.0)
-    p0 = jax.tree.map(jnp.asarray, {"model": params, "aux": TR.init_aux(cfg, 0)})
+    p0 = nnx.state(TR.Trainee(model, TR.AuxHeads(cfg, 0)))
     imgs, scenes = TR.make_pool(8, 128, 5, workers=1)
     enc = TR.Encoder(tok, C.num_image_tokens(cfg_dict))
     sampler = TR.Sampler(imgs, scenes, enc, TR.max_seq_len(enc), grid=8)
@@ -523,9 +523,9 @@ def test_vision_step_trains_only_the_image_side(tok):
         losses.append(float(loss[1]))
     assert losses[-1] < 0.8 * losses[0], losses
     moved = lambda a, b: any(jax.tree.leaves(jax.tree.map(lambda x, y: bool((x != y).any()), a, b)))
-    assert not moved(p0["model"]["text"], p["model"]["text"])
-    assert moved(p0["model"]["vision"], p["model"]["vision"])
-    assert moved(p0["model"]["projector"], p["model"]["projector"])
+    assert not moved(p0["model"]["language_model"], p["model"]["language_model"])
+    assert moved(p0["model"]["vision_tower"], p["model"]["vision_tower"])
+    assert moved(p0["model"]["multi_modal_projector"], p["model"]["multi_modal_projector"])
     assert moved(p0["aux"], p["aux"])
 
 
@@ -535,12 +535,13 @@ def test_bf16_train_step_matches_f32(tok):
     bf16 rounding, and the trained params stay f32."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from mmjax.demo import train as TR
 
     cfg_dict = C.notebook_config()
-    cfg, params = TR.init_params(cfg_dict, tok, 0)
-    p0 = jax.tree.map(jnp.asarray, {"model": params, "aux": TR.init_aux(cfg, 0)})
+    cfg, model = TR.init_model(cfg_dict, tok, 0)
+    p0 = nnx.state(TR.Trainee(model, TR.AuxHeads(cfg, 0)))
     imgs, scenes = TR.make_pool(8, 128, 5, workers=1)
     enc = TR.Encoder(tok, C.num_image_tokens(cfg_dict))
     sampler = TR.Sampler(imgs, scenes, enc, TR.max_seq_len(enc), grid=8)

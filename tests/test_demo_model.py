@@ -312,17 +312,17 @@ def test_growth_preserves_the_function(shipped, tmp_path):
 
     old = json.loads((shipped / "config.json").read_text())
     old["text_config"].update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    _, random_params = TR.init_params(old, T.train_tokenizer(), 3)
-    TR.export(tmp_path, old, random_params)
+    _, random_model = TR.init_model(old, T.train_tokenizer(), 3)
+    TR.export(tmp_path, old, random_model)
     new = copy.deepcopy(old)
     t = new["text_config"]
     t["num_hidden_layers"] += 1
     t["num_key_value_heads"] = t["num_attention_heads"]
     new["vision_config"]["num_hidden_layers"] += 1
-    cfg0, p0 = TR.init_params(old, None, 0, str(tmp_path))
-    cfg1, p1 = TR.init_params(new, None, 0, str(tmp_path))
-    assert len(p1["text"]["layers"]) == 3 and cfg1.text.num_kv_heads == 4 > cfg0.text.num_kv_heads
-    assert len(p1["vision"]["layers"]) == len(p0["vision"]["layers"]) + 1
+    cfg0, p0 = TR.init_model(old, None, 0, str(tmp_path))
+    cfg1, p1 = TR.init_model(new, None, 0, str(tmp_path))
+    assert len(p1.language_model.layers) == 3 and cfg1.text.num_kv_heads == 4 > cfg0.text.num_kv_heads
+    assert len(p1.vision_tower.encoder.layers) == len(p0.vision_tower.encoder.layers) + 1
     rng = np.random.default_rng(5)
     n = cfg0.image_tokens_per_image
     size = old["vision_config"]["image_size"]
@@ -336,12 +336,12 @@ def test_growth_preserves_the_function(shipped, tmp_path):
     assert rel_err(l1, l0) <= 1e-5
     big = copy.deepcopy(old)
     big["vision_config"].update(image_size=2 * size, patch_size=2 * old["vision_config"]["patch_size"])
-    cfg2, p2 = TR.init_params(big, None, 0, str(tmp_path))
+    cfg2, p2 = TR.init_model(big, None, 0, str(tmp_path))
     l2 = np.asarray(TR.make_logits_fn(cfg2)(p2, jnp.repeat(jnp.repeat(pix, 2, 1), 2, 2), ids)[0])
     assert rel_err(l2, l0) <= 1e-5
     big["vision_config"].update(image_size=3 * size // 2, patch_size=3 * old["vision_config"]["patch_size"] // 2)
     with pytest.raises(ValueError, match="patch"):
-        TR.init_params(big, None, 0, str(tmp_path))
+        TR.init_model(big, None, 0, str(tmp_path))
     # training's "reference attention up to 16 GiB of scores" must not leak into later traces
     # (it once made test_qwen2_vl's linear-memory check compile the O(N^2) path)
     import mmjax.attention as A
@@ -350,7 +350,7 @@ def test_growth_preserves_the_function(shipped, tmp_path):
         bad = copy.deepcopy(old)
         bad["text_config"]["num_key_value_heads"] = kvh
         with pytest.raises(ValueError, match="KV heads"):
-            TR.init_params(bad, None, 0, str(tmp_path))
+            TR.init_model(bad, None, 0, str(tmp_path))
 
 
 def test_head0_attention_is_the_layer_attention(shipped):
@@ -360,36 +360,40 @@ def test_head0_attention_is_the_layer_attention(shipped):
     import json
 
     import jax.numpy as jnp
+    from flax import nnx
 
     from mmjax.demo import train as TR
-    from mmjax.models.layers import dense, rms_norm
-    from mmjax.models.text import llama as decoder
+    from mmjax.models.nn.metadata import AttentionMetadata
 
     cfg_dict = json.loads((shipped / "config.json").read_text())
     cfg_dict["text_config"].update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    cfg, params = TR.init_params(cfg_dict, T.train_tokenizer(), 4)
+    cfg, model = TR.init_model(cfg_dict, T.train_tokenizer(), 4)
     rng = np.random.default_rng(6)
     n, size = cfg.image_tokens_per_image, cfg_dict["vision_config"]["image_size"]
     pix = jnp.asarray(rng.integers(0, 256, (2, size, size, 3)), jnp.uint8)
     ids = np.concatenate([np.ones((2, 1)), rng.integers(5, 300, (2, 5)),
                           np.full((2, n), cfg.image_token_id), rng.integers(5, 300, (2, 8))], 1)
     ids = jnp.asarray(ids.astype(np.int32))
-    _, _, last_in, attn0, out0 = TR.make_logits_fn(cfg)(params, pix, ids)
+    _, _, last_in, attn0, out0 = TR.make_logits_fn(cfg)(model, pix, ids)
     b, t, _ = last_in.shape
     assert np.allclose(np.asarray(attn0).sum(-1), 1.0, atol=1e-5)
     assert not np.triu(np.asarray(attn0), 1).any()
 
-    tc, hd = cfg.text, cfg.text.head_dim
-    layer = dict(params["text"]["layers"][-1])
-    o = np.zeros_like(layer["o"]["w"])
+    lm, hd = model.language_model, cfg.text.head_dim
+    layer = nnx.clone(lm.layers[-1])
+    o = np.zeros(layer.self_attn.o_proj.kernel.get_value().shape, np.float32)
     o[:hd, :hd] = np.eye(hd)                       # head 0's output -> the first hd features
-    layer["o"] = {"w": o}
-    layer["down"] = {k: np.zeros_like(v) for k, v in layer["down"].items()}
-    rope = decoder.rope_for(tc, jnp.broadcast_to(jnp.arange(t), (1, b, t)), jnp.zeros((b,), jnp.int32), t)
-    out, _, _ = decoder.layer_forward(layer, tc, last_in, decoder.init_kv_cache(tc, b, t, jnp.float32)[-1],
-                                      rope, t)
-    qkv = dense(layer["qkv"], rms_norm(layer["ln1"], last_in, tc.rms_norm_eps))
-    v0 = qkv[..., (tc.num_heads + tc.num_kv_heads) * hd:][..., :hd]
+    layer.self_attn.o_proj.kernel.set_value(jnp.asarray(o))
+    down = layer.mlp.down_proj
+    for var in (down.kernel, down.bias):
+        if var is not None:
+            var.set_value(jnp.zeros_like(var.get_value()))
+    positions = jnp.broadcast_to(jnp.arange(t), (1, b, t))
+    meta = AttentionMetadata(positions, jnp.zeros((b,), jnp.int32), t)
+    out, _ = layer(last_in, lm.layer_rope(lm.num_layers - 1, lm.rope(positions)), meta,
+                   lm.init_cache(b, t, jnp.float32)[-1])
+    _, _, v = layer.self_attn.qkv_proj(layer.input_layernorm(last_in))
+    v0 = v[..., :hd]
     got = np.asarray(out - last_in)
     assert np.abs(got[..., hd:]).max() == 0.0
     assert rel_err(np.asarray(attn0 @ v0), got[..., :hd]) <= 1e-5

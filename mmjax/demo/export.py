@@ -95,3 +95,54 @@ def random_state(config_dict: dict, seed: int = 0, std: float = 0.02) -> dict:
         else:
             out[name] = (std * rng.standard_normal(shape)).astype(np.float32)
     return out
+
+
+def hf_state(model, config_dict: dict) -> dict:
+    """A LlavaModel (mmjax.models.llava, the module tree the loader fills) -> {hf_name: float32
+    array} under the names and shapes of `config.state_shapes`: the inverse of mmjax's loader,
+    computed rather than written out. The loader (`LlavaModel.hf_weights`) only moves elements
+    (transposes [out, in] linears, fuses q|k|v and gate|up, lays the patch conv out as a matmul),
+    so running it once on a checkpoint whose every element holds its own index (int32, read as
+    is, kept on the host) tells, for each Variable element, which HF element it came from; the
+    model's values are scattered back there. CLIP's post_layernorm (LLaVA reads an inner layer,
+    the loader skips it) is written as the identity; anything else the model does not hold (ViT
+    layers past the feature layer, never built) is an error."""
+    import tempfile
+
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from mmjax.checkpoint import TensorSource
+    from mmjax.models.llava import LlavaModel, normalize_name
+    from mmjax.models.nn.weights import Weights, build
+
+    shapes = C.state_shapes(config_dict)
+    index, start = {}, 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape, dtype=np.int64))
+        index[name] = np.arange(start, start + size, dtype=np.int32).reshape(shape)
+        start += size
+    layout = build(lambda: LlavaModel(model.config))
+    with tempfile.TemporaryDirectory() as d:
+        save_file(index, os.path.join(d, "model.safetensors"))
+        w = Weights(TensorSource(d, normalize_name), on_device=False)
+        layout.hf_weights(w)
+        w.finish(layout)
+    flat = np.zeros((start,), np.float32)
+    filled = np.zeros((start,), bool)
+    values = dict(nnx.to_flat_state(nnx.state(model)))
+    for path, var in nnx.to_flat_state(nnx.state(layout)):
+        at = np.asarray(var.get_value()).ravel()
+        flat[at] = np.asarray(values[path].get_value(), np.float32).ravel()
+        filled[at] = True
+    out = {}
+    for name, shape in shapes.items():
+        at = index[name]
+        if not filled[at].all():
+            if name.startswith("vision_tower.post_layernorm."):
+                out[name] = np.full(shape, 1.0 if name.endswith(".weight") else 0.0, np.float32)
+                continue
+            raise ValueError(f"the model holds no value for {name} (export needs every layer: "
+                             f"vision_feature_layer -1)")
+        out[name] = flat[at]
+    return out

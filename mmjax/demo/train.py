@@ -2,13 +2,17 @@
 
     python -m mmjax.demo.train --out DIR     # the defaults: the 30-minute from-scratch recipe
 
-One source of truth: the forward pass is mmjax's own serving code (`models.llava.encode_images`,
-`models/text` (the text model's embed / forward with named intermediates / logits)) over the params pytree that
-`models.llava.load_params` builds from a HF checkpoint, so what is trained is exactly what is
-served. The initial params are a random HF state (`export.random_state`) written and loaded
-through mmjax's loader; at the end the params are mapped back to HF names/shapes
-(`params_to_hf_state`, the inverse of the loader's layout) and written by
-`export.write_hf_checkpoint`.
+One source of truth: the model is mmjax's own serving module, `models.llava.LlavaModel`
+(vision_tower, multi_modal_projector, language_model), built and filled by mmjax's loader
+(`models.load_family`) from a random HF state (`export.random_state`) written as a checkpoint,
+or from a checkpoint to continue (`grow`n to a larger config on the module tree). The forward is
+its `encode` and the decoder's `__call__` / `logits`; the intermediates the aux losses read (the
+residual stream entering the last layer, its attention weights and per-head outputs) are what
+the decoder sows, collected with `nnx.capture` (`nn.capture.captured`). The steps are jitted
+pure functions of the Param State (`nnx.state` of a `Trainee`: the model and its aux heads),
+merged into the modules inside the trace; the optimizer is optax over that State. So what is
+trained is exactly what is served. At the end the model is written by
+`export.write_hf_checkpoint` under HF names / shapes (`export.hf_state`: the loader's inverse).
 
 Data: a pool of scenes is drawn once (`make_pool`: client-like PNG/JPEG round trip, then the
 CLIP processor's bicubic squash to image_size, kept as uint8 [N, R, R, 3]; /255 and mean/std run
@@ -17,7 +21,7 @@ step draws fresh (scene, question) pairs from the pool: the question type first 
 `QTYPE_WEIGHTS`), then a scene it applies to, then the question and exact answer from the
 scene's metadata. Loss: cross entropy on the answer tokens and the closing </s> only, plus
 (weight `--aux`) training-only auxiliary losses whose linear heads are NOT part of the exported
-model (`init_aux`, `make_steps`): on the image token embeddings, per patch which (color, shape)
+model (`AuxHeads`, `make_steps`): on the image token embeddings, per patch which (color, shape)
 covers it and its shape's place left to right, per image the shapes left to right (3 slots);
 for "exists", a patch-match head on the decoder's image tokens; for "describe", where the last
 layer's head 0 looks and what it reads. Without the first ones the answer loss sat on the
@@ -53,7 +57,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mmjax.demo import config as C
 from mmjax.demo import export as E
@@ -194,8 +201,6 @@ def shape_class(color: str, kind: str) -> int:
 def image_token_index(ids, image_id: int, n_image_tokens: int):
     """[B, T] token ids -> (is-image mask [B, T], index of each position's image feature [B, T],
     clipped to [0, n_image_tokens))."""
-    import jax.numpy as jnp
-
     is_img = ids == image_id
     return is_img, jnp.clip(jnp.cumsum(is_img, axis=1) - 1, 0, n_image_tokens - 1)
 
@@ -307,263 +312,250 @@ QUESTION_TYPES = S.QUESTION_TYPES + tuple(f"{t}_json" for t in S.JSON_TYPES)
 
 # ----------------------------------------------------------------------------- model
 
-def _grow_kv_heads(layers: list, old, new) -> None:
+def _check_growth(old, new) -> None:
+    """Can a checkpoint of LlavaConfig `old` start a model of `new` (`grow`)? ValueError if not."""
+    o, n = old.text, new.text
+    if n.num_kv_heads != o.num_kv_heads:
+        r, rem = divmod(n.num_kv_heads, o.num_kv_heads)
+        if rem or n.num_heads % n.num_kv_heads or n.num_heads != o.num_heads or n.head_dim != o.head_dim:
+            raise ValueError(f"cannot grow {o.num_kv_heads} KV heads to {n.num_kv_heads} "
+                             f"(must be a multiple that divides {n.num_heads} query heads, same "
+                             f"query heads and head_dim)")
+    ov, nv = old.vision, new.vision
+    if nv.patch_size != ov.patch_size:
+        f, rem = divmod(nv.patch_size, ov.patch_size)
+        if rem or nv.image_size // nv.patch_size != ov.image_size // ov.patch_size:
+            raise ValueError(f"cannot grow patch {ov.patch_size} to {nv.patch_size}: must be a "
+                             f"multiple with the same patch grid")
+    for what, a, b in (("decoder", o.num_layers, n.num_layers), ("vision", ov.num_layers, nv.num_layers)):
+        if b < a:
+            raise ValueError(f"the checkpoint has {a} {what} layers, the config {b}")
+
+
+def _zero(linear) -> None:
+    """A Linear's kernel and bias set to zeros (its output then adds nothing)."""
+    for var in (linear.kernel, linear.bias):
+        if var is not None:
+            var.set_value(jnp.zeros_like(var.get_value()))
+
+
+def _grow_layers(old, new, outputs: tuple[str, ...]) -> None:
+    """new layers (an nnx.List as long as old or longer) <- old: the first len(old) copy it, the
+    new top ones are copies of its last layer with zero output projections (`outputs`: the
+    attention's and the MLP's, as attribute paths), so each new residual block adds nothing and
+    the grown model starts as exactly the old function."""
+    for i, layer in enumerate(new):
+        nnx.update(layer, nnx.state(old[min(i, len(old) - 1)]))
+        if i >= len(old):
+            for path in outputs:
+                mod = layer
+                for name in path.split("."):
+                    mod = getattr(mod, name)
+                _zero(mod)
+
+
+def _grow_kv_heads(attn, old, new) -> None:
     """More KV heads than the checkpoint (GQA -> fewer query heads per KV head): each old KV
-    head's k/v projection is repeated for the new heads its query heads now map to, so the
-    grown model computes exactly the old function; training then lets the copies differ.
-    The fused qkv weight is [d, (heads + 2 * kv_heads) * head_dim]."""
+    head's k / v columns of the fused `qkv_proj` (q | k | v, as `Attention` holds them) are
+    repeated for the new heads its query heads now map to, so the grown model computes exactly
+    the old function; training then lets the copies differ."""
     if new.num_kv_heads == old.num_kv_heads:
         return
-    r, rem = divmod(new.num_kv_heads, old.num_kv_heads)
-    if (rem or new.num_heads % new.num_kv_heads or new.num_heads != old.num_heads
-            or new.head_dim != old.head_dim):
-        raise ValueError(f"cannot grow {old.num_kv_heads} KV heads to {new.num_kv_heads} "
-                         f"(must be a multiple that divides {new.num_heads} query heads, same "
-                         f"query heads and head_dim)")
+    r = new.num_kv_heads // old.num_kv_heads
     q_out, kv_out, hd = old.num_heads * old.head_dim, old.num_kv_heads * old.head_dim, old.head_dim
 
     def repeat_heads(t):  # query head h reads KV head h // (heads / kv_heads): repeat, not tile
-        return np.repeat(t.reshape(*t.shape[:-1], -1, hd), r, axis=-2).reshape(*t.shape[:-1], -1)
+        return jnp.repeat(t.reshape(*t.shape[:-1], -1, hd), r, axis=-2).reshape(*t.shape[:-1], -1)
 
-    for layer in layers:
-        qkv = dict(layer["qkv"])
-        for name, x in qkv.items():
-            q, k, v = np.split(x, [q_out, q_out + kv_out], axis=-1)
-            qkv[name] = np.concatenate([q, repeat_heads(k), repeat_heads(v)], axis=-1)
-        layer["qkv"] = qkv
+    for var in (attn.qkv_proj.kernel, attn.qkv_proj.bias):
+        if var is not None:
+            q, k, v = jnp.split(var.get_value(), [q_out, q_out + kv_out], axis=-1)
+            var.set_value(jnp.concatenate([q, repeat_heads(k), repeat_heads(v)], axis=-1))
 
 
-def _grow_layers(layers: list, num_layers: int, outputs=("o", "down")) -> None:
-    """Deeper than the checkpoint: new top layers are copies of its last layer with zero
-    output projections (`outputs`: the attention and MLP outputs, weights and biases), so each
-    new residual block adds nothing and the grown model starts as exactly the old function."""
-    if num_layers < len(layers):
-        raise ValueError(f"the checkpoint has {len(layers)} layers, the config {num_layers}")
-    while len(layers) < num_layers:
-        layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layers[-1].items()}
-        for name in outputs:
-            layer[name] = {k: np.zeros_like(v) for k, v in layer[name].items()}
-        layers.append(layer)
-
-
-def _grow_patches(vision: dict, old, new) -> None:
+def _grow_patches(emb, old, new) -> None:
     """Same patch grid at a higher resolution (e.g. 64 px / patch 8 -> 128 px / patch 16):
     each old patch-embedding pixel weight is spread over the f x f new pixels it now covers
     (divided by f * f), so a new patch computes the old one on its f x f box average. The
     higher-resolution squash is not exactly the box-upsampled lower one, so this is a warm start,
-    not the same function. patch_embed is [p * p * c, d] over (row, col, channel)."""
+    not the same function. The patch_embedding kernel is [p * p * c, d] over (row, col, channel)."""
     if new.patch_size == old.patch_size:
         return
-    f, rem = divmod(new.patch_size, old.patch_size)
-    if rem or new.image_size // new.patch_size != old.image_size // old.patch_size:
-        raise ValueError(f"cannot grow patch {old.patch_size} to {new.patch_size}: must be a "
-                         f"multiple with the same patch grid")
-    p, w = old.patch_size, vision["patch_embed"]
+    f, p = new.patch_size // old.patch_size, old.patch_size
+    w = emb.patch_embedding.kernel.get_value()
     w = w.reshape(p, p, -1, w.shape[-1])
-    w = np.repeat(np.repeat(w, f, axis=0), f, axis=1) / (f * f)
-    vision["patch_embed"] = np.ascontiguousarray(w.reshape(-1, w.shape[-1]))
+    w = jnp.repeat(jnp.repeat(w, f, axis=0), f, axis=1) / (f * f)
+    emb.patch_embedding.kernel.set_value(w.reshape(-1, w.shape[-1]))
 
 
-def init_params(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
-    """Random HF state -> temp HF checkpoint -> mmjax's own loader (the serving layout).
-    init_from: an HF checkpoint dir of the same config to continue from instead."""
-    from mmjax.checkpoint import TensorSource
+def grow(old, cfg):
+    """A LlavaModel of config `cfg` that starts as the trained `old` (a LlavaModel): every
+    Variable copied by its module path, then grown where the configs differ (more decoder or ViT
+    layers, more KV heads, a larger patch over the same grid; `_check_growth` says what is
+    possible)."""
+    from mmjax.models.llava import LlavaModel
+    from mmjax.models.nn.weights import build
+
+    _check_growth(old.config, cfg)
+    new = build(lambda: LlavaModel(cfg))
+    nnx.update(new, nnx.state(old))
+    _grow_layers(old.language_model.layers, new.language_model.layers, ("self_attn.o_proj", "mlp.down_proj"))
+    for layer in new.language_model.layers:
+        _grow_kv_heads(layer.self_attn, old.config.text, cfg.text)
+    _grow_layers(old.vision_tower.encoder.layers, new.vision_tower.encoder.layers, ("self_attn.out_proj", "mlp.fc2"))
+    _grow_patches(new.vision_tower.embeddings, old.config.vision, cfg.vision)
+    return new
+
+
+def init_model(cfg_dict: dict, tok, seed: int, init_from: str | None = None):
+    """-> (LlavaConfig, the LlavaModel to train, float32): a random HF state written as a
+    checkpoint and read by mmjax's own loader (`models.load_family`), so the model is built
+    and laid out exactly as serving builds it. init_from: an HF checkpoint dir to continue from
+    instead (its config may be smaller: `grow`)."""
+    from mmjax.models import load_family
     from mmjax.models.llava import LlavaConfig
-    from mmjax.models.llava import load_params, normalize_name
 
     cfg = LlavaConfig.from_hf(cfg_dict)
     if init_from:
         with open(os.path.join(init_from, "config.json")) as f:
-            old = LlavaConfig.from_hf(json.load(f))
-        params = _np_tree(load_params(TensorSource(init_from, normalize_name), old))
-        _grow_kv_heads(params["text"]["layers"], old.text, cfg.text)
-        _grow_layers(params["text"]["layers"], cfg.text.num_layers)
-        _grow_layers(params["vision"]["layers"], cfg.vision.num_layers, ("o", "fc2"))
-        _grow_patches(params["vision"], old.vision, cfg.vision)
-        return cfg, params
+            old_dict = json.load(f)
+        _check_growth(LlavaConfig.from_hf(old_dict), cfg)
+        _, old = load_family(Path(init_from), old_dict)
+        return cfg, grow(old, cfg)
     state = E.random_state(cfg_dict, seed=seed)
     with tempfile.TemporaryDirectory() as d:
         E.write_hf_checkpoint(d, cfg_dict, tok, state)
-        params = load_params(TensorSource(d, normalize_name), cfg)
-        params = _np_tree(params)
-    return cfg, params
+        _, model = load_family(Path(d), cfg_dict)
+    return cfg, model
 
 
-def _np_tree(t):
-    import jax
-    return jax.tree.map(lambda x: np.array(x, np.float32), t)
+class AuxHeads(nnx.Module):
+    """Training-only linear heads (not exported). On the image token embeddings: per patch
+    (`w`, `b`) and per image over all tokens flattened -> 3 left-to-right slots (`sw`, `sb`).
+    Per patch, its shape's rank left to right (`rw`, `rb`).
+    On the decoder's image-token states entering the last layer (RMS-normed, `match_norm`), for
+    "exists" questions: does this patch show the asked (color, shape) (`mw`, `mb`). On the last
+    layer's head-0 output at a description's color / kind positions: the described shape's
+    (color, shape) (`hw`, `hb`)."""
+
+    def __init__(self, cfg, seed: int):
+        from mmjax.models.nn.norm import RMSNorm
+
+        rng = np.random.default_rng(seed + 7)
+        d, n = cfg.text.hidden_size, cfg.image_tokens_per_image
+        k = N_PATCH_CLASSES
+
+        def p(a):
+            return nnx.Param(jnp.asarray(np.asarray(a, np.float32)))
+
+        self.w, self.b = p(0.02 * rng.standard_normal((d, k))), p(np.zeros((k,)))
+        self.sw = p(0.02 / np.sqrt(n) * rng.standard_normal((n * d, S.MAX_SHAPES * k)))
+        self.sb = p(np.zeros((S.MAX_SHAPES * k,)))
+        self.rw, self.rb = p(0.02 * rng.standard_normal((d, 1 + S.MAX_SHAPES))), p(np.zeros((1 + S.MAX_SHAPES,)))
+        self.mw, self.mb = p(0.02 * rng.standard_normal((d,))), p(np.zeros(()))
+        self.hw, self.hb = p(0.02 * rng.standard_normal((cfg.text.head_dim, k))), p(np.zeros((k,)))
+        self.match_norm = RMSNorm(d, 1e-6, with_scale=False)
+
+    def image_losses(self, feats, plabels):
+        """The aux losses on the image token embeddings feats [B, n, D]: per patch its (color,
+        kind) and its shape's place left to right, per image the shapes left to right."""
+        import optax
+
+        n = feats.shape[1]
+        pl = feats @ self.w.get_value() + self.b.get_value()
+        aux = optax.softmax_cross_entropy_with_integer_labels(pl, plabels[:, :n]).mean()
+        sl = feats.reshape(feats.shape[0], -1) @ self.sw.get_value() + self.sb.get_value()
+        sl = sl.reshape(feats.shape[0], S.MAX_SHAPES, N_PATCH_CLASSES)
+        aux = aux + optax.softmax_cross_entropy_with_integer_labels(
+            sl, plabels[:, 2 * n:2 * n + S.MAX_SHAPES]).mean()
+        # per patch: its shape's place left to right (the ViT sees the whole image; the
+        # causal decoder's image tokens cannot look right/down for themselves)
+        rl = feats @ self.rw.get_value() + self.rb.get_value()
+        return aux + optax.softmax_cross_entropy_with_integer_labels(rl, plabels[:, n:2 * n]).mean()
 
 
-def params_to_hf_state(params: dict, cfg_dict: dict) -> dict:
-    """Inverse of mmjax's LLaVA loader layout: HF names, [out, in] linears, split q/k/v and
-    gate/up, conv patch embedding [out, c, p, p]. CLIP's post_layernorm (unused by LLaVA) is
-    written as the identity."""
-    v, t = cfg_dict["vision_config"], cfg_dict["text_config"]
-    p, c, vh = v["patch_size"], v["num_channels"], v["hidden_size"]
-    a = lambda x: np.asarray(x, np.float32)
-    s = {}
+class Trainee(nnx.Module):
+    """What the optimizer trains: `model` (the LlavaModel that is exported) and `aux` (its
+    training-only heads). The steps take its Param State (`nnx.state(trainee)`)."""
 
-    def lin(name, d, bias=True):
-        s[name + ".weight"] = a(d["w"]).T
-        if bias:
-            s[name + ".bias"] = a(d["b"])
-
-    def ln(name, d):
-        s[name + ".weight"], s[name + ".bias"] = a(d["scale"]), a(d["bias"])
-
-    pv = params["vision"]
-    s["vision_tower.embeddings.patch_embedding.weight"] = (
-        a(pv["patch_embed"]).reshape(p, p, c, vh).transpose(3, 2, 0, 1))
-    s["vision_tower.embeddings.class_embedding"] = a(pv["class_embed"])
-    s["vision_tower.embeddings.position_embedding.weight"] = a(pv["pos_embed"])
-    ln("vision_tower.pre_layrnorm", pv["pre_ln"])
-    s["vision_tower.post_layernorm.weight"] = np.ones((vh,), np.float32)
-    s["vision_tower.post_layernorm.bias"] = np.zeros((vh,), np.float32)
-    if len(pv["layers"]) != v["num_hidden_layers"]:
-        raise ValueError("export needs every vision layer (vision_feature_layer -1)")
-    for i, L in enumerate(pv["layers"]):
-        b = f"vision_tower.encoder.layers.{i}."
-        ln(b + "layer_norm1", L["ln1"])
-        ln(b + "layer_norm2", L["ln2"])
-        for src, dst in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj")):
-            lin(b + "self_attn." + dst, L[src])
-        lin(b + "mlp.fc1", L["fc1"])
-        lin(b + "mlp.fc2", L["fc2"])
-    bias = cfg_dict.get("multimodal_projector_bias", True)
-    lin("multi_modal_projector.linear_1", params["projector"]["fc1"], bias)
-    lin("multi_modal_projector.linear_2", params["projector"]["fc2"], bias)
-    pt = params["text"]
-    th, ti = t["hidden_size"], t["intermediate_size"]
-    hd = t.get("head_dim") or th // t["num_attention_heads"]
-    q_out, kv_out = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
-    s["language_model.model.embed_tokens.weight"] = a(pt["embed"])
-    for i, L in enumerate(pt["layers"]):
-        b = f"language_model.model.layers.{i}."
-        s[b + "input_layernorm.weight"] = a(L["ln1"])
-        s[b + "post_attention_layernorm.weight"] = a(L["ln2"])
-        w = a(L["qkv"]["w"])
-        s[b + "self_attn.q_proj.weight"] = w[:, :q_out].T
-        s[b + "self_attn.k_proj.weight"] = w[:, q_out:q_out + kv_out].T
-        s[b + "self_attn.v_proj.weight"] = w[:, q_out + kv_out:].T
-        s[b + "self_attn.o_proj.weight"] = a(L["o"]["w"]).T
-        w = a(L["gate_up"]["w"])
-        s[b + "mlp.gate_proj.weight"] = w[:, :ti].T
-        s[b + "mlp.up_proj.weight"] = w[:, ti:].T
-        s[b + "mlp.down_proj.weight"] = a(L["down"]["w"]).T
-    s["language_model.model.norm.weight"] = a(pt["norm"])
-    s["language_model.lm_head.weight"] = a(pt["lm_head"]).T
-    return {k: np.ascontiguousarray(x) for k, x in s.items()}
+    def __init__(self, model, aux: AuxHeads):
+        self.model, self.aux = model, aux
 
 
 def make_logits_fn(cfg):
-    """(params, uint8 pixels [B,R,R,3], ids [B,T]) -> (logits [B,T,V], image token embeddings
-    [B,n,D]) with mmjax's forward."""
-    import jax.numpy as jnp
-
+    """-> logits_fn(model, uint8 pixels [B,R,R,3], ids [B,T]) -> (logits [B,T,V], image token
+    embeddings [B,n,D], ...) with mmjax's serving modules (`model`: a LlavaModel), and
+    logits_fn.encode(model, pixels) -> the image token embeddings."""
     import mmjax.attention as A
-    from mmjax.models.llava import encode_images
-    from mmjax.models.text import Capture
+    from mmjax.models.nn.capture import Capture, captured
+    from mmjax.models.nn.metadata import AttentionMetadata
 
     mean = jnp.asarray(C.CLIP_MEAN, jnp.float32)
     std = jnp.asarray(C.CLIP_STD, jnp.float32)
-    tm = cfg.text_model
     last = cfg.text.num_layers - 1
     capture = Capture(hidden=True, attn_layers=(last,))
     image_id = cfg.image_token_id
 
-    def encode(params, pix_u8):
+    def encode(model, pix_u8):
         """uint8 pixels [B, R, R, 3] -> image token embeddings [B, n_img, D]."""
         pixels = (pix_u8.astype(jnp.float32) / 255.0 - mean) / std
         # Training traces the vision attention at batch sizes where "auto" would pick the
         # blockwise kernel; the plain one is the same math (the oracle) and cheaper to
         # differentiate here.
         with A.auto_reference_up_to(1 << 34):
-            return encode_images(params, pixels, cfg)
+            return model.encode(pixels)
 
-    def logits_fn(params, pix_u8, ids):
+    def logits_fn(model, pix_u8, ids):
         """-> (logits, image features [B, n, D], residual stream entering the last decoder
         layer [B, T, D] (what the last layer's attention reads), that layer's head-0 attention
-        weights [B, T, T] and output [B, T, head_dim]), from the text model's intermediates."""
+        weights [B, T, T] and output [B, T, head_dim]), from what the decoder sows (captured by
+        `nnx.capture`: HF's hidden_states, the captured layer's attention)."""
+        lm = model.language_model
         b, t = ids.shape
-        feats = encode(params, pix_u8)                                   # [B, n_img, D]
-        emb = tm.embed(params["text"], ids)
+        feats = encode(model, pix_u8)                                   # [B, n_img, D]
         is_img, idx = image_token_index(ids, image_id, feats.shape[1])
-        img_emb = jnp.take_along_axis(feats, idx[..., None], axis=1)
-        emb = jnp.where(is_img[..., None], img_emb, emb)
+        embeds, extra = lm.inputs(ids, jnp.take_along_axis(feats, idx[..., None], axis=1), is_img)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (1, b, t))
-        cache = tm.init_cache(b, t, emb.dtype)
-        out = tm.forward(params["text"], emb, positions, cache, jnp.zeros((b,), jnp.int32), t, capture=capture)
-        inter = out.intermediates
-        return (tm.logits(params["text"], out.hidden), feats, inter["hidden"][last],
+        meta = AttentionMetadata(positions, jnp.zeros((b,), jnp.int32), t, capture=capture.attn_layers)
+        cache = lm.init_cache(b, t, embeds.dtype, max_chunk=t)
+        (hidden, _), inter = captured(lambda m, *a, **kw: m(*a, **kw), capture)(lm, embeds, meta, cache, **extra)
+        return (lm.logits(hidden), feats, inter["hidden"][last],
                 inter["attn"][last][:, 0], inter["attn_out"][last][:, :, 0])
 
     logits_fn.encode = encode
     return logits_fn
 
 
-def init_aux(cfg, seed: int) -> dict:
-    """Training-only linear heads (not exported). On the image token embeddings: per patch
-    ("w", "b") and per image over all tokens flattened -> 3 left-to-right slots ("sw", "sb").
-    Per patch, its shape's rank left to right ("rw", "rb").
-    On the decoder's image-token states entering the last layer, for "exists" questions: does
-    this patch show the asked (color, shape) ("mw", "mb"). On the last layer's head-0 output
-    at a description's color / kind positions: the described shape's (color, shape) ("hw", "hb")."""
-    rng = np.random.default_rng(seed + 7)
-    d, n = cfg.text.hidden_size, cfg.image_tokens_per_image
-    k = N_PATCH_CLASSES
-    return {"w": (0.02 * rng.standard_normal((d, k))).astype(np.float32),
-            "b": np.zeros((k,), np.float32),
-            "sw": (0.02 / np.sqrt(n) * rng.standard_normal((n * d, S.MAX_SHAPES * k))
-                   ).astype(np.float32),
-            "sb": np.zeros((S.MAX_SHAPES * k,), np.float32),
-            "rw": (0.02 * rng.standard_normal((d, 1 + S.MAX_SHAPES))).astype(np.float32),
-            "rb": np.zeros((1 + S.MAX_SHAPES,), np.float32),
-            "mw": (0.02 * rng.standard_normal((d,))).astype(np.float32),
-            "mb": np.zeros((), np.float32),
-            "hw": (0.02 * rng.standard_normal((cfg.text.head_dim, k))).astype(np.float32),
-            "hb": np.zeros((k,), np.float32)}
-
-
 def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0.98,
                aux_weight: float = 0.5, bf16: bool = False):
     """-> (tx, train_step, eval_step); train_step.vision is the image-only step.
 
-    train_step over {"model": mmjax params, "aux": aux heads}. Loss: answer-token cross
-    entropy + aux_weight * the aux losses (`init_aux`), first of all the per-patch cross
+    The steps are jitted pure functions of a `Trainee`'s Param State (`nnx.state(trainee)`:
+    "model" the LlavaModel, "aux" its `AuxHeads`), merged into the modules inside the trace;
+    the optimizer is plain optax over that State. train_step(params, opt_state, pix, ids, mask,
+    plabels, lr) -> (params, opt_state, (answer loss, aux loss)). Loss: answer-token cross
+    entropy + aux_weight * the aux losses (`AuxHeads`), first of all the per-patch cross
     entropy of the image token embeddings (which shape and color covers each patch): a dense
     signal that gets the from-scratch ViT + projector discriminative long before the answer
     loss alone would (without it the answer loss sat on the language-prior plateau for 600+
     steps). train_step.vision(params, opt_state, pix, plabels, lr) runs only the losses on the
     image token embeddings, at ~0.15 s per batch-32 step on 2 cores where a full step of the
     shipped shape takes 0.33 s (`--vision-frac`); with bf16 (`mixed_precision.bf16_matmuls`
-    on both steps' losses) 0.08 s and 0.17 s. eval_step is always f32."""
-    import jax
-    import jax.numpy as jnp
+    on both steps' losses) 0.08 s and 0.17 s. eval_step(model State, pix, ids, mask) -> [B]
+    bool, always f32."""
     import optax
 
-    from mmjax.models.layers import rms_norm
     from mmjax.demo.mixed_precision import bf16_matmuls
+    from mmjax.models.llava import LlavaModel
+    from mmjax.models.nn.weights import build
 
     logits_fn = make_logits_fn(cfg)
+    graphdef = nnx.graphdef(build(lambda: Trainee(LlavaModel(cfg), AuxHeads(cfg, 0))))
+    model_graphdef = nnx.graphdef(build(lambda: LlavaModel(cfg)))
 
-    def image_aux(ah, feats, plabels):
-        """The aux losses on the image token embeddings feats [B, n, D]: per patch its (color,
-        kind) and its shape's place left to right, per image the shapes left to right."""
-        n = feats.shape[1]
-        pl = feats @ ah["w"] + ah["b"]
-        aux = optax.softmax_cross_entropy_with_integer_labels(pl, plabels[:, :n]).mean()
-        sl = (feats.reshape(feats.shape[0], -1) @ ah["sw"] + ah["sb"])
-        sl = sl.reshape(feats.shape[0], S.MAX_SHAPES, N_PATCH_CLASSES)
-        aux = aux + optax.softmax_cross_entropy_with_integer_labels(
-            sl, plabels[:, 2 * n:2 * n + S.MAX_SHAPES]).mean()
-        # per patch: its shape's place left to right (the ViT sees the whole image; the
-        # causal decoder's image tokens cannot look right/down for themselves)
-        rl = feats @ ah["rw"] + ah["rb"]
-        return aux + optax.softmax_cross_entropy_with_integer_labels(
-            rl, plabels[:, n:2 * n]).mean()
-
-    def loss_fn(tp, pix, ids, mask, plabels):
-        logits, feats, last_in, attn0, out0 = logits_fn(tp["model"], pix, ids)
+    def loss_fn(params, pix, ids, mask, plabels):
+        tr = nnx.merge(graphdef, params)
+        logits, feats, last_in, attn0, out0 = logits_fn(tr.model, pix, ids)
         logits = logits[:, :-1]
         tgt = ids[:, 1:]
         m = mask[:, :-1]
@@ -571,15 +563,15 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
         loss = (nll * m).sum() / jnp.maximum(m.sum(), 1.0)
         aux = jnp.zeros(())
         if aux_weight:
+            ah = tr.aux
             n = feats.shape[1]
-            aux = image_aux(tp["aux"], feats, plabels)
+            aux = ah.image_losses(feats, plabels)
             # "exists": every image token, one layer before the answer reads it, says whether
             # its patch shows the asked (color, shape); the answer then only ORs over them.
             query = plabels[:, 2 * n + S.MAX_SHAPES]
             is_img, idx = image_token_index(ids, cfg.image_token_id, n)
             target = jnp.take_along_axis(plabels[:, :n] == query[:, None], idx, axis=1)
-            z = rms_norm(jnp.ones(last_in.shape[-1:], last_in.dtype), last_in, 1e-6)
-            ml = z @ tp["aux"]["mw"] + tp["aux"]["mb"]
+            ml = ah.match_norm(last_in) @ ah.mw.get_value() + ah.mb.get_value()
             # positives are the few patches of one shape: weigh them up (x4)
             w = (is_img & (query[:, None] > 0)).astype(jnp.float32) * (1.0 + 3.0 * target)
             bce = optax.sigmoid_binary_cross_entropy(ml, target.astype(jnp.float32))
@@ -600,12 +592,12 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
             # no better than chance), the answer kept the color-keyed lookup
             slots = plabels[:, 2 * n:2 * n + S.MAX_SHAPES]
             want = jnp.take_along_axis(slots, jnp.clip(phrase - 1, 0, S.MAX_SHAPES - 1), axis=1)
-            hl = out0 @ tp["aux"]["hw"] + tp["aux"]["hb"]
+            hl = out0 @ ah.hw.get_value() + ah.hb.get_value()
             read = optax.softmax_cross_entropy_with_integer_labels(hl, want)
             aux = aux + (read * has).sum() / jnp.maximum(has.sum(), 1.0)
         return loss + aux_weight * aux, (loss, aux)
 
-    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)     # noqa: E731 (matrices only)
     tx = optax.chain(optax.clip_by_global_norm(clip),
                      optax.scale_by_adam(b1=0.9, b2=b2, eps=1e-8),
                      optax.add_decayed_weights(weight_decay, decay_mask))
@@ -613,26 +605,28 @@ def make_steps(cfg, weight_decay: float = 0.05, clip: float = 1.0, b2: float = 0
     @jax.jit
     def train_step(params, opt_state, pix, ids, mask, plabels, lr):
         lf = bf16_matmuls(loss_fn) if bf16 else loss_fn
-        (_, loss), grads = jax.value_and_grad(lf, has_aux=True)(params, pix, ids, mask,
-                                                                      plabels)
+        (_, loss), grads = jax.value_and_grad(lf, has_aux=True)(params, pix, ids, mask, plabels)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         return params, opt_state, loss
+
+    def image_loss(params, pix, plabels):
+        tr = nnx.merge(graphdef, params)
+        return tr.aux.image_losses(logits_fn.encode(tr.model, pix), plabels)
 
     @jax.jit
     def vision_step(params, opt_state, pix, plabels, lr):
         """A step of the image aux losses alone (ViT + projector + their heads): ~1/3 of a full
         step's cost. The decoder's update is zeroed (its gradient is zero, weight decay is not)."""
-        fn = lambda tp: image_aux(tp["aux"], logits_fn.encode(tp["model"], pix), plabels)
-        aux, grads = jax.value_and_grad(bf16_matmuls(fn) if bf16 else fn)(params)
+        aux, grads = jax.value_and_grad(bf16_matmuls(image_loss) if bf16 else image_loss)(params, pix, plabels)
         updates, opt_state = tx.update(grads, opt_state, params)
-        updates["model"]["text"] = jax.tree.map(jnp.zeros_like, updates["model"]["text"])
+        updates["model"]["language_model"] = jax.tree.map(jnp.zeros_like, updates["model"]["language_model"])
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         return params, opt_state, jnp.stack([jnp.zeros(()), aux])
 
     @jax.jit
-    def eval_step(params, pix, ids, mask):
-        logits = logits_fn(params, pix, ids)[0][:, :-1]
+    def eval_step(model_params, pix, ids, mask):
+        logits = logits_fn(nnx.merge(model_graphdef, model_params), pix, ids)[0][:, :-1]
         pred = jnp.argmax(logits, -1)
         m = mask[:, :-1] > 0
         ok = jnp.all((pred == ids[:, 1:]) | ~m, axis=1)
@@ -685,16 +679,15 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
           eval_pool=None, weight_decay: float = 0.05, pool_cache: str | None = None,
           aux_weight: float = 0.5, init_from: str | None = None,
           qtype_weights: dict | None = None, hard_describe: float = 0.0,
-          vision_frac: float = 0.0, bf16: bool = False) -> tuple[dict, dict]:
-    """Train; returns (params, info). Stops at `steps` if given, else after `minutes`.
+          vision_frac: float = 0.0, bf16: bool = False) -> tuple[object, dict]:
+    """Train; returns (the trained LlavaModel, info). Stops at `steps` if given, else after
+    `minutes`.
     bf16: the training steps' matmuls in bf16 with f32 accumulation (`make_steps`).
     vision_frac: the first share of the budget (time, or steps) trains only the ViT + projector
     on the image aux losses (`vision_step`, its own warmup + cosine), the rest the whole model
     (its own warmup + cosine)."""
-    import jax
-
     tok = T.train_tokenizer(cfg_dict["text_config"]["vocab_size"])
-    cfg, params = init_params(cfg_dict, tok, seed, init_from)
+    cfg, model = init_model(cfg_dict, tok, seed, init_from)
     r = cfg_dict["vision_config"]["image_size"]
     enc = Encoder(tok, C.num_image_tokens(cfg_dict))
     seq = max_seq_len(enc)
@@ -718,7 +711,8 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
 
     tx, train_step, eval_step = make_steps(cfg, weight_decay=weight_decay,
                                            aux_weight=aux_weight, bf16=bf16)
-    params = jax.tree.map(jax.numpy.asarray, {"model": params, "aux": init_aux(cfg, seed)})
+    trainee = Trainee(model, AuxHeads(cfg, seed))
+    params = nnx.state(trainee)        # the Param State the steps take and return
     opt_state = tx.init(params)
     rng = np.random.default_rng(seed + 1)
 
@@ -784,8 +778,8 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
     finally:
         stop.set()
     train_s = time.perf_counter() - t_start
-    params = params["model"]
-    acc = evaluate(eval_step, params, ev_sampler, ev_examples)
+    nnx.update(trainee, params)
+    acc = evaluate(eval_step, params["model"], ev_sampler, ev_examples)
     log(f"done: {step} steps in {train_s:.0f}s ({train_s / max(step, 1):.3f}s/step), "
         f"final held-out (teacher-forced greedy, {len(ev_examples)}): "
         + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()))
@@ -796,13 +790,13 @@ def train(cfg_dict: dict, *, minutes: float = 30.0, steps: int | None = None, ba
             "hard_describe": hard_describe, "vision_frac": vision_frac, "bf16": bf16,
             "qtype_weights": qtype_weights or QTYPE_WEIGHTS, "seq_len": seq, "final_loss": float(np.mean(losses[-50:], axis=0)[0]),
             "heldout": acc, "history": history}
-    return _np_tree(params), info
+    return trainee.model, info
 
 
-def export(out_dir, cfg_dict: dict, params: dict, info: dict | None = None) -> list[str]:
+def export(out_dir, cfg_dict: dict, model, info: dict | None = None) -> list[str]:
+    """Write the LlavaModel `model` as the HF checkpoint of `cfg_dict` (`export.hf_state`)."""
     tok = T.train_tokenizer(cfg_dict["text_config"]["vocab_size"])
-    files = E.write_hf_checkpoint(str(out_dir), cfg_dict, tok, params_to_hf_state(params, cfg_dict))
-    return files
+    return E.write_hf_checkpoint(str(out_dir), cfg_dict, tok, E.hf_state(model, cfg_dict))
 
 
 def main(argv=None) -> int:
@@ -848,7 +842,7 @@ def main(argv=None) -> int:
             else:
                 cfg_dict[k] = v
     t0 = time.perf_counter()
-    params, info = train(cfg_dict, minutes=args.minutes, steps=args.steps, batch=args.batch,
+    model, info = train(cfg_dict, minutes=args.minutes, steps=args.steps, batch=args.batch,
                          lr=args.lr, seed=args.seed, pool_size=args.pool,
                          eval_every=args.eval_every, aux_weight=args.aux, init_from=args.init,
                          qtype_weights=({k: float(v) for k, v in
@@ -857,7 +851,7 @@ def main(argv=None) -> int:
                          hard_describe=args.hard_describe, vision_frac=args.vision_frac,
                          bf16=args.bf16,
                          log=lambda s: print(s, flush=True))
-    files = export(args.out, cfg_dict, params)
+    files = export(args.out, cfg_dict, model)
     info["total_seconds"] = round(time.perf_counter() - t0, 1)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
     info["checkpoint_bytes"] = size
