@@ -110,7 +110,7 @@ def decode_collectives(runner, rows: int = 4) -> dict:
     sig = {n: (f, a, k) for n, f, a, k in runner.step_signatures()}[f"decode[{rows}]"]
     text = sig[0].lower(*sig[1], **sig[2]).compile().as_text()
     found = COLLECTIVE.findall(text)
-    param_shapes = {tuple(x.shape) for x in jax.tree.leaves(runner.params)}
+    param_shapes = {tuple(x.shape) for x in jax.tree.leaves(runner.lm_leaves + runner.weights.split.vision_leaves)}
     gathers = [shape for shape, op in found if op == "all-gather"]
     def dims(s):
         m = re.search(r"\[([\d,]*)\]", s)
@@ -177,7 +177,7 @@ def export(paths: dict, tp: int = 8, quantize: str | None = None, only: tuple = 
         model = load_model(path, "bfloat16", on_device=quantize is None, quantize=quantize)
         if hasattr(model.family, "limits"):
             model.family.configure(max_encode_patches=1024, image_max_tokens=256)
-        runner = ModelRunner(model.family, model.params, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
+        runner = ModelRunner(model.family, model.module, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
                              max_encode_batch=2, dtype=model.dtype, mesh=make_mesh(tp, 1), platform="cuda")
         steps = {}
         with compiling_for("cuda"):
@@ -223,7 +223,7 @@ def gemma_parity(paths: dict) -> dict:
                 "ids_equal": got == want, "ids_again_equal": again == want,
                 "tokens_cached": eng.stats()["tokens_cached"], "mesh": eng.stats()["mesh"],
                 "logits_rel": rel(vlm.logits(prompt, img), want_logits),
-                "params": shard_fractions({"text": eng.runner.params["text"]}, tp),
+                "params": shard_fractions({"text": eng.runner.lm_leaves}, tp),
                 "cache": shard_fractions(eng.runner.cache, tp),
                 "cache_leaves": len(jax.tree.leaves(eng.runner.cache)),
                 "decode": decode_collectives(eng.runner), "num_layers": eng.runner.text_model.num_layers,
