@@ -3,6 +3,9 @@
 (models/text/gemma4.py). Audio and video towers are out of scope: their weights, if a checkpoint
 has them, are skipped at load and audio / video inputs are not accepted.
 
+Module tree (`Gemma4Model`, HF's Gemma4Model names): `vision_tower` (Gemma4VisionModel),
+`embed_vision` (Gemma4MultimodalEmbedder), `language_model` (Gemma4TextModel, with its lm_head).
+
 Prompt: like Gemma4Processor, each image placeholder (the tokenizer's image token, e.g.
 "<|image|>") is replaced by text before tokenizing: begin-of-image + one image token per soft
 token + end-of-image (`image_prompt`). The soft-token count comes from the image size alone
