@@ -68,24 +68,6 @@ def collectives(hlo_text: str, p: int) -> dict:
     return {"count": count, "by_op": by_op, "payload_bytes": payload, "ring_bytes_per_device": int(ring)}
 
 
-def abstract_text_params(cfg, dtype) -> dict:
-    """ShapeDtypeStructs of a Llama-layout decoder's params (models/text/llama.load_params)."""
-    import jax
-
-    d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-
-    def s(*shape):
-        return jax.ShapeDtypeStruct(shape, dtype)
-
-    def lin(n_in, n_out, bias):
-        return {"w": s(n_in, n_out), **({"b": s(n_out)} if bias else {})}
-    layer = {"ln1": s(d), "qkv": lin(d, q + 2 * kv, cfg.attention_bias), "o": lin(q, d, False), "ln2": s(d),
-             "gate_up": lin(d, 2 * i, cfg.mlp_bias), "down": lin(i, d, cfg.mlp_bias)}
-    return {"embed": s(cfg.vocab_size, d), "layers": [layer] * cfg.num_layers, "norm": s(d),
-            "lm_head": s(d, cfg.vocab_size)}
-
-
 def bytes_per_device(tree) -> int:
     """Bytes one device holds of `tree` (ShapeDtypeStructs with NamedShardings)."""
     import jax
@@ -98,41 +80,48 @@ def bytes_per_device(tree) -> int:
     return total
 
 
-def decode_figures(tm, text_params, tp: int, slots: int, max_len: int, dtype) -> dict:
-    """Per-device weight / KV bytes and the compiled decode step's collectives, all abstract."""
+def decode_figures(cfg, tp: int, slots: int, max_len: int, dtype) -> dict:
+    """Per-device weight / KV bytes and the compiled decode step's collectives, all abstract: the
+    Llama decoder of `cfg` built as shapes (`nnx.eval_shape`), laid out for tp shards and sharded
+    by its logical axes as a runner places it."""
     import dataclasses
 
     import jax
+    from flax import nnx
 
     from mmjax.backend import tuning
+    from mmjax.models.nn.kv_cache import allocate_cache
+    from mmjax.models.text.llama import LlamaModel
+    from mmjax.serving.placed_model import tp_layout
     from mmjax.serving.runner import DecodeState, make_decode_step
     from mmjax.sharding import MODEL, Placement, make_mesh, step_shardings
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = make_mesh(tp, 1, jax.devices()[:tp])
     pl = Placement(mesh)
-    tm = pl.text_model(tm)
-    params = {"text": jax.eval_shape(lambda p: pl.layout_params({"text": p}, tm)["text"], text_params)}
-    ps = pl.param_shardings(params, tm)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, ps)
-    cache = jax.eval_shape(lambda: tm.init_cache(slots, max_len, dtype))
+    lm = nnx.eval_shape(lambda: LlamaModel(cfg, dtype))
+    tp_layout(lm, tp)
+    graphdef, state = nnx.split(lm)
+    state = jax.tree.map(lambda v: v.replace(jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), v.get_value(),
+        pl.sharding_of(v.get_value(), v.get_metadata()["axes"]))), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    leaves, treedef = jax.tree.flatten(state)
+    cache = jax.eval_shape(lambda: allocate_cache(lambda: lm.init_cache(slots, max_len, dtype, tp=tp)))
     cs = pl.cache_shardings(cache)
     cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, cs)
     rep = pl.sharding("state")
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
-                         jax.eval_shape(lambda: DecodeState.zeros(slots, tm.vocab_size)))
+                         jax.eval_shape(lambda: DecodeState.zeros(slots, lm.vocab_size)))
     gather = (NamedSharding(mesh, PartitionSpec(None, MODEL)), pl.sharding("outputs")) if tp > 1 else None
-
-    class _Fam:                      # make_decode_step only reads the text model
-        text_model = tm
     # the runner's step: traced with its tuning (a sharded step keeps XLA's dots, no CPU kernels)
     t = dataclasses.replace(tuning("cpu"), sharded=tp > 1)
-    fn = jax.jit(t.traced(make_decode_step(_Fam, t, tm, gather)), static_argnames=("rows",),
+    lm_of = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))       # noqa: E731
+    fn = jax.jit(t.traced(make_decode_step(t, lm_of, gather)), static_argnames=("rows",),
                  donate_argnums=(1, 2), out_shardings=step_shardings(cs, rep, pl.sharding("outputs")))
-    kv_lens = jax.ShapeDtypeStruct((tm.num_layers,), jax.numpy.int32)     # per layer (FastV-pruned layers)
-    bits = jax.ShapeDtypeStruct((slots, (tm.vocab_size + 31) // 32), jax.numpy.uint32)
-    compiled = fn.lower(params, cache, state, kv_lens, bits, rows=slots).compile()
-    return {"weight_bytes": bytes_per_device(params), "kv_bytes": bytes_per_device(cache),
+    kv_lens = jax.ShapeDtypeStruct((lm.num_layers,), jax.numpy.int32)     # per layer (FastV-pruned layers)
+    bits = jax.ShapeDtypeStruct((slots, (lm.vocab_size + 31) // 32), jax.numpy.uint32)
+    compiled = fn.lower(leaves, cache, state, kv_lens, bits, rows=slots).compile()
+    return {"weight_bytes": bytes_per_device(leaves), "kv_bytes": bytes_per_device(cache),
             "comm": collectives(compiled.as_text(), tp)}
 
 
@@ -158,7 +147,7 @@ def wall_decode_ms(m, tp: int, slots: int, max_len: int, steps: int) -> float:
     from mmjax.sharding import make_mesh
     import jax
 
-    r = ModelRunner(m.family, m.params, max_num_seqs=slots, max_model_len=max_len, prefill_chunk=64,
+    r = ModelRunner(m.family, m.module, max_num_seqs=slots, max_model_len=max_len, prefill_chunk=64,
                     max_encode_batch=1, mesh=make_mesh(tp, 1, jax.devices()[:tp]) if tp > 1 else None)
     r.decode(64, slots)
     times = []
@@ -194,18 +183,20 @@ def main(argv=None) -> int:
 
     from mmjax.api import load_model
     from benchmarks.checkpoints import build_llava
-    from mmjax.models.text.llama import LlamaConfig, LlamaTextModel
+    from flax import nnx
+
+    from mmjax.models.text.llama import LlamaConfig
 
     if args.smoke:
         args.tp, args.slots, args.max_len, args.steps = [1, 2, 4], 4, 256, 2
     path = args.model or str(build_llava("smoke" if args.smoke else "default"))
     model = load_model(path)
-    tm = model.family.text_model
-    text = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params["text"])
-    vision_bytes = sum(x.nbytes for k, v in model.params.items() if k != "text" for x in jax.tree.leaves(v))
+    text_cfg = model.module.language_model.config
+    vision_bytes = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model.module))
+                       if path[0].key != "language_model")
     rows = []
     for tp in args.tp:
-        f = decode_figures(tm, text, tp, args.slots, args.max_len, jnp.float32)
+        f = decode_figures(text_cfg, tp, args.slots, args.max_len, jnp.float32)
         f["wall_ms"] = wall_decode_ms(model, tp, args.slots, args.max_len, args.steps)
         rows.append({"model": "bench", "tp": tp, "vision_bytes": vision_bytes, **f})
 
@@ -218,8 +209,7 @@ def main(argv=None) -> int:
             figs = []
             for layers in (1, 2):
                 c = LlamaConfig(**{**cfg.__dict__, "num_layers": layers})
-                figs.append(decode_figures(LlamaTextModel(c), abstract_text_params(c, dtype), tp, args.slots,
-                                           args.max_len, dtype))
+                figs.append(decode_figures(c, tp, args.slots, args.max_len, dtype))
             rows.append({"model": "qwen2.5-vl-72b-shaped", "tp": tp, "vision_bytes": vis,
                          **scaled(figs[0], figs[1], cfg.num_layers), "wall_ms": None})
         note = (f"72B-shaped rows: abstract shapes ({args.dtype}), decode compiled at 1 and 2 layers and "

@@ -48,6 +48,7 @@ def tp_layout(decoder: nnx.Module, tp: int) -> None:
     zero-padded to a multiple of tp (vocab-parallel embedding and head)."""
     from mmjax import quant
     from mmjax.models.nn.linear import FusedLinear, tp_regroup
+    from mmjax.packed_weights import PackedWeight
     if tp == 1:
         return
     if hasattr(decoder, "check_tensor_parallel"):
@@ -55,10 +56,13 @@ def tp_layout(decoder: nnx.Module, tp: int) -> None:
     groups = [v.get_value().scale.shape[0] for _, v in nnx.to_flat_state(nnx.state(decoder))
               if isinstance(v.get_value(), quant.QArray) and v.get_value().ndim == 2]
     check_quantized_tp(tp, any(g > 1 for g in groups))
+    for _, var in nnx.to_flat_state(nnx.state(decoder)):     # the CPU kernels' packing: the [in, out] layout
+        if isinstance(var.get_value(), (PackedWeight, quant.QArray)):
+            var.set_value(for_platform(var.get_value(), var.get_metadata(), False))
     for _, m in nnx.iter_modules(decoder):
         if not isinstance(m, FusedLinear) or m.kernel.get_value().ndim != 2:
             continue
-        regroup = lambda a, parts=m.parts: tp_regroup(np.asarray(a), parts, tp)       # noqa: E731
+        regroup = lambda a, parts=m.parts: _host(lambda x: tp_regroup(x, parts, tp), a)       # noqa: E731
         m.kernel.set_value(quant.map_columns(regroup, m.kernel.get_value()))
         m.kernel.set_metadata(axes=m.kernel.get_metadata()["axes"] + (None,))
         if m.bias is not None:
@@ -73,10 +77,18 @@ def tp_layout(decoder: nnx.Module, tp: int) -> None:
         size = value.shape[i]
         if size % tp:
             def pad(a, i=i):
-                widths = [(0, 0)] * np.ndim(a)
+                widths = [(0, 0)] * len(a.shape)
                 widths[i] = (0, -a.shape[i] % tp)
-                return np.pad(np.asarray(a), widths)
-            var.set_value(quant.map_columns(pad, value) if i == np.ndim(value) - 1 else pad(value))
+                return _host(lambda x: (jax.numpy if isinstance(x, jax.core.Tracer) else np).pad(x, widths), a)
+            var.set_value(quant.map_columns(pad, value) if i == len(value.shape) - 1 else pad(value))
+
+
+def _host(fn, a):
+    """fn over a host copy of `a` (numpy), or over its shape when `a` is abstract (a
+    ShapeDtypeStruct: shapes-only models, e.g. benchmarks/sharding.py's)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.eval_shape(fn, a)
+    return fn(np.asarray(a))
 
 
 @dataclass
@@ -101,6 +113,8 @@ class PlacedModel:
         self.model, self.placement, self.pack, self.primary, self.offload = model, placement, pack, primary, offload
         self.split: Split | None = None
         self.vision_device_shardings = None
+        self._source_ids: dict = {}
+        self._states: dict = {}
         self.refresh()
 
     def _place_state(self, state, offload: bool = False):
@@ -125,31 +139,34 @@ class PlacedModel:
         """(Re)split the live model and place what changed -> the parts that changed since the
         last split ("language_model", "vision"; a changed module graph counts as a change of
         both). Unchanged parts keep their placed arrays (nothing is copied again)."""
-        if self.primary:
-            tp_layout(self.model.language_model, self.placement.tp)
-        graphdef, lm_state, vision_state = nnx.split(self.model, _LM, ...)
+        live = nnx.split(self.model, _LM, ...)
+        source_ids = {p: [id(x) for x in jax.tree.leaves(s)] for p, s in zip(("language_model", "vision"), live[1:])}
         old = self.split
-        same_graph = old is not None and old.graphdef == graphdef
+        same_graph = old is not None and old.graphdef == live[0]
+        if same_graph and source_ids == self._source_ids:
+            return set()
+        # a replica lays its copy out on a clone (the live module keeps the primary's layout)
+        model = self.model if self.primary else nnx.clone(self.model)
+        tp_layout(model.language_model, self.placement.tp)
+        graphdef, lm_state, vision_state = nnx.split(model, _LM, ...)
         states, changed = {}, set()
         for part, state, offload in (("language_model", lm_state, False), ("vision", vision_state, self.offload)):
-            ids = [id(x) for x in jax.tree.leaves(state)]
-            if same_graph and ids == self._source_ids[part]:
+            if same_graph and source_ids[part] == self._source_ids[part]:
                 states[part] = self._states[part]
                 continue
             states[part] = self._place_state(state, offload=offload)
             changed.add(part)
-        if not changed:
-            return changed
         if self.primary:       # the live module holds what the steps read (one copy of the weights)
             nnx.update(self.model, *(states[p] for p in changed))
-        self._source_ids = {p: [id(x) for x in jax.tree.leaves(s)]
-                            for p, s in zip(("language_model", "vision"), nnx.split(self.model, _LM, ...)[1:])}
-        self._states = states
+            live = nnx.split(self.model, _LM, ...)
+            source_ids = {p: [id(x) for x in jax.tree.leaves(s)] for p, s in zip(("language_model", "vision"),
+                                                                                  live[1:])}
+        self._source_ids, self._states = source_ids, states
         lm_leaves, lm_treedef = jax.tree.flatten(states["language_model"])
         vision_leaves, vision_treedef = jax.tree.flatten(states["vision"])
         lm_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                                  states["language_model"])
-        self.split = Split(graphdef, nnx.graphdef(self.model.language_model), lm_treedef, lm_leaves, vision_treedef,
+        self.split = Split(graphdef, nnx.graphdef(model.language_model), lm_treedef, lm_leaves, vision_treedef,
                            vision_leaves, lm_shapes)
         if self.offload and "vision" in changed:
             self.vision_device_shardings = [x.sharding.with_memory_kind("device") for x in vision_leaves]

@@ -364,7 +364,7 @@ def make_pruned_prefill_step(family: Family, tune: Tuning, lm_of, logits_shardin
     return prefill
 
 
-def make_decode_step(family: Family, tune: Tuning, lm_of, logits_sharding=None):
+def make_decode_step(tune: Tuning, lm_of, logits_sharding=None):
     """(lm_leaves, cache, state, kv_lens, bits, *, rows, steps=1) -> (cache, state, sample
     outputs): one token for each of the first `rows` slots (static); bits [rows, words] uint32:
     each row's allowed-token bitmask (all ones: unconstrained); the other slots' cache and state
@@ -597,7 +597,7 @@ class ModelRunner:
         self._prefill_scores = jax.jit(t.traced(make_prefill_step(family, t, lm_of, gather, scores=True)),
                                        donate_argnums=(1, 2), out_shardings=scores_outs,
                                        compiler_options=t.compiler_options("prefill"))
-        self._decode = jax.jit(t.traced(make_decode_step(family, t, lm_of, gather)),
+        self._decode = jax.jit(t.traced(make_decode_step(t, lm_of, gather)),
                                static_argnames=("rows", "steps"),
                                donate_argnums=(1, 2), out_shardings=outs,
                                compiler_options=t.compiler_options("decode"))
