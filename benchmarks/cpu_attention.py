@@ -29,8 +29,8 @@ def layer_chain(rows: int, context: int, repeats: int, cache_dtype: str = "float
     import jax.numpy as jnp
 
     from mmjax.backend import cpu_kernels
-    from mmjax.models.text.kv_quant import quantize
-    from mmjax.models.text.llama import KV_SEGMENT, cache_attention
+    from mmjax.models.nn.kv_quant import quantize
+    from mmjax.models.nn.kv_cache import KV_SEGMENT, cache_attention
 
     rng = np.random.default_rng(0)
     kvh, g, hd = 8, 2, 64

@@ -35,8 +35,8 @@ def _layers(rows: int, size: int, dtype: str, rng) -> list:
     import jax
     import jax.numpy as jnp
 
-    from mmjax.models.text.kv_quant import quantize
-    from mmjax.models.text.llama import KV_SEGMENT
+    from mmjax.models.nn.kv_quant import quantize
+    from mmjax.models.nn.kv_cache import KV_SEGMENT
 
     quant = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(dtype)
 
@@ -62,7 +62,7 @@ def _chains(kind: str, rows: int, context: int):
     import jax.numpy as jnp
 
     from mmjax.kernels import cpu_attention
-    from mmjax.models.text.llama import cache_attention
+    from mmjax.models.nn.kv_cache import cache_attention
 
     scale = HD ** -0.5
     if kind == "decode":
@@ -139,7 +139,7 @@ def bench(kind: str, rows: int, context: int, dtype: str, repeats: int, slow_eve
 
     from mmjax.backend import cpu_kernels
     from mmjax.kernels import cpu_library
-    from mmjax.models.text.llama import KV_SEGMENT
+    from mmjax.models.nn.kv_cache import KV_SEGMENT
 
     rng = np.random.default_rng(0)
     if kind == "vision":

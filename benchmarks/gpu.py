@@ -80,10 +80,9 @@ def decode_rates(vlm, batches: list[int], kv_len: int, bandwidth: float, repeats
     the host's dispatch, steps queued back to back, 16 steps in one call, and (on a GPU) the
     kernels' own time from a profiler trace."""
     r = vlm.engine.runner
-    lm_bytes = param_bytes(r.params["text"])
-    tm = vlm.family.text_model
-    cfg = tm.cfg
-    kv_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(vlm.model.dtype).itemsize
+    lm_bytes = param_bytes(r.lm_leaves)
+    cfg = r.text_model.config
+    kv_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(vlm.loaded.dtype).itemsize
     rows = []
     for b in batches:
         r.decode(kv_len, b)
@@ -131,7 +130,7 @@ def loop_step_seconds(r, kv_len: int, rows: int, steps: int = 16) -> float:
         for _ in range(4):                   # the first compiles
             t0 = time.perf_counter()
             r.cache, r.state, _ = jax.block_until_ready(
-                r._decode(r.lm_params, r.cache, r.state, lens, bits, rows=rows, steps=steps))
+                r._decode(r.lm_leaves, r.cache, r.state, lens, bits, rows=rows, steps=steps))
             times.append(time.perf_counter() - t0)
     return min(times[1:]) / steps
 
@@ -393,7 +392,7 @@ def main(argv=None) -> int:
     def vlm():
         if "vlm" not in model:
             model["vlm"] = load()
-            result["lm_weight_bytes"] = param_bytes(model["vlm"].engine.runner.params["text"])
+            result["lm_weight_bytes"] = param_bytes(model["vlm"].engine.runner.lm_leaves)
         return model["vlm"]
 
     def attention():

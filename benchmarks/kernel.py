@@ -317,7 +317,7 @@ def profile_decode(path: str, batch: int, steps: int, max_model_len: int, prompt
     from mmjax.buckets import bucket_for
     rows = bucket_for(batch, r.buckets.decode)
     kv_lens = np.full((r.text_model.num_layers,), ctx, np.int32)   # per layer (pruned layers may be shorter)
-    hlo = r._decode.lower(r.lm_params, r.cache, r.state, kv_lens, r.all_allowed(rows), rows=rows).compile().as_text()
+    hlo = r._decode.lower(r.lm_leaves, r.cache, r.state, kv_lens, r.all_allowed(rows), rows=rows).compile().as_text()
     cats = _categorize(hlo)
     wall = []
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)

@@ -1,4 +1,4 @@
-"""Cost of the MoE feed-forward block (models/text/moe.py: router + top-k + two ragged_dot grouped
+"""Cost of the MoE feed-forward block (models/nn/moe.py: router + top-k + two ragged_dot grouped
 matmuls) against dense gated MLPs at decode batch sizes, one jitted block per variant:
 
 - moe-ragged:   E experts of width f, top-k routing, grouped matmuls
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.models.text.moe import experts_forward, gemma4_route, softmax_topk_route
+from mmjax.models.nn.linear import matmul
+from mmjax.models.nn.moe import experts_forward, gemma4_route, softmax_topk_route
 
 PRESETS = {
     "gemma4": dict(d=1024, experts=16, top_k=2, f=512, router="gemma4", act="gelu"),
@@ -86,7 +87,7 @@ def main() -> None:
         route = lambda p, x: gemma4_route(p, x, k, 1e-6)
     else:   # Qwen3-MoE / Qwen3-VL-MoE: softmax, top-k, renormalised (norm_topk_prob)
         router = w(d, e)
-        route = lambda p, x: softmax_topk_route(p, x, k, True)
+        route = lambda p, x: softmax_topk_route(lambda h: matmul(h, p), x, k, True)
     act = jax.nn.gelu if cfg["act"] == "gelu" else jax.nn.silu
 
     # weights are arguments (as the serving steps' params are), not folded constants

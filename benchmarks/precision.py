@@ -28,6 +28,7 @@ import sys
 import time
 
 import numpy as np
+from flax import nnx
 
 from benchmarks.kernel import MMJaxSide, make_images, make_prompt, median
 from mmjax.quant import weight_bytes
@@ -78,7 +79,7 @@ def run(args) -> dict:
         sides[name] = MMJaxSide(path, args.max_model_len, args.prefill_chunk, dtype=dtype, quantize=quant)
         prompts[name] = make_prompt(sides[name].vlm1.tokenizer, sides[name].arch.img_tokens, args.prompt_tokens)
         mx = sides[name]
-        res[name] = {"dtype": dtype, "quantize": quant, "weight_bytes": weight_bytes(mx.vlm1.params), "load_s": mx.load_s}
+        res[name] = {"dtype": dtype, "quantize": quant, "weight_bytes": weight_bytes(nnx.state(mx.vlm1.model)), "load_s": mx.load_s}
 
     def rounds(warm, timed) -> dict[str, float]:
         """{precision: median seconds of `timed(name, i)` over `reps` rounds} (after one

@@ -55,9 +55,10 @@ def gemma4_route(p: dict, x: jax.Array, top_k: int, eps: float) -> tuple[jax.Arr
     return w * p["per_expert_scale"][idx].astype(jnp.float32), idx.astype(jnp.int32)
 
 
-def softmax_topk_route(router: Linear, x: jax.Array, top_k: int, normalize: bool = True
+def softmax_topk_route(router, x: jax.Array, top_k: int, normalize: bool = True
                        ) -> tuple[jax.Array, jax.Array]:
-    """x [n, d], router [d, experts] -> (weights [n, k] in x's dtype, expert ids [n, k] int32):
+    """x [n, d], router (a `Linear` [d, experts], or any x -> logits) -> (weights [n, k] in x's
+    dtype, expert ids [n, k] int32):
     softmax over the experts in float32, the top k, renormalised to sum to 1 when `normalize`
     (HF's norm_topk_prob), then cast to the logits' dtype as HF does."""
     logits = router(x)
