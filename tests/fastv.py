@@ -40,7 +40,8 @@ def whole_sequence_fastv(vlm, prompt, image, layer, keep, generated) -> np.ndarr
         embeds, extra = lm.inputs(ids[None], feats[None], img[None])
         prune = PruneSpec(layer, keep, out_len, img[None], jnp.asarray([t0 - 1], jnp.int32))
         cache = lm.init_cache(1, T, embeds.dtype, max_chunk=T)
-        meta = AttentionMetadata(positions[:, None], jnp.zeros((1,), jnp.int32), T, spans=step_spans(family, spans[None]))
+        meta = AttentionMetadata(positions[:, None], jnp.zeros((1,), jnp.int32), T,
+                                 spans=step_spans(family, spans[None]))
         hidden, _, _ = lm.forward_pruned(embeds, meta, cache, prune, **extra)
         return lm.logits(hidden[0])
     out = logits(state, *(jnp.asarray(a) for a in (ids, feats, img, positions, spans)))
