@@ -118,7 +118,8 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     read by the packed kernel in every step, never unpacked there; a bf16 KV cache is written
     without a float copy of its segments. The checker fails on a weight-only dequantization."""
     model = load_model(llava_dirs["gqa"], "float32", quantize="int8")
-    qs = [x for x in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QArray)) if isinstance(x, QArray)]
+    qs = [x for x in jax.tree.leaves(nnx.state(model.module), is_leaf=lambda x: isinstance(x, QArray))
+          if isinstance(x, QArray)]
     assert len(qs) == 2 * 6 + 2 + 2 * 4 + 1          # ViT q/k/v/o/fc1/fc2, projector, LM qkv/o/gate_up/down, head
     # loaded on a CPU host, int8 weights are packed for mmjax's kernel (mmjax.quant.pack):
     # uint8 [ceil(out / 64), in / 4, 64, 4] panels, the same bytes (+ 128) in another order
@@ -139,9 +140,11 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     # stay [in, out]: few rows take the row-major kernel (mmjax_gemv_s8) on the AVX-512 path, more
     # rows (and an AVX2 CPU: the row-major kernels have no AVX2 path) XLA's s8 dot
     with patch.object(quant, "packable", lambda w: False):
-        flat = _runner(dataclasses.replace(model, params=with_packing(model.params, False)))
+        unpacked = nnx.clone(model.module)
+        nnx.update(unpacked, with_packing(nnx.state(unpacked), False))
+        flat = _runner(dataclasses.replace(model, module=unpacked))
         compiled = _compiled(flat, "encode(1, 32, 32, 3)", "decode[1]", "decode[2]")
-    assert not any(q.packed for q in jax.tree.leaves(flat.params, is_leaf=lambda x: isinstance(x, QArray))
+    assert not any(q.packed for q in jax.tree.leaves(flat.weights.states, is_leaf=lambda x: isinstance(x, QArray))
                    if isinstance(q, QArray))
     for name, hlo in compiled.items():
         s8 = [ln for ln in hlo.splitlines() if re.search(r"= s32\[[\d,]+\]\{[\d,]*\} dot\(", ln)]
@@ -159,9 +162,10 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     # (f32 weights the same way: mmjax_matmul_f32p over f32 panels)
     for dtype, target in (("float32", "mmjax_matmul_f32p"), ("bfloat16", "mmjax_matmul_bf16p")):
         model = load_model(llava_dirs["gqa"], dtype)
-        ws = packed(model.params["text"])
-        assert len(ws) >= 2 * 4 + 1 and packed(model.params["vision"])
-        assert model.params["text"]["embed"].dtype == jnp.dtype(dtype)     # gathered, not a matmul weight: as stored
+        lm = model.module.language_model
+        ws = packed(nnx.state(lm))
+        assert len(ws) >= 2 * 4 + 1 and packed(nnx.state(model.module.vision_tower))
+        assert lm.embed_tokens.embedding.get_value().dtype == jnp.dtype(dtype)   # gathered, not a matmul weight: as stored
         shapes = {w.shape for w in ws} | {w.data.shape for w in ws}
         runner = _runner(model)
         steps = [n for n, *_ in runner.step_signatures()]
@@ -177,7 +181,7 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
             # last tokens) are all real: a constant
             computed = _rows_operands(hlo, target)
             if name.startswith("prefill"):
-                assert computed.count(True) == 4 * model.family.text_model.num_layers, (dtype, computed)
+                assert computed.count(True) == 4 * lm.num_layers, (dtype, computed)
                 assert False in computed, (dtype, computed)
             else:
                 assert True not in computed, (dtype, name)
@@ -270,7 +274,8 @@ def test_quality_vs_float32_and_int8_convert_roundtrip(llava_dirs, tmp_path):
     out_dir = tmp_path / "int8"
     assert main(["convert", "--model", str(path), "--out", str(out_dir), "--quantize", "int8"]) == 0
     back = mmjax.load(path, params_dir=out_dir, **kw)
-    assert isinstance(back.params["text"]["lm_head"], QArray) and back.params["text"]["lm_head"].kind == "int8"
+    head = back.model.language_model.lm_head.kernel.get_value()
+    assert isinstance(head, QArray) and head.kind == "int8"
     np.testing.assert_array_equal(np.asarray(back.logits(TEXT, [img])), int8_logits)
 
 
@@ -350,7 +355,7 @@ def test_decode_step_writes_only_the_state_it_changes(llava_dirs):
     copy the vocab rows twice a step (1 ms of a batch-1 bf16 step on the bench model)."""
     model = load_model(llava_dirs["gqa"], "float32")
     runner = _runner(model)
-    vocab = model.family.text_model.vocab_size
+    vocab = model.module.language_model.vocab_size
     for name, hlo in _compiled(runner, "decode[1]", "decode[4]").items():
         # (the s32 [4, vocab] counts are updated in place by their scatter-add)
         rows = [ln.strip()[:160] for ln in hlo.splitlines()
@@ -379,7 +384,7 @@ def test_cpu_decode_step_writes_the_cache_in_the_attention_kernel(llava_dirs):
     for kv_dtype, target in (("auto", "mmjax_decode_attention_write_f32"), ("int8", "mmjax_decode_attention_write_s8")):
         model = load_model(llava_dirs["gqa"], "float32")
         runner = _runner(model, kv_cache_dtype=kv_dtype)
-        layers = model.family.text_model.num_layers
+        layers = model.module.language_model.num_layers
         seg_shapes = {tuple(x.shape) for x in jax.tree.leaves(runner.cache)}
         for name, hlo in _compiled(runner, "decode[1]", "decode[4]").items():
             calls = re.findall(rf"custom_call_target=\"{target}\"", hlo)
@@ -387,15 +392,16 @@ def test_cpu_decode_step_writes_the_cache_in_the_attention_kernel(llava_dirs):
             assert _of_shapes(hlo, "scatter", seg_shapes) == _of_shapes(hlo, "copy", seg_shapes) == [], (kv_dtype, name)
     # the checker sees the step as it was: the cache scattered by XLA (scatter_kv without its CPU
     # kernel), then the attention kernel
-    from mmjax.models.text import llama
+    from mmjax.models.nn import attention, kv_cache
 
-    def scatter_then_attend(q, k, v, kv, q_pos, kv_len, mask):
-        with patch.object(llama.cpu_library, "enabled", lambda: False):
-            kv = llama.scatter_kv(kv, k, v, q_pos[:, None], jnp.arange(q.shape[0]))
-        return llama.cache_attention(q, kv["k"], kv["v"], q_pos[:, None], kv_len, mask=mask, reduce_small=True), kv
+    def scatter_then_attend(q, k, v, kv, q_pos, kv_len, mask, scale=None):
+        with patch.object(kv_cache.cpu_library, "enabled", lambda: False):
+            kv = kv_cache.scatter_kv(kv, k, v, q_pos[:, None], jnp.arange(q.shape[0]))
+        return kv_cache.cache_attention(q, kv["k"], kv["v"], q_pos[:, None], kv_len, mask=mask, reduce_small=True,
+                                        scale=scale), kv
     runner = _runner(load_model(llava_dirs["gqa"], "float32"))
     seg_shapes = {tuple(x.shape) for x in jax.tree.leaves(runner.cache)}
-    with patch.object(llama, "_cpu_decode_write", scatter_then_attend):
+    with patch.object(attention, "cpu_decode_write", scatter_then_attend):
         hlo = _compiled(runner, "decode[4]")["decode[4]"]
     assert "mmjax_decode_attention_f32" in hlo and len(_of_shapes(hlo, "scatter", seg_shapes)) >= layers
 

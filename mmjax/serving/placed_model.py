@@ -172,6 +172,11 @@ class PlacedModel:
             self.vision_device_shardings = [x.sharding.with_memory_kind("device") for x in vision_leaves]
         return changed
 
+    @property
+    def states(self) -> dict:
+        """The placed weights as States: {"language_model": ..., "vision": ...}."""
+        return dict(self._states)
+
     # ---- what the steps call (inside their traces) ----------------------------------------------
     def lm_of(self):
         """leaves -> the decoder module (for the text steps of this version)."""
