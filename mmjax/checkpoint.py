@@ -166,11 +166,11 @@ def save_module(module, directory: str | os.PathLike) -> Path:
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
-    from mmjax.packed_weights import with_packing
+    from mmjax.packed_weights import unpacked
 
     directory = Path(directory).absolute()
     state = nnx.to_pure_dict(nnx.state(module))
-    state = with_packing(jax.tree.map(np.asarray, state), False)
+    state = jax.tree.map(np.asarray, unpacked(state))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory, state, force=True)
     return directory
@@ -201,28 +201,3 @@ def restore_module(module, directory: str | os.PathLike, quantize: str | None = 
         restored = ckptr.restore(directory, like)
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(module, state)
-
-
-def linear(src: TensorSource, name: str, d_in: int, d_out: int, bias: bool) -> dict:
-    """HF Linear weight [out, in] -> {"w": [in, out], "b": [out]}: transposed once here because
-    XLA CPU streams `x @ W` with W [in, out] ~14x faster than `x @ W.T`."""
-    p = {"w": np.ascontiguousarray(src.take(f"{name}.weight", (d_out, d_in)).T)}
-    if bias:
-        p["b"] = src.take(f"{name}.bias", (d_out,))
-    return p
-
-
-def fused_linear(src: TensorSource, names: Iterable[str], d_in: int, d_outs: Iterable[int], bias: bool) -> dict:
-    """Several HF Linears reading the same input (q/k/v, gate/up) -> one [in, sum(out)] matmul."""
-    parts = [linear(src, n, d_in, o, bias) for n, o in zip(names, d_outs)]
-    p = {"w": np.concatenate([q["w"] for q in parts], axis=1)}
-    if bias:
-        p["b"] = np.concatenate([q["b"] for q in parts])
-    return p
-
-
-def norm(src: TensorSource, name: str, dim: int, bias: bool = True) -> dict:
-    p = {"scale": src.take(f"{name}.weight", (dim,))}
-    if bias:
-        p["bias"] = src.take(f"{name}.bias", (dim,))
-    return p

@@ -8,10 +8,11 @@ instructions (FMA / vdpbf16ps / vpdpbusd). One kernel call then serves every num
 decode streams the weight at the read bandwidth, and prefill / encode run faster than XLA's dots
 on the [in, out] weight (benchmarks/README.md), so one packed copy is all a CPU runner keeps.
 
-The packed form is the CPU runner's: `mmjax.load` packs on a CPU host (kernels available) as it
-places each weight; a runner for another platform or a mesh, `save_params` and `mmjax convert`
-take the [in, out] layout (`with_packing(params, False)`), and a traced step that meets a packed
-weight without the kernel (lowered for CUDA, kernels off) unpacks it inside the step.
+The packed form is the CPU runner's: `mmjax.load` packs a linear layer's weight on a CPU host
+(kernels available) as it places it (`nn.weights.Weights`); a runner for another platform or a
+mesh, `save_params` and `mmjax convert` take the [in, out] layout (`unpacked`,
+`serving.placed_model.for_platform`), and a traced step that meets a packed weight without the
+kernel (lowered for CUDA, kernels off) unpacks it inside the step.
 """
 from __future__ import annotations
 
@@ -70,19 +71,6 @@ def pack_weight(w) -> PackedWeight:
     return PackedWeight(data if isinstance(w, np.ndarray) else jnp.asarray(data), *w.shape)
 
 
-def packs(path, x) -> bool:
-    """Is the leaf at `path` a weight the CPU runner keeps packed: a 2-D f32 / bf16 linear-layer
-    weight (the leaves int8 quantization takes, `mmjax.quant._wanted`)."""
-    from mmjax.quant import _wanted
-    return (not isinstance(x, PackedWeight) and getattr(x, "dtype", None) in _PACKED_DTYPES
-            and getattr(x, "ndim", 0) == 2 and _wanted(path, x))
-
-
-def pack_leaf(path, x):
-    """One leaf as a CPU runner keeps it (a packable weight packed; anything else as is)."""
-    return pack_weight(x) if packs(path, x) else x
-
-
 def cpu_packs() -> bool:
     """Are weights kept packed here: the default backend is the CPU and the kernels build and run
     a SIMD path (`cpu_library.simd`)."""
@@ -90,19 +78,17 @@ def cpu_packs() -> bool:
     return jax.default_backend() == "cpu" and cpu_gemv.simd()
 
 
-def with_packing(params, packed: bool):
-    """params with every packable weight packed (packed=True: f32 / bf16 linear weights, int8
-    QArrays) or every packed one in its [in, out] layout (False): what the compiled steps of a
-    runner read (packed only where the CPU kernels run)."""
-    from mmjax.quant import QArray, pack, unpack
+def unpacked(tree):
+    """`tree` (weights, an nnx.State, ...) with every packed weight in its [in, out] layout: f32 /
+    bf16 PackedWeights as arrays, packed int8 QArrays as [in, out] ones (saving, research code
+    that edits weights)."""
+    from mmjax.quant import QArray, unpack
 
-    def one(path, x):
+    def one(x):
         if isinstance(x, QArray):
-            return pack(x) if packed else unpack(x)
-        if isinstance(x, PackedWeight):
-            return x if packed else x.unpack()
-        return pack_leaf(path, x) if packed else x
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (QArray, PackedWeight)))
+            return unpack(x)
+        return x.unpack() if isinstance(x, PackedWeight) else x
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, (QArray, PackedWeight)))
 
 
 _LEADING_ROWS: contextvars.ContextVar = contextvars.ContextVar("leading_rows", default=None)

@@ -21,9 +21,13 @@ ones a GPU runs:
 MoE expert stacks [experts, in, out] get per (expert, channel) scales and `qragged_dot`, the
 8-bit form of the grouped `jax.lax.ragged_dot` (the CPU skip loop indexes one expert, `w[j]`).
 
-Qwix (Google's JAX quantization library) was not used: its model-level API intercepts Flax
-modules, and mmjax's steps are pure functions over plain dict pytrees restored by orbax; the
-few lines below are the whole of what the steps need.
+Applied at load (`nn.weights.Weights`: every `Linear` whose Param says `quantize`, i.e. the LM's
+and ViT's linear layers, the LM head and the MoE expert stacks; embeddings, patch embeddings and
+routers stay in float). Qwix (Google's JAX quantization library) was considered now that the
+models are Flax modules and not used: it intercepts `dot_general` / `einsum`, while the CPU
+runner's int8 products are mmjax's own FFI kernel over packed weights (`qmatmul` ->
+`cpu_gemv.qmatmul_s8p`), which an interception cannot reach; a QArray value in a Linear's
+kernel Param is all the steps need, on every backend.
 """
 from __future__ import annotations
 
@@ -242,39 +246,6 @@ def _qmatmul(x: jax.Array, w: QArray, out_dtype=None) -> jax.Array:
         part = acc.astype(jnp.float32) * xs[..., i, :] * w.scale[i]
         y = part if y is None else y + part
     return y.astype(out_dtype or x.dtype)
-
-
-# Which leaves are quantized: the LM's and ViT's linear layers, i.e. "w" of every dense layer
-# plus the LM head, Gemma 4's bare per-layer projections and the MoE expert stacks
-# ([experts, in, out], per expert and channel, always without groups). Left in float: embeddings
-# (gathered, not multiplied), patch embeddings (the first layer, tiny, sensitive) and MoE routers
-# (routing decisions).
-_BARE = {"lm_head", "q", "kv", "o", "gate_up", "down", "ple_gate", "ple_proj"}
-_SKIP_PARENTS = {"patch_embed", "router", "patch"}
-
-
-def _wanted(path, leaf) -> bool:
-    keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-    if not jnp.issubdtype(leaf.dtype, jnp.floating) or any(k in _SKIP_PARENTS for k in keys):
-        return False
-    if "experts" in keys:
-        return getattr(leaf, "ndim", 0) == 3 and keys[-1] in ("gate_up", "down")
-    return getattr(leaf, "ndim", 0) == 2 and (keys[-1] == "w" or keys[-1] in _BARE)
-
-
-def quantize_params(params, kind: str, group_size: int | None = None, on_device: bool = True,
-                    packed: bool = False):
-    """Loaded params -> the same pytree with every linear-layer weight a QArray (see `_wanted`);
-    applied after loading, like gpt-fast's quantize step. on_device=False: host numpy QArrays
-    (for placement over a mesh: `mmjax.sharding` shards them like their float weights).
-    packed: int8 weights packed for the CPU kernel (`pack`)."""
-    if kind not in KINDS:
-        raise InvalidRequestError(f"quantize must be one of {list(KINDS)}, got {kind!r}", param="quantize")
-    def one(path, x):
-        if not _wanted(path, x):
-            return x
-        return quantize_weight(x, kind, None if x.ndim == 3 else group_size, on_device=on_device, packed=packed)
-    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def weight_bytes(params) -> int:

@@ -4,16 +4,14 @@ compiled step takes from there.
 `Placement(mesh=None)` is one device (JAX's default device, no sharding annotations: the
 compiled steps are exactly the single-device ones). With a `jax.sharding.Mesh` over the axes
 ("data", "model"), arrays are placed with `NamedSharding`s derived from one table of rules
-(`LOGICAL_RULES`, MaxText's logical axis rules): every parameter and cache axis has a logical
-name (heads, kv_heads, mlp, vocab, embed, ...) and the table maps names to mesh axes. Logical
-names come from the parameter's path (`PARAM_AXES`, by the last path components: a new family
-whose decoder uses the same names inherits them) or from a text model's own
-`logical_axes(params)` hook.
+(`LOGICAL_RULES`, MaxText's logical axis rules): every parameter carries its logical axis names
+(heads, kv_heads, mlp, vocab, embed, ...) as Flax metadata (`nn.linear`: `axes=`), every cache
+axis has one (`CACHE_AXES`), and the table maps names to mesh axes, so a new family inherits it.
 
-Tensor parallelism (Megatron style, run by XLA's SPMD partitioner): a text model that supports
-it provides `tensor_parallel(tp)` (a copy of itself for `tp` shards: e.g. the KV heads its cache
-holds) and `tp_layout(params, tp)` (host-side re-layout of fused weights into per-shard blocks so
-no weight is gathered; see models/text/llama.py). Both run once at placement time; with tp == 1
+Tensor parallelism (Megatron style, run by XLA's SPMD partitioner): the decoder's fused
+projections (`nn.FusedLinear`) name their parts' axes, so their per-shard layout follows from
+them (`serving.placed_model.tp_layout`: each shard's q | k | v and gate | up side by side, KV
+heads replicated when fewer than shards, vocab padded), once at placement time; with tp == 1
 nothing changes.
 
 Data parallel serving is M engine replicas over M sub-meshes (`sub_meshes`); inside one runner
@@ -56,32 +54,6 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
 # vision weights (Qwen's qkv, gate_up) are split by columns as they are, not regrouped per shard:
 # memory is 1/TP, and XLA moves the activations their split needs.
 VISION_TP_RULES: tuple[tuple[str, Any], ...] = (("vision_heads", MODEL), ("vision_mlp", MODEL))
-
-# Logical axes of parameters by their trailing path components (most specific first). A path
-# that matches nothing is replicated.
-PARAM_AXES: tuple[tuple[tuple[str, ...], tuple], ...] = (
-    (("text", "embed"), ("vocab", "embed")),
-    (("text", "lm_head"), ("embed", "vocab")),
-    (("qkv", "w"), ("embed", "heads", None)),        # [hidden, tp, q|k|v per shard] after tp_layout
-    (("qkv", "b"), ("heads", None)),
-    (("o", "w"), ("heads", "embed")),                # [heads * head_dim, hidden]: row parallel
-    (("gate_up", "w"), ("embed", "mlp", None)),      # [hidden, tp, gate|up per shard]
-    (("gate_up", "b"), ("mlp", None)),
-    (("down", "w"), ("mlp", "embed")),               # row parallel
-)
-
-# The tensor-parallel ViT option (`vision_tensor_parallel=True`, for towers too big to
-# replicate): the same Megatron split of the vision blocks and projector by name. Fused vision
-# weights (Qwen's qkv, gate_up) are split by columns as they are, not regrouped per shard:
-# memory is 1/TP, and XLA moves the activations their split needs.
-VISION_PARAM_AXES: tuple[tuple[tuple[str, ...], tuple], ...] = (
-    (("q", "w"), ("embed", "heads")), (("k", "w"), ("embed", "heads")), (("v", "w"), ("embed", "heads")),
-    (("q", "b"), ("heads",)), (("k", "b"), ("heads",)), (("v", "b"), ("heads",)),
-    (("qkv", "w"), ("embed", "heads")), (("qkv", "b"), ("heads",)),
-    (("o", "w"), ("heads", "embed")), (("proj", "w"), ("heads", "embed")),
-    (("fc1", "w"), ("embed", "mlp")), (("fc1", "b"), ("mlp",)), (("fc2", "w"), ("mlp", "embed")),
-    (("gate_up", "w"), ("embed", "mlp")), (("gate_up", "b"), ("mlp",)), (("down", "w"), ("mlp", "embed")),
-)
 
 # K segments [slots, kv_heads, head_dim, len], V segments [slots, kv_heads, len, head_dim]
 CACHE_AXES = {"k": ("slots", "kv_heads", "head_dim", "kv_len"), "v": ("slots", "kv_heads", "kv_len", "head_dim"),
@@ -146,11 +118,6 @@ def _key_name(k) -> str:
     return str(k)
 
 
-def key_names(path) -> tuple[str, ...]:
-    """A pytree path as plain strings (dict keys, list indexes)."""
-    return tuple(_key_name(k) for k in path)
-
-
 def is_qarray(x) -> bool:
     """An 8-bit weight (`mmjax.quant.QArray`): one leaf for the axis tables."""
     from mmjax.quant import QArray
@@ -175,21 +142,6 @@ def check_quantized_tp(tp: int, group_scales: Any) -> None:
         from mmjax.errors import InvalidRequestError
         raise InvalidRequestError("quantize_group_size is not supported with tensor parallelism: use per-channel "
                                   "scales (no group size) or tensor_parallel=1", param="quantize_group_size")
-
-
-def param_logical_axes(params: Any, vision_tp: bool = False) -> Any:
-    """The pytree of logical-axis tuples for `params` (the PARAM_AXES table by path, for the
-    decoder under "text"; everything else, e.g. the vision tower and projector, is replicated
-    unless `vision_tp` (VISION_PARAM_AXES); unmatched leaves get all-None axes: replicated).
-    An 8-bit weight (QArray) gets a QArray of axes (`qarray_axes`)."""
-    def axes(path, x):
-        names = key_names(path)
-        table = PARAM_AXES if names[:1] == ("text",) else VISION_PARAM_AXES if vision_tp else ()
-        for suffix, ax in table:
-            if names[-len(suffix):] == suffix and len(ax) == np.ndim(x):
-                return qarray_axes(ax, x)
-        return qarray_axes((None,) * np.ndim(x), x)
-    return jax.tree_util.tree_map_with_path(axes, params, is_leaf=is_qarray)
 
 
 @dataclass(frozen=True)
@@ -224,32 +176,6 @@ class Placement:
         s = self.sharding(kind)
         return jax.device_put(tree) if s is None else jax.device_put(tree, s)
 
-    # ---- model -----------------------------------------------------------------------------
-    def text_model(self, tm):
-        """The text model as this placement runs it (`tm.tensor_parallel(tp)` when tp > 1)."""
-        if self.tp == 1:
-            return tm
-        if not hasattr(tm, "tensor_parallel"):
-            raise ValueError(f"{type(tm).__name__} does not support tensor parallelism (no tensor_parallel hook)")
-        return tm.tensor_parallel(self.tp)
-
-    def layout_params(self, params: dict, tm) -> dict:
-        """Host-side re-layout of the text params for tp shards (fused weights in per-shard
-        blocks, vocab padded to a multiple of tp); identity at tp == 1."""
-        if self.tp == 1:
-            return params
-        from mmjax.packed_weights import with_packing
-        params = with_packing(params, False)    # (a CPU host's packed weights: the re-layout is by columns)
-        groups = [x.scale.shape[0] for x in jax.tree.leaves(params, is_leaf=is_qarray) if is_qarray(x) and x.ndim == 2]
-        check_quantized_tp(self.tp, any(g > 1 for g in groups))
-        return {**params, "text": tm.tp_layout(params["text"], self.tp)}
-
-    def logical_axes(self, params: dict, tm=None) -> Any:
-        axes = param_logical_axes(params, self.vision_tp)
-        if tm is not None and hasattr(tm, "logical_axes") and "text" in params:
-            axes = {**axes, "text": tm.logical_axes(params["text"])}
-        return axes
-
     @property
     def all_rules(self) -> tuple:
         """The rules this placement applies (vision ones first when the ViT is tensor parallel)."""
@@ -269,17 +195,6 @@ class Placement:
         s = self.sharding_of(value, axes)
         return jax.device_put(value) if s is None else jax.device_put(value, s)
 
-    def shardings_for(self, tree: Any, axes: Any) -> Any:
-        """NamedShardings for `tree` from its logical-axes tree (None without a mesh)."""
-        if self.mesh is None:
-            return None
-        return jax.tree.map(lambda x, ax: NamedSharding(self.mesh, spec_from_logical(ax, np.shape(x), self.mesh,
-                                                                                      self.rules)),
-                            tree, axes)
-
-    def param_shardings(self, params: dict, tm=None) -> Any:
-        return self.shardings_for(params, self.logical_axes(params, tm))
-
     def cache_shardings(self, cache: Any) -> Any:
         """Shardings for a KV cache whose leaves sit under "k" / "v" keys (CACHE_AXES)."""
         if self.mesh is None:
@@ -290,10 +205,6 @@ class Placement:
             ax = next((CACHE_AXES[n] for n in reversed(names) if n in CACHE_AXES), (None,) * np.ndim(x))
             return NamedSharding(self.mesh, spec_from_logical(ax, np.shape(x), self.mesh, self.rules))
         return jax.tree_util.tree_map_with_path(one, cache)
-
-    def place_params(self, params: dict, tm=None) -> dict:
-        s = self.param_shardings(params, tm)
-        return jax.device_put(params) if s is None else jax.device_put(params, s)
 
     def encode_input_sharding(self, shape: tuple) -> NamedSharding | None:
         """An encode call's batched input [images, ...] split over the replica's devices when
@@ -316,29 +227,6 @@ def host_memory_kind(device) -> str | None:
     staging copy) where the backend has it, else "unpinned_host"; None if neither."""
     kinds = {m.kind for m in device.addressable_memories()}
     return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
-
-
-def offload_to_host(params: dict) -> tuple[dict, dict]:
-    """Every top-level entry of the placed `params` except "text" (the vision tower and the
-    projector) moved to host memory, same shardings -> (params, the device shardings to fetch
-    them back to inside a step). The decoder stays on the device."""
-    device = jax.tree.leaves(params["text"])[0].sharding._device_assignment[0]
-    kind = host_memory_kind(device)
-    if kind is None:
-        from mmjax.errors import UnsupportedModelError
-        raise UnsupportedModelError(f"vision offload: {device.platform} devices have no host memory kind",
-                                    param="vision_offload")
-    rest = {k: v for k, v in params.items() if k != "text"}
-    device_shardings = jax.tree.map(lambda x: x.sharding, rest)
-    host = jax.device_put(rest, jax.tree.map(lambda s: s.with_memory_kind(kind), device_shardings))
-    return {**params, **host}, device_shardings
-
-
-def fetch_to_device(params: dict, device_shardings: dict) -> dict:
-    """Inside a step: the offloaded entries brought back to device memory (one transfer per
-    call; device memory holds them only while the step runs)."""
-    fetched = {k: jax.device_put(params[k], device_shardings[k]) for k in device_shardings}
-    return {**params, **fetched}
 
 
 def per_device_bytes(tree: Any) -> dict[str, int]:

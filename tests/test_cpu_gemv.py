@@ -26,7 +26,7 @@ import pytest
 from conftest import kernel_path, rel_err
 from mmjax.backend import compiling_for, cpu_kernels, tuning
 from mmjax.kernels import cpu_gemv, cpu_library
-from mmjax.models.layers import matmul
+from mmjax.models.nn.linear import matmul
 from mmjax.packed_weights import PackedWeight, pack_weight
 from mmjax import quant
 from mmjax.quant import quantize_weight

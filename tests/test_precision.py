@@ -32,7 +32,7 @@ from conftest import noise_image, rel_err
 from hlo_dots import bf16_dot_violations, dots, elem
 from mmjax.api import load_model
 from mmjax.kernels import cpu_gemv
-from mmjax.packed_weights import PackedWeight, with_packing
+from mmjax.packed_weights import PackedWeight, unpacked
 from mmjax import quant
 from mmjax.quant import QArray, quantize_weight
 from mmjax.serving.runner import DecodeState, ModelRunner
@@ -140,9 +140,9 @@ def test_narrow_weights_stay_narrow_in_cpu_steps(llava_dirs, qwen3_dirs):
     # stay [in, out]: few rows take the row-major kernel (mmjax_gemv_s8) on the AVX-512 path, more
     # rows (and an AVX2 CPU: the row-major kernels have no AVX2 path) XLA's s8 dot
     with patch.object(quant, "packable", lambda w: False):
-        unpacked = nnx.clone(model.module)
-        nnx.update(unpacked, with_packing(nnx.state(unpacked), False))
-        flat = _runner(dataclasses.replace(model, module=unpacked))
+        flat_module = nnx.clone(model.module)
+        nnx.update(flat_module, unpacked(nnx.state(flat_module)))
+        flat = _runner(dataclasses.replace(model, module=flat_module))
         compiled = _compiled(flat, "encode(1, 32, 32, 3)", "decode[1]", "decode[2]")
     assert not any(q.packed for q in jax.tree.leaves(flat.weights.states, is_leaf=lambda x: isinstance(x, QArray))
                    if isinstance(q, QArray))

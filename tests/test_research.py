@@ -9,7 +9,7 @@ import pytest
 import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import InvalidRequestError
-from mmjax.packed_weights import PackedWeight, with_packing
+from mmjax.packed_weights import PackedWeight, unpacked
 from mmjax.research import Ablate, Pool
 from mmjax.research.gradients import answer_logprob
 from mmjax.research.interventions import pool_grid
@@ -134,7 +134,7 @@ def test_saliency_and_loss_match_finite_differences(vlm):
     # the engine's own copy is packed for the CPU kernels), checked along a random direction in
     # the LM head
     live = nnx.state(vlm.model)
-    params = with_packing(live, False)
+    params = unpacked(live)
     packed = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PackedWeight))  # noqa: E731
                            if isinstance(x, PackedWeight)]
     assert packed(live) and not packed(params)
