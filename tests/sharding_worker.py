@@ -149,8 +149,8 @@ def parity(paths: dict) -> dict:
                  "replica_devices": [sorted(str(d) for d in e.runner.placement.mesh.devices.flat) for e in replicas],
                  "weight_bytes_max_device": st["weight_bytes_max_device"],
                  "kv_cache_bytes_max_device": st["kv_cache_bytes_max_device"],
-                 "params": shard_fractions({"text": replicas[0].runner.params["text"]}, tp),
-                 "vision": shard_fractions({k: v for k, v in replicas[0].runner.params.items() if k != "text"}, tp),
+                 "params": shard_fractions({"text": replicas[0].runner.lm_leaves}, tp),
+                 "vision": shard_fractions({"vision": replicas[0].runner.weights.split.vision_leaves}, tp),
                  "cache": shard_fractions(replicas[0].runner.cache, tp),
                  "encode_buckets": sorted({list(k)[0] if len(k) == 2 else 1
                                            for rep in replicas for k in rep.runner.compiled["encode"]})}
@@ -272,8 +272,8 @@ def weights_int8(paths: dict) -> dict:
     return {"group_size_refused": refused,
             "ids_equal": got == want, "ids_again_equal": again == want, "replicas": len(replicas),
             "mesh": vlm.engine.stats()["mesh"], "logits_rel": rel(vlm.logits(prompt), want_logits),
-            "params": shard_fractions({"text": runner.params["text"]}, 2),
-            "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(runner.params["text"])}),
+            "params": shard_fractions({"text": runner.lm_leaves}, 2),
+            "weight_dtypes": sorted({str(x.dtype) for x in runner.lm_leaves}),
             "decode": decode_collectives(runner),
             "export": export({"llava": paths["llava"]}, tp=2, quantize="int8",
                              only=("decode[4]", "prefill[64]", "prefill[64,"))["llava"],

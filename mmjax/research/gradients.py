@@ -104,7 +104,7 @@ def _logprob_fn(vlm, calls: tuple, n_answer: int):
         mask = jnp.zeros(ids.shape, bool).at[image_pos].set(True)
         embeds, extra = lm.inputs(ids[None], feats[None], mask[None])
         t = ids.shape[0]
-        cache = lm.init_cache(1, t, embeds.dtype, max_chunk=t)
+        cache = lm.init_cache(1, t, embeds.dtype, max_chunk=t, tp=runner.placement.tp)
         meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), t,
                                  spans=step_spans(family, spans[None]))
         hidden, _ = lm(embeds, meta, cache, **extra)

@@ -113,7 +113,8 @@ class PlacedModel:
         self.model, self.placement, self.pack, self.primary, self.offload = model, placement, pack, primary, offload
         self.split: Split | None = None
         self.vision_device_shardings = None
-        self._source_ids: dict = {}
+        self._graphs: dict = {}
+        self._ids: dict = {}
         self._states: dict = {}
         self.refresh()
 
@@ -135,37 +136,48 @@ class PlacedModel:
             return var.replace(value)
         return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
+    def _live(self) -> tuple[dict, dict]:
+        """The live module's graphs and leaf identities per part: what an edit changes."""
+        _, lm, vision = nnx.split(self.model, _LM, ...)
+        graphs = {"language_model": nnx.graphdef(self.model.language_model),
+                  "vision": tuple((k, nnx.graphdef(v)) for k, v in vars(self.model).items()
+                                  if isinstance(v, nnx.Module) and k != "language_model")}
+        ids = {"language_model": [id(x) for x in jax.tree.leaves(lm)], "vision": [id(x) for x in jax.tree.leaves(vision)]}
+        return graphs, ids
+
     def refresh(self) -> set[str]:
         """(Re)split the live model and place what changed -> the parts that changed since the
-        last split ("language_model", "vision"; a changed module graph counts as a change of
-        both). Unchanged parts keep their placed arrays (nothing is copied again)."""
-        live = nnx.split(self.model, _LM, ...)
-        source_ids = {p: [id(x) for x in jax.tree.leaves(s)] for p, s in zip(("language_model", "vision"), live[1:])}
-        old = self.split
-        same_graph = old is not None and old.graphdef == live[0]
-        if same_graph and source_ids == self._source_ids:
-            return set()
+        last split ("language_model", "vision": a part whose module graph or weights changed).
+        An unchanged part keeps its placed arrays and its steps' split (nothing is copied or
+        recompiled for it)."""
+        graphs, ids = self._live()
+        changed = {p for p in ("language_model", "vision")
+                   if self.split is None or graphs[p] != self._graphs[p] or ids[p] != self._ids[p]}
+        if not changed:
+            return changed
         # a replica lays its copy out on a clone (the live module keeps the primary's layout)
         model = self.model if self.primary else nnx.clone(self.model)
         tp_layout(model.language_model, self.placement.tp)
         graphdef, lm_state, vision_state = nnx.split(model, _LM, ...)
-        states, changed = {}, set()
-        for part, state, offload in (("language_model", lm_state, False), ("vision", vision_state, self.offload)):
-            if same_graph and source_ids[part] == self._source_ids[part]:
-                states[part] = self._states[part]
-                continue
-            states[part] = self._place_state(state, offload=offload)
-            changed.add(part)
+        states = dict(self._states)
+        if "language_model" in changed:
+            states["language_model"] = self._place_state(lm_state)
+        if "vision" in changed:
+            states["vision"] = self._place_state(vision_state, offload=self.offload)
         if self.primary:       # the live module holds what the steps read (one copy of the weights)
-            nnx.update(self.model, *(states[p] for p in changed))
-            live = nnx.split(self.model, _LM, ...)
-            source_ids = {p: [id(x) for x in jax.tree.leaves(s)] for p, s in zip(("language_model", "vision"),
-                                                                                  live[1:])}
-        self._source_ids, self._states = source_ids, states
+            nnx.update(self.model, *(states[p] for p in sorted(changed)))
+            graphs, ids = self._live()
+        self._graphs, self._ids, self._states = graphs, ids, states
+        old = self.split
         lm_leaves, lm_treedef = jax.tree.flatten(states["language_model"])
-        vision_leaves, vision_treedef = jax.tree.flatten(states["vision"])
-        lm_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                                 states["language_model"])
+        if "vision" in changed:          # encode's view: the new model graph, its decoder as shapes
+            vision_leaves, vision_treedef = jax.tree.flatten(states["vision"])
+            lm_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                    sharding=getattr(x, "sharding", None)),
+                                     states["language_model"])
+        else:                            # the old view stands (encode never reads the decoder's weights)
+            graphdef, vision_leaves, vision_treedef, lm_shapes = (old.graphdef, old.vision_leaves, old.vision_treedef,
+                                                                  old.lm_shapes)
         self.split = Split(graphdef, nnx.graphdef(model.language_model), lm_treedef, lm_leaves, vision_treedef,
                            vision_leaves, lm_shapes)
         if self.offload and "vision" in changed:

@@ -551,17 +551,21 @@ class ModelRunner:
         return self.weights.split.lm_leaves
 
     def refresh(self) -> set[str]:
-        """After an edit of the live model (values, or a replaced submodule): re-split, re-place
-        what changed, and rebuild the steps when the module graph changed (jit then compiles
-        only the steps of the changed part on their next call) -> the parts that changed
-        ("language_model", "vision")."""
-        graph = self.weights.split.graphdef
+        """After an edit of the live model (values, or a replaced submodule): re-split and
+        re-place the parts that changed, and rebuild the steps of a part whose module graph
+        changed (jit then compiles only those on their next call; a value edit compiles
+        nothing) -> the parts that changed ("language_model", "vision")."""
+        before = self.weights.split
         changed = self.weights.refresh()
-        if self.weights.split.graphdef != graph:
+        after = self.weights.split
+        if "language_model" in changed and after.lm_graphdef != before.lm_graphdef:
             for kind in self.compiled:
-                if kind == "encode" or "language_model" in changed:
+                if kind not in ("encode", "copy_slot"):
                     self.compiled[kind] = set()
-            self._jit_steps()
+            self._jit_lm_steps()
+        if "vision" in changed and after.graphdef != before.graphdef:
+            self.compiled["encode"] = set()
+            self._jit_encode()
         return changed
 
     def _init_cache(self, num_slots: int, sharding=None, max_chunk: int | None = None):
@@ -583,12 +587,27 @@ class ModelRunner:
     def _jit_steps(self) -> None:
         """The jitted steps of this model version (their shapes come from the arguments: one set
         serves any slot count); each merges the decoder (or the model) from its flat leaves."""
+        p = self.placement
+        self._jit_encode()
+        self._jit_lm_steps()
+        self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
+                             donate_argnums=(0,), out_shardings=self.cache_shardings)
+        # jitted, not an eager .at[].set: right after a step the eager op took ~10 ms a park
+        # (inside generate()'s time to first token on the 2-core box), this 3-4 ms
+        self._park_lengths = jax.jit(lambda lengths, slot: lengths.at[slot].set(self.max_model_len),
+                                     out_shardings=p.sharding("state"))
+
+    def _jit_encode(self) -> None:
         family, p, t = self.family, self.placement, self.tuning
-        lm_of, model_of = self.weights.lm_of(), self.weights.model_of()
-        outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
+        model_of = self.weights.model_of()
         self._encode_of = model_of
         self._encode = jax.jit(t.traced(lambda leaves, inputs: family.encode(model_of(leaves), inputs)),
                                out_shardings=p.sharding("outputs"), compiler_options=t.compiler_options("encode"))
+
+    def _jit_lm_steps(self) -> None:
+        family, p, t = self.family, self.placement, self.tuning
+        lm_of = self.weights.lm_of()
+        outs = step_shardings(self.cache_shardings, p.sharding("state"), p.sharding("outputs"))
         gather = (NamedSharding(p.mesh, PartitionSpec(None, MODEL)), p.sharding("outputs")) if p.tp > 1 else None
         self._prefill = jax.jit(t.traced(make_prefill_step(family, t, lm_of, gather)), donate_argnums=(1, 2),
                                 out_shardings=outs, compiler_options=t.compiler_options("prefill"))
@@ -604,12 +623,6 @@ class ModelRunner:
         if family.cross_attention:
             self._fill_cross = jax.jit(t.traced(lambda leaves, cache, *a: lm_of(leaves).fill_cross(cache, *a)),
                                        donate_argnums=(1,), out_shardings=self.cache_shardings)
-        self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
-                             donate_argnums=(0,), out_shardings=self.cache_shardings)
-        # jitted, not an eager .at[].set: right after a step the eager op took ~10 ms a park
-        # (inside generate()'s time to first token on the 2-core box), this 3-4 ms
-        self._park_lengths = jax.jit(lambda lengths, slot: lengths.at[slot].set(self.max_model_len),
-                                     out_shardings=p.sharding("state"))
         self._prefill_pruned = jax.jit(t.traced(make_pruned_prefill_step(family, t, lm_of, gather)),
                                        donate_argnums=(1, 2), static_argnames=("layer", "keep", "out_len"),
                                        out_shardings=outs, compiler_options=t.compiler_options("prefill"))
