@@ -437,7 +437,7 @@ class VLM:
                                         "families (generation is)", param="model")
         if not ps:
             return np.zeros((0, self.model.language_model.hidden_size), np.float32)
-        runners = [e.runner for e in getattr(self.engine, "replicas", [self.engine])]
+        runners = [e.runner for e in self.engine.replicas]
         order = sorted(range(len(ps)), key=lambda i: len(ps[i].ids))     # similar lengths batch together
         batches, cur = [], []
         for i in order:

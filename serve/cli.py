@@ -186,7 +186,7 @@ def _memory_budget(text: str) -> int | float:
 
 def log_memory_plan(engine) -> None:
     """The device memory plan of each engine replica, on the startup log."""
-    for i, e in enumerate(getattr(engine, "replicas", [engine])):
+    for i, e in enumerate(engine.replicas):
         plan = e.runner.memory_plan()
         mib = {k: f"{v / 2**20:,.1f} MiB" for k, v in plan.items()
                if isinstance(v, int) and not isinstance(v, bool) and k != "slots"}

@@ -141,7 +141,7 @@ def parity(paths: dict) -> dict:
             enc = generate(vlm, encoder_cache_request(tok))   # an encoder-cache hit
             eng = vlm.engine
             st = eng.stats()
-            replicas = getattr(eng, "replicas", [eng])
+            replicas = eng.replicas
             r = {"ids_equal": got == want, "ids_again_equal": again == want, "ids_enc_equal": enc == want_enc,
                  "tokens_cached": st0["tokens_cached"],
                  "encoder_cache_hits": st["encoder_cache_hits"] - st0["encoder_cache_hits"],

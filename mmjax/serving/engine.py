@@ -325,6 +325,11 @@ class Engine:
         self.reset_device_state()
         return self.runner.compiled_counts()
 
+    @property
+    def replicas(self) -> list["Engine"]:
+        """The engines serving this model's requests: this one (DataParallelEngine: one per replica)."""
+        return [self]
+
     def refresh(self) -> set[str]:
         """Serve the edited live model (`vlm.model`): the runner re-splits and re-places what
         changed (`ModelRunner.refresh`); features of the old vision weights leave the encoder

@@ -51,8 +51,7 @@ def tp_layout(decoder: nnx.Module, tp: int) -> None:
     from mmjax.packed_weights import PackedWeight
     if tp == 1:
         return
-    if hasattr(decoder, "check_tensor_parallel"):
-        decoder.check_tensor_parallel(tp)
+    decoder.check_tensor_parallel(tp)
     groups = [v.get_value().scale.shape[0] for _, v in nnx.to_flat_state(nnx.state(decoder))
               if isinstance(v.get_value(), quant.QArray) and v.get_value().ndim == 2]
     check_quantized_tp(tp, any(g > 1 for g in groups))

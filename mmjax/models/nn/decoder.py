@@ -79,6 +79,15 @@ class Decoder(nnx.Module):
         return [self.layers[i].self_attn.init_cache(num_slots, max_len, dtype, max_chunk=max_chunk, tp=tp)
                 for i in self.cache_layers()]
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Can the decoder be split over tp shards? Every fused projection's parts (heads, KV
+        heads, MLP widths) must divide evenly (fewer KV heads than shards replicate); an
+        UnsupportedModelError names what does not."""
+        from mmjax.models.nn.linear import FusedLinear, check_divisible
+        for path, m in nnx.iter_modules(self):
+            if isinstance(m, FusedLinear):
+                check_divisible(m.parts, tp, f" (in {'.'.join(map(str, path))})")
+
     def min_resume(self, held_len: int, max_chunk: int) -> int:
         """The shortest prefix a cache row holding held_len positions can resume from (ring layers
         drop old positions); default any."""
