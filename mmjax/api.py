@@ -24,6 +24,8 @@ from mmjax.tokenizer import Tokenizer
 log = logging.getLogger("mmjax")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
+# the keys of an offline request dict (`VLM.generate`); any other is an InvalidRequestError
+REQUEST_KEYS = ("prompt", "images", "videos", "image_options", "video_options", "intervention", "sampling")
 SHIPPED_MODEL = "mmjax-shapes"   # the trained default model shipped in the package (mmjax/demo)
 
 
@@ -232,10 +234,14 @@ class VLM:
         `mmjax.research` Ablate / Pool / Prune) and "sampling").
         sampling: one SamplingParams for all, or a list with one per request (vLLM's convention).
         Returns RequestOutputs in order; with SamplingParams.n > 1 each holds choices 1..n-1 in
-        `.siblings` (they share the prompt's KV: prefilled once)."""
+        `.siblings` (they share the prompt's KV: prefilled once). A request dict with a key not
+        listed here (a typo such as "image_token_keep") is an InvalidRequestError naming it,
+        raised before any request runs."""
         if isinstance(requests, (str, dict)):
             requests = [requests]
-        requests = list(requests)
+        requests = [{"prompt": r} if isinstance(r, str) else r for r in requests]
+        for i, r in enumerate(requests):
+            check_request_dict(r, REQUEST_KEYS, f"requests[{i}]")
         if isinstance(sampling, (list, tuple)):
             if len(sampling) != len(requests):
                 raise InvalidRequestError(f"got {len(sampling)} SamplingParams for {len(requests)} requests; "
@@ -245,7 +251,6 @@ class VLM:
             per_request = [sampling] * len(requests)
         ids = []
         for r, sp in zip(requests, per_request):
-            r = {"prompt": r} if isinstance(r, str) else r
             sp = r.get("sampling", sp) or SamplingParams()
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sp).__name__}",
@@ -400,7 +405,9 @@ class VLM:
         if isinstance(inputs, (str, dict)):
             inputs = [inputs]
         ps = []
-        for x in inputs:
+        for i, x in enumerate(inputs):
+            if isinstance(x, dict):
+                check_request_dict(x, ("prompt", "images"), f"inputs[{i}]")
             p = prompt_inputs(self, x["prompt"], x.get("images", ())) if isinstance(x, dict) else \
                 prompt_inputs(self, x)
             n = len(p.ids)
@@ -506,6 +513,19 @@ class VLM:
         differentiable in `params` (e.g. `jax.grad(vlm.loss)(vlm.params, prompt, answer, images)`)."""
         from mmjax.research.gradients import loss
         return loss(self, params, prompt, answer, images)
+
+def check_request_dict(r: Any, keys: tuple[str, ...], where: str) -> None:
+    """An offline request dict: a dict with a "prompt" and no key outside `keys` (InvalidRequestError
+    naming the key: a typo must not silently run the unmodified experiment)."""
+    if not isinstance(r, dict):
+        raise InvalidRequestError(f"{where}: a request is a prompt string or a dict, got {type(r).__name__}",
+                                  param=where)
+    for k in r:
+        if k not in keys:
+            raise InvalidRequestError(f"{where}: unknown request key {k!r} (known: {', '.join(keys)})", param=k)
+    if "prompt" not in r:
+        raise InvalidRequestError(f"{where}: the request has no \"prompt\"", param="prompt")
+
 
 def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
          image_limits: ImageLimits = ImageLimits(), params_dir: str | os.PathLike | None = None,
