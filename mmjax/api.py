@@ -217,12 +217,17 @@ class VLM:
                                                                   cache=self.video_cache)
                 for v in videos]
 
-    def encode(self, images: Iterable[Any]) -> list[np.ndarray]:
-        """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]
-        ([n, (1 + n_deepstack) * lm_hidden] for Qwen3-VL: the embeddings, then each DeepStack
-        layer's features)."""
+    def encode(self, images: Iterable[Any], *, with_deepstack: bool = False) -> list:
+        """Images -> one np.ndarray [n_image_tokens, lm_hidden] per image: the embeddings the LLM
+        takes for the image (Llama 3.2 Vision: the projected vision tokens of its real tiles,
+        which the cross-attention layers read). with_deepstack=True: one
+        `mmjax.models.family.EncodedImage(features, deepstack)` per image instead, `deepstack`
+        [n_deepstack, n_image_tokens, lm_hidden] being Qwen3-VL's DeepStack features (block k
+        added after decoder layer k; empty for other families)."""
         # each image on its own: a list of images here is not one prompt (prompt_options)
-        return self.engine.runner.encode_images([self.prepare_images([im])[0] for im in images])
+        items = [self.prepare_images([im])[0] for im in images]
+        out = [self.family.encoded(im, f) for im, f in zip(items, self.engine.runner.encode_images(items))]
+        return out if with_deepstack else [e.features for e in out]
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, requests, sampling: SamplingParams | list[SamplingParams] | None = None) -> list:

@@ -78,7 +78,13 @@ def test_pixels_features_and_logits(pair):
                                            aspect_ratio_mask=torch.tensor(x["aspect_ratio_mask"])).last_hidden_state
             ref = hf.model.multi_modal_projector(states)[0, 0].reshape(len(f), -1)
         worst = max(worst, rel_err(f, ref.numpy()))
+        # vlm.encode: the image's real tiles only (an image smaller than a tile: one tile's rows)
+        real = ref.reshape(v.max_num_tiles, v.num_patches, -1)[:im.grid[0]].reshape(-1, ref.shape[-1])
+        mine = vlm.encode([img])[0]
+        assert mine.shape == (im.grid[0] * v.num_patches, ref.shape[-1])
+        worst = max(worst, rel_err(mine, real.numpy()))
     assert worst <= 1e-4
+    assert min(im.grid[0] for im in inputs) == 1 < v.max_num_tiles    # (20, 20): one real tile
     tcfg, d = fam.cfg.text, fam.cfg.text.base.hidden_size
     full = jax.jit(lambda *a: forward_full(params["text"], tcfg, *a))
     logit_err = 0.0

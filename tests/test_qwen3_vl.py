@@ -123,6 +123,14 @@ def test_pixels_features_and_deepstack(pair):
         for k, t in enumerate(theirs):
             assert rel_err(p[:, k * d:(k + 1) * d], t.numpy()) <= 1e-4
         assert np.abs(p - a).max() <= 1e-5 * max(np.abs(a).max(), 1.0)
+    # vlm.encode: [n_image_tokens, lm_hidden] per image (the embeddings), DeepStack apart
+    plain, enc = vlm.encode(imgs), vlm.encode(imgs, with_deepstack=True)
+    for i, (f, e) in enumerate(zip(plain, enc)):
+        assert f.shape == e.features.shape == (inputs[i].num_tokens, d)
+        assert rel_err(f, out.pooler_output[i].numpy()) <= 1e-4
+        assert e.deepstack.shape == (len(out.deepstack_features), inputs[i].num_tokens, d)
+        for k, t in enumerate(out.deepstack_features):
+            assert rel_err(e.deepstack[k], t[i].numpy()) <= 1e-4
 
 
 def test_positions_and_logits_two_images(pair):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -135,6 +135,19 @@ class VideoOptions:
         return cls(**out)
 
 
+class EncodedImage(NamedTuple):
+    """One image's encoder output as `VLM.encode` gives it (`Family.encoded`).
+
+    features: [n_image_tokens, lm_hidden], what the LLM takes for the image (the embeddings its
+        image tokens get; Llama 3.2 Vision: the projected vision tokens of the image's real tiles,
+        (patches + 1) per tile, which its cross-attention layers read).
+    deepstack: [n_deepstack, n_image_tokens, lm_hidden], Qwen3-VL's DeepStack features (block k is
+        added to the residual stream at the image tokens after decoder layer k); [0, n, lm_hidden]
+        for families without them."""
+    features: np.ndarray
+    deepstack: np.ndarray
+
+
 @dataclass
 class EncodeCall:
     """One compiled encode call: `bucket` names its compiled shape (a key of the runner's
@@ -224,6 +237,16 @@ class Family(abc.ABC):
     @abc.abstractmethod
     def encode(self, params: dict, inputs: Any) -> jax.Array:
         """The pure encode step (jitted by the runner): inputs of one EncodeCall -> features."""
+
+    def encoded(self, image: ImageInput, feats: np.ndarray) -> EncodedImage:
+        """One image's features as the encode step lays them out for the engine ([tokens,
+        image_feature_width]: with per-layer image features (DeepStack) the blocks side by side)
+        -> the public `EncodedImage` (`VLM.encode`)."""
+        d = self.text_model.hidden_size
+        feats = np.asarray(feats)
+        n = feats.shape[-1] // d - 1
+        deepstack = feats[:, d:].reshape(len(feats), n, d).transpose(1, 0, 2)
+        return EncodedImage(feats[:, :d], np.ascontiguousarray(deepstack))
 
     # ---- prompt ---------------------------------------------------------------------------------
     def image_prompt(self, image: ImageInput) -> str | None:

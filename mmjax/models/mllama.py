@@ -21,7 +21,7 @@ from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestErro
 from mmjax.image.decode import pixel_hash
 from mmjax.image.mllama import MllamaImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions
+from mmjax.models.family import EncodeCall, EncodedImage, Family, ImageInput, ImageOptions
 from mmjax.models.hf_config import require
 from mmjax.models.layers import matmul
 from mmjax.models.text.mllama import MllamaTextConfig, MllamaTextModel, load_text_params, packed_ranges
@@ -111,6 +111,14 @@ class MllamaFamily(Family):
         rows, cols = self.policy.arrangement(img.height, img.width)
         key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key())}"
         return ImageInput(pixels=tiles, num_tokens=1, key=key, grid=(n, rows, cols))
+
+    def encoded(self, image: ImageInput, feats: np.ndarray) -> EncodedImage:
+        """The projected vision tokens of the image's real tiles only, [tiles * (patches + 1),
+        hidden] (the encode step returns every max_num_tiles tile, the padding ones included, for
+        the cross-attention cache)."""
+        n = int(image.grid[0]) * self.cfg.vision.num_patches
+        feats = np.asarray(feats)[:n]
+        return EncodedImage(feats, np.zeros((0,) + feats.shape, feats.dtype))
 
     def aspect_ratio_id(self, image: ImageInput) -> int:
         _, rows, cols = image.grid
