@@ -536,7 +536,7 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
          image_limits: ImageLimits = ImageLimits(), params_dir: str | os.PathLike | None = None,
          quantize: str | None = None, quantize_group_size: int | None = None,
          mesh=None, tensor_parallel: int | None = None, data_parallel: int | None = None,
-         **engine_kw) -> VLM:
+         verbose: bool = False, **engine_kw) -> VLM:
     """Load a Hugging Face-layout VLM checkpoint (local dir or hub id; None or "mmjax-shapes" for
     the shipped model) into a VLM.
 
@@ -548,6 +548,9 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     data_parallel=M to build one over the first N x M devices (`mmjax.sharding.make_mesh`):
     the decoder is split N ways (Megatron-style tensor parallel), and M engine replicas serve
     behind one engine API (README, "Scaling out").
+    verbose: print progress to stderr (`mmjax.progress`: the one-time CPU kernel build, each shape
+    `vlm.engine.warmup()` compiles); without it the offline API prints nothing unless logging is
+    set up at INFO.
     engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
     max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
     instead of the default: replicated weights, the encode batch split over devices),
@@ -560,6 +563,9 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     (default 1: decode tokens per call for each running request, vLLM's multi-step scheduling;
     for hosts whose per-call cost exceeds a step's device time, as on GPUs: Engine).
     """
+    if verbose:
+        from mmjax import progress
+        progress.enable()
     enable_compilation_cache()
     if "kv_cache_dtype" in engine_kw:      # a bad name fails here, not at the first request
         from mmjax.models.text.kv_quant import resolve

@@ -313,11 +313,27 @@ class Engine:
         self.counters["requests_aborted"] += 1
         return True
 
-    def warmup(self) -> dict[str, int]:
-        """Compile every bucket of every step up front (no request may be in flight)."""
+    def warmup(self, progress=None) -> dict[str, int]:
+        """Compile every bucket of every step up front (no request may be in flight). Each shape
+        compiled is reported as `progress(n, total, kind, shape, seconds)` (shape n of the
+        runner's `max_compilations()` total, the ones compiled before counted), by default one
+        INFO line on the `mmjax.progress` logger (quiet unless logging or `verbose=` asks)."""
+        from mmjax import progress as _progress
+
         if self.has_work():
             raise RuntimeError("warmup() needs an idle engine")
-        self.runner.warmup()
+        runner, report = self.runner, progress or _progress.log_compiled
+        bound = runner.max_compilations()
+        done = [sum(len(runner.compiled.get(k, ())) for k in bound)]
+
+        def on_compile(kind, shape, seconds):
+            done[0] += 1
+            report(done[0], max(done[0], sum(bound.values())), kind, shape, seconds)
+        runner.on_compile = on_compile
+        try:
+            runner.warmup()
+        finally:
+            runner.on_compile = None
         self.reset_device_state()
         return self.runner.compiled_counts()
 

@@ -543,6 +543,8 @@ class ModelRunner:
         self.calls = {k: 0 for k in self.compiled}  # compiled-step invocations
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
         self.step_seconds = {k: 0.0 for k in self.compiled}
+        # called as on_compile(kind, shape, seconds) after each shape's first call (Engine.warmup's progress)
+        self.on_compile = None
 
     @property
     def lm_params(self) -> dict:
@@ -677,6 +679,8 @@ class ModelRunner:
             self.compile_seconds += dt
             self.compiled[kind].add(shape)
             log.info("compiled %s %s in %.2fs", kind, shape, dt)
+            if self.on_compile is not None:
+                self.on_compile(kind, shape, dt)
         else:
             self.step_seconds[kind] += dt
         return result
