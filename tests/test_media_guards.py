@@ -148,7 +148,9 @@ class GatedBackend:
                 ev.set()
             return ev
 
-    def call(self, slot, args, timeout):
+    def call(self, slot, args, timeout, started=None):
+        if started is not None:
+            started()
         with self.lock:
             name = args[0] if isinstance(args[0], str) else f"job{len(self.order)}"
             self.order.append(name)
@@ -159,7 +161,7 @@ class GatedBackend:
                 time.sleep(self.seconds)
             else:
                 assert self.gate(name).wait(30), f"{name} never released"
-            return self.inner.call(slot, args, timeout) if self.inner is not None else f"done:{name}"
+            return self.inner.call(slot, args, timeout, started) if self.inner is not None else f"done:{name}"
         finally:
             with self.lock:
                 self.running -= 1

@@ -66,6 +66,7 @@ class DataParallelEngine:
                              "run one server per host instead (README, Scaling out)")
         self.replicas = [Engine(model, mesh=m, **engine_kw) for m in meshes]
         first = self.replicas[0]
+        self.grammars = first.grammars          # make_request (structured output) runs on replica 0
         self.max_model_len = first.max_model_len
         self.prefill_chunk = first.prefill_chunk
         self.max_images_per_request = first.max_images_per_request
@@ -183,6 +184,7 @@ class DataParallelEngine:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     out[k] = out.get(k, 0) + v
         out["compile_seconds"] = round(out.get("compile_seconds", 0.0), 3)
+        out.update(self.grammars.stats())       # one grammar cache (replica 0's), not one per replica
         out["compiled_shapes"] = per[0]["compiled_shapes"]            # every replica compiles the same set
         out["compiled_shapes_bound"] = per[0]["compiled_shapes_bound"]
         out["step_seconds"] = {k: round(sum(s["step_seconds"][k] for s in per), 3) for k in per[0]["step_seconds"]}
