@@ -197,7 +197,7 @@ class VLM:
         out = [im if isinstance(im, ImageInput) else
                image_from_embeds(self.family, im["image_embeds"], im.get("image_grid_thw"))
                if isinstance(im, dict) and "image_embeds" in im else
-               self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
+               self._prepare_image(im, opts) for im in images]
         if intervention is not None:
             from mmjax.research.interventions import Intervention
             if not isinstance(intervention, Intervention):
@@ -205,6 +205,12 @@ class VLM:
                                           f"{type(intervention).__name__}", param="intervention")
             out = [intervention.apply(self.family, im) for im in out]
         return out
+
+    def _prepare_image(self, source: Any, opts: ImageOptions) -> ImageInput:
+        img = load_image(source, self.image_limits)
+        item = self.family.prepare_image(img, opts)
+        item.source_size = (img.height, img.width)     # saliency maps in the image's coordinates
+        return item
 
     def prepare_videos(self, videos: Iterable[Any], options: dict | VideoOptions | None = None) -> list[ImageInput]:
         """Videos -> ImageInputs (kind "video"): each a path, bytes, a data URI, a list of frames (PIL

@@ -119,6 +119,13 @@ def hf_generate(hf, proc, prompt, images, n=32):
 
 
 @pytest.mark.slow
+def test_pixel_views_undo_the_canvas_tiling(pair):
+    """The real tiles of the padded canvas lie where `Family.pixel_views` says (a marker's change
+    lands on it: tests/marker_check.py)."""
+    from marker_check import assert_family_views_find_markers
+    assert assert_family_views_find_markers(pair[-1]) >= 2
+
+
 def test_engine_greedy_batched_and_caches(pair):
     """One image, two images, text only, and the one-image text with another image: 32 greedy
     tokens equal transformers' generate (logprobs within 1e-4) in one batch (image and

@@ -49,6 +49,7 @@ class ImageInput:
     kind: str = "image"            # "image" | "video" (its prompt tokens are Family.video_token_id)
     video: Any = None              # a video's mmjax.video.VideoPlan (frames, sampled fps) for positions
     embeds: np.ndarray | None = None     # precomputed features [num_tokens, lm hidden] (image_embeds input)
+    source_size: tuple[int, int] | None = None   # (height, width) of the decoded image it was made from
 
 
 @dataclass(frozen=True)
@@ -273,6 +274,19 @@ class Family(abc.ABC):
         """Inverse of `image_pixels`: image-shaped pixels -> the encoder's `ImageInput.pixels`
         layout (a rearrangement: gradients flow through it by index)."""
         return pixels
+
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """Where `image_pixels(image)` lies on the height x width image it was prepared from
+        (the processor's resize, padding and crops undone: saliency maps in the image's own
+        coordinates, `mmjax.image.geometry.to_image`): one (index into image_pixels' leading
+        axes, `mmjax.image.geometry.Frame`) per view. Default: one [H, W, C] view, the whole
+        image resized (Qwen2-VL's smart_resize, Pixtral, Gemma 4)."""
+        from mmjax.image.geometry import Frame
+
+        shape = np.shape(self.image_pixels(image))
+        if len(shape) != 3:
+            raise UnsupportedModelError(f"{self.name}: no pixel geometry for views of shape {shape}", param="model")
+        return [((), Frame.of(height, width).resize(shape[0], shape[1]))]
 
     def image_starts(self, ids: np.ndarray, counts: list[int]) -> list[int]:
         """Prompt index of each image's first token. The prompt's image tokens are the images'

@@ -165,6 +165,11 @@ class LlavaFamily(Family):
         side = size // self.cfg.vision.patch_size
         return ImageInput(pixels=pixels, num_tokens=n, key=key, grid=(1, side, side))
 
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """One view: the CLIP processor's resize and center crop of the image."""
+        from mmjax.image.geometry import Frame
+        return [((), self.policy.frame(Frame.of(height, width)))]
+
     def encode(self, params: dict, pixels: jax.Array) -> jax.Array:
         """pixels [batch, size, size, 3] -> features [batch, tokens_per_image, lm_hidden]."""
         return encode_images(params, pixels, self.cfg)

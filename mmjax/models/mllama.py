@@ -120,6 +120,10 @@ class MllamaFamily(Family):
         feats = np.asarray(feats)[:n]
         return EncodedImage(feats, np.zeros((0,) + feats.shape, feats.dtype))
 
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """The real tiles of the image's canvas (the padding tiles show nothing)."""
+        return [((k,), f) for k, f in enumerate(self.policy.frames(height, width))]
+
     def aspect_ratio_id(self, image: ImageInput) -> int:
         _, rows, cols = image.grid
         return self.policy.aspect_ratio_id(rows, cols)

@@ -27,11 +27,23 @@ _EXACT = 2 ** 24    # float32 holds every integer index below this exactly
 class Saliency:
     """map [..., H, W]: |attribution| summed over channels; attribution [..., H, W, C] (the
     gradient, or integrated gradients x (pixels - baseline)); pixels [..., H, W, C]: the
-    normalized input; logprob: log p(answer) at the input."""
+    normalized input; logprob: log p(answer) at the input. All in the model's input layout
+    (`Family.image_pixels`: after the processor's resize, padding and crops; tiling families:
+    one map per view).
+
+    image_map [height, width] and image_attribution [height, width, C]: the same in the image's
+    own pixels (the decoded image, EXIF orientation applied): each view's values moved back
+    through the processor's geometry (`Family.pixel_views`, `mmjax.image.geometry.to_image`:
+    the transpose of bilinear resampling, so each model pixel's value keeps its sum), padding
+    left out, overlapping views (tiles and an overview) added, so it overlays the image and,
+    for the attribution, sums like it (integrated gradients stay complete up to the padding's
+    share)."""
     map: np.ndarray
     attribution: np.ndarray
     pixels: np.ndarray
     logprob: float
+    image_map: np.ndarray | None = None
+    image_attribution: np.ndarray | None = None
 
 
 @dataclass
@@ -116,20 +128,20 @@ def _prepare(vlm, prompt: Any, images: Iterable[Any], answer: str, image_options
     n_answer = len(p.ids) - p.prompt_len
     fn, vg = _logprob_fn(vlm, layout.calls, n_answer)
     args = (layout.leaves, layout.feat_index, p.ids, p.positions, p.spans, p.image_pos)
-    return pixels, fn, vg, args, n_answer
+    return pixels, fn, vg, args, n_answer, p.images
 
 
 def answer_logprob(vlm, params: dict, prompt: Any, answer: str, images: Iterable[Any] = (),
                    pixels: list | None = None):
     """log p(answer | prompt, images) (a jax scalar, differentiable in params and pixels).
     pixels: image-shaped normalized pixels to use instead of the images' own (same shapes)."""
-    own, fn, _, args, _ = _prepare(vlm, prompt, images, answer, None)
+    own, fn, _, args, _, _ = _prepare(vlm, prompt, images, answer, None)
     return fn(params, own if pixels is None else list(pixels), *args)
 
 
 def loss(vlm, params: dict, prompt: Any, answer: str, images: Iterable[Any] = ()):
     """Mean negative log-likelihood per answer token (jax scalar, differentiable in params)."""
-    pixels, fn, _, args, n_answer = _prepare(vlm, prompt, images, answer, None)
+    pixels, fn, _, args, n_answer, _ = _prepare(vlm, prompt, images, answer, None)
     return -fn(params, pixels, *args) / n_answer
 
 
@@ -144,7 +156,9 @@ def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradie
     e.g. a per-channel color), `steps` midpoint-rule steps; attributions sum to
     log p(x) - log p(baseline)). The default baseline -1 is a dark image; exactly 0 is a bad
     one: an encoder without a patch-embedding bias (Qwen2-VL) normalizes an all-zero input
-    differently from its limit, so completeness fails there."""
+    differently from its limit, so completeness fails there.
+    Returns a `Saliency`: in the model's input layout, and (`image_map`, `image_attribution`) in
+    the image's own pixels."""
     if method not in ("gradient", "integrated"):
         raise InvalidRequestError(f"method must be 'gradient' or 'integrated', got {method!r}", param="method")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -155,7 +169,7 @@ def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradie
     elif vlm.family.image_token not in str(prompt):
         prompt = vlm.render_chat([{"role": "user", "content": [{"type": "image", "image": image},
                                                                {"type": "text", "text": str(prompt)}]}])[0]
-    pixels, _, vg, args, _ = _prepare(vlm, prompt, images, answer, image_options)
+    pixels, _, vg, args, _, inputs = _prepare(vlm, prompt, images, answer, image_options)
     if len(pixels) != 1:
         raise InvalidRequestError(f"saliency takes one image, the prompt has {len(pixels)}", param="image")
     params, x = vlm.engine.runner.params, pixels[0]
@@ -169,4 +183,11 @@ def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradie
             _, (gk,) = vg(params, [base + (k + 0.5) / steps * (x - base)], *args)
             total += np.asarray(gk)
         attr = (x - base) * total / steps
-    return Saliency(np.abs(attr).sum(axis=-1), attr, x, float(lp))
+    sal = Saliency(np.abs(attr).sum(axis=-1), attr, x, float(lp))
+    if inputs[0].source_size is not None:
+        from mmjax.image.geometry import to_image
+        h, w = inputs[0].source_size
+        views = vlm.family.pixel_views(inputs[0], h, w)
+        sal.image_map = to_image(sal.map, views, h, w)
+        sal.image_attribution = to_image(attr, views, h, w)
+    return sal
