@@ -716,9 +716,10 @@ class ModelRunner:
         if first:
             self.compile_seconds += dt
             self.compiled[kind].add(shape)
-            log.info("compiled %s %s in %.2fs", kind, shape, dt)
-            if self.on_compile is not None:
+            if self.on_compile is not None:     # a warmup: its progress line (n of N) says it
                 self.on_compile(kind, shape, dt)
+            else:
+                log.info("compiled %s %s in %.2fs", kind, shape, dt)
         else:
             self.step_seconds[kind] += dt
         return result
