@@ -167,6 +167,15 @@ def test_compiled_shapes_bounded_after_random_requests(path):
     total, before = sum(bound.values()), sum(st["compiled_shapes"].values())
     assert [s[:2] for s in seen] == [(n, total) for n in range(before + 1, total + 1)]
     assert all(kind in bound and sec > 0 for _, _, kind, _, sec in seen)
+    # warmup covers every shape a request can reach but FastV's: prompt_logprobs of any length
+    # (its prefill_scores step, chunk by chunk) compiles nothing more (issue 56)
+    runner = vlm.engine.runner
+    compiled = {k: set(v) for k, v in runner.compiled.items()}
+    assert bound["prefill_scores"] == len(compiled["prefill_scores"]) > 0
+    sp = mmjax.SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY)
+    outs = vlm.generate([{"prompt": make_prompt(rng, n, 0), "sampling": sp} for n in (5, 40, 100, 150)])
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+    assert {k: set(v) for k, v in runner.compiled.items()} == compiled
 
 
 def test_warmup_progress_lines(path, capsys):
