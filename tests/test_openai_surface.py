@@ -1039,7 +1039,7 @@ def test_server_structured_output_errors(server):
     # the server is fine afterwards
     r = server.post("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 20,
                                              "guided_json": {"type": "object", "properties": {"a": {"enum": ["x"]}},
-                                                             "required": ["a"]}})
+                                                             "required": ["a"], "additionalProperties": False}})
     assert r.status_code == 200 and json.loads(r.json()["choices"][0]["message"]["content"]) == {"a": "x"}
 
 

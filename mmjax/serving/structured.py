@@ -214,7 +214,7 @@ class Grammar:
         m = self.matcher
         if not m.is_stopped():
             if not m.consume_token(int(token)):
-                raise self._error(f"token {int(token)} is not allowed: {_first_line(m.get_error())}")
+                raise self._error(f"at token {int(token)}: {_first_line(m.get_error())}")
             self.tokens += 1
 
     def finished(self) -> bool:
@@ -252,8 +252,9 @@ class GrammarCompiler:
     The cache is bounded by bytes (`max_bytes`) as well as entries (MAX_CACHED): a matcher of
     1,024 long choices holds tens of MiB. Each entry is charged the heap growth measured while
     it was built (glibc's mallinfo2; builds are serialized so that two do not count each other;
-    at least its grammar text's size, 64 x that where the heap cannot be read). An entry larger
-    than the bound is used by its request and not kept."""
+    clamped to [1, 256] x its grammar text's size + 1 MiB, since other threads allocate meanwhile;
+    64 x that size where the heap cannot be read: measured 10-75 bytes a character). An entry
+    larger than the bound is used by its request and not kept."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids, max_bytes: int = DEFAULT_CACHE_BYTES):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
@@ -317,7 +318,10 @@ class GrammarCompiler:
         if m.is_error():
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(m.get_error())}",
                                param=spec.param)
-        size = max(after - before, len(grammar)) if after is not None else 64 * len(grammar) + 65536
+        # the measured growth, within what a matcher of this grammar can hold (other threads allocate
+        # meanwhile: an XLA compile beside it would otherwise be charged to the grammar)
+        size = (min(max(after - before, len(grammar)), 256 * len(grammar) + 2**20) if after is not None
+                else 64 * len(grammar) + 65536)
         with self._lock:
             self.misses += 1
             if size <= self.max_bytes and key not in self._cache:
