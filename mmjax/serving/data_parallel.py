@@ -165,10 +165,11 @@ class DataParallelEngine:
         for e in self.replicas:
             e.reset_device_state()
 
-    def warmup(self) -> dict[str, int]:
+    def warmup(self, progress=None) -> dict[str, int]:
+        """Every replica's warmup at once; each reports its own shapes (`Engine.warmup`)."""
         if self.has_work():
             raise RuntimeError("warmup() needs an idle engine")
-        counts = list(self._pool.map(Engine.warmup, self.replicas))
+        counts = list(self._pool.map(lambda e: e.warmup(progress), self.replicas))
         return counts[0]
 
     # the same loop over this class's requests / step / output / release
