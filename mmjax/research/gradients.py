@@ -37,7 +37,8 @@ class Saliency:
     the transpose of bilinear resampling, so each model pixel's value keeps its sum), padding
     left out, overlapping views (tiles and an overview) added, so it overlays the image and,
     for the attribution, sums like it (integrated gradients stay complete up to the padding's
-    share)."""
+    share). None when the image came as a prepared `ImageInput` that does not know its source
+    size (`ImageInput.source_size`, set by `VLM.prepare_images`)."""
     map: np.ndarray
     attribution: np.ndarray
     pixels: np.ndarray
