@@ -216,6 +216,8 @@ class Grammar:
             if not m.consume_token(int(token)):
                 raise self._error(f"at token {int(token)}: {_first_line(m.get_error())}")
             self.tokens += 1
+            if m.is_stopped() and not m.is_accepting():     # ended, but not in a complete answer
+                raise self._error(f"the matcher stopped ({m.stop_reason()}) before the constraint was complete")
 
     def finished(self) -> bool:
         m = self.matcher
