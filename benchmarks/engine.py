@@ -294,6 +294,9 @@ def main(argv=None) -> int:
 
     import mmjax
     from benchmarks.checkpoints import build_llava
+    from mmjax import progress
+
+    progress.enable()       # the kernel build and each warmup shape (n of N, seconds) on stderr
     from mmjax.serving import AsyncEngine
 
     path = args.model or str(build_llava("smoke" if args.smoke else "default"))

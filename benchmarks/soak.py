@@ -27,6 +27,18 @@ kind of the mix once, so that a short or slow run still covers each):
                 the first byte)
   disconnect    a raw socket (asyncio.open_connection): sends a valid request, reads 0-100 bytes,
                 closes (or resets) the socket without reading the rest
+  structured    chat / completion under an output constraint (JSON schema, json_object, regex,
+                choice, a GBNF and a Lark grammar; now and then a new 1,024-string choice, which
+                the grammar cache must hold within its byte bound), streaming or not: a finished
+                answer ("stop") must satisfy its constraint
+  tools         chat with tools (one with Pydantic-style $defs / $ref), tool_choice auto, required
+                or a named function: required / named answers must be tool calls of the named tools
+                whose arguments parse (or run out of max_tokens)
+  embeddings    /v1/embeddings of 1-8 texts (or chat messages with an image): one vector each
+  abort_embed   a heavy /v1/embeddings request (64-128 inputs of 300-1,000 characters) the client
+                abandons after 0.1-1 s (the server must drop its work)
+  prompt_logprobs  completion or chat with prompt_logprobs (0-5, sometimes echo + logprobs, an
+                image): one entry per prompt token
   invalid       bad JSON, bad field values, too many tokens, too many images, unknown model: must
                 get a 4xx
 
@@ -77,18 +89,23 @@ from PIL import Image
 # Request mixes (`--mix`): default = the issue-19 soak (good, aborted, disconnected, invalid);
 # clean = good requests only (the latency baseline); hostile = 60% good, 40% bad of every kind the
 # hostile-client campaign used (issue "No request can hurt another").
+# Every mix has structured-output, tools, embeddings and prompt_logprobs traffic (issue 56).
 MIXES: dict[str, dict[str, float]] = {
-    "default": {"chat_image": 0.26, "chat_stream": 0.20, "completion": 0.16,
-                "abort_stream": 0.14, "disconnect": 0.12, "invalid": 0.12},
-    "clean": {"chat_image": 0.40, "chat_stream": 0.35, "completion": 0.25},
-    "hostile": {"chat_image": 0.24, "chat_stream": 0.20, "completion": 0.16,
-                "abort_stream": 0.06, "disconnect": 0.06, "invalid": 0.08, "hostile": 0.14, "hostile_raw": 0.06},
+    "default": {"chat_image": 0.20, "chat_stream": 0.16, "completion": 0.12, "structured": 0.08, "tools": 0.05,
+                "embeddings": 0.06, "abort_embed": 0.03, "prompt_logprobs": 0.06,
+                "abort_stream": 0.08, "disconnect": 0.08, "invalid": 0.08},
+    "clean": {"chat_image": 0.30, "chat_stream": 0.25, "completion": 0.15, "structured": 0.10, "tools": 0.05,
+              "embeddings": 0.07, "prompt_logprobs": 0.08},
+    "hostile": {"chat_image": 0.18, "chat_stream": 0.14, "completion": 0.10, "structured": 0.06, "tools": 0.04,
+                "embeddings": 0.05, "abort_embed": 0.02, "prompt_logprobs": 0.05,
+                "abort_stream": 0.05, "disconnect": 0.05, "invalid": 0.08, "hostile": 0.13, "hostile_raw": 0.05},
 }
 KIND_WEIGHTS: dict[str, float] = dict(MIXES["default"])
-KINDS = ("chat_image", "chat_stream", "completion", "abort_stream", "disconnect", "invalid", "hostile",
-         "hostile_raw")
-GOOD_KINDS = ("chat_image", "chat_stream", "completion")        # must complete normally
-VALID_KINDS = GOOD_KINDS + ("abort_stream", "disconnect")       # valid bodies: never a 5xx
+KINDS = ("chat_image", "chat_stream", "completion", "structured", "tools", "embeddings", "prompt_logprobs",
+         "abort_stream", "abort_embed", "disconnect", "invalid", "hostile", "hostile_raw")
+GOOD_KINDS = ("chat_image", "chat_stream", "completion", "structured", "tools", "embeddings",
+              "prompt_logprobs")                                 # must complete normally
+VALID_KINDS = GOOD_KINDS + ("abort_stream", "abort_embed", "disconnect")   # valid bodies: never a 5xx
 BAD_KINDS = ("invalid", "hostile")                                # must get a 4xx
 QUESTIONS = ("What shape is this?", "What color is the shape?", "How many shapes are there?",
              "Is there a red circle?", "Is there a blue square?", "Describe the image.")
@@ -407,6 +424,7 @@ class Outcome:
     done: bool = False           # a stream ended with [DONE]
     aborted: bool = False        # the client left before the end
     incomplete: bool = False     # a good stream ended without [DONE] (and without an SSE error)
+    violation: bool = False      # a 200 answer that breaks its request's contract (constraint, tool calls, shape)
     note: str | None = None      # what went wrong, for the samples
 
 
@@ -419,6 +437,7 @@ class Stats:
     exceptions: Counter = field(default_factory=Counter)
     incomplete: Counter = field(default_factory=Counter)
     unexpected: Counter = field(default_factory=Counter)
+    violations: Counter = field(default_factory=Counter)
     latencies: dict = field(default_factory=lambda: defaultdict(list))
     tokens: int = 0
     aborted_mid_stream: int = 0
@@ -438,6 +457,7 @@ class Stats:
         self.sse_errors[kind] += o.sse_error
         self.aborted_mid_stream += kind == "abort_stream" and o.aborted
         self.incomplete[kind] += o.incomplete
+        self.violations[kind] += o.violation
         if not o.ok:
             self.unexpected[kind] += 1
             if o.note:
@@ -561,6 +581,216 @@ async def req_completion(ctx: Ctx, rng: random.Random) -> Outcome:
     return await (post_stream(ctx, COMPLETIONS, body) if stream else post_json(ctx, COMPLETIONS, body))
 
 
+# ---- structured output, tools, embeddings, prompt_logprobs (issue 56) ------------------------------------
+
+SHAPE_SCHEMA = {"type": "object", "properties": {"shape": {"enum": ["circle", "square", "triangle"]},
+                                                 "color": {"enum": ["red", "green", "blue", "yellow"]},
+                                                 "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["shape", "color", "count"], "additionalProperties": False}
+
+
+def _shape_ok(text: str) -> bool:
+    obj = json.loads(text)
+    return (set(obj) == {"shape", "color", "count"} and obj["shape"] in SHAPE_SCHEMA["properties"]["shape"]["enum"]
+            and obj["color"] in SHAPE_SCHEMA["properties"]["color"]["enum"] and obj["count"] in range(10))
+
+
+def _json_object_ok(text: str) -> bool:
+    return isinstance(json.loads(text), dict)
+
+
+def structured_case(rng: random.Random) -> tuple[str, dict, Any]:
+    """(name, request fields, check(text) -> bool for a finished answer) of one constraint."""
+    if rng.random() < 0.05:       # a new big choice: ~3 MiB compiled, for the grammar cache's byte bound
+        choices = ["".join(rng.choice("abcdefghijklmnop") for _ in range(200)) for _ in range(1024)]
+        return "big_choice", {"guided_choice": choices}, lambda t: t in choices
+    cases = [
+        ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "shape", "strict": True,
+                                                                                    "schema": SHAPE_SCHEMA}}},
+         _shape_ok),
+        ("json_object", {"response_format": {"type": "json_object"}}, _json_object_ok),
+        ("regex", {"guided_regex": "(yes|no), [a-z]{1,8}"}, lambda t: re.fullmatch("(yes|no), [a-z]{1,8}", t)),
+        ("choice", {"structured_outputs": {"choice": ["red", "green", "blue", "yellow"]}},
+         lambda t: t in ("red", "green", "blue", "yellow")),
+        ("gbnf", {"guided_grammar": 'root ::= count " " shape\ncount ::= [1-9]\nshape ::= "circle" | "square"'},
+         lambda t: re.fullmatch("[1-9] (circle|square)", t)),
+        ("lark", {"structured_outputs": {"grammar": 'start: "it is " COLOR\nCOLOR: "red" | "blue" | "green"'}},
+         lambda t: re.fullmatch("it is (red|blue|green)", t)),
+    ]
+    return rng.choice(cases)
+
+
+def _checked(o: Outcome, name: str, text: str, finish: str | None, check) -> Outcome:
+    """A 200 answer: a finished ("stop") one must pass `check`; one cut by max_tokens cannot be judged."""
+    if finish == "stop":
+        try:
+            good = bool(check(text))
+        except (ValueError, KeyError, TypeError):
+            good = False
+        if not good:
+            o.ok, o.violation, o.note = False, True, f"{name}: finished answer breaks its constraint: {text[:120]!r}"
+    return o
+
+
+async def _post_obj(ctx: Ctx, path: str, body: dict) -> tuple[Outcome, dict | None]:
+    async with ctx.session.post(ctx.base + path, json=body) as r:
+        text = await r.text()
+        if r.status != 200:
+            return Outcome(status=r.status, note=f"HTTP {r.status} {path}: {_error_message(text)}"), None
+        obj = json.loads(text)
+        usage = obj.get("usage") or {}
+        return Outcome(status=200, ok=True, tokens=int(usage.get("completion_tokens") or 0)), obj
+
+
+async def _post_stream_text(ctx: Ctx, path: str, body: dict) -> tuple[Outcome, str, str | None]:
+    """A streamed request's outcome, its text and finish_reason."""
+    async with ctx.session.post(ctx.base + path, json=body) as r:
+        if r.status != 200:
+            return Outcome(status=r.status, note=f"HTTP {r.status} {path}: {_error_message(await r.text())}"), "", None
+        o, parts, finish = Outcome(status=200), [], None
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                o.done = True
+                break
+            obj = json.loads(payload)
+            if "error" in obj:
+                o.sse_error, o.note = True, f"SSE error: {obj['error'].get('message')}"
+                continue
+            for c in obj.get("choices") or []:
+                parts.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+                finish = c.get("finish_reason") or finish
+                o.tokens += 1
+        o.ok = o.done and not o.sse_error
+        if not o.done and not o.sse_error:
+            o.incomplete, o.note = True, f"stream from {path} ended without [DONE]"
+        return o, "".join(parts), finish
+
+
+async def req_structured(ctx: Ctx, rng: random.Random) -> Outcome:
+    name, fields, check = structured_case(rng)
+    chat = rng.random() < 0.7
+    max_tokens = rng.randint(24, 48)
+    if chat:
+        imgs = [ctx.images.pick(rng)] if rng.random() < 0.4 else []
+        body = chat_body(ctx.model, rng, imgs, stream=False, max_tokens=max_tokens)
+    else:
+        body = completion_body(ctx.model, rng, stream=False, max_tokens=max_tokens)
+    body.update(fields)
+    path = CHAT if chat else COMPLETIONS
+    if rng.random() < 0.3:
+        body["stream"] = True
+        o, text, finish = await _post_stream_text(ctx, path, body)
+        return _checked(o, name, text, finish, check) if o.ok else o
+    o, obj = await _post_obj(ctx, path, body)
+    if obj is None:
+        return o
+    c = obj["choices"][0]
+    return _checked(o, name, c["message"]["content"] if chat else c["text"], c["finish_reason"], check)
+
+
+SOAK_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}}, "required": ["city"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "forecast", "parameters": {     # as Pydantic writes it
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
+                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"], "additionalProperties": False}},
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"}}, "required": ["where"],
+        "additionalProperties": False}}},
+]
+
+
+async def req_tools(ctx: Ctx, rng: random.Random) -> Outcome:
+    tools = rng.sample(SOAK_TOOLS, rng.randint(1, len(SOAK_TOOLS)))
+    names = [t["function"]["name"] for t in tools]
+    choice = rng.choice(["auto", "required", "named"])
+    body = chat_body(ctx.model, rng, [], stream=False, max_tokens=96)
+    body.update(tools=tools, parallel_tool_calls=False,
+                tool_choice={"type": "function", "function": {"name": rng.choice(names)}} if choice == "named"
+                else choice)
+    o, obj = await _post_obj(ctx, CHAT, body)
+    if obj is None or choice == "auto":
+        return o
+    c = obj["choices"][0]
+    if c["finish_reason"] == "length":
+        return o
+    calls = c["message"].get("tool_calls") or []
+    want = {body["tool_choice"]["function"]["name"]} if choice == "named" else set(names)
+    try:
+        good = (c["finish_reason"] == "tool_calls" and len(calls) == 1 and calls[0]["function"]["name"] in want
+                and isinstance(json.loads(calls[0]["function"]["arguments"]), dict))
+    except ValueError:
+        good = False
+    if not good:
+        o.ok, o.violation = False, True
+        o.note = f"tools ({choice}): not a call of {sorted(want)}: {json.dumps(c['message'])[:160]}"
+    return o
+
+
+async def req_embeddings(ctx: Ctx, rng: random.Random) -> Outcome:
+    m = {"model": ctx.model} if ctx.model else {}
+    if rng.random() < 0.2:
+        body = {**m, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": ctx.images.pick(rng)}}, {"type": "text", "text": rng.choice(QUESTIONS)}]}]}
+        n = 1
+    else:
+        n = rng.randint(1, 8)
+        body = {**m, "input": [" ".join(rng.choice(TEXTS) for _ in range(rng.randint(1, 6))) for _ in range(n)],
+                "encoding_format": rng.choice(["float", "base64"])}
+    o, obj = await _post_obj(ctx, "/v1/embeddings", body)
+    if obj is not None and len(obj.get("data") or []) != n:
+        o.ok, o.violation, o.note = False, True, f"embeddings: {len(obj.get('data') or [])} vectors for {n} inputs"
+    return o
+
+
+async def req_abort_embed(ctx: Ctx, rng: random.Random) -> Outcome:
+    """A heavy embeddings request whose client leaves after 0.1-1 s."""
+    m = {"model": ctx.model} if ctx.model else {}
+    body = {**m, "input": [" ".join(rng.choice(TEXTS) for _ in range(rng.randint(20, 60)))
+                           for _ in range(rng.randint(64, 128))]}
+    task = asyncio.ensure_future(_post_obj(ctx, "/v1/embeddings", body))
+    await asyncio.sleep(rng.uniform(0.1, 1.0))
+    if task.done():
+        o, _ = task.result()
+        return o if o.status != 200 else Outcome(status=200, ok=True)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Outcome(ok=True, aborted=True)
+
+
+async def req_prompt_logprobs(ctx: Ctx, rng: random.Random) -> Outcome:
+    k = rng.choice([0, 1, 5])
+    if rng.random() < 0.5:
+        imgs = [ctx.images.pick(rng)] if rng.random() < 0.5 else []
+        body = chat_body(ctx.model, rng, imgs, stream=False, max_tokens=rng.randint(2, 8))
+        path = CHAT
+    else:
+        body = completion_body(ctx.model, rng, stream=False, max_tokens=rng.randint(2, 8))
+        if rng.random() < 0.3:
+            body.update(echo=True, logprobs=2)
+        path = COMPLETIONS
+    body["prompt_logprobs"] = k
+    o, obj = await _post_obj(ctx, path, body)
+    if obj is None:
+        return o
+    plp = obj.get("prompt_logprobs")
+    n = (obj.get("usage") or {}).get("prompt_tokens")
+    if not (isinstance(plp, list) and len(plp) == n and plp[0] is None and all(len(d) >= 1 for d in plp[1:])):
+        o.ok, o.violation = False, True
+        o.note = f"prompt_logprobs: {len(plp) if isinstance(plp, list) else plp!r} entries for {n} prompt tokens"
+    return o
+
+
 def long_body(ctx: Ctx, rng: random.Random, stream: bool) -> tuple[str, dict]:
     """A valid request that runs a while (ignore_eos, 64-256 tokens): the kind clients abandon."""
     n = rng.randint(64, 256)
@@ -639,6 +869,21 @@ def hostile_request(model: str | None, rng: random.Random) -> tuple[str, str, by
         ("ssrf_6to4_loopback", CHAT, {**m, "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://[2002:7f00:1::]/a.png"}}]}]}, {}),
         ("too_many_messages", CHAT, {**m, "messages": msgs * 20_000, "max_tokens": 4}, {}),
+        # structured output and tools (issue 56)
+        ("lone_surrogate_regex", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "guided_regex": "\\ud800"}',
+         {}),
+        ("lone_surrogate_grammar", COMPLETIONS, b'{"prompt": "hi", "guided_grammar": "root ::= \\"\\udc00\\""}', {}),
+        ("unsatisfiable_regex", CHAT, {**m, "messages": msgs, "guided_regex": "[^\\s\\S]", "max_tokens": 8}, {}),
+        ("recursive_schema", CHAT, {**m, "messages": msgs, "max_tokens": 8, "guided_json": {
+            "$defs": {"R": {"type": "object", "properties": {"c": {"$ref": "#/$defs/R"}}, "required": ["c"]}},
+            "$ref": "#/$defs/R"}}, {}),
+        ("choice_vs_bad_words", CHAT, {**m, "messages": msgs, "guided_choice": ["a", "b"], "bad_words": ["a", "b"],
+                                       "max_tokens": 8}, {}),
+        ("too_many_choices", CHAT, {**m, "messages": msgs, "guided_choice": ["x"] * 1025}, {}),
+        ("bad_gbnf", CHAT, {**m, "messages": msgs, "guided_grammar": 'root ::= ("a"'}, {}),
+        ("huge_regex", CHAT, {**m, "messages": msgs, "guided_regex": "a" * 100_001}, {}),
+        ("duplicate_tools", CHAT, {**m, "messages": msgs, "tools": SOAK_TOOLS[:1] * 2}, {}),
+        ("embeddings_dimensions", "/v1/embeddings", {**m, "input": "hi", "dimensions": 8}, {}),
     ]
     name, path, body, headers = rng.choice(cases)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -712,6 +957,8 @@ async def req_invalid(ctx: Ctx, rng: random.Random) -> Outcome:
 
 
 RUNNERS = {"chat_image": req_chat_image, "chat_stream": req_chat_stream, "completion": req_completion,
+           "structured": req_structured, "tools": req_tools, "embeddings": req_embeddings,
+           "prompt_logprobs": req_prompt_logprobs, "abort_embed": req_abort_embed,
            "abort_stream": req_abort_stream, "disconnect": req_disconnect, "invalid": req_invalid,
            "hostile": req_hostile, "hostile_raw": req_hostile_raw}
 
@@ -887,6 +1134,8 @@ def build_report(args: argparse.Namespace, res: dict, server: ServerProcess | No
         "sse_errors": sum(s.sse_errors[k] for k in GOOD_KINDS),
         "sse_errors_by_kind": {k: s.sse_errors[k] for k in KINDS if s.sse_errors[k]},
         "incomplete_streams": sum(s.incomplete.values()),
+        "violations": sum(s.violations.values()),
+        "violations_by_kind": {k: s.violations[k] for k in KINDS if s.violations[k]},
         "invalid_not_4xx": s.unexpected["invalid"],
         "hostile_not_4xx": s.unexpected["hostile"],
         "hostile_raw_5xx": s.count_5xx(("hostile_raw",)),
@@ -904,6 +1153,12 @@ def build_report(args: argparse.Namespace, res: dict, server: ServerProcess | No
         "engine_requests_finished": m.get("mmjax_engine_requests_finished_total"),
         "engine_requests_aborted": m.get("mmjax_engine_requests_aborted_total"),
         "server_client_disconnects": m.get("mmjax_client_disconnects_total"),
+        "grammar_cache_mib": (round(m["mmjax_grammar_cache_bytes"] / 2**20, 1)
+                              if "mmjax_grammar_cache_bytes" in m else None),
+        "grammar_cache_bound_mib": (round(m["mmjax_grammar_cache_bytes_bound"] / 2**20, 1)
+                                    if "mmjax_grammar_cache_bytes_bound" in m else None),
+        "grammar_cache_entries": m.get("mmjax_grammar_cache_entries"),
+        "compiled_shapes": {k.split('"')[1]: int(v) for k, v in m.items() if k.startswith("mmjax_compiled_shapes{")},
         "encoder_cache_hits": m.get("mmjax_encoder_cache_hits_total"),
         "encoder_cache_misses": m.get("mmjax_encoder_cache_misses_total"),
         "encoder_cache_entries": m.get("mmjax_encoder_cache_entries"),
@@ -925,6 +1180,7 @@ def failures(r: dict) -> list[str]:
     out = []
     checks = [(r["good_5xx"], "valid requests got a 5xx"), (r["sse_errors"], "good streams carried an SSE error"),
               (r["incomplete_streams"], "good streams ended without [DONE]"),
+              (r["violations"], "good requests got a 200 answer that breaks their constraint / contract"),
               (r["good_exceptions"], "good requests failed with a client-side exception"),
               (r["invalid_not_4xx"], "invalid requests got something other than a 4xx"),
               (r["hostile_not_4xx"], "hostile requests got something other than a 4xx with an OpenAI error body"),
@@ -972,7 +1228,8 @@ def format_table(r: dict) -> str:
         f"running {r['requests_running']}, waiting {r['requests_waiting']}, in flight {r['http_in_flight']}",
         f"server RSS MiB: start {r['rss_start_mib']}, end {r['rss_end_mib']}, peak {r['rss_peak_mib']} "
         f"(growth {r['rss_growth_mib']}, {r['rss_samples']} samples; encoder cache {r['encoder_cache_entries']} "
-        f"images, {r['encoder_cache_mib']} MiB); alive={r['server_alive']}"
+        f"images, {r['encoder_cache_mib']} MiB; grammar cache {r['grammar_cache_entries']} matchers, "
+        f"{r['grammar_cache_mib']} of {r['grammar_cache_bound_mib']} MiB); alive={r['server_alive']}"
         + (f", exit code {r['server_exit_code']}" if "server_exit_code" in r else ""),
     ]
     lines.append("server RSS over time (s, MiB): " + " ".join(f"{t}:{m}" for t, m in r["rss_timeline_mib"]))

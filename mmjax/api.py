@@ -23,6 +23,8 @@ from mmjax.tokenizer import Tokenizer
 log = logging.getLogger("mmjax")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
+# the keys of an offline request dict (`VLM.generate`); any other is an InvalidRequestError
+REQUEST_KEYS = ("prompt", "images", "videos", "image_options", "video_options", "intervention", "sampling")
 SHIPPED_MODEL = "mmjax-shapes"   # the trained default model shipped in the package (mmjax/demo)
 
 
@@ -202,7 +204,7 @@ class VLM:
         out = [im if isinstance(im, ImageInput) else
                image_from_embeds(self.family, self.model.language_model, im["image_embeds"], im.get("image_grid_thw"))
                if isinstance(im, dict) and "image_embeds" in im else
-               self.family.prepare_image(load_image(im, self.image_limits), opts) for im in images]
+               self._prepare_image(im, opts) for im in images]
         if intervention is not None:
             from mmjax.research.interventions import Intervention
             if not isinstance(intervention, Intervention):
@@ -210,6 +212,12 @@ class VLM:
                                           f"{type(intervention).__name__}", param="intervention")
             out = [intervention.apply(self.family, im) for im in out]
         return out
+
+    def _prepare_image(self, source: Any, opts: ImageOptions) -> ImageInput:
+        img = load_image(source, self.image_limits)
+        item = self.family.prepare_image(img, opts)
+        item.source_size = (img.height, img.width)     # saliency maps in the image's coordinates
+        return item
 
     def prepare_videos(self, videos: Iterable[Any], options: dict | VideoOptions | None = None) -> list[ImageInput]:
         """Videos -> ImageInputs (kind "video"): each a path, bytes, a data URI, a list of frames (PIL
@@ -222,12 +230,18 @@ class VLM:
                                                                   cache=self.video_cache)
                 for v in videos]
 
-    def encode(self, images: Iterable[Any]) -> list[np.ndarray]:
-        """Images -> list of image token embeddings, each np.ndarray [n_image_tokens, lm_hidden]
-        ([n, (1 + n_deepstack) * lm_hidden] for Qwen3-VL: the embeddings, then each DeepStack
-        layer's features)."""
+    def encode(self, images: Iterable[Any], *, with_deepstack: bool = False) -> list:
+        """Images -> one np.ndarray [n_image_tokens, lm_hidden] per image: the embeddings the LLM
+        takes for the image (Llama 3.2 Vision: the projected vision tokens of its real tiles,
+        which the cross-attention layers read). with_deepstack=True: one
+        `mmjax.models.family.EncodedImage(features, deepstack)` per image instead, `deepstack`
+        [n_deepstack, n_image_tokens, lm_hidden] being Qwen3-VL's DeepStack features (block k
+        added after decoder layer k; empty for other families)."""
         # each image on its own: a list of images here is not one prompt (prompt_options)
-        return self.engine.runner.encode_images([self.prepare_images([im])[0] for im in images])
+        items = [self.prepare_images([im])[0] for im in images]
+        d = self.model.language_model.hidden_size
+        out = [self.family.encoded(im, f, d) for im, f in zip(items, self.engine.runner.encode_images(items))]
+        return out if with_deepstack else [e.features for e in out]
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, requests, sampling: SamplingParams | list[SamplingParams] | None = None) -> list:
@@ -239,10 +253,14 @@ class VLM:
         `mmjax.research` Ablate / Pool / Prune) and "sampling").
         sampling: one SamplingParams for all, or a list with one per request (vLLM's convention).
         Returns RequestOutputs in order; with SamplingParams.n > 1 each holds choices 1..n-1 in
-        `.siblings` (they share the prompt's KV: prefilled once)."""
+        `.siblings` (they share the prompt's KV: prefilled once). A request dict with a key not
+        listed here (a typo such as "image_token_keep") is an InvalidRequestError naming it,
+        raised before any request runs."""
         if isinstance(requests, (str, dict)):
             requests = [requests]
-        requests = list(requests)
+        requests = [{"prompt": r} if isinstance(r, str) else r for r in requests]
+        for i, r in enumerate(requests):
+            check_request_dict(r, REQUEST_KEYS, f"requests[{i}]")
         if isinstance(sampling, (list, tuple)):
             if len(sampling) != len(requests):
                 raise InvalidRequestError(f"got {len(sampling)} SamplingParams for {len(requests)} requests; "
@@ -252,7 +270,6 @@ class VLM:
             per_request = [sampling] * len(requests)
         ids = []
         for r, sp in zip(requests, per_request):
-            r = {"prompt": r} if isinstance(r, str) else r
             sp = r.get("sampling", sp) or SamplingParams()
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sp).__name__}",
@@ -409,7 +426,9 @@ class VLM:
         if isinstance(inputs, (str, dict)):
             inputs = [inputs]
         ps = []
-        for x in inputs:
+        for i, x in enumerate(inputs):
+            if isinstance(x, dict):
+                check_request_dict(x, ("prompt", "images"), f"inputs[{i}]")
             p = prompt_inputs(self, x["prompt"], x.get("images", ())) if isinstance(x, dict) else \
                 prompt_inputs(self, x)
             n = len(p.ids)
@@ -518,11 +537,24 @@ class VLM:
         from mmjax.research.gradients import loss
         return loss(self, params, prompt, answer, images)
 
+def check_request_dict(r: Any, keys: tuple[str, ...], where: str) -> None:
+    """An offline request dict: a dict with a "prompt" and no key outside `keys` (InvalidRequestError
+    naming the key: a typo must not silently run the unmodified experiment)."""
+    if not isinstance(r, dict):
+        raise InvalidRequestError(f"{where}: a request is a prompt string or a dict, got {type(r).__name__}",
+                                  param=where)
+    for k in r:
+        if k not in keys:
+            raise InvalidRequestError(f"{where}: unknown request key {k!r} (known: {', '.join(keys)})", param=k)
+    if "prompt" not in r:
+        raise InvalidRequestError(f"{where}: the request has no \"prompt\"", param="prompt")
+
+
 def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
          image_limits: ImageLimits = ImageLimits(), params_dir: str | os.PathLike | None = None,
          quantize: str | None = None, quantize_group_size: int | None = None,
          mesh=None, tensor_parallel: int | None = None, data_parallel: int | None = None,
-         **engine_kw) -> VLM:
+         verbose: bool = False, **engine_kw) -> VLM:
     """Load a Hugging Face-layout VLM checkpoint (local dir or hub id; None or "mmjax-shapes" for
     the shipped model) into a VLM.
 
@@ -534,6 +566,9 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     data_parallel=M to build one over the first N x M devices (`mmjax.sharding.make_mesh`):
     the decoder is split N ways (Megatron-style tensor parallel), and M engine replicas serve
     behind one engine API (README, "Scaling out").
+    verbose: print progress to stderr (`mmjax.progress`: the one-time CPU kernel build, each shape
+    `vlm.engine.warmup()` compiles); without it the offline API prints nothing unless logging is
+    set up at INFO.
     engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
     max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
     instead of the default: replicated weights, the encode batch split over devices),
@@ -546,6 +581,9 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     (default 1: decode tokens per call for each running request, vLLM's multi-step scheduling;
     for hosts whose per-call cost exceeds a step's device time, as on GPUs: Engine).
     """
+    if verbose:
+        from mmjax import progress
+        progress.enable()
     enable_compilation_cache()
     if "kv_cache_dtype" in engine_kw:      # a bad name fails here, not at the first request
         from mmjax.models.nn.kv_quant import resolve

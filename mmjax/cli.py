@@ -14,7 +14,10 @@ def _model_arg(args) -> str:
 
 def cmd_generate(args) -> int:
     import mmjax
+    from mmjax import progress
     from mmjax.errors import MMJaxError
+
+    progress.enable()     # a first run's kernel build says so on stderr (mmjax.progress)
 
     t0 = time.perf_counter()
     vlm = mmjax.load(_model_arg(args), args.dtype, max_num_seqs=1, quantize=args.quantize)

@@ -74,6 +74,22 @@ class ChatPrompt(str):
         return ChatPrompt, (str(self), self.user_spans)
 
 
+class MediaText(str):
+    """A family's text for one image / video placeholder (`Family.image_prompt`), plus `wrapper`:
+    the (before, after) strings that the text also replaces where both sit right around the
+    placeholder (outside message text). Qwen3VLProcessor writes `<|vision_start|>` and
+    `<|vision_end|>` around each frame of a video and collapses the template's
+    `<|vision_start|><|video_pad|><|vision_end|>` into the bare placeholder before expanding it."""
+
+    def __new__(cls, text: str, wrapper: tuple[str, str] = ("", "")):
+        self = super().__new__(cls, text)
+        self.wrapper = (str(wrapper[0]), str(wrapper[1]))
+        return self
+
+    def __reduce__(self):
+        return MediaText, (str(self), self.wrapper)
+
+
 def _overlaps(spans: tuple, starts: list[int], a: int, b: int) -> bool:
     """Whether the non-empty character range [a, b) overlaps one of the sorted disjoint spans."""
     if b <= a:
@@ -313,7 +329,8 @@ class Tokenizer:
         image_token_counts[i] copies of the image token id, or, where `image_texts[i]` is a
         string, replace the placeholder by that text before tokenizing (a family whose processor
         expands the placeholder as text, e.g. Gemma's "\n\n<start_of_image>...<end_of_image>\n\n":
-        the text around it then tokenizes as the processor's does). BOS is added by the
+        the text around it then tokenizes as the processor's does; a `MediaText` also replaces
+        its `wrapper` around the placeholder). BOS is added by the
         tokenizer's post-processor unless the prompt already starts with it (from the template,
         not from message text). A `ChatPrompt` from `render_chat` keeps special-token strings
         inside message text as plain text; a plain str parses them (a raw prompt).
@@ -386,9 +403,15 @@ class Tokenizer:
             raise self._placeholder_error([names[m.group()] for m in hits], given)
         pieces, prev, shifts = [], 0, []
         for m, rep in zip(hits, image_texts):
-            pieces += [text[prev:m.start()], rep]
-            prev = m.end()
-            shifts.append((m.start(), len(rep) - (m.end() - m.start())))
+            a, b = m.start(), m.end()
+            before, after = getattr(rep, "wrapper", ("", ""))
+            if (before or after) and a - len(before) >= prev and text[a - len(before):a] == before \
+                    and text[b:b + len(after)] == after \
+                    and not _overlaps(spans, starts, a - len(before), b + len(after)):
+                a, b = a - len(before), b + len(after)    # the wrapper is replaced too (MediaText)
+            pieces += [text[prev:a], str(rep)]
+            prev = b
+            shifts.append((a, len(rep) - (b - a)))
         pieces.append(text[prev:])
 
         def moved(i: int) -> int:

@@ -20,7 +20,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +71,9 @@ class ServerConfig:
     media_fetch_timeout: float = 10.0
     media_max_redirects: int = 3
     max_queue: int = 256                       # engine waiting queue -> 503 beyond
+    max_embed_queue: int = 64                  # embedding requests waiting for the embeddings lane -> 503 beyond
+    embed_batch_tokens: int = 4096             # padded tokens of one embedding forward (a unit of the lane)
+    grammar_cache_mib: int = 128               # heap the cached structured-output matchers may hold
     media_workers: int = 4                     # tokenization/templating pool (images have their own)
     decode_workers: int = 4                    # image decode + resize workers (processes)
     decode_workers_per_request: int = 2        # one request's images decoding at once; the rest wait
@@ -117,7 +119,7 @@ class State:
     text_room: int = 0                                 # body bytes outside image data URIs
     limits: RequestLimits = field(default_factory=RequestLimits)
     stats_prev: Any = None                             # (engine stats, time) of the last log line
-    embed_lock: Any = field(default_factory=threading.Lock)  # one embedding forward at a time
+    embed_lane: Any = None                             # serve.embeddings.EmbedLane (/v1/embeddings work)
     _tool_parser: Any = None                           # (chat template, ToolParser) last chosen
 
     def tool_parser(self):
@@ -191,6 +193,9 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     metrics = ServerMetrics(engine.stats, aengine.queue_depth)
     fetcher.on_video = metrics.video_decode_seconds.observe
     st = State(vlm, engine, aengine, cfg, fetcher, metrics, executor)
+    from serve.embeddings import EmbedLane
+    st.embed_lane = EmbedLane(cfg.max_embed_queue)
+    engine.grammars.max_bytes = max(cfg.grammar_cache_mib, 0) * 2**20
 
     st.body_cap, st.text_room = body_budget(cfg, engine.max_prompt_bytes)
     st.limits = RequestLimits(limit_images=cfg.limit_images, max_messages=cfg.max_messages,
@@ -279,6 +284,7 @@ async def _on_cleanup(app: web.Application) -> None:
             await st.logger_task
         log_stats(st)  # what happened since the last line
     await st.fetcher.close()
+    st.embed_lane.close()
     await asyncio.get_running_loop().run_in_executor(None, st.aengine.shutdown, 5.0)
     st.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -625,28 +631,51 @@ async def embeddings(request: web.Request) -> web.Response:
     for p in parsed:
         for ref in p.images:
             ref.options = p.image_options
-    images = [await _load_images(st, p.images) for p in parsed]
-
-    def run():
-        from mmjax.models.family import run_spans
-        from mmjax.research.prompt import PromptInputs
-
-        ps, n_tok = [], 0
-        fam = st.vlm.family
-        for p, ims in zip(parsed, images):
-            req = _build_request(st, p, ims, "embed")[0]
-            ps.append(PromptInputs(req.prompt_ids, req.images, req.image_pos, req.positions,
-                                   run_spans(req.prompt_ids, fam.image_token_id), req.prompt_len))
-            n_tok += req.prompt_len
-        with st.embed_lock:     # every input in one batched forward (split over data-parallel replicas)
-            return st.vlm.embed_prompts(ps, pooling, normalize), n_tok
-    vecs, n_tok = await asyncio.get_running_loop().run_in_executor(st.executor, run)
+    try:
+        images = [await _load_images(st, p.images) for p in parsed]
+        # on the embeddings lane (serve/embeddings.py), never in the tokenization pool chat uses;
+        # dropped before its next unit of work if the client leaves
+        vecs, n_tok = await st.embed_lane.run(_embed_work(st, parsed, images, pooling, normalize))
+    except asyncio.CancelledError:
+        st.metrics.disconnects.inc()
+        raise
     data = []
     for i, v in enumerate(vecs):
         emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else [float(x) for x in v]
         data.append({"object": "embedding", "index": i, "embedding": emb})
     return web.json_response({"object": "list", "data": data, "model": st.config.served_model_name,
                               "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
+
+
+def _embed_work(st: State, parsed: list, images: list, pooling: str, normalize: bool):
+    """An embedding request's work, unit by unit (a generator run by the lane: each `yield`
+    ends a unit): tokenizing its inputs (32 a unit), then one forward per piece of at most
+    `embed_batch_tokens` padded tokens (times the data-parallel replicas, which split a piece
+    between them). Returns (vectors [inputs, hidden], prompt tokens)."""
+    import numpy as np
+
+    from mmjax.models.family import run_spans
+    from mmjax.research.prompt import PromptInputs
+
+    from serve.embeddings import pieces
+
+    ps, n_tok = [], 0
+    fam = st.vlm.family
+    for i, (p, ims) in enumerate(zip(parsed, images)):
+        req = _build_request(st, p, ims, "embed")[0]
+        ps.append(PromptInputs(req.prompt_ids, req.images, req.image_pos, req.positions,
+                               run_spans(req.prompt_ids, fam.image_token_id), req.prompt_len))
+        n_tok += req.prompt_len
+        if i % 32 == 31:
+            yield
+    yield
+    budget = st.config.embed_batch_tokens
+    replicas = len(st.engine.replicas)
+    out = np.zeros((len(ps), st.vlm.model.language_model.hidden_size), np.float32)
+    for piece in pieces([len(p.ids) for p in ps], budget * replicas):
+        out[piece] = st.vlm.embed_prompts([ps[i] for i in piece], pooling, normalize, max_batch_tokens=budget)
+        yield
+    return out, n_tok
 
 
 # ---- /tokenize, /detokenize (vLLM's extension routes) ------------------------------------------------

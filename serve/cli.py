@@ -120,6 +120,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: 4 x --max-image-pixels)")
     p.add_argument("--max-request-decode-seconds", type=float, default=30.0,
                    help="decode seconds one request's images may use; a worker past it is killed (0 = no limit)")
+    p.add_argument("--grammar-cache-mib", type=_non_negative_int, default=128,
+                   help="heap the cached compiled structured-output matchers may hold (LRU; 0 = no cache)")
+    p.add_argument("--embed-batch-tokens", type=_positive_int, default=4096,
+                   help="padded tokens of one embedding forward: the unit the embeddings lane runs before it "
+                        "turns to another request or drops one whose client left")
+    p.add_argument("--max-embed-queue", type=_positive_int, default=64,
+                   help="embedding requests waiting for the embeddings lane before new ones get 503 queue_full")
     p.add_argument("--chat-template", default=None, help="jinja2 chat template file (overrides the checkpoint's)")
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
                    help="tool-call format (default: chosen from the chat template and vocabulary)")
@@ -227,7 +234,9 @@ def config_from_args(args, model_path: str):
         max_headers=args.max_headers, limit_videos=args.limit_videos, max_video_bytes=args.max_video_bytes,
         max_video_duration=args.max_video_duration, max_video_frames=args.max_video_frames,
         max_video_pixels=args.max_video_pixels, video_decode_timeout=args.video_decode_timeout,
-        video_max_tokens=args.video_max_tokens, video_workers=args.video_workers)
+        video_max_tokens=args.video_max_tokens, video_workers=args.video_workers,
+        grammar_cache_mib=args.grammar_cache_mib, embed_batch_tokens=args.embed_batch_tokens,
+        max_embed_queue=args.max_embed_queue)
 
 
 def warmup(vlm) -> float:

@@ -45,7 +45,9 @@ otherwise. The pool is shared fairly between requests:
   ``decode_queue_full``);
 - a request whose decodes have used `max_request_decode_seconds` gets no more
   (413 ``request_decode_time_exceeded``); a worker process still decoding when the request's budget
-  runs out is killed (a thread is not: one image's decode is then the overrun).
+  runs out is killed (a thread is not: one image's decode is then the overrun). Decode time runs
+  from the moment a worker has the job: time queued for a worker and a worker's start-up (the
+  pool starts its processes on first use, and again after a kill or a crash) are not charged.
 """
 from __future__ import annotations
 
@@ -294,8 +296,9 @@ class ImageGroup:
             raise RequestPixelBudgetError(self.over.message, param=self.over.param)
 
     def spent(self, now: float) -> float:
-        """Decode seconds used so far (finished jobs + the running ones' time)."""
-        return self.busy_s + sum(now - j.t0 for j in self.inflight)
+        """Decode seconds used so far (finished jobs + the running ones' time since their worker
+        took them: a worker's start-up and time queued are not the request's decode time)."""
+        return self.busy_s + sum(now - j.t_run for j in list(self.inflight) if j.t_run is not None)
 
 
 def prepare_image(family, limits: ImageLimits, source: Any, options: ImageOptions, token_budget: int | None):
@@ -325,7 +328,9 @@ class _ThreadBackend:
     def __init__(self, family, limits: ImageLimits):
         self.family, self.limits = family, limits
 
-    def call(self, slot: int, args: tuple, timeout: float | None):
+    def call(self, slot: int, args: tuple, timeout: float | None, started=None):
+        if started is not None:
+            started()
         return prepare_image(self.family, self.limits, *args)
 
     def start_workers(self) -> None:
@@ -455,7 +460,9 @@ class _ProcessBackend:
             conn.close()
         return code
 
-    def call(self, slot: int, args: tuple, timeout: float | None):
+    def call(self, slot: int, args: tuple, timeout: float | None, started=None):
+        """Run one job in the slot's worker (started, and waited for, first if needed);
+        `started()` is called when the worker has the job: its start-up is not decode time."""
         with self._locks[slot]:
             conn = self._ensure(slot)
             try:
@@ -464,6 +471,8 @@ class _ProcessBackend:
                 self._spawn(slot)
                 conn = self._ensure(slot)
                 conn.send(args)
+            if started is not None:
+                started()
             try:
                 if not conn.poll(timeout):
                     self._replace(slot)
@@ -507,12 +516,13 @@ class _ProcessBackend:
 
 
 class _Job:
-    __slots__ = ("group", "args", "fut", "t0", "seconds")
+    __slots__ = ("group", "args", "fut", "t0", "t_run", "seconds")
 
     def __init__(self, group: ImageGroup, args: tuple, fut: asyncio.Future):
         self.group, self.args, self.fut = group, args, fut
-        self.t0 = 0.0
-        self.seconds: float | None = None
+        self.t0 = 0.0                           # handed to a slot
+        self.t_run: float | None = None         # its worker has it (after any worker start-up)
+        self.seconds: float | None = None       # decode seconds: from t_run to the result
 
 
 class DecodePool:
@@ -629,11 +639,12 @@ class DecodePool:
             cf.add_done_callback(lambda cf, job=job, slot=slot: self._from_thread(loop, job, slot, cf))
 
     def _call(self, slot: int, job: _Job, timeout: float | None):   # in a slot thread
-        t = time.perf_counter()
+        def started():
+            job.t_run = time.monotonic()
         try:
-            return self.backend.call(slot, job.args, timeout)
+            return self.backend.call(slot, job.args, timeout, started)
         finally:
-            job.seconds = time.perf_counter() - t
+            job.seconds = time.monotonic() - job.t_run if job.t_run is not None else 0.0
 
     def _from_thread(self, loop, job: _Job, slot: int, cf) -> None:
         try:
@@ -646,7 +657,8 @@ class DecodePool:
         self.running -= 1
         g.running -= 1
         g.inflight.discard(job)
-        g.busy_s += job.seconds if job.seconds is not None else time.monotonic() - job.t0
+        g.busy_s += job.seconds if job.seconds is not None else \
+            (time.monotonic() - job.t_run if job.t_run is not None else 0.0)
         self._idle.append(slot)
         if not job.fut.done():
             if cf.cancelled():

@@ -24,7 +24,12 @@ class EngineCollector:
               ("slots_used", "slots_used", "Decode slots in use."),
               ("encoder_cache_entries", "encoder_cache_entries", "Images in the encoder cache."),
               ("encoder_cache_bytes", "encoder_cache_bytes", "Bytes held by the encoder cache."),
-              ("compile_seconds", "compile_seconds", "Seconds spent compiling."))
+              ("compile_seconds", "compile_seconds", "Seconds spent compiling."),
+              ("grammar_cache_entries", "grammar_cache_entries", "Compiled structured-output matchers cached."),
+              ("grammar_cache_bytes", "grammar_cache_bytes",
+               "Heap bytes held by the cached structured-output matchers (measured as each was built)."),
+              ("grammar_cache_bytes_bound", "grammar_cache_max_bytes",
+               "Bound on grammar_cache_bytes (--grammar-cache-mib): least recently used matchers go first."))
     COUNTERS = (("engine_requests_finished", "requests_finished", "Requests finished by the engine."),
                 ("engine_requests_aborted", "requests_aborted", "Requests aborted (client gone, drain)."),
                 ("engine_prefill_tokens", "tokens_prefilled", "Prompt tokens prefilled."),
@@ -37,7 +42,9 @@ class EngineCollector:
                 ("engine_images_encoded", "images_encoded", "Images run through the vision tower."),
                 ("engine_videos_encoded", "videos_encoded", "Videos run through the vision tower."),
                 ("encoder_cache_hits", "encoder_cache_hits", "Encoder-cache hits (image already encoded)."),
-                ("encoder_cache_misses", "encoder_cache_misses", "Encoder-cache misses."))
+                ("encoder_cache_misses", "encoder_cache_misses", "Encoder-cache misses."),
+                ("grammar_cache_hits", "grammar_cache_hits", "Structured-output specs found compiled in the cache."),
+                ("grammar_cache_misses", "grammar_cache_misses", "Structured-output specs compiled."))
 
     def collect(self):
         s = self.stats_fn()

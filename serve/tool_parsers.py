@@ -191,16 +191,32 @@ def _marker(tokenizer, s: str) -> str:
     return f"<[{tid}]>" if tid is not None else _lit(s)
 
 
-def _schema(tool: dict, args_key: str) -> dict:
+def _rebase_refs(schema, base: str):
+    """`schema` with every local reference ("$ref": "#...", a JSON pointer into the schema
+    itself, e.g. Pydantic's "#/$defs/Loc") made to point into the same schema placed at JSON
+    pointer `base` of a larger one: a tool's parameters are resolved against the tool's own
+    schema, not against the call object wrapped around it."""
+    if isinstance(schema, dict):
+        return {k: ("#" + base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _rebase_refs(v, base)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    return schema
+
+
+def _schema(tool: dict, args_key: str, at: str = "") -> dict:
+    """The call object of one tool ({"name": its name, args_key: its parameters}); `at`: the
+    JSON pointer of this object in the schema it goes into."""
     f = tool["function"]
-    s = {"type": "object", "properties": {"name": {"const": f["name"]},
-                                          args_key: f.get("parameters") or {"type": "object"}},
+    params = _rebase_refs(f.get("parameters") or {"type": "object"}, f"{at}/properties/{args_key}")
+    s = {"type": "object", "properties": {"name": {"const": f["name"]}, args_key: params},
          "required": ["name", args_key], "additionalProperties": False}
     return s
 
 
 def _any_of(tools: list[dict], args_key: str) -> dict:
-    s = _schema(tools[0], args_key) if len(tools) == 1 else {"anyOf": [_schema(t, args_key) for t in tools]}
+    s = _schema(tools[0], args_key) if len(tools) == 1 else \
+        {"anyOf": [_schema(t, args_key, f"/anyOf/{i}") for i, t in enumerate(tools)]}
     s["x-guidance"] = _JSON_OPTS
     return s
 

@@ -63,10 +63,18 @@ def parse_tools(body: dict) -> ToolRequest | None:
         name = f.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
             raise _bad(f"{p}.function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
+        if name in names:       # a call could not say which one it means
+            raise _bad(f"{p}.function.name", f"repeats the name {name!r} of an earlier tool: tool names must be "
+                                             "unique")
         names.add(name)
         params = f.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise _bad(f"{p}.function.parameters", "must be a JSON schema object")
+        try:    # a lone surrogate (JSON "\ud800") in a description or schema is not text
+            json.dumps(t, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(f"'{p}' is not valid Unicode text: {e.reason} at character {e.start}",
+                                      param=p, code="invalid_text") from None
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, dict):

@@ -92,6 +92,10 @@ def test_engine_bench_smoke(tmp_path):
                          env=_env(tmp_path), capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     r = _last_json(out.stdout)
+    # the warmup's progress on stderr: every shape, n of N, the last one N of N
+    total = sum(r["compiled_shapes"].values())
+    assert f"mmjax: warmup: compiled shape {total}/{total}, " in out.stderr, out.stderr[-2000:]
+    assert f"mmjax: warmup: compiled shape 1/{total}, " in out.stderr
     assert [row["concurrency"] for row in r["mmjax"]] == [1, 4]
     for row in r["mmjax"]:
         assert all(_finite(row[k]) and row[k] > 0 for k in
@@ -361,9 +365,11 @@ def test_serve_bench_connection_refused(capsys, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_serve_bench_against_mmjax_server(tmp_path, llava_dirs, capsys):
-    """The real thing: `python -m serve` on a tiny LLaVA, driven by the load generator."""
+    """The real thing: `python -m serve --warmup` on a tiny LLaVA (its log shows each warmup shape
+    compiled, n of N, before it listens), driven by the load generator."""
     proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(llava_dirs["gqa"]), "--port", "0",
-                             "--max-model-len", "256", "--max-num-seqs", "2", "--log-stats-interval", "0"],
+                             "--max-model-len", "256", "--max-num-seqs", "2", "--log-stats-interval", "0",
+                             "--warmup"],
                             cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -377,6 +383,9 @@ def test_serve_bench_against_mmjax_server(tmp_path, llava_dirs, capsys):
             if m:
                 url = m.group(1)
         assert url, "server did not start:\n" + "".join(seen[-30:])
+        shapes = [m.groups() for m in (re.search(r"mmjax.progress: warmup: compiled shape (\d+)/(\d+), ", x)
+                                       for x in seen) if m]
+        assert shapes and shapes[-1][0] == shapes[-1][1] and len({t for _, t in shapes}) == 1, seen
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
         rc, r = _run_serve_bench(["--url", url, "--smoke", "--ignore-eos"], capsys)
         assert rc == 0

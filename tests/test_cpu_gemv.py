@@ -415,3 +415,26 @@ def test_amx_rows_follow_the_step():
     np.testing.assert_array_equal(mixed[:25], whole[:25])
     np.testing.assert_array_equal(mixed[25:], fma[25:])
     np.testing.assert_array_equal(jax.jit(lambda x, w: matmul(x, w))(x, w), whole)   # default: all 40
+
+
+def test_kernel_build_says_so_in_one_line(tmp_path, monkeypatch, caplog, capfd):
+    """A build of the CPU kernels (a fake compiler here: the real one takes about a minute) is one
+    INFO line on the mmjax.progress logger naming the compiler and the cache directory; a cached
+    library says nothing; by default (no logging set up, no verbose=) nothing reaches the terminal."""
+    import logging
+
+    fake = tmp_path / "fake-cxx"
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake-cxx 1.0"; exit 0; fi\n'
+                    'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then : > "$2"; fi; shift; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("MMJAX_KERNEL_CACHE", str(tmp_path / "quiet"))
+    cpu_library._build()
+    assert capfd.readouterr().err == "" and not [r for r in caplog.records if r.name == "mmjax.progress"]
+    monkeypatch.setenv("MMJAX_KERNEL_CACHE", str(tmp_path / "kernels"))
+    with caplog.at_level(logging.INFO, logger="mmjax.progress"):
+        built = cpu_library._build()
+        again = cpu_library._build()
+    lines = [r.getMessage() for r in caplog.records if r.name == "mmjax.progress" and r.levelno == logging.INFO]
+    assert built == again and built.is_file() and built.parent == tmp_path / "kernels"
+    assert len(lines) == 1 and str(fake) in lines[0] and str(tmp_path / "kernels") in lines[0], lines

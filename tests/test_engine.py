@@ -161,7 +161,52 @@ def test_compiled_shapes_bounded_after_random_requests(path):
     st = vlm.engine.stats()
     for kind, n in st["compiled_shapes"].items():
         assert 1 <= n <= st["compiled_shapes_bound"][kind], (kind, n, st["compiled_shapes_bound"])
-    assert vlm.engine.warmup() == st["compiled_shapes_bound"]
+    bound, seen = st["compiled_shapes_bound"], []
+    assert vlm.engine.warmup(progress=lambda *a: seen.append(a)) == bound
+    # warmup's progress: each shape it compiles (those the requests did not), n of N counting them
+    total, before = sum(bound.values()), sum(st["compiled_shapes"].values())
+    assert [s[:2] for s in seen] == [(n, total) for n in range(before + 1, total + 1)]
+    assert all(kind in bound and sec > 0 for _, _, kind, _, sec in seen)
+    # warmup covers every shape a request can reach but FastV's: prompt_logprobs of any length
+    # (its prefill_scores step, chunk by chunk) compiles nothing more (issue 56)
+    runner = vlm.engine.runner
+    compiled = {k: set(v) for k, v in runner.compiled.items()}
+    assert bound["prefill_scores"] == len(compiled["prefill_scores"]) > 0
+    sp = mmjax.SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY)
+    outs = vlm.generate([{"prompt": make_prompt(rng, n, 0), "sampling": sp} for n in (5, 40, 100, 150)])
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+    assert {k: set(v) for k, v in runner.compiled.items()} == compiled
+
+
+def test_warmup_progress_lines(path, capsys):
+    """A fresh engine's warmup says what it compiles, one line per shape on the mmjax.progress
+    logger (n of N, the shape, seconds: here mostly loads from the persistent compilation cache),
+    quiet in the offline API until asked: mmjax.load(verbose=True) prints them to stderr."""
+    import logging
+    import re
+
+    from mmjax import progress
+
+    assert not progress.log.isEnabledFor(logging.INFO)        # quiet unless asked
+    try:
+        vlm = mmjax.load(path, max_num_seqs=2, max_model_len=256, prefill_chunk=64, max_encode_batch=2,
+                         verbose=True)
+        capsys.readouterr()
+        counts = vlm.engine.warmup()
+        err = capsys.readouterr().err
+    finally:                                                   # back to quiet for the other tests
+        for h in [h for h in progress.log.handlers if getattr(h, "_mmjax_progress", False)]:
+            progress.log.removeHandler(h)
+        progress.log.setLevel(logging.NOTSET)
+        progress.log.propagate = True
+    total = sum(vlm.engine.stats()["compiled_shapes_bound"].values())
+    lines = [x[len("mmjax: "):] for x in err.splitlines() if x.startswith("mmjax: warmup")]
+    assert sum(counts.values()) == total == len(lines) > 5
+    for i, line in enumerate(lines):
+        assert re.fullmatch(rf"warmup: compiled shape {i + 1}/{total}, [a-z_]+ "
+                            r"\([0-9, ]+\), in \d+\.\d s", line), line
+    kinds = [line.split(", ")[1].split(" ")[0] for line in lines]
+    assert {"encode", "prefill", "decode"} <= set(kinds)
 
 
 def test_decode_rows_follow_busy_slots(path):

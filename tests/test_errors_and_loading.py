@@ -77,6 +77,27 @@ def test_placeholder_injection_in_chat_is_rejected(vlm):
         vlm.chat(msgs, mmjax.SamplingParams(max_tokens=2))
 
 
+def test_unknown_request_keys_are_named(vlm):
+    """A typo in an offline request dict must not silently run the unmodified request: the key is
+    named, and nothing of the batch runs (no request reaches the engine)."""
+    img = noise_image(4, 30, 30)
+    sp = mmjax.SamplingParams(max_tokens=2)
+    before = vlm.engine.stats()["requests_finished"]
+    with pytest.raises(InvalidRequestError, match="'image_token_keep'") as e:
+        vlm.generate([{"prompt": PROMPT, "images": [img]},
+                      {"prompt": PROMPT, "images": [img], "image_token_keep": 0.5}], sp)
+    assert e.value.param == "image_token_keep" and e.value.status == 400
+    assert vlm.engine.stats()["requests_finished"] == before and not vlm.engine.has_work()
+    with pytest.raises(InvalidRequestError, match="no \"prompt\""):
+        vlm.generate([{"images": [img]}], sp)
+    with pytest.raises(InvalidRequestError, match="'image'") as e:
+        vlm.embed([{"prompt": PROMPT, "image": [img]}])
+    assert e.value.param == "image"
+    with pytest.raises(InvalidRequestError, match="'rate'"):
+        vlm.prepare_videos([{"frames": [np.zeros((8, 8, 3), np.uint8)] * 2, "rate": 4}])
+    assert vlm.generate([{"prompt": PROMPT, "images": [img]}], sp)[0].finish_reason == "length"
+
+
 def test_prompt_longer_than_context(vlm):
     with pytest.raises(ContextLengthError):
         vlm.generate("USER: " + "tell me " * 200 + "ASSISTANT:", mmjax.SamplingParams(max_tokens=2))

@@ -93,6 +93,13 @@ def test_pixels_token_ids_and_chat_template(pair):
         assert int(theirs["token_type_ids"].sum()) == sum(im.num_tokens for im in inputs)
 
 
+def test_pixel_views_undo_the_resize_and_pan_and_scan(pair):
+    """Saliency maps on the image's own pixels: each view (the image, then its pan-and-scan crops)
+    lies where `Family.pixel_views` says (a marker's change lands on it: tests/marker_check.py)."""
+    from marker_check import assert_family_views_find_markers
+    assert assert_family_views_find_markers(pair[-1], ({"pan_and_scan": False}, {"pan_and_scan": True})) >= 6
+
+
 def test_features_logits_greedy_and_logprobs(pair):
     """Two images (the second wide, pan-and-scan on in the softcap checkpoint), a prompt longer
     than the sliding window: features, whole-prompt logits, 32 greedy tokens and logprobs."""

@@ -214,6 +214,22 @@ SURROGATE_CASES = [
     ("completion image url", COMPLETIONS, b'{"prompt": "hi", "images": ["data:image/png;base64,\\ud800"]}',
      "images[0].url"),
     ("model", CHAT, b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    # structured output (issue 56: these were 500s, a UnicodeEncodeError inside llguidance)
+    ("guided_regex", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "guided_regex": "\\ud800"}',
+     "guided_regex"),
+    ("structured_outputs.regex", COMPLETIONS, b'{"prompt": "hi", "structured_outputs": {"regex": "a\\ud800"}}',
+     "structured_outputs.regex"),
+    ("guided_grammar", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+                             b'"guided_grammar": "start: \\"\\udc00\\""}', "guided_grammar"),
+    ("guided_grammar gbnf", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+                                  b'"guided_grammar": "root ::= \\"\\ud800\\""}', "guided_grammar"),
+    ("guided_choice", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a", "\\ud800"]}',
+     "guided_choice"),
+    ("json schema", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+                          b'"json_schema", "json_schema": {"name": "x", "schema": {"enum": ["\\ud800"]}}}}',
+     "response_format.json_schema.schema"),
+    ("tool schema", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": '
+                          b'[{"type": "function", "function": {"name": "f", "description": "\\udfff"}}]}', "tools[0]"),
 ]
 
 

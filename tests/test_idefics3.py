@@ -115,6 +115,13 @@ def test_tiles_token_counts_prompt_ids_and_chat_template(pair):
     assert "<row_1_col_1>" in text and "<global-img>" in text and text.count("<fake_token_around_image>") > 3
 
 
+def test_pixel_views_undo_the_tiling(pair):
+    """Saliency maps on the image's own pixels: the tiles and the global image lie where
+    `Family.pixel_views` says (a marker's change lands on it: tests/marker_check.py)."""
+    from marker_check import assert_family_views_find_markers
+    assert assert_family_views_find_markers(pair[-1], ({}, {"max_tiles": 0})) >= 6
+
+
 def test_checkpoint_errors(idefics3_dirs, tmp_path):
     """A processor whose tiles differ from the vision tower's image size, or whose image_seq_len
     disagrees with the config, is refused at load with the field named."""

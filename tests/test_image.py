@@ -549,3 +549,74 @@ def test_image_keys_are_the_same_in_every_process(llava_dirs, qwen_dirs, tmp_pat
                            text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()
             for seed in ("1", "2")]
     assert len(keys[0]) == 2 and keys[0] == keys[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Geometry: where each family's model pixels lie on the image (saliency maps in image coordinates)
+# ------------------------------------------------------------------------------------------------
+
+def test_family_geometry_puts_a_marker_back_where_it_was():
+    """For each image processor (resize, shortest-edge resize + center crop, a crop larger than
+    the image (padding), Qwen2-VL's smart_resize, Gemma 3's pan-and-scan crops, Idefics3's tiles +
+    global image, LLaVA-NeXT's overview + padded anyres tiles, OneVision's padded square, Mllama's
+    padded canvas tiles): a marker's change in the model pixels, moved back onto the image, lands
+    on the marker (>= 95% of it within the resampling kernels' reach) and keeps its total (no view
+    pixel of these shows padding where the marker changed anything)."""
+    from marker_check import check_marker, marker_views
+    from mmjax.image.anyres import AnyresImagePolicy
+    from mmjax.image.gemma3 import Gemma3ImagePolicy, PanAndScan
+    from mmjax.image.geometry import Frame
+    from mmjax.image.idefics3 import Idefics3ImagePolicy
+    from mmjax.image.mllama import MllamaImagePolicy
+
+    def one(p):
+        return lambda img: p(img)[None]
+
+    clip_sq = ClipImagePolicy(size=(("height", 128), ("width", 128)), do_center_crop=False)          # mmjax-shapes
+    clip_crop = ClipImagePolicy(size=(("shortest_edge", 64),), crop_size=(64, 64))                  # LLaVA-1.5
+    clip_pad = ClipImagePolicy(size=(("shortest_edge", 40),), crop_size=(56, 56))                   # crop > image
+    qwen = Qwen2VLImagePolicy(min_pixels=56 * 56, max_pixels=28 * 28 * 40)
+    gemma = Gemma3ImagePolicy(height=64, width=64, do_pan_and_scan=True, pan_and_scan=PanAndScan(min_crop_size=32))
+    idefics = Idefics3ImagePolicy(longest_edge=128, tile=48)
+    nxt = AnyresImagePolicy.from_config({"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32},
+                                         "image_grid_pinpoints": [[32, 64], [64, 32], [64, 64]]}, onevision=False)
+    ov = AnyresImagePolicy.from_config({"size": {"height": 32, "width": 32},
+                                        "image_grid_pinpoints": [[32, 64], [64, 32]]}, onevision=True)
+    mllama = MllamaImagePolicy(tile=40, max_image_tiles=4)
+    cases = [  # (name, views of an image, frames of a width x height image)
+        ("clip resize", one(clip_sq), lambda w, h: [clip_sq.frame(Frame.of(h, w))]),
+        ("clip crop", one(clip_crop), lambda w, h: [clip_crop.frame(Frame.of(h, w))]),
+        ("clip pad", one(clip_pad), lambda w, h: [clip_pad.frame(Frame.of(h, w))]),
+        ("qwen", lambda img: _qwen_image(qwen, img)[None],
+         lambda w, h: [Frame.of(h, w).resize(*qwen.resized_size(h, w))]),
+        ("gemma3", lambda img: np.stack(gemma(img)), lambda w, h: gemma.frames(h, w)),
+        ("idefics3", lambda img: idefics(img)[0],
+         lambda w, h: idefics.frames(h, w, *idefics.grid(h, w))),
+        ("llava-next", lambda img: nxt(img, nxt.grid(img.height, img.width, 4)),
+         lambda w, h: nxt.frames(h, w, nxt.grid(h, w, 4))),
+        ("onevision square", lambda img: ov(img, ov.grid(img.height, img.width, 4, max_tiles=0)),
+         lambda w, h: ov.frames(h, w, ov.grid(h, w, 4, max_tiles=0))),
+        ("mllama", lambda img: mllama(img)[0][:mllama(img)[2]], lambda w, h: mllama.frames(h, w)),
+    ]
+    for name, views, frames_of in cases:
+        for w, h, box in ((200, 150, (120, 30, 150, 60)), (90, 230, (30, 150, 60, 175))):
+            seen = 0
+            for k, (frame, image_map, total) in enumerate(marker_views(views, frames_of(w, h), w, h, box)):
+                assert image_map.shape == (h, w)
+                if total > 0:
+                    check_marker(frame, image_map, total, box, (name, w, h, k))
+                    seen += 1
+            assert seen, name
+    # crops and padding: the views show parts of the image / padding
+    crop = clip_crop.frame(Frame.of(150, 200))      # resized to 64 x 85 (long side truncated), columns 10..74 kept
+    assert crop.source_box() == pytest.approx((0.0, 10 * 200 / 85, 150.0, 74 * 200 / 85))
+    pad = clip_pad.frame(Frame.of(150, 200))        # resized to 40 x 53, centred on 56 x 56 (ceil padding first)
+    assert pad.box == (8.0, 2.0, 48.0, 55.0) and pad.source_box() == pytest.approx((0.0, 0.0, 150.0, 200.0))
+
+
+def _qwen_image(policy, img) -> np.ndarray:
+    """Qwen2VLImagePolicy's patches laid out as the resized image [H, W, 3] (the family's image_pixels)."""
+    patches, (t, gh, gw) = policy(img)
+    p, m, tp = policy.patch_size, policy.merge_size, policy.temporal_patch_size
+    x = patches.reshape(gh // m, gw // m, m, m, 3, tp, p, p)[:, :, :, :, :, 0]
+    return np.ascontiguousarray(x.transpose(0, 2, 5, 1, 3, 6, 4)).reshape(gh * p, gw * p, 3)

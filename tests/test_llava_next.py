@@ -103,6 +103,14 @@ def test_tiles_tokens_features_and_logits(pair):
             assert counts == [17, 17]                # multi-image prompt: overview + newline each
 
 
+def test_pixel_views_undo_the_anyres_tiling(pair):
+    """Saliency maps on the image's own pixels: the overview (OneVision's padded square) and the
+    tiles of the padded grid canvas lie where `Family.pixel_views` says (a marker's change lands
+    on it: tests/marker_check.py)."""
+    from marker_check import assert_family_views_find_markers
+    assert assert_family_views_find_markers(pair[-1], ({}, {"max_tiles": 0})) >= 6
+
+
 def test_tile_cap_and_overview_only(pair):
     """max_tiles=2 drops the bigger grids (transformers given only the allowed pinpoints agrees);
     max_tiles=0 is the overview + one newline (NeXT: the overview's features through HF's tower

@@ -148,7 +148,9 @@ class GatedBackend:
                 ev.set()
             return ev
 
-    def call(self, slot, args, timeout):
+    def call(self, slot, args, timeout, started=None):
+        if started is not None:
+            started()
         with self.lock:
             name = args[0] if isinstance(args[0], str) else f"job{len(self.order)}"
             self.order.append(name)
@@ -159,7 +161,7 @@ class GatedBackend:
                 time.sleep(self.seconds)
             else:
                 assert self.gate(name).wait(30), f"{name} never released"
-            return self.inner.call(slot, args, timeout) if self.inner is not None else f"done:{name}"
+            return self.inner.call(slot, args, timeout, started) if self.inner is not None else f"done:{name}"
         finally:
             with self.lock:
                 self.running -= 1
@@ -258,6 +260,49 @@ def test_pool_time_budget_stops_later_images():
         assert be.order == ["t0"]                            # the later images never ran
         other = ImageGroup(10**9)                            # another request is not affected
         assert await pool.run(other, "o0") == "done:o0"
+        pool.close()
+        pool.close_backend()
+    asyncio.run(go())
+
+
+class SlowStartBackend(GatedBackend):
+    """Each slot's first job waits `startup` s for its worker (a process pool's first use, or a
+    worker restarted after a kill) before the worker has it."""
+
+    def __init__(self, startup: float, seconds: float):
+        super().__init__(seconds=seconds)
+        self.startup, self.warm = startup, set()
+
+    def call(self, slot, args, timeout, started=None):
+        if slot not in self.warm:
+            time.sleep(self.startup)
+            self.warm.add(slot)
+        return super().call(slot, args, timeout, started)
+
+
+def test_pool_time_budget_does_not_charge_start_up_or_queueing():
+    """A request's decode-time budget counts its images' decoding only: not a worker's start-up
+    (the first image request after a start got 413 `request_decode_time_exceeded: images used
+    35.9s` for 3 s of decoding) nor time spent waiting behind another request."""
+    async def go():
+        be = SlowStartBackend(startup=1.0, seconds=0.1)
+        pool = DecodePool(be, workers=1, per_request=1, max_waiting=100, time_budget=0.5)
+        g = ImageGroup(10**9)
+        res = await asyncio.gather(*[pool.run(g, f"t{i}") for i in range(4)], return_exceptions=True)
+        assert res == [f"done:t{i}" for i in range(4)], res         # 0.4 s of decoding, 1.4 s of wall
+        pool.close()
+        pool.close_backend()
+
+        be = GatedBackend()
+        pool = DecodePool(be, workers=1, per_request=1, max_waiting=100, time_budget=0.5)
+        other, g = ImageGroup(10**9), ImageGroup(10**9)
+        first = asyncio.ensure_future(pool.run(other, "x"))
+        jobs = [asyncio.ensure_future(pool.run(g, f"q{i}")) for i in range(3)]
+        await asyncio.sleep(1.0)                                      # g waits behind x for 1 s
+        for n in ["x", "q0", "q1", "q2"]:
+            be.gate(n).set()
+        assert await asyncio.gather(first, *jobs, return_exceptions=True) == ["done:x", "done:q0", "done:q1",
+                                                                               "done:q2"]
         pool.close()
         pool.close_backend()
     asyncio.run(go())
@@ -447,6 +492,28 @@ def test_worker_over_the_time_budget_is_killed_and_replaced(server, heavy_uri):
     ok = server.post("/v1/chat/completions", chat([img_part(data_uri(5))]))   # a fresh worker serves it
     assert ok.status_code == 200, ok.text
     assert dt < 30
+
+
+def test_worker_start_up_is_not_charged_to_the_request(server):
+    """The real process backend: a worker that takes 1.2 s to be ready for each job (as on first
+    use on a loaded machine) does not use up a 1 s decode budget of tiny images."""
+    pool = server.fetcher.pool
+    be = pool.backend
+    assert be.kind == "processes"
+    real = be._ensure
+
+    def slow_ensure(slot):
+        time.sleep(1.2)
+        return real(slot)
+    be._ensure = slow_ensure
+    pool.time_budget = 1.0
+    try:
+        r = server.post("/v1/chat/completions", chat([img_part(data_uri(40 + i)) for i in range(2)] +
+                                                     [{"type": "text", "text": "x"}]))
+    finally:
+        del be._ensure
+        pool.time_budget = 30.0
+    assert r.status_code == 200, r.text
 
 
 def test_crashed_worker_fails_only_its_image(server, heavy_uri):

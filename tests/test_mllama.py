@@ -78,7 +78,13 @@ def test_pixels_features_and_logits(pair):
                                            aspect_ratio_mask=torch.tensor(x["aspect_ratio_mask"])).last_hidden_state
             ref = hf.model.multi_modal_projector(states)[0, 0].reshape(len(f), -1)
         worst = max(worst, rel_err(f, ref.numpy()))
+        # vlm.encode: the image's real tiles only (an image smaller than a tile: one tile's rows)
+        real = ref.reshape(v.max_num_tiles, v.num_patches, -1)[:im.grid[0]].reshape(-1, ref.shape[-1])
+        mine = vlm.encode([img])[0]
+        assert mine.shape == (im.grid[0] * v.num_patches, ref.shape[-1])
+        worst = max(worst, rel_err(mine, real.numpy()))
     assert worst <= 1e-4
+    assert min(im.grid[0] for im in inputs) == 1 < v.max_num_tiles    # (20, 20): one real tile
     d = fam.cfg.text.base.hidden_size
     graph, state = nnx.split(vlm.model.language_model)
     full = jax.jit(lambda state, *a: nnx.merge(graph, state).forward_full(*a))
@@ -114,6 +120,13 @@ def hf_generate(hf, proc, prompt, images, n=32):
 
 
 @pytest.mark.slow
+def test_pixel_views_undo_the_canvas_tiling(pair):
+    """The real tiles of the padded canvas lie where `Family.pixel_views` says (a marker's change
+    lands on it: tests/marker_check.py)."""
+    from marker_check import assert_family_views_find_markers
+    assert assert_family_views_find_markers(pair[-1]) >= 2
+
+
 def test_engine_greedy_batched_and_caches(pair):
     """One image, two images, text only, and the one-image text with another image: 32 greedy
     tokens equal transformers' generate (logprobs within 1e-4) in one batch (image and

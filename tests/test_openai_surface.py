@@ -915,3 +915,349 @@ def test_grammars_follow_every_familys_tokenizer(llava_dirs, qwen_dirs, gemma3_d
         assert m.consume_tokens(good) and m.is_accepting(), d
         bad = tok.encode('{"shape":"hexagon","n":4}', add_special_tokens=False)
         assert comp.matcher(StructuredSpec("json", schema)).validate_tokens(bad) < len(bad), d
+
+
+# ---- issue 56: hostile structured output, embeddings, compiles ------------------------------------------
+
+GRAMMARS = {   # one per grammar syntax the server takes (llguidance as CI installs it), and what it admits
+    "lark": ('start: "yes" | "no" " " NUM\nNUM: /[0-9]/', r"yes|no [0-9]"),
+    "gbnf": ('root ::= "yes" | "no"', r"yes|no"),
+    "gbnf rules": ('root ::= answer " " digit\nanswer ::= "yes" | "no"\ndigit ::= [0-9]', r"(yes|no) [0-9]"),
+    "gbnf repeat": ('root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+', r"\([a-c]+(,[a-c]+)*\)"),
+    "lark %json": ('start: "say " %json {"type": "boolean"}', r"say (true|false)"),
+}
+
+
+@pytest.mark.parametrize("syntax", list(GRAMMARS))
+def test_every_grammar_syntax_constrains_output(vlm, syntax):
+    """Each grammar syntax compiles with the llguidance the test run installed and every sampled
+    answer is in its language (GBNF was refused as a whole: `llguidance.gbnf_to_lark` is a module)."""
+    import re
+
+    import llguidance
+
+    from mmjax.serving.structured import StructuredSpec
+
+    text, pattern = GRAMMARS[syntax]
+    spec = StructuredSpec("grammar", text, "guided_grammar")
+    outs = vlm.generate(["USER: answer ASSISTANT:"] * 3, [SamplingParams(max_tokens=30, temperature=1.0, seed=s,
+                                                                         structured=spec) for s in range(3)])
+    for o in outs:
+        assert o.finish_reason == "stop" and re.fullmatch(pattern, o.text), (llguidance.__version__, syntax, o.text)
+
+
+def _sse_events(resp) -> list:
+    import json
+
+    events = []
+    for line in resp.read().decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def test_server_structured_output_errors(server):
+    """Every structured-output error is a 400 `invalid_grammar` naming the field (serve/README);
+    constraints that cannot be satisfied are refused up front where that shows (an empty regex,
+    a required recursive $ref, choices outside allowed_token_ids or bad_words), and a matcher
+    that fails while the request runs ends it with its message: 400 before the stream, an SSE
+    error event during it (they were 200 "stop" answers that broke the constraint)."""
+    import json
+
+    from test_serve import open_stream
+
+    msgs = [{"role": "user", "content": "what is it?"}]
+    tok = server.state.vlm.tokenizer
+
+    def err(body, status=400):
+        r = server.post("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 40, **body})
+        assert r.status_code == status, (body, r.status_code, r.text[:300])
+        return r.json()["error"]
+
+    # invalid specs: code invalid_grammar (was invalid_request for schemas and GBNF)
+    for body, param in (({"response_format": {"type": "json_schema", "json_schema": {
+                            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}},
+                         "response_format.json_schema.schema"),
+                        ({"guided_json": "{not json"}, "guided_json"),
+                        ({"guided_regex": "(("}, "guided_regex"),
+                        ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+                        ({"guided_grammar": 'root ::= ("a"'}, "guided_grammar"),
+                        ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar")):
+        e = err(body)
+        assert (e["code"], e["param"]) == ("invalid_grammar", param), (body, e)
+    # over the size limit: said so (was "must be a non-empty string")
+    for field in ("guided_regex", "guided_grammar"):
+        e = err({field: "a" * 100_001})
+        assert e["code"] == "invalid_grammar" and "at most 100,000 characters" in e["message"], e
+    e = err({"guided_regex": ""})
+    assert "non-empty" in e["message"]
+    # a GBNF grammar is served (every one was refused)
+    r = server.post("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 10,
+                                             "guided_grammar": 'root ::= "yes" | "no"'})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no"), r.text
+
+    # unsatisfiable, refused before any compute, with the matcher's words
+    e = err({"guided_regex": r"[^\s\S]"})
+    assert e["code"] == "invalid_grammar" and "cannot be satisfied" in e["message"], e
+    recursive = {"$defs": {"R": {"type": "object", "properties": {"c": {"$ref": "#/$defs/R"}}, "required": ["c"]}},
+                 "$ref": "#/$defs/R"}
+    e = err({"guided_json": recursive})
+    assert e["code"] == "invalid_grammar" and e["param"] == "guided_json" and "Too many items" in e["message"], e
+    letters = ["a", "b"]
+    assert all(len(tok.encode(c, add_special_tokens=False)) == 1 for c in letters)
+    others = [t for t in range(tok.vocab_size) if tok.decode([t]) and tok.decode([t]).strip() not in ("", "a", "b")
+              and not tok.decode([t]).lstrip().startswith(("a", "b"))][:40]
+    for extra in ({"allowed_token_ids": others}, {"bad_words": letters}):
+        e = err({"guided_choice": letters, **extra})
+        assert e["code"] == "invalid_grammar" and "allowed_token_ids / bad_words" in e["message"], (extra, e)
+
+    # the matcher fails mid-answer ("b" requires an endless nesting): 400 before the stream with its
+    # message, an SSE error event during one; never a 200 "stop" with broken JSON
+    late = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"$ref": "#/$defs/R"}},
+            "required": ["a", "b"], "$defs": recursive["$defs"]}
+    e = err({"guided_json": late, "temperature": 1.0})
+    assert e["code"] == "invalid_grammar" and "Too many items" in e["message"] and "generated token" in e["message"], e
+    conn, resp = open_stream(server.url + "/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 40,
+                                                                   "stream": True, "guided_json": late})
+    try:
+        assert resp.status == 200
+        events = _sse_events(resp)
+    finally:
+        conn.close()
+    text = "".join(ev["choices"][0]["delta"].get("content") or "" for ev in events if ev.get("choices"))
+    assert text.startswith('{"a":') and "error" in events[-1], events[-2:]
+    assert events[-1]["error"]["code"] == "invalid_grammar" and "Too many items" in events[-1]["error"]["message"]
+    assert not any(ev["choices"][0].get("finish_reason") for ev in events if ev.get("choices"))
+    # allowed_token_ids that admit how each choice starts but not how it goes on: caught when no token is left
+    words = {t for w in ("yes", "no") for t in tok.encode(w, add_special_tokens=False)}
+    e = err({"guided_choice": ["yes please", "no thanks"], "allowed_token_ids": sorted(words), "temperature": 1.0})
+    assert e["code"] == "invalid_grammar" and "no token it allows is left" in e["message"], e
+    # bad_words that ban every allowed token: refused (the sampler had nothing to pick)
+    e = err({"allowed_token_ids": [tok.encode("a", add_special_tokens=False)[0]], "bad_words": ["a"]})
+    assert e["param"] == "bad_words", e
+    # the server is fine afterwards
+    r = server.post("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 20,
+                                             "guided_json": {"type": "object", "properties": {"a": {"enum": ["x"]}},
+                                                             "required": ["a"], "additionalProperties": False}})
+    assert r.status_code == 200 and json.loads(r.json()["choices"][0]["message"]["content"]) == {"a": "x"}
+
+
+PYDANTIC_TOOL = {"type": "function", "function": {"name": "forecast", "parameters": {   # as Pydantic writes it
+    "$defs": {"Loc": {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
+                                                       "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                      "required": ["city", "days"], "additionalProperties": False}},
+    "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"},
+                                     "also": {"type": "array", "items": {"$ref": "#/$defs/Loc"}, "maxItems": 1}},
+    "required": ["where"], "additionalProperties": False}}}
+
+
+def test_server_tool_schemas_with_refs_and_duplicate_names(server):
+    """A tool's $defs / $ref (what Pydantic emits) resolve against the tool's own schema under
+    tool_choice "required" and a named function, one tool or several (were 400 "Pointer
+    '/$defs/Loc' does not exist"); two tools of one name are a 400."""
+    import json
+
+    import jsonschema
+
+    tok = server.state.vlm.tokenizer
+    old = tok.chat_template
+    tok.chat_template = TOOL_TEMPLATE
+    msgs = [{"role": "user", "content": "weather?"}]
+    try:
+        for tools, choice in (([PYDANTIC_TOOL], "required"),
+                              ([PYDANTIC_TOOL], {"type": "function", "function": {"name": "forecast"}}),
+                              (TOOLS + [PYDANTIC_TOOL], "required"),
+                              ([PYDANTIC_TOOL] + TOOLS, {"type": "function", "function": {"name": "forecast"}})):
+            r = server.post("/v1/chat/completions", {"model": "tiny", "messages": msgs, "tools": tools,
+                                                     "tool_choice": choice, "max_tokens": 200, "temperature": 1.0,
+                                                     "seed": 4})
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            assert ch["finish_reason"] == "tool_calls", ch
+            schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+            for call in ch["message"]["tool_calls"]:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+            if isinstance(choice, dict):
+                assert [c["function"]["name"] for c in ch["message"]["tool_calls"]] == ["forecast"]
+    finally:
+        tok.chat_template = old
+    r = server.post("/v1/chat/completions", {"model": "tiny", "messages": msgs, "tools": TOOLS + [TOOLS[0]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[2].function.name", r.text
+
+
+def test_grammar_cache_is_bounded_by_bytes(server):
+    """Compiled matchers are cached up to a heap-byte bound shown in /metrics (a count of 256
+    allowed ~15 GB of 1,024 x 1,000-character choices); what the cache holds stays under it."""
+    import random
+    import string
+
+    comp = server.state.engine.grammars
+    assert server.metric("mmjax_grammar_cache_bytes_bound") == comp.max_bytes == 128 * 2**20   # the default
+    old = comp.max_bytes
+    comp.max_bytes = 6 * 2**20
+    try:
+        rng = random.Random(5)
+        for i in range(5):       # distinct, each a few MiB compiled
+            choices = ["".join(rng.choice(string.ascii_letters) for _ in range(200)) for _ in range(1024)]
+            r = server.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "guided_choice": choices,
+                                                     "messages": [{"role": "user", "content": "pick"}]})
+            assert r.status_code == 200, r.text
+            assert comp.bytes <= comp.max_bytes
+        assert server.metric("mmjax_grammar_cache_bytes_bound") == 6 * 2**20
+        assert 0 < server.metric("mmjax_grammar_cache_bytes") <= 6 * 2**20
+        assert server.metric("mmjax_grammar_cache_entries") < 5
+        assert server.metric("mmjax_grammar_cache_misses_total") >= 5
+    finally:
+        comp.max_bytes = old
+
+
+def _slow_first_call(jitted, seconds: float, log: list):
+    """A jitted step whose compiles take `seconds` longer: its first call on the calling thread
+    (an inline compile) or an ahead-of-time `lower(...).compile()` (where it runs)."""
+    import threading
+    import time
+
+    class Lowered:
+        def __init__(self, real):
+            self.real = real
+
+        def compile(self):
+            log.append(("aot", threading.current_thread().name))
+            time.sleep(seconds)
+            return self.real.compile()
+
+    class Slow:
+        fresh = True
+
+        def __call__(self, *a, **kw):
+            if self.fresh:
+                self.fresh = False
+                log.append(("inline", threading.current_thread().name))
+                time.sleep(seconds)
+            return jitted(*a, **kw)
+
+        def lower(self, *a, **kw):
+            return Lowered(jitted.lower(*a, **kw))
+    return Slow()
+
+
+@pytest.mark.parametrize("kind", ["prefill_scores", "prefill_pruned"])
+def test_new_step_shapes_compile_off_the_engine_thread(server, kind):
+    """A prompt_logprobs request (or a FastV prune) needing a shape not compiled yet does not
+    hold everyone: the shape compiles ahead of time off the engine thread while a streaming chat
+    beside it keeps going; the request then runs on the executable compiled for it (each such
+    compile took 12-13 s of everyone's time on the engine thread)."""
+    import threading
+    import time
+
+    from test_serve import data_uri
+
+    st = server.state
+    runner = st.engine.runner
+    name = "_" + kind
+    real = getattr(runner, name)
+    log: list = []
+    prompt = "USER: <image>\nwhat is it? ASSISTANT:"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "images": [data_uri(2)]}
+    body.update({"prompt_logprobs": 1} if kind == "prefill_scores" else
+                {"intervention": {"type": "prune", "keep": 4, "layer": 0}})
+    want = server.post("/v1/completions", body)       # the answer (its shape compiled as usual)
+    seen = list(runner.compiled[kind])
+    res = {}
+    try:
+        runner.compiled[kind].clear()                  # every shape of this kind is new again
+        for key in [k for k in getattr(runner, "_aot", {}) if k[0] == kind]:
+            del runner._aot[key]
+        setattr(runner, name, _slow_first_call(real, 4.0, log))
+
+        def slow_request():
+            t = time.monotonic()
+            res["slow"] = server.post("/v1/completions", body)
+            res["slow_s"] = time.monotonic() - t
+        th = threading.Thread(target=slow_request)
+        th.start()
+        end = time.monotonic() + 10
+        while not log and time.monotonic() < end:      # its compile started
+            time.sleep(0.01)
+        t = time.monotonic()
+        chat = server.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 8, "temperature": 0,
+                                                    "messages": [{"role": "user", "content": "hi there"}]})
+        chat_s = time.monotonic() - t
+        th.join(60)
+    finally:
+        setattr(runner, name, real)
+        runner.compiled[kind].update(seen)
+    assert chat.status_code == 200, chat.text
+    assert res["slow"].status_code == 200 and want.status_code == 200, (res["slow"].text, want.text)
+    assert res["slow"].json()["choices"] == want.json()["choices"]
+    assert res["slow_s"] >= 4.0                         # it did wait for its compile
+    assert chat_s < 2.5, f"a chat beside a {kind} compile took {chat_s:.2f}s"
+    assert log and all(w == "aot" and t != "mmjax-engine" for w, t in log), log
+
+
+def test_embeddings_do_not_starve_chat_and_stop_when_the_client_leaves(server):
+    """Heavy embedding requests (their forwards made 2.5 s each) run on the embeddings lane: a
+    chat beside eight of them is answered at once (it waited for the tokenization pool they
+    held: 38 s in the hostile run), clients that leave have their work dropped (counted in
+    mmjax_client_disconnects_total), and a one-word embedding after them is not queued behind
+    the abandoned work."""
+    import http.client
+    import json
+    import socket
+    import threading
+    import time
+
+    st = server.state
+    vlm = st.vlm
+    real = vlm._embed_batch
+    forwards: list = []
+
+    def slow(runner, ps):
+        forwards.append(len(ps))
+        time.sleep(2.5)
+        return real(runner, ps)
+    disconnects = server.metric("mmjax_client_disconnects_total")
+    hi = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    assert server.post("/v1/chat/completions", hi).status_code == 200        # its shapes compiled
+    assert server.post("/v1/embeddings", {"model": "tiny", "input": "hi"}).status_code == 200
+    vlm._embed_batch = slow
+    budget = getattr(st.config, "embed_batch_tokens", None)
+    st.config.embed_batch_tokens = 256          # 8 rows of 32 tokens a forward: 8 forwards a request
+    inputs = [f"USER: describe picture number {i} please ASSISTANT:" for i in range(64)]
+    body = json.dumps({"model": "tiny", "input": inputs}).encode()
+
+    def leave_after(seconds: float):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=seconds)
+        try:
+            conn.request("POST", "/v1/embeddings", body=body, headers={"Content-Type": "application/json"})
+            conn.getresponse()
+        except (socket.timeout, TimeoutError):
+            pass
+        finally:
+            conn.close()
+    try:
+        clients = [threading.Thread(target=leave_after, args=(1.5,)) for _ in range(8)]
+        for c in clients:
+            c.start()
+        time.sleep(0.3)
+        t = time.monotonic()
+        chat = server.post("/v1/chat/completions", hi)
+        chat_s = time.monotonic() - t
+        for c in clients:
+            c.join(30)
+        time.sleep(0.5)
+        t = time.monotonic()
+        one = server.post("/v1/embeddings", {"model": "tiny", "input": "hi"})
+        one_s = time.monotonic() - t
+        lane, end = getattr(st, "embed_lane", None), time.monotonic() + 30
+        while lane is not None and (lane.running or lane.depth()) and time.monotonic() < end:
+            time.sleep(0.05)
+    finally:
+        del vlm._embed_batch
+        st.config.embed_batch_tokens = budget
+    print(f"chat {chat_s:.2f}s, one-word embedding {one_s:.2f}s, forwards {forwards}")
+    assert chat.status_code == 200 and chat_s < 1.0, f"a chat beside 8 embedding requests took {chat_s:.2f}s"
+    assert one.status_code == 200 and len(one.json()["data"]) == 1
+    assert one_s < 6.0, f"a one-word embedding after 8 abandoned ones took {one_s:.2f}s"
+    assert server.metric("mmjax_client_disconnects_total") - disconnects >= 8
+    assert len(forwards) <= 4, forwards       # of the 64 forwards the 8 abandoned requests needed

@@ -124,6 +124,14 @@ def test_pixels_features_and_deepstack(pair):
         for k, t in enumerate(theirs):
             assert rel_err(p[:, k * d:(k + 1) * d], t.numpy()) <= 1e-4
         assert np.abs(p - a).max() <= 1e-5 * max(np.abs(a).max(), 1.0)
+    # vlm.encode: [n_image_tokens, lm_hidden] per image (the embeddings), DeepStack apart
+    plain, enc = vlm.encode(imgs), vlm.encode(imgs, with_deepstack=True)
+    for i, (f, e) in enumerate(zip(plain, enc)):
+        assert f.shape == e.features.shape == (inputs[i].num_tokens, d)
+        assert rel_err(f, out.pooler_output[i].numpy()) <= 1e-4
+        assert e.deepstack.shape == (len(out.deepstack_features), inputs[i].num_tokens, d)
+        for k, t in enumerate(out.deepstack_features):
+            assert rel_err(e.deepstack[k], t[i].numpy()) <= 1e-4
 
 
 def test_positions_and_logits_two_images(pair):
@@ -325,6 +333,21 @@ def test_video_pixels_prompt_positions_features_and_logits(pair, clips):
     with pytest.raises(PromptError, match="1 video"):   # a video where the prompt has an image placeholder
         _video_ids(vlm, VIDEO.replace("video_pad", "image_pad"), vlm.prepare_videos([clips["b"]]))
     assert "<2.6 seconds><|vision_start|><|video_pad|>" in fam.image_prompt(vlm.prepare_videos([clips["a"]])[0])
+    # the processor replaces the whole <|vision_start|><|video_pad|><|vision_end|> of a raw or a
+    # chat-rendered prompt by the per-frame blocks (no outer vision_start / vision_end), and a
+    # bare <|video_pad|> by the same blocks
+    item = vlm.prepare_videos([clips["b"]])[0]
+    bare = VIDEO.replace("<|vision_start|><|video_pad|><|vision_end|>", "<|video_pad|>")
+    msgs = [{"role": "user", "content": [{"type": "video", "video": clips["b"]},
+                                         {"type": "text", "text": "What is in the picture ?"}]}]
+    chat = vlm.render_chat(msgs)[0]
+    hf_chat = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert str(chat) == hf_chat
+    for ours_text, theirs_text in ((VIDEO, VIDEO), (bare, bare), (chat, hf_chat)):
+        x = _hf_video_inputs(proc, theirs_text, [], clips["b"])
+        assert _video_ids(vlm, ours_text, [item]).tolist() == x["input_ids"][0].tolist()
+    expanded = vlm.tokenizer.decode(_video_ids(vlm, VIDEO, [item]), skip_special_tokens=False)
+    assert expanded.count("<|vision_start|>") == expanded.count("<|vision_end|>") == item.grid[0]
     for text, images, src in ((VIDEO, [], clips["a"]), (MIXED, [noise_image(5, 150, 100)], clips["b"])):
         x = _hf_video_inputs(proc, text, images, src)
         items = vlm.prepare_images(images) + vlm.prepare_videos([src])

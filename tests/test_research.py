@@ -130,6 +130,18 @@ def test_saliency_and_loss_match_finite_differences(vlm):
     ig = vlm.saliency(img, "what color is it", "red", method="integrated", steps=32)
     gap = sal.logprob - f(np.full_like(sal.pixels, -1.0))
     assert abs(ig.attribution.sum() - gap) <= 0.05 * abs(gap) + 1e-4
+    # in the image's own pixels (50 x 40; the model saw a resized / cropped copy): the map and the
+    # attribution moved back through the processor's geometry keep their sums (no padding here),
+    # so integrated gradients stay complete there; zero where the model saw nothing of the image
+    from mmjax.image.geometry import to_image
+    assert sal.image_map.shape == (40, 50) and sal.image_attribution.shape == (40, 50, 3)
+    assert sal.image_map.sum() == pytest.approx(sal.map.sum(), rel=1e-4)
+    assert ig.image_attribution.sum() == pytest.approx(ig.attribution.sum(), rel=1e-3, abs=1e-5)
+    views = vlm.family.pixel_views(vlm.prepare_images([img])[0], 40, 50)
+    np.testing.assert_allclose(sal.image_map, to_image(sal.map, views, 40, 50), rtol=1e-6)
+    t, left, b, r = views[0][1].source_box()
+    cols = np.arange(50) + 0.5
+    assert (sal.image_map[:, (cols < left - 1) | (cols > r + 1)] == 0).all() and sal.image_map.max() > 0
     # loss: jax.grad over the model's State (unpacked to the [in, out] weights research code edits;
     # the engine's own copy is packed for the CPU kernels), checked along a random direction in
     # the LM head

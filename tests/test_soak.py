@@ -52,5 +52,10 @@ def test_soak_20s_shipped_model(tmp_path):
     assert r["requests_by_kind"]["abort_stream"] > 0 and r["aborted_mid_stream"] > 0, diag
     assert r["requests_by_kind"]["disconnect"] > 0, diag
     assert r["requests_by_kind"]["invalid"] > 0 and r["invalid_not_4xx"] == 0, diag
+    # issue 56: structured output, tools, embeddings (abandoned too) and prompt_logprobs in the mix,
+    # no 200 answer breaking its constraint
+    for kind in ("structured", "tools", "embeddings", "abort_embed", "prompt_logprobs"):
+        assert r["requests_by_kind"][kind] > 0, (kind, diag)
+    assert r["violations"] == 0, diag
     assert r["rss_start_mib"] and r["rss_peak_mib"] >= r["rss_start_mib"], diag
     assert p.returncode == 0, diag

@@ -7,7 +7,9 @@ processor needs torchvision, which is not installable here, so tiny_video.hf_vid
 the processor's steps with transformers' and torch's own pieces (see its docstring). Measured:
 decoded frames and pixel patches identical (0 difference), video features rel <= 1.1e-6, logits
 rel <= 1.2e-6 (video alone and image + video, both families), 32 greedy ids identical, logprobs
-within 6.3e-7; the asserts use the project's tolerances (1e-4).
+within 6.3e-7; the asserts use the project's tolerances (1e-4). Frame counts and rates that do not
+divide evenly (13 frames at 4 fps, sampled at 2 and 1.5 fps), as a file and as a list of frames
+with its rate: prompt ids, second_per_grid_t and positions exact, logits rel <= 1e-6.
 
 CUDA lowering: a video reaches the vision tower as packed patches of the same shapes as images
 (`QwenVLFamily.encode_plan`, patch buckets from the same ladder), so no new compiled step exists;
@@ -38,10 +40,13 @@ MIXED = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
     """a: 24 frames at 8 fps, 112x64 (6 frames sampled at 2 fps); b: 15 frames at 6 fps, 80x48
-    (4 frames at indices 0, 3, 7, 11; sampled fps 1.6, so Qwen2.5-VL's temporal step is fractional)."""
+    (4 frames at indices 0, 3, 7, 11; sampled fps 1.6, so Qwen2.5-VL's temporal step is fractional);
+    c: 13 frames at 4 fps, 112x64 (6 frames 0, 2, ..., 10 at 2 fps: 13 / 4 * 2 = 6.5 frames, the
+    sampled fps 6 / 13 * 4 and second_per_grid_t 13 / 12 divide unevenly)."""
     d = tmp_path_factory.mktemp("videos")
     return {"a": write_video(d / "a.mp4", 24, 8, 112, 64, seed=0),
-            "b": write_video(d / "b.mp4", 15, 6, 80, 48, seed=1), "dir": d}
+            "b": write_video(d / "b.mp4", 15, 6, 80, 48, seed=1),
+            "c": write_video(d / "c.mp4", 13, 4, 112, 64, seed=3), "dir": d}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -110,6 +115,43 @@ def test_positions_features_and_logits_match(pair, videos, prompt):
     other = vlm.prepare_videos([{"frames": list(decode_frames(clip, plan.indices)[::-1]), "fps": 2.0}])
     assert other[0].num_tokens == items[-1].num_tokens
     assert rel_err(vlm.logits(text, items[:-1] + other), ref) > 1e-3
+
+
+def test_uneven_sampling_and_frames_with_a_rate_match_transformers(pair, videos):
+    """Clip c (13 frames at 4 fps) sampled at 2 fps as a file and as a list of frames given with
+    its rate (transformers samples an array video with its VideoMetadata as it samples a file, so
+    the sampled fps is 6 / 13 * 4 for both, not the list's 4 fps), and the file at a request fps
+    of 1.5 (4 frames: 0, 3, 6, 9; 13 / 4 * 1.5 = 4.875): prompt ids, second_per_grid_t, M-RoPE
+    positions and logits (rel <= 1e-4) against transformers, video alone and image + video."""
+    name, hf, tok, ip, vlm = pair
+    fam = vlm.family
+    clip = probe_video(videos["c"])
+    frames = {"frames": list(decode_frames(clip, range(clip.meta.total_frames))), "fps": 4.0}
+    cases = [(videos["c"], None, TINY_VIDEO_PROCESSOR), (frames, None, TINY_VIDEO_PROCESSOR),
+             (videos["c"], {"fps": 1.5}, {**TINY_VIDEO_PROCESSOR, "fps": 1.5})]
+    for src, opts, cfg in cases:
+        item = vlm.prepare_videos([src], opts)[0]
+        assert item.video.indices == ((0, 3, 6, 9) if opts else (0, 2, 4, 6, 8, 10))
+        for text, images in ((VIDEO, []), (MIXED, [noise_image(5, 150, 100)])):
+            v = hf_video_inputs([src], cfg)
+            v.pop("frames")
+            if name == "qwen2_5_vl":
+                assert fam.second_per_grid_t(item) == pytest.approx(float(v["second_per_grid_ts"][0]), rel=1e-6)
+            else:
+                v.pop("second_per_grid_ts")
+            x = hf_processor_inputs(tok, ip, text, images, videos=v)
+            items = vlm.prepare_images(images) + [item]
+            counts = [im.num_tokens for im in items]
+            ids = np.asarray(vlm.tokenizer.encode_prompt(text, counts, None, [fam.token_id_of(im) for im in items]))
+            assert ids.tolist() == x["input_ids"][0].tolist()
+            ours, delta = fam.positions(ids, items, fam.image_starts(ids, counts))
+            theirs, hf_delta = hf.model.get_rope_index(x["input_ids"], x["mm_token_type_ids"], x.get("image_grid_thw"),
+                                                       x["video_grid_thw"], second_per_grid_ts=x.get("second_per_grid_ts"))
+            np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+            assert delta == int(hf_delta[0, 0])
+            with torch.no_grad():
+                ref = hf(**x).logits[0].numpy()
+            assert rel_err(vlm.logits(text, items), ref) <= 1e-4
 
 
 def test_greedy_generation_batched_and_cached(pair, videos):

@@ -67,13 +67,14 @@ def hf_sample_frames(metadata, cfg: dict, fps: float | None = None):
 
 
 def hf_video_inputs(videos, cfg: dict, tokens_per_second_model: bool = False) -> dict:
-    """videos: paths (decoded by transformers' PyAV loader) or uint8 frame arrays [T, H, W, 3]
-    (taken whole, HF's list-of-frames input). -> {"pixel_values_videos", "video_grid_thw",
+    """videos: paths (decoded by transformers' PyAV loader), uint8 frame arrays [T, H, W, 3]
+    (taken whole, HF's list-of-frames input without metadata) or {"frames": [...], "fps": rate}
+    (an array video with its VideoMetadata: sampled like a file). -> {"pixel_values_videos", "video_grid_thw",
     "second_per_grid_ts", "frames" (decoded uint8, for comparison)} as Qwen2VLVideoProcessor +
     Qwen2_5_VLProcessor produce them."""
     import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-    from transformers.video_utils import load_video
+    from transformers.video_utils import VideoMetadata, load_video
 
     p, m, tp = cfg["patch_size"], cfg["merge_size"], cfg["temporal_patch_size"]
     mean = torch.tensor(cfg["image_mean"]) * (1.0 / cfg["rescale_factor"])
@@ -84,6 +85,14 @@ def hf_video_inputs(videos, cfg: dict, tokens_per_second_model: bool = False) ->
             video, meta = load_video(v, backend="pyav", sample_indices_fn=lambda metadata, **kw: hf_sample_frames(
                 metadata, cfg))
             sampled_fps = meta.sampled_fps
+        elif isinstance(v, dict):
+            # an array video with video_metadata (its rate): BaseVideoProcessor samples it with
+            # sample_frames and sets metadata.frames_indices (_decode_and_sample_videos)
+            frames = np.stack([np.asarray(f) for f in v["frames"]])
+            meta = VideoMetadata(total_num_frames=len(frames), fps=float(v["fps"]), height=frames.shape[1],
+                                 width=frames.shape[2])
+            meta.frames_indices = hf_sample_frames(meta, cfg)
+            video, sampled_fps = frames[meta.frames_indices.numpy()], meta.sampled_fps
         else:
             video, sampled_fps = np.asarray(v), 24.0   # VideoMetadata.sampled_fps without metadata
         frames_out.append(video)

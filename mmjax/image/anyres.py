@@ -26,6 +26,7 @@ from PIL import Image
 
 from mmjax.errors import ImageError, UnsupportedModelError
 from mmjax.image.decode import PARAM as _PARAM
+from mmjax.image.geometry import Frame
 from mmjax.image.processors import MAX_RESIZE_PIXELS, ClipImagePolicy, _as_rgb, _pil_resize, _size_spec
 
 
@@ -173,6 +174,24 @@ class AnyresImagePolicy:
             if ratio > 1.1:
                 h, w = int(h // ratio), int(w // ratio)
         return AnyresGrid(rows, cols, side, (top, bottom, left, right), h, w)
+
+    def frames(self, height: int, width: int, grid: AnyresGrid) -> list[Frame]:
+        """Where each view (`__call__`'s order) lies on a height x width image: the overview
+        (resized to base_size, or OneVision's padded square), then the tiles of the
+        resized-and-padded grid canvas; each through the per-view CLIP steps."""
+        src = Frame.of(height, width)
+        if not grid.tiles and self.pad_overview:
+            m = max(height, width)
+            top, left = ((m - height) // 2, 0) if width > height else (0, (m - width) // 2)
+            return [self.view.frame(src.pad(top, left, m, m))]
+        frames = [self.view.frame(src.resize(*self.base_size))]
+        if grid.tiles:
+            th, tw = grid.rows * self.tile, grid.cols * self.tile
+            nh, nw = patch_output_size(height, width, (th, tw))
+            canvas = src.resize(nh, nw).pad((th - nh) // 2, (tw - nw) // 2, th, tw)
+            t = self.tile
+            frames += [self.view.frame(canvas.crop(i, j, t, t)) for i in range(0, th, t) for j in range(0, tw, t)]
+        return frames
 
     def _view(self, pixels: np.ndarray) -> np.ndarray:
         return self.view(Image.fromarray(pixels))

@@ -12,6 +12,7 @@ import numpy as np
 from PIL import Image
 
 from mmjax.errors import UnsupportedModelError
+from mmjax.image.geometry import Frame
 from mmjax.image.processors import _as_rgb, _channel_triple, _pil_resize, _resample, _rescale_normalize, _size_spec
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
@@ -93,6 +94,14 @@ class Gemma3ImagePolicy:
 
     def num_crops(self, height: int, width: int) -> int:
         return len(self.pan_and_scan.crop_boxes(height, width)) if self.do_pan_and_scan else 0
+
+    def frames(self, height: int, width: int) -> list[Frame]:
+        """Where each view (`__call__`'s order) lies on a height x width image: the whole image,
+        then each pan-and-scan crop, each resized to the output size."""
+        src = Frame.of(height, width)
+        boxes = self.pan_and_scan.crop_boxes(height, width) if self.do_pan_and_scan else []
+        views = [src] + [src.crop(t, l, b - t, r - l) for t, l, b, r in boxes]
+        return [v.resize(self.height, self.width) if self.do_resize else v for v in views]
 
     def _one(self, pixels: np.ndarray) -> np.ndarray:
         if self.do_resize:

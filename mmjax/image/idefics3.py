@@ -17,6 +17,7 @@ from PIL import Image
 
 from mmjax.errors import ImageError, UnsupportedModelError
 from mmjax.image.decode import PARAM as _PARAM
+from mmjax.image.geometry import Frame
 from mmjax.image.processors import (MAX_RESIZE_PIXELS, _as_rgb, _channel_triple, _pil_resize, _resample,
                                     _rescale_normalize)
 
@@ -124,6 +125,16 @@ class Idefics3ImagePolicy:
         if h > self.tile or w > self.tile:
             return (h - self.tile) // self.tile + 1, (w - self.tile) // self.tile + 1
         return 0, 0
+
+    def frames(self, height: int, width: int, rows: int, cols: int) -> list[Frame]:
+        """Where each view (`__call__`'s order) lies on a height x width image cut into rows x
+        cols tiles (0, 0: one view): the tiles of the image resized to rows x cols tiles (its
+        two resizes compose into one), then the global image (the whole image, one tile)."""
+        src, t = Frame.of(height, width), self.tile
+        if not rows:
+            return [src.resize(t, t)]
+        canvas = src.resize(rows * t, cols * t)
+        return [canvas.crop(r * t, c * t, t, t) for r in range(rows) for c in range(cols)] + [src.resize(t, t)]
 
     def __call__(self, img: Image.Image, *, split: bool | None = None,
                  longest_edge: int | None = None) -> tuple[np.ndarray, int, int]:

@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image
 
 from mmjax.errors import UnsupportedModelError
+from mmjax.image.geometry import Frame
 from mmjax.image.processors import _as_rgb, _channel_triple, _pil_resize, _resample, _rescale_normalize
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
@@ -88,6 +89,15 @@ class MllamaImagePolicy:
 
     def aspect_ratio_id(self, rows: int, cols: int) -> int:
         return supported_aspect_ratios(self.max_image_tiles).index((rows, cols)) + 1
+
+    def frames(self, height: int, width: int) -> list[Frame]:
+        """Where each real tile lies on a height x width image (the image resized into the top
+        left of its canvas, the rest padding; tiles row-major)."""
+        ch, cw = optimal_canvas(height, width, self.max_image_tiles, self.tile)
+        nh, nw = fit_to_canvas(height, width, ch, cw, self.tile)
+        canvas = Frame.of(height, width).resize(nh, nw).pad(0, 0, ch, cw)
+        t = self.tile
+        return [canvas.crop(r, c, t, t) for r in range(0, ch, t) for c in range(0, cw, t)]
 
     def __call__(self, img: Image.Image) -> tuple[np.ndarray, int, int]:
         """RGB PIL image -> (tiles [max_image_tiles, tile, tile, 3] float32, aspect-ratio id,

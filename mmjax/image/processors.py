@@ -21,6 +21,7 @@ from PIL import Image
 
 from mmjax.errors import CheckpointError, ImageError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.decode import PARAM as _PARAM, is_plain_rgb as _is_plain_rgb, to_rgb
+from mmjax.image.geometry import Frame
 
 __all__ = ["ClipImagePolicy", "Qwen2VLImagePolicy", "find_image_processor_config", "load_policy", "smart_resize"]
 
@@ -233,6 +234,15 @@ class ClipImagePolicy:
         if "longest_edge" in size:
             return _shortest_longest_size(height, width, size["shortest_edge"], size["longest_edge"])
         return _shortest_edge_size(height, width, size["shortest_edge"])
+
+    def frame(self, source: Frame) -> Frame:
+        """Where the output lies on the input (`source`: the input's own frame): the resize,
+        then the center crop (a crop larger than the image pads it)."""
+        f = source.resize(*self.resized_size(source.height, source.width)) if self.do_resize else source
+        if self.do_center_crop:
+            ch, cw = self.crop_size
+            f = f.crop((f.height - ch) // 2, (f.width - cw) // 2, ch, cw)   # _center_crop's offsets
+        return f
 
     def __call__(self, img: Image.Image) -> np.ndarray:
         """RGB PIL image -> float32 [H, W, 3] (channels-last) == HF pixel_values[0].transpose(1, 2, 0)."""

@@ -6,7 +6,9 @@ Built at first use with the system C++ compiler (`$CXX`, else g++ / c++ / clang+
 `$MMJAX_KERNEL_CACHE` (default `$XDG_CACHE_HOME/mmjax/kernels`, i.e. ~/.cache/mmjax/kernels),
 the file name keyed by a hash of the sources, the flags, the compiler and the XLA FFI headers;
 registered with XLA once per process. No compiler, a failed build or `MMJAX_CPU_KERNELS=0`: one
-warning (none for the variable) and `available()` is False, so callers keep XLA's ops.
+warning (none for the variable) and `available()` is False, so callers keep XLA's ops. A build
+says so in one line on the `mmjax.progress` logger (the compiler, the cache directory; INFO:
+shown by the command line and the server log, quiet in the offline API unless asked).
 
 Only the CPU: callers ask `enabled()` at trace time (the platform compiled for is the CPU and the
 step is not SPMD-partitioned over a mesh, which cannot split a custom call), so CUDA lowerings
@@ -21,10 +23,13 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import jax
+
+from mmjax import progress
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "cpu_gemv.cc", _DIR / "cpu_attention.cc", _DIR / "cpu_amx.cc"]
@@ -74,6 +79,11 @@ def _build() -> Path:
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # the one line a first run gets (the build takes about a minute on 2 cores; later runs load
+    # the cached library): on the mmjax.progress logger, so the offline API stays quiet
+    progress.log.info("building mmjax's CPU kernels with %s (once for this machine and version, about a minute); "
+                      "cached in %s", cxx, out.parent)
+    t0 = time.perf_counter()
     # compile to a private name, then rename: concurrent processes (pytest -n 2) never load a
     # half-written library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -84,6 +94,7 @@ def _build() -> Path:
         if r.returncode:
             raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
+        progress.log.debug("built %s in %.1f s", out, time.perf_counter() - t0)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -51,6 +51,7 @@ class ImageInput:
     kind: str = "image"            # "image" | "video" (its prompt tokens are Family.video_token_id)
     video: Any = None              # a video's mmjax.video.VideoPlan (frames, sampled fps) for positions
     embeds: np.ndarray | None = None     # precomputed features [num_tokens, lm hidden] (image_embeds input)
+    source_size: tuple[int, int] | None = None   # (height, width) of the decoded image it was made from
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,19 @@ class VideoOptions:
                                           param=f"video_options.{name}")
             out[k] = float(v) if k == "fps" else int(v)
         return cls(**out)
+
+
+class EncodedImage(NamedTuple):
+    """One image's encoder output as `VLM.encode` gives it (`Family.encoded`).
+
+    features: [n_image_tokens, lm_hidden], what the LLM takes for the image (the embeddings its
+        image tokens get; Llama 3.2 Vision: the projected vision tokens of the image's real tiles,
+        (patches + 1) per tile, which its cross-attention layers read).
+    deepstack: [n_deepstack, n_image_tokens, lm_hidden], Qwen3-VL's DeepStack features (block k is
+        added to the residual stream at the image tokens after decoder layer k); [0, n, lm_hidden]
+        for families without them."""
+    features: np.ndarray
+    deepstack: np.ndarray
 
 
 @dataclass
@@ -242,6 +256,16 @@ class Family(abc.ABC):
         """The pure encode step (jitted by the runner): inputs of one EncodeCall -> features."""
         return model.encode(inputs)
 
+    def encoded(self, image: ImageInput, feats: np.ndarray, hidden_size: int) -> EncodedImage:
+        """One image's features as the encode step lays them out for the engine ([tokens,
+        feature width]: with per-layer image features (DeepStack) the blocks of `hidden_size`
+        columns side by side) -> the public `EncodedImage` (`VLM.encode`)."""
+        d = hidden_size
+        feats = np.asarray(feats)
+        n = feats.shape[-1] // d - 1
+        deepstack = feats[:, d:].reshape(len(feats), n, d).transpose(1, 0, 2)
+        return EncodedImage(feats[:, :d], np.ascontiguousarray(deepstack))
+
     # ---- prompt ---------------------------------------------------------------------------------
     def image_prompt(self, image: ImageInput) -> str | None:
         """The text that replaces this image's placeholder (`image_token`) in the prompt before
@@ -267,6 +291,19 @@ class Family(abc.ABC):
         """Inverse of `image_pixels`: image-shaped pixels -> the encoder's `ImageInput.pixels`
         layout (a rearrangement: gradients flow through it by index)."""
         return pixels
+
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """Where `image_pixels(image)` lies on the height x width image it was prepared from
+        (the processor's resize, padding and crops undone: saliency maps in the image's own
+        coordinates, `mmjax.image.geometry.to_image`): one (index into image_pixels' leading
+        axes, `mmjax.image.geometry.Frame`) per view. Default: one [H, W, C] view, the whole
+        image resized (Qwen2-VL's smart_resize, Pixtral, Gemma 4)."""
+        from mmjax.image.geometry import Frame
+
+        shape = np.shape(self.image_pixels(image))
+        if len(shape) != 3:
+            raise UnsupportedModelError(f"{self.name}: no pixel geometry for views of shape {shape}", param="model")
+        return [((), Frame.of(height, width).resize(shape[0], shape[1]))]
 
     def image_starts(self, ids: np.ndarray, counts: list[int]) -> list[int]:
         """Prompt index of each image's first token. The prompt's image tokens are the images'

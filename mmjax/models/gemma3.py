@@ -21,7 +21,7 @@ from flax import nnx
 
 from mmjax.buckets import bucket_for, pow2_ladder
 from mmjax.checkpoint import TensorSource
-from mmjax.errors import CheckpointError, ContextLengthError
+from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.gemma3 import Gemma3ImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
@@ -177,6 +177,14 @@ class Gemma3Family(Family):
             return one
         return (f"Here is the original image {one} and here are some crops to help you see better "
                 + " ".join([one] * crops))
+
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """The whole image, then its pan-and-scan crops (when the image has them), each resized."""
+        frames = self.policy.with_pan_and_scan(len(image.pixels) > 1).frames(height, width)
+        if len(frames) != len(image.pixels):
+            raise InvalidRequestError(f"image has {len(image.pixels)} views; a {width}x{height} image gives "
+                                      f"{len(frames)}", param="image")
+        return [((k,), f) for k, f in enumerate(frames)]
 
     def token_grid(self, image: ImageInput) -> tuple[int, int, int]:
         """(views, rows, cols): each view's soft tokens are a square grid."""

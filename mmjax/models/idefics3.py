@@ -210,6 +210,11 @@ class Idefics3Family(Family):
                        for r in range(rows))
         return text + "\n" + glob
 
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """The tiles (row-major), then the global image."""
+        rows, cols = getattr(image, "rows", 0), getattr(image, "cols", 0)
+        return [((k,), f) for k, f in enumerate(self.policy.frames(height, width, rows, cols))]
+
     def token_grid(self, image: ImageInput) -> tuple[int, int, int]:
         """(views, rows, cols): each view's tokens are a square grid."""
         if image.token_grid is not None:

@@ -164,6 +164,11 @@ class LlavaFamily(Family):
         side = size // self.cfg.vision.patch_size
         return ImageInput(pixels=pixels, num_tokens=n, key=key, grid=(1, side, side))
 
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """One view: the CLIP processor's resize and center crop of the image."""
+        from mmjax.image.geometry import Frame
+        return [((), self.policy.frame(Frame.of(height, width)))]
+
     def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
         """Stack images into calls of at most `max_batch`, each padded up the power-of-two batch
         ladder (repeating its last image)."""

@@ -254,6 +254,11 @@ class LlavaNextFamily(Family):
         return TiledImageInput(pixels=pixels, num_tokens=grid.num_tokens, key=key,
                                grid=(grid.views, self.cfg.side, self.cfg.side), layout=grid)
 
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """The overview, then the tiles of the resized-and-padded grid canvas (`AnyresImagePolicy.frames`)."""
+        layout = getattr(image, "layout", None) or self.grid(height, width)
+        return [((k,), f) for k, f in enumerate(self.policy.frames(height, width, layout))]
+
     def fit_options(self, max_tokens: int) -> ImageOptions:
         """A tile cap under which every image fits `max_tokens` (the server's --image-max-tokens):
         the most tiles t such that every grid pinpoint of at most t tiles fits even without

@@ -23,7 +23,7 @@ from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestErro
 from mmjax.image.decode import pixel_hash
 from mmjax.image.mllama import MllamaImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
+from mmjax.models.family import EncodeCall, EncodedImage, Family, ImageInput, ImageOptions, VisionLanguageModel
 from mmjax.models.hf_config import require
 from mmjax.models.nn.linear import Linear
 from mmjax.models.nn.weights import build
@@ -119,6 +119,18 @@ class MllamaFamily(Family):
         rows, cols = self.policy.arrangement(img.height, img.width)
         key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key())}"
         return ImageInput(pixels=tiles, num_tokens=1, key=key, grid=(n, rows, cols))
+
+    def encoded(self, image: ImageInput, feats: np.ndarray, hidden_size: int) -> EncodedImage:
+        """The projected vision tokens of the image's real tiles only, [tiles * (patches + 1),
+        hidden] (the encode step returns every max_num_tiles tile, the padding ones included, for
+        the cross-attention cache)."""
+        n = int(image.grid[0]) * self.cfg.vision.num_patches
+        feats = np.asarray(feats)[:n]
+        return EncodedImage(feats, np.zeros((0,) + feats.shape, feats.dtype))
+
+    def pixel_views(self, image: ImageInput, height: int, width: int) -> list:
+        """The real tiles of the image's canvas (the padding tiles show nothing)."""
+        return [((k,), f) for k, f in enumerate(self.policy.frames(height, width))]
 
     def aspect_ratio_id(self, image: ImageInput) -> int:
         _, rows, cols = image.grid

@@ -20,8 +20,10 @@ Video (`<|video_pad|>`): Qwen3VLVideoProcessor's sampling and sizing
 (`mmjax.video.processors.Qwen3VLVideoPolicy`), encoded by the same packed tower (one attention
 segment per temporal patch, DeepStack blocks included: HF's visual_pos_masks covers image and
 video tokens). Qwen3VLProcessor writes each temporal patch as text, `<{t:.1f} seconds>` +
-`<|vision_start|>` + its tokens + `<|vision_end|>` in place of the `<|video_pad|>` placeholder
-(`image_prompt`; images expand to their `<|image_pad|>` run the same way, so mixed prompts
+`<|vision_start|>` + its tokens + `<|vision_end|>` in place of the `<|video_pad|>` placeholder,
+and of the `<|vision_start|>` / `<|vision_end|>` around it where the prompt has both, as
+transformers 5.25's processor collapses the template's wrapper (`image_prompt`, a
+`tokenizer.MediaText`; images expand to their `<|image_pad|>` run the same way, so mixed prompts
 tokenize as HF's). Positions (HF get_rope_index): the video grid is split into frames of t = 1,
 each placed like an image after the timestamp text before it.
 """
@@ -44,6 +46,7 @@ from mmjax.models.qwen2_vl import (QwenVLConfig, QwenVLFamily, Qwen2VLModel, che
                                    normalize_name)
 from mmjax.models.text.llama import LlamaConfig
 from mmjax.models.vision.qwen3_vl import Qwen3VisionConfig, Qwen3VLVisionModel, pack
+from mmjax.tokenizer import MediaText
 from mmjax.video.processors import Qwen3VLVideoPolicy
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)  # HF's Qwen3VLTextRotaryEmbedding default
@@ -119,7 +122,10 @@ class Qwen3VLFamily(QwenVLFamily):
     def image_prompt(self, image: ImageInput) -> str:
         """Qwen3VLProcessor's text for one input: an image's `<|image_pad|>` run; a video's
         temporal patches, each `<{t:.1f} seconds><|vision_start|>` + its tokens + `<|vision_end|>`
-        (replace_video_token; the template's own vision_start / vision_end stay around it)."""
+        (replace_video_token). A `MediaText` whose wrapper is vision_start / vision_end: where
+        the placeholder sits inside `<|vision_start|><|video_pad|><|vision_end|>` (Qwen's chat
+        template, raw prompts) the whole triple is replaced, as the processor collapses it
+        (get_text_with_replacements) before expanding the bare placeholder."""
         if image.kind != "video":
             return self.image_token * image.num_tokens
         lt, lh, lw = self.token_grid(image)
@@ -127,7 +133,7 @@ class Qwen3VLFamily(QwenVLFamily):
         stamps = image.video.timestamps
         if len(stamps) != lt:
             raise PromptError(f"video has {lt} temporal patches but {len(stamps)} timestamps", param="videos")
-        return "".join(f"<{t:.1f} seconds>" + frame for t in stamps)
+        return MediaText("".join(f"<{t:.1f} seconds>" + frame for t in stamps), (self.vision_start, self.vision_end))
 
     def positions(self, ids: np.ndarray, images: list[ImageInput], image_starts: list[int]
                   ) -> tuple[np.ndarray, int]:

@@ -30,11 +30,24 @@ _EXACT = 2 ** 24    # float32 holds every integer index below this exactly
 class Saliency:
     """map [..., H, W]: |attribution| summed over channels; attribution [..., H, W, C] (the
     gradient, or integrated gradients x (pixels - baseline)); pixels [..., H, W, C]: the
-    normalized input; logprob: log p(answer) at the input."""
+    normalized input; logprob: log p(answer) at the input. All in the model's input layout
+    (`Family.image_pixels`: after the processor's resize, padding and crops; tiling families:
+    one map per view).
+
+    image_map [height, width] and image_attribution [height, width, C]: the same in the image's
+    own pixels (the decoded image, EXIF orientation applied): each view's values moved back
+    through the processor's geometry (`Family.pixel_views`, `mmjax.image.geometry.to_image`:
+    the transpose of bilinear resampling, so each model pixel's value keeps its sum), padding
+    left out, overlapping views (tiles and an overview) added, so it overlays the image and,
+    for the attribution, sums like it (integrated gradients stay complete up to the padding's
+    share). None when the image came as a prepared `ImageInput` that does not know its source
+    size (`ImageInput.source_size`, set by `VLM.prepare_images`)."""
     map: np.ndarray
     attribution: np.ndarray
     pixels: np.ndarray
     logprob: float
+    image_map: np.ndarray | None = None
+    image_attribution: np.ndarray | None = None
 
 
 @dataclass
@@ -122,7 +135,7 @@ def _prepare(vlm, prompt: Any, images: Iterable[Any], answer: str, image_options
     n_answer = len(p.ids) - p.prompt_len
     fn, vg = _logprob_fn(vlm, layout.calls, n_answer)
     args = (layout.leaves, layout.feat_index, p.ids, p.positions, p.spans, p.image_pos)
-    return pixels, fn, vg, args, n_answer
+    return pixels, fn, vg, args, n_answer, p.images
 
 
 def model_state(vlm, params=None) -> nnx.State:
@@ -138,14 +151,14 @@ def answer_logprob(vlm, params, prompt: Any, answer: str, images: Iterable[Any] 
     """log p(answer | prompt, images) (a jax scalar, differentiable in params and pixels).
     params: the model's State (None: the live model's); pixels: image-shaped normalized pixels to
     use instead of the images' own (same shapes)."""
-    own, fn, _, args, _ = _prepare(vlm, prompt, images, answer, None)
+    own, fn, _, args, _, _ = _prepare(vlm, prompt, images, answer, None)
     return fn(model_state(vlm, params), own if pixels is None else list(pixels), *args)
 
 
 def loss(vlm, params, prompt: Any, answer: str, images: Iterable[Any] = ()):
     """Mean negative log-likelihood per answer token (jax scalar, differentiable in params: the
     model's State, None for the live model's)."""
-    pixels, fn, _, args, n_answer = _prepare(vlm, prompt, images, answer, None)
+    pixels, fn, _, args, n_answer, _ = _prepare(vlm, prompt, images, answer, None)
     return -fn(model_state(vlm, params), pixels, *args) / n_answer
 
 
@@ -160,7 +173,9 @@ def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradie
     e.g. a per-channel color), `steps` midpoint-rule steps; attributions sum to
     log p(x) - log p(baseline)). The default baseline -1 is a dark image; exactly 0 is a bad
     one: an encoder without a patch-embedding bias (Qwen2-VL) normalizes an all-zero input
-    differently from its limit, so completeness fails there."""
+    differently from its limit, so completeness fails there.
+    Returns a `Saliency`: in the model's input layout, and (`image_map`, `image_attribution`) in
+    the image's own pixels."""
     if method not in ("gradient", "integrated"):
         raise InvalidRequestError(f"method must be 'gradient' or 'integrated', got {method!r}", param="method")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -171,7 +186,7 @@ def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradie
     elif vlm.family.image_token not in str(prompt):
         prompt = vlm.render_chat([{"role": "user", "content": [{"type": "image", "image": image},
                                                                {"type": "text", "text": str(prompt)}]}])[0]
-    pixels, _, vg, args, _ = _prepare(vlm, prompt, images, answer, image_options)
+    pixels, _, vg, args, _, inputs = _prepare(vlm, prompt, images, answer, image_options)
     if len(pixels) != 1:
         raise InvalidRequestError(f"saliency takes one image, the prompt has {len(pixels)}", param="image")
     params, x = model_state(vlm), pixels[0]
@@ -185,4 +200,11 @@ def saliency(vlm, image: Any, prompt: Any, answer: str, *, method: str = "gradie
             _, (gk,) = vg(params, [base + (k + 0.5) / steps * (x - base)], *args)
             total += np.asarray(gk)
         attr = (x - base) * total / steps
-    return Saliency(np.abs(attr).sum(axis=-1), attr, x, float(lp))
+    sal = Saliency(np.abs(attr).sum(axis=-1), attr, x, float(lp))
+    if inputs[0].source_size is not None:
+        from mmjax.image.geometry import to_image
+        h, w = inputs[0].source_size
+        views = vlm.family.pixel_views(inputs[0], h, w)
+        sal.image_map = to_image(sal.map, views, h, w)
+        sal.image_attribution = to_image(attr, views, h, w)
+    return sal

@@ -66,6 +66,7 @@ class DataParallelEngine:
                              "run one server per host instead (README, Scaling out)")
         self.replicas = [Engine(model, mesh=m, primary=i == 0, **engine_kw) for i, m in enumerate(meshes)]
         first = self.replicas[0]
+        self.grammars = first.grammars          # make_request (structured output) runs on replica 0
         self.max_model_len = first.max_model_len
         self.prefill_chunk = first.prefill_chunk
         self.max_images_per_request = first.max_images_per_request
@@ -171,10 +172,11 @@ class DataParallelEngine:
             changed |= e.refresh()
         return changed
 
-    def warmup(self) -> dict[str, int]:
+    def warmup(self, progress=None) -> dict[str, int]:
+        """Every replica's warmup at once; each reports its own shapes (`Engine.warmup`)."""
         if self.has_work():
             raise RuntimeError("warmup() needs an idle engine")
-        counts = list(self._pool.map(Engine.warmup, self.replicas))
+        counts = list(self._pool.map(lambda e: e.warmup(progress), self.replicas))
         return counts[0]
 
     # the same loop over this class's requests / step / output / release
@@ -190,6 +192,7 @@ class DataParallelEngine:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     out[k] = out.get(k, 0) + v
         out["compile_seconds"] = round(out.get("compile_seconds", 0.0), 3)
+        out.update(self.grammars.stats())       # one grammar cache (replica 0's), not one per replica
         out["compiled_shapes"] = per[0]["compiled_shapes"]            # every replica compiles the same set
         out["compiled_shapes_bound"] = per[0]["compiled_shapes_bound"]
         out["step_seconds"] = {k: round(sum(s["step_seconds"][k] for s in per), 3) for k in per[0]["step_seconds"]}

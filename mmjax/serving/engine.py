@@ -49,7 +49,7 @@ from mmjax.serving.runner import ModelRunner, PrefillChunk
 from mmjax.serving.constraints import BadWords, bad_word_ids
 from mmjax.serving.sampling import SamplingParams, SlotSampling, vocab_row
 from mmjax.serving.scheduler import Scheduler
-from mmjax.serving.structured import GrammarCompiler, grammar_constraint
+from mmjax.serving.structured import Grammar, GrammarCompiler, GrammarError, allowed_bits, grammar_constraint
 from mmjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("mmjax.engine")
@@ -204,7 +204,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
         key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
         rid = request_id or f"req-{next(self._ids)}"
-        vrow, constraints = self._token_rules(sampling, ids)
+        vrow, constraints, allow = self._token_rules(sampling, ids)
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
                        detok=IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens),
@@ -212,7 +212,7 @@ class Engine:
                        cross=cross,
                        logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
                        image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune),
-                       vrow=vrow, constraints=constraints)
+                       vrow=vrow, constraints=constraints, allow=allow)
 
     def siblings(self, req: Request, n: int) -> list[Request]:
         """n > 1: `req` and n - 1 copies sampling the same prompt (ids `{id}-1` ...), each with its
@@ -225,12 +225,12 @@ class Engine:
             sp = dataclasses.replace(req.sampling, prompt_logprobs=None)   # choice 0 carries the prompt's
             key = (np.asarray([i, seed & 0xFFFFFFFF], np.uint32) if seed is not None
                    else np.asarray([0, int(self._seed_rng.integers(2**31))], np.uint32))
-            vrow, constraints = self._token_rules(sp, req.prompt_ids)
+            vrow, constraints, allow = self._token_rules(sp, req.prompt_ids)
             out.append(dataclasses.replace(
                 req, id=f"{req.id}-{i}", sampling=sp, key=key,
                 detok=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens),
                 logprobs=[] if sp.logprobs is not None else None, feats=list(req.feats), vrow=vrow,
-                constraints=constraints, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
+                constraints=constraints, allow=allow, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
         return out
 
     def _fork(self, parent: Request) -> None:
@@ -257,9 +257,12 @@ class Engine:
             self.counters["tokens_cached"] += n
 
     def _token_rules(self, sp: SamplingParams, prompt_ids: np.ndarray):
-        """(VocabRow or None, host constraints) of a request: penalties, logit_bias,
-        allowed_token_ids, min_tokens and bad words (token ids checked against the vocabulary),
-        and its structured-output grammar, if any."""
+        """(VocabRow or None, host constraints, allowed-token bitmask or None) of a request:
+        penalties, logit_bias, allowed_token_ids, min_tokens and bad words (token ids checked
+        against the vocabulary), and its structured-output grammar, if any (refused up front
+        when it cannot be satisfied, within allowed_token_ids / bad words too). The bitmask
+        holds the tokens allowed_token_ids and one-token bad words leave (None: all), for the
+        per-step check that a constrained request still has a token to sample (`_bits`)."""
         vocab = self.runner.vocab_size
         for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("allowed_token_ids", sp.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]
@@ -273,17 +276,33 @@ class Engine:
             single = [s[0] for s in seqs if len(s) == 1]
             if any(len(s) > 1 for s in seqs):
                 constraints.append(BadWords(seqs))
+        allow = allowed_bits(self.runner.bit_words, vocab, sp.allowed_token_ids, single)
+        if allow is not None and not allow.any():
+            raise InvalidRequestError("no token is left to sample: bad_words ban every one of allowed_token_ids",
+                                      param="bad_words")
         if sp.structured is not None:
-            constraints.append(grammar_constraint(self, sp.structured))
+            constraints.append(grammar_constraint(self, sp.structured, allow))
         vrow = None
         if sp.needs_vocab_row:
             vrow = vocab_row(sp, vocab, prompt_ids, self.model.eos_token_ids, single)
-        return vrow, constraints
+        return vrow, constraints, (allow if constraints else None)
 
     def _bits(self, req: Request, out: np.ndarray) -> None:
-        """AND `req`'s host constraints into its bitmask row out [bit_words]."""
+        """AND `req`'s host constraints into its bitmask row out [bit_words]. Raises (the request's
+        error: GrammarError for an output constraint) when its grammar's matcher fails or no
+        token is left to sample (within allowed_token_ids / one-token bad words too)."""
         for c in req.constraints:
             c.fill(out, req.output_ids)
+        left = out if req.allow is None else out & req.allow
+        if not left.any():
+            g = next((c for c in req.constraints if isinstance(c, Grammar)), None)
+            if g is not None:
+                raise GrammarError(f"the output constraint '{g.param}' cannot go on after {len(req.output_ids)} "
+                                   "generated token(s): no token it allows is left"
+                                   + (" within allowed_token_ids / bad_words" if req.allow is not None else ""),
+                                   param=g.param)
+            raise InvalidRequestError(f"no token is left to sample after {len(req.output_ids)} generated token(s): "
+                                      "bad_words ban every token allowed_token_ids leaves", param="bad_words")
 
     def _check_prune(self, prune, prompt_len: int, n_image: int) -> None:
         tm = self.runner.text_model
@@ -317,11 +336,27 @@ class Engine:
         self.counters["requests_aborted"] += 1
         return True
 
-    def warmup(self) -> dict[str, int]:
-        """Compile every bucket of every step up front (no request may be in flight)."""
+    def warmup(self, progress=None) -> dict[str, int]:
+        """Compile every bucket of every step up front (no request may be in flight). Each shape
+        compiled is reported as `progress(n, total, kind, shape, seconds)` (shape n of the
+        runner's `max_compilations()` total, the ones compiled before counted), by default one
+        INFO line on the `mmjax.progress` logger (quiet unless logging or `verbose=` asks)."""
+        from mmjax import progress as _progress
+
         if self.has_work():
             raise RuntimeError("warmup() needs an idle engine")
-        self.runner.warmup()
+        runner, report = self.runner, progress or _progress.log_compiled
+        bound = runner.max_compilations()
+        done = [sum(len(runner.compiled.get(k, ())) for k in bound)]
+
+        def on_compile(kind, shape, seconds):
+            done[0] += 1
+            report(done[0], max(done[0], sum(bound.values())), kind, shape, seconds)
+        runner.on_compile = on_compile
+        try:
+            runner.warmup()
+        finally:
+            runner.on_compile = None
         self.reset_device_state()
         return self.runner.compiled_counts()
 
@@ -363,6 +398,9 @@ class Engine:
         deltas: list[Delta] = []
         for req in self.scheduler.admit():
             self.counters["tokens_cached"] += req.cached_tokens
+        for req in self.scheduler.active():      # their step compiled in the background: take part again
+            if req.compile_wait is not None and self.runner.compile_done(req.compile_wait):
+                req.compile_wait = None
         # a chunked prompt leaves room for the requests that would ride in its call (mixed step)
         plan = self.scheduler.prefill_plan(reserve=len(self._riders([])))
         # only the images this step's prefill chunks need: encoding every admitted request's
@@ -373,6 +411,8 @@ class Engine:
         # take a call of their own; the rest is packed, one call per step (scheduler budget)
         alone = [x for x in plan if x[0].prune is not None or self._scores_prompt(x[0])]
         for item in alone:
+            if self._await_compile(*item, deltas):
+                continue        # its shape compiles off this thread; the others go on meanwhile
             self._prefill([item], deltas)
         plan = [x for x in plan if not any(x[0] is a[0] for a in alone)]
         size = self.runner.buckets.segments[-1]
@@ -398,7 +438,26 @@ class Engine:
         # read what was queued before this step's decode (the previous decode, this step's
         # prefills) while the decode runs; synchronous: everything
         self._collect(deltas, keep=1 if queued and not sync else 0)
+        if not deltas and not self._pending and any(r.compile_wait is not None for r in self.scheduler.active()):
+            self.runner.wait_compiling(0.05)     # nothing else to do: do not spin
         return deltas
+
+    def _await_compile(self, req: Request, n: int, deltas: list[Delta]) -> bool:
+        """Is `req`'s call (FastV or prompt_logprobs: a shape of its own) still compiling in the
+        background (`ModelRunner.ready`)? Then it waits, holding its slot, and the scheduler
+        passes it over until the compile is done (True). A failed compile fails it."""
+        try:
+            chunk = self._prefill_chunk(req, n)
+        except Exception:       # _prefill meets the same error and handles it
+            return False
+        try:
+            if self.runner.ready([chunk], req.prune):
+                return False
+        except Exception as e:
+            self.fail_request(req, _as_error(e, "compiling the request's step"), deltas)
+            return True
+        req.compile_wait = self.runner.compile_key([chunk], req.prune)
+        return True
 
     def _riders(self, group: list[tuple[Request, int]]) -> list[Request]:
         """The running requests whose next token a mixed step computes beside `group`'s chunks
@@ -582,6 +641,8 @@ class Engine:
             try:
                 chunks.append(self._prefill_chunk(req, n))
                 todo.append((req, n))
+            except InvalidRequestError as e:     # its first token's constraint (a grammar) failed
+                self.fail_request(req, e, deltas)
             except Exception as e:
                 self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
         if not todo:
@@ -632,7 +693,20 @@ class Engine:
         return False
 
     def _decode(self, running: list[Request], deltas: list[Delta]) -> bool:
-        """Queue one decode step over `running` (True) or fail what it held (False)."""
+        """Queue one decode step over `running` (True) or fail what it held (False). A request
+        whose constraint fails (its grammar's matcher, or no token left) fails alone first."""
+        bits = None
+        if any(r.constraints for r in running):
+            bits = self.runner.all_allowed(max(r.slot for r in running) + 1)
+            for r in running:
+                if r.constraints:
+                    try:
+                        self._bits(r, bits[r.slot])
+                    except InvalidRequestError as e:
+                        self.fail_request(r, e, deltas)
+            running = [r for r in running if r.finish_reason is None]
+            if not running:
+                return False
         # positions in use after this step; per layer only when a pruned request (shorter after
         # its layer) is running
         lens = max(r.prompt_len + len(r.output_ids) + r.inflight for r in running)
@@ -648,12 +722,8 @@ class Engine:
             lens = np.asarray([max(r.kv_positions(i) for r in running)
                                for i in range(self.runner.text_model.num_layers)])
         rows = max(r.slot for r in running) + 1
-        bits = None
-        if constrained:
-            bits = self.runner.all_allowed(rows)
-            for r in running:
-                if r.constraints:
-                    self._bits(r, bits[r.slot])
+        if bits is not None:
+            bits = bits[:rows] if constrained else None
         try:
             out = self.runner.decode(lens, rows, bits, wait=False, steps=steps)
         except Exception as e:
@@ -753,6 +823,7 @@ class Engine:
                 **({"cross_attention_cache_bytes": r.text_model.cross_cache_bytes(r.num_slots, r.kv_cache_dtype),
                     "cross_attention_slots": int(sum(1 for q in self.scheduler.active() if q.images))}
                    if self.family.cross_attention else {}),
+                **self.grammars.stats(),
                 "compile_seconds": round(r.compile_seconds, 3),
                 "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()},
                 **r.memory_report()}

@@ -80,7 +80,10 @@ class Request:
     vrow: Any = None                 # sampling.VocabRow of penalties / bias / token limits (None: none)
     prompt_scores: list | None = None  # prompt_logprobs: per prefill chunk, runner.prompt_scores arrays
     constraints: list = field(default_factory=list)  # host TokenConstraints (bad words, grammar)
+    allow: np.ndarray | None = None  # with constraints: [bit words] uint32, the tokens allowed_token_ids and
+    #                                  one-token bad words leave (None: all), checked against each step's mask
     parent: "Request | None" = None  # n > 1: the sibling whose prompt KV this one copies (see Engine.siblings)
+    compile_wait: Any = None         # (kind, shape) of its step compiling in the background: not prefilled until done
     index: int = 0                   # choice index among its siblings
 
     def waits_for_parent(self) -> bool:

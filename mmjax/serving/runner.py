@@ -9,9 +9,11 @@ tuning from mmjax.backend.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, fields
 
@@ -22,7 +24,7 @@ from flax import nnx
 
 from mmjax import packed_weights
 from mmjax.backend import Tuning, compiling_for, tuning
-from mmjax.buckets import Buckets, bucket_for
+from mmjax.buckets import Buckets, bucket_for, pow2_ladder
 from mmjax.errors import InvalidRequestError
 from mmjax.kernels import cpu_gemv
 from mmjax.models.family import EncodeCall, Family
@@ -460,6 +462,28 @@ def make_embed_forward(family: Family, tp: int = 1):
     return fn
 
 
+def _abstract(x):
+    """An argument as the abstract value a step is lowered for (its sharding kept)."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    if isinstance(x, (np.ndarray, np.generic)):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    return x
+
+
+_COMPILER: concurrent.futures.ThreadPoolExecutor | None = None
+_COMPILER_LOCK = threading.Lock()
+
+
+def _compile_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread compiling steps ahead of time for every runner (`ModelRunner.ready`)."""
+    global _COMPILER
+    with _COMPILER_LOCK:
+        if _COMPILER is None:
+            _COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mmjax-compile")
+        return _COMPILER
+
+
 class ModelRunner:
     """Owns the KV cache and decode state of one model on its devices, the model's weights as
     its platform keeps them (`PlacedModel`), and the jitted steps over them."""
@@ -523,6 +547,9 @@ class ModelRunner:
             max_num_seqs = self._fit_slots(memory_budget, max_num_seqs)
         self.num_slots = max_num_seqs
         self.buckets = self._buckets(max_num_seqs)
+        # prompt_logprobs chunks (the prefill_scores step): the powers of two of the prefill
+        # ladder, its largest rung included: few shapes for warmup to compile
+        self.score_buckets = self._score_buckets(self.buckets)
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
         # measured now, while no step holds the (donated) cache: stats() may run on any thread
@@ -535,9 +562,15 @@ class ModelRunner:
         # shapes compiled so far (`compiled`, set above); "decode": (rows, steps a call);
         # "prefill_pruned": (chunk, layer, keep, out_len) of FastV prefills
         self.compile_seconds = 0.0
+        # shapes compiled ahead of time off the calling thread (`ready`): (kind, shape) -> executable,
+        # and the compiles still running
+        self._aot: dict[tuple, object] = {}
+        self._compiling: dict[tuple, concurrent.futures.Future] = {}
         self.calls = {k: 0 for k in self.compiled}  # compiled-step invocations
         # wall seconds of each step kind until its outputs are ready, first-call compiles excluded
         self.step_seconds = {k: 0.0 for k in self.compiled}
+        # called as on_compile(kind, shape, seconds) after each shape's first call (Engine.warmup's progress)
+        self.on_compile = None
 
     @property
     def text_model(self):
@@ -562,6 +595,7 @@ class ModelRunner:
             for kind in self.compiled:
                 if kind not in ("encode", "copy_slot"):
                     self.compiled[kind] = set()
+            self._aot = {k: v for k, v in self._aot.items() if k[0] == "encode"}
             self._jit_lm_steps()
         if "vision" in changed and after.graphdef != before.graphdef:
             self.compiled["encode"] = set()
@@ -583,6 +617,10 @@ class ModelRunner:
     def _buckets(self, num_slots: int) -> Buckets:
         return Buckets.make(prefill_chunk=self.prefill_chunk, max_num_seqs=num_slots,
                             max_segments=self.max_prefill_seqs, fine=self.tuning.fine_prefill_ladder)
+
+    @staticmethod
+    def _score_buckets(buckets: Buckets) -> tuple[int, ...]:
+        return pow2_ladder(buckets.prefill[0], buckets.prefill[-1])
 
     def _jit_steps(self) -> None:
         """The jitted steps of this model version (their shapes come from the arguments: one set
@@ -695,6 +733,9 @@ class ModelRunner:
         self.calls[kind] += 1
         first = shape not in self.compiled[kind]
         t0 = time.perf_counter()
+        aot = self._aot.get((kind, shape))
+        if aot is not None:     # compiled off this thread (`ready`): the executable itself, no trace
+            fn, kw = aot, {}
         with compiling_for(self.tuning.platform):
             result = fn(*args, **kw)
             if wait or first:
@@ -703,7 +744,10 @@ class ModelRunner:
         if first:
             self.compile_seconds += dt
             self.compiled[kind].add(shape)
-            log.info("compiled %s %s in %.2fs", kind, shape, dt)
+            if self.on_compile is not None:     # a warmup: its progress line (n of N) says it
+                self.on_compile(kind, shape, dt)
+            else:
+                log.info("compiled %s %s in %.2fs", kind, shape, dt)
         else:
             self.step_seconds[kind] += dt
         return result
@@ -790,14 +834,14 @@ class ModelRunner:
         # the scores step is the one-sequence graph (S = 1) whatever the segment rung
         s = 1 if scoring else bucket_for(k, self.buckets.segments)
         d = 0 if scoring else self.rider_rows()
-        c_len, args = self._pack(chunks, s, riders, d)
         if scoring:
             c = chunks[0]
-            nxt = np.pad(np.asarray(c.next_ids, np.int32), (0, c_len - len(c.next_ids)))
+            c_len, args = self._scores_args(c)
             self.cache, self.state, out, sc = self._track("prefill_scores", c_len, self._prefill_scores, self.lm_leaves,
-                                                          self.cache, self.state, *args, nxt)
+                                                          self.cache, self.state, *args)
             n = len(c.token_ids)
             return StepOutput(*(np.asarray(x) for x in out), scores=tuple(np.asarray(x)[:n] for x in sc))
+        c_len, args = self._pack(chunks, s, riders, d)
         self.cache, self.state, out = self._track("prefill", (c_len, s), self._prefill, self.lm_leaves, self.cache,
                                                   self.state, *args, wait=wait)
         if not d:
@@ -805,12 +849,20 @@ class ModelRunner:
         # the riders' rows (row j: slot j), then the chunks' (after all D rider rows)
         return self._output("prefill", out, wait, take=np.r_[np.sort(np.asarray(riders, np.int64)), d + np.arange(k)])
 
-    def _pack(self, chunks: list[PrefillChunk], s: int, riders: list[int] = (), d: int = 0) -> tuple[int, tuple]:
+    def _scores_args(self, c: PrefillChunk) -> tuple[int, tuple]:
+        """A prompt_logprobs chunk's (row length on the scores ladder, the prefill_scores step's
+        array arguments after params, cache, state)."""
+        c_len, args = self._pack([c], 1, (), 0, self.score_buckets)
+        return c_len, args + (np.pad(np.asarray(c.next_ids, np.int32), (0, c_len - len(c.next_ids))),)
+
+    def _pack(self, chunks: list[PrefillChunk], s: int, riders: list[int] = (), d: int = 0,
+              ladder: tuple[int, ...] | None = None) -> tuple[int, tuple]:
         """The chunks packed into one row for S = s segments, the riders' tokens after them (D =
-        d rider rows) -> (row length T, the step's array arguments after params, cache, state)."""
+        d rider rows) -> (row length T, the step's array arguments after params, cache, state).
+        ladder: the row lengths (default: the prefill ladder)."""
         n = [len(c.token_ids) for c in chunks]
         k = len(chunks)
-        c_len = bucket_for(sum(n) + len(riders), self.buckets.prefill)
+        c_len = bucket_for(sum(n) + len(riders), ladder or self.buckets.prefill)
         rows = self.text_model.position_rows
         ids, mask = np.zeros(c_len, np.int32), np.zeros(c_len, bool)
         emb = np.zeros((c_len, self.feature_width), self.dtype)
@@ -844,6 +896,13 @@ class ModelRunner:
 
     def _prefill_pruned_call(self, chunk: PrefillChunk, prune: tuple[int, int],
                              wait: bool = True) -> StepOutput | PendingOutput:
+        shape, args, kw = self._pruned_args(chunk, prune)
+        self.cache, self.state, out = self._track("prefill_pruned", shape, self._prefill_pruned, self.lm_leaves,
+                                                  self.cache, self.state, *args, **kw, wait=wait)
+        return self._output("prefill_pruned", out, wait)
+
+    def _pruned_args(self, chunk: PrefillChunk, prune: tuple[int, int]) -> tuple[tuple, tuple, dict]:
+        """A FastV call's (shape, array arguments after params, cache, state, static kwargs)."""
         n = len(chunk.token_ids)
         vrow = self.default_row() if chunk.vrow is None else chunk.vrow
         bits = self.all_allowed() if chunk.bits is None else np.asarray(chunk.bits, np.uint32)
@@ -858,12 +917,83 @@ class ModelRunner:
             np.pad(np.asarray(chunk.spans, np.int32), (0, pad), constant_values=-1)
         layer, keep = prune
         out_len = bucket_for(n - (int(mask.sum()) - keep), self.buckets.prefill)
-        self.cache, self.state, out = self._track(
-            "prefill_pruned", (c, layer, keep, out_len), self._prefill_pruned, self.lm_leaves, self.cache,
-            self.state, ids, emb, mask, pos, np.int32(chunk.slot), np.int32(n), np.int32(chunk.rope_delta),
-            chunk.sampling, np.asarray(chunk.key, np.uint32), spans, vrow, bits, layer=layer, keep=keep,
-            out_len=out_len, wait=wait)
-        return self._output("prefill_pruned", out, wait)
+        return ((c, layer, keep, out_len),
+                (ids, emb, mask, pos, np.int32(chunk.slot), np.int32(n), np.int32(chunk.rope_delta), chunk.sampling,
+                 np.asarray(chunk.key, np.uint32), spans, vrow, bits),
+                dict(layer=layer, keep=keep, out_len=out_len))
+
+    # ---- shapes compiled off the engine thread --------------------------------------------------
+    def ready(self, chunks: list[PrefillChunk], prune: tuple[int, int] | None = None) -> bool:
+        """Can `prefill(chunks, prune)` run now without compiling on the calling thread? The
+        steps a single request reaches beyond the ladders `warmup` compiles, a FastV call
+        (prefill_pruned: one shape per chunk, layer, keep and output length) and a
+        prompt_logprobs call not warmed up (prefill_scores), compile in a background thread,
+        ahead of time, their executable then kept for that shape: until it is done this says
+        False (the engine serves the shapes that exist meanwhile). The compile's error, if it
+        failed, is raised here once. Other calls: True (they compile on first use; `warmup`
+        compiles them all up front)."""
+        spec = self._ahead_spec(chunks, prune)
+        if spec is None:
+            return True
+        kind, shape, fn, args, kw = spec
+        if shape in self.compiled[kind]:
+            return True
+        key = (kind, shape)
+        fut = self._compiling.get(key)
+        if fut is None:
+            abstract = jax.tree.map(_abstract, (self.lm_leaves, self.cache, self.state) + tuple(args))
+            self._compiling[key] = _compile_pool().submit(self._compile_ahead, kind, shape, fn, abstract, kw)
+            return False
+        if not fut.done():
+            return False
+        del self._compiling[key]
+        executable, dt = fut.result()        # its error, if the compile failed
+        self._aot[key] = executable
+        self.compiled[kind].add(shape)
+        self.compile_seconds += dt
+        return True
+
+    def _ahead_spec(self, chunks: list[PrefillChunk], prune):
+        """(kind, shape, jitted step, array arguments after params / cache / state, static kwargs) of a
+        call `ready` compiles off the calling thread; None for the others."""
+        if self._announce is not None or not chunks:       # multi-host: every process compiles in step
+            return None
+        if prune is not None:
+            shape, args, kw = self._pruned_args(chunks[0], prune)
+            return "prefill_pruned", shape, self._prefill_pruned, args, kw
+        if chunks[0].next_ids is not None:
+            shape, args = self._scores_args(chunks[0])
+            return "prefill_scores", shape, self._prefill_scores, args, {}
+        return None
+
+    def compile_key(self, chunks: list[PrefillChunk], prune=None) -> tuple | None:
+        """(kind, shape) of the call `ready` looked at (None: one that never waits)."""
+        spec = self._ahead_spec(chunks, prune)
+        return None if spec is None else spec[:2]
+
+    def compile_done(self, key: tuple | None) -> bool:
+        """Is the background compile of `key` (`compile_key`) over (or none running)?"""
+        fut = self._compiling.get(key) if key is not None else None
+        return fut is None or fut.done()
+
+    def _compile_ahead(self, kind: str, shape, fn, abstract: tuple, kw: dict):
+        """(executable, seconds) of `fn` for these abstract arguments (in the compile thread)."""
+        t0 = time.perf_counter()
+        with compiling_for(self.tuning.platform):
+            executable = fn.lower(*abstract, **kw).compile()
+        dt = time.perf_counter() - t0
+        log.info("compiled %s %s in %.2fs (in the background)", kind, shape, dt)
+        return executable, dt
+
+    def compiling(self) -> int:
+        """Compiles running in the background (`ready`)."""
+        return len(self._compiling)
+
+    def wait_compiling(self, timeout: float) -> None:
+        """Wait up to `timeout` s for one of the background compiles to finish."""
+        if self._compiling:
+            concurrent.futures.wait(list(self._compiling.values()), timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     def fill_cross(self, slot: int, feats: list[np.ndarray], n_tiles: list[int], dec: int) -> None:
         """Cross-attention families: write one request's images (feats: per image [vision tokens,
@@ -930,6 +1060,10 @@ class ModelRunner:
                 self.prefill([PrefillChunk(i, 0, np.zeros(c // s, np.int32), None, np.zeros(c // s, bool),
                                            np.zeros((rows, c // s), np.int32), 0, self._idle_sampling,
                                            np.zeros(2, np.uint32)) for i in range(s)])
+        for c in self.score_buckets:              # prompt_logprobs: the prefill_scores step
+            self.prefill([PrefillChunk(0, 0, np.zeros(c, np.int32), None, np.zeros(c, bool),
+                                       np.zeros((rows, c), np.int32), 0, self._idle_sampling, np.zeros(2, np.uint32),
+                                       next_ids=np.zeros(c, np.int32))])
         for r in self.buckets.decode:
             for steps in self._decode_step_counts:
                 self.decode(steps, r, steps=steps)
@@ -1106,7 +1240,8 @@ class ModelRunner:
 
     def compiled_counts(self) -> dict[str, int]:
         """Distinct shapes compiled per step kind ("prefill_pruned" only once a FastV request ran,
-        "prefill_scores" once a prompt_logprobs request did: neither is part of warmup)."""
+        "prefill_scores" once a prompt_logprobs request or warmup did: FastV shapes are not part
+        of warmup, they compile in the background, `ready`)."""
         return {k: len(v) for k, v in self.compiled.items()
                 if v or k not in ("prefill_pruned", "copy_slot", "prefill_scores")}
 
@@ -1115,4 +1250,5 @@ class ModelRunner:
         return {"encode": len(self.warmup_plan()),
                 "prefill": len(self.buckets.prefill) * len(self.buckets.segments),
                 "decode": len(self.buckets.decode) * len(self._decode_step_counts), "copy_slot": 1,
+                "prefill_scores": len(self.score_buckets),
                 **({"fill_cross": 1} if self.family.cross_attention else {})}

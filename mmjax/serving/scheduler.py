@@ -104,9 +104,12 @@ class Scheduler:
         reserve: tokens of a mixed step's riders (running requests whose decode rides in the
         call). A prompt chunked anyway leaves them that much room (its chunk is shorter, and
         nothing is packed behind it), so that they ride instead of a decode call of their own;
-        a prompt that fits whole is never split for them (its first token would wait a call)."""
+        a prompt that fits whole is never split for them (its first token would wait a call).
+        A request whose step is still compiling off the engine thread (`compile_wait`) is passed
+        over: it takes no budget until that is done."""
         plan, budget, packed = [], self.prefill_chunk, self.max_segments > 1
-        for req in (r for r in self.slots if r is not None and r.prefilling):
+        # a request whose step is compiling in the background (Engine._await_compile) waits
+        for req in (r for r in self.slots if r is not None and r.prefilling and r.compile_wait is None):
             rest = req.prompt_len - req.prefilled
             if budget <= 0 or (packed and len(plan) == self.max_segments):
                 break

@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from mmjax.errors import VideoTooLargeError
+from mmjax.errors import InvalidRequestError, VideoTooLargeError
 from mmjax.models.family import Family, ImageInput, VideoOptions
 from mmjax.video.decode import PARAM, VideoClip, VideoLimits, VideoMeta, decode_frames, probe_video
 from mmjax.video.processors import VideoPlan
@@ -66,6 +66,9 @@ def plan_video(family: Family, source: Any, limits: VideoLimits = VideoLimits(),
     """Probe and plan without decoding: (clip, plan); every limit known from the metadata raises here."""
     fps = source.get("fps") if isinstance(source, dict) else None
     if isinstance(source, dict):
+        for k in source:
+            if k not in ("frames", "video", "fps"):
+                raise InvalidRequestError(f"unknown video key {k!r} (known: frames, video, fps)", param=k)
         source = source.get("frames", source.get("video"))
     clip = probe_video(source, limits, fps=fps)
     plan = family.plan_video(clip.meta, opts)

@@ -172,11 +172,10 @@ class Qwen2VLVideoPolicy:
         n = len(indices)
         gt = (n + (-n % self.temporal_patch_size)) // self.temporal_patch_size
         gh, gw = rh // self.patch_size, rw // self.patch_size
-        # VideoMetadata.sampled_fps: len(indices) / total * fps, or fps (24 when unknown) when not sampled
-        if meta.fps and meta.codec != "frames":
-            sampled_fps = n / meta.total_frames * meta.fps
-        else:
-            sampled_fps = meta.fps or 24.0
+        # VideoMetadata.sampled_fps: len(indices) / total * fps, the same for a container and for a
+        # list of frames given with its rate (HF samples an array video with metadata the same
+        # way, and sets frames_indices); 24 when the rate is unknown
+        sampled_fps = n / meta.total_frames * meta.fps if meta.fps else 24.0
         # meta.fps: a list of frames' hash does not cover the rate it was given with (sampled_fps)
         key = ("qwen2_vl_video", tuple(int(i) for i in indices), meta.fps, lo, hi, self.patch_size,
                self.temporal_patch_size, self.merge_size, self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean,
