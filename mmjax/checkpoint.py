@@ -18,12 +18,13 @@ class TensorSource:
     """Lazy reader over one or many (sharded) safetensors files with name normalisation.
 
     `take(name, shape)` returns a float32-or-native numpy array and records the name as used;
-    `check_all_used()` raises naming every unexpected tensor.
+    `check_all_used()` raises naming every unexpected tensor. Each tensor is read from its file's
+    byte range into a buffer of its own (the header's offsets), not through a memory map: a
+    mapped file's pages count in the process's resident memory once read, so loading through one
+    held a second copy of the whole checkpoint until the end.
     """
 
     def __init__(self, model_dir: str | os.PathLike, normalize: Callable[[str], str] = lambda s: s):
-        from safetensors import safe_open
-
         d = Path(model_dir)
         index = d / "model.safetensors.index.json"
         if index.is_file():
@@ -34,17 +35,16 @@ class TensorSource:
         if not files:
             raise CheckpointError(f"{d}: no *.safetensors weights found (only safetensors are supported)",
                                   param="model")
-        self._handles = {}
+        self._headers: dict[str, tuple[dict, int]] = {}
         self._paths: dict[str, Path] = {}
         self._where: dict[str, tuple[str, str]] = {}
         for f in files:
             path = d / f
             if not path.is_file():
                 raise CheckpointError(f"{d}: shard {f} named in the index is missing", param="model")
-            h = safe_open(str(path), framework="numpy")
-            self._handles[f] = h
+            self._headers[f] = _header(path)
             self._paths[f] = path
-            for raw in h.keys():
+            for raw in self._headers[f][0]:
                 self._where[normalize(raw)] = (f, raw)
         self._used: set[str] = set()
         self._ignored: set[str] = set()
@@ -71,11 +71,15 @@ class TensorSource:
         return arr
 
     def _get(self, f: str, raw: str) -> np.ndarray:
-        try:
-            return self._handles[f].get_tensor(raw)
-        except (AttributeError, TypeError):
-            # safetensors' numpy reader has no float8: read the bytes (header offsets) ourselves
-            return _read_fp8(self._paths[f], raw)
+        meta, start = self._headers[f]
+        m = meta[raw]
+        dtype = _DTYPES.get(m["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self._paths[f].name}: tensor '{raw}' has dtype {m['dtype']}, which is not "
+                                  f"supported", param=raw)
+        b, e = m["data_offsets"]
+        data = np.fromfile(self._paths[f], dtype=np.uint8, count=e - b, offset=start + b)
+        return data.view(dtype).reshape(m["shape"])
 
     def _dequantize_fp8(self, name: str, w: np.ndarray) -> np.ndarray:
         """An fp8 "compressed-tensors" / FBGEMM-fp8 Linear weight [out, in] (float8_e4m3fn) with
@@ -140,24 +144,27 @@ class TensorSource:
             raise CheckpointError(f"checkpoint has unexpected weights: {shown}", param=extra[0])
 
 
-try:
-    import ml_dtypes
-    _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-except ImportError:  # pragma: no cover - ml_dtypes ships with jax
-    _FP8 = None
+import ml_dtypes  # noqa: E402 (ships with jax)
+
+_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+           "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": _FP8, "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+           "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+           "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8),
+           "BOOL": np.dtype(np.bool_)}
 
 
-def _read_fp8(path: Path, raw: str) -> np.ndarray:
-    """One F8_E4M3 tensor of a safetensors file, read from its header's byte offsets."""
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's tensor table {name: {dtype, shape, data_offsets}} and where its data
+    starts."""
     with open(path, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
-        meta = json.loads(fh.read(n))[raw]
-    if meta["dtype"] != "F8_E4M3":
-        raise CheckpointError(f"{path.name}: tensor '{raw}' has dtype {meta['dtype']}, which is not supported",
-                              param=raw)
-    b, e = meta["data_offsets"]
-    data = np.fromfile(path, dtype=np.uint8, count=e - b, offset=8 + n + b)
-    return data.view(_FP8).reshape(meta["shape"])
+        try:
+            meta = json.loads(fh.read(n))
+        except ValueError:
+            raise CheckpointError(f"{path.name}: not a safetensors file (unreadable header)", param="model") from None
+    meta.pop("__metadata__", None)
+    return meta, 8 + n
 
 
 def save_module(module, directory: str | os.PathLike) -> Path:
