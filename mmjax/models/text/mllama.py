@@ -43,13 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmjax.errors import UnsupportedModelError
 from mmjax.models.nn.attention import Attention
 from mmjax.models.nn.capture import sow
 from mmjax.models.nn.decoder import Decoder
 from mmjax.models.nn.kv_cache import cache_kv_heads
 from mmjax.models.nn.kv_quant import SCALE_DTYPE, bytes_per_token, is_quantized, layer_scales, quantize
-from mmjax.models.nn.linear import Embed, FusedLinear, Linear, Part, bf16_einsum, check_divisible, param
+from mmjax.models.nn.linear import Embed, FusedLinear, Linear, Part, bf16_einsum, param
 from mmjax.models.nn.metadata import AttentionMetadata, MaskSpec
 from mmjax.models.nn.mlp import GatedMLP
 from mmjax.models.nn.norm import RMSNorm
@@ -258,15 +257,6 @@ class MllamaTextModel(Decoder):
     @property
     def cross_layers(self) -> tuple[int, ...]:
         return self.config.cross_layers
-
-    def check_tensor_parallel(self, tp: int) -> None:
-        c = self.config.base
-        for i, layer in enumerate(self.layers):
-            parts = layer.cross_attn.kv_proj.parts if i in self.cross_layers else layer.self_attn.qkv_proj.parts
-            check_divisible(parts + (Part("q_proj", c.num_heads * c.head_dim, "heads", c.head_dim),), tp)
-        if c.intermediate_size % tp:
-            raise UnsupportedModelError(f"tensor_parallel={tp} does not divide intermediate_size={c.intermediate_size}",
-                                        param="tensor_parallel")
 
     def hf_weights(self, w, name: str, lm_head: str) -> None:
         """`name`: the HF prefix of the MllamaTextModel ("language_model.model"); lm_head: the LM
