@@ -73,12 +73,12 @@ def main(path: str, tps: list[int]) -> dict:
         runner = vlm.engine.runner
         st = vlm.engine.stats()
         lm_state = nnx.state(vlm.model.language_model)
-        weights = sharded(jax.tree.map(lambda v: v.get_value(), lm_state, is_leaf=lambda x: isinstance(x, nnx.Variable)),
-                          tp)
+        values = jax.tree.map(lambda v: v.get_value(), lm_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        weights = sharded(values, tp)
         cross = runner.cache["cross"]
         out[f"tp{tp}"] = {
-            "ids_equal": got == want,
-            "logprob_diff": max(abs(a - b) for x, y in zip(lp, want_lp) for a, b in zip(x, y)), "ids_again_equal": again == want, "tokens_cached": st["tokens_cached"],
+            "ids_equal": got == want, "ids_again_equal": again == want, "tokens_cached": st["tokens_cached"],
+            "logprob_diff": max(abs(a - b) for x, y in zip(lp, want_lp) for a, b in zip(x, y)),
             "mesh": st["mesh"], "packed_prefills": sorted(s for c, s in runner.compiled["prefill"]),
             "weights": weights, "cross_cache": sharded(cross, tp), "self_cache": sharded(runner.cache["self"], tp),
             "cross_k_shape": list(cross["k"][0].shape),

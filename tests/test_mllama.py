@@ -218,18 +218,20 @@ def test_tensor_parallel_matches_one_device(mllama_dirs):
 
     from conftest import FAST_COMPILE_FLAGS
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE_FLAGS}   # the worker adds its device count
-    p = subprocess.run([sys.executable, os.path.join(here, "mllama_tp_worker.py"), str(mllama_dirs["tiles4"]), "2", "4"],
-                       capture_output=True, text=True, timeout=900, env=env, cwd=os.path.dirname(here))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE_FLAGS}   # the worker adds its devices
+    worker = os.path.join(here, "mllama_tp_worker.py")
+    p = subprocess.run([sys.executable, worker, str(mllama_dirs["tiles4"]), "2", "4"], capture_output=True, text=True,
+                       timeout=900, env=env, cwd=os.path.dirname(here))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"worker failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     res = json.loads(lines[-1][len("RESULT "):])
     assert len({tuple(ids) for ids in res["ids_1dev"]}) >= 3, "requests should differ"
     # per layer: self-attention qkv / o or cross-attention q / kv / o, gate_up / down; embed, lm_head
-    want = {f"['layers'][{i}]['{m}']['{w}']['kernel']" for i in range(5) for m, ws in
-            ((("cross_attn", ("q_proj", "kv_proj", "o_proj")) if i in (1, 3) else ("self_attn", ("qkv_proj", "o_proj"))),
-             ("mlp", ("gate_up_proj", "down_proj"))) for w in ws} | {"['embed_tokens']['embedding']",
-                                                                   "['lm_head']['kernel']"}
+    cross, selfs = ("cross_attn", ("q_proj", "kv_proj", "o_proj")), ("self_attn", ("qkv_proj", "o_proj"))
+    layer = {i: cross if i in (1, 3) else selfs for i in range(5)}
+    want = {f"['layers'][{i}]['{m}']['{w}']['kernel']" for i in range(5)
+            for m, ws in (layer[i], ("mlp", ("gate_up_proj", "down_proj"))) for w in ws}
+    want |= {"['embed_tokens']['embedding']", "['lm_head']['kernel']"}
     for tp, heads in ((2, 2), (4, 4)):
         r, where = res[f"tp{tp}"], f"tp{tp}"
         assert r["mesh"]["axes"] == {"data": 1, "model": tp}, where

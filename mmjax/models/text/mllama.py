@@ -43,13 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmjax.errors import UnsupportedModelError
 from mmjax.models.nn.attention import Attention
 from mmjax.models.nn.capture import sow
 from mmjax.models.nn.decoder import Decoder
 from mmjax.models.nn.kv_cache import cache_kv_heads
 from mmjax.models.nn.kv_quant import SCALE_DTYPE, bytes_per_token, is_quantized, layer_scales, quantize
-from mmjax.models.nn.linear import Embed, FusedLinear, Linear, Part, bf16_einsum, check_divisible, param
+from mmjax.models.nn.linear import Embed, FusedLinear, Linear, Part, bf16_einsum, param
 from mmjax.models.nn.metadata import AttentionMetadata, MaskSpec
 from mmjax.models.nn.mlp import GatedMLP
 from mmjax.models.nn.norm import RMSNorm
@@ -119,8 +118,8 @@ class MllamaTextCrossAttention(nnx.Module):
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.head_dim = hd
         self.q_proj = Linear(d, h * hd, dtype=dtype, axes=("embed", "heads"))
-        self.kv_proj = FusedLinear(d, (Part("k_proj", kvh * hd, "kv_heads", hd), Part("v_proj", kvh * hd, "kv_heads", hd)),
-                                   dtype=dtype)
+        self.kv_proj = FusedLinear(d, (Part("k_proj", kvh * hd, "kv_heads", hd),
+                                       Part("v_proj", kvh * hd, "kv_heads", hd)), dtype=dtype)
         self.o_proj = Linear(h * hd, d, dtype=dtype, axes=("heads", "embed"))
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
@@ -150,17 +149,20 @@ class MllamaTextCrossAttention(nnx.Module):
         allowed [n, t, n_vis] -> [n, t, heads, hd]. scales: (k_scale, v_scale) [n, g, n_vis] of an
         int8 / fp8 cache, applied to the scores and to the softmax weights (kv_quant)."""
         n, t, h, hd = q.shape
-        g = k.shape[1]
-        q = q.reshape(n, t, g, h // g, hd)
-        s = bf16_einsum("btgrd,bgdn->bgrtn", q, k.astype(q.dtype)) * hd ** -0.5
-        if scales is not None:      # [n, g, n_vis] -> [n, g, 1, 1, n_vis]
-            s = (s.astype(jnp.float32) * scales[0].astype(jnp.float32)[:, :, None, None]).astype(s.dtype)
-        s = jnp.where(allowed[:, None, None], s, jnp.finfo(s.dtype).min)
+        g, m = k.shape[1], k.shape[-1]
+        # queries [n, g, t * r, hd] (the self-attention's grouping): both products then have their
+        # batch axes leading, the form XLA:CPU's bf16 x bf16 -> f32 dots take
+        qn = q.reshape(n, t, g, h // g, hd).transpose(0, 2, 1, 3, 4).reshape(n, g, -1, hd)
+        s = bf16_einsum("bgqd,bgdn->bgqn", qn, k.astype(q.dtype)) * hd ** -0.5
+        if scales is not None:      # [n, g, n_vis] -> [n, g, 1, n_vis]
+            s = (s.astype(jnp.float32) * scales[0].astype(jnp.float32)[:, :, None]).astype(s.dtype)
+        s = jnp.where(allowed[:, None, :, None], s.reshape(n, g, t, -1, m), jnp.finfo(s.dtype).min).reshape(s.shape)
         a = jax.nn.softmax(s.astype(jnp.float32), axis=-1)
         if scales is not None:
-            a = a * scales[1].astype(jnp.float32)[:, :, None, None]
+            a = a * scales[1].astype(jnp.float32)[:, :, None]
         a = a.astype(q.dtype)
-        return bf16_einsum("bgrtn,bgnd->btgrd", a, v.astype(q.dtype)).reshape(n, t, h, hd)
+        out = bf16_einsum("bgqn,bgnd->bgqd", a, v.astype(q.dtype))                   # [n, g, t * r, hd]
+        return out.reshape(n, g, t, -1, hd).transpose(0, 2, 1, 3, 4).reshape(n, t, h, hd)
 
     def __call__(self, x: jax.Array, meta: AttentionMetadata, inputs: CrossInputs, kv: dict) -> jax.Array:
         """x [b, t, hidden] (normed) over this layer's cross cache `kv` ({"k", "v"(, scales)}, all
@@ -255,15 +257,6 @@ class MllamaTextModel(Decoder):
     @property
     def cross_layers(self) -> tuple[int, ...]:
         return self.config.cross_layers
-
-    def check_tensor_parallel(self, tp: int) -> None:
-        c = self.config.base
-        for i, layer in enumerate(self.layers):
-            parts = layer.cross_attn.kv_proj.parts if i in self.cross_layers else layer.self_attn.qkv_proj.parts
-            check_divisible(parts + (Part("q_proj", c.num_heads * c.head_dim, "heads", c.head_dim),), tp)
-        if c.intermediate_size % tp:
-            raise UnsupportedModelError(f"tensor_parallel={tp} does not divide intermediate_size={c.intermediate_size}",
-                                        param="tensor_parallel")
 
     def hf_weights(self, w, name: str, lm_head: str) -> None:
         """`name`: the HF prefix of the MllamaTextModel ("language_model.model"); lm_head: the LM
