@@ -148,7 +148,7 @@ class MMJaxSide:
         self.vlm1 = mmjax.load(path, dtype, quantize=quantize, max_num_seqs=1, max_model_len=max_model_len,
                                prefill_chunk=prefill_chunk, max_encode_batch=8, kv_cache_dtype=kv_cache_dtype)
         self.load_s = time.perf_counter() - t0
-        self.vlm8 = VLM(self.vlm1.model, max_num_seqs=8, max_model_len=max_model_len,
+        self.vlm8 = VLM(self.vlm1.loaded, max_num_seqs=8, max_model_len=max_model_len,
                         prefill_chunk=prefill_chunk, max_encode_batch=8, kv_cache_dtype=kv_cache_dtype)
         self.arch = Arch.from_family(self.vlm1.family)
         self.mmjax = mmjax

@@ -179,7 +179,7 @@ class Placement:
     @property
     def all_rules(self) -> tuple:
         """The rules this placement applies (vision ones first when the ViT is tensor parallel)."""
-        return (VISION_TP_RULES + self.rules) if self.vision_tp else self.rules
+        return (self.rules + VISION_TP_RULES) if self.vision_tp else self.rules    # (later rules win)
 
     def sharding_of(self, value: Any, axes: tuple) -> Any:
         """NamedShardings for one weight (an array, or a QArray's values and scales) from its

@@ -167,39 +167,47 @@ def test_sharded_steps_lower_for_cuda(tp_checkpoints):
 
 
 def test_tp_layout_keeps_the_math(tmp_path):
-    """tp_layout + the grouped forward (run on one device) give the same layer output as the
-    fused single-device weights, including KV-head replication (tp 8 > 2 KV heads) and a vocab
+    """tp_layout + the grouped forward (run on one device) give the same logits as the fused
+    single-device weights, including KV-head replication (tp 8 > 2 KV heads) and a vocab
     padded to a multiple of tp (401 -> 408)."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
-    from mmjax.models.text.llama import LlamaConfig, LlamaTextModel, tp_layout
-    from mmjax.models.text.rope import RopeConfig
+    from mmjax.models.nn import AttentionMetadata
+    from mmjax.models.nn.rope import RopeConfig
+    from mmjax.models.text.llama import LlamaConfig, LlamaModel
+    from mmjax.serving.placed_model import tp_layout
 
     cfg = LlamaConfig(vocab_size=401, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
                       num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=256,
                       rope=RopeConfig.from_hf({"rope_theta": 10000.0}, "t"), attention_bias=True)
     rng = np.random.default_rng(0)
-    d, q, kv, i = 64, 64, 16, 96
-
-    def w(*s):
-        return rng.standard_normal(s).astype(np.float32) * 0.1
-    layer = lambda: {"ln1": 1 + w(d), "qkv": {"w": w(d, q + 2 * kv), "b": w(q + 2 * kv)}, "o": {"w": w(q, d)},  # noqa: E731
-                     "ln2": 1 + w(d), "gate_up": {"w": w(d, 2 * i)}, "down": {"w": w(i, d)}}
-    params = {"embed": w(401, d), "layers": [layer(), layer()], "norm": 1 + w(d), "lm_head": w(d, 401)}
+    lm = LlamaModel(cfg)
+    flat = nnx.to_flat_state(nnx.state(lm))     # random weights (norm scales around 1), host arrays
+    nnx.update(lm, nnx.from_flat_state([(p, v.replace(rng.standard_normal(v.get_value().shape).astype(np.float32)
+                                                       * 0.1 + (p[-1] == "scale"))) for p, v in flat]))
     ids = jnp.asarray(rng.integers(0, 401, (2, 5)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(5)[None, None], (1, 2, 5))
 
-    def run(tm, p):
-        out = tm.forward(p, tm.embed(p, ids), pos, tm.init_cache(2, 16, jnp.float32), jnp.zeros(2, jnp.int32), 5)
-        return np.asarray(tm.logits(p, out.hidden))
-    base = run(LlamaTextModel(cfg), jax.tree.map(jnp.asarray, params))
+    def run(lm, tp=1):
+        graphdef, state = nnx.split(lm)
+
+        @jax.jit
+        def logits(state):
+            lm = nnx.merge(graphdef, state)
+            hidden, _ = lm(lm.embed(ids), AttentionMetadata(pos, jnp.zeros(2, jnp.int32), 5),
+                           lm.init_cache(2, 16, jnp.float32, tp=tp))
+            return lm.logits(hidden)
+        return np.asarray(logits(state))
+    base = run(lm)
     for tp in (2, 8):
-        tm = LlamaTextModel(cfg).tensor_parallel(tp)
-        laid = tp_layout(params, cfg, tp)
-        assert laid["layers"][0]["qkv"]["w"].shape[:2] == (d, tp)
-        assert laid["embed"].shape[0] % tp == 0 and laid["lm_head"].shape[1] % tp == 0
-        got = run(tm, jax.tree.map(jnp.asarray, laid))
+        laid = nnx.clone(lm)
+        tp_layout(laid, tp)
+        assert laid.layers[0].self_attn.qkv_proj.kernel.get_value().shape[:2] == (64, tp)
+        assert laid.embed_tokens.embedding.get_value().shape[0] % tp == 0
+        assert laid.lm_head.kernel.get_value().shape[1] % tp == 0
+        got = run(laid, tp)
         assert got.shape == base.shape
         np.testing.assert_allclose(got, base, rtol=1e-5, atol=1e-5)
 
@@ -341,6 +349,8 @@ def test_one_device_stats_and_metrics_report_the_mesh(llava_dirs):
     (one device here: the totals)."""
     import jax
 
+    from flax import nnx
+
     from mmjax.api import load_model
     from mmjax.serving.engine import Engine
     from serve.metrics import ServerMetrics
@@ -349,7 +359,7 @@ def test_one_device_stats_and_metrics_report_the_mesh(llava_dirs):
     eng = Engine(model, max_num_seqs=2, max_model_len=128, prefill_chunk=32)
     st = eng.stats()
     assert st["mesh"]["devices"] == 1
-    weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.module)))
     cache = sum(x.nbytes for x in jax.tree.leaves(eng.runner.cache))
     assert list(st["weight_bytes_per_device"].values()) == [weights] == [st["weight_bytes_max_device"]]
     assert list(st["kv_cache_bytes_per_device"].values()) == [cache] == [st["kv_cache_bytes_max_device"]]
