@@ -31,7 +31,8 @@ KEEPALIVE_TIMEOUT = 3.0
 LINGERING = 1.0
 KEEPALIVE_MAX = 3
 SLACK = 2.0                 # scheduling slack on a loaded 2-core machine
-LATENCY_FLOOR = 2.0         # a good request may always take this long (solo latency is ~0.1 s)
+LATENCY_FLOOR = 5.0         # a good request may always take this long: solo latency is ~0.1 s, but the
+                            # other xdist worker's compiles share CI's two cores (2.3 s seen there)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GOOD = [{"role": "user", "content": [img_part(data_uri(7)), {"type": "text", "text": "what is it?"}]}]
