@@ -87,3 +87,49 @@ def test_kvpages_share_grow_fork_release():
     big = _req(list(range(200)), ps)
     assert not kv.admit(big, 3, [], 17 * ps) and kv.pool.num_used == 0
     kv.check()
+
+
+@pytest.mark.parametrize("t,window", [(1, None), (5, None), (5, 20)])
+def test_paged_attention_matches_slots(t, window):
+    """The paged layout's writes and attention (XLA path) == the slot layout's (the CPU kernels
+    where they apply), rows' pages scattered over the pool in a random order."""
+    import jax
+    import jax.numpy as jnp
+    from mmjax.models.nn.kv_cache import cache_attention, kv_layer, kv_segments, scatter_kv
+    from mmjax.models.nn.metadata import MaskSpec
+    rng = np.random.default_rng(0)
+    slots, max_len, ps, kvh, hd, h = 3, 96, 16, 2, 8, 4
+    max_pages, num_pages = max_len // ps, 20
+    lengths = np.array([40, 77, 9], np.int32)
+    pool_order = rng.permutation(num_pages)[:slots * max_pages].reshape(slots, max_pages)
+    table = np.where(np.arange(max_pages)[None] < -(-(lengths[:, None] + t) // ps), pool_order, num_pages)
+    table = table.astype(np.int32)
+    dense = kv_layer(slots, kvh, hd, kv_segments(max_len), jnp.float32)
+    paged = kv_layer(num_pages, kvh, hd, [ps], jnp.float32)
+    # the cached prefixes, then the new tokens, written the same way into both
+    idx = np.broadcast_to(np.arange(max_len), (slots, max_len))
+    k0, v0 = (jnp.asarray(rng.normal(size=(slots, max_len, kvh, hd)), jnp.float32) for _ in range(2))
+    keep = jnp.asarray(np.where(idx < lengths[:, None], idx, 10 ** 6), jnp.int32)
+    rows = jnp.arange(slots)
+    dense = scatter_kv(dense, k0, v0, keep, rows)
+    paged = scatter_kv(paged, k0, v0, keep, rows, jnp.asarray(table))
+    q = jnp.asarray(rng.normal(size=(slots, t, h, hd)), jnp.float32)
+    q_index = jnp.asarray(lengths[:, None] - t + 1 + np.arange(t)[None], jnp.int32) if t > 1 else \
+        jnp.asarray(lengths[:, None], jnp.int32)
+    mask = None if window is None else MaskSpec(sliding_window=window)
+    kv_len = int(lengths.max()) + 1
+    use = None if t == 1 else jnp.asarray([2, 0, 1], jnp.int32)
+    perm = np.arange(slots) if use is None else np.asarray(use)
+    qi = q_index[perm]
+    a = cache_attention(q, dense["k"], dense["v"], qi, kv_len, use, mask=mask)
+    b = cache_attention(q, paged["k"], paged["v"], qi, kv_len, use, mask=mask, pages=jnp.asarray(table))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # an unused table entry (num_pages) drops its write: the pool is unchanged beyond the rows' pages
+    stray = scatter_kv(paged, k0[:, :1], v0[:, :1], jnp.full((slots, 1), max_len - 1, jnp.int32), rows,
+                       jnp.asarray(table))
+    same = table[:, -1] == num_pages
+    assert same.any()
+    used = np.unique(table[~same, -1])
+    untouched = np.setdiff1d(np.arange(num_pages), used)
+    np.testing.assert_array_equal(np.asarray(stray["k"][0])[untouched], np.asarray(paged["k"][0])[untouched])
+    jax.clear_caches()

@@ -17,13 +17,18 @@ from flax import nnx
 from mmjax.attention import attention
 from mmjax.models.nn.capture import sow
 from mmjax.models.nn.kv_cache import (attention_kernel, cache_attention, cache_kv_heads, captured_attention,
-                                      cpu_decode_write, dequantize, explicit_attention, kv_layer, kv_segments,
+                                      cpu_decode_write, dense_rows, dequantize, explicit_attention, kv_layer,
+                                      kv_segments,
                                       layer_scales, quantize_kv, ring_attention, ring_key_index, ring_len,
                                       ring_visible, scatter_kv, scatter_segment, softcapped_attention)
 from mmjax.models.nn.linear import FusedLinear, Linear, Part
 from mmjax.models.nn.metadata import AttentionMetadata, MaskSpec
 from mmjax.models.nn.norm import RMSNorm
 from mmjax.models.nn.rope import apply_rope
+
+
+def _scale_dict(scales: tuple | None) -> dict:
+    return {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
 
 
 class Attention(nnx.Module):
@@ -63,10 +68,16 @@ class Attention(nnx.Module):
             self.k_norm.hf_weights(w, f"{name}.k_norm")
 
     # ---- the cache -----------------------------------------------------------------------------
-    def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1) -> dict:
+    def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1,
+                   pages: tuple[int, int] | None = None) -> dict:
         """This layer's zero cache: a ring of `ring_len` positions, or segments over max_len
-        (`kv_segments`); KV heads replicated to tp when fewer (`cache_kv_heads`)."""
+        (`kv_segments`); KV heads replicated to tp when fewer (`cache_kv_heads`). pages
+        (num_pages, page_size): a pool of pages instead (rows = pages, one segment of page_size
+        positions; the step's `AttentionMetadata.pages` maps cache rows to them); a ring keeps
+        its rows per slot."""
         heads = cache_kv_heads(self.num_kv_heads, tp)
+        if pages is not None and not self.ring:
+            return kv_layer(pages[0], heads, self.head_dim, [pages[1]], dtype)
         cuts = [ring_len(self.sliding_window, max_len, max_chunk)] if self.ring else kv_segments(max_len)
         return kv_layer(num_slots, heads, self.head_dim, cuts, dtype)
 
@@ -100,44 +111,51 @@ class Attention(nnx.Module):
     def _mask(self, meta: AttentionMetadata) -> MaskSpec | None:
         return meta.mask(self.sliding_window, spans=self.spans)
 
-    def _full(self, q, kts, vs, q_index, kv_len, slots, mask, starts, reduce_small, scales):
+    def _full(self, q, kts, vs, q_index, kv_len, slots, mask, starts, reduce_small, scales, pages=None):
         if self.softcap is None:
             return cache_attention(q, kts, vs, q_index, kv_len, slots, mask=mask, starts=starts,
                                    reduce_small=reduce_small, scale=self.scale, scales=scales,
-                                   window_over_spans=self.window_over_spans)
+                                   window_over_spans=self.window_over_spans, pages=pages)
+        if pages is not None:         # the dense rows of the pages (one block, as the slot layout)
+            kts, vs, scales = dense_rows({"k": kts, "v": vs, **_scale_dict(scales)}, pages, slots, q.shape[0])
+            slots = None
         return softcapped_attention(q, kts, vs, q_index, kv_len, slots, mask=mask, starts=starts, scale=self.scale,
                                     cap=self.softcap, scales=scales)
 
     def _attend_segments(self, q, k, v, meta: AttentionMetadata, kv: dict) -> tuple[jax.Array, dict]:
-        mask, q_index, packing = self._mask(meta), meta.q_index, meta.packing
+        mask, q_index, packing, pages = self._mask(meta), meta.q_index, meta.packing, meta.pages
         capture = meta.captures(self.layer_idx)
         # CPU decode: the kernel writes the new K / V itself, then attends (no scatter into
         # every segment: a handful of small XLA ops per segment and layer)
         if (k is not None and packing is None and not capture and self.softcap is None
-                and attention_kernel(q.shape[1], meta.slots, mask, kv["k"], kv["v"], layer_scales(kv)) == "cpu"):
+                and attention_kernel(q.shape[1], meta.slots, mask, kv["k"], kv["v"], layer_scales(kv), pages) == "cpu"):
             return cpu_decode_write(q, k, v, kv, q_index[:, 0], meta.kv_len, mask, self.scale)
         if k is not None:
-            kv = scatter_kv(kv, k, v, q_index, meta.write_rows)
+            kv = scatter_kv(kv, k, v, q_index, meta.write_rows, pages)
         scales = layer_scales(kv)
         if packing is not None:         # each query block over its own sequence's cache row
             attn = packing.attend(lambda qb, blk: self._full(
                 qb, kv["k"], kv["v"], blk.q_index, blk.kv_len, blk.slots, blk.mask, blk.starts, meta.reduce_small,
-                scales), q, mask)
+                scales, pages), q, mask)
             if packing.riders is not None:     # rows [0, D) as a decode step reads them (after the write)
                 ride = packing.riders
                 window = None if self.sliding_window is None else MaskSpec(sliding_window=self.sliding_window)
                 attn = packing.with_riders(attn, self._full(
                     packing.rider_queries(q), kv["k"], kv["v"], ride.index[:, None], ride.kv_len, None, window,
-                    ride.index, meta.reduce_small, scales))
+                    ride.index, meta.reduce_small, scales, pages))
             return attn, kv
         if capture:
-            attn, probs = explicit_attention(q, kv["k"], kv["v"], q_index, meta.kv_len, meta.slots, mask=mask,
+            kts, vs, slots = kv["k"], kv["v"], meta.slots
+            if pages is not None:
+                kts, vs, scales = dense_rows(kv, pages, slots, q.shape[0])
+                slots = None
+            attn, probs = explicit_attention(q, kts, vs, q_index, meta.kv_len, slots, mask=mask,
                                              starts=meta.starts, scale=self.scale, scales=scales,
                                              window_over_spans=self.window_over_spans, cap=self.softcap)
             self._sow(probs, attn)
             return attn, kv
         return self._full(q, kv["k"], kv["v"], q_index, meta.kv_len, meta.slots, mask, meta.starts,
-                          meta.reduce_small, scales), kv
+                          meta.reduce_small, scales, pages), kv
 
     def _attend_ring(self, q, k, v, meta: AttentionMetadata, kv: dict) -> tuple[jax.Array, dict]:
         b, t = q.shape[:2]

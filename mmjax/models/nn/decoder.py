@@ -73,11 +73,22 @@ class Decoder(nnx.Module):
         """The cache entry layer i reads (and writes, if it owns one)."""
         return i
 
-    def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1) -> Cache:
+    def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1,
+                   pages: tuple[int, int] | None = None) -> Cache:
         """A zero cache for num_slots sequences of up to max_len positions; max_chunk: the most new
-        tokens one call writes per row (a ring sizes itself by it); tp: KV heads replicated to tp."""
-        return [self.layers[i].self_attn.init_cache(num_slots, max_len, dtype, max_chunk=max_chunk, tp=tp)
+        tokens one call writes per row (a ring sizes itself by it); tp: KV heads replicated to tp;
+        pages (num_pages, page_size): full-attention layers hold a page pool instead of a row per
+        slot (`pages_kv`)."""
+        return [self.layers[i].self_attn.init_cache(num_slots, max_len, dtype, max_chunk=max_chunk, tp=tp,
+                                                    pages=pages)
                 for i in self.cache_layers()]
+
+    @property
+    def pages_kv(self) -> bool:
+        """Can this decoder's cache be paged (serving/pages.py)? Every cache layer's KV grows with
+        the sequence (no ring: a sliding-window ring recycles its own positions per slot, and
+        the copy-based prefix reuse stays for those decoders)."""
+        return not any(getattr(self.layers[i].self_attn, "ring", False) for i in self.cache_layers())
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Can the decoder be split over tp shards? Every fused projection's parts (heads, KV

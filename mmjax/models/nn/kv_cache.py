@@ -116,7 +116,8 @@ def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None
 def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len,
                     slots: jax.Array | None = None, *, mask: MaskSpec | None = None,
                     starts: jax.Array | None = None, reduce_small: bool = False, scale: float | None = None,
-                    window_over_spans: bool = False, scales: tuple | None = None) -> jax.Array:
+                    window_over_spans: bool = False, scales: tuple | None = None,
+                    pages: jax.Array | None = None) -> jax.Array:
     """Attention of new queries over a cache given as consecutive segments.
 
     q [b, t, heads, hd]; kts: K segments transposed [slots, kv_heads, hd, len_i], vs: V segments
@@ -143,6 +144,12 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     (`kv_quant.layer_scales`): the quantized segments enter the dots as they are (converted to
     q's dtype in the operand), the scores are multiplied by the key scales and the softmax
     weights by the value scales: no dequantized copy of the cache.
+
+    pages: the page table [cache rows, max_pages] of a paged layer (kts / vs then hold the one
+    page pool, K [num_pages, kv_heads, hd, page_size], V [num_pages, kv_heads, page_size, hd]):
+    the segments are runs of a row's pages (`page_cuts`), each gathered inside its lax.cond
+    branch, so only the pages below kv_len are read (the XLA path; the kernels take slot
+    layouts only: `attention_kernel`).
     """
     b, t, h, hd = q.shape
     kvh = kts[0].shape[1]
@@ -152,7 +159,7 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     # the fused multiply-reduce, where XLA:CPU's dot would first write a converted copy of the segment
     small = reduce_small and n <= SMALL_N and (b * kvh >= SMALL_N_MIN_CALLS or scales is not None)
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
-    kernel = attention_kernel(t, slots, mask, kts, vs, scales)
+    kernel = attention_kernel(t, slots, mask, kts, vs, scales, pages)
     if kernel == "gpu":
         return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
                               scales).reshape(b, 1, h, hd).astype(q.dtype)
@@ -167,10 +174,27 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     if starts is None:
         starts = q_index[:, 0]
 
-    def segment(kt, v, sc, start, top, total, out):
-        # decode: rows [0, b) (a no-op slice when b == slots); prefill: gather its slots
-        rows = (lambda a: a[:b]) if slots is None else (lambda a: a[slots])
-        kt, v, sc = rows(kt), rows(v), jax.tree.map(rows, sc)
+    # decode: rows [0, b) (a no-op slice when b == slots); prefill: gather its slots
+    rows = (lambda a: a[:b]) if slots is None else (lambda a: jnp.take(a, slots, axis=0, mode="clip"))
+    if pages is None:
+        parts = [(kt, v, None if scales is None else (scales[0][i], scales[1][i]))
+                 for i, (kt, v) in enumerate(zip(kts, vs))]
+        sizes = [v.shape[2] for v in vs]
+
+        def fetch(kt, v, sc):
+            return rows(kt), rows(v), jax.tree.map(rows, sc)
+    else:
+        table, page = rows(pages), vs[0].shape[2]
+        pool_sc = None if scales is None else (scales[0][0], scales[1][0])
+        cuts = page_cuts(pages.shape[1], page)
+        parts = [(kts[0], vs[0], pool_sc, table[:, a:a + n]) for a, n in cuts]
+        sizes = [n * page for _, n in cuts]
+
+        def fetch(kt, v, sc, tab):
+            return read_pages(kt, v, sc, tab)
+
+    def segment(part, start, top, total, out):
+        kt, v, sc = fetch(*part)
         size = v.shape[2]
         if small:
             s = (kt[:, :, None].astype(jnp.float32) * qn[..., None].astype(jnp.float32)).sum(axis=3)
@@ -203,25 +227,28 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     # passes it on unchanged
     carry = (jnp.full((b, kvh, n), -jnp.inf), jnp.zeros((b, kvh, n)), jnp.zeros((b, kvh, n, hd)))
     start = 0
-    for i, (kt, v) in enumerate(zip(kts, vs)):
-        sc = None if scales is None else (scales[0][i], scales[1][i])
-        carry = _when(start < kv_len, lambda kt, v, sc, *c, start=start: segment(kt, v, sc, start, *c),
-                      lambda kt, v, sc, *c: c, kt, v, sc, *carry)
-        start += v.shape[2]
+    for part, size in zip(parts, sizes):
+        carry = _when(start < kv_len, lambda part, *c, start=start: segment(part, start, *c),
+                      lambda part, *c: c, part, *carry)
+        start += size
     _, total, out = carry
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
-def attention_kernel(t: int, slots, mask: MaskSpec | None, kts: list, vs: list, scales: tuple | None) -> str | None:
+def attention_kernel(t: int, slots, mask: MaskSpec | None, kts: list, vs: list, scales: tuple | None,
+                     pages: jax.Array | None = None) -> str | None:
     """Which kernel takes this attention (trace time); image runs (spans) always take XLA's
     per-segment path (None). One new token per row over rows [0, b) (decode) goes to "gpu", the
     ragged Pallas kernel (mmjax.attention.decode: no per-segment lax.cond, which a GPU runs as a
     host sync per segment and layer), or "cpu" (mmjax.kernels.cpu_attention) where one covers
     it; any other (prefill: several tokens per row, rows in any slots) to "cpu_prefill", the CPU
-    kernel with each query over its own causal (window) range, where one covers it."""
+    kernel with each query over its own causal (window) range, where one covers it. A paged
+    cache (`pages`) always takes XLA's path (the kernels do not read page tables yet)."""
     from mmjax.attention.decode import supported
     from mmjax.backend import pallas_kernels_enabled
+    if pages is not None:      # the kernels read slot layouts: a paged cache takes the XLA path
+        return None
     if mask is not None and mask.spans is not None:
         return None
     if t == 1 and slots is None:
@@ -321,12 +348,17 @@ def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv
     return out.astype(q.dtype), probs
 
 
-def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array) -> dict:
+def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: jax.Array,
+               pages: jax.Array | None = None) -> dict:
     """Write new K/V [b, t, kv_heads, hd] at cache indexes q_index [b, t] of cache rows `rows`
     [b] (or [b, t]: a row per token, a packed prefill) into the segments of one layer's {"k",
     "v"(, "k_scale", "v_scale")} -> the updated layer dict (an int8 / fp8 cache quantizes on
-    write: `kv_quant.quantize`). See the comment in `layer_forward` for the index scheme."""
+    write: `kv_quant.quantize`). See the comment in `layer_forward` for the index scheme.
+    pages: a paged layer's page table [cache rows, max_pages]: each token goes to (page,
+    offset) of the pool (`page_slots`), the one segment's rows being pages."""
     t = k.shape[1]
+    if pages is not None:
+        rows, q_index = page_slots(pages, rows, q_index, kv["v"][0].shape[2], kv["v"][0].shape[0])
     new = quantize_kv(kv, k, v)
     if cpu_library.enabled():       # one kernel call writes every token once, in place
         kq, vq, ks, vs = new
@@ -347,6 +379,54 @@ def scatter_kv(kv: dict, k: jax.Array, v: jax.Array, q_index: jax.Array, rows: j
             out[name].append(seg)
         start += size
     return out
+
+
+# ---- the paged layout ----------------------------------------------------------------------------
+
+def page_cuts(max_pages: int, page_size: int) -> list[tuple[int, int]]:
+    """(first page, pages) of each segment a paged row is read in: `kv_segments` over the row's
+    max_pages * page_size positions, each rounded up to whole pages (the same lax.cond skipping
+    and the same log-many segments as the slot layout)."""
+    bounds = np.cumsum(kv_segments(max_pages * page_size))
+    ends = sorted({min(max_pages, -(-int(x) // page_size)) for x in bounds})
+    return [(a, e - a) for a, e in zip([0] + ends[:-1], ends)]
+
+
+def read_pages(kt: jax.Array, v: jax.Array, sc: tuple | None, table: jax.Array) -> tuple:
+    """Pool pages K [num_pages, kvh, hd, P], V [num_pages, kvh, P, hd] (scales [num_pages, kvh,
+    P]) of table [b, n] (a page past the pool reads the last page: only masked positions map
+    there) -> dense rows (K^T [b, kvh, hd, n * P], V [b, kvh, n * P, hd], scales [b, kvh, n * P])."""
+    b, n = table.shape
+    kvh, hd, p = kt.shape[1:]
+    take = lambda a: jnp.take(a, table, axis=0, mode="clip")               # noqa: E731
+    k = take(kt).transpose(0, 2, 3, 1, 4).reshape(b, kvh, hd, n * p)
+    vv = take(v).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n * p, hd)
+    if sc is not None:
+        sc = tuple(take(x).transpose(0, 2, 1, 3).reshape(b, kvh, n * p) for x in sc)
+    return k, vv, sc
+
+
+def dense_rows(kv: dict, pages: jax.Array, slots: jax.Array | None, b: int) -> tuple[list, list, tuple | None]:
+    """One paged layer's cache as the slot layout's one-segment rows of batch rows [0, b) (slots
+    None) or of cache rows `slots` (kts, vs, scales): the dense view the explicit-softmax paths
+    (captured research attention, soft-capped layers) read."""
+    table = pages[:b] if slots is None else jnp.take(pages, slots, axis=0, mode="clip")
+    scales = layer_scales(kv)
+    kt, v, sc = read_pages(kv["k"][0], kv["v"][0], None if scales is None else (scales[0][0], scales[1][0]), table)
+    return [kt], [v], None if sc is None else ([sc[0]], [sc[1]])
+
+
+def page_slots(pages: jax.Array, rows: jax.Array, q_index: jax.Array, page_size: int,
+               num_pages: int) -> tuple[jax.Array, jax.Array]:
+    """Where cache index q_index [b, t] of cache row rows [b] (or [b, t]) lives in a paged layer:
+    (page [b, t], offset [b, t]); a row past the table, a negative index or one past the row's
+    max_pages gives page num_pages (past the pool: the write is dropped)."""
+    n_rows, max_pages = pages.shape
+    rows = jnp.broadcast_to(rows[:, None] if rows.ndim == 1 else rows, q_index.shape)
+    pi = q_index // page_size
+    ok = (rows >= 0) & (rows < n_rows) & (q_index >= 0) & (pi < max_pages)
+    page = pages[jnp.clip(rows, 0, n_rows - 1), jnp.clip(pi, 0, max_pages - 1)]
+    return jnp.where(ok, page, num_pages), jnp.mod(q_index, page_size)
 
 
 def quantize_kv(kv: dict, k: jax.Array, v: jax.Array) -> tuple:

@@ -286,7 +286,14 @@ class MllamaTextModel(Decoder):
             tp = kernel.shape[1] if len(kernel.shape) == 3 else 1
         return cache_kv_heads(self.config.base.num_kv_heads, tp)
 
-    def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1) -> dict:
+    @property
+    def pages_kv(self) -> bool:
+        """The cross-attention K/V is a row per slot that n > 1 siblings copy with the prompt:
+        this decoder keeps slot rows (and the copy-based prefix reuse) for now."""
+        return False
+
+    def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1,
+                   pages: tuple[int, int] | None = None) -> dict:
         c, n, m = self.config.base, len(self.cross_layers), self.n_vis
         g = self._cross_heads(tp)
         cross = {"k": [jnp.zeros((num_slots, g, c.head_dim, m), dtype) for _ in range(n)],
@@ -296,7 +303,8 @@ class MllamaTextModel(Decoder):
         if is_quantized(dtype):   # int8 / fp8: per (vision token, KV head) scales, like the self cache
             cross["k_scale"] = [jnp.zeros((num_slots, g, m), SCALE_DTYPE) for _ in range(n)]
             cross["v_scale"] = [jnp.zeros((num_slots, g, m), SCALE_DTYPE) for _ in range(n)]
-        return {"self": super().init_cache(num_slots, max_len, dtype, max_chunk=max_chunk, tp=tp), "cross": cross}
+        return {"self": super().init_cache(num_slots, max_len, dtype, max_chunk=max_chunk, tp=tp, pages=pages),
+                "cross": cross}
 
     def cross_cache_bytes(self, num_slots: int, dtype) -> int:
         """Bytes of the cross-attention part of a cache for `num_slots` slots (static: stats()
