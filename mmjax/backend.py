@@ -74,6 +74,13 @@ class Tuning:
         return self.platform == "cpu"
 
     @property
+    def page_size(self) -> int:
+        """Positions per KV page (serving/pages.py): a page is the unit of allocation and of
+        prefix sharing (a shorter page wastes less of a request's last page and shares more of a
+        prefix; a longer one means fewer gathers per segment). 64 everywhere for now."""
+        return 64
+
+    @property
     def kv_segment_ladder(self) -> tuple[int, int]:
         """(segment, fine) of the KV cache's segment ladder (models/text/llama.kv_segments:
         `fine` segments of `segment` positions, then each as long as all before it). Each

@@ -158,6 +158,10 @@ def follow() -> int:
             runner.fill_cross(*args)
         elif op == "copy_slot":
             runner.copy_slot(*args)
+        elif op == "set_pages":
+            runner.set_pages(*args)
+        elif op == "restore_row":
+            runner.restore_row(*args)
         else:
             raise RuntimeError(f"unknown step {op!r} from the leader")
         n += 1

@@ -44,6 +44,7 @@ from mmjax.models.family import ImageInput, image_runs, run_spans
 from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
 from mmjax.serving import prompt_logprobs
 from mmjax.serving.output import append_token
+from mmjax.serving.pages import KVPages, page_hashes
 from mmjax.serving.request import Delta, Request, RequestOutput
 from mmjax.serving.runner import ModelRunner, PrefillChunk
 from mmjax.serving.constraints import BadWords, bad_word_ids
@@ -73,7 +74,8 @@ class Engine:
                  enable_prefix_cache: bool = True, mesh=None, vision_tensor_parallel: bool = False,
                  vision_offload: bool = False, memory_budget: int | float | None = None,
                  kv_cache_dtype: str = "auto", overlap: bool = True, pack_prefill: bool = True,
-                 decode_steps: int = 1, primary: bool = True):
+                 decode_steps: int = 1, primary: bool = True, page_size: int | None = None,
+                 kv_cache_bytes: int | None = None):
         """overlap: queue each step before reading the previous step's tokens (module docstring).
         primary: this engine's runner places the live module's weights (a data-parallel replica
         past the first places a copy on its own devices).
@@ -83,7 +85,10 @@ class Engine:
         while new requests' prefills and stop checks wait for the call; a request that stops
         inside a call has the rest of its tokens discarded. Calls with grammar-constrained or
         FastV-pruned requests, or a request within decode_steps of the context end, take one
-        step."""
+        step. page_size / kv_cache_bytes: the paged KV cache (`ModelRunner`; page_size 0: a
+        cache row of max_model_len per slot): requests are admitted by free pages, share
+        prompt prefixes by page, and the latest admitted is preempted (recomputed later) when a
+        running request needs a page and none is free."""
         self.model = model
         self.overlap = overlap
         # dispatched calls whose sampled tokens the host has not read yet, in dispatch order:
@@ -102,12 +107,19 @@ class Engine:
                                   vision_tensor_parallel=vision_tensor_parallel, vision_offload=vision_offload,
                                   memory_budget=memory_budget, kv_cache_dtype=kv_cache_dtype,
                                   max_prefill_seqs=MAX_PREFILL_SEQS if pack_prefill else 1,
-                                  decode_steps=decode_steps, primary=primary)
+                                  decode_steps=decode_steps, primary=primary, page_size=page_size,
+                                  kv_cache_bytes=kv_cache_bytes)
         max_num_seqs = self.runner.num_slots        # what the memory budget left room for
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
-        self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache)
+        r = self.runner
+        # paged: the pages of every request and the page table the steps read (serving/pages.py);
+        # the per-slot prefix cache is for decoders whose cache keeps a row per slot
+        self.pages = KVPages(r.num_pages, r.page_size, max_num_seqs, max_model_len,
+                             enable_cache=enable_prefix_cache) if r.paged else None
+        self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache and not r.paged)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
-                                   min_resume=self._min_resume(), max_segments=self.runner.buckets.segments[-1])
+                                   min_resume=self._min_resume(), max_segments=self.runner.buckets.segments[-1],
+                                   pages=self.pages)
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._step_lock = threading.RLock()     # one step, or a refresh, at a time
@@ -117,7 +129,7 @@ class Engine:
                          "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
                          "images_encoded": 0, "videos_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
                          "prefill_chunks": 0, "mixed_steps": 0,
-                         "tokens_pruned": 0}
+                         "tokens_pruned": 0, "preemptions": 0}
 
     def _min_resume(self):
         """The decoder's prefix-reuse floor for this engine's caches."""
@@ -246,6 +258,10 @@ class Engine:
             slot = self.scheduler.fork_slot()
             if slot is None:
                 return
+            if self.pages is not None:
+                if not self._fork_pages(parent, sib, slot, n):
+                    return
+                continue
             try:
                 self.runner.copy_slot(parent.slot, slot)
             except Exception as e:
@@ -255,6 +271,80 @@ class Engine:
             self.scheduler.place(sib, slot, n)
             self.prefix_cache.retain(slot, parent.keys[:n])
             self.counters["tokens_cached"] += n
+
+    def _fork_pages(self, parent: Request, sib: Request, slot: int, n: int) -> bool:
+        """A paged sibling: parent's full prompt pages shared, its partial page copied, a page
+        for the recomputed last token and the first decode (False: the pool is short; the
+        sibling is admitted later, its prompt's pages shared through the prefix cache)."""
+        kv = self.pages
+        full = n // kv.page_size
+        if kv.pool.num_free < kv.pages_for(min(parent.prompt_len + 1, kv.max_pages * kv.page_size)) - full \
+                + len(self.scheduler.active()):
+            return False
+        copies = kv.fork(parent, sib, slot, n)
+        if copies is None:
+            return False
+        kv.grow(sib, min(parent.prompt_len + 1, kv.max_pages * kv.page_size))
+        try:
+            self._sync_pages()
+            self.runner.copy_pages(copies)
+        except Exception as e:
+            kv.release(sib)
+            self._device_failure(None, _as_error(e, "copying a prompt's cache page"), [])
+            return False
+        self.scheduler.waiting.remove(sib)
+        self.scheduler.place(sib, slot, n)
+        self.counters["tokens_cached"] += n
+        return True
+
+    def _sync_pages(self) -> None:
+        """The host page table to the device before a step reads it (when it changed)."""
+        kv = self.pages
+        if kv is not None and kv.dirty:
+            self.runner.set_pages(kv.table)
+            kv.dirty = False
+
+    def _ensure_pages(self, reqs: list[Request], steps: int, deltas: list[Delta]) -> list[Request]:
+        """Pages for the cache positions `steps` more decode steps of `reqs` write; where the
+        pool runs dry, the latest admitted request is preempted (recomputed when pages free up)
+        until they fit -> the requests of `reqs` still running (a request that fits
+        max_model_len never fails for lack of pages: the pool holds at least one such)."""
+        kv = self.pages
+        if kv is None:
+            return reqs
+        top = kv.max_pages * kv.page_size
+        while True:
+            reqs = [r for r in reqs if r.finish_reason is None and r.slot is not None]
+            short = [r for r in reqs
+                     if not kv.grow(r, min(r.prompt_len + len(r.output_ids) + r.inflight + steps - 1, top))]
+            if not short:
+                break
+            self._collect(deltas)       # nothing in flight: a preempted request resumes from what it produced
+            victims = [r for r in self.scheduler.active() if r.finish_reason is None and r.prune is None]
+            if not victims:
+                for r in short:
+                    self.fail_request(r, MMJaxError("out of KV cache pages and nothing to preempt"), deltas)
+                continue
+            self._preempt(max(victims, key=lambda r: r.admitted_seq))
+        self._sync_pages()
+        return reqs
+
+    def _preempt(self, req: Request) -> None:
+        """Free `req`'s pages and queue it again (first): its prompt, and the output tokens it
+        produced but the last, are prefilled again when it is readmitted (their full pages often
+        still cached), then its saved decode-state row is restored and it decodes on."""
+        if not req.prefilling and req.output_ids:
+            req.resume_row = self.runner.save_row(req.slot)
+            req.resume_ids = np.asarray(req.output_ids[:-1], np.int32)
+            req.page_hashes = page_hashes(req.seq_keys(), self.pages.page_size, req.cache_salt)
+        elif req.resume_ids is None:
+            req.prompt_scores = None        # recomputed with the prompt
+        req.feats = [im.embeds for im in req.images]
+        req.cross_filled = False
+        self.runner.park(req.slot)
+        self.scheduler.preempt(req)
+        self.counters["preemptions"] += 1
+        log.info("preempted request %s (%d tokens produced)", req.id, len(req.output_ids))
 
     def _token_rules(self, sp: SamplingParams, prompt_ids: np.ndarray):
         """(VocabRow or None, host constraints, allowed-token bitmask or None) of a request:
@@ -325,6 +415,9 @@ class Engine:
         if req.id in self.requests:
             raise InvalidRequestError(f"duplicate request id {req.id!r}", param="request_id")
         self.requests[req.id] = req
+        if self.pages is not None:
+            req.pages = []
+            req.page_hashes = page_hashes(req.keys, self.pages.page_size, req.cache_salt)
         self.scheduler.add(req)
         return req.id
 
@@ -377,6 +470,8 @@ class Engine:
                 self.encoder_cache.clear()
             if changed:
                 self.prefix_cache.clear()
+                if self.pages is not None:
+                    self.pages.pool.clear_cache()
             return changed
 
     def reset_device_state(self) -> None:
@@ -385,6 +480,8 @@ class Engine:
         self._drop_pending()
         self.runner.reset_device_state()
         self.prefix_cache.clear()
+        if self.pages is not None:
+            self.pages.reset()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -396,8 +493,12 @@ class Engine:
 
     def _step(self) -> list[Delta]:
         deltas: list[Delta] = []
+        # running requests' pages for this step first (preempting if need be), then admissions
+        self._ensure_pages([r for r in self.scheduler.decoding() if not self._must_end(r)],
+                           self.runner.decode_steps, deltas)
         for req in self.scheduler.admit():
-            self.counters["tokens_cached"] += req.cached_tokens
+            if not req.preemptions:
+                self.counters["tokens_cached"] += req.cached_tokens
         for req in self.scheduler.active():      # their step compiled in the background: take part again
             if req.compile_wait is not None and self.runner.compile_done(req.compile_wait):
                 req.compile_wait = None
@@ -587,7 +688,7 @@ class Engine:
 
     def _image_embeds(self, req: Request, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray]:
         """Rows [lo, hi) of the prompt's image embeddings [hi - lo, feature width] and mask [hi - lo]."""
-        mask = np.isin(req.prompt_ids[lo:hi], self.family.media_token_ids)
+        mask = np.isin(req.seq_ids(lo, hi), self.family.media_token_ids)
         if not mask.any() or self.family.cross_attention:  # cross-attention: <|image|> keeps its embedding
             mask[:] = False
             return None, mask
@@ -606,7 +707,7 @@ class Engine:
         families: its images' K/V are written into its slot first, once)."""
         lo, hi = req.prefilled, req.prefilled + n
         emb, mask = self._image_embeds(req, lo, hi)
-        spans = None if req.runs is None else run_spans(req.prompt_ids[lo:hi], self.family.image_token_id)
+        spans = None if req.runs is None else run_spans(req.seq_ids(lo, hi), self.family.image_token_id)
         if req.cross is not None:
             if not req.cross_filled:   # the request's images' K/V, once, before its first chunk
                 self.runner.fill_cross(req.slot, list(req.feats), [im.grid[0] for im in req.images],
@@ -614,20 +715,20 @@ class Engine:
                 req.cross_filled = True
             spans = req.cross[lo:hi]
         bits = None
-        if req.constraints and hi == req.prompt_len:   # the first token's mask
+        if req.constraints and hi == req.prompt_len and req.resume_ids is None:   # the first token's mask
             bits = self.runner.all_allowed()
             self._bits(req, bits)
         nxt = None
         if self._scores_prompt(req):    # prompt_logprobs: each position's next prompt token (0 past the end)
             nxt = np.zeros(hi - lo, np.int32)
             nxt[:len(req.prompt_ids[lo + 1:hi + 1])] = req.prompt_ids[lo + 1:hi + 1]
-        return PrefillChunk(req.slot, lo, req.prompt_ids[lo:hi], emb, mask, req.positions[:, lo:hi], req.rope_delta,
+        return PrefillChunk(req.slot, lo, req.seq_ids(lo, hi), emb, mask, req.seq_positions(lo, hi), req.rope_delta,
                             SlotSampling.from_params(req.sampling), req.key, spans, req.vrow, bits, nxt)
 
     @staticmethod
     def _scores_prompt(req: Request) -> bool:
         """Does `req`'s prefill score its prompt (prompt_logprobs; siblings share choice 0's)?"""
-        return req.sampling.prompt_logprobs is not None and req.parent is None
+        return req.sampling.prompt_logprobs is not None and req.parent is None and req.resume_ids is None
 
     def _prefill(self, items: list[tuple[Request, int]], deltas: list[Delta], riders: list[Request] = ()) -> bool:
         """One prefill call over the chunks of `items` (request, tokens), packed (scheduler.
@@ -636,6 +737,10 @@ class Engine:
         fails. riders (`_riders`): the decode step of these running requests rides in the call
         (a mixed step); returns whether it did (False: they still need their decode step; a
         failed mixed call is retried as the prefill alone)."""
+        if riders:       # their decode step rides in this call: pages for its position
+            riders = self._ensure_pages(list(riders), 1, deltas)
+            items = [(r, n) for r, n in items if r.finish_reason is None and r.slot is not None]
+        self._sync_pages()
         todo, chunks = [], []
         for req, n in items:
             try:
@@ -676,8 +781,14 @@ class Engine:
             self.counters["tokens_prefilled"] += n
             self.counters["tokens_pruned"] += req.pruned_tokens
             req.prefilled += n
+            if self.pages is not None:
+                self.pages.written(req, req.prefilled)
             if not req.prefilling:
                 req.feats = []  # the KV cache holds them now
+                if req.resume_row is not None:      # a preempted request's KV is back: decode on
+                    self.runner.restore_row(req.slot, req.resume_row)
+                    req.resume_row = req.resume_ids = None
+                    continue
                 first.append((req, row))
         for req, _ in first:
             self._fork(req)
@@ -717,6 +828,11 @@ class Engine:
         steps = self.runner.decode_steps
         if pruned or constrained or lens + steps - 1 > self.max_model_len:
             steps = 1
+        if self.pages is not None:    # a prompt this step finished decodes into a page of its own
+            running = self._ensure_pages(running, steps, deltas)
+            if not running:
+                return False
+            lens = max(r.prompt_len + len(r.output_ids) + r.inflight for r in running)
         lens += steps - 1
         if pruned:
             lens = np.asarray([max(r.kv_positions(i) for r in running)
@@ -814,7 +930,9 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         running = len(self.scheduler.active())
         r = self.runner
-        return {**self.counters, "encoder_calls": r.calls["encode"],
+        pages = {} if self.pages is None else {f"kv_{k}" if not k.startswith("prefix") else k: v
+                                               for k, v in self.pages.stats().items()}
+        return {**self.counters, **pages, "encoder_calls": r.calls["encode"],
                 "requests_running": running, "requests_waiting": len(self.scheduler.waiting),
                 "slots_total": len(self.scheduler.slots), "slots_used": running,
                 "encoder_cache_hits": self.encoder_cache.hits, "encoder_cache_misses": self.encoder_cache.misses,

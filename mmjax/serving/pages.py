@@ -175,6 +175,7 @@ class KVPages:
         self.pool = PagePool(num_pages, enable_cache)
         self.table = np.full((num_slots, self.max_pages), num_pages, np.int32)
         self.holders: dict[int, object] = {}      # slot -> request (for `check`)
+        self.dirty = True                          # the table changed since the device's copy
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -183,21 +184,30 @@ class KVPages:
         row = self.table[req.slot]
         row[:] = self.pool.num_pages
         row[:len(req.pages)] = req.pages
+        self.dirty = True
 
-    def cached(self, req) -> list[int]:
-        """The cached pages of req's prompt prefix (at most prompt_len - 1 tokens' worth: one
-        prompt token is always recomputed for the first token's logits)."""
-        usable = (req.prompt_len - 1) // self.page_size
+    def cached(self, req, length: int | None = None) -> list[int]:
+        """The cached pages of the prefix of req's sequence of `length` tokens (default its
+        prompt_len), at most length - 1 tokens' worth: its last token is always recomputed for
+        the logits of the token after it."""
+        usable = ((req.prompt_len if length is None else length) - 1) // self.page_size
         return self.pool.match(req.page_hashes[:usable])
+
+    def fresh_needed(self, cached: list[int], tokens: int) -> int:
+        """Pages an admission with `cached` shared pages and room for `tokens` takes from the
+        free ones (an evictable cached page it shares leaves the free count too)."""
+        evictable = sum(1 for p in cached if self.pool.refs[p] == 0)
+        return max(self.pages_for(max(tokens, 1)) - len(cached), 0) + evictable
 
     def admit(self, req, slot: int, cached: list[int], reserve: int) -> bool:
         """Give req (in `slot`) the shared `cached` pages and fresh ones up to `reserve` tokens;
         False (nothing taken) if the pool is short."""
         fresh = self.pages_for(max(reserve, 1)) - len(cached)
+        self.pool.share(cached)           # first: the allocation must not evict them
         got = self.pool.alloc(max(fresh, 0))
         if got is None:
+            self.pool.release(cached)
             return False
-        self.pool.share(cached)
         req.slot, req.pages = slot, list(cached) + got
         self.holders[slot] = req
         self._write(req)
@@ -228,6 +238,7 @@ class KVPages:
         if req.slot is not None and self.holders.get(req.slot) is req:
             self.table[req.slot] = self.pool.num_pages
             del self.holders[req.slot]
+            self.dirty = True
 
     def fork(self, parent, child, slot: int, tokens: int) -> list[tuple[int, int]] | None:
         """child (in `slot`) starts from parent's first `tokens` cache positions: the full pages
@@ -250,6 +261,7 @@ class KVPages:
         for req in self.holders.values():
             req.pages = []
         self.holders.clear()
+        self.dirty = True
 
     def stats(self) -> dict:
         return {"page_size": self.page_size, **self.pool.stats()}

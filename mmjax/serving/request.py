@@ -85,6 +85,16 @@ class Request:
     parent: "Request | None" = None  # n > 1: the sibling whose prompt KV this one copies (see Engine.siblings)
     compile_wait: Any = None         # (kind, shape) of its step compiling in the background: not prefilled until done
     index: int = 0                   # choice index among its siblings
+    # the paged KV cache (serving/pages.py): its pages in cache-index order, the chain hash of each
+    # full page of its prompt (prefix sharing), and preemption (recompute: `resume_ids`, the output
+    # tokens whose KV is recomputed after the prompt, and `resume_row`, its saved decode-state row)
+    cache_salt: str = ""             # folded into its page hashes (e.g. a LoRA adapter's name)
+    pages: list = field(default_factory=list)
+    page_hashes: list = field(default_factory=list)
+    preemptions: int = 0
+    resume_ids: np.ndarray | None = None
+    resume_row: Any = None
+    admitted_seq: int = 0            # admission order: the latest admitted is preempted first
 
     def waits_for_parent(self) -> bool:
         """A sibling is admitted once its parent's prompt is in the cache (then copied), unless
@@ -121,8 +131,36 @@ class Request:
         return n - self.pruned_tokens if self.prune is not None and layer > self.prune[0] else n
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens the prefill writes: the prompt, plus the output tokens a preempted request
+        recomputes (`resume_ids`)."""
+        return self.prompt_len + (0 if self.resume_ids is None else len(self.resume_ids))
+
+    def seq_ids(self, lo: int, hi: int) -> np.ndarray:
+        """Token ids [lo, hi) of the prefilled sequence (prompt, then `resume_ids`)."""
+        if self.resume_ids is None or hi <= self.prompt_len:
+            return self.prompt_ids[lo:hi]
+        return np.concatenate([self.prompt_ids, self.resume_ids.astype(self.prompt_ids.dtype)])[lo:hi]
+
+    def seq_positions(self, lo: int, hi: int) -> np.ndarray:
+        """RoPE positions [rows, hi - lo] of the prefilled sequence: a resumed output token's is
+        its cache index + rope_delta (as the decode step's)."""
+        if self.resume_ids is None or hi <= self.prompt_len:
+            return self.positions[:, lo:hi]
+        extra = np.arange(self.prompt_len, self.prefill_len) + self.rope_delta
+        both = np.concatenate([self.positions, np.broadcast_to(extra, (self.positions.shape[0], len(extra)))
+                               .astype(self.positions.dtype)], axis=1)
+        return both[:, lo:hi]
+
+    def seq_keys(self) -> np.ndarray:
+        """Prefix-cache keys of the prefilled sequence (`keys`, then the resumed output ids)."""
+        if self.resume_ids is None:
+            return self.keys
+        return np.concatenate([self.keys, self.resume_ids.astype(np.int64)])
+
+    @property
     def prefilling(self) -> bool:
-        return self.prefilled < self.prompt_len
+        return self.prefilled < self.prefill_len
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.id, self.prompt_ids.tolist(), list(self.output_ids), self.text, self.logprobs,

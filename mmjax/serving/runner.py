@@ -46,6 +46,8 @@ log = logging.getLogger("mmjax.runner")
 class DecodeState:
     """Per-slot decode state [slots]: the last sampled token, tokens in cache, the RoPE offset
     (decode position = cache index + rope_delta), sampling parameters and PRNG key [slots, 2];
+    `pages` [slots, max_pages]: each slot's KV pages (the host's `pages.KVPages.table`, set by
+    `ModelRunner.set_pages`; [slots, 0] for a cache with a row per slot);
     for rows whose image tokens were pruned (FastV), the layer after which `dropped` positions
     left the cache (`drop_after` = num_layers: never); `hist`: what penalties, logit_bias,
     allowed tokens and min_tokens read (vocab-sized rows, see sampling.SlotHistory)."""
@@ -57,13 +59,20 @@ class DecodeState:
     drop_after: jax.Array
     dropped: jax.Array
     hist: SlotHistory
+    pages: jax.Array
 
     @classmethod
-    def zeros(cls, num_slots: int, vocab: int) -> "DecodeState":
+    def zeros(cls, num_slots: int, vocab: int, max_pages: int = 0, num_pages: int = 0) -> "DecodeState":
         return cls(jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots,), jnp.int32),
                    jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots, 2), jnp.uint32),
                    SlotSampling.zeros(num_slots), jnp.zeros((num_slots,), jnp.int32),
-                   jnp.zeros((num_slots,), jnp.int32), SlotHistory.zeros(num_slots, vocab))
+                   jnp.zeros((num_slots,), jnp.int32), SlotHistory.zeros(num_slots, vocab),
+                   jnp.full((num_slots, max_pages), num_pages, jnp.int32))
+
+    @property
+    def page_table(self) -> jax.Array | None:
+        """The page table [slots, max_pages] of a paged cache (None: a row per slot)."""
+        return self.pages if self.pages.shape[1] else None
 
     def head(self, rows: int) -> "DecodeState":
         """The first `rows` slots."""
@@ -296,7 +305,7 @@ def make_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None,
             packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg, ride)
             kv_len = packing.kv_len if ride is None else jnp.maximum(packing.kv_len, ride.kv_len)
         meta = AttentionMetadata(positions[:, None, :], seg.start, kv_len, slots=seg.slot,
-                                 spans=step_spans(family, spans[None]), packing=packing,
+                                 spans=step_spans(family, spans[None]), packing=packing, pages=state.page_table,
                                  reduce_small=tune.reduce_small_attention)
         # the prompt rows (before the riders) go to the packed matmuls' AMX path, the riders
         # and the LM heads to their FMAs as in a decode step: a row's bits depend on what it is,
@@ -332,7 +341,8 @@ def make_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None,
         hist = SlotHistory(seg.vrow, jnp.zeros((s, logits.shape[-1]), jnp.int32), jnp.zeros((s,), jnp.int32))
         res = sample(logits, split[:, 1], seg.sampling, hist, seg.bits)
         rows = DecodeState(res[0], seg.start + seg.n_valid, seg.rope_delta, split[:, 0], seg.sampling,
-                           jnp.full((s,), lm.num_layers, jnp.int32), jnp.zeros((s,), jnp.int32), hist.after(res[0]))
+                           jnp.full((s,), lm.num_layers, jnp.int32), jnp.zeros((s,), jnp.int32), hist.after(res[0]),
+                           jnp.take(state.pages, seg.slot, axis=0, mode="clip"))
         if scores:
             return cache, state.set_slots(seg.slot, rows), res, prompt_scores(every, next_ids)
         if d:
@@ -355,13 +365,15 @@ def make_pruned_prefill_step(family: Family, tune: Tuning, lm_of, logits_shardin
         embeds, extra = lm.inputs(token_ids[None], image_embeds[None], image_mask[None])
         prune = Prune(layer, keep, out_len, image_mask[None], (n_valid - 1)[None])
         meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), c, slots=slot[None],
-                                 spans=step_spans(family, spans[None]), reduce_small=tune.reduce_small_attention)
+                                 spans=step_spans(family, spans[None]), pages=state.page_table,
+                                 reduce_small=tune.reduce_small_attention)
         hidden, cache, dropped = lm.forward_pruned(embeds, meta, cache, prune, **extra)
         dropped = dropped[0]
         logits = _gathered(lm.logits(jax.lax.dynamic_index_in_dim(hidden[0], n_valid - 1 - dropped,
                                                                   keepdims=True)), logits_sharding)
         key, res, hist = _first_token(logits, key, sampling, vrow, bits)
-        row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped, hist)
+        row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped, hist,
+                          state.pages[slot])
         return cache, state.set_slot(slot, row), res
     return prefill
 
@@ -382,7 +394,7 @@ def make_decode_step(tune: Tuning, lm_of, logits_sharding=None):
         embeds, extra = lm.token_inputs(st.tokens[:, None])
         pos = jnp.broadcast_to((st.lengths + st.rope_delta)[None, :, None], (lm.position_rows, rows, 1))
         dropped = Dropped(st.drop_after, st.dropped, kv_lens) if lm.supports_prune else None
-        meta = AttentionMetadata(pos, st.lengths, kv_lens.max(), dropped=dropped,
+        meta = AttentionMetadata(pos, st.lengths, kv_lens.max(), dropped=dropped, pages=st.page_table,
                                  reduce_small=tune.reduce_small_attention)
         with packed_weights.fma_only():   # whatever the row count
             hidden, cache = lm(embeds, meta, cache, **extra)
@@ -492,13 +504,18 @@ class ModelRunner:
                  prefill_chunk: int, max_encode_batch: int, dtype=None, mesh=None, platform: str | None = None,
                  vision_tensor_parallel: bool = False, vision_offload: bool = False,
                  memory_budget: int | float | None = None, kv_cache_dtype: str | None = None,
-                 max_prefill_seqs: int = 8, decode_steps: int = 1, primary: bool = False):
+                 max_prefill_seqs: int = 8, decode_steps: int = 1, primary: bool = False,
+                 page_size: int | None = None, kv_cache_bytes: int | None = None):
         """model: the family's live `VisionLanguageModel` (`vlm.model`). max_prefill_seqs: the
         most sequences one prefill call packs (1: one per call). decode_steps: the decode steps
         a multi-step decode call takes (`decode(steps=)`; 1: none), compiled beside the one-step
         calls. primary: this runner's placed weights become the live module's (the engine's runner;
         any other runner, e.g. one for another platform or a data-parallel replica past the
-        first, keeps what it places to itself)."""
+        first, keeps what it places to itself). page_size: positions per KV page (None: the
+        backend's, `Tuning.page_size`; 0: a cache row of max_model_len per slot, as decoders
+        whose layers keep a ring have anyway: `Decoder.pages_kv`). kv_cache_bytes: the paged
+        cache's size per device (None: from memory_budget when given, else as many pages as
+        max_num_seqs full-length rows would take)."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps
@@ -539,12 +556,25 @@ class ModelRunner:
         # mixed steps: running requests' decode step riding in packed prefill calls (Riders)
         self.mixes = self.tuning.mixed_steps and self.max_prefill_seqs > 1 and lm.supports_riders
         self._memory_plan: dict | None = None
+        # the paged cache: a pool of num_pages pages of page_size positions for the layers that
+        # grow with the sequence, each slot's pages in the decode state's page table
+        if page_size is None:
+            page_size = self.tuning.page_size
+        self.paged = bool(page_size) and lm.pages_kv
+        self.page_size = min(page_size, max_model_len) if self.paged else 0
+        self.max_pages = -(-max_model_len // self.page_size) if self.paged else 0
+        self.num_pages = max_num_seqs * self.max_pages
+        if self.paged and kv_cache_bytes is not None:
+            self.num_pages = self._pages_for_bytes(kv_cache_bytes)
         # the slots axis is never sharded: one set of cache shardings and jitted steps serves
         # every slot count, so they exist before memory_budget sizes the slots
         self.cache_shardings = self._cache_shardings(max_num_seqs)
         self._jit_steps()
         if memory_budget is not None:   # sized before anything big is allocated
-            max_num_seqs = self._fit_slots(memory_budget, max_num_seqs)
+            if self.paged and kv_cache_bytes is None:
+                self.num_pages = self._fit_pages(memory_budget, max_num_seqs)
+            else:
+                max_num_seqs = self._fit_slots(memory_budget, max_num_seqs)
         self.num_slots = max_num_seqs
         self.buckets = self._buckets(max_num_seqs)
         # prompt_logprobs chunks (the prefill_scores step): the powers of two of the prefill
@@ -602,14 +632,59 @@ class ModelRunner:
             self._jit_encode()
         return changed
 
-    def _init_cache(self, num_slots: int, sharding=None, max_chunk: int | None = None):
+    def _init_cache(self, num_slots: int, sharding=None, max_chunk: int | None = None, num_pages: int | None = None):
         """The decoder's zero cache, laid out for this runner's platform (the KV segment ladder is
         the platform's: `backend.Tuning.kv_segment_ladder`), allocated in its shardings."""
         lm = self.text_model
         with compiling_for(self.tuning.platform):
             return allocate_cache(lambda: lm.init_cache(num_slots, self.max_model_len, self.kv_cache_dtype,
                                                         max_chunk=max_chunk or self._buckets(num_slots).prefill[-1],
-                                                        tp=self.placement.tp), sharding)
+                                                        tp=self.placement.tp, pages=self._pages_arg(num_pages)),
+                                  sharding)
+
+    def _pages_arg(self, num_pages: int | None = None) -> tuple[int, int] | None:
+        if not self.paged:
+            return None
+        return (self.num_pages if num_pages is None else num_pages, self.page_size)
+
+    def page_bytes(self) -> int:
+        """Device bytes of one KV page over every paged layer (the most loaded device)."""
+        def kv(n):
+            shape = jax.eval_shape(lambda: self._init_cache(1, max_chunk=self.prefill_chunk, num_pages=n))
+            shardings = self.placement.cache_shardings(shape)
+            if shardings is not None:
+                shape = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shape, shardings)
+            return sum(_shard_bytes(x) for x in jax.tree.leaves(shape))
+        return kv(2) - kv(1)
+
+    def _fit_pages(self, budget: int | float, slots: int) -> int:
+        """The most KV pages a plan with `slots` decode rows fits in `budget` bytes per device (a
+        float in (0, 1]: that fraction of the device's memory): vLLM's gpu_memory_utilization,
+        the steps' temporaries from their compiled memory analysis."""
+        if isinstance(budget, float):
+            if not 0 < budget <= 1:
+                raise InvalidRequestError(f"memory_budget as a fraction must lie in (0, 1], got {budget}",
+                                          param="memory_budget")
+            budget = int(budget * device_memory_bytes(self.lm_leaves[0]))
+        self.num_pages = self.max_pages
+        temp = self.step_temp_bytes(slots)
+        base = self._plan_for(slots, temp)
+        n = self.max_pages + (budget - base["peak"]) // max(self.page_bytes(), 1)
+        if n < self.max_pages:
+            raise InvalidRequestError(
+                f"memory budget {budget:,} bytes is too small: {base['peak']:,} bytes per device with the KV pages of "
+                f"one max_model_len sequence", param="memory_budget")
+        self.num_pages = int(n)
+        self._memory_plan = self._plan_for(slots, temp)
+        return self.num_pages
+
+    def _pages_for_bytes(self, kv_bytes: int) -> int:
+        n = int(kv_bytes) // max(self.page_bytes(), 1)
+        if n < self.max_pages:
+            raise InvalidRequestError(
+                f"kv_cache_bytes {int(kv_bytes):,} holds {n} pages of {self.page_size} positions: fewer than one "
+                f"max_model_len sequence needs ({self.max_pages})", param="kv_cache_bytes")
+        return n
 
     def _cache_shardings(self, num_slots: int):
         return self.placement.cache_shardings(jax.eval_shape(lambda: self._init_cache(num_slots)))
@@ -630,6 +705,8 @@ class ModelRunner:
         self._jit_lm_steps()
         self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
                              donate_argnums=(0,), out_shardings=self.cache_shardings)
+        self._restore = jax.jit(lambda state, slot, row: state.set_slot(
+            slot, dataclasses.replace(row, pages=state.pages[slot])), donate_argnums=(0,))
         # jitted, not an eager .at[].set: right after a step the eager op took ~10 ms a park
         # (inside generate()'s time to first token on the 2-core box), this 3-4 ms
         self._park_lengths = jax.jit(lambda lengths, slot: lengths.at[slot].set(self.max_model_len),
@@ -674,7 +751,8 @@ class ModelRunner:
         return self._init_cache(self.num_slots, self.cache_shardings, self.buckets.prefill[-1])
 
     def fresh_state(self) -> DecodeState:
-        return self.placement.place(DecodeState.zeros(self.num_slots, self.vocab_size), "state")
+        return self.placement.place(DecodeState.zeros(self.num_slots, self.vocab_size, self.max_pages, self.num_pages),
+                                    "state")
 
     def default_row(self) -> VocabRow:
         """The VocabRow of a request without penalties, bias or token limits."""
@@ -697,13 +775,47 @@ class ModelRunner:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy cache row `src` into row `dst` (n > 1 siblings share their prompt's KV). Every
-        text model's cache leaves have the slot axis first (models/text TextModel.init_cache)."""
+        text model's cache leaves have the slot axis first (models/text TextModel.init_cache);
+        a paged cache's rows are pages (`copy_pages`)."""
         if self._announce is not None:
             return self._announce("copy_slot", (src, dst), lambda: self._copy_slot(src, dst))
         self._copy_slot(src, dst)
 
     def _copy_slot(self, src: int, dst: int) -> None:
         self.cache = self._track("copy_slot", 0, self._copy, self.cache, np.int32(src), np.int32(dst))
+
+    def set_pages(self, table: np.ndarray) -> None:
+        """The host page table [slots, max_pages] int32 (`pages.KVPages.table`) into the decode
+        state, read by every later step (a paged cache only)."""
+        if self.state.pages.is_deleted():     # a failed step consumed the state: it is being reset
+            return
+        if self._announce is not None:
+            return self._announce("set_pages", (table,), lambda: self._set_pages(table))
+        self._set_pages(table)
+
+    def _set_pages(self, table: np.ndarray) -> None:
+        pages = jax.device_put(np.ascontiguousarray(table, np.int32), self.state.pages.sharding)
+        self.state = dataclasses.replace(self.state, pages=pages)
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV page src into page dst for each (src, dst) (a forked sibling's partial last
+        page); every leaf of a paged cache has the page axis first."""
+        for src, dst in pairs:
+            self.copy_slot(src, dst)
+
+    def save_row(self, slot: int):
+        """A host copy of slot `slot`'s decode-state row (a preempted request's sampling key,
+        last token, penalties' history: `restore_row` puts it back after its KV is recomputed)."""
+        return jax.tree.map(lambda x: np.asarray(x[slot]), self.state)
+
+    def restore_row(self, slot: int, row) -> None:
+        """Slot `slot`'s decode-state row from `save_row` (its page-table row kept)."""
+        if self._announce is not None:
+            return self._announce("restore_row", (slot, row), lambda: self._restore_row(slot, row))
+        self._restore_row(slot, row)
+
+    def _restore_row(self, slot: int, row) -> None:
+        self.state = self._restore(self.state, np.int32(slot), row)
 
     def park(self, slot: int) -> None:
         """A released slot's decode row points past the cache (length max_model_len): the decode
@@ -1148,7 +1260,7 @@ class ModelRunner:
         with_sharding = (lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)) if shardings is not None \
             else (lambda x, sh: x)
         cache = jax.tree.map(with_sharding, shape, shardings) if shardings is not None else shape
-        state = jax.eval_shape(lambda: DecodeState.zeros(num_slots, self.vocab_size))
+        state = jax.eval_shape(lambda: DecodeState.zeros(num_slots, self.vocab_size, self.max_pages, self.num_pages))
         return cache, state, buckets
 
     def step_temp_bytes(self, num_slots: int | None = None) -> dict[str, int]:
@@ -1180,7 +1292,8 @@ class ModelRunner:
         st = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
         resident = text + vision - host + kv + st
         step = max(temp.get("encode", 0) + host, temp.get("prefill", 0), temp.get("decode", 0))
-        return {"slots": num_slots, "weights_text": text, "weights_vision": vision,
+        return {"slots": num_slots, **({"pages": self.num_pages, "page_size": self.page_size} if self.paged else {}),
+                "weights_text": text, "weights_vision": vision,
                 "vision_offloaded": self.weights.offload, "kv_cache": kv, "decode_state": st,
                 "kv_cache_dtype": kv_quant.dtype_name(self.kv_cache_dtype),
                 "temp_encode": temp.get("encode", 0), "temp_prefill": temp.get("prefill", 0),

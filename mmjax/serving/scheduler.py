@@ -18,10 +18,12 @@ MIN_PREFIX_HIT = 16
 class Scheduler:
     def __init__(self, num_slots: int, decode_ladder: tuple[int, ...], prefill_chunk: int,
                  prefix_cache: PrefixCache, min_resume: Callable[[int], int] | None = None,
-                 max_segments: int = 1):
+                 max_segments: int = 1, pages=None):
         """min_resume(held) (the text model's, optional): the shortest prefix a cache row holding
         `held` positions can resume from (ring-buffer sliding-window layers drop old positions).
-        max_segments: the most requests one (packed) prefill call takes; 1: one call each."""
+        max_segments: the most requests one (packed) prefill call takes; 1: one call each.
+        pages: the paged cache's `pages.KVPages` (None: a cache row per slot): admission by free
+        pages, prefix sharing by page, preemption (`preempt`)."""
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * num_slots
         self.decode_ladder = decode_ladder
@@ -29,6 +31,8 @@ class Scheduler:
         self.prefix = prefix_cache
         self.min_resume = min_resume or (lambda held: 0)
         self.max_segments = max_segments
+        self.pages = pages
+        self._admissions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -56,6 +60,11 @@ class Scheduler:
             req = next((r for r in self.waiting if not r.waits_for_parent()), None)
             if req is None:
                 break
+            if self.pages is not None:
+                if not self._admit_paged(req, min(free)):
+                    break
+                admitted.append(req)
+                continue
             self.waiting.remove(req)
             busy_rows = max((i + 1 for i, s in enumerate(self.slots) if s is not None), default=0)
             match = {i: self._resumable(i, req) for i in free}
@@ -67,11 +76,48 @@ class Scheduler:
             admitted.append(req)
         return admitted
 
+    def _admit_paged(self, req: Request, slot: int) -> bool:
+        """Admit `req` into free `slot` if the pool has pages for its whole prefill (+ the first
+        decode position) beyond the cached pages it shares, keeping a page per running request
+        free (each may need one more before the next admission's first token): vLLM's
+        watermark. The lowest free slot keeps the decode step's rows fewest."""
+        kv, n = self.pages, req.prefill_len
+        cached = kv.cached(req, n) if self._shares_prefix(req) else []
+        need = kv.fresh_needed(cached, min(n + 1, kv.max_pages * kv.page_size))
+        if kv.pool.num_free - need < len(self.active()):
+            return False
+        if not kv.admit(req, slot, cached, min(n + 1, kv.max_pages * kv.page_size)):
+            return False
+        self.waiting.remove(req)
+        self.place(req, slot, len(cached) * kv.page_size)
+        return True
+
+    @staticmethod
+    def _shares_prefix(req: Request) -> bool:
+        """May `req` start from cached KV? Not a pruned prompt (one call from index 0) nor one
+        whose every prompt position's logits are computed (prompt_logprobs)."""
+        return req.prune is None and (req.sampling.prompt_logprobs is None or req.resume_ids is not None)
+
     def place(self, req: Request, slot: int, cached: int) -> None:
         """Put `req` into free `slot` whose row holds the KV of its first `cached` prompt tokens."""
-        req.slot, req.prefilled, req.cached_tokens = slot, cached, cached
+        req.slot, req.prefilled = slot, cached
+        if not req.preemptions:      # usage counts the first admission's hit
+            req.cached_tokens = cached
+        self._admissions += 1
+        req.admitted_seq = self._admissions
         self.slots[slot] = req
-        self.prefix.truncate(slot, cached)
+        if self.pages is None:
+            self.prefix.truncate(slot, cached)
+
+    def preempt(self, req: Request) -> None:
+        """Take `req` out of its slot and pages and put it first in the queue (recompute: the
+        engine set its `resume_ids` / `resume_row` if it had produced tokens)."""
+        if req.slot is not None and self.slots[req.slot] is req:
+            self.slots[req.slot] = None
+        self.pages.release(req)
+        req.slot, req.prefilled, req.compile_wait = None, 0, None
+        req.preemptions += 1
+        self.waiting.appendleft(req)
 
     def fork_slot(self) -> int | None:
         """A free slot for a sibling (the lowest: the decode step's row count grows least)."""
@@ -110,7 +156,7 @@ class Scheduler:
         plan, budget, packed = [], self.prefill_chunk, self.max_segments > 1
         # a request whose step is compiling in the background (Engine._await_compile) waits
         for req in (r for r in self.slots if r is not None and r.prefilling and r.compile_wait is None):
-            rest = req.prompt_len - req.prefilled
+            rest = req.prefill_len - req.prefilled
             if budget <= 0 or (packed and len(plan) == self.max_segments):
                 break
             if plan and rest > budget:
@@ -138,6 +184,14 @@ class Scheduler:
     def release(self, req: Request) -> None:
         """Take a request out of its slot (keeping the KV it leaves for the prefix cache) or out
         of the queue."""
+        if self.pages is not None:
+            if req.slot is not None and self.slots[req.slot] is req:
+                self.slots[req.slot] = None
+            if req.pages:
+                self.pages.release(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            return
         if req.slot is not None and self.slots[req.slot] is req:
             self.slots[req.slot] = None
             # The cache row holds the prompt (as far as prefilled) and every output token but the
