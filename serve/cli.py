@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="device memory per device for weights + KV cache + step temporaries: bytes (e.g. "
                         "20000000000, 20GiB, 512MiB) or a fraction of the device's memory (e.g. 0.9); "
                         "sizes the decode slots (at most --max-num-seqs) from the compiled steps' memory analysis")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="positions per KV-cache page (default: the backend's, 64; 0: a cache row of "
+                        "--max-model-len per slot). Requests hold pages for the tokens they have, share "
+                        "prompt prefixes by page, and are preempted (recomputed) when pages run out")
+    p.add_argument("--kv-cache-bytes", type=_memory_budget, default=None,
+                   help="bytes of the paged KV cache per device (e.g. 8GiB; default: from --memory-budget, "
+                        "else as many pages as --max-num-seqs full-length sequences take)")
     p.add_argument("--coordinator-address", default=os.environ.get("MMJAX_COORDINATOR_ADDRESS"),
                    help="multi-host: host:port of process 0 (jax.distributed; env MMJAX_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=_positive_int, default=int(os.environ.get("MMJAX_NUM_PROCESSES", 1)),
@@ -287,6 +294,8 @@ def run(args) -> int:
                      **({"overlap": False} if args.no_overlap else {}),
                      **({"decode_steps": args.decode_steps} if args.decode_steps > 1 else {}),
                      **({"memory_budget": args.memory_budget} if args.memory_budget is not None else {}),
+                     **({"page_size": args.page_size} if args.page_size is not None else {}),
+                     **({"kv_cache_bytes": int(args.kv_cache_bytes)} if args.kv_cache_bytes is not None else {}),
                      **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}))
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family

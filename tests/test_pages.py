@@ -133,3 +133,118 @@ def test_paged_attention_matches_slots(t, window):
     untouched = np.setdiff1d(np.arange(num_pages), used)
     np.testing.assert_array_equal(np.asarray(stray["k"][0])[untouched], np.asarray(paged["k"][0])[untouched])
     jax.clear_caches()
+
+
+# ---- the engine on pages (tiny LLaVA) -------------------------------------------------------------
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _prompt(rng, n_words: int, n_images: int = 0) -> str:
+    from tiny_checkpoints import WORDS
+    return "USER: " + "<image>\n" * n_images + " ".join(rng.choice(WORDS[:60], n_words)) + " ASSISTANT:"
+
+
+def _check_no_leaks(engine):
+    kv = engine.pages
+    kv.check()
+    assert not kv.holders and kv.pool.num_used == 0 and engine.stats()["kv_pages_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def workload(llava_dirs):
+    """Requests of mixed lengths with images; greedy and seeded sampling; their outputs on a cache
+    with a row per slot (page_size 0), the reference."""
+    import mmjax
+    from conftest import noise_image
+    path = llava_dirs["gqa"]
+    rng = np.random.default_rng(5)
+    ref = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=64, page_size=0)
+    assert ref.engine.pages is None
+    reqs = []
+    for i in range(6):
+        n_img = i % 2
+        imgs = ref.prepare_images([noise_image(70 + i, 40, 50)] * n_img)
+        sp = (mmjax.SamplingParams(max_tokens=int(rng.integers(20, 48)), logprobs=1, **GREEDY) if i % 3
+              else mmjax.SamplingParams(max_tokens=30, temperature=0.8, seed=i, logprobs=1, ignore_eos=True))
+        reqs.append({"prompt": _prompt(rng, int(rng.integers(3, 40)), n_img), "images": imgs, "sampling": sp})
+    outs = ref.generate([{"prompt": r["prompt"], "images": r["images"]} for r in reqs], [r["sampling"] for r in reqs])
+    return path, reqs, outs
+
+
+def _same(outs, ref):
+    for o, r in zip(outs, ref):
+        assert o.token_ids == r.token_ids
+        assert max(abs(x[i] - y[i]) for x, y, i in zip(o.logprobs, r.logprobs, o.token_ids)) <= 1e-4
+
+
+@pytest.mark.parametrize("page_size", [8, 64])
+def test_page_sizes_give_the_same_outputs(workload, page_size):
+    """A page-size sweep: the same greedy ids (and seeded samples, logprobs within 1e-4) as the
+    cache with a row per slot; no page leaked once all finished."""
+    import mmjax
+    path, reqs, ref = workload
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=64, page_size=page_size)
+    assert vlm.engine.runner.paged and vlm.engine.runner.page_size == page_size
+    outs = vlm.generate([{"prompt": r["prompt"], "images": r["images"]} for r in reqs], [r["sampling"] for r in reqs])
+    _same(outs, ref)
+    _check_no_leaks(vlm.engine)
+
+
+def test_preemption_recomputes_the_same_outputs(workload):
+    """A KV budget of 14 pages of 16 (224 positions: one max_model_len sequence and a little) for
+    four slots: requests are preempted mid-decode and recomputed, with the same ids / logprobs
+    as the unconstrained run; none fails; no page leaked."""
+    import mmjax
+    path, reqs, ref = workload
+    probe = mmjax.load(path, max_num_seqs=1, max_model_len=256, prefill_chunk=64, page_size=16)
+    page = probe.engine.runner.page_bytes()
+    vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=64, page_size=16,
+                     kv_cache_bytes=16 * page)
+    eng = vlm.engine
+    assert eng.runner.num_pages == 16
+    seen = []
+    orig = eng.pages.check
+
+    def step_and_check():      # the invariants hold after every step
+        out = type(eng).step(eng)
+        orig()
+        seen.append(eng.stats()["kv_pages_used"])
+        return out
+    eng.step = step_and_check
+    outs = vlm.generate([{"prompt": r["prompt"], "images": r["images"]} for r in reqs], [r["sampling"] for r in reqs])
+    assert eng.stats()["preemptions"] > 0 and max(seen) <= 16
+    _same(outs, ref)
+    assert all(o.finish_reason == "length" for o in outs)
+    _check_no_leaks(eng)
+
+
+def test_shared_image_and_system_prompt_use_their_pages_once(llava_dirs):
+    """16 concurrent requests with the same image and system prompt: the prefix's full pages are
+    held once (refcounts 16), `cached_tokens` counts them for all but the first; int8 KV pages."""
+    import mmjax
+    from conftest import noise_image
+    vlm = mmjax.load(llava_dirs["gqa"], max_num_seqs=16, max_model_len=256, prefill_chunk=256, page_size=8,
+                     kv_cache_dtype="int8")
+    eng = vlm.engine
+    img = vlm.prepare_images([noise_image(9, 48, 48)])
+    system = "USER: you are a careful assistant who answers in short words only. <image>\n"
+    sp = mmjax.SamplingParams(max_tokens=4, **GREEDY)
+    first = eng.add_request(system + "question zero ASSISTANT:", img, sp)
+    eng.run_until_done([first])
+    ids = [eng.add_request(system + f"question {i} ASSISTANT:", img, sp) for i in range(1, 17)]
+    eng.step()              # all 16 admitted, each holding its whole prompt's pages
+    reqs = [eng.requests[i] for i in ids]
+    n_prefix = len(vlm.tokenizer.encode_prompt(system, [img[0].num_tokens]))
+    shared = n_prefix // 8
+    assert shared >= 3 and all(r.pages[:shared] == reqs[0].pages[:shared] for r in reqs)
+    assert (eng.pages.pool.refs[reqs[0].pages[:shared]] == 16).all()
+    assert eng.stats()["kv_pages_used"] == sum(len(r.pages) for r in reqs) - 15 * shared
+    outs = eng.run_until_done(ids)
+    assert all(o.cached_tokens >= shared * 8 and o.cached_tokens % 8 == 0 for o in outs)
+    assert eng.stats()["prefix_hit_rate"] > 0.5
+    # int8 pages give what int8 slot rows give
+    ref = mmjax.load(llava_dirs["gqa"], max_num_seqs=2, max_model_len=256, page_size=0, kv_cache_dtype="int8")
+    assert ref.generate([{"prompt": system + "question 3 ASSISTANT:", "images": img}], sp)[0].token_ids \
+        == outs[2].token_ids
+    _check_no_leaks(eng)
