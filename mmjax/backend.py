@@ -77,8 +77,11 @@ class Tuning:
     def page_size(self) -> int:
         """Positions per KV page (serving/pages.py): a page is the unit of allocation and of
         prefix sharing (a shorter page wastes less of a request's last page and shares more of a
-        prefix; a longer one means fewer gathers per segment). 64 everywhere for now."""
-        return 64
+        prefix; a longer one means fewer gathers per segment). 64 on the CPU; 0 (a cache row of
+        max_model_len per slot) elsewhere until the ragged Pallas decode kernel reads page
+        tables: a paged cache takes XLA's attention, a lax.cond per segment and layer, which a
+        GPU runs as a host sync each (an explicit page_size still pages there)."""
+        return 64 if self.platform == "cpu" else 0
 
     @property
     def kv_segment_ladder(self) -> tuple[int, int]:

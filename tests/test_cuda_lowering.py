@@ -151,7 +151,8 @@ def test_gpu_runner_ladders(checkpoints, name):
     and for the cache in use in those steps). Whichever platform the caller's thread is on."""
     model = load_model(checkpoints[name], "bfloat16")
     runners = {p: ModelRunner(model.family, model.module, max_num_seqs=4, max_model_len=2048, prefill_chunk=1024,
-                              max_encode_batch=1, dtype=model.dtype, platform=p) for p in ("cpu", "cuda")}
+                              max_encode_batch=1, dtype=model.dtype, platform=p, page_size=0)    # slot rows
+               for p in ("cpu", "cuda")}
     ladders = {p: r.buckets.prefill for p, r in runners.items()}
     assert ladders["cuda"] == (16, 32, 64, 128, 256, 512, 1024)
     assert len(ladders["cpu"]) == 24 and set(ladders["cuda"]) < set(ladders["cpu"])
@@ -171,7 +172,7 @@ def test_gpu_runner_ladders(checkpoints, name):
     assert 0 < segmented <= calls <= runners["cuda"].text_model.num_layers, (name_, segmented, calls)
     with compiling_for("cuda"):     # the thread's platform does not leak into a CPU runner's cache
         again = ModelRunner(model.family, model.module, max_num_seqs=2, max_model_len=2048, prefill_chunk=64,
-                            max_encode_batch=1, dtype=model.dtype, platform="cpu")
+                            max_encode_batch=1, dtype=model.dtype, platform="cpu", page_size=0)
     assert {len(layer["v"]) for layer in again.cache} >= {5}
 
 
@@ -193,3 +194,22 @@ def test_multi_step_decode_lowers_for_cuda(checkpoints, name):
     assert "stablehlo.while" in mlir and mlir.count("__gpu$xla.gpu.triton") == layers
     tokens = exp.out_avals[-4]
     assert tokens.shape == (4, 4), tokens
+
+
+def test_paged_steps_lower_for_cuda(checkpoints):
+    """A paged KV cache (serving/pages.py; GPUs default to slot rows until the ragged kernel reads
+    page tables): every step of a paged runner lowers for CUDA, attention through XLA's paged path
+    (the page table in the decode state), the cache a pool of pages."""
+    model = load_model(checkpoints["llava-gqa"], "bfloat16")
+    runner = ModelRunner(model.family, model.module, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
+                         max_encode_batch=1, dtype=model.dtype, platform="cuda", page_size=16)
+    assert runner.paged and runner.state.pages.shape == (4, 16)
+    assert {layer["v"][0].shape[:1] + layer["v"][0].shape[2:3] for layer in runner.cache} == {(64, 16)}
+    kinds = set()
+    with compiling_for("cuda"):
+        for name, fn, args, kw in runner.step_signatures():
+            if name.startswith(("encode", "prefill_scores")):
+                continue
+            jax.export.export(fn, platforms=("cuda",), disabled_checks=[TRITON])(*args, **kw)
+            kinds.add(name.split("[")[0].split("(")[0])
+    assert kinds >= {"prefill", "decode", "copy_slot"}

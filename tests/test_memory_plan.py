@@ -41,7 +41,15 @@ def test_memory_budget_sizes_the_slots_from_the_plan(plain, llava_dirs):
     # their plan is under the budget and one more slot's is not
     per_slot = (plan["kv_cache"] + plan["decode_state"]) // 8
     budget = plan["peak"] - int(3.5 * per_slot)
-    vlm = mmjax.load(llava_dirs["gqa"], memory_budget=budget, **ENGINE)
+    # paged (the default): the slots stay, the budget sizes the page pool: the plan with its pages
+    # fits, one more page would not, and the pool holds at least the 4 sequences' worth slots would
+    paged = mmjax.load(llava_dirs["gqa"], memory_budget=budget, **ENGINE).engine.runner
+    pplan = paged.memory_plan()
+    assert paged.paged and paged.num_slots == 8 and pplan["pages"] == paged.num_pages >= 4 * paged.max_pages
+    assert pplan["peak"] <= budget < pplan["peak"] + paged.page_bytes()
+    assert pplan["kv_cache"] == paged.num_pages * paged.page_bytes() == sum(x.nbytes for x in jax.tree.leaves(paged.cache))
+    # a cache row per slot (page_size 0): the budget sizes the slots
+    vlm = mmjax.load(llava_dirs["gqa"], memory_budget=budget, page_size=0, **ENGINE)
     r = vlm.engine.runner
     fit = r.memory_plan()
     assert 4 <= r.num_slots == fit["slots"] == len(vlm.engine.scheduler.slots) < 8
@@ -49,9 +57,13 @@ def test_memory_budget_sizes_the_slots_from_the_plan(plain, llava_dirs):
     out = vlm.generate(["USER: hello ASSISTANT:"] * 6, mmjax.SamplingParams(max_tokens=3, temperature=0.0))
     assert all(len(o.token_ids) == 3 for o in out)          # 6 requests through 4 slots
     with pytest.raises(InvalidRequestError, match="memory budget 1,000 bytes is too small"):
+        mmjax.load(llava_dirs["gqa"], memory_budget=1000, page_size=0, **ENGINE).engine
+    with pytest.raises(InvalidRequestError, match="memory budget 1,000 bytes is too small"):
         mmjax.load(llava_dirs["gqa"], memory_budget=1000, **ENGINE).engine
     with pytest.raises(InvalidRequestError, match="fraction"):
         mmjax.load(llava_dirs["gqa"], memory_budget=1.5, **ENGINE).engine
+    with pytest.raises(InvalidRequestError, match="kv_cache_bytes"):
+        mmjax.load(llava_dirs["gqa"], kv_cache_bytes=paged.page_bytes(), **ENGINE).engine
 
 
 def test_vision_offload_keeps_outputs_and_lowers_for_cuda(plain, llava_dirs):
@@ -113,9 +125,10 @@ def test_kv_cache_dtype_scales_the_planned_slots(plain, monkeypatch):
     cfg = r.text_model.config
     max_len = 2048                                  # KV per slot >> decode state per slot
 
-    def runner(kv, budget=None, slots=4):
+    def runner(kv, budget=None, slots=4):     # a cache row per slot: the budget sizes the slots
         return ModelRunner(model.family, model.module, max_num_seqs=slots, max_model_len=max_len, prefill_chunk=64,
-                           max_encode_batch=2, dtype=model.dtype, kv_cache_dtype=kv, memory_budget=budget)
+                           max_encode_batch=2, dtype=model.dtype, kv_cache_dtype=kv, memory_budget=budget,
+                           page_size=0)
 
     one = runner("auto", slots=1).memory_plan()
     fixed = one["peak"] - one["kv_cache"] - one["decode_state"]
