@@ -337,7 +337,7 @@ def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch, kv_cache_dtype):
     monkeypatch.setattr(backend.Tuning, "pallas_kernels", property(lambda self: True))
     monkeypatch.setattr(backend.Tuning, "cpu_kernels", property(lambda self: False))
     monkeypatch.setattr(backend.Tuning, "kv_segment_ladder", property(lambda self: (512, 1)))
-    gpu = mmjax.load(path, **kw)
+    gpu = mmjax.load(path, page_size=0, **kw)     # slot rows (GPUs' default; the CPU run above is paged)
     assert {tuple(v.shape[2] for v in layer["v"]) for layer in gpu.engine.runner.cache} == {(512, 512)}
     r = gpu.engine.runner
     jaxpr = str(r._decode.trace(r.lm_leaves, r.cache, r.state, np.full(2, 5, np.int32), r.all_allowed(2),

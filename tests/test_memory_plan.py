@@ -17,7 +17,7 @@ ENGINE = dict(max_num_seqs=8, max_model_len=256, prefill_chunk=64)
 
 @pytest.fixture(scope="module")
 def plain(llava_dirs):
-    return mmjax.load(llava_dirs["gqa"], **ENGINE)
+    return mmjax.load(llava_dirs["gqa"], page_size=0, **ENGINE)      # a cache row per slot
 
 
 def test_memory_budget_sizes_the_slots_from_the_plan(plain, llava_dirs):
@@ -41,13 +41,16 @@ def test_memory_budget_sizes_the_slots_from_the_plan(plain, llava_dirs):
     # their plan is under the budget and one more slot's is not
     per_slot = (plan["kv_cache"] + plan["decode_state"]) // 8
     budget = plan["peak"] - int(3.5 * per_slot)
-    # paged (the default): the slots stay, the budget sizes the page pool: the plan with its pages
-    # fits, one more page would not, and the pool holds at least the 4 sequences' worth slots would
-    paged = mmjax.load(llava_dirs["gqa"], memory_budget=budget, **ENGINE).engine.runner
-    pplan = paged.memory_plan()
-    assert paged.paged and paged.num_slots == 8 and pplan["pages"] == paged.num_pages >= 4 * paged.max_pages
-    assert pplan["peak"] <= budget < pplan["peak"] + paged.page_bytes()
-    assert pplan["kv_cache"] == paged.num_pages * paged.page_bytes() == sum(x.nbytes for x in jax.tree.leaves(paged.cache))
+    # paged (the default): the slots stay, the budget sizes the page pool: 3.5 sequences' pages
+    # below a 32-page plan's peak leave 18 pages (32 - 14), the plan with them fits, one more would not
+    whole = mmjax.load(llava_dirs["gqa"], **ENGINE).engine.runner
+    pplan, page = whole.memory_plan(), whole.page_bytes()
+    assert whole.paged and pplan["pages"] == 32 == 8 * whole.max_pages and pplan["kv_cache"] == 32 * page
+    paged = mmjax.load(llava_dirs["gqa"], memory_budget=pplan["peak"] - int(3.5 * 4 * page), **ENGINE).engine.runner
+    fit = paged.memory_plan()
+    assert paged.num_slots == 8 and fit["pages"] == paged.num_pages == 18
+    assert fit["peak"] <= pplan["peak"] - int(3.5 * 4 * page) < fit["peak"] + page
+    assert fit["kv_cache"] == 18 * page == sum(x.nbytes for x in jax.tree.leaves(paged.cache))
     # a cache row per slot (page_size 0): the budget sizes the slots
     vlm = mmjax.load(llava_dirs["gqa"], memory_budget=budget, page_size=0, **ENGINE)
     r = vlm.engine.runner
@@ -70,7 +73,7 @@ def test_vision_offload_keeps_outputs_and_lowers_for_cuda(plain, llava_dirs):
     from mmjax.api import load_model
     from mmjax.backend import compiling_for
     from mmjax.serving.runner import ModelRunner
-    vlm = mmjax.load(llava_dirs["gqa"], vision_offload=True, **ENGINE)
+    vlm = mmjax.load(llava_dirs["gqa"], vision_offload=True, page_size=0, **ENGINE)
     r = vlm.engine.runner
     split = r.weights.split       # the vision side: the tower and the projector
     kinds = {k: {x.sharding.memory_kind for x in v} for k, v in (("text", split.lm_leaves),
