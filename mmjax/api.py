@@ -573,8 +573,11 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
     instead of the default: replicated weights, the encode batch split over devices),
     vision_offload (vision tower + projector weights in host memory, fetched inside encode),
-    memory_budget (bytes, or a fraction of device memory, per device: sizes max_num_seqs so the
-    memory plan's peak fits; `engine.runner.memory_plan()`), kv_cache_dtype ("auto": the model's
+    memory_budget (bytes, or a fraction of device memory, per device: sizes the KV page pool, or
+    max_num_seqs for a cache with a row per slot, so the memory plan's peak fits;
+    `engine.runner.memory_plan()`), page_size (positions per KV page, the backend's by default;
+    0: a row of max_model_len per slot), kv_cache_bytes (the paged cache's bytes per device),
+    kv_cache_dtype ("auto": the model's
     dtype, "bfloat16", "int8" or "fp8": float8_e4m3fn; int8 / fp8 keep one bfloat16 scale per
     token and KV head, mmjax.models.text.kv_quant), pack_prefill (default True: the prefill
     chunks of several requests in one packed call; False: one call per request), decode_steps
