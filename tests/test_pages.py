@@ -165,15 +165,22 @@ def workload(llava_dirs):
     for i in range(6):
         n_img = i % 2
         imgs = ref.prepare_images([noise_image(70 + i, 40, 50)] * n_img)
+        # greedy, and seeded sampling (request 3: n = 2)
         sp = (mmjax.SamplingParams(max_tokens=int(rng.integers(20, 48)), logprobs=1, **GREEDY) if i % 3
-              else mmjax.SamplingParams(max_tokens=30, temperature=0.8, seed=i, logprobs=1, ignore_eos=True))
+              else mmjax.SamplingParams(max_tokens=30, temperature=0.8, seed=i, logprobs=1, ignore_eos=True,
+                                        n=2 if i == 3 else 1))
         reqs.append({"prompt": _prompt(rng, int(rng.integers(3, 40)), n_img), "images": imgs, "sampling": sp})
     outs = ref.generate([{"prompt": r["prompt"], "images": r["images"]} for r in reqs], [r["sampling"] for r in reqs])
-    return path, reqs, outs
+    return path, reqs, outs, ref
 
 
 def _same(outs, ref):
+    """Same ids and logprobs (1e-4) as the reference, the n = 2 sibling's too."""
+    assert sum(len(o.siblings) for o in ref) == 1
     for o, r in zip(outs, ref):
+        assert len(o.siblings) == len(r.siblings)
+        for a, b in zip(o.siblings, r.siblings):
+            assert a.token_ids == b.token_ids
         assert o.token_ids == r.token_ids
         assert max(abs(x[i] - y[i]) for x, y, i in zip(o.logprobs, r.logprobs, o.token_ids)) <= 1e-4
 
@@ -183,7 +190,7 @@ def test_page_sizes_give_the_same_outputs(workload, page_size):
     """A page-size sweep: the same greedy ids (and seeded samples, logprobs within 1e-4) as the
     cache with a row per slot; no page leaked once all finished."""
     import mmjax
-    path, reqs, ref = workload
+    path, reqs, ref, _ = workload
     vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=64, page_size=page_size)
     assert vlm.engine.runner.paged and vlm.engine.runner.page_size == page_size
     outs = vlm.generate([{"prompt": r["prompt"], "images": r["images"]} for r in reqs], [r["sampling"] for r in reqs])
@@ -196,13 +203,13 @@ def test_preemption_recomputes_the_same_outputs(workload):
     four slots: requests are preempted mid-decode and recomputed, with the same ids / logprobs
     as the unconstrained run; none fails; no page leaked."""
     import mmjax
-    path, reqs, ref = workload
-    probe = mmjax.load(path, max_num_seqs=1, max_model_len=256, prefill_chunk=64, page_size=16)
-    page = probe.engine.runner.page_bytes()
+    path, reqs, ref, _ = workload
+    ref_runner = workload[3].engine.runner           # 4 rows of 256 positions: a page of 16 is 1/64 of them
+    page = ref_runner.memory_report()["kv_cache_bytes_max_device"] // 64
     vlm = mmjax.load(path, max_num_seqs=4, max_model_len=256, prefill_chunk=64, page_size=16,
                      kv_cache_bytes=16 * page)
     eng = vlm.engine
-    assert eng.runner.num_pages == 16
+    assert eng.runner.num_pages == 16 and eng.runner.page_bytes() == page
     seen = []
     orig = eng.pages.check
 
