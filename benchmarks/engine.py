@@ -273,6 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="the engine waits for every step before queuing the next (A/B of overlapped steps)")
     ap.add_argument("--no-pack", action="store_true", help="prefill one request per call (pack_prefill=False)")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="KV page size (default: the backend's; 0: a cache row per slot, the A/B for paging)")
     ap.add_argument("--decode-steps", type=int, default=1,
                     help="decode steps per engine call (multi-step decode; default 1)")
     ap.add_argument("--mixed-ab", action="store_true",
@@ -304,7 +306,8 @@ def main(argv=None) -> int:
     engine_kw = dict(max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len,
                      prefill_chunk=64 if args.smoke else 256, max_encode_batch=8, overlap=not args.no_overlap,
                      kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, quantize=args.quantize,
-                     decode_steps=args.decode_steps)
+                     decode_steps=args.decode_steps,
+                     **({} if args.page_size is None else {"page_size": args.page_size}))
     if (args.dtype != "float32" or args.quantize) and not args.no_hf:
         ap.error("--dtype / --quantize change mmjax's precision only: add --no-hf (peers compare at the same precision)")
     vlm = mmjax.load(path, pack_prefill=not args.no_pack, **engine_kw)
