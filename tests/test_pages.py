@@ -219,8 +219,12 @@ def test_preemption_recomputes_the_same_outputs(workload):
         seen.append(eng.stats()["kv_pages_used"])
         return out
     eng.step = step_and_check
+    restored = []
+    restore = eng.runner.restore_row
+    eng.runner.restore_row = lambda slot, row: (restored.append(slot), restore(slot, row))
     outs = vlm.generate([{"prompt": r["prompt"], "images": r["images"]} for r in reqs], [r["sampling"] for r in reqs])
-    assert eng.stats()["preemptions"] > 0 and max(seen) <= 16
+    # preempted mid-decode: resumed from recomputed KV and the saved decode-state row
+    assert eng.stats()["preemptions"] > 0 and restored and max(seen) <= 16
     _same(outs, ref)
     assert all(o.finish_reason == "length" for o in outs)
     _check_no_leaks(eng)
