@@ -794,7 +794,9 @@ class ModelRunner:
         self._set_pages(table)
 
     def _set_pages(self, table: np.ndarray) -> None:
-        pages = jax.device_put(np.ascontiguousarray(table, np.int32), self.state.pages.sharding)
+        # placed as fresh_state places it (an explicit sharding on one device would commit the
+        # array and make every step's jit cache miss: a recompile after warmup)
+        pages = self.placement.place(np.ascontiguousarray(table, np.int32), "state")
         self.state = dataclasses.replace(self.state, pages=pages)
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
