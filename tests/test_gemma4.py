@@ -45,7 +45,7 @@ def pair(request, gemma4_dirs):
     from transformers import Gemma4ForConditionalGeneration
     path = gemma4_dirs[request.param]
     hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    vlm = mmjax.load(path, prefill_chunk=80, **ENGINE)
+    vlm = mmjax.load(path, prefill_chunk=80, page_size=8, **ENGINE)     # prefix shared by pages of 8
     off = mmjax.load(path, prefill_chunk=256, enable_prefix_cache=False, encoder_cache_bytes=0, **ENGINE)
     return request.param, hf, load_processor(path), vlm, off
 
@@ -216,7 +216,8 @@ def test_engine_chunked_prefill_prefix_and_encoder_cache(pair):
     runs = mmjax.models.family.image_runs(np.asarray(outs[0].prompt_token_ids), vlm.family.image_token_id)
     start, n = seen[0]
     assert len(runs) == 2 and start + n == runs[1][0] and n < 80 <= runs[1][1] - start   # cut before run 2
-    assert outs[1].cached_tokens > runs[1][1]                    # prefix cache: both images' KV reused
+    # prefix cache: both images' KV reused, in whole pages (up to the page the second run ends in)
+    assert outs[1].cached_tokens >= runs[1][1] // 8 * 8 > runs[0][1] and outs[1].cached_tokens % 8 == 0
     assert outs[2].cached_tokens < runs[0][0]                    # new preamble: no image KV reused ...
     assert st["images_encoded"] - before["images_encoded"] == 2  # ... but the encoder cache had them
     assert st["encoder_cache_hits"] - before["encoder_cache_hits"] >= 2
