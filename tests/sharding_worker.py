@@ -30,7 +30,9 @@ import mmjax  # noqa: E402
 from mmjax.sharding import MODEL, make_mesh  # noqa: E402
 from mmjax.serving.sampling import SamplingParams  # noqa: E402
 
-ENGINE = dict(max_num_seqs=4, max_model_len=128, prefill_chunk=128, max_encode_batch=2)
+# pages of 8 positions: the repeated prompts' whole pages are prefix-cache hits (a 64-position page
+# would hold most of these short prompts' prefixes)
+ENGINE = dict(max_num_seqs=4, max_model_len=128, prefill_chunk=128, max_encode_batch=2, page_size=8)
 MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp8": (8, 1), "dp2xtp4": (4, 2), "tp4-vit": (4, 1)}
 COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
 # an all-reduce's result, a tuple when XLA's combiner merged several (COLLECTIVE skips those)
