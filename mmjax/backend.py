@@ -75,13 +75,12 @@ class Tuning:
 
     @property
     def page_size(self) -> int:
-        """Positions per KV page (serving/pages.py): a page is the unit of allocation and of
-        prefix sharing (a shorter page wastes less of a request's last page and shares more of a
-        prefix; a longer one means fewer gathers per segment). 64 on the CPU; 0 (a cache row of
-        max_model_len per slot) elsewhere until the ragged Pallas decode kernel reads page
-        tables: a paged cache takes XLA's attention, a lax.cond per segment and layer, which a
-        GPU runs as a host sync each (an explicit page_size still pages there)."""
-        return 64 if self.platform == "cpu" else 0
+        """Positions per KV page (serving/pages.py) by default: 0 (a cache row of max_model_len
+        per slot) on every platform for now: the CPU and Pallas decode kernels do not read page tables yet (a paged cache
+        takes XLA's attention: slower decode on the CPU, a host sync per segment and layer on a
+        GPU), and the families' tests count token-exact prefix hits. `page_size=64` (engine
+        kwarg, `--page-size 64`) turns paging on."""
+        return 0
 
     @property
     def kv_segment_ladder(self) -> tuple[int, int]:

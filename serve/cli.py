@@ -59,9 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "20000000000, 20GiB, 512MiB) or a fraction of the device's memory (e.g. 0.9); "
                         "sizes the decode slots (at most --max-num-seqs) from the compiled steps' memory analysis")
     p.add_argument("--page-size", type=int, default=None,
-                   help="positions per KV-cache page (default: the backend's, 64; 0: a cache row of "
-                        "--max-model-len per slot). Requests hold pages for the tokens they have, share "
-                        "prompt prefixes by page, and are preempted (recomputed) when pages run out")
+                   help="positions per KV-cache page, e.g. 64 (default 0: a cache row of --max-model-len per "
+                        "slot). Paged, requests hold pages for the tokens they have, share prompt prefixes by "
+                        "page, and are preempted (recomputed) when pages run out")
     p.add_argument("--kv-cache-bytes", type=_memory_budget, default=None,
                    help="bytes of the paged KV cache per device (e.g. 8GiB; default: from --memory-budget, "
                         "else as many pages as --max-num-seqs full-length sequences take)")

@@ -321,7 +321,7 @@ def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch, kv_cache_dtype):
     from mmjax import backend
     rng = np.random.default_rng(3)
     kw = dict(max_num_seqs=4, max_model_len=1024, prefill_chunk=128, kv_cache_dtype=kv_cache_dtype)
-    base = mmjax.load(path, **kw)
+    base = mmjax.load(path, page_size=64, **kw)       # the CPU path over a paged cache
     reqs = []
     for i, (n_words, n_img, n_new) in enumerate([(250, 1, 40), (3, 0, 9), (80, 2, 25), (20, 1, 3)]):
         imgs = base.prepare_images([noise_image(500 + 10 * i + j, 40 + 7 * j, 64) for j in range(n_img)])

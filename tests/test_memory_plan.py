@@ -41,12 +41,13 @@ def test_memory_budget_sizes_the_slots_from_the_plan(plain, llava_dirs):
     # their plan is under the budget and one more slot's is not
     per_slot = (plan["kv_cache"] + plan["decode_state"]) // 8
     budget = plan["peak"] - int(3.5 * per_slot)
-    # paged (the default): the slots stay, the budget sizes the page pool: 3.5 sequences' pages
+    # paged (page_size 64): the slots stay, the budget sizes the page pool: 3.5 sequences' pages
     # below a 32-page plan's peak leave 18 pages (32 - 14), the plan with them fits, one more would not
-    whole = mmjax.load(llava_dirs["gqa"], **ENGINE).engine.runner
+    whole = mmjax.load(llava_dirs["gqa"], page_size=64, **ENGINE).engine.runner
     pplan, page = whole.memory_plan(), whole.page_bytes()
     assert whole.paged and pplan["pages"] == 32 == 8 * whole.max_pages and pplan["kv_cache"] == 32 * page
-    paged = mmjax.load(llava_dirs["gqa"], memory_budget=pplan["peak"] - int(3.5 * 4 * page), **ENGINE).engine.runner
+    paged = mmjax.load(llava_dirs["gqa"], memory_budget=pplan["peak"] - int(3.5 * 4 * page), page_size=64,
+                       **ENGINE).engine.runner
     fit = paged.memory_plan()
     assert paged.num_slots == 8 and fit["pages"] == paged.num_pages == 18
     assert fit["peak"] <= pplan["peak"] - int(3.5 * 4 * page) < fit["peak"] + page
@@ -62,11 +63,11 @@ def test_memory_budget_sizes_the_slots_from_the_plan(plain, llava_dirs):
     with pytest.raises(InvalidRequestError, match="memory budget 1,000 bytes is too small"):
         mmjax.load(llava_dirs["gqa"], memory_budget=1000, page_size=0, **ENGINE).engine
     with pytest.raises(InvalidRequestError, match="memory budget 1,000 bytes is too small"):
-        mmjax.load(llava_dirs["gqa"], memory_budget=1000, **ENGINE).engine
+        mmjax.load(llava_dirs["gqa"], memory_budget=1000, page_size=64, **ENGINE).engine
     with pytest.raises(InvalidRequestError, match="fraction"):
         mmjax.load(llava_dirs["gqa"], memory_budget=1.5, **ENGINE).engine
     with pytest.raises(InvalidRequestError, match="kv_cache_bytes"):
-        mmjax.load(llava_dirs["gqa"], kv_cache_bytes=paged.page_bytes(), **ENGINE).engine
+        mmjax.load(llava_dirs["gqa"], kv_cache_bytes=paged.page_bytes(), page_size=64, **ENGINE).engine
 
 
 def test_vision_offload_keeps_outputs_and_lowers_for_cuda(plain, llava_dirs):
