@@ -85,6 +85,8 @@ class Request:
     parent: "Request | None" = None  # n > 1: the sibling whose prompt KV this one copies (see Engine.siblings)
     compile_wait: Any = None         # (kind, shape) of its step compiling in the background: not prefilled until done
     index: int = 0                   # choice index among its siblings
+    lora: str | None = None          # the LoRA adapter's name (None: the base model)
+    adapter: int = -1                # its adapter slot (mmjax.lora.Adapters)
 
     def waits_for_parent(self) -> bool:
         """A sibling is admitted once its parent's prompt is in the cache (then copied), unless

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmjax.models.nn import lora
 from mmjax.models.nn.capture import sow
 from mmjax.models.nn.metadata import AttentionMetadata, Prune, prune_order, take_rows
 
@@ -131,6 +132,10 @@ class Decoder(nnx.Module):
 
     def run_layers(self, embeds, meta: AttentionMetadata, cache: Cache, prune: Prune | None, **inputs):
         """The layer loop every decoder shares -> (final-normed hidden, cache, dropped [b] or None)."""
+        with lora.adapter_rows(meta.adapters):     # each token's adapter, for the adapted linears
+            return self._run_layers(embeds, meta, cache, prune, **inputs)
+
+    def _run_layers(self, embeds, meta: AttentionMetadata, cache: Cache, prune: Prune | None, **inputs):
         per_token = self.per_token(embeds, **inputs)
         rope = self.rope(meta.positions)
         cache = list(cache)

@@ -109,7 +109,8 @@ class AttentionMetadata:
     the one row holds several sequences' chunks (b = 1; starts and slots then come from it) and
     maybe decode riders; dropped: FastV-pruned rows (decode after a pruned prefill); valid [b, t]:
     the real tokens (None: a position repeating its predecessor's is padding, as the runner pads
-    bucketed chunks). Static: capture, the layers whose attention probabilities [b, heads, t,
+    bucketed chunks); adapters [b, t] int32: each token's LoRA adapter slot (-1: the base model;
+    None: no adapters; nn/lora.py). Static: capture, the layers whose attention probabilities [b, heads, t,
     kv_len] and per-head outputs are sown (`nnx.capture(..., nnx.Intermediate)`; kv_len must be a
     static int); reduce_small, the backend's few-query attention choice (mmjax.backend)."""
     positions: jax.Array
@@ -120,6 +121,7 @@ class AttentionMetadata:
     packing: object | None = None
     dropped: Dropped | None = None
     valid: jax.Array | None = None
+    adapters: jax.Array | None = None
     capture: tuple[int, ...] = field(default=())
     reduce_small: bool = False
 
@@ -184,5 +186,6 @@ class AttentionMetadata:
 
 
 jax.tree_util.register_dataclass(
-    AttentionMetadata, data_fields=["positions", "starts", "kv_len", "slots", "spans", "packing", "dropped", "valid"],
+    AttentionMetadata, data_fields=["positions", "starts", "kv_len", "slots", "spans", "packing", "dropped", "valid",
+                                    "adapters"],
     meta_fields=["capture", "reduce_small"])
