@@ -97,6 +97,7 @@ class ServerConfig:
     max_request_line: int = 8190               # bytes of the request line (aiohttp max_line_size)
     max_header_size: int = 8190                # bytes of one header field (aiohttp max_field_size)
     max_headers: int = 128                     # header fields per request
+    lora_modules: dict = field(default_factory=dict)   # {name: PEFT path} loaded at start (--lora-modules)
     extra: dict = field(default_factory=dict)
 
 
@@ -163,6 +164,10 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
         cfg.served_model_name = vlm.name
     configure_family(vlm, cfg)
     engine = vlm.engine
+    for name, path in cfg.lora_modules.items():     # a bad adapter stops the start with its LoRAError
+        if name == cfg.served_model_name:
+            raise InvalidRequestError(f"LoRA adapter name {name!r} is the base model's name", param="lora_modules")
+        engine.load_lora(name, path)
     if cfg.chat_template:
         vlm.tokenizer.chat_template = cfg.chat_template
     cfg.limit_images = min(cfg.limit_images, engine.max_images_per_request)
@@ -210,6 +215,8 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
@@ -560,14 +567,54 @@ def _model_card(st: State) -> dict:
             "image_token": st.vlm.tokenizer.image_token, "video_token": st.vlm.tokenizer.video_token}
 
 
+def _lora_card(st: State, name: str) -> dict:
+    _, adapter = st.engine.adapters.loaded[name]
+    return {"id": name, "object": "model", "created": st.created, "owned_by": "mmjax", "root": adapter.path,
+            "parent": st.config.served_model_name, "max_model_len": st.engine.max_model_len}
+
+
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    st = request.app[STATE]
+    return web.json_response({"object": "list", "data": [_model_card(st)] + [_lora_card(st, n)
+                                                                          for n in st.engine.lora_names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    _check_model(st, request.match_info["model"])
-    return web.json_response(_model_card(st))
+    model = request.match_info["model"]
+    _check_model(st, model)
+    return web.json_response(_model_card(st) if model == st.config.served_model_name else _lora_card(st, model))
+
+
+def _lora_name(body: Any) -> str:
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError("'lora_name' (a non-empty string) is required", param="lora_name")
+    return name
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's runtime adapter loading: {"lora_name", "lora_path"} -> a free adapter slot (no
+    recompile). 400 (LoRAError) for a malformed adapter, a rank over --max-lora-rank, no free slot."""
+    st = request.app[STATE]
+    body = await _read_json(request, st)
+    name, path = _lora_name(body), body.get("lora_path")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequestError("'lora_path' (a non-empty string) is required", param="lora_path")
+    if name == st.config.served_model_name:
+        raise InvalidRequestError(f"{name!r} is the base model's name", param="lora_name")
+    await asyncio.get_running_loop().run_in_executor(st.executor, st.engine.load_lora, name, path)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    name = _lora_name(await _read_json(request, st))
+    if name == st.config.served_model_name:
+        raise InvalidRequestError("the base model cannot be unloaded", param="lora_name")
+    _check_model(st, name)
+    st.engine.unload_lora(name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -737,9 +784,16 @@ async def detokenize(request: web.Request) -> web.Response:
 # ---- generation ---------------------------------------------------------------------------------------
 
 def _check_model(st: State, model: str | None) -> None:
-    if model is not None and model != st.config.served_model_name:
+    if model is not None and model != st.config.served_model_name and model not in st.engine.lora_names:
         raise NotFoundError(f"the model {schema.short(model)} does not exist; this server serves "
-                            f"{st.config.served_model_name!r}", param="model")
+                            f"{st.config.served_model_name!r}"
+                            + (f" and the LoRA adapters {st.engine.lora_names}" if st.engine.lora_names else ""),
+                            param="model")
+
+
+def _lora_of(st: State, model: str | None) -> str | None:
+    """The LoRA adapter a request's "model" names (None: the base model)."""
+    return model if model is not None and model != st.config.served_model_name else None
 
 
 def _too_large(st: State, n: int | None, what: str = "request body") -> RequestTooLargeError:
@@ -894,7 +948,8 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
         images = [parsed.intervention.apply(st.vlm.family, im) for im in images]
         extra = parsed.intervention.engine_args(sum(im.num_tokens for im in images))
     try:
-        req = eng.make_request(prompt, images, dataclasses.replace(parsed.sampling), request_id=rid, **extra)
+        req = eng.make_request(prompt, images, dataclasses.replace(parsed.sampling), request_id=rid,
+                               lora=_lora_of(st, parsed.model), **extra)
     except ContextLengthError as e:
         if parsed.kind == "completion" and e.param == "messages":
             e.param = "prompt"

@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="multi-host: processes (hosts) sharing the mesh (env MMJAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, default=int(os.environ.get("MMJAX_PROCESS_ID", 0)),
                    help="multi-host: this process's index; 0 serves HTTP, the others follow (env MMJAX_PROCESS_ID)")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapters served beside the base model (a request's \"model\" picks one)")
+    p.add_argument("--max-loras", type=_non_negative_int, default=None,
+                   help="LoRA adapters served at once (default: 4 with --lora-modules, else 0; "
+                        "/v1/load_lora_adapter loads more at run time)")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=16, help="largest LoRA rank served (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503")
@@ -236,7 +242,24 @@ def config_from_args(args, model_path: str):
         max_video_pixels=args.max_video_pixels, video_decode_timeout=args.video_decode_timeout,
         video_max_tokens=args.video_max_tokens, video_workers=args.video_workers,
         grammar_cache_mib=args.grammar_cache_mib, embed_batch_tokens=args.embed_batch_tokens,
-        max_embed_queue=args.max_embed_queue)
+        max_embed_queue=args.max_embed_queue, lora_modules=lora_modules(args.lora_modules))
+
+
+def lora_modules(specs: list[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... -> {name: path}."""
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"mmjax serve: --lora-modules takes NAME=PATH, got {spec!r}")
+        out[name] = path
+    return out
+
+
+def lora_args(args) -> dict:
+    """The engine's LoRA arguments from the flags ({} without adapters)."""
+    n = args.max_loras if args.max_loras is not None else (max(4, len(args.lora_modules)) if args.lora_modules else 0)
+    return {"max_loras": n, "max_lora_rank": args.max_lora_rank} if n else {}
 
 
 def warmup(vlm) -> float:
@@ -287,7 +310,8 @@ def run(args) -> int:
                      **({"overlap": False} if args.no_overlap else {}),
                      **({"decode_steps": args.decode_steps} if args.decode_steps > 1 else {}),
                      **({"memory_budget": args.memory_budget} if args.memory_budget is not None else {}),
-                     **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}))
+                     **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}),
+                     **lora_args(args))
     cfg = config_from_args(args, args.model)
     from serve.app import configure_family
     configure_family(vlm, cfg)
