@@ -101,6 +101,22 @@ def test_decoder_parity(family, qwen_dirs, gemma3_dirs, qwen3_dirs, tmp_path):
     assert_parity(out, theirs, lps)
 
 
+def test_int8_base_with_float_adapter(llava):
+    """An int8 base (mmjax.quant) with the float adapter: its logprobs within int8's error of the
+    float32 model with the same adapter (the base alone differs by as much), and the adapter matters."""
+    base, adapters, vlm = llava
+    req = {"prompt": PROMPT, "images": [noise_image(4, 64, 48)]}
+    sp = mmjax.SamplingParams(max_tokens=8, logprobs=1, **GREEDY)
+    a1 = LoRARequest("a1", str(adapters["a1"]))
+    ref = vlm.generate([req], sp, lora=a1)[0]
+    q = mmjax.load(base, max_num_seqs=2, max_model_len=128, prefill_chunk=64, max_loras=1, max_lora_rank=8,
+                   quantize="int8")
+    plain, out = q.generate([req, req], sp, lora=[None, a1])
+    assert out.token_ids != plain.token_ids
+    first = ref.token_ids[0]
+    assert out.token_ids[0] == first and abs(out.logprobs[0][first] - ref.logprobs[0][first]) <= 0.05
+
+
 def test_load_errors(llava, tmp_path):
     base, adapters, vlm = llava
     eng = vlm.engine
@@ -186,3 +202,41 @@ def test_server(llava, tmp_path):
         assert s.post("/v1/completions", {**body, "model": "tiny"}).json()["choices"][0]["text"] == texts["tiny"]
     finally:
         s.close()
+
+
+def test_bench_lora_smoke(llava):
+    """bench lora's run of one engine (mixed adapters) on the tiny checkpoint: it serves every token."""
+    from benchmarks.lora import run_variant
+    r = run_variant(str(llava[0]), "mixed", concurrency=[2], requests=3, new_tokens=4, rank=4, adapters=2,
+                    base_share=0.0, max_model_len=128, prefill_chunk=64, warmup=False)
+    assert r["max_loras"] == 2 and r["runs"][0]["tokens"] == 12 and r["runs"][0]["output_tok_s"] > 0
+    assert all(d["step_s"] > 0 for d in r["decode_steps"])
+
+
+def test_save_peft_loads_in_peft(llava, tmp_path):
+    """An adapter trained on mmjax's modules (mmjax.research.lora: nnx.LoRA) saved with save_peft is
+    what peft loads: every tensor lands in the PEFT model unchanged, and mmjax reads it back."""
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.numpy import load_file
+    from mmjax.api import load_model
+    from mmjax.lora import read_adapter
+    from mmjax.research.lora import LoRALinear, add_lora, save_peft
+    from tiny_lora import hf_model
+    base = llava[0]
+    lm = load_model(base, on_device=False).module.language_model
+    names = add_lora(lm, 4, 8.0, targets=("q_proj", "k_proj", "v_proj", "down_proj"), seed=0)
+    assert len(names) == 4 * lm.num_layers
+    rng = np.random.default_rng(0)
+    for _, m in __import__("flax").nnx.iter_modules(lm):
+        if isinstance(m, LoRALinear):
+            for a in m.adapters:
+                a.lora_b[...] = rng.normal(0, 0.1, a.lora_b[...].shape).astype(np.float32)
+    path = save_peft(lm, tmp_path / "ours", base_model=base)
+    ours = load_file(str(path / "adapter_model.safetensors"))
+    peft = PeftModel.from_pretrained(hf_model(base), str(path))
+    theirs = {k: v.numpy() for k, v in get_peft_model_state_dict(peft).items()}
+    assert sorted(theirs) == sorted(ours)
+    assert all(np.array_equal(theirs[k], ours[k]) for k in ours)
+    back = read_adapter(path)
+    assert back.rank == 4 and len(back.modules) == len(names)
