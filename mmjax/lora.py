@@ -10,7 +10,7 @@ holds vision features, never depends on the adapter).
 
 `Adapters` is one engine's set of loaded adapters: name -> slot of the decoder's stacked adapter
 weights (models/nn/lora.py). Loading writes the slot's arrays (no recompile); requests carry
-the slot index, and their prefix-cache keys a salt derived from the adapter (`salt`).
+the slot index, and their prefix-cache keys a salt derived from the adapter (`Adapters.salt`).
 """
 from __future__ import annotations
 
@@ -131,11 +131,6 @@ def read_adapter(path: str | os.PathLike, name: str | None = None) -> Adapter:
     return Adapter(name or d.name, str(d), rank, modules)
 
 
-def salt(name: str) -> str:
-    """The prefix-cache salt of a request using adapter `name` (its KV differs from the base's)."""
-    return f"lora:{name}"
-
-
 class Adapters:
     """The adapters one engine serves: up to `slots` at once in the decoder's adapter slots, rank
     up to `max_rank` (models/nn/lora.enable must have given the decoder its slots)."""
@@ -145,12 +140,20 @@ class Adapters:
         self.decoder, self.slots, self.max_rank = decoder, slots, max_rank
         self._layers = adapted_layers(decoder)
         self.loaded: dict[str, tuple[int, Adapter]] = {}
+        self._loads = 0
+        self._salts: dict[str, str] = {}
 
     def slot_of(self, name: str) -> int:
         if name not in self.loaded:
             raise LoRANotFoundError(f"the model {name!r} does not exist (served: the base model and adapters "
                                     f"{sorted(self.loaded) or 'none'})", param="model")
         return self.loaded[name][0]
+
+    def salt(self, name: str) -> str:
+        """The prefix-cache salt of requests using adapter `name`: its name and which load of it
+        (an adapter unloaded and loaded again under the same name may hold other weights)."""
+        self.slot_of(name)
+        return self._salts[name]
 
     def _place(self, adapter: Adapter) -> dict[int, tuple[object, dict]]:
         """The adapter's arrays per adapted layer: {id: (layer, {part: (A, B)})}; a LoRAError names a
@@ -190,6 +193,8 @@ class Adapters:
         for key, layer in layers.items():
             layer.lora.write(slot, placed.get(key, (None, {}))[1])
         self.loaded[name] = (slot, adapter)
+        self._loads += 1
+        self._salts[name] = f"lora:{name}#{self._loads}"
         return slot
 
     def unload(self, name: str) -> int:

@@ -69,10 +69,13 @@ def test_llava_parity_and_mixed_batch(llava):
     sp = mmjax.SamplingParams(max_tokens=N, logprobs=3, **GREEDY)
     req = {"prompt": PROMPT, "images": [img]}
     plain = vlm.generate([req], sp)[0]          # the base first: its KV must not serve an adapter's prompt
-    alone = {}
+    alone, runner = {}, vlm.engine.runner
     for name, path in adapters.items():
         ids, lps = hf_greedy(hf_with_adapter(base, path), inputs)
+        steps, compiled = (runner._prefill, runner._decode), runner.compiled_counts()
         alone[name] = vlm.generate([req], sp, lora=LoRARequest(name, str(path)))[0]
+        # loading an adapter writes arrays: the same jitted steps, no new shape
+        assert (runner._prefill, runner._decode) == steps and runner.compiled_counts() == compiled
         assert_parity(alone[name], ids, lps)
         assert alone[name].token_ids != plain.token_ids            # the adapter matters
     assert sorted(vlm.engine.lora_names) == ["a1", "a2"]

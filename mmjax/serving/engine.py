@@ -218,8 +218,7 @@ class Engine:
         vrow, constraints, allow = self._token_rules(sampling, ids)
         keys = token_keys(ids, images, image_pos, all_images_first=cross is not None)
         if lora is not None:           # the adapter's KV is not the base model's
-            from mmjax.lora import salt
-            keys = salt_keys(keys, salt(lora))
+            keys = salt_keys(keys, self.adapters.salt(lora))
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
                        detok=IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens),
