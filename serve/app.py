@@ -1245,7 +1245,7 @@ async def _collect(gens: list[Generation], firsts: list, kind: str) -> web.Respo
     choices = await asyncio.gather(*(_collect_one(g, d, kind) for g, d in zip(gens, firsts)))
     g, st = gens[0], gens[0].st
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    out = {"id": g.rid, "object": obj, "created": schema.now(), "model": st.config.served_model_name,
+    out = {"id": g.rid, "object": obj, "created": schema.now(), "model": g.req.lora or st.config.served_model_name,
            "choices": list(choices), "usage": usage_of(gens)}
     if g.parsed.prompt_logprobs is not None:
         out["prompt_logprobs"] = _vllm_prompt_logprobs(st, g.scores)
@@ -1276,7 +1276,7 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     created = schema.now()
-    model = st.config.served_model_name
+    model = g0.req.lora or st.config.served_model_name       # an adapter's request answers as that model
     include_usage = g0.parsed.include_usage
     want_lp = g0.parsed.logprobs is not None
     offsets = [0] * len(gens)

@@ -177,16 +177,17 @@ def test_server(llava, tmp_path):
     from serve.app import ServerConfig
     from test_serve import Server, http_get
     base, adapters, vlm = llava
-    vlm.engine.unload_lora("a1")
-    vlm.engine.unload_lora("a2")
+    for name in vlm.engine.lora_names:      # what the tests before left loaded
+        vlm.engine.unload_lora(name)
     s = Server(vlm, ServerConfig(served_model_name="tiny", lora_modules={"a1": str(adapters["a1"])}))
     try:
         ids = [m["id"] for m in http_get(s.url + "/v1/models").json()["data"]]
         assert ids == ["tiny", "a1"]
         body = {"prompt": "USER: Tell me a story. ASSISTANT:", "max_tokens": 8, "temperature": 0.0,
                 "ignore_eos": True}
-        texts = {m: s.post("/v1/completions", {**body, "model": m}).json()["choices"][0]["text"]
-                 for m in ("tiny", "a1")}
+        replies = {m: s.post("/v1/completions", {**body, "model": m}).json() for m in ("tiny", "a1")}
+        assert [r["model"] for r in replies.values()] == ["tiny", "a1"]
+        texts = {m: r["choices"][0]["text"] for m, r in replies.items()}
         assert texts["tiny"] != texts["a1"]
         r = s.post("/v1/completions", {**body, "model": "a2"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
