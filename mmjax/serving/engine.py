@@ -404,6 +404,9 @@ class Engine:
         from mmjax.lora import read_adapter
         if self.adapters is None:
             raise LoRAError("this engine serves no LoRA adapters (start it with max_loras > 0)", param="max_loras")
+        import jax
+        if jax.process_count() > 1:     # the followers' copies of the weights would not get it
+            raise LoRAError("LoRA adapters are not supported on a multi-host engine", param="max_loras")
         adapter = adapter or read_adapter(path, name)       # off the step lock: reading may take a while
         with self._step_lock:
             busy = {r.adapter for r in self.requests.values() if r.finish_reason is None and r.adapter >= 0}
