@@ -202,8 +202,7 @@ class InternVLFamily(Family):
         assert (c, r) == (cols, rows), "image grid disagrees with the processor arithmetic"
         key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key(hi))}"
         side = self.cfg.vision.patches_per_side
-        return TiledImage(pixels=pixels, num_tokens=n, key=key, grid=(views, side, side), cols=cols, rows=rows,
-                          source_size=(img.height, img.width))
+        return TiledImage(pixels=pixels, num_tokens=n, key=key, grid=(views, side, side), cols=cols, rows=rows)
 
     def fit_options(self, max_tokens: int) -> ImageOptions:
         """The most tiles whose tokens, with the thumbnail's, fit the budget."""
