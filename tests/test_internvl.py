@@ -225,3 +225,10 @@ def test_engine_invariants_and_server(internvl_dirs, video):
 def test_tensor_parallel_2_matches_one_device(internvl_dirs):
     out = conformance.tensor_parallel_matches(internvl_dirs["qwen3"])
     print(f"\nTP 2: {out['tp2']['sharded']} sharded weights, greedy ids equal")
+
+
+def test_pixel_views_undo_the_tiling(internvl_dirs):
+    """Saliency maps on the image's own pixels: the tiles and the thumbnail lie where
+    `Family.pixel_views` says (a marker's change lands on it: tests/marker_check.py)."""
+    from marker_check import assert_family_views_find_markers
+    assert assert_family_views_find_markers(vlm_for(internvl_dirs["qwen2"]), ({}, {"max_tiles": 0})) >= 6
