@@ -194,6 +194,7 @@ def test_engine_invariants_and_server(internvl_dirs, video):
     import io
 
     from serve.app import ServerConfig
+    from serve.media import MediaConfig, MediaFetcher
     from test_serve import Server
     path = internvl_dirs["qwen2"]
     vlm = vlm_for(path)
@@ -205,6 +206,12 @@ def test_engine_invariants_and_server(internvl_dirs, video):
     sp = mmjax.SamplingParams(max_tokens=4, **GREEDY)        # a repeat resumes after its two tiled images
     first, again = (vlm.generate([reqs[1]], sp)[0] for _ in range(2))
     assert again.cached_tokens == len(again.prompt_token_ids) - 1 and again.token_ids == first.token_ids
+    # detail "low": one tile; "auto" / "high": the checkpoint's tiling capped by --max-image-tiles
+    f = MediaFetcher(MediaConfig(max_tiles=2), vlm.family)
+    assert f._options("low").max_tiles == 0 and f._options("high").max_tiles == f._options("auto").max_tiles == 2
+    wide = noise_image(34, 120, 40)
+    low, high = (vlm.prepare_images([wide], f._options(d))[0] for d in ("low", "high"))
+    assert len(low.pixels) == 1 and len(high.pixels) == 3 and high.num_tokens == 3 * low.num_tokens
     buf = io.BytesIO()
     noise_image(33, 70, 50).save(buf, format="PNG")
     assert conformance.served_through_openai(vlm, buf.getvalue(), "What is in the picture ?")
