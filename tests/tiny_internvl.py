@@ -41,9 +41,12 @@ VARIANTS = {
                   vision=dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, image_size=32,
                               patch_size=4),
                   tile=32, max_patches=6, frames=4, tie=True),
-    # InternVL 3.5: Qwen3 text (QK-norm), RMSNorm InternViT with q/k norms, qkv bias and a final
-    # layernorm (no mean pooling), untied head, 24-px tiles of 6x6 patches -> 9 tokens, up to 4 tiles
-    "qwen3": dict(text=dict(model_type="qwen3", num_key_value_heads=2, head_dim=16),
+    # InternVL 3.5: Qwen3-MoE text (QK-norm; layer 0 a dense MLP, layer 1 4 experts top-2, saved
+    # one module per expert as the hub's files), RMSNorm InternViT with q/k norms, qkv bias and a
+    # final layernorm (no mean pooling), untied head, 24-px tiles of 6x6 patches -> 9 tokens, up to 4 tiles
+    "qwen3": dict(text=dict(model_type="qwen3_moe", num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                            mlp_only_layers=[0]),
                   vision=dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, image_size=24,
                               patch_size=4, norm_type="rms_norm", use_qk_norm=True, attention_bias=True,
                               use_mean_pooling=False),

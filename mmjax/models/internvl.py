@@ -263,6 +263,35 @@ class InternVLFamily(Family):
                 for b in pow2_ladder(1, max_batch)]
 
 
+class ExpertsSource(TensorSource):
+    """The checkpoint's tensors, with Qwen3-MoE experts stored one module per expert
+    (`experts.{i}.gate_proj / up_proj / down_proj`, the hub's layout) also readable as the stacks
+    `nn.moe.Experts` takes (`experts.gate_up_proj` [E, d, 2f], `experts.down_proj` [E, f, d])."""
+
+    def _per_expert(self, name: str) -> tuple[str, str] | None:
+        for stack in (".experts.gate_up_proj", ".experts.down_proj"):
+            if name.endswith(stack) and not super().has(name) and super().has(f"{name[:-len(stack)]}.experts.0."
+                                                                                 "down_proj.weight"):
+                return name[:-len(stack)] + ".experts", stack.rsplit(".", 1)[1]
+        return None
+
+    def has(self, name: str) -> bool:
+        return super().has(name) or self._per_expert(name) is not None
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        found = self._per_expert(name)
+        if found is None:
+            return super().take(name, shape)
+        prefix, what = found
+        e, a, b = shape
+        if what == "down_proj":      # [E, f, d] from each [d, f]
+            return np.stack([super(ExpertsSource, self).take(f"{prefix}.{i}.down_proj.weight", (b, a)).T
+                             for i in range(e)])
+        f = b // 2                   # [E, d, 2f] from each gate / up [f, d]
+        return np.stack([np.concatenate([super(ExpertsSource, self).take(f"{prefix}.{i}.{p}.weight", (f, a)).T
+                                         for p in ("gate_proj", "up_proj")], axis=1) for i in range(e)])
+
+
 def _json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -305,4 +334,4 @@ def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[InternVLFamily, I
                               f"{tokens.context!r} ({added[tokens.context]})", param="image_token_id")
     video_policy = InternVLVideoPolicy.from_config(find_video_processor_config(path), policy.tile)
     family = InternVLFamily(cfg, policy, video_policy, tokens, video_id=added.get(tokens.video))
-    return family, build(lambda: InternVLModel(cfg, dtype)), TensorSource(path, normalize_name)
+    return family, build(lambda: InternVLModel(cfg, dtype)), ExpertsSource(path, normalize_name)
