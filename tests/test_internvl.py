@@ -1,6 +1,7 @@
 """InternVL 3 / 3.5 (InternVLForConditionalGeneration) parity with transformers on tiny random
-checkpoints (float32, tests/tiny_internvl.py: Qwen2 text + LayerNorm InternViT, and Qwen3 text +
-RMSNorm / QK-norm InternViT with a final layernorm), through the real InternVLProcessor: tile
+checkpoints (float32, tests/tiny_internvl.py: Qwen2 text + LayerNorm InternViT, and Qwen3-MoE text
+(a dense and an MoE layer) + RMSNorm / QK-norm InternViT with a final layernorm), through the real
+InternVLProcessor: tile
 pixels, grids and token counts (wide, tall, square, tiny and very wide images; tiling off; a tile
 cap) against GotOcr2ImageProcessorPil, prompt ids (`<img>`, `<IMG_CONTEXT>`, `</img>`) and the
 chat template, image features and whole-prompt logits (rel <= 1e-4), 32 greedy tokens

@@ -1,7 +1,8 @@
 """InternVL 3 / 3.5 (InternVLForConditionalGeneration): image tiles -> InternViT
 (models/vision/internvl.py) -> class token dropped, pixel shuffle (space to depth by
-1 / `downsample_ratio`) -> LayerNorm + Linear-act-Linear projector -> the Qwen2 / Qwen3 / Llama
-decoder (models/text/llama.py).
+1 / `downsample_ratio`) -> LayerNorm + Linear-act-Linear projector -> the Qwen2 / Qwen3 /
+Qwen3-MoE / Llama decoder (models/text/llama.py; MoE experts stored one module per expert, as the
+hub's files keep them, are read as the stacked experts: `ExpertsSource`).
 
 Images: InternVLProcessor's dynamic tiling (mmjax/image/internvl.py): the grid of min..max_patches
 tiles closest to the image's aspect ratio plus a thumbnail, or one resized tile; every view is one
