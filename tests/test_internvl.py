@@ -10,6 +10,7 @@ video (`Frame{i}:` blocks, the video processor's frame sampling and resize run a
 own code) pixels and prompt ids exact, logits (rel <= 1e-4) and greedy ids; tests/conformance.py's
 engine invariants, the server through the openai client (image and video) and TP 2.
 """
+import copy
 import json
 import shutil
 
@@ -21,7 +22,7 @@ import conformance
 import mmjax
 from conftest import noise_image, rel_err
 from mmjax.errors import CheckpointError, ContextLengthError
-from mmjax.models.family import ImageInput
+from mmjax.models.family import ImageInput, VideoOptions
 from tiny_internvl import hf_processor
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -90,6 +91,8 @@ def test_tiles_token_counts_prompt_ids_and_budgets(pair):
     assert big.num_tokens <= 3 * seq and len(big.pixels) == big.cols * big.rows + 1 == 3
     with pytest.raises(ContextLengthError):
         vlm.prepare_images(images[:1], {"image_max_tokens": 2 * seq})
+    with pytest.raises(ContextLengthError):                   # the server's --image-max-tokens
+        copy.copy(fam).configure(image_max_tokens=2 * seq).prepare_image(images[0])
 
 
 def test_checkpoint_errors(internvl_dirs, tmp_path):
@@ -172,6 +175,16 @@ def test_video_frames_prompt_logits_and_greedy(internvl_dirs, video):
                                       [fam.token_id_of(im) for im in items])
     assert ids == x["input_ids"][0].tolist()
     assert "Frame3: <img>" in fam.image_prompt(items[0])
+    # budgets: the request's and the server's (--video-max-tokens), from the metadata before decoding
+    from mmjax.video import plan_video
+    seq = fam.cfg.tokens_per_tile
+    with pytest.raises(ContextLengthError, match="video_max_tokens=18"):
+        plan_video(fam, video, opts=VideoOptions(max_tokens=2 * seq))
+    capped = copy.copy(fam).configure(video_max_tokens=2 * seq)
+    with pytest.raises(ContextLengthError):
+        plan_video(capped, video)
+    # 1 fps over 14 frames at 6 fps: int(14 / 6) = 2 frames, a step of 7 from a shift of 3.5
+    assert plan_video(capped, video, opts=VideoOptions(fps=1.0))[1].indices == (3, 10)
     pixels = np.concatenate([im.pixels for im in items])
     assert np.abs(pixels - x["pixel_values"].numpy().transpose(0, 2, 3, 1)).max() == 0
     with torch.no_grad():

@@ -32,7 +32,7 @@ from flax import nnx
 
 from mmjax.buckets import pow2_ladder
 from mmjax.checkpoint import TensorSource
-from mmjax.errors import CheckpointError, ContextLengthError, UnsupportedModelError
+from mmjax.errors import CheckpointError, ContextLengthError, InvalidRequestError, UnsupportedModelError
 from mmjax.image.decode import pixel_hash
 from mmjax.image.internvl import InternVLImagePolicy, InternVLVideoPolicy
 from mmjax.image.processors import digest, find_image_processor_config
@@ -163,6 +163,8 @@ class InternVLFamily(Family):
     tokens: InternVLTokens = field(default_factory=InternVLTokens)
     video_id: int | None = None          # the `<video>` placeholder's id (None: no such token)
     name: str = "internvl"
+    image_max_tokens: int | None = None  # server-wide caps (`configure`); None: none beyond the context
+    video_max_tokens: int | None = None
 
     @property
     def image_token_id(self) -> int:
@@ -188,6 +190,23 @@ class InternVLFamily(Family):
     def feature_token_id(self, item: ImageInput) -> int:
         return self.image_token_id
 
+    def configure(self, *, image_max_tokens: int | None = None,
+                  video_max_tokens: int | None = None) -> "InternVLFamily":
+        """Server-wide caps on one image's / one video's tokens (over them: ContextLengthError)."""
+        for name, v in (("image_max_tokens", image_max_tokens), ("video_max_tokens", video_max_tokens)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
+                raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}", param=name)
+        if image_max_tokens is not None:
+            self.image_max_tokens = int(image_max_tokens)
+        if video_max_tokens is not None:
+            self.video_max_tokens = int(video_max_tokens)
+        return self
+
+    @staticmethod
+    def _budget(*caps: int | None) -> int | None:
+        given = [c for c in caps if c is not None]
+        return min(given) if given else None
+
     # ---- host: images -----------------------------------------------------------------------
     def prepare_image(self, img, opts: ImageOptions = ImageOptions()) -> TiledImage:
         """Decoded RGB PIL image -> views [cols*rows + 1 (or 1), tile, tile, 3]; tokens = views *
@@ -196,9 +215,10 @@ class InternVLFamily(Family):
         cols, rows = self.policy.grid(img.height, img.width, hi)
         views = self.policy.views(cols, rows)
         n = views * self.cfg.tokens_per_tile
-        if opts.max_tokens is not None and n > opts.max_tokens:
+        budget = self._budget(opts.max_tokens, self.image_max_tokens)
+        if budget is not None and n > budget:
             raise ContextLengthError(f"this image takes {n} tokens ({views} tile(s) of {self.cfg.tokens_per_tile}), "
-                                     f"over image_max_tokens={opts.max_tokens}", param="image_max_tokens")
+                                     f"over image_max_tokens={budget}", param="image_max_tokens")
         pixels, c, r = self.policy(img, hi)
         assert (c, r) == (cols, rows), "image grid disagrees with the processor arithmetic"
         key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key(hi))}"
@@ -238,10 +258,10 @@ class InternVLFamily(Family):
             return super().plan_video(meta, opts)
         idx = self.video_policy.sample_indices(meta.total_frames, meta.fps, opts.fps)
         n = len(idx) * self.cfg.tokens_per_tile
-        if opts.max_tokens is not None and n > opts.max_tokens:
+        budget = self._budget(opts.max_tokens, self.video_max_tokens)
+        if budget is not None and n > budget:
             raise ContextLengthError(f"the video samples {len(idx)} frames of {self.cfg.tokens_per_tile} tokens "
-                                     f"({n}), over video_max_tokens={opts.max_tokens}; lower fps",
-                                     param="video_max_tokens")
+                                     f"({n}), over video_max_tokens={budget}; lower fps", param="video_max_tokens")
         side, t = self.cfg.vision.patches_per_side, self.policy.tile
         fps = len(idx) / meta.total_frames * meta.fps if meta.fps else 24.0
         return VideoPlan(idx, (t, t), (len(idx), side, side), n, float(fps),
