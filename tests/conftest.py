@@ -123,6 +123,14 @@ def mllama_dirs(tmp_path_factory):
     return {v: build_mllama(root / v, variant=v, seed=i) for i, v in enumerate(("tiles4", "tiles2"))}
 
 
+@pytest.fixture(scope="session")
+def internvl_dirs(tmp_path_factory):
+    """Tiny InternVL checkpoints: {"qwen2": InternVL 3's layout, "qwen3": 3.5's} (see tiny_internvl.build_internvl)."""
+    from tiny_internvl import build_internvl
+    root = tmp_path_factory.mktemp("internvl")
+    return {v: build_internvl(root / v, variant=v, seed=i) for i, v in enumerate(("qwen2", "qwen3"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image
