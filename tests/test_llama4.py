@@ -112,6 +112,13 @@ def test_pixels_tokens_and_prompt_ids(pair):
         vlm.prepare_images([big], {"image_max_tokens": 2 * per_tile})
 
 
+def test_pixel_views_undo_the_tiling(pair):
+    """Saliency maps on the image's own pixels: the canvas tiles and the global tile lie where
+    `Family.pixel_views` says (a marker's change lands on it: tests/marker_check.py)."""
+    from marker_check import assert_family_views_find_markers
+    assert assert_family_views_find_markers(pair[-1], ({}, {"max_tiles": 0})) >= 6
+
+
 def test_features_logits_greedy_and_logprobs(pair):
     """Two differently tiled images in one encode call (features), whole-prompt logits over a
     prompt crossing several attention chunks, the image reaching the logits, 32 greedy tokens
