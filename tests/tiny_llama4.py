@@ -63,9 +63,8 @@ def torchvision_stand_in():
 
     def pad(image, padding, fill=0, **kw):
         left, top, right, bottom = padding
-        f = fill[0] if isinstance(fill, (list, tuple)) else fill
-        assert not isinstance(fill, (list, tuple)) or all(v == 0 for v in fill[1:]) or len(set(fill)) == 1
-        return F.pad(image, (left, right, top, bottom), value=f)
+        assert fill == 0 or list(fill) == [0] * len(fill), fill       # Llama 4 pads with zeros
+        return F.pad(image, (left, right, top, bottom), value=0)
 
     def normalize(image, mean, std, inplace=False):
         mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
@@ -76,13 +75,13 @@ def torchvision_stand_in():
         return image.expand(*image.shape[:-3], 3, *image.shape[-2:]) if image.shape[-3] == 1 else image
 
     class InterpolationMode:
-        NEAREST, BILINEAR, BICUBIC = types.SimpleNamespace(value="nearest"), types.SimpleNamespace(
-            value="bilinear"), types.SimpleNamespace(value="bicubic")
+        BILINEAR = types.SimpleNamespace(value="bilinear")
 
     fn = types.ModuleType("torchvision.transforms.v2.functional")
     fn.resize, fn.pad, fn.normalize, fn.grayscale_to_rgb, fn.InterpolationMode = (
         resize, pad, normalize, grayscale_to_rgb, InterpolationMode)
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional"]
+    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+             "torchvision.transforms.v2.functional"]
     mods = {n: types.ModuleType(n) for n in names[:-1]}
     mods[names[-1]] = fn
     mods["torchvision.transforms.v2"].functional = fn
