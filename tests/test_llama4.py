@@ -14,7 +14,7 @@ import torch
 import mmjax
 from conftest import noise_image, rel_err
 from conformance import chat_request, engine_invariants, served_through_openai, tensor_parallel_matches
-from mmjax.errors import ContextLengthError
+from mmjax.errors import CheckpointError, ContextLengthError
 from mmjax.models.llama4 import Llama4Family
 from mmjax.models.nn.kv_cache import first_visible, visible_keys
 from mmjax.models.nn.metadata import MaskSpec
@@ -110,6 +110,22 @@ def test_pixels_tokens_and_prompt_ids(pair):
     assert np.array_equal(two.pixels, y["pixel_values"].float().numpy().transpose(0, 2, 3, 1))
     with pytest.raises(ContextLengthError):
         vlm.prepare_images([big], {"image_max_tokens": 2 * per_tile})
+
+
+def test_checkpoint_errors(llama4_dirs, tmp_path):
+    """A processor whose tiles differ from the vision tower's image size, or whose patch size gives
+    another token count per tile, is refused at load with the field named."""
+    import json
+    import shutil
+    for field, change in (("size", lambda c: c["image_processor"].update(size={"height": 14, "width": 14})),
+                          ("patch_size", lambda c: c.update(patch_size=4))):
+        bad = shutil.copytree(llama4_dirs["qk"], tmp_path / field)
+        cfg = json.loads((bad / "processor_config.json").read_text())
+        change(cfg)
+        (bad / "processor_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError) as e:
+            mmjax.load(bad)
+        assert e.value.param == field
 
 
 def test_pixel_views_undo_the_tiling(pair):
