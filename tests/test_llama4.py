@@ -1,5 +1,5 @@
 """Llama 4 (Llama4ForConditionalGeneration) parity with transformers on tiny random checkpoints
-(float32, tests/tiny_llama4.py: "qk" QK-norm, chunk 8, a NoPE layer with temperature tuning, all
+(float32, tests/tiny_llama4.py: "qk" QK-norm, chunk 6, a NoPE layer with temperature tuning, all
 layers MoE top-1; "plain" no QK-norm, chunk 16, [RoPE, NoPE, RoPE], one MoE layer top-2, llama3
 RoPE), through transformers' Llama4Processor (its image processor under tiny_llama4's torchvision
 stand-in): pixels, tile grids, token counts and prompt ids exact; features of differently tiled

@@ -25,11 +25,11 @@ SPECIALS = ["<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|til
 
 # variant -> (text config, vision config, image processor size, max_patches)
 VARIANTS = {
-    # QK-norm, RoPE/chunked layers 0-2 and a NoPE global layer 3 (interval 4), chunk 8, temperature
-    # tuning with floor_scale 4 (so the NoPE scale changes inside short prompts), every layer MoE
-    # (4 experts, top 1)
+    # QK-norm, RoPE/chunked layers 0-2 and a NoPE global layer 3 (interval 4), chunk 6 (the tests'
+    # prefill calls of 16 end inside attention chunks), temperature tuning with floor_scale 4 (so
+    # the NoPE scale changes inside short prompts), every layer MoE (4 experts, top 1)
     "qk": (dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                attention_chunk_size=8, use_qk_norm=True, no_rope_layer_interval=4, attn_temperature_tuning=True,
+                attention_chunk_size=6, use_qk_norm=True, no_rope_layer_interval=4, attn_temperature_tuning=True,
                 floor_scale=4, attn_scale=0.1, interleave_moe_layer_step=1, num_local_experts=4,
                 num_experts_per_tok=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
            dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, image_size=28, patch_size=7),
