@@ -131,6 +131,14 @@ def internvl_dirs(tmp_path_factory):
     return {v: build_internvl(root / v, variant=v, seed=i) for i, v in enumerate(("qwen2", "qwen3"))}
 
 
+@pytest.fixture(scope="session")
+def llama4_dirs(tmp_path_factory):
+    """Tiny Llama 4 checkpoints: {"qk", "plain"} (see tiny_llama4.build_llama4)."""
+    from tiny_llama4 import build_llama4
+    root = tmp_path_factory.mktemp("llama4")
+    return {v: build_llama4(root / v, variant=v, seed=i) for i, v in enumerate(("qk", "plain"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

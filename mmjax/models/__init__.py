@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "mistral3": "mmjax.models.mistral3",
     "mllama": "mmjax.models.mllama",
     "internvl": "mmjax.models.internvl",
+    "llama4": "mmjax.models.llama4",
 }
 
 

@@ -40,6 +40,7 @@ rung holding chunks + riders, so riding costs no compiled shape beyond the prefi
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -156,7 +157,7 @@ class Packing:
         if mask is not None and mask.spans is not None:
             r = jnp.arange(t)
             spans = jnp.where(r < length[0], mask.spans[0], -1)[None]
-            mask = MaskSpec(sliding_window=mask.sliding_window, spans=spans, key_spans=spans)
+            mask = dataclasses.replace(mask, spans=spans, key_spans=spans)
         blk = Blocks(start[:, None] + jnp.arange(t)[None], self.seg_slot[:1], start, start + length,
                      jnp.ones((1,), bool), self.kv_len, mask)
         return fn(q, blk).astype(q.dtype)
@@ -203,7 +204,7 @@ class Packing:
             real = used[:, None] & (local < length[:, None])
             r = jnp.arange(t)[None, :]
             keys = jnp.where(r < length[:, None], spans[jnp.clip(self.seg_offset[seg][:, None] + r, 0, t - 1)], -1)
-            mask = MaskSpec(sliding_window=mask.sliding_window, spans=jnp.where(real, spans[take], -1), key_spans=keys)
+            mask = dataclasses.replace(mask, spans=jnp.where(real, spans[take], -1), key_spans=keys)
         return Blocks(start[:, None] + local, self.seg_slot[seg], start, start + length, used, self.kv_len,
                       mask), take
 
