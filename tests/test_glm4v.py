@@ -46,7 +46,7 @@ def pair(request, glm4v_dirs):
     return request.param, hf, hf_processor(path), mmjax.load(path, **ENGINE)
 
 
-def test_config_and_errors(pair):
+def test_config_and_errors(pair, glm4v_dirs):
     kind, hf, _, vlm = pair
     assert type(hf).__name__ == ARCH[kind]
     fam, text = vlm.family, vlm.family.cfg.text
@@ -56,6 +56,10 @@ def test_config_and_errors(pair):
     if kind == "moe":
         moe = text.glm_moe
         assert (moe.num_experts, moe.top_k, moe.n_group, moe.topk_group, moe.first_k_dense) == (8, 2, 4, 2, 1)
+        # the router stays float32 in a bf16 model (as transformers keeps it)
+        from mmjax.api import load_model
+        gate = load_model(glm4v_dirs[kind], "bfloat16").module.language_model.layers[1].mlp.gate
+        assert gate.weight.get_value().dtype == gate.e_score_correction_bias.get_value().dtype == np.float32
     cfg = hf.config.to_dict()
     cfg["text_config"]["rope_parameters"]["mrope_section"] = [2, 2, 2]
     with pytest.raises(CheckpointError) as e:

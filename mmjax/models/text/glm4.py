@@ -202,9 +202,12 @@ class Glm4vMoeTopkRouter(nnx.Module):
         return glm_route(x, self.weight.get_value(), self.e_score_correction_bias.get_value(), self.moe)
 
     def hf_weights(self, w, name: str) -> None:
+        """Both kept in float32 whatever the model's dtype (transformers keeps them so: a bf16
+        correction bias would change which experts are chosen)."""
         e = self.moe.num_experts
-        w.set(self.weight, np.asarray(w.take(f"{name}.weight", (e, self.hidden)), np.float32).T)
-        w.set(self.e_score_correction_bias, w.take(f"{name}.e_score_correction_bias", (e,)))
+        for var, value in ((self.weight, w.take(f"{name}.weight", (e, self.hidden)).T),
+                           (self.e_score_correction_bias, w.take(f"{name}.e_score_correction_bias", (e,)))):
+            var.set_value(w.place(np.ascontiguousarray(value, np.float32), tuple(var.get_metadata()["axes"])))
 
 
 class GlmExperts(Experts):
