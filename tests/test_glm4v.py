@@ -12,6 +12,16 @@ through the engine with 16-token prefill chunks (images straddle chunk edges; th
 group-limited sigmoid router and shared expert in chunk and decode steps); the image-token budget
 (`fit_options`, `image_max_tokens`) maps to the processor's max_pixels. The engine invariants, the
 openai-client server and TP 2 are tests/conformance.py's; CUDA lowering is test_cuda_lowering.py's.
+
+Video, against the real Glm4vVideoProcessor / Glm46VVideoProcessor + Glm4vProcessor (transformers'
+own code with the torchvision calls stood in for, tiny_qwen3.torchvision_stand_in): sampled frames,
+pixel patches, grids, token counts and prompt ids with the per-frame
+`<|begin_of_image|>...<|end_of_image|>{seconds}` text exact; positions exact (each frame placed
+like an image); video features rel <= 1e-4 and the logits of a video prompt rel <= 1e-4; 32
+greedy tokens identical (an image + video prompt: prompt ids and positions against the processor,
+batched == alone; transformers' forward refuses images beside a video, its image mask counting
+the frames' tokens); a `video_url` chat through the openai client with
+usage video_tokens; GLM-4.6V's dynamic-rate sampling against Glm46VVideoProcessor.sample_frames.
 """
 import numpy as np
 import pytest
@@ -23,7 +33,9 @@ from conformance import chat_request, engine_invariants, served_through_openai, 
 from mmjax.errors import CheckpointError, ContextLengthError
 from mmjax.models import glm4v as G
 from mmjax.models.family import ImageOptions, image_runs
-from tiny_glm4v import hf_processor
+from tiny_glm4v import hf_processor, video_processor_class
+from tiny_qwen3 import torchvision_stand_in
+from tiny_video import write_video
 
 KINDS = ("dense", "moe")
 SIZES = [(150, 110), (90, 200), (230, 75)]   # (width, height), non-square
@@ -170,3 +182,122 @@ def test_glm46v_logits(glm4v_dirs):
     with torch.no_grad():
         ref = hf(**x).logits[0].numpy()
     assert rel_err(vlm.logits(text, imgs), ref) <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# Video
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    """a: 24 frames at 8 fps, 112x64 (fps 2: frames 0, 4, .. 20, three temporal patches); a2: a with
+    other shapes' phases; b: 15 frames at 6 fps, 80x48 (duration 2.5 s: 5 frames, the last repeated)."""
+    d = tmp_path_factory.mktemp("glm4v_videos")
+    return {"a": write_video(d / "a.mp4", 24, 8, 112, 64, seed=0), "a2": write_video(d / "a2.mp4", 24, 8, 112, 64, seed=5),
+            "b": write_video(d / "b.mp4", 15, 6, 80, 48, seed=1)}
+
+
+def _hf_video(proc, text: str, images: list, video) -> dict:
+    with torchvision_stand_in():
+        return proc(text=[text], images=images or None, videos=[video], return_tensors="pt")
+
+
+def _video_chat(proc, with_image: bool) -> str:
+    content = ([{"type": "image"}] if with_image else []) + [{"type": "video"}, {"type": "text", "text": "Compare ."}]
+    return proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def test_video_pixels_prompt_positions_features_and_logits(pair, clips):
+    _, hf, proc, vlm = pair
+    fam = vlm.family
+    for text, images, src in ((_video_chat(proc, False), [], clips["a"]),
+                              (_video_chat(proc, True), [noise_image(5, 150, 100)], clips["b"])):
+        x = _hf_video(proc, text, images, src)
+        items = vlm.prepare_images(images) + vlm.prepare_videos([src])
+        video = items[-1]
+        assert video.kind == "video" and video.grid == tuple(x["video_grid_thw"][0].tolist())
+        assert video.num_tokens == int(x["video_grid_thw"][0].prod()) // 4
+        assert np.abs(video.pixels - x["pixel_values_videos"].numpy()).max() <= 1e-5
+        ids = np.asarray(vlm.tokenizer.encode_prompt(text, [im.num_tokens for im in items],
+                                                     [fam.image_prompt(im) for im in items],
+                                                     [fam.token_id_of(im) for im in items]), np.int32)
+        assert ids.tolist() == x["input_ids"][0].tolist()
+        ours, delta = fam.positions(ids, items, fam.image_starts(ids, [im.num_tokens for im in items]))
+        theirs, hf_delta = hf.model.get_rope_index(x["input_ids"], x["mm_token_type_ids"], x.get("image_grid_thw"),
+                                                   x["video_grid_thw"])
+        np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+        assert delta == int(hf_delta[0, 0])
+        with torch.no_grad():
+            feats = hf.model.get_video_features(x["pixel_values_videos"], x["video_grid_thw"]).pooler_output[0]
+        assert rel_err(vlm.engine.runner.encode_images([video])[0], feats.numpy()) <= 1e-4
+        if not images:   # transformers' forward refuses images beside a video (its image mask counts the frames)
+            with torch.no_grad():
+                ref = hf(**x).logits[0].numpy()
+            got = vlm.logits(text, items)
+            assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4
+        calls = fam.encode_plan(items, 8)
+        assert len(calls) == 1 and calls[0].bucket in {c.bucket for c in fam.warmup_plan(8)}
+    assert vlm.prepare_videos([clips["a"]])[0].video.indices == (0, 4, 8, 12, 16, 20)
+    other, first = vlm.prepare_videos([clips["a2"]]), vlm.prepare_videos([clips["a"]])
+    text = _video_chat(proc, False)
+    assert rel_err(vlm.logits(text, other), vlm.logits(text, first)) > 1e-3
+
+
+def test_video_generation_and_server(pair, clips):
+    import base64
+
+    from serve.app import ServerConfig
+    from test_serve import Server
+
+    kind, hf, proc, vlm = pair
+    img = noise_image(6, 150, 100)
+    reqs = [{"prompt": _video_chat(proc, False), "images": [], "videos": [clips["a"]]},
+            {"prompt": _video_chat(proc, True), "images": [img], "videos": [clips["b"]]}]
+    sp = mmjax.SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True)
+    together = vlm.generate(reqs, sp)
+    alone = vlm.generate(reqs[1:], sp)[0]
+    assert alone.token_ids == together[1].token_ids
+    for r, o in zip(reqs, together):
+        x = _hf_video(proc, r["prompt"], r["images"], r["videos"][0])
+        assert list(o.prompt_token_ids) == x["input_ids"][0].tolist()
+        assert o.num_video_tokens == int(x["video_grid_thw"][0].prod()) // 4
+        if r["images"]:  # transformers' forward refuses images beside a video: batched == alone above
+            continue
+        with torch.no_grad():
+            g = hf.generate(**x, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
+                            return_dict_in_generate=True, pad_token_id=hf.config.text_config.pad_token_id)
+        assert o.token_ids == g.sequences[0, x["input_ids"].shape[1]:].tolist()
+        for ours, ref in zip(o.logprobs, g.logits):
+            ref = torch.log_softmax(ref[0].double(), -1).numpy()
+            assert all(abs(v - ref[i]) <= 1e-4 for i, v in ours.items())
+    if kind != "dense":
+        return
+    uri = "data:video/mp4;base64," + base64.b64encode(open(clips["a"], "rb").read()).decode()
+    msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}},
+                                         {"type": "text", "text": "Compare ."}]}]
+    s = Server(vlm, ServerConfig(served_model_name="glm", log_stats_interval=0))
+    try:
+        r = s.client().chat.completions.create(model="glm", messages=msgs, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    finally:
+        s.close()
+    assert r.choices[0].message.content == vlm.tokenizer.decode(together[0].token_ids[:8])
+    assert r.usage.prompt_tokens_details.video_tokens == together[0].num_video_tokens
+
+
+def test_glm46v_video_sampling_and_prompt(glm4v_dirs, clips):
+    """GLM-4.6V: Glm46VVideoProcessor's dynamic-rate frames and Glm46VProcessor's "{t:.1f} seconds"."""
+    from transformers.video_utils import VideoMetadata
+    path = glm4v_dirs["46v"]
+    vlm = mmjax.load(path, **ENGINE)
+    policy, ref = vlm.family.video_policy, video_processor_class("46v").from_pretrained(path)
+    for total, fps in ((24, 8.0), (15, 6.0), (400, 10.0), (7, 1.0), (4000, 2.0)):
+        meta = VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps)
+        assert policy.sample_indices(total, fps, None, total / fps).tolist() == ref.sample_frames(meta).tolist()
+    proc = hf_processor(path, "46v")
+    text = _video_chat(proc, False)
+    x = _hf_video(proc, text, [], clips["a"])
+    item = vlm.prepare_videos([clips["a"]])[0]
+    fam = vlm.family
+    ids = vlm.tokenizer.encode_prompt(text, [item.num_tokens], [fam.image_prompt(item)], [fam.token_id_of(item)])
+    assert ids == x["input_ids"][0].tolist() and "seconds" in fam.image_prompt(item)

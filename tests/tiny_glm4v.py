@@ -11,7 +11,9 @@ written as GLM-4.1V's (`[gMASK]<sop>`, `<|user|>`, `<|begin_of_image|><|image|><
 
 Glm4vProcessor's constructor checks its video processor's class, which demands torchvision here
 (not installable); `hf_processor` skips only that check, so the text expansion, pixel values,
-grids and mm_token_type_ids are the processor's own.
+grids and mm_token_type_ids are the processor's own. Videos: the checkpoints carry a
+Glm4vVideoProcessor config (Glm46VVideoProcessor's for "46v"), run as transformers' own code inside
+tiny_qwen3.torchvision_stand_in (only the torchvision calls replaced by the torch code they run).
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ GLM_CHAT_TEMPLATE = (
 )
 
 MIN_PIXELS, MAX_PIXELS = 2 * 28 * 28 * 4, 2 * 28 * 28 * 80   # 4 .. 80 merged tokens (two frames)
+# the video size range bounds all sampled frames together (t * h * w)
+VIDEO_SIZE = {"shortest_edge": 28 * 28 * 8, "longest_edge": 28 * 28 * 96}
 
 
 def train_glm_tokenizer(vocab_size: int = 480):
@@ -116,19 +120,40 @@ def build_glm4v(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int = 
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     Glm4vImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}).save_pretrained(out)
+    video_processor_class(kind)(size=VIDEO_SIZE).save_pretrained(out)
     gen = {"eos_token_id": text["eos_token_id"], "pad_token_id": text["pad_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
 
 
-def hf_processor(path: str | os.PathLike):
-    """The real Glm4vProcessor over the checkpoint's tokenizer and image processor (module docstring)."""
+def video_processor_class(kind: str):
+    """The module's class (the top-level name is a dummy that demands torchvision)."""
+    if kind == "46v":    # its module imports torchvision's functional for type annotations only
+        import sys
+        import types
+        from unittest import mock
+        stub = types.ModuleType("torchvision.transforms.v2.functional")
+        names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2")
+        with mock.patch.dict(sys.modules, {**{n: types.ModuleType(n) for n in names}, stub.__name__: stub}):
+            sys.modules["torchvision.transforms.v2"].functional = stub
+            from transformers.models.glm46v.video_processing_glm46v import Glm46VVideoProcessor
+        return Glm46VVideoProcessor
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+    return Glm4vVideoProcessor
+
+
+def hf_processor(path: str | os.PathLike, kind: str = "dense"):
+    """The real Glm4vProcessor (Glm46VProcessor for "46v") over the checkpoint's tokenizer, image
+    and video processors (module docstring)."""
     from unittest import mock
 
     from transformers import AutoTokenizer, Glm4vImageProcessorPil, Glm4vProcessor
+    from transformers.models.glm46v.processing_glm46v import Glm46VProcessor
     from transformers.processing_utils import ProcessorMixin
 
     tok = AutoTokenizer.from_pretrained(path)
     ip = Glm4vImageProcessorPil.from_pretrained(path)
+    vp = video_processor_class(kind).from_pretrained(path)
+    cls = Glm46VProcessor if kind == "46v" else Glm4vProcessor
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None):
-        return Glm4vProcessor(image_processor=ip, tokenizer=tok, video_processor=None, chat_template=tok.chat_template)
+        return cls(image_processor=ip, tokenizer=tok, video_processor=vp, chat_template=tok.chat_template)

@@ -198,6 +198,11 @@ class Family(abc.ABC):
         """The prompt token id of a prepared input's tokens (its placeholder's id)."""
         return self.video_token_id if item.kind == "video" else self.image_token_id
 
+    def expanded_token_id(self, item: ImageInput) -> int:
+        """The token id a prepared input's tokens carry once its placeholder is expanded (default:
+        the placeholder's; GLM-4.xV writes a video's frames as image tokens)."""
+        return self.token_id_of(item)
+
     # ---- host: videos --------------------------------------------------------------------------
     def plan_video(self, meta, opts: VideoOptions = VideoOptions()):
         """Container metadata (mmjax.video.VideoMeta) -> mmjax.video.VideoPlan: which frames to

@@ -15,6 +15,13 @@ transformers' Glm4vModel: `visual`, `language_model` (its `lm_head` included).
 
 `detail` / `image_max_tokens` / `min_pixels` / `max_pixels` act on the processor's pixel bounds as
 for Qwen2-VL, with the bounds counted over two frames (`fit_options`).
+
+Video (`<|video|>` in the template's `<|begin_of_video|><|video|><|end_of_video|>`): the frame
+plan, resize and patches are video/glm4v.py's port of the checkpoint's video processor; the
+processor writes each temporal patch as `<|begin_of_image|>` + its `<|image|>` tokens +
+`<|end_of_image|>` + its time (`image_prompt`), so a video's tokens are image tokens
+(`expanded_token_id`) and each frame is positioned like an image (HF splits the video grid into
+frames of t = 1); the tower encodes one attention segment per frame, as get_video_features does.
 """
 from __future__ import annotations
 
@@ -28,13 +35,15 @@ from mmjax.checkpoint import TensorSource
 from mmjax.errors import CheckpointError, UnsupportedModelError
 from mmjax.image.glm4v import Glm4vImagePolicy
 from mmjax.image.processors import find_image_processor_config
-from mmjax.models.family import ImageOptions
+from mmjax.models.family import ImageInput, ImageOptions
 from mmjax.models.hf_config import tie_word_embeddings
 from mmjax.models.nn.weights import build
 from mmjax.models.qwen2_vl import QwenVLConfig, Qwen2VLModel
 from mmjax.models.qwen3_vl import Qwen3VLFamily
 from mmjax.models.text.glm4 import Glm4TextConfig
 from mmjax.models.vision.glm4v import Glm4vVisionConfig, Glm4vVisionModel
+from mmjax.video.glm4v import Glm4vVideoPolicy
+from mmjax.video.processors import find_video_processor_config
 
 MODEL_TYPES = ("glm4v", "glm4v_moe", "glm46v")
 
@@ -61,8 +70,10 @@ class Glm4vConfig(QwenVLConfig):
         token = cfg.get("image_token_id", tc.get("image_token_id"))
         if token is None:
             raise CheckpointError("config.json: image_token_id is missing", param="image_token_id")
+        video = cfg.get("video_token_id", tc.get("video_token_id"))
         return cls(vision=vision, text=text, image_token_id=int(token),
-                   vision_start_token_id=cfg.get("image_start_token_id"), model_type=mt, video_token_id=None)
+                   vision_start_token_id=cfg.get("image_start_token_id"), model_type=mt,
+                   video_token_id=None if video is None else int(video))
 
 
 def normalize_name(name: str) -> str:
@@ -89,13 +100,31 @@ class Glm4vFamily(Qwen3VLFamily):
     """A loaded GLM-4.xV model's family: Qwen's host side and packing (Qwen3-VL's, which carries each
     patch's grid size for the position-embedding resampling), GLM's resize rule and tokens."""
     image_token: str = "<|image|>"
+    begin_image: str = "<|begin_of_image|>"
+    end_image: str = "<|end_of_image|>"
 
     @property
     def video_token(self) -> str | None:
-        return None
+        return None if self.cfg.video_token_id is None else "<|video|>"
 
-    def image_prompt(self, image):
-        return None
+    @property
+    def media_token_ids(self) -> tuple[int, ...]:
+        """Images' and videos' tokens are both the image token."""
+        return (self.image_token_id,)
+
+    def expanded_token_id(self, item: ImageInput) -> int:
+        return self.image_token_id
+
+    def image_prompt(self, image: ImageInput) -> str:
+        """Glm4vProcessor's text for one input: an image's `<|image|>` run; a video's temporal
+        patches, each `<|begin_of_image|>` + its tokens + `<|end_of_image|>` + its time
+        (`int(seconds)`; GLM-4.6V's processor: `{seconds:.1f} seconds`)."""
+        if image.kind != "video":
+            return self.image_token * image.num_tokens
+        lt, lh, lw = self.token_grid(image)
+        frame = self.begin_image + self.image_token * (lh * lw) + self.end_image
+        glm46 = self.cfg.model_type == "glm46v"
+        return "".join(frame + (f"{t:.1f} seconds" if glm46 else str(int(t))) for t in image.video.timestamps)
 
     def fit_options(self, max_tokens: int) -> ImageOptions:
         """max_pixels for max_tokens merged tokens: the bounds count temporal_patch_size frames."""
@@ -129,5 +158,11 @@ def checked_policy(path: Path, cfg: Glm4vConfig) -> Glm4vImagePolicy:
 def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[Glm4vFamily, Glm4vModel, TensorSource]:
     """config.json + preprocessor config -> (family, the abstract model, its tensors)."""
     cfg = Glm4vConfig.from_hf(hf_cfg)
-    family = Glm4vFamily(cfg, checked_policy(path, cfg))
+    video = Glm4vVideoPolicy.from_config(find_video_processor_config(path), dynamic=cfg.model_type == "glm46v")
+    v = cfg.vision
+    if (video.patch_size, video.merge_size, video.temporal_patch_size) != (v.patch_size, v.merge_size,
+                                                                          v.temporal_patch_size):
+        raise CheckpointError("video processor patch_size/merge_size/temporal_patch_size do not match config.json",
+                              param="video_preprocessor_config.patch_size")
+    family = Glm4vFamily(cfg, checked_policy(path, cfg), video_policy=video)
     return family, build(lambda: Glm4vModel(cfg, dtype)), TensorSource(path, normalize_name)
