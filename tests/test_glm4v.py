@@ -193,7 +193,8 @@ def clips(tmp_path_factory):
     """a: 24 frames at 8 fps, 112x64 (fps 2: frames 0, 4, .. 20, three temporal patches); a2: a with
     other shapes' phases; b: 15 frames at 6 fps, 80x48 (duration 2.5 s: 5 frames, the last repeated)."""
     d = tmp_path_factory.mktemp("glm4v_videos")
-    return {"a": write_video(d / "a.mp4", 24, 8, 112, 64, seed=0), "a2": write_video(d / "a2.mp4", 24, 8, 112, 64, seed=5),
+    return {"a": write_video(d / "a.mp4", 24, 8, 112, 64, seed=0),
+            "a2": write_video(d / "a2.mp4", 24, 8, 112, 64, seed=5),
             "b": write_video(d / "b.mp4", 15, 6, 80, 48, seed=1)}
 
 

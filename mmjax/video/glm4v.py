@@ -113,7 +113,8 @@ class Glm4vVideoPolicy(Qwen2VLVideoPolicy):
         gh, gw = rh // self.patch_size, rw // self.patch_size
         stamps = tuple(i / video_fps for i in indices[::2])[:gt]
         stamps = stamps + (stamps[-1] if stamps else 0.0,) * (gt - len(stamps))
-        key = ("glm4v_video", self.dynamic, tuple(indices), video_fps, lo, hi, self.patch_size, self.temporal_patch_size,
-               self.merge_size, self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean, self.image_std)
+        key = ("glm4v_video", self.dynamic, tuple(indices), video_fps, lo, hi, self.patch_size,
+               self.temporal_patch_size, self.merge_size, self.do_rescale, self.rescale_factor, self.do_normalize,
+               self.image_mean, self.image_std)
         return VideoPlan(tuple(indices), (rh, rw), (gt, gh, gw), gt * gh * gw // self.merge_size ** 2,
                          n / meta.total_frames * video_fps, key, stamps)

@@ -33,8 +33,8 @@ from mmjax.models.hf_config import require
 from mmjax.models.nn.attention import Attention
 from mmjax.models.nn.metadata import AttentionMetadata
 from mmjax.models.nn.mlp import GatedMLP
+from mmjax.models.nn.linear import param
 from mmjax.models.nn.moe import Experts
-from mmjax.models.nn.linear import Linear, param
 from mmjax.models.nn.norm import RMSNorm
 from mmjax.models.nn.rope import cos_sin
 from mmjax.models.text.llama import LlamaConfig, LlamaModel

@@ -51,7 +51,8 @@ class Glm4vVisionConfig(QwenVisionConfig):
             x = get(key, default)
             if isinstance(x, (list, tuple)):
                 if len(set(x)) != 1:
-                    raise UnsupportedModelError(f"config.json: {where}.{key}={x} must be square", param=f"{where}.{key}")
+                    raise UnsupportedModelError(f"config.json: {where}.{key}={x} must be square",
+                                                param=f"{where}.{key}")
                 x = x[0]
             return int(x)
         rope = v.get("rope_parameters") or {}
