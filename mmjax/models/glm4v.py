@@ -19,7 +19,8 @@ for Qwen2-VL, with the bounds counted over two frames (`fit_options`).
 Video (`<|video|>` in the template's `<|begin_of_video|><|video|><|end_of_video|>`): the frame
 plan, resize and patches are video/glm4v.py's port of the checkpoint's video processor; the
 processor writes each temporal patch as `<|begin_of_image|>` + its `<|image|>` tokens +
-`<|end_of_image|>` + its time (`image_prompt`), so a video's tokens are image tokens
+`<|end_of_image|>` + its time (`image_prompt`; GLM-4.6V's processors, named by the checkpoint's
+video processor type, write `{t:.1f} seconds` and sample at a rate set by the duration), so a video's tokens are image tokens
 (`expanded_token_id`) and each frame is positioned like an image (HF splits the video grid into
 frames of t = 1); the tower encodes one attention segment per frame, as get_video_features does.
 """
@@ -100,6 +101,7 @@ class Glm4vFamily(Qwen3VLFamily):
     """A loaded GLM-4.xV model's family: Qwen's host side and packing (Qwen3-VL's, which carries each
     patch's grid size for the position-embedding resampling), GLM's resize rule and tokens."""
     image_token: str = "<|image|>"
+    glm46v: bool = False           # GLM-4.6V's processors: "{t:.1f} seconds" frame times, dynamic sampling
     begin_image: str = "<|begin_of_image|>"
     end_image: str = "<|end_of_image|>"
 
@@ -123,8 +125,7 @@ class Glm4vFamily(Qwen3VLFamily):
             return self.image_token * image.num_tokens
         lt, lh, lw = self.token_grid(image)
         frame = self.begin_image + self.image_token * (lh * lw) + self.end_image
-        glm46 = self.cfg.model_type == "glm46v"
-        return "".join(frame + (f"{t:.1f} seconds" if glm46 else str(int(t))) for t in image.video.timestamps)
+        return "".join(frame + (f"{t:.1f} seconds" if self.glm46v else str(int(t))) for t in image.video.timestamps)
 
     def fit_options(self, max_tokens: int) -> ImageOptions:
         """max_pixels for max_tokens merged tokens: the bounds count temporal_patch_size frames."""
@@ -158,11 +159,15 @@ def checked_policy(path: Path, cfg: Glm4vConfig) -> Glm4vImagePolicy:
 def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[Glm4vFamily, Glm4vModel, TensorSource]:
     """config.json + preprocessor config -> (family, the abstract model, its tensors)."""
     cfg = Glm4vConfig.from_hf(hf_cfg)
-    video = Glm4vVideoPolicy.from_config(find_video_processor_config(path), dynamic=cfg.model_type == "glm46v")
+    vc = find_video_processor_config(path)
+    # GLM-4.6V ships Glm46V processors (also on a glm4v_moe config): the video processor's type says which
+    glm46v = str((vc or {}).get("video_processor_type") or "").startswith("Glm46V") or (
+        vc is None and cfg.model_type == "glm46v")
+    video = Glm4vVideoPolicy.from_config(vc, dynamic=glm46v)
     v = cfg.vision
     if (video.patch_size, video.merge_size, video.temporal_patch_size) != (v.patch_size, v.merge_size,
                                                                           v.temporal_patch_size):
         raise CheckpointError("video processor patch_size/merge_size/temporal_patch_size do not match config.json",
                               param="video_preprocessor_config.patch_size")
-    family = Glm4vFamily(cfg, checked_policy(path, cfg), video_policy=video)
+    family = Glm4vFamily(cfg, checked_policy(path, cfg), video_policy=video, glm46v=glm46v)
     return family, build(lambda: Glm4vModel(cfg, dtype)), TensorSource(path, normalize_name)
