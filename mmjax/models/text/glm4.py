@@ -88,6 +88,9 @@ class Glm4TextConfig(LlamaConfig):
     def from_glm(cls, tc: dict, *, moe: bool, tie: bool, where: str = "text_config") -> "Glm4TextConfig":
         """A Glm4vTextConfig / Glm4vMoeTextConfig dict (v5 `rope_parameters` or the hub's top-level
         rope_theta / partial_rotary_factor) -> the config."""
+        if tc.get("use_qk_norm"):     # GLM-4.5-Air-style text configs; GLM-4.xV's never set it
+            raise UnsupportedModelError(f"config.json: {where}.use_qk_norm=true is not supported for GLM-4.xV",
+                                        param=f"{where}.use_qk_norm")
         rope = {**(tc.get("rope_scaling") or {}), **(tc.get("rope_parameters") or {})}
         factor = float(rope.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.5 if moe else 1.0)))
         src = {**tc, "model_type": "glm4v_text", "rope_parameters": {**rope, "rope_type": rope.get("rope_type",
