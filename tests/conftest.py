@@ -124,11 +124,20 @@ def mllama_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def internvl_dirs(tmp_path_factory):
+    """Tiny InternVL checkpoints: {"qwen2": InternVL 3's layout, "qwen3": 3.5's} (see tiny_internvl.build_internvl)."""
+    from tiny_internvl import build_internvl
+    root = tmp_path_factory.mktemp("internvl")
+    return {v: build_internvl(root / v, variant=v, seed=i) for i, v in enumerate(("qwen2", "qwen3"))}
+
+
+@pytest.fixture(scope="session")
 def glm4v_dirs(tmp_path_factory):
     """Tiny GLM-4.xV checkpoints: {"dense", "moe", "46v"} (see tiny_glm4v.build_glm4v)."""
     from tiny_glm4v import build_glm4v
     root = tmp_path_factory.mktemp("glm4v")
     return {v: build_glm4v(root / v, kind=v, seed=i) for i, v in enumerate(("dense", "moe", "46v"))}
+
 
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""

@@ -26,6 +26,7 @@ FAMILIES: dict[str, str] = {
     "smolvlm": "mmjax.models.idefics3",
     "mistral3": "mmjax.models.mistral3",
     "mllama": "mmjax.models.mllama",
+    "internvl": "mmjax.models.internvl",
     **dict.fromkeys(("glm4v", "glm4v_moe", "glm46v"), "mmjax.models.glm4v"),
 }
 

@@ -198,9 +198,11 @@ class Family(abc.ABC):
         """The prompt token id of a prepared input's tokens (its placeholder's id)."""
         return self.video_token_id if item.kind == "video" else self.image_token_id
 
-    def expanded_token_id(self, item: ImageInput) -> int:
-        """The token id a prepared input's tokens carry once its placeholder is expanded (default:
-        the placeholder's; GLM-4.xV writes a video's frames as image tokens)."""
+    def feature_token_id(self, item: ImageInput) -> int:
+        """The prompt token id whose positions take the item's features: its placeholder's
+        (`token_id_of`), unless the processor expands the placeholder into other tokens
+        (InternVL: a video's `<video>` becomes frames of image tokens; GLM-4.xV: a video's
+        `<|video|>` becomes frames of `<|image|>` tokens)."""
         return self.token_id_of(item)
 
     # ---- host: videos --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ plan, resize and patches are video/glm4v.py's port of the checkpoint's video pro
 processor writes each temporal patch as `<|begin_of_image|>` + its `<|image|>` tokens +
 `<|end_of_image|>` + its time (`image_prompt`; GLM-4.6V's processors, named by the checkpoint's
 video processor type, write `{t:.1f} seconds` and sample at a rate set by the duration), so a video's tokens are image tokens
-(`expanded_token_id`) and each frame is positioned like an image (HF splits the video grid into
+(`feature_token_id`) and each frame is positioned like an image (HF splits the video grid into
 frames of t = 1); the tower encodes one attention segment per frame, as get_video_features does.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Glm4vFamily(Qwen3VLFamily):
         """Images' and videos' tokens are both the image token."""
         return (self.image_token_id,)
 
-    def expanded_token_id(self, item: ImageInput) -> int:
+    def feature_token_id(self, item: ImageInput) -> int:
         return self.image_token_id
 
     def image_prompt(self, image: ImageInput) -> str:

@@ -183,7 +183,7 @@ class Engine:
                                      f"the context is {self.max_model_len} tokens", param="messages")
         starts = self.family.image_starts(ids, counts)
         for i, (im, st) in enumerate(zip(images, starts)):
-            if counts[i] and ids[st] != self.family.expanded_token_id(im):
+            if counts[i] and ids[st] != self.family.feature_token_id(im):
                 raise PromptError(f"input {i} is {'a video' if im.kind == 'video' else 'an image'} but its "
                                   "placeholder tokens are not", param="videos" if im.kind == "video" else "images")
         runs = None

@@ -70,7 +70,7 @@ def softmax_topk_route(router, x: jax.Array, top_k: int, normalize: bool = True
 
 
 def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """ragged_dot, bf16 x bf16 with an f32 result cast back (see layers.matmul); quantized
+    """ragged_dot, bf16 x bf16 with an f32 result cast back (see linear.matmul); quantized
     expert stacks (mmjax.quant.QArray) take their 8-bit ragged dot."""
     from mmjax.quant import QArray, qragged_dot
     if isinstance(w, QArray):
