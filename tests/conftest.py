@@ -139,6 +139,14 @@ def llama4_dirs(tmp_path_factory):
     return {v: build_llama4(root / v, variant=v, seed=i) for i, v in enumerate(("qk", "plain"))}
 
 
+@pytest.fixture(scope="session")
+def glm4v_dirs(tmp_path_factory):
+    """Tiny GLM-4.xV checkpoints: {"dense", "moe", "46v"} (see tiny_glm4v.build_glm4v)."""
+    from tiny_glm4v import build_glm4v
+    root = tmp_path_factory.mktemp("glm4v")
+    return {v: build_glm4v(root / v, kind=v, seed=i) for i, v in enumerate(("dense", "moe", "46v"))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

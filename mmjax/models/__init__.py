@@ -28,6 +28,7 @@ FAMILIES: dict[str, str] = {
     "mllama": "mmjax.models.mllama",
     "internvl": "mmjax.models.internvl",
     "llama4": "mmjax.models.llama4",
+    **dict.fromkeys(("glm4v", "glm4v_moe", "glm46v"), "mmjax.models.glm4v"),
 }
 
 

@@ -201,7 +201,8 @@ class Family(abc.ABC):
     def feature_token_id(self, item: ImageInput) -> int:
         """The prompt token id whose positions take the item's features: its placeholder's
         (`token_id_of`), unless the processor expands the placeholder into other tokens
-        (InternVL: a video's `<video>` becomes frames of image tokens)."""
+        (InternVL: a video's `<video>` becomes frames of image tokens; GLM-4.xV: a video's
+        `<|video|>` becomes frames of `<|image|>` tokens)."""
         return self.token_id_of(item)
 
     # ---- host: videos --------------------------------------------------------------------------

@@ -19,6 +19,8 @@ TEXT_MODELS = {
     "qwen2": "mmjax.models.text.llama",
     "gemma3_text": "mmjax.models.text.gemma3",
     "gemma4_text": "mmjax.models.text.gemma4",
+    "glm4v_text": "mmjax.models.text.glm4",
+    "glm4v_moe_text": "mmjax.models.text.glm4",
 }
 
 
