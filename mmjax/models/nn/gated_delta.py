@@ -140,8 +140,12 @@ def _rows(meta: AttentionMetadata, t: int):
     (rows are the call's rows), valid [R, L], cache rows [R], fresh [R]: the row starts at 0)."""
     p = meta.packing
     if p is None:
-        valid = meta.token_valid & (meta.q_index < meta.kv_len)
-        return None, valid, meta.write_rows, meta.starts == 0
+        valid = meta.valid
+        if valid is None:   # padding repeats its predecessor's whole position column (M-RoPE image
+            pos = meta.positions        # tokens share the temporal row: rows 1, 2 tell them apart)
+            valid = jnp.concatenate([jnp.ones_like(pos[0, :, :1], bool),
+                                     (pos[:, :, 1:] != pos[:, :, :-1]).any(axis=0)], axis=1)
+        return None, valid & (meta.q_index < meta.kv_len), meta.write_rows, meta.starts == 0
     if p.riders is not None:
         raise NotImplementedError("decode riders in a packed row (hybrid decoders set supports_riders False)")
     local = jnp.arange(t)[None, :]
