@@ -7,12 +7,13 @@ Checked:
   and grouped value heads: outputs and final state within 1e-5 absolute (measured ~3e-7);
 - the layer against transformers' Qwen3_5GatedDeltaNet: one call, the same tokens in two calls
   (state and conv window carried through the cache), a one-token decode step after them, and two
-  sequences packed in one row, all within 1e-5 of the reference (rel);
+  prompts packed in one row with a decode rider, all within 1e-5 of the reference (rel);
 - pixels (<= 1e-5), grids, token counts, prompt ids and M-RoPE positions exact; image features
   rel <= 1e-4; logits of a two-image prompt (94 tokens: two GatedDeltaNet chunks) rel <= 1e-4
   (measured ~1e-6 dense, ~3e-5 MoE); other images change them;
 - 32 greedy tokens identical to transformers' generate and logprobs within 1e-4 through the engine
-  with 16-token prefill chunks (every prompt spans several calls); one batch == one at a time ==
+  with 16-token prefill chunks (every prompt spans several calls); one batch (packed prefill calls,
+  the first request's decode riding in the second's prefill) == one at a time ==
   caches off; a repeat in a reused slot is identical (its states reset) and reuses no prefix
   (cached_tokens 0: recurrent states cannot resume part-way, text/qwen3_5.py);
 - a video prompt: ids, positions, logits (rel <= 1e-4) and 32 greedy tokens;
@@ -31,7 +32,7 @@ from mmjax.errors import CheckpointError
 from mmjax.models import qwen3_5 as Q35
 from mmjax.models.nn.gated_delta import chunk_gated_delta, l2norm, recurrent_gated_delta
 from mmjax.models.nn.metadata import AttentionMetadata
-from mmjax.models.nn.packing import Packing
+from mmjax.models.nn.packing import NO_INDEX, DecodeRows, Packing
 from tiny_qwen35 import hf_processor, torchvision_stand_in
 from tiny_video import write_video
 
@@ -95,7 +96,8 @@ def _meta(t: int, start: int, slot: int, kv_len: int) -> AttentionMetadata:
 
 def test_gated_delta_layer_chunks_decode_and_packing(pair):
     """Layer 0 (a GatedDeltaNet) == transformers' over 150 tokens: one call; 100 + 49 + one decode
-    token through the cache; two sequences packed in one row (each == its own call)."""
+    token through the cache; two prompts packed in one row with a decode rider (each == its own
+    call, the rider's state == the decode step's)."""
     _, hf, _, vlm = pair
     ref_layer = hf.model.language_model.layers[0].linear_attn
     module = vlm.model.language_model.layers[0].linear_attn
@@ -103,27 +105,32 @@ def test_gated_delta_layer_chunks_decode_and_packing(pair):
     x = np.random.default_rng(1).standard_normal((1, 150, 64)).astype(np.float32)
     with torch.no_grad():
         ref = ref_layer(torch.from_numpy(x)).numpy()[0]
-    cache = module.init_cache(2, jnp.float32)
+    cache = module.init_cache(3, jnp.float32)
     whole, _ = layer(jnp.asarray(x), _meta(150, 0, 0, 150), cache)
     assert rel_err(np.asarray(whole)[0], ref) <= 1e-5
     a, cache = layer(jnp.asarray(x[:, :100]), _meta(100, 0, 1, 100), cache)
     b, cache = layer(jnp.asarray(x[:, 100:149]), _meta(49, 100, 1, 149), cache)
+    held = cache                                            # slot 1: the state after 149 tokens
     dec = AttentionMetadata(jnp.full((3, 2, 1), 149, jnp.int32), jnp.array([0, 149], jnp.int32), 150)
     c, cache = layer(jnp.asarray(np.stack([x[0, :1], x[0, 149:]])), dec, cache)   # decode rows 0 (fresh), 1
     split = np.concatenate([np.asarray(a)[0], np.asarray(b)[0], np.asarray(c)[1]])
     assert rel_err(split, ref) <= 1e-5
-    # packed: sequence A (the 150 tokens' first 100) in slot 0, B (tokens 100..139 as a new
-    # prompt) in slot 1, padding after them; each equals its own one-sequence call
+    # packed: sequence A (the first 100 tokens) into slot 0, B (tokens 100..139 as a new prompt)
+    # into slot 2, and slot 1's decode token riding at row position 140; each == its own call
     row = np.zeros((1, 160, 64), np.float32)
-    row[0, :100], row[0, 100:140] = x[0, :100], x[0, 100:140]
-    packing = Packing(jnp.array([0, 1, 2], jnp.int32), jnp.zeros(3, jnp.int32), jnp.array([0, 100, 140], jnp.int32),
-                      jnp.array([100, 40, 0], jnp.int32), jnp.asarray(np.r_[np.zeros(100), np.ones(60)].astype(np.int32)))
-    meta = AttentionMetadata(jnp.zeros((3, 1, 160), jnp.int32), packing.seg_start, packing.kv_len,
-                             slots=packing.seg_slot, packing=packing)
-    packed, _ = layer(jnp.asarray(row), meta, module.init_cache(2, jnp.float32))
-    alone_b, _ = layer(jnp.asarray(x[:, 100:140]), _meta(40, 0, 0, 40), module.init_cache(2, jnp.float32))
+    row[0, :100], row[0, 100:140], row[0, 140] = x[0, :100], x[0, 100:140], x[0, 149]
+    riders = DecodeRows(jnp.array([NO_INDEX, 149], jnp.int32), jnp.array([160, 140], jnp.int32))
+    packing = Packing(jnp.array([0, 2, 3], jnp.int32), jnp.zeros(3, jnp.int32), jnp.array([0, 100, 140], jnp.int32),
+                      jnp.array([100, 40, 0], jnp.int32), jnp.asarray(np.r_[np.zeros(100), np.ones(60)].astype(np.int32)),
+                      riders)
+    meta = AttentionMetadata(jnp.zeros((3, 1, 160), jnp.int32), packing.seg_start, 150, slots=packing.seg_slot,
+                             packing=packing)
+    packed, after = layer(jnp.asarray(row), meta, held)
+    alone_b, _ = layer(jnp.asarray(x[:, 100:140]), _meta(40, 0, 0, 40), module.init_cache(3, jnp.float32))
     assert rel_err(np.asarray(packed)[0, :100], ref[:100]) <= 1e-5
     assert rel_err(np.asarray(packed)[0, 100:140], np.asarray(alone_b)[0]) <= 1e-5
+    assert rel_err(np.asarray(packed)[0, 140], ref[149]) <= 1e-5
+    np.testing.assert_allclose(np.asarray(after["ssm"][1]), np.asarray(cache["ssm"][1]), rtol=1e-5, atol=1e-6)
 
 
 def test_config_and_errors(pair):
@@ -135,7 +142,7 @@ def test_config_and_errors(pair):
     text = fam.cfg.text
     assert text.layer_types == tuple(hf.config.text_config.layer_types) and lm.state_layers == (0, 1, 2)
     assert text.rotary_dim == 8 and vlm.engine.runner.feature_width == 64       # no DeepStack
-    assert not lm.supports_prune and not lm.supports_riders and lm.min_resume(40, CHUNK) > 40
+    assert not lm.supports_prune and lm.supports_riders and lm.min_resume(40, CHUNK) > 40
     assert (text.moe is not None) == (kind == "moe") and text.tie_word_embeddings == (kind == "moe")
     cfg = hf.config.to_dict()
     cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 3, 3]
@@ -174,7 +181,9 @@ def test_generation_chunks_batching_and_no_prefix_reuse(pair):
     a, b = noise_image(40, 260, 190), noise_image(41, 230, 75)
     reqs = [{"prompt": ONE, "images": [a]}, {"prompt": TWO, "images": [b, a]}]
     sp = mmjax.SamplingParams(max_tokens=32, logprobs=2, **GREEDY)
+    mixed = vlm.engine.counters["mixed_steps"]
     together = vlm.generate(reqs, sp)
+    assert vlm.engine.counters["mixed_steps"] > mixed       # the first one's decode rode the second's prefill
     alone = [vlm.generate([r], sp)[0] for r in reqs]        # the slots are reused: states reset
     with caches_off(vlm):
         cold = [vlm.generate([r], sp)[0] for r in reqs]
