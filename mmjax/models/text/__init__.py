@@ -21,6 +21,8 @@ TEXT_MODELS = {
     "gemma4_text": "mmjax.models.text.gemma4",
     "glm4v_text": "mmjax.models.text.glm4",
     "glm4v_moe_text": "mmjax.models.text.glm4",
+    "qwen3_5_text": "mmjax.models.text.qwen3_5",
+    "qwen3_5_moe_text": "mmjax.models.text.qwen3_5",
 }
 
 
