@@ -222,7 +222,7 @@ class VLM:
     def prepare_videos(self, videos: Iterable[Any], options: dict | VideoOptions | None = None) -> list[ImageInput]:
         """Videos -> ImageInputs (kind "video"): each a path, bytes, a data URI, a list of frames (PIL
         images or uint8 [H, W, 3]) or {"frames": [...], "fps": rate}. options: {"fps", "min_pixels",
-        "max_pixels", "video_max_tokens"} (see README, "Video"). Limits: `self.video_limits`."""
+        "max_pixels", "video_max_tokens"} (see docs/families.md, "Video"). Limits: `self.video_limits`."""
         from mmjax.video import prepare_video
 
         opts = options if isinstance(options, VideoOptions) else VideoOptions.from_dict(options)
@@ -587,7 +587,7 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     mesh: a jax.sharding.Mesh with axes ("data", "model"), or tensor_parallel=N /
     data_parallel=M to build one over the first N x M devices (`mmjax.sharding.make_mesh`):
     the decoder is split N ways (Megatron-style tensor parallel), and M engine replicas serve
-    behind one engine API (README, "Scaling out").
+    behind one engine API (docs/scaling.md).
     verbose: print progress to stderr (`mmjax.progress`: the one-time CPU kernel build, each shape
     `vlm.engine.warmup()` compiles); without it the offline API prints nothing unless logging is
     set up at INFO.

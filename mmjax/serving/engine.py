@@ -194,7 +194,7 @@ class Engine:
                                      f"the context is {self.max_model_len} tokens", param="messages")
         starts = self.family.image_starts(ids, counts)
         for i, (im, st) in enumerate(zip(images, starts)):
-            if counts[i] and ids[st] != self.family.token_id_of(im):
+            if counts[i] and ids[st] != self.family.feature_token_id(im):
                 raise PromptError(f"input {i} is {'a video' if im.kind == 'video' else 'an image'} but its "
                                   "placeholder tokens are not", param="videos" if im.kind == "video" else "images")
         runs = None
@@ -736,6 +736,8 @@ class Engine:
             if not req.prefilling:
                 req.feats = []  # the KV cache holds them now
                 first.append((req, row))
+            elif self.runner.text_model.state_layers:   # a recurrent state would take the garbage
+                self.runner.park(req.slot)               # token decode steps feed this row until its next chunk
         for req, _ in first:
             self._fork(req)
         if riders:      # the riders' rows come first in a mixed call's outputs

@@ -21,6 +21,9 @@ class MaskSpec:
     """Visibility of cached keys to new tokens, on top of causality (key index <= query index).
 
     sliding_window: a query at cache index i sees keys j with i - j < window (None: all).
+    chunk: chunked (local) attention, Llama 4's: a query at cache index i sees keys j in its own
+        chunk only, j >= (i // chunk) * chunk (None: all). Not a window: the first query of a
+        chunk sees itself alone, whatever came before.
     spans: [b, t] int32 per new token, -1 for none: tokens of one span in the same call see each
         other in both directions (a span must lie within one call: the caller keeps chunk
         boundaries outside spans). A traced array, so one compiled step serves every layout.
@@ -31,6 +34,7 @@ class MaskSpec:
     sliding_window: int | None = None
     spans: jax.Array | None = None
     key_spans: jax.Array | None = None
+    chunk: int | None = None
 
     @property
     def span_keys(self) -> jax.Array | None:
@@ -38,7 +42,7 @@ class MaskSpec:
         return self.spans if self.key_spans is None else self.key_spans
 
 
-jax.tree_util.register_dataclass(MaskSpec, data_fields=["spans", "key_spans"], meta_fields=["sliding_window"])
+jax.tree_util.register_dataclass(MaskSpec, data_fields=["spans", "key_spans"], meta_fields=["sliding_window", "chunk"])
 
 
 @dataclass(frozen=True)
@@ -157,12 +161,13 @@ class AttentionMetadata:
         pos = self.positions[0]
         return jnp.concatenate([jnp.ones_like(pos[:, :1], bool), pos[:, 1:] > pos[:, :-1]], axis=1)
 
-    def mask(self, sliding_window: int | None = None, spans: bool = True) -> MaskSpec | None:
-        """The MaskSpec of a layer with this window that does (spans=True) or does not read image spans."""
+    def mask(self, sliding_window: int | None = None, spans: bool = True, chunk: int | None = None) -> MaskSpec | None:
+        """The MaskSpec of a layer with this window (or attention chunk) that does (spans=True) or
+        does not read image spans."""
         s = self.spans if spans else None
-        if sliding_window is None and s is None:
+        if sliding_window is None and s is None and chunk is None:
             return None
-        return MaskSpec(sliding_window=sliding_window, spans=s)
+        return MaskSpec(sliding_window=sliding_window, spans=s, chunk=chunk)
 
     def layer(self, i: int) -> "AttentionMetadata":
         """The view of layer i: rows pruned after an earlier layer (`dropped`) index a shorter
