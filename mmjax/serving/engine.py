@@ -90,6 +90,10 @@ class Engine:
         if max_loras:      # the decoder's adapter slots, before the runner places its weights
             from mmjax.lora import Adapters
             from mmjax.models.nn import lora
+            from mmjax.sharding import MODEL, axis_size
+            if mesh is not None and axis_size(mesh, MODEL) > 1:
+                raise UnsupportedModelError("LoRA adapters are not supported with tensor parallelism",
+                                            param="max_loras")
             lm = model.module.language_model
             lora.enable(lm, max_loras, max_lora_rank, lm.embed_tokens.embedding.get_value().dtype)
             self.adapters = Adapters(lm, max_loras, max_lora_rank)
