@@ -9,6 +9,7 @@ row its ids exactly and its logprobs within 1e-5 of the row run alone.
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -160,16 +161,10 @@ def test_cuda_lowering_with_adapters(llava):
                          max_encode_batch=1, dtype=model.dtype, platform="cuda")
     sigs = [s for s in runner.step_signatures() if s[0] in ("prefill[32,2]", "decode[2]")]
     assert len(sigs) == 2
-    trit = jax_triton_check()
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     with compiling_for("cuda"):
         for name, fn, args, kw in sigs:
-            text = __import__("jax").export.export(fn, platforms=("cuda",), disabled_checks=[trit])(*args, **kw)
-            assert text.mlir_module()
-
-
-def jax_triton_check():
-    import jax
-    return jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+            assert jax.export.export(fn, platforms=("cuda",), disabled_checks=[triton])(*args, **kw).mlir_module()
 
 
 def test_server(llava, tmp_path):
@@ -221,6 +216,7 @@ def test_bench_lora_smoke(llava):
 def test_save_peft_loads_in_peft(llava, tmp_path):
     """An adapter trained on mmjax's modules (mmjax.research.lora: nnx.LoRA) saved with save_peft is
     what peft loads: every tensor lands in the PEFT model unchanged, and mmjax reads it back."""
+    from flax import nnx
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
     from safetensors.numpy import load_file
@@ -233,7 +229,7 @@ def test_save_peft_loads_in_peft(llava, tmp_path):
     names = add_lora(lm, 4, 8.0, targets=("q_proj", "k_proj", "v_proj", "down_proj"), seed=0)
     assert len(names) == 4 * lm.num_layers
     rng = np.random.default_rng(0)
-    for _, m in __import__("flax").nnx.iter_modules(lm):
+    for _, m in nnx.iter_modules(lm):
         if isinstance(m, LoRALinear):
             for a in m.adapters:
                 a.lora_b[...] = rng.normal(0, 0.1, a.lora_b[...].shape).astype(np.float32)
