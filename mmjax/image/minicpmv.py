@@ -62,7 +62,7 @@ class MiniCPMVImagePolicy:
     image_std: tuple[float, float, float] = IMAGENET_STANDARD_STD
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "MiniCPMVImagePolicy":
+    def from_config(cls, cfg: dict, **extra) -> "MiniCPMVImagePolicy":
         mode = str(cfg.get("downsample_mode", "16x"))
         if mode not in ("16x", "4x"):
             raise UnsupportedModelError(f"image processor downsample_mode={mode!r} (expected '16x' or '4x')",
@@ -77,7 +77,7 @@ class MiniCPMVImagePolicy:
                    rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
                    do_normalize=bool(cfg.get("do_normalize", True)),
                    image_mean=_channel_triple(cfg.get("image_mean"), IMAGENET_STANDARD_MEAN, "image_mean"),
-                   image_std=_channel_triple(cfg.get("image_std"), IMAGENET_STANDARD_STD, "image_std"))
+                   image_std=_channel_triple(cfg.get("image_std"), IMAGENET_STANDARD_STD, "image_std"), **extra)
 
     @property
     def merge(self) -> int:
@@ -134,21 +134,29 @@ class MiniCPMVImagePolicy:
         return [(h // p) * (w // p) // self.merge ** 2 for h, w in plan.view_sizes]
 
     # ---- pixels ---------------------------------------------------------------------------------
+    def _resize(self, src, height: int, width: int) -> np.ndarray:
+        """The processor's resize: PIL on the uint8 image (the video policy: torch's kernel)."""
+        return _pil_resize(src, height, width, self.resample)
+
     def _finish(self, x: np.ndarray) -> np.ndarray:
         return _rescale_normalize(x, self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean,
                                   self.image_std)
 
-    def __call__(self, img: Image.Image, plan: SlicePlan) -> list[np.ndarray]:
-        """RGB image -> the plan's views, each float32 [h, w, 3] (normalized)."""
-        img = _as_rgb(img)
-        views = [self._finish(_pil_resize(img, *plan.source, self.resample))]
+    def views(self, src, plan: SlicePlan) -> list[np.ndarray]:
+        """An image (RGB PIL; the video policy: a uint8 frame [H, W, 3]) -> the plan's views,
+        each float32 [h, w, 3] (normalized): the source view, then the slices row-major."""
+        views = [self._finish(self._resize(src, *plan.source))]
         rows, cols = plan.grid
         if rows:
-            refined = _pil_resize(img, *plan.refine, self.resample)
+            refined = self._resize(src, *plan.refine)
             ph, pw = plan.refine[0] // rows, plan.refine[1] // cols
             views += [self._finish(refined[r * ph:(r + 1) * ph, c * pw:(c + 1) * pw])
                       for r in range(rows) for c in range(cols)]
         return views
+
+    def __call__(self, img: Image.Image, plan: SlicePlan) -> list[np.ndarray]:
+        """RGB image -> the plan's views (`views`)."""
+        return self.views(_as_rgb(img), plan)
 
     def cache_key(self) -> tuple:
         return ("minicpmv", self.scale_resolution, self.patch_size, self.slice_mode, self.downsample_mode,

@@ -40,14 +40,16 @@ from mmjax.errors import CheckpointError, ContextLengthError, UnsupportedModelEr
 from mmjax.image.decode import pixel_hash
 from mmjax.image.minicpmv import MiniCPMVImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
-from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VisionLanguageModel
+from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VideoOptions, VisionLanguageModel
 from mmjax.models.hf_config import require, tie_word_embeddings
 from mmjax.models.nn.weights import build
 from mmjax.models.text import text_config
-from mmjax.models.vision.minicpmv import (Merger, MiniCPMVVisionConfig, MiniCPMVVisionModel, PackedViews,
-                                          merge_block_order, nearest_position_ids, split_features)
+from mmjax.models.vision.minicpmv import (Merger, MiniCPMVVisionConfig, MiniCPMVVisionModel, merge_block_order,
+                                          nearest_position_ids)
 from mmjax.models.vision.qwen2_vl import patch_ladder
 from mmjax.models.vision.clip import patchify
+from mmjax.video.minicpmv import MiniCPMVVideoPolicy
+from mmjax.video.processors import VideoPlan, find_video_processor_config
 
 ARCHS = {"minicpmv4_6": "4.6", "minicpmv4_7": "4.7"}
 MARKERS = ("image_start_id", "image_end_id", "slice_start_id", "slice_end_id", "newline_id")
@@ -97,7 +99,7 @@ class MiniCPMVModel(VisionLanguageModel):
         self.language_model = cfg.text.build(dtype)
 
     def encode(self, packed: tuple) -> jax.Array:
-        """One packed call (patches, pos_ids, segment_ids; vision/minicpmv.pack_views) -> LLM
+        """One packed call (patches, pos_ids, segment_ids; `MiniCPMVFamily.encode_plan`) -> LLM
         tokens [n_pad / merge^2, text_hidden], each view's tokens row-major, views in order."""
         return self.merger(self.vision_tower(*packed)).astype(self.embed_dtype)
 
@@ -124,6 +126,7 @@ class SlicedImage(ImageInput):
 class MiniCPMVFamily(Family):
     cfg: MiniCPMVConfig
     policy: MiniCPMVImagePolicy
+    video_policy: MiniCPMVVideoPolicy
     strings: dict = field(default_factory=lambda: dict(TOKEN_STRINGS))
     name: str = "minicpmv4_6"
 
@@ -134,6 +137,14 @@ class MiniCPMVFamily(Family):
     @property
     def image_token(self) -> str:
         return self.strings["image_token"]
+
+    @property
+    def video_token_id(self) -> int | None:
+        return self.cfg.video_token_id
+
+    @property
+    def video_token(self) -> str | None:
+        return None if self.cfg.video_token_id is None else self.strings["video_token"]
 
     # ---- host: images ---------------------------------------------------------------------------
     @property
@@ -164,21 +175,59 @@ class MiniCPMVFamily(Family):
         known before any resize; an image whose patches exceed the largest encode call is a
         ContextLengthError."""
         plan, n = self._plan(img.height, img.width, opts)
-        p, m = self.policy.patch_size, self.cfg.vision.merge
-        sizes = tuple((h // p, w // p) for h, w in plan.view_sizes)
-        n_patches = sum(h * w for h, w in sizes)
-        if n_patches > self.encode_ladder[-1]:
-            raise ContextLengthError(f"this image's views hold {n_patches} patches, over the largest encode call "
-                                     f"({self.encode_ladder[-1]}); its aspect ratio is too extreme", param="images")
-        views = self.policy(img, plan)
+        self._check_patches(plan, 1)
+        key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key() + (plan,))}"
+        return self._sliced(self.policy(img, plan), plan, self.policy, n, key, source_size=(img.height, img.width))
+
+    def _check_patches(self, plan, frames: int) -> None:
+        """A view larger than the largest encode call (an extreme aspect ratio) is a ContextLengthError."""
+        p = self.policy.patch_size
+        n = max((h // p) * (w // p) for h, w in plan.view_sizes)
+        if n > self.encode_ladder[-1]:
+            raise ContextLengthError(f"a view of this input holds {n} patches, over the largest encode call "
+                                     f"({self.encode_ladder[-1]}); its aspect ratio is too extreme",
+                                     param="images" if frames == 1 else "videos")
+
+    def _sliced(self, views: list[np.ndarray], plan, policy, n: int, key: str, **kw) -> "SlicedImage":
+        """Views [h, w, 3] (frame-major for a video) -> a SlicedImage (patches in merge-block order)."""
+        p, m = policy.patch_size, self.cfg.vision.merge
+        sizes = tuple((v.shape[0] // p, v.shape[1] // p) for v in views)
         orders = [merge_block_order(h, w, m) for h, w in sizes]
         pixels = np.concatenate([patchify(v[None], p)[0][o] for v, o in zip(views, orders)])
         pos = np.concatenate([nearest_position_ids(h, w, self.cfg.vision.patches_per_side)[o]
                               for (h, w), o in zip(sizes, orders)])
-        key = f"{self.name}:{pixel_hash(img)}:{digest(self.policy.cache_key() + (plan,))}"
+        per_frame = policy.view_tokens(plan)
         return SlicedImage(pixels=pixels, num_tokens=n, key=key, grid=(len(sizes), sizes[0][0], sizes[0][1]),
-                           sizes=sizes, views=tuple(self.policy.view_tokens(plan)), slice_grid=plan.grid,
-                           pos_ids=pos, source_size=(img.height, img.width))
+                           sizes=sizes, views=tuple(per_frame * (len(sizes) // len(per_frame))),
+                           slice_grid=plan.grid, pos_ids=pos, **kw)
+
+    # ---- host: videos ---------------------------------------------------------------------------
+    def plan_video(self, meta, opts: VideoOptions = VideoOptions()) -> VideoPlan:
+        """Container metadata -> the frames to decode (one a second) and the token count (every
+        frame sliced like an image by the video processor's settings); over `opts.max_tokens` a
+        ContextLengthError. The pixel bounds and fps options do not apply (the processor has none)."""
+        if self.video_token_id is None:
+            return super().plan_video(meta, opts)
+        vp = self.video_policy
+        indices = vp.sample_indices(meta)
+        plan = vp.plan(meta.height, meta.width)
+        self._check_patches(plan, len(indices))
+        n = len(indices) * sum(vp.view_tokens(plan))
+        if opts.max_tokens is not None and n > opts.max_tokens:
+            raise ContextLengthError(f"video of {meta.width}x{meta.height} samples {len(indices)} frames of "
+                                     f"{sum(vp.view_tokens(plan))} tokens ({n}), over video_max_tokens="
+                                     f"{opts.max_tokens}", param="video_max_tokens")
+        sampled = len(indices) / meta.total_frames * meta.fps if meta.fps else 1.0
+        key = ("minicpmv_video", tuple(indices), vp.cache_key(), plan)
+        return VideoPlan(tuple(indices), plan.source, (len(indices), plan.source[0] // vp.patch_size,
+                                                       plan.source[1] // vp.patch_size), n, float(sampled), key)
+
+    def prepare_video(self, frames: np.ndarray, plan: VideoPlan, key: str) -> ImageInput:
+        """Decoded uint8 frames [n, H, W, 3] -> SlicedImage(kind="video"): every frame's views."""
+        vp = self.video_policy
+        sp = vp.plan(frames.shape[1], frames.shape[2])
+        return self._sliced(vp.frame_views(frames, sp), sp, vp, plan.num_tokens,
+                            f"{self.name}:{key}:{digest(plan.key)}", kind="video", video=plan)
 
     def fit_options(self, max_tokens: int) -> ImageOptions:
         """A token budget: slices are dropped until the image fits (`prepare_image`)."""
@@ -192,22 +241,32 @@ class MiniCPMVFamily(Family):
 
     # ---- prompt ---------------------------------------------------------------------------------
     def image_prompt(self, image: ImageInput, index: int = 0) -> str:
-        """The processor's text for one image (module docstring); `index`: its place among the
-        prompt's images (the `<image_id>` tag)."""
+        """The processor's text for one image or video (module docstring); `index`: its place
+        among the prompt's images (videos) for the `<image_id>` tag. A video: each frame's block
+        (its tokens the video token), frames back to back; 4.7 tags no video."""
         s = self.strings
-        tok = s["image_token"]
-        counts = list(image.views)
-        text = s["image_start_token"] + tok * counts[0] + s["image_end_token"]
+        video = image.kind == "video"
+        tok = s["video_token"] if video else s["image_token"]
         rows, cols = image.slice_grid
-        if rows:
-            text += "\n".join("".join(s["slice_start_token"] + tok * counts[1 + r * cols + c] + s["slice_end_token"]
-                                      for c in range(cols)) for r in range(rows))
-        if self.policy.use_image_id:
+        per = 1 + rows * cols
+        text = ""
+        for f in range(len(image.views) // per):
+            counts = image.views[f * per:(f + 1) * per]
+            text += s["image_start_token"] + tok * counts[0] + s["image_end_token"]
+            if rows:
+                text += "\n".join("".join(s["slice_start_token"] + tok * counts[1 + r * cols + c] + s["slice_end_token"]
+                                          for c in range(cols)) for r in range(rows))
+        if self.policy.use_image_id and not (video and self.cfg.version == "4.7"):
             text = f"{s['image_id_start_token']}{index}{s['image_id_end_token']}" + text
         return text
 
     def image_prompts(self, images: list[ImageInput]) -> list[str]:
-        return [self.image_prompt(im, i) for i, im in enumerate(images)]
+        seen = {"image": 0, "video": 0}
+        out = []
+        for im in images:
+            out.append(self.image_prompt(im, seen[im.kind]))
+            seen[im.kind] += 1
+        return out
 
     def positions(self, ids: np.ndarray, images: list[ImageInput], image_starts: list[int]
                   ) -> tuple[np.ndarray, int]:
@@ -217,45 +276,56 @@ class MiniCPMVFamily(Family):
         if self.cfg.version == "4.6" or not images:
             return np.broadcast_to(np.arange(len(ids), dtype=np.int32), (rows, len(ids))).copy(), 0
         sizes = [hw for im in images for hw in im.sizes]
-        types = np.where(np.asarray(ids) == self.image_token_id, 1, 0)
+        ids = np.asarray(ids)
+        types = np.where(ids == self.image_token_id, 1, np.where(ids == self.video_token_id, 2, 0))
         pos = canvas_positions(list(map(int, ids)), types.tolist(), sizes, self.cfg.vision.merge, self.cfg.markers)
         return pos.astype(np.int32), int(pos.max()) + 1 - len(ids)
 
     # ---- encode ---------------------------------------------------------------------------------
     def encode_plan(self, images: list[ImageInput], max_batch: int, shards: int = 1) -> list[EncodeCall]:
-        """Images (in order) packed into as few calls as the patch ladder's top allows, each
-        padded up the ladder; one attention segment per view."""
+        """All inputs' views as one stream, cut into calls of at most the ladder's top patches
+        (a view never splits; an image's or video's views may span calls), each padded up the
+        ladder, one attention segment per view. Call k's `split` keeps its views' tokens and
+        returns the inputs whose last view it holds, in order (the runner splits calls in order)."""
         ladder = self.encode_ladder
-        groups, cur, n = [], [], 0
-        for im in images:
-            k = len(im.pixels)
+        m2 = self.cfg.vision.merge ** 2
+        views = [(i, j) for i, im in enumerate(images) for j in range(len(im.sizes))]
+        starts = [np.cumsum([0] + [h * w for h, w in im.sizes]) for im in images]
+        parts: list[list] = [[] for _ in images]
+        calls, cur, n = [], [], 0
+
+        def flush(cur):
+            n_pad = bucket_for(sum(images[i].sizes[j][0] * images[i].sizes[j][1] for i, j in cur), ladder)
+            v = self.cfg.vision
+            patches = np.zeros((n_pad, v.patch_dim), np.float32)
+            pos = np.zeros((n_pad,), np.int32)
+            seg = np.full((n_pad,), -1, np.int32)
+            off, spans = 0, []
+            for s_, (i, j) in enumerate(cur):
+                a, b = starts[i][j], starts[i][j + 1]
+                patches[off:off + b - a] = images[i].pixels[a:b]
+                pos[off:off + b - a] = images[i].pos_ids[a:b]
+                seg[off:off + b - a] = s_
+                spans.append((i, off // m2, (b - a) // m2))
+                off += b - a
+            done = [i for i in dict.fromkeys(i for i, _ in cur) if (i, len(images[i].sizes) - 1) in cur]
+
+            def split(f, spans=spans, done=done):
+                for i, a, k in spans:
+                    parts[i].append(np.asarray(f[a:a + k]))
+                return [np.concatenate(parts[i]) for i in done]
+            calls.append(EncodeCall((n_pad,), (patches, pos, seg), split))
+
+        for i, j in views:
+            k = images[i].sizes[j][0] * images[i].sizes[j][1]
             if cur and n + k > ladder[-1]:
-                groups.append(cur)
+                flush(cur)
                 cur, n = [], 0
-            cur.append(im)
+            cur.append((i, j))
             n += k
         if cur:
-            groups.append(cur)
-        calls = []
-        for group in groups:
-            packed = self.pack(group, bucket_for(sum(len(im.pixels) for im in group), ladder))
-            calls.append(EncodeCall((len(packed.segment_ids),), packed.arrays(),
-                                    lambda f, packed=packed: split_features(packed, f)))
+            flush(cur)
         return calls
-
-    def pack(self, images: list[SlicedImage], n_pad: int) -> PackedViews:
-        v = self.cfg.vision
-        patches = np.zeros((n_pad, v.patch_dim), np.float32)
-        pos = np.zeros((n_pad,), np.int32)
-        seg = np.full((n_pad,), -1, np.int32)
-        off, s = 0, 0
-        for im in images:
-            k = len(im.pixels)
-            patches[off:off + k] = im.pixels
-            pos[off:off + k] = im.pos_ids
-            seg[off:off + k] = s + np.repeat(np.arange(len(im.sizes)), [h * w for h, w in im.sizes])
-            off, s = off + k, s + len(im.sizes)
-        return PackedViews(patches, pos, seg, [im.num_tokens for im in images])
 
     def warmup_plan(self, max_batch: int, shards: int = 1) -> list[EncodeCall]:
         v = self.cfg.vision
@@ -413,5 +483,9 @@ def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[MiniCPMVFamily, M
         raise CheckpointError(f"image processor patch_size={policy.patch_size} / downsample_mode="
                               f"{policy.downsample_mode} disagree with the model's vision config",
                               param="downsample_mode")
-    family = MiniCPMVFamily(cfg, policy, _token_strings(path), name=str(hf_cfg["model_type"]))
+    video = MiniCPMVVideoPolicy.from_video_config(find_video_processor_config(path))
+    if video.patch_size != policy.patch_size or video.merge != policy.merge:
+        raise CheckpointError("video processor patch_size / downsample_mode disagree with the image processor's",
+                              param="downsample_mode")
+    family = MiniCPMVFamily(cfg, policy, video, _token_strings(path), name=str(hf_cfg["model_type"]))
     return family, build(lambda: MiniCPMVModel(cfg, dtype)), TensorSource(path)

@@ -13,7 +13,7 @@ encoder.layers[i].{layer_norm1, self_attn.{q,k,v,out}_proj, layer_norm2, mlp.{fc
 vit_merger.{layer_norm1, self_attn, pre_norm, linear_1, linear_2}, post_layernorm}`,
 `merger.mlp.0.{pre_norm, linear_1, linear_2}`.
 
-Packing: the views of one encode call (each image's source view and slices) are ONE padded
+Packing (the family's encode_plan): the views of one encode call (each image's source view and slices) are ONE padded
 sequence of patches with one attention segment per view (-1: padding). Each view's patches are
 laid out on the host in merge-block order (for every merger output token, its 2x2 windows, for
 every window its 2x2 patches), so the window merger's windows are consecutive runs of 4, its
@@ -254,46 +254,3 @@ def merge_block_order(height: int, width: int, merge: int) -> np.ndarray:
     cols = list(range(levels + 2, 2 * levels + 2))
     perm = [0, levels + 1] + [a for pair in zip(rows, cols) for a in pair]
     return x.transpose(perm).ravel()
-
-
-@dataclass
-class PackedViews:
-    """One encode call: arrays padded to `n_pad` patches and the token count of each image."""
-    patches: np.ndarray        # [n_pad, p*p*c] float32
-    pos_ids: np.ndarray        # [n_pad] int32
-    segment_ids: np.ndarray    # [n_pad] int32, -1 = padding
-    tokens: list[int]          # LLM tokens per image, in order
-
-    def arrays(self) -> tuple:
-        return self.patches, self.pos_ids, self.segment_ids
-
-
-def pack_views(images: list[list[np.ndarray]], cfg: MiniCPMVVisionConfig, n_pad: int | None = None) -> PackedViews:
-    """Images, each a list of views [h, w, 3] (float32, sides multiples of patch * merge) ->
-    PackedViews (module docstring); n_pad: the padded length (default: the patches)."""
-    p, m = cfg.patch_size, cfg.merge
-    total = sum((v.shape[0] // p) * (v.shape[1] // p) for views in images for v in views)
-    n_pad = total if n_pad is None else n_pad
-    if n_pad < total or n_pad % (m * m):
-        raise ValueError(f"bad packed length {n_pad} for {total} patches")
-    patches = np.zeros((n_pad, cfg.patch_dim), np.float32)
-    pos = np.zeros((n_pad,), np.int32)
-    seg = np.full((n_pad,), -1, np.int32)
-    off, s, tokens = 0, 0, []
-    for views in images:
-        count = 0
-        for v in views:
-            h, w = v.shape[0] // p, v.shape[1] // p
-            order = merge_block_order(h, w, m)
-            patches[off:off + h * w] = patchify(v[None], p)[0][order]
-            pos[off:off + h * w] = nearest_position_ids(h, w, cfg.patches_per_side)[order]
-            seg[off:off + h * w] = s
-            off, s, count = off + h * w, s + 1, count + h * w // (m * m)
-        tokens.append(count)
-    return PackedViews(patches, pos, seg, tokens)
-
-
-def split_features(packed: PackedViews, feats: np.ndarray) -> list[np.ndarray]:
-    """Merger output [n_pad / merge^2, hidden] -> one [tokens, hidden] array per image."""
-    edges = np.cumsum([0] + packed.tokens)
-    return [np.ascontiguousarray(feats[a:b]) for a, b in zip(edges[:-1], edges[1:])]
