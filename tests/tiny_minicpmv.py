@@ -8,10 +8,11 @@ nearest-bucket position ids are not the identity) and the 2x2 merger. The image 
 the real slicing arithmetic with a small `scale_resolution` (112 px: a source view of about 8x8
 patches, 4 tokens; slices of the same size, at most `MAX_SLICES`).
 
-The processors need a video processor object (its `slice_mode` / `downsample_mode`); the real
-MiniCPMV4_6VideoProcessor demands torchvision (not installable here), so `hf_processor` passes a
-namespace with the video processor's defaults and skips the class check. Weights that start
-constant (norms, biases, the merger's block-diagonal linear_1) are perturbed before saving.
+Video: a MiniCPMV4_6VideoProcessor config (one frame a second, at most `VIDEO_FRAMES`, frames
+sliced into at most 2). That class runs as transformers' own code inside
+`tiny_qwen3.torchvision_stand_in` (torchvision is not installable here); `hf_processor` skips
+only the processor's class check. Weights that start constant (norms, biases, the merger's
+block-diagonal linear_1) are perturbed before saving.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<|video_pad|
 NAMED = {"image_token": "<unk>", "video_token": "<|video_pad|>", "image_start_token": "<image>",
          "image_end_token": "</image>", "slice_start_token": "<slice>", "slice_end_token": "</slice>",
          "image_id_start_token": "<image_id>", "image_id_end_token": "</image_id>"}
-SCALE_RESOLUTION, MAX_SLICES = 112, 4
+SCALE_RESOLUTION, MAX_SLICES, VIDEO_FRAMES = 112, 4, 4
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -61,6 +62,7 @@ def build_minicpmv(out_dir: str | os.PathLike, *, version: str = "4.6", seed: in
     MiniCPMV4_7ForConditionalGeneration (canvas M-RoPE from the marker ids in config.json)."""
     import torch
     from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import MiniCPMV4_6ImageProcessorPil
+    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,6 +103,8 @@ def build_minicpmv(out_dir: str | os.PathLike, *, version: str = "4.6", seed: in
     tokenizer.save_pretrained(out)
     MiniCPMV4_6ImageProcessorPil(scale_resolution=SCALE_RESOLUTION, max_slice_nums=MAX_SLICES,
                                  patch_size=14).save_pretrained(out)
+    MiniCPMV4_6VideoProcessor(scale_resolution=SCALE_RESOLUTION, max_slice_nums=2, patch_size=14,
+                              max_num_frames=VIDEO_FRAMES).save_pretrained(out)
     gen = {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
            "pad_token_id": text["pad_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen))
@@ -109,17 +113,17 @@ def build_minicpmv(out_dir: str | os.PathLike, *, version: str = "4.6", seed: in
 
 def hf_processor(path: str | os.PathLike, version: str = "4.6"):
     """The real MiniCPMV4_6Processor / MiniCPMV4_7Processor over the checkpoint's tokenizer and
-    image processor (a stand-in video processor object: module docstring)."""
-    from types import SimpleNamespace
+    image and video processors (videos need `tiny_qwen3.torchvision_stand_in`)."""
     from unittest import mock
 
     from transformers import AutoTokenizer, MiniCPMV4_6Processor, MiniCPMV4_7Processor
     from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import MiniCPMV4_6ImageProcessorPil
+    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
     from transformers.processing_utils import ProcessorMixin
 
     tok = AutoTokenizer.from_pretrained(path)
     ip = MiniCPMV4_6ImageProcessorPil.from_pretrained(path)
-    vp = SimpleNamespace(slice_mode=True, downsample_mode="16x")
+    vp = MiniCPMV4_6VideoProcessor.from_pretrained(path)
     cls = MiniCPMV4_6Processor if version == "4.6" else MiniCPMV4_7Processor
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None):
         return cls(image_processor=ip, tokenizer=tok, video_processor=vp)
