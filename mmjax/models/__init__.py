@@ -18,6 +18,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "mmjax.models.qwen2_vl",
     "qwen3_vl": "mmjax.models.qwen3_vl",
     "qwen3_vl_moe": "mmjax.models.qwen3_vl",
+    "qwen3_5": "mmjax.models.qwen3_5", "qwen3_5_moe": "mmjax.models.qwen3_5",
     "gemma3": "mmjax.models.gemma3",
     "gemma4": "mmjax.models.gemma4",
     "llava_next": "mmjax.models.llava_next",
