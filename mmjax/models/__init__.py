@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "smolvlm": "mmjax.models.idefics3",
     "mistral3": "mmjax.models.mistral3",
     "mllama": "mmjax.models.mllama",
+    "minicpmv4_6": "mmjax.models.minicpmv", "minicpmv4_7": "mmjax.models.minicpmv",
 }
 
 

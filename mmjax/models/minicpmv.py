@@ -43,7 +43,7 @@ from mmjax.image.processors import digest, find_image_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VideoOptions, VisionLanguageModel
 from mmjax.models.hf_config import require, tie_word_embeddings
 from mmjax.models.nn.weights import build
-from mmjax.models.text import text_config
+from mmjax.models.text.qwen3_5 import Qwen35TextConfig
 from mmjax.models.vision.minicpmv import (Merger, MiniCPMVVisionConfig, MiniCPMVVisionModel, merge_block_order,
                                           nearest_position_ids)
 from mmjax.models.vision.qwen2_vl import patch_ladder
@@ -74,8 +74,10 @@ class MiniCPMVConfig:
         if mt not in ARCHS:
             raise UnsupportedModelError(f"config.json: model_type={mt!r} is not MiniCPM-V 4.6 / 4.7", param="model_type")
         text_cfg = dict(require(cfg, "text_config", "config"))
-        text_cfg.setdefault("model_type", "qwen3_5_text")
-        text = text_config(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg))
+        if text_cfg.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+            raise UnsupportedModelError(f"config.json: text_config.model_type={text_cfg['model_type']!r} "
+                                        "(MiniCPM-V 4.6 / 4.7 use qwen3_5_text)", param="text_config.model_type")
+        text = Qwen35TextConfig.from_hf(text_cfg, "text_config", tie_word_embeddings=tie_word_embeddings(cfg, text_cfg))
         if cfg.get("drop_vision_last_layer"):
             raise UnsupportedModelError("config.json: drop_vision_last_layer=true is not supported",
                                         param="drop_vision_last_layer")
