@@ -123,6 +123,14 @@ def mllama_dirs(tmp_path_factory):
     return {v: build_mllama(root / v, variant=v, seed=i) for i, v in enumerate(("tiles4", "tiles2"))}
 
 
+@pytest.fixture(scope="session")
+def minicpmv_dirs(tmp_path_factory):
+    """Tiny MiniCPM-V checkpoints: {"4.6": path, "4.7": path} (see tiny_minicpmv.build_minicpmv)."""
+    from tiny_minicpmv import build_minicpmv
+    root = tmp_path_factory.mktemp("minicpmv")
+    return {v: build_minicpmv(root / v, version=v, seed=s) for v, s in (("4.6", 0), ("4.7", 1))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image
