@@ -74,6 +74,14 @@ def qwen3_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen35_dirs(tmp_path_factory):
+    """Tiny Qwen3.5 checkpoints: {"dense": path, "moe": path} (see tiny_qwen35.build_qwen35)."""
+    from tiny_qwen35 import build_qwen35
+    root = tmp_path_factory.mktemp("qwen35")
+    return {k: build_qwen35(root / k, kind=k, seed=s) for k, s in (("dense", 0), ("moe", 0))}
+
+
+@pytest.fixture(scope="session")
 def gemma3_dirs(tmp_path_factory):
     """Tiny Gemma 3 checkpoints: {"window": path, "softcap": path} (see tiny_gemma.build_gemma3)."""
     from tiny_gemma import build_gemma3

@@ -27,14 +27,15 @@ TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 @pytest.fixture(scope="module")
 def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, qwen3_dirs, mistral3_dirs, mllama_dirs,
-                llava_next_dirs):
+                llava_next_dirs, qwen35_dirs):
     return {"llava-gqa": llava_dirs["gqa"], "llava-mha": llava_dirs["mha"], "mmjax-shapes": None, **qwen_dirs,
             "gemma3-window": gemma3_dirs["window"], "gemma3-softcap": gemma3_dirs["softcap"],
             "gemma4-dense": gemma4_dirs["dense"], "gemma4-moe": gemma4_dirs["moe"], **idefics3_dirs,
             "qwen3-dense": qwen3_dirs["dense"], "qwen3-moe": qwen3_dirs["moe"],
             "mistral3-merge2": mistral3_dirs["merge2"], "mistral3-merge1": mistral3_dirs["merge1"],
             "mllama-tiles4": mllama_dirs["tiles4"], "mllama-tiles2": mllama_dirs["tiles2"],
-            "llava-next": llava_next_dirs["next"], "llava-onevision": llava_next_dirs["onevision"]}
+            "llava-next": llava_next_dirs["next"], "llava-onevision": llava_next_dirs["onevision"],
+            "qwen35-dense": qwen35_dirs["dense"], "qwen35-moe": qwen35_dirs["moe"]}
 
 
 def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list | None = None,
@@ -57,10 +58,11 @@ def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list
 
 CHECKPOINTS = ["llava-gqa", "llava-mha", "mmjax-shapes", "qwen2_vl", "qwen2_5_vl", "gemma3-window", "gemma3-softcap",
                "gemma4-dense", "gemma4-moe", "idefics3", "smolvlm", "qwen3-dense", "qwen3-moe",
-               "mistral3-merge2", "mistral3-merge1", "mllama-tiles4", "mllama-tiles2", "llava-next", "llava-onevision"]
+               "mistral3-merge2", "mistral3-merge1", "mllama-tiles4", "mllama-tiles2", "llava-next", "llava-onevision",
+               "qwen35-dense", "qwen35-moe"]
 # bfloat16 (what GPUs serve) for every checkpoint; float32 for one checkpoint of each family (CI time)
 FLOAT32 = ["llava-gqa", "qwen2_5_vl", "gemma3-window", "gemma4-dense", "idefics3", "qwen3-dense", "mistral3-merge2",
-           "mllama-tiles4", "llava-next"]
+           "mllama-tiles4", "llava-next", "qwen35-dense"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in CHECKPOINTS] + [(n, "float32") for n in FLOAT32])

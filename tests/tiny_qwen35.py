@@ -33,9 +33,11 @@ def qwen35_pretokenizer(tokenizer) -> None:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def build_qwen35(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int = 0) -> Path:
+def build_qwen35(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int = 0,
+                 text_overrides: dict | None = None) -> Path:
     """kind "dense": Qwen3_5ForConditionalGeneration; "moe": Qwen3_5MoeForConditionalGeneration
-    (module docstring)."""
+    (module docstring). text_overrides: text config fields replaced (benchmarks/qwen35_hybrid.py:
+    larger sizes, every layer full attention for the dense peer)."""
     import torch
     from transformers import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -54,9 +56,11 @@ def build_qwen35(out_dir: str | os.PathLike, *, kind: str = "dense", seed: int =
                 rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 1, 1],
                                  "mrope_interleaved": True, "partial_rotary_factor": 0.25},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    text.update(text_overrides or {})
     vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                   hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                   num_position_embeddings=16)
+    vision["out_hidden_size"] = text["hidden_size"]
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if kind == "dense":

@@ -22,7 +22,8 @@ reads each row's state from its cache row, starting from zeros where the row sta
 0 (a reused slot is reset by its first prefill chunk), and writes the state after its last valid
 token back. Padding and rows past kv_len (parked slots under a decode step) neither change the
 state (g = 0, beta = 0 make a token a no-op) nor the conv window. Packed prefill rows are regrouped
-into one row per segment for the conv and the recurrence (the projections stay on the packed row).
+into one row per segment for the conv and the recurrence (the projections stay on the packed row),
+and decode riders in its padding into one one-token row each (recurrent form).
 A state is only valid at the exact end of the sequence that produced it, so decoders with these
 layers disable prefix reuse (`HybridDecoder.min_resume`).
 """
@@ -35,6 +36,7 @@ from flax import nnx
 
 from mmjax.models.nn.linear import Linear, param
 from mmjax.models.nn.metadata import AttentionMetadata
+from mmjax.models.nn.packing import NO_INDEX
 
 CHUNK = 64          # transformers' chunk_size (and FLA's)
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -135,22 +137,16 @@ class GatedRMSNorm(nnx.Module):
         w.set(self.scale, w.take(f"{name}.weight", (self.dim,)))
 
 
-def _rows(meta: AttentionMetadata, t: int):
-    """The recurrence's rows of this call -> (gather [R, L] token index into the call's row or None
-    (rows are the call's rows), valid [R, L], cache rows [R], fresh [R]: the row starts at 0)."""
-    p = meta.packing
-    if p is None:
-        valid = meta.valid
-        if valid is None:   # padding repeats its predecessor's whole position column (M-RoPE image
-            pos = meta.positions        # tokens share the temporal row: rows 1, 2 tell them apart)
-            valid = jnp.concatenate([jnp.ones_like(pos[0, :, :1], bool),
-                                     (pos[:, :, 1:] != pos[:, :, :-1]).any(axis=0)], axis=1)
-        return None, valid & (meta.q_index < meta.kv_len), meta.write_rows, meta.starts == 0
-    if p.riders is not None:
-        raise NotImplementedError("decode riders in a packed row (hybrid decoders set supports_riders False)")
-    local = jnp.arange(t)[None, :]
-    gather = jnp.clip(p.seg_offset[:, None] + local, 0, t - 1)
-    return gather, local < p.seg_len[:, None], p.seg_slot, p.seg_start == 0
+def _valid(meta: AttentionMetadata) -> jax.Array:
+    """[b, t] the real tokens of an unpacked call that are inside the cache (kv_len): padding
+    repeats its predecessor's whole position column (M-RoPE image tokens share the temporal row,
+    rows 1 and 2 tell them apart), a parked decode row sits past kv_len."""
+    valid = meta.valid
+    if valid is None:
+        pos = meta.positions
+        valid = jnp.concatenate([jnp.ones_like(pos[0, :, :1], bool),
+                                 (pos[:, :, 1:] != pos[:, :, :-1]).any(axis=0)], axis=1)
+    return valid & (meta.q_index < meta.kv_len)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -208,23 +204,42 @@ class GatedDeltaNet(nnx.Module):
         out, ssm_state = rule(q, k, v, g, beta, ssm_state)
         return out, conv_state, ssm_state
 
+    def _run(self, mixed, a, b, valid, cache: dict, read, write, fresh) -> tuple[jax.Array, dict]:
+        """`core` over rows of one sequence each, their states read from cache rows `read` (zeros
+        where `fresh`) and written to rows `write` (an index past the cache drops the write)."""
+        conv0 = jnp.where(fresh[:, None, None], 0, cache["conv"][read])
+        ssm0 = jnp.where(fresh[:, None, None, None], 0, cache["ssm"][read])
+        out, conv1, ssm1 = self.core(mixed, a, b, valid, conv0, ssm0)
+        return out, {"conv": cache["conv"].at[write].set(conv1.astype(cache["conv"].dtype), mode="drop"),
+                     "ssm": cache["ssm"].at[write].set(ssm1, mode="drop")}
+
     def __call__(self, x: jax.Array, meta: AttentionMetadata, cache: dict) -> tuple[jax.Array, dict]:
         """x [b, t, hidden] (normed) -> (out [b, t, hidden], the layer's updated cache entry)."""
         bsz, t, _ = x.shape
         mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)
         b, a = self.in_proj_b(x), self.in_proj_a(x)
-        gather, valid, rows, fresh = _rows(meta, t)
-        if gather is not None:      # packed: one row per segment
-            mixed, a, b = (y[0][gather] for y in (mixed, a, b))
-        conv0 = cache["conv"][rows] if meta.slots is not None or gather is not None else cache["conv"][:bsz]
-        ssm0 = cache["ssm"][rows] if meta.slots is not None or gather is not None else cache["ssm"][:bsz]
-        conv0 = jnp.where(fresh[:, None, None], 0, conv0)
-        ssm0 = jnp.where(fresh[:, None, None, None], 0, ssm0)
-        out, conv1, ssm1 = self.core(mixed, a, b, valid, conv0, ssm0)
-        if gather is not None:      # back into the packed row (padding: 0)
-            idx = jnp.where(valid, gather, t).reshape(-1)
-            out = jnp.zeros((t + 1,) + out.shape[2:], out.dtype).at[idx].set(out.reshape(-1, *out.shape[2:]))[:t][None]
-        cache = {"conv": cache["conv"].at[rows].set(conv1.astype(cache["conv"].dtype), mode="drop"),
-                 "ssm": cache["ssm"].at[rows].set(ssm1, mode="drop")}
+        p = meta.packing
+        if p is None:       # row i is one sequence at cache row slots[i] (decode: row i)
+            rows = meta.write_rows
+            read = rows if meta.slots is not None else slice(0, bsz)
+            out, cache = self._run(mixed, a, b, _valid(meta), cache, read, rows, meta.starts == 0)
+        else:               # packed: one row per segment, then one per rider, scattered back
+            local = jnp.arange(t)[None, :]
+            gather = jnp.clip(p.seg_offset[:, None] + local, 0, t - 1)          # [S, t]
+            valid = local < p.seg_len[:, None]
+            o, cache = self._run(mixed[0][gather], a[0][gather], b[0][gather], valid, cache, p.seg_slot, p.seg_slot,
+                                 p.seg_start == 0)
+            flat = jnp.zeros((t + 1,) + o.shape[2:], o.dtype).at[jnp.where(valid, gather, t).reshape(-1)].set(
+                o.reshape(-1, *o.shape[2:]))
+            if p.riders is not None:   # decode tokens in the padding: rider j is cache row j's next token
+                r = p.riders
+                d = r.index.shape[0]
+                rides = r.index < NO_INDEX
+                pos = jnp.clip(r.position, 0, t - 1)
+                o, cache = self._run(mixed[0][pos][:, None], a[0][pos][:, None], b[0][pos][:, None], rides[:, None],
+                                     cache, jnp.arange(d), jnp.where(rides, jnp.arange(d), cache["ssm"].shape[0]),
+                                     jnp.zeros((d,), bool))
+                flat = flat.at[jnp.where(rides, pos, t)].set(o[:, 0])
+            out = flat[:t][None]
         y = self.norm(out.astype(x.dtype), z.reshape(bsz, t, self.hv, self.dv))
         return self.out_proj(y.reshape(bsz, t, self.value_dim)), cache

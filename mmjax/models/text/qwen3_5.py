@@ -15,7 +15,7 @@ recurrent states (`GatedDeltaNet.init_cache`), one entry per layer in layer orde
 state is only valid at the exact end of the sequence that produced it, not at any earlier
 position a prefix match would resume from, so `min_resume` forbids resuming a slot's prefix (the
 prefix cache and forking hold nothing for this decoder; every prompt prefills from 0, which also
-resets a reused slot's states). Decode riders (`supports_riders`) and FastV are off.
+resets a reused slot's states). FastV is off (`supports_prune`).
 
 Module tree (HF's, `model.language_model`): `embed_tokens`, `layers[i]` (`input_layernorm`,
 `linear_attn` or `self_attn`, `post_attention_layernorm`, `mlp`), `norm`, `lm_head`.
@@ -198,7 +198,6 @@ class Qwen35DecoderLayer(nnx.Module):
 
 class Qwen35TextModel(Decoder):
     """The hybrid decoder (module docstring); M-RoPE positions (3 rows)."""
-    supports_riders = False
     supports_prune = False
 
     def __init__(self, cfg: Qwen35TextConfig, dtype=jnp.float32):
