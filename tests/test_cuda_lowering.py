@@ -27,7 +27,7 @@ TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 @pytest.fixture(scope="module")
 def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, qwen3_dirs, mistral3_dirs, mllama_dirs,
-                llava_next_dirs, qwen35_dirs):
+                llava_next_dirs, qwen35_dirs, minicpmv_dirs):
     return {"llava-gqa": llava_dirs["gqa"], "llava-mha": llava_dirs["mha"], "mmjax-shapes": None, **qwen_dirs,
             "gemma3-window": gemma3_dirs["window"], "gemma3-softcap": gemma3_dirs["softcap"],
             "gemma4-dense": gemma4_dirs["dense"], "gemma4-moe": gemma4_dirs["moe"], **idefics3_dirs,
@@ -35,7 +35,8 @@ def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, 
             "mistral3-merge2": mistral3_dirs["merge2"], "mistral3-merge1": mistral3_dirs["merge1"],
             "mllama-tiles4": mllama_dirs["tiles4"], "mllama-tiles2": mllama_dirs["tiles2"],
             "llava-next": llava_next_dirs["next"], "llava-onevision": llava_next_dirs["onevision"],
-            "qwen35-dense": qwen35_dirs["dense"], "qwen35-moe": qwen35_dirs["moe"]}
+            "qwen35-dense": qwen35_dirs["dense"], "qwen35-moe": qwen35_dirs["moe"],
+            "minicpmv": minicpmv_dirs["4.7"]}     # 4.6's steps are the same graphs (positions are host-side)
 
 
 def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list | None = None,
@@ -59,10 +60,10 @@ def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list
 CHECKPOINTS = ["llava-gqa", "llava-mha", "mmjax-shapes", "qwen2_vl", "qwen2_5_vl", "gemma3-window", "gemma3-softcap",
                "gemma4-dense", "gemma4-moe", "idefics3", "smolvlm", "qwen3-dense", "qwen3-moe",
                "mistral3-merge2", "mistral3-merge1", "mllama-tiles4", "mllama-tiles2", "llava-next", "llava-onevision",
-               "qwen35-dense", "qwen35-moe"]
+               "qwen35-dense", "qwen35-moe", "minicpmv"]
 # bfloat16 (what GPUs serve) for every checkpoint; float32 for one checkpoint of each family (CI time)
 FLOAT32 = ["llava-gqa", "qwen2_5_vl", "gemma3-window", "gemma4-dense", "idefics3", "qwen3-dense", "mistral3-merge2",
-           "mllama-tiles4", "llava-next", "qwen35-dense"]
+           "mllama-tiles4", "llava-next", "qwen35-dense", "minicpmv"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in CHECKPOINTS] + [(n, "float32") for n in FLOAT32])
@@ -74,7 +75,7 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     layers = runners[0].text_model.num_layers
     kinds = {k.split("[")[0].split("(")[0] for k in exported}
     # one FastV prefill (every decoder but DeepStack's per-layer image features and cross-attention)
-    fastv = set() if name.startswith(("qwen3", "mllama")) else {"prefill_pruned"}
+    fastv = set() if name.startswith(("qwen3", "mllama", "minicpmv")) else {"prefill_pruned"}
     cross = {"fill_cross"} if name.startswith("mllama") else set()      # the per-slot cross-attention K/V
     # copy_slot: n > 1 siblings copy the prompt's cache row; prefill_scores: prompt_logprobs
     want = {"encode", "prefill", "decode", "copy_slot"} | fastv | cross
