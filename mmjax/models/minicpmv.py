@@ -42,12 +42,12 @@ from mmjax.image.minicpmv import MiniCPMVImagePolicy
 from mmjax.image.processors import digest, find_image_processor_config
 from mmjax.models.family import EncodeCall, Family, ImageInput, ImageOptions, VideoOptions, VisionLanguageModel
 from mmjax.models.hf_config import require, tie_word_embeddings
-from mmjax.models.nn.weights import build
+from mmjax.models.nn.weights import build, load_module
 from mmjax.models.text.qwen3_5 import Qwen35TextConfig
 from mmjax.models.vision.minicpmv import (Merger, MiniCPMVVisionConfig, MiniCPMVVisionModel, merge_block_order,
                                           nearest_position_ids)
-from mmjax.models.vision.qwen2_vl import patch_ladder
 from mmjax.models.vision.clip import patchify
+from mmjax.models.vision.qwen2_vl import patch_ladder
 from mmjax.video.minicpmv import MiniCPMVVideoPolicy
 from mmjax.video.processors import VideoPlan, find_video_processor_config
 
@@ -107,7 +107,6 @@ class MiniCPMVModel(VisionLanguageModel):
 
     def hf_weights(self, w, name: str = "") -> None:
         self.vision_tower.hf_weights(w, "model.vision_tower")
-        from mmjax.models.nn.weights import load_module
         load_module(self.merger, w, "model.merger")
         self.language_model.hf_weights(w, "model.language_model", "lm_head.weight")
 
@@ -116,8 +115,8 @@ class MiniCPMVModel(VisionLanguageModel):
 class SlicedImage(ImageInput):
     """An ImageInput whose `pixels` are its views' patches [patches, p*p*c], each view in
     merge-block order (vision/minicpmv.py), with `sizes`: each view's (rows, cols) of patches
-    (source first), `views`: its view tokens, and `slice_grid`: (rows, cols) of slices ((0, 0):
-    none)."""
+    (source first; a video's views frame after frame), `views`: each view's tokens, `slice_grid`:
+    (rows, cols) of slices ((0, 0): none) and `pos_ids`: each patch's row of the position table."""
     sizes: tuple = ()
     views: tuple = ()
     slice_grid: tuple[int, int] = (0, 0)

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmjax.attention import attention
 from mmjax.errors import UnsupportedModelError
 from mmjax.models.hf_config import require
 from mmjax.models.nn.attention import VisionAttention
@@ -39,7 +38,6 @@ from mmjax.models.nn.linear import Linear, activation, param
 from mmjax.models.nn.mlp import MLP
 from mmjax.models.nn.norm import LayerNorm
 from mmjax.models.nn.weights import load_children
-from mmjax.models.vision.clip import patchify
 
 
 @dataclass(frozen=True)
