@@ -185,14 +185,18 @@ def test_generation_chunks_batching_and_no_prefix_reuse(pair):
     together = vlm.generate(reqs, sp)
     assert vlm.engine.counters["mixed_steps"] > mixed       # the first one's decode rode the second's prefill
     alone = [vlm.generate([r], sp)[0] for r in reqs]        # the slots are reused: states reset
-    with caches_off(vlm):
-        cold = [vlm.generate([r], sp)[0] for r in reqs]
-    assert [o.token_ids for o in together] == [o.token_ids for o in alone] == [o.token_ids for o in cold]
+    with caches_off(vlm):       # the two-image request (its features encoder-cached above)
+        cold = vlm.generate([reqs[1]], sp)
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone] and cold[0].token_ids == alone[1].token_ids
     assert all(o.cached_tokens == 0 for o in together + alone + cold)
-    for x, y in zip(together + alone, alone + cold):
+    for x, y in zip(together + alone[1:], alone + cold):
         np.testing.assert_allclose([x.logprobs[i][t] for i, t in enumerate(x.token_ids)],
                                    [y.logprobs[i][t] for i, t in enumerate(y.token_ids)], atol=1e-5)
     assert all(len(o.prompt_token_ids) > 2 * CHUNK for o in together)
+    # n > 1: the sibling prefills itself (no fork from the parent's row), same greedy ids
+    two = vlm.generate([reqs[0]], mmjax.SamplingParams(max_tokens=8, n=2, **GREEDY))[0]
+    assert two.token_ids == two.siblings[0].token_ids == together[0].token_ids[:8]
+    assert two.siblings[0].cached_tokens == 0
     for r, o in zip(reqs, together):
         x = proc(text=[r["prompt"]], images=r["images"], return_tensors="pt")
         assert x["input_ids"][0].tolist() == list(o.prompt_token_ids)
