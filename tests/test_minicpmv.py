@@ -179,6 +179,20 @@ def test_slicing_knobs(pair):
         fam.prepare_image(img, fam.fit_options(low.num_tokens - 1))
 
 
+def test_marker_ids_from_the_tokenizer(minicpmv_dirs):
+    """A 4.7 config.json without the canvas marker ids (converted before transformers stored them)
+    gets them from the tokenizer; 4.6 has none."""
+    import json
+
+    from mmjax.models import minicpmv
+    path = minicpmv_dirs["4.7"]
+    cfg = json.loads((path / "config.json").read_text())
+    stored = {k: cfg.pop(k) for k in minicpmv.MARKERS}
+    assert minicpmv.load(path, cfg)[0].cfg.markers == stored
+    path = minicpmv_dirs["4.6"]
+    assert minicpmv.load(path, json.loads((path / "config.json").read_text()))[0].cfg.markers == {}
+
+
 def test_engine_and_server(pair):
     """tests/conformance.py: batched == alone == caches off across chunked image prompts (no
     prefix resumed: the decoder's recurrent states), the image matters; the openai client."""

@@ -25,6 +25,7 @@ Modules (HF's tree): `vision_tower`, `merger` (`model.vision_tower.*`, `model.me
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -82,9 +83,8 @@ class MiniCPMVConfig:
             raise UnsupportedModelError("config.json: drop_vision_last_layer=true is not supported",
                                         param="drop_vision_last_layer")
         vision = MiniCPMVVisionConfig.from_hf(cfg, text.hidden_size)
-        markers = {}
-        if ARCHS[mt] == "4.7":
-            markers = {k: int(require(cfg, k, "config")) for k in MARKERS}
+        # 4.7: the canvas markers (`load` resolves the ones a pre-upstream config.json lacks)
+        markers = {k: int(cfg[k]) for k in MARKERS if cfg.get(k) is not None} if ARCHS[mt] == "4.7" else {}
         video = cfg.get("video_token_id")
         return cls(vision=vision, text=text, version=ARCHS[mt], image_token_id=int(require(cfg, "image_token_id", "config")),
                    video_token_id=None if video is None else int(video), markers=markers)
@@ -471,6 +471,34 @@ def _token_strings(path: Path) -> dict:
     return out
 
 
+def _marker_ids(path: Path, strings: dict, known: dict) -> dict:
+    """4.7's canvas marker ids missing from config.json (checkpoints converted before transformers
+    stored them), from the tokenizer: `<image>`, `</image>`, `<slice>`, `</slice>` and the id "\\n"
+    encodes to."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    p = path / "tokenizer.json"
+    if not p.is_file():
+        raise CheckpointError("config.json lacks the canvas marker ids and there is no tokenizer.json to read "
+                              "them from", param="image_start_id")
+    tok = HFTokenizer.from_file(str(p))
+    names = {"image_start_id": "image_start_token", "image_end_id": "image_end_token",
+             "slice_start_id": "slice_start_token", "slice_end_id": "slice_end_token"}
+    out = dict(known)
+    for key, name in names.items():
+        if key not in out:
+            i = tok.token_to_id(strings[name])
+            if i is None:
+                raise CheckpointError(f"tokenizer has no {strings[name]!r} token ({key})", param=key)
+            out[key] = int(i)
+    if "newline_id" not in out:
+        ids = tok.encode("\n", add_special_tokens=False).ids
+        if len(ids) != 1:
+            raise CheckpointError(f"'\\n' is {len(ids)} tokens, not one (newline_id)", param="newline_id")
+        out["newline_id"] = int(ids[0])
+    return out
+
+
 def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[MiniCPMVFamily, MiniCPMVModel, TensorSource]:
     """config.json + the image processor config + tokenizer -> (family, the abstract model, its tensors)."""
     cfg = MiniCPMVConfig.from_hf(hf_cfg)
@@ -488,5 +516,8 @@ def load(path: Path, hf_cfg: dict, dtype=jnp.float32) -> tuple[MiniCPMVFamily, M
     if video.patch_size != policy.patch_size or video.merge != policy.merge:
         raise CheckpointError("video processor patch_size / downsample_mode disagree with the image processor's",
                               param="downsample_mode")
-    family = MiniCPMVFamily(cfg, policy, video, _token_strings(path), name=str(hf_cfg["model_type"]))
+    strings = _token_strings(path)
+    if cfg.version == "4.7" and len(cfg.markers) < len(MARKERS):
+        cfg = dataclasses.replace(cfg, markers=_marker_ids(path, strings, cfg.markers))
+    family = MiniCPMVFamily(cfg, policy, video, strings, name=str(hf_cfg["model_type"]))
     return family, build(lambda: MiniCPMVModel(cfg, dtype)), TensorSource(path)
