@@ -15,7 +15,8 @@ Checked:
   with 16-token prefill chunks (every prompt spans several calls); one batch (packed prefill calls,
   the first request's decode riding in the second's prefill) == one at a time ==
   caches off; a repeat in a reused slot is identical (its states reset) and reuses no prefix
-  (cached_tokens 0: recurrent states cannot resume part-way, text/qwen3_5.py);
+  (cached_tokens 0: recurrent states cannot resume part-way, text/qwen3_5.py); a prompt prefilled
+  in chunks while decode steps run over its row is unaffected (the row is parked between chunks);
 - a video prompt: ids, positions, logits (rel <= 1e-4) and 32 greedy tokens;
 - the server through the openai client (tests/conformance.py).
 """
@@ -120,9 +121,9 @@ def test_gated_delta_layer_chunks_decode_and_packing(pair):
     row = np.zeros((1, 160, 64), np.float32)
     row[0, :100], row[0, 100:140], row[0, 140] = x[0, :100], x[0, 100:140], x[0, 149]
     riders = DecodeRows(jnp.array([NO_INDEX, 149], jnp.int32), jnp.array([160, 140], jnp.int32))
+    token_seg = jnp.asarray(np.r_[np.zeros(100), np.ones(60)].astype(np.int32))
     packing = Packing(jnp.array([0, 2, 3], jnp.int32), jnp.zeros(3, jnp.int32), jnp.array([0, 100, 140], jnp.int32),
-                      jnp.array([100, 40, 0], jnp.int32), jnp.asarray(np.r_[np.zeros(100), np.ones(60)].astype(np.int32)),
-                      riders)
+                      jnp.array([100, 40, 0], jnp.int32), token_seg, riders)
     meta = AttentionMetadata(jnp.zeros((3, 1, 160), jnp.int32), packing.seg_start, 150, slots=packing.seg_slot,
                              packing=packing)
     packed, after = layer(jnp.asarray(row), meta, held)
@@ -201,6 +202,29 @@ def test_generation_chunks_batching_and_no_prefix_reuse(pair):
         x = proc(text=[r["prompt"]], images=r["images"], return_tensors="pt")
         assert x["input_ids"][0].tolist() == list(o.prompt_token_ids)
         _greedy_matches_hf(hf, x, o)
+
+
+def test_decode_steps_leave_a_prefilling_row_alone(pair):
+    """A prompt prefilled in chunks alone (prompt_logprobs: no decode rides in its calls) while
+    another request decodes in a higher slot: the decode steps between its chunks cover its row,
+    which the engine parks (`Decoder.state_layers`), so its recurrent states take no stray token;
+    its logprobs equal a run on an idle engine (1e-5)."""
+    _, _, _, vlm = pair
+    eng = vlm.engine
+    a, b = noise_image(40, 260, 190), noise_image(41, 230, 75)
+    sp = mmjax.SamplingParams(max_tokens=8, logprobs=1, prompt_logprobs=0, **GREEDY)
+    alone = vlm.generate([{"prompt": TWO, "images": [a, a]}], sp)[0]
+    first = eng.add_request("hello there", [], mmjax.SamplingParams(max_tokens=2, **GREEDY))   # takes slot 0
+    eng.step()
+    busy = eng.add_request(ONE, vlm.prepare_images([b]), mmjax.SamplingParams(max_tokens=40, **GREEDY))   # slot 1
+    for _ in range(12):
+        eng.step()
+    steps = eng.counters["decode_steps"]
+    late = eng.add_request(TWO, vlm.prepare_images([a, a]), sp)                               # slot 0, chunked
+    o = eng.run_until_done([first, busy, late])[2]
+    assert eng.counters["decode_steps"] - steps > len(o.prompt_token_ids) // CHUNK
+    assert o.token_ids == alone.token_ids
+    assert max(abs(x[t] - y[t]) for x, y in zip(o.logprobs, alone.logprobs) for t in x) <= 1e-5
 
 
 @pytest.fixture(scope="module")

@@ -679,6 +679,8 @@ class Engine:
             if not req.prefilling:
                 req.feats = []  # the KV cache holds them now
                 first.append((req, row))
+            elif self.runner.text_model.state_layers:   # a recurrent state would take the garbage
+                self.runner.park(req.slot)               # token decode steps feed this row until its next chunk
         for req, _ in first:
             self._fork(req)
         if riders:      # the riders' rows come first in a mixed call's outputs

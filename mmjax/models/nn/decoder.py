@@ -88,6 +88,13 @@ class Decoder(nnx.Module):
             if isinstance(m, FusedLinear):
                 check_divisible(m.parts, tp, f" (in {'.'.join(map(str, path))})")
 
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Layers whose cache entry is a per-slot recurrent state, not KV (Qwen3.5's Gated DeltaNet):
+        every token fed to a row changes it for good, so the engine parks a row between its prompt's
+        chunks (no decode step's token lands in it); default none."""
+        return ()
+
     def min_resume(self, held_len: int, max_chunk: int) -> int:
         """The shortest prefix a cache row holding held_len positions can resume from (ring layers
         drop old positions); default any."""

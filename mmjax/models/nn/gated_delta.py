@@ -24,8 +24,12 @@ token back. Padding and rows past kv_len (parked slots under a decode step) neit
 state (g = 0, beta = 0 make a token a no-op) nor the conv window. Packed prefill rows are regrouped
 into one row per segment for the conv and the recurrence (the projections stay on the packed row),
 and decode riders in its padding into one one-token row each (recurrent form).
-A state is only valid at the exact end of the sequence that produced it, so decoders with these
-layers disable prefix reuse (`HybridDecoder.min_resume`).
+Every token fed to a row changes its state for good, so two things the KV cache shrugs off matter
+here: a decode step over a row whose prompt is between chunks (the engine parks such rows,
+`Decoder.state_layers`), and resuming a prefix short of the state's end (a state is only valid at
+the exact end of what produced it, and a released row may have taken tokens from decode calls in
+flight when its request finished): decoders with these layers forbid prefix reuse
+(text/qwen3_5.py `Qwen35TextModel.min_resume`).
 """
 from __future__ import annotations
 

@@ -15,7 +15,10 @@ recurrent states (`GatedDeltaNet.init_cache`), one entry per layer in layer orde
 state is only valid at the exact end of the sequence that produced it, not at any earlier
 position a prefix match would resume from, so `min_resume` forbids resuming a slot's prefix (the
 prefix cache and forking hold nothing for this decoder; every prompt prefills from 0, which also
-resets a reused slot's states). FastV is off (`supports_prune`).
+resets a reused slot's states; besides, a released row may have taken a token from a decode call
+in flight when its request finished). `state_layers` names the linear layers: the engine parks a
+row between its prompt's chunks so the decode steps in between feed it nothing. FastV is off
+(`supports_prune`).
 
 Module tree (HF's, `model.language_model`): `embed_tokens`, `layers[i]` (`input_layernorm`,
 `linear_attn` or `self_attn`, `post_attention_layernorm`, `mlp`), `norm`, `lm_head`.
@@ -212,7 +215,7 @@ class Qwen35TextModel(Decoder):
 
     @property
     def state_layers(self) -> tuple[int, ...]:
-        """The layers whose cache entry is a per-slot recurrent state (not KV)."""
+        """The Gated DeltaNet layers (their cache entry is a per-slot recurrent state, not KV)."""
         return tuple(i for i, k in enumerate(self.config.layer_types) if k == LINEAR)
 
     def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1):
