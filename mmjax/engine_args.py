@@ -23,7 +23,8 @@ class EngineArgs(Options):
                                             "model shipped with mmjax)")
     # ---- weights (mmjax.load) ------------------------------------------------------------------
     dtype: str = option("float32", choices=["float32", "bfloat16"])
-    params_dir: str | None = option(None, cli=False)    # orbax params from `mmjax convert` (VLM.save_params)
+    params_dir: str | None = option(None, cli=False, help="orbax params written by `mmjax convert` / "
+                                                          "VLM.save_params, restored instead of converting")
     kv_cache_dtype: str = option(
         "auto", choices=["auto", "bfloat16", "int8", "fp8"],
         help="KV cache element type: auto (--dtype), bfloat16, or int8 / fp8 (e4m3) with one scale per "
@@ -70,11 +71,15 @@ class EngineArgs(Options):
     encoder_cache_bytes: int = option(
         512 * 2**20, flag="--encoder-cache-mib", type=mib_to_bytes,
         help="image features kept by content hash (LRU; a repeated image skips the vision tower)")
-    max_encode_batch: int = option(8, cli=False)           # images per encode call
-    max_encode_tokens: int = option(4096, cli=False)       # vision tokens per encode call
-    max_images_per_request: int = option(16, cli=False)    # `mmjax serve`: --limit-images + --limit-videos
-    enable_prefix_cache: bool = option(True, cli=False)
-    pack_prefill: bool = option(True, cli=False)           # several requests' prefill chunks in one call
+    max_encode_batch: int = option(8, cli=False, help="images per encode call")
+    max_encode_tokens: int = option(4096, cli=False, help="vision tokens per encode call")
+    max_images_per_request: int = option(16, cli=False,
+                                         help="images + videos per request (`mmjax serve`: --limit-images + "
+                                              "--limit-videos)")
+    enable_prefix_cache: bool = option(True, cli=False, help="keep each slot's KV for a later request "
+                                                             "sharing its prefix")
+    pack_prefill: bool = option(True, cli=False, help="the prefill chunks of several requests in one packed "
+                                                      "call (False: one call per request)")
 
     def load_kwargs(self) -> dict:
         """`mmjax.load`'s keywords (all but `model`)."""
