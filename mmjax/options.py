@@ -108,6 +108,14 @@ def positive_float(v: str) -> float:
     return x
 
 
+def key_value(v: str) -> tuple[str, str]:
+    """'name=path' -> ('name', 'path'); with nargs="+" and convert=dict a flag becomes a dict."""
+    name, sep, value = v.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {v!r}")
+    return name, value
+
+
 def mib_to_bytes(v: str) -> int:
     """A MiB count on the command line -> bytes (a negative count means 0)."""
     return max(int(v), 0) * 2**20

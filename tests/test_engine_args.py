@@ -224,3 +224,27 @@ def test_command_line_reaches_server_and_media_config(no_env, tmp_path):
     v = m.video_limits
     assert (v.max_bytes, v.max_duration_s, v.max_frames, v.max_pixels, v.decode_timeout_s) == (2000, 5.5, 9, 100, 1.5)
     assert ServerConfig().media_config() == type(m)()     # the defaults agree too
+
+
+def test_an_option_is_one_field():
+    """A dataclass of option() fields gives flags, env defaults, conversions and Python keywords."""
+    import argparse
+    from dataclasses import dataclass, field
+
+    from mmjax.options import Options, key_value, option, positive_int
+
+    @dataclass
+    class Toy(Options):
+        max_loras: int = option(1, type=positive_int, help="adapters in one batch")
+        lora_modules: dict = option(default_factory=dict, type=key_value, nargs="+", convert=dict,
+                                    help="NAME=PATH adapters")
+        overlap: bool = option(True, flag="--no-overlap")
+        python_only: list = field(default_factory=list)
+
+    p = Toy.add_cli_args(argparse.ArgumentParser())
+    assert Toy.from_cli_args(p.parse_args([])) == Toy()
+    t = Toy.from_cli_args(p.parse_args(["--max-loras", "3", "--lora-modules", "a=/x", "b=/y=z", "--no-overlap"]))
+    assert t == Toy(max_loras=3, lora_modules={"a": "/x", "b": "/y=z"}, overlap=False)
+    for bad in (["--lora-modules", "nopath"], ["--max-loras", "0"], ["--python-only", "x"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
