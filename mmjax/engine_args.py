@@ -91,4 +91,7 @@ class EngineArgs(Options):
         """`mmjax.load(self.model, ...)` with these options; extra: load's other keywords
         (image_limits, mesh, verbose)."""
         import mmjax
-        return mmjax.load(self.model, **self.load_kwargs(), **extra)
+        kw = self.load_kwargs()
+        if extra.get("mesh") is not None and kw["tensor_parallel"] == kw["data_parallel"] == 1:
+            del kw["tensor_parallel"], kw["data_parallel"]    # the mesh gives the layout
+        return mmjax.load(self.model, **kw, **extra)
