@@ -591,17 +591,9 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     verbose: print progress to stderr (`mmjax.progress`: the one-time CPU kernel build, each shape
     `vlm.engine.warmup()` compiles); without it the offline API prints nothing unless logging is
     set up at INFO.
-    engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
-    max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
-    instead of the default: replicated weights, the encode batch split over devices),
-    vision_offload (vision tower + projector weights in host memory, fetched inside encode),
-    memory_budget (bytes, or a fraction of device memory, per device: sizes max_num_seqs so the
-    memory plan's peak fits; `engine.runner.memory_plan()`), kv_cache_dtype ("auto": the model's
-    dtype, "bfloat16", "int8" or "fp8": float8_e4m3fn; int8 / fp8 keep one bfloat16 scale per
-    token and KV head, mmjax.models.text.kv_quant), pack_prefill (default True: the prefill
-    chunks of several requests in one packed call; False: one call per request), decode_steps
-    (default 1: decode tokens per call for each running request, vLLM's multi-step scheduling;
-    for hosts whose per-call cost exceeds a step's device time, as on GPUs: Engine).
+    engine_kw: the Engine's options (max_num_seqs, max_model_len, prefill_chunk, kv_cache_dtype,
+    memory_budget, decode_steps, ...), each with its default and meaning in
+    `mmjax.engine_args.EngineArgs` (the same options as `mmjax serve`'s flags).
     """
     if verbose:
         from mmjax import progress

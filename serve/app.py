@@ -32,73 +32,15 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from mmjax.api import VLM
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError
-from mmjax.image.decode import ImageLimits
-from mmjax.video import VideoLimits
 from mmjax.serving import AsyncEngine, Engine, prompt_logprobs
 from serve import schema, tools
-from serve.media import MediaConfig, MediaFetcher
+from serve.config import ServerConfig
+from serve.media import MediaFetcher
 from serve.metrics import ServerMetrics
 from serve.schema import (AuthError, NotFoundError, RequestLimits, RequestTimeoutError, RequestTooLargeError,
                           UnavailableError)
 
 log = logging.getLogger("mmjax.serve")
-
-
-@dataclass
-class ServerConfig:
-    served_model_name: str | None = None       # default: the model's name (mmjax-shapes for the shipped one)
-    api_key: str | None = None
-    limit_images: int = 8                      # images per request
-    limit_videos: int = 2                      # videos per request (video_url parts)
-    max_video_bytes: int = 100 * 2**20         # encoded bytes per video
-    max_video_duration: float = 3600.0         # seconds, from the container
-    max_video_frames: int = 768                # frames sampled from one video
-    max_video_pixels: int = 4096 * 2304        # declared width*height per frame (video-bomb guard)
-    video_decode_timeout: float = 60.0         # seconds to decode one video
-    video_max_tokens: int | None = None        # per-video token budget (None: the family's default)
-    video_workers: int = 2                     # threads decoding videos
-    max_image_bytes: int = 20 * 2**20
-    max_image_pixels: int = 40_000_000
-    image_max_tokens: int | None = None        # per-image token budget
-    low_detail_image_tokens: int = 256         # budget of image_url.detail="low" (dynamic-res families)
-    pan_and_scan: bool | None = None           # Gemma 3 pan-and-scan for detail="auto" (None: the checkpoint's)
-    max_image_tiles: int | None = None         # tiles per image, detail "auto"/"high" (tiling families; None: all)
-    allowed_local_media_path: str | None = None
-    allowed_media_domains: tuple[str, ...] = ()
-    allow_private_media_urls: bool = False
-    enable_image_embeds: bool = False          # accept image_embeds content parts (off: a client could feed
-    #                                            arbitrary features past the vision tower)
-    media_fetch_timeout: float = 10.0
-    media_max_redirects: int = 3
-    max_queue: int = 256                       # engine waiting queue -> 503 beyond
-    max_embed_queue: int = 64                  # embedding requests waiting for the embeddings lane -> 503 beyond
-    embed_batch_tokens: int = 4096             # padded tokens of one embedding forward (a unit of the lane)
-    grammar_cache_mib: int = 128               # heap the cached structured-output matchers may hold
-    media_workers: int = 4                     # tokenization/templating pool (images have their own)
-    decode_workers: int = 4                    # image decode + resize workers (processes)
-    decode_workers_per_request: int = 2        # one request's images decoding at once; the rest wait
-    max_decode_queue: int = 64                 # images waiting for a decode worker -> 503 beyond
-    max_request_image_pixels: int | None = None  # decoded pixels of all images of a request (None: 4 x max_image_pixels: 8 phone photos pass, 8 x 40 MP do not)
-    max_request_decode_seconds: float = 30.0   # decode seconds per request (0 = no limit)
-    decode_processes: bool = True              # decode in worker processes (False: server threads)
-    log_stats_interval: float = 1.0            # seconds; 0 = no step log lines
-    drain_timeout: float = 30.0
-    chat_template: str | None = None           # template text (overrides the checkpoint's)
-    tool_call_parser: str | None = None        # hermes | llama3_json | mistral (None: from the template)
-    max_body_bytes: int | None = None          # default: text room + limit_images base64 images (body_budget)
-    max_messages: int = 4096                   # chat messages per request
-    max_content_parts: int = 512               # content parts per message
-    # Connection hygiene: every phase of a connection is bounded in time.
-    header_timeout: float = 30.0               # connection open / first byte of a request head -> its end
-    body_timeout: float = 30.0                 # reading one request body
-    keepalive_timeout: float = 75.0            # idle connection between requests
-    keepalive_max_requests: int = 1000         # responses per connection, then Connection: close (0 = no limit)
-    lingering_time: float = 10.0               # after an early answer, seconds spent draining an unread body
-    max_request_line: int = 8190               # bytes of the request line (aiohttp max_line_size)
-    max_header_size: int = 8190                # bytes of one header field (aiohttp max_field_size)
-    max_headers: int = 128                     # header fields per request
-    lora_modules: dict = field(default_factory=dict)   # {name: PEFT path} loaded at start (--lora-modules)
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -175,25 +117,7 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
         cfg.limit_videos = 0    # no video parts, and no body room for them
     aengine = AsyncEngine(engine, max_waiting=cfg.max_queue)
     executor = ThreadPoolExecutor(max_workers=cfg.media_workers, thread_name_prefix="mmjax-media")
-    media_cfg = MediaConfig(limits=ImageLimits(max_bytes=cfg.max_image_bytes, max_pixels=cfg.max_image_pixels),
-                            allowed_local_path=cfg.allowed_local_media_path,
-                            allowed_domains=tuple(d.lower() for d in cfg.allowed_media_domains),
-                            allow_private_urls=cfg.allow_private_media_urls,
-                            fetch_timeout=cfg.media_fetch_timeout, max_redirects=cfg.media_max_redirects,
-                            image_max_tokens=cfg.image_max_tokens,
-                            low_detail_tokens=cfg.low_detail_image_tokens, pan_and_scan=cfg.pan_and_scan,
-                            max_tiles=cfg.max_image_tiles,
-                            decode_workers=cfg.decode_workers,
-                            decode_workers_per_request=cfg.decode_workers_per_request,
-                            max_decode_queue=cfg.max_decode_queue, max_request_pixels=cfg.max_request_image_pixels,
-                            max_request_decode_seconds=cfg.max_request_decode_seconds,
-                            decode_processes=cfg.decode_processes,
-                            video_limits=VideoLimits(max_bytes=cfg.max_video_bytes,
-                                                     max_duration_s=cfg.max_video_duration,
-                                                     max_frames=cfg.max_video_frames,
-                                                     max_pixels=cfg.max_video_pixels,
-                                                     decode_timeout_s=cfg.video_decode_timeout),
-                            video_workers=cfg.video_workers)
+    media_cfg = cfg.media_config()
     fetcher = MediaFetcher(media_cfg, vlm.family)   # decodes in its own pool; `executor` tokenizes
     metrics = ServerMetrics(engine.stats, aengine.queue_depth)
     fetcher.on_video = metrics.video_decode_seconds.observe

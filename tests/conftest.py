@@ -155,6 +155,14 @@ def glm4v_dirs(tmp_path_factory):
     return {v: build_glm4v(root / v, kind=v, seed=i) for i, v in enumerate(("dense", "moe", "46v"))}
 
 
+@pytest.fixture(scope="session")
+def minicpmv_dirs(tmp_path_factory):
+    """Tiny MiniCPM-V checkpoints: {"4.6": path, "4.7": path} (see tiny_minicpmv.build_minicpmv)."""
+    from tiny_minicpmv import build_minicpmv
+    root = tmp_path_factory.mktemp("minicpmv")
+    return {v: build_minicpmv(root / v, version=v, seed=s) for v, s in (("4.6", 0), ("4.7", 1))}
+
+
 def noise_image(seed: int, width: int, height: int):
     """Random RGB noise (never constant) as a PIL image."""
     from PIL import Image

@@ -30,6 +30,7 @@ FAMILIES: dict[str, str] = {
     "internvl": "mmjax.models.internvl",
     "llama4": "mmjax.models.llama4",
     **dict.fromkeys(("glm4v", "glm4v_moe", "glm46v"), "mmjax.models.glm4v"),
+    "minicpmv4_6": "mmjax.models.minicpmv", "minicpmv4_7": "mmjax.models.minicpmv",
 }
 
 

@@ -281,6 +281,11 @@ class Family(abc.ABC):
         tokens after tokenizing."""
         return None
 
+    def image_prompts(self, images: list[ImageInput]) -> list[str | None]:
+        """`image_prompt` of each input of one prompt, in order (families whose text numbers the
+        images, MiniCPM-V's `<image_id>`, override this)."""
+        return [self.image_prompt(im) for im in images]
+
     def token_grid(self, image: ImageInput) -> tuple[int, int, int]:
         """(frames or tiles, rows, cols) of the image's LLM tokens in feature order (heatmaps,
         pooling). Default: one square grid when num_tokens is a square, else one row."""

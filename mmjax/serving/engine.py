@@ -186,7 +186,7 @@ class Engine:
                 raise ContextLengthError(f"prompt text is {n_bytes} bytes, more than any prompt that fits the "
                                          f"context of {self.max_model_len} tokens can hold "
                                          f"({self.max_prompt_bytes} bytes)", param="messages")
-            ids = self.tokenizer.encode_prompt(prompt, counts, [self.family.image_prompt(im) for im in images],
+            ids = self.tokenizer.encode_prompt(prompt, counts, self.family.image_prompts(images),
                                                [self.family.token_id_of(im) for im in images])
         else:
             ids = list(prompt)

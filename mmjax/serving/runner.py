@@ -297,15 +297,19 @@ def make_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None,
         used = jnp.max(seg.offset + seg.n_valid)
         if d:
             used = jnp.maximum(used, riders.offset + jnp.sum(riders.ride.astype(jnp.int32)))
+        valid = None
         if s == 1 and not d:    # one sequence: the row is its chunk (no gathers around attention)
             kv_len, packing = seg.start[0] + t, None
+            # its real tokens (positions cannot tell: canvas M-RoPE repeats a column inside an image)
+            valid = ((jnp.arange(t) >= seg.offset[0]) & (jnp.arange(t) < seg.offset[0] + seg.n_valid[0]))[None]
         else:
             if scores:
                 raise ValueError("prompt scores come from a one-sequence prefill")
             packing = Packing(seg.slot, seg.start, seg.offset, seg.n_valid, token_seg, ride)
             kv_len = packing.kv_len if ride is None else jnp.maximum(packing.kv_len, ride.kv_len)
         meta = AttentionMetadata(positions[:, None, :], seg.start, kv_len, slots=seg.slot,
-                                 spans=step_spans(family, spans[None]), packing=packing, adapters=adapters[None],
+                                 spans=step_spans(family, spans[None]), packing=packing, valid=valid,
+                                 adapters=adapters[None],
                                  reduce_small=tune.reduce_small_attention)
         # the prompt rows (before the riders) go to the packed matmuls' AMX path, the riders
         # and the LM heads to their FMAs as in a decode step: a row's bits depend on what it is,
@@ -446,7 +450,7 @@ def make_prompt_forward(family: Family, capture: Capture = Capture(), hidden: bo
         cache = lm.init_cache(1, t, image_embeds.dtype, max_chunk=t, tp=tp)
         meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), t,
                                  spans=None if spans is None else step_spans(family, spans[None]),
-                                 capture=tuple(capture.attn_layers))
+                                 capture=tuple(capture.attn_layers), valid=jnp.ones((1, t), bool))
         (out, _), inter = captured(lambda m, *a, **kw: m(*a, **kw), capture)(lm, embeds, meta, cache, **extra)
         return (out[0] if hidden else lm.logits(out[0])), inter
     return fn
@@ -464,7 +468,8 @@ def make_embed_forward(family: Family, tp: int = 1):
         embeds, extra = lm.inputs(ids, image_embeds, image_mask)
         cache = lm.init_cache(b, t, image_embeds.dtype, max_chunk=t, tp=tp)
         meta = AttentionMetadata(positions, jnp.zeros((b,), jnp.int32), t,
-                                 spans=None if spans is None else step_spans(family, spans))
+                                 spans=None if spans is None else step_spans(family, spans),
+                                 valid=jnp.arange(t)[None, :] < lengths[:, None])
         h = lm(embeds, meta, cache, **extra)[0].astype(jnp.float32)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         valid = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
