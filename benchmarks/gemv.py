@@ -3,7 +3,7 @@
     python -m benchmarks.gemv [--rows 1 8] [--shapes 1024x32000 2048x8192] [--repeat 5] [--chain [--blocks-ab]]
 
 For each [rows, K] @ [K, N]: XLA's f32 dot (decode's f32 compiler options), the bf16 and int8
-paths without the kernel (one row run as two on YNNPACK: `layers.one_row_as_two`, decode's
+paths without the kernel (one row run as two on YNNPACK: `linear.one_row_as_two`, decode's
 narrow-weight options), the row-major kernel's f32, bf16 and int8 calls, and the packed-weight
 calls a model on a CPU host makes (f32 / bf16 panels, int8's whole W8A8 product). Median of `--repeat` runs of 20
 calls, ms and weight GB/s (bytes of the weight / time). One weight called again and again stays

@@ -3,7 +3,7 @@
 realistic size, built offline and cached, or --model DIR).
 
 Per precision (`mmjax.load(dtype=..., quantize=...)`; bf16 = bf16 x bf16 -> f32 dots, int8 =
-int8 weights + per-token int8 activations, s8 dots; see README "Precision"):
+int8 weights + per-token int8 activations, s8 dots; see docs/precision.md):
 
   encode    vision tower + projector, images/s at batch 1 and 8 (pixels preprocessed)
   ttft      raw image + prompt -> first token (preprocess + encode + prefill)

@@ -12,6 +12,9 @@ def __getattr__(name):
     if name in ("load", "VLM"):
         from mmjax import api
         return getattr(api, name)
+    if name == "EngineArgs":
+        from mmjax.engine_args import EngineArgs
+        return EngineArgs
     if name in ("SamplingParams",):
         from mmjax.serving.sampling import SamplingParams
         return SamplingParams

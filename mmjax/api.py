@@ -24,7 +24,7 @@ log = logging.getLogger("mmjax")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
 # the keys of an offline request dict (`VLM.generate`); any other is an InvalidRequestError
-REQUEST_KEYS = ("prompt", "images", "videos", "image_options", "video_options", "intervention", "sampling")
+REQUEST_KEYS = ("prompt", "images", "videos", "image_options", "video_options", "intervention", "sampling", "lora")
 SHIPPED_MODEL = "mmjax-shapes"   # the trained default model shipped in the package (mmjax/demo)
 
 
@@ -222,7 +222,7 @@ class VLM:
     def prepare_videos(self, videos: Iterable[Any], options: dict | VideoOptions | None = None) -> list[ImageInput]:
         """Videos -> ImageInputs (kind "video"): each a path, bytes, a data URI, a list of frames (PIL
         images or uint8 [H, W, 3]) or {"frames": [...], "fps": rate}. options: {"fps", "min_pixels",
-        "max_pixels", "video_max_tokens"} (see README, "Video"). Limits: `self.video_limits`."""
+        "max_pixels", "video_max_tokens"} (see docs/families.md, "Video"). Limits: `self.video_limits`."""
         from mmjax.video import prepare_video
 
         opts = options if isinstance(options, VideoOptions) else VideoOptions.from_dict(options)
@@ -244,7 +244,8 @@ class VLM:
         return out if with_deepstack else [e.features for e in out]
 
     # ---- generation ----------------------------------------------------------------------------
-    def generate(self, requests, sampling: SamplingParams | list[SamplingParams] | None = None) -> list:
+    def generate(self, requests, sampling: SamplingParams | list[SamplingParams] | None = None, *,
+                 lora=None) -> list:
         """requests: a prompt string, or a list of prompts / {"prompt": str, "images": [...],
         "videos": [...]} (one image placeholder in the prompt per image, one video placeholder per
         video, e.g. Qwen's "<|vision_start|><|video_pad|><|vision_end|>"; optional "video_options"
@@ -255,7 +256,10 @@ class VLM:
         Returns RequestOutputs in order; with SamplingParams.n > 1 each holds choices 1..n-1 in
         `.siblings` (they share the prompt's KV: prefilled once). A request dict with a key not
         listed here (a typo such as "image_token_keep") is an InvalidRequestError naming it,
-        raised before any request runs."""
+        raised before any request runs.
+        lora: a `mmjax.lora.LoRARequest` (name, PEFT path; loaded into a free slot on first use:
+        `mmjax.load(..., max_loras=N)`), an adapter name, or a list with one per request (None:
+        the base model); a request dict's "lora" overrides it."""
         if isinstance(requests, (str, dict)):
             requests = [requests]
         requests = [{"prompt": r} if isinstance(r, str) else r for r in requests]
@@ -268,8 +272,13 @@ class VLM:
             per_request = list(sampling)
         else:
             per_request = [sampling] * len(requests)
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(requests)
+        if len(loras) != len(requests):
+            raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(requests)} requests; pass one, or "
+                                      "one per request", param="lora")
+        names = [self._lora_name(r.get("lora", lo)) for r, lo in zip(requests, loras)]
         ids = []
-        for r, sp in zip(requests, per_request):
+        for r, sp, name in zip(requests, per_request, names):
             sp = r.get("sampling", sp) or SamplingParams()
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sp).__name__}",
@@ -280,7 +289,7 @@ class VLM:
                 images = self._in_prompt_order(r["prompt"], images,
                                                self.prepare_videos(r["videos"], r.get("video_options")))
             extra = iv.engine_args(sum(im.num_tokens for im in images)) if iv is not None else {}
-            req = self.engine.make_request(r["prompt"], images, sp, **extra)
+            req = self.engine.make_request(r["prompt"], images, sp, lora=name, **extra)
             ids.append([self.engine.submit(q) for q in self.engine.siblings(req, sp.n)])
         outs = self.engine.run_until_done([i for group in ids for i in group])
         it = iter(outs)
@@ -290,6 +299,19 @@ class VLM:
             first.siblings = [next(it) for _ in group[1:]]
             result.append(first)
         return result
+
+    def _lora_name(self, lora) -> str | None:
+        """A LoRARequest / adapter name -> the name of an adapter the engine has loaded (a
+        LoRARequest with a path is loaded on first use)."""
+        from mmjax.lora import LoRARequest
+        if lora is None or isinstance(lora, str):
+            return lora
+        if not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(f"lora must be a mmjax.lora.LoRARequest or an adapter name, got "
+                                      f"{type(lora).__name__}", param="lora")
+        if lora.name not in self.engine.lora_names and lora.path is not None:
+            self.engine.load_lora(lora.name, lora.path)
+        return lora.name
 
     def _in_prompt_order(self, prompt, images: list[ImageInput], videos: list[ImageInput]) -> list[ImageInput]:
         """Images and videos interleaved in the order of their placeholders in the prompt (the
@@ -565,24 +587,13 @@ def load(model: str | os.PathLike | None = None, dtype: str = "float32", *,
     mesh: a jax.sharding.Mesh with axes ("data", "model"), or tensor_parallel=N /
     data_parallel=M to build one over the first N x M devices (`mmjax.sharding.make_mesh`):
     the decoder is split N ways (Megatron-style tensor parallel), and M engine replicas serve
-    behind one engine API (README, "Scaling out").
+    behind one engine API (docs/scaling.md).
     verbose: print progress to stderr (`mmjax.progress`: the one-time CPU kernel build, each shape
     `vlm.engine.warmup()` compiles); without it the offline API prints nothing unless logging is
     set up at INFO.
-    engine_kw: max_num_seqs, max_model_len, prefill_chunk, max_encode_batch, encoder_cache_bytes,
-    max_images_per_request, vision_tensor_parallel (split the vision tower over the model axis
-    instead of the default: replicated weights, the encode batch split over devices),
-    vision_offload (vision tower + projector weights in host memory, fetched inside encode),
-    memory_budget (bytes, or a fraction of device memory, per device: sizes the KV page pool, or
-    max_num_seqs for a cache with a row per slot, so the memory plan's peak fits;
-    `engine.runner.memory_plan()`), page_size (positions per KV page, the backend's by default;
-    0: a row of max_model_len per slot), kv_cache_bytes (the paged cache's bytes per device),
-    kv_cache_dtype ("auto": the model's
-    dtype, "bfloat16", "int8" or "fp8": float8_e4m3fn; int8 / fp8 keep one bfloat16 scale per
-    token and KV head, mmjax.models.text.kv_quant), pack_prefill (default True: the prefill
-    chunks of several requests in one packed call; False: one call per request), decode_steps
-    (default 1: decode tokens per call for each running request, vLLM's multi-step scheduling;
-    for hosts whose per-call cost exceeds a step's device time, as on GPUs: Engine).
+    engine_kw: the Engine's options (max_num_seqs, max_model_len, prefill_chunk, kv_cache_dtype,
+    memory_budget, decode_steps, ...), each with its default and meaning in
+    `mmjax.engine_args.EngineArgs` (the same options as `mmjax serve`'s flags).
     """
     if verbose:
         from mmjax import progress

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 # XLA CPU: keep the decode step's skinny [slots, in] @ [in, out] f32 matmuls off YNNPACK library
-# fusions (measured slower for M=8 than XLA's own dot), but give YNN the reductions: decode
-# attention's broadcast-multiply-reduce over a K^T segment ran 2.2x faster there than in XLA's
-# own reduction loop (benchmarks/README.md). Prefill/encode keep the default library fusions.
+# fusions (slower for a few rows than XLA's own dot), but give YNN the reductions: decode
+# attention's broadcast-multiply-reduce over a K^T segment runs faster there than in XLA's own
+# reduction loop. Prefill/encode keep the default library fusions.
 _CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 # bf16 / int8 weights: XLA:CPU has a bf16 x bf16 and an s8 x s8 dot only through a library; a
 # dot it keeps for itself gets its operands converted to f32 / s32 first (the whole weight, every
@@ -56,19 +56,18 @@ class Tuning:
     @property
     def fine_prefill_ladder(self) -> bool:
         """Eight prefill chunk rungs per octave (`buckets.fine_ladder`) on the CPU, where a padded
-        row costs its full compute; powers of two elsewhere. On an H200 one compiled step took
-        20-40 s (`mmjax bench gpu`, benchmarks/README.md), so a prefill_chunk of 1024 meant 24
-        rungs (~10 minutes of warmup) where 7 do, while a GPU prefill of up to 2x the rows
-        costs about the same as the rows it needs at these sizes (its weights are read once)."""
+        row costs its full compute; powers of two elsewhere: a GPU compile takes tens of
+        seconds a shape, so a prefill_chunk of 1024 would mean 24 rungs where 7 do, while a GPU
+        prefill of up to 2x the rows costs about the same as the rows it needs (its weights are
+        read once)."""
         return self.platform == "cpu"
 
     @property
     def mixed_steps(self) -> bool:
         """Running requests' decode step rides in the packed prefill calls while prompts are
-        prefilled (a mixed step, models/text/packing.DecodeRows): on the CPU, where a decode step
-        of its own reads every weight again (34-64 ms of the bench model on the 2-core box) and a
-        token riding along costs its share of the prefill's GEMMs (~1.3 ms). Elsewhere not yet,
-        unmeasured: an unsharded GPU's riders would take the ragged Pallas decode kernel, but the
+        prefilled (a mixed step, models/nn/packing.DecodeRows): on the CPU, where a decode step
+        of its own reads every weight again while a token riding along costs only its share of
+        the prefill's GEMMs. Elsewhere not yet, unmeasured: an unsharded GPU's riders would take the ragged Pallas decode kernel, but the
         riders' `lax.cond` is a host sync there on every prefill call, and a sharded step's riders
         take XLA's attention with a cond per KV segment and layer (Gemma 3's ring: always XLA)."""
         return self.platform == "cpu"
@@ -84,23 +83,21 @@ class Tuning:
 
     @property
     def kv_segment_ladder(self) -> tuple[int, int]:
-        """(segment, fine) of the KV cache's segment ladder (models/text/llama.kv_segments:
+        """(segment, fine) of the KV cache's segment ladder (models/nn/kv_cache.kv_segments:
         `fine` segments of `segment` positions, then each as long as all before it). Each
-        segment is two cache leaves (a jitted call's host time grows ~5 us a leaf), two scatters
-        a layer and step (four thunks each), and a `lax.cond` a layer in prefill; the CPU's
-        decode attention kernel and a GPU's read each row's own keys whatever the segments,
-        while prefill attention pays for the segments in use. The CPU takes 4 x 256: against 8 x
-        128, a batch-1 decode step of the bench model was 0.6-0.8 ms faster (int8 10.65 -> 10.03
-        ms, f32 31.57 -> 30.75, in-process A/B) and a 16-row one level, while a 230-token prompt
-        still fills exactly one segment. Elsewhere 1 x 512: an H200 ran a 24-layer step with 9
-        segments a layer at 8% of its roofline (benchmarks/README.md, "GPU path"). 2048
-        positions: 3 segments instead of 9; 32k: 7 instead of 13."""
+        segment is two cache leaves (a jitted call's host time grows with its leaves), two
+        scatters a layer and step, and a `lax.cond` a layer in prefill; the CPU's decode
+        attention kernel and a GPU's read each row's own keys whatever the segments, while
+        prefill attention pays for the segments in use. The CPU takes 4 x 256 (fewer leaves than
+        8 x 128 at the same reads, and a 230-token prompt still fills exactly one segment);
+        elsewhere 1 x 512, since a GPU step's cost grew with its launches per segment (2048
+        positions: 3 segments instead of 9; 32k: 7 instead of 13)."""
         return (256, 4) if self.platform == "cpu" else (512, 1)
 
     @property
     def reduce_small_attention(self) -> bool:
         """Few-query (decode) attention as broadcast-multiply-reduce instead of dots: a CPU win
-        (see models/text/llama.cache_attention); GPUs keep the dots."""
+        (see models/nn/kv_cache.cache_attention); GPUs keep the dots."""
         return self.platform == "cpu"
 
     def auto_kv_cache_dtype(self, model_dtype):

@@ -53,7 +53,7 @@ class Buckets:
              `backend.Tuning.fine_prefill_ladder`: compiles are the cost there, padding is not).
     decode:  slots advanced per decode call (the first `rows` cache rows), up to `max_num_seqs`;
              one running request pays for a 1-row step, not for every slot.
-    segments: sequences one prefill call packs (models/text/packing.py): one rung,
+    segments: sequences one prefill call packs (models/nn/packing.py): one rung,
              min(max_segments, max_num_seqs, the smallest chunk); a prefill call's shape is
              (chunk, segments) and a call packing fewer sequences skips the attention blocks it
              does not use at run time, so the rung costs no compilations beyond the chunk ladder.

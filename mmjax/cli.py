@@ -56,7 +56,7 @@ def cmd_convert(args) -> int:
     return 0
 
 
-_BENCHES = {"kernel", "engine", "serve", "attention", "sharding", "gpu", "tiling", "precision"}
+_BENCHES = {"kernel", "engine", "serve", "attention", "sharding", "gpu", "tiling", "precision", "lora"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # serve and bench own their flags: dispatched before parsing (see _DELEGATES).
     sub.add_parser("serve", help="OpenAI-compatible server (mmjax serve --help)", add_help=False)
-    b = sub.add_parser("bench", help="benchmarks: kernel | engine | serve | attention | sharding | gpu | tiling | precision", add_help=False)
+    b = sub.add_parser("bench", help="benchmarks: kernel | engine | serve | attention | sharding | gpu | tiling | precision | lora", add_help=False)
     b.add_argument("which", choices=sorted(_BENCHES))
 
     args = parser.parse_args(argv)

@@ -76,3 +76,15 @@ class QueueFullError(MMJaxError):
     status = 503
     type = "server_busy"
     code = "queue_full"
+
+
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter that cannot be served: a malformed adapter directory, an option mmjax does not
+    implement (DoRA, biases, modules_to_save, ...), a rank over --max-lora-rank, no free slot."""
+    code = "invalid_lora_adapter"
+
+
+class LoRANotFoundError(InvalidRequestError):
+    """A request names a model / adapter the server does not serve (404)."""
+    status = 404
+    code = "model_not_found"

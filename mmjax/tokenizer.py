@@ -488,9 +488,8 @@ class IncrementalDetokenizer:
     from the last emitted boundary but one (`_prefix`, context for decoders that treat a
     sequence's first token apart, e.g. Metaspace dropping its leading space) to the end, less
     the text of the window up to the last boundary (`_read`). Decoding the whole list each
-    token cost 68 / 244 / 467 us a token at 128 / 1024 / 4096 output tokens (the bench
-    tokenizer), i.e. 16 ms of host time a step for 64 rows of long answers: more than an H200's
-    whole decode step. A decoder whose window text does not extend the context's (one that
+    token grows with the answer's length, and over many rows of long answers costs more host
+    time a step than a GPU's whole decode step. A decoder whose window text does not extend the context's (one that
     rewrites earlier text) gets the whole list for that token instead."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):

@@ -32,72 +32,15 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from mmjax.api import VLM
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError
-from mmjax.image.decode import ImageLimits
-from mmjax.video import VideoLimits
 from mmjax.serving import AsyncEngine, Engine, prompt_logprobs
 from serve import schema, tools
-from serve.media import MediaConfig, MediaFetcher
+from serve.config import ServerConfig
+from serve.media import MediaFetcher
 from serve.metrics import ServerMetrics
 from serve.schema import (AuthError, NotFoundError, RequestLimits, RequestTimeoutError, RequestTooLargeError,
                           UnavailableError)
 
 log = logging.getLogger("mmjax.serve")
-
-
-@dataclass
-class ServerConfig:
-    served_model_name: str | None = None       # default: the model's name (mmjax-shapes for the shipped one)
-    api_key: str | None = None
-    limit_images: int = 8                      # images per request
-    limit_videos: int = 2                      # videos per request (video_url parts)
-    max_video_bytes: int = 100 * 2**20         # encoded bytes per video
-    max_video_duration: float = 3600.0         # seconds, from the container
-    max_video_frames: int = 768                # frames sampled from one video
-    max_video_pixels: int = 4096 * 2304        # declared width*height per frame (video-bomb guard)
-    video_decode_timeout: float = 60.0         # seconds to decode one video
-    video_max_tokens: int | None = None        # per-video token budget (None: the family's default)
-    video_workers: int = 2                     # threads decoding videos
-    max_image_bytes: int = 20 * 2**20
-    max_image_pixels: int = 40_000_000
-    image_max_tokens: int | None = None        # per-image token budget
-    low_detail_image_tokens: int = 256         # budget of image_url.detail="low" (dynamic-res families)
-    pan_and_scan: bool | None = None           # Gemma 3 pan-and-scan for detail="auto" (None: the checkpoint's)
-    max_image_tiles: int | None = None         # tiles per image, detail "auto"/"high" (tiling families; None: all)
-    allowed_local_media_path: str | None = None
-    allowed_media_domains: tuple[str, ...] = ()
-    allow_private_media_urls: bool = False
-    enable_image_embeds: bool = False          # accept image_embeds content parts (off: a client could feed
-    #                                            arbitrary features past the vision tower)
-    media_fetch_timeout: float = 10.0
-    media_max_redirects: int = 3
-    max_queue: int = 256                       # engine waiting queue -> 503 beyond
-    max_embed_queue: int = 64                  # embedding requests waiting for the embeddings lane -> 503 beyond
-    embed_batch_tokens: int = 4096             # padded tokens of one embedding forward (a unit of the lane)
-    grammar_cache_mib: int = 128               # heap the cached structured-output matchers may hold
-    media_workers: int = 4                     # tokenization/templating pool (images have their own)
-    decode_workers: int = 4                    # image decode + resize workers (processes)
-    decode_workers_per_request: int = 2        # one request's images decoding at once; the rest wait
-    max_decode_queue: int = 64                 # images waiting for a decode worker -> 503 beyond
-    max_request_image_pixels: int | None = None  # decoded pixels of all images of a request (None: 4 x max_image_pixels: 8 phone photos pass, 8 x 40 MP do not)
-    max_request_decode_seconds: float = 30.0   # decode seconds per request (0 = no limit)
-    decode_processes: bool = True              # decode in worker processes (False: server threads)
-    log_stats_interval: float = 1.0            # seconds; 0 = no step log lines
-    drain_timeout: float = 30.0
-    chat_template: str | None = None           # template text (overrides the checkpoint's)
-    tool_call_parser: str | None = None        # hermes | llama3_json | mistral (None: from the template)
-    max_body_bytes: int | None = None          # default: text room + limit_images base64 images (body_budget)
-    max_messages: int = 4096                   # chat messages per request
-    max_content_parts: int = 512               # content parts per message
-    # Connection hygiene: every phase of a connection is bounded in time.
-    header_timeout: float = 30.0               # connection open / first byte of a request head -> its end
-    body_timeout: float = 30.0                 # reading one request body
-    keepalive_timeout: float = 75.0            # idle connection between requests
-    keepalive_max_requests: int = 1000         # responses per connection, then Connection: close (0 = no limit)
-    lingering_time: float = 10.0               # after an early answer, seconds spent draining an unread body
-    max_request_line: int = 8190               # bytes of the request line (aiohttp max_line_size)
-    max_header_size: int = 8190                # bytes of one header field (aiohttp max_field_size)
-    max_headers: int = 128                     # header fields per request
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -163,6 +106,10 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
         cfg.served_model_name = vlm.name
     configure_family(vlm, cfg)
     engine = vlm.engine
+    for name, path in cfg.lora_modules.items():     # a bad adapter stops the start with its LoRAError
+        if name == cfg.served_model_name:
+            raise InvalidRequestError(f"LoRA adapter name {name!r} is the base model's name", param="lora_modules")
+        engine.load_lora(name, path)
     if cfg.chat_template:
         vlm.tokenizer.chat_template = cfg.chat_template
     cfg.limit_images = min(cfg.limit_images, engine.max_images_per_request)
@@ -170,25 +117,7 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
         cfg.limit_videos = 0    # no video parts, and no body room for them
     aengine = AsyncEngine(engine, max_waiting=cfg.max_queue)
     executor = ThreadPoolExecutor(max_workers=cfg.media_workers, thread_name_prefix="mmjax-media")
-    media_cfg = MediaConfig(limits=ImageLimits(max_bytes=cfg.max_image_bytes, max_pixels=cfg.max_image_pixels),
-                            allowed_local_path=cfg.allowed_local_media_path,
-                            allowed_domains=tuple(d.lower() for d in cfg.allowed_media_domains),
-                            allow_private_urls=cfg.allow_private_media_urls,
-                            fetch_timeout=cfg.media_fetch_timeout, max_redirects=cfg.media_max_redirects,
-                            image_max_tokens=cfg.image_max_tokens,
-                            low_detail_tokens=cfg.low_detail_image_tokens, pan_and_scan=cfg.pan_and_scan,
-                            max_tiles=cfg.max_image_tiles,
-                            decode_workers=cfg.decode_workers,
-                            decode_workers_per_request=cfg.decode_workers_per_request,
-                            max_decode_queue=cfg.max_decode_queue, max_request_pixels=cfg.max_request_image_pixels,
-                            max_request_decode_seconds=cfg.max_request_decode_seconds,
-                            decode_processes=cfg.decode_processes,
-                            video_limits=VideoLimits(max_bytes=cfg.max_video_bytes,
-                                                     max_duration_s=cfg.max_video_duration,
-                                                     max_frames=cfg.max_video_frames,
-                                                     max_pixels=cfg.max_video_pixels,
-                                                     decode_timeout_s=cfg.video_decode_timeout),
-                            video_workers=cfg.video_workers)
+    media_cfg = cfg.media_config()
     fetcher = MediaFetcher(media_cfg, vlm.family)   # decodes in its own pool; `executor` tokenizes
     metrics = ServerMetrics(engine.stats, aengine.queue_depth)
     fetcher.on_video = metrics.video_decode_seconds.observe
@@ -210,6 +139,8 @@ def create_app(vlm_or_engine, config: ServerConfig | None = None) -> web.Applica
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
@@ -560,14 +491,54 @@ def _model_card(st: State) -> dict:
             "image_token": st.vlm.tokenizer.image_token, "video_token": st.vlm.tokenizer.video_token}
 
 
+def _lora_card(st: State, name: str) -> dict:
+    _, adapter = st.engine.adapters.loaded[name]
+    return {"id": name, "object": "model", "created": st.created, "owned_by": "mmjax", "root": adapter.path,
+            "parent": st.config.served_model_name, "max_model_len": st.engine.max_model_len}
+
+
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    st = request.app[STATE]
+    return web.json_response({"object": "list", "data": [_model_card(st)] + [_lora_card(st, n)
+                                                                          for n in st.engine.lora_names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    _check_model(st, request.match_info["model"])
-    return web.json_response(_model_card(st))
+    model = request.match_info["model"]
+    _check_model(st, model)
+    return web.json_response(_model_card(st) if model == st.config.served_model_name else _lora_card(st, model))
+
+
+def _lora_name(body: Any) -> str:
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError("'lora_name' (a non-empty string) is required", param="lora_name")
+    return name
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's runtime adapter loading: {"lora_name", "lora_path"} -> a free adapter slot (no
+    recompile). 400 (LoRAError) for a malformed adapter, a rank over --max-lora-rank, no free slot."""
+    st = request.app[STATE]
+    body = await _read_json(request, st)
+    name, path = _lora_name(body), body.get("lora_path")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequestError("'lora_path' (a non-empty string) is required", param="lora_path")
+    if name == st.config.served_model_name:
+        raise InvalidRequestError(f"{name!r} is the base model's name", param="lora_name")
+    await asyncio.get_running_loop().run_in_executor(st.executor, st.engine.load_lora, name, path)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    name = _lora_name(await _read_json(request, st))
+    if name == st.config.served_model_name:
+        raise InvalidRequestError("the base model cannot be unloaded", param="lora_name")
+    _check_model(st, name)
+    st.engine.unload_lora(name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -737,9 +708,16 @@ async def detokenize(request: web.Request) -> web.Response:
 # ---- generation ---------------------------------------------------------------------------------------
 
 def _check_model(st: State, model: str | None) -> None:
-    if model is not None and model != st.config.served_model_name:
+    if model is not None and model != st.config.served_model_name and model not in st.engine.lora_names:
         raise NotFoundError(f"the model {schema.short(model)} does not exist; this server serves "
-                            f"{st.config.served_model_name!r}", param="model")
+                            f"{st.config.served_model_name!r}"
+                            + (f" and the LoRA adapters {st.engine.lora_names}" if st.engine.lora_names else ""),
+                            param="model")
+
+
+def _lora_of(st: State, model: str | None) -> str | None:
+    """The LoRA adapter a request's "model" names (None: the base model)."""
+    return model if model is not None and model != st.config.served_model_name else None
 
 
 def _too_large(st: State, n: int | None, what: str = "request body") -> RequestTooLargeError:
@@ -894,7 +872,8 @@ def _build_request(st: State, parsed: schema.ParsedRequest, images: list, rid: s
         images = [parsed.intervention.apply(st.vlm.family, im) for im in images]
         extra = parsed.intervention.engine_args(sum(im.num_tokens for im in images))
     try:
-        req = eng.make_request(prompt, images, dataclasses.replace(parsed.sampling), request_id=rid, **extra)
+        req = eng.make_request(prompt, images, dataclasses.replace(parsed.sampling), request_id=rid,
+                               lora=_lora_of(st, parsed.model), **extra)
     except ContextLengthError as e:
         if parsed.kind == "completion" and e.param == "messages":
             e.param = "prompt"
@@ -1190,7 +1169,7 @@ async def _collect(gens: list[Generation], firsts: list, kind: str) -> web.Respo
     choices = await asyncio.gather(*(_collect_one(g, d, kind) for g, d in zip(gens, firsts)))
     g, st = gens[0], gens[0].st
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    out = {"id": g.rid, "object": obj, "created": schema.now(), "model": st.config.served_model_name,
+    out = {"id": g.rid, "object": obj, "created": schema.now(), "model": g.req.lora or st.config.served_model_name,
            "choices": list(choices), "usage": usage_of(gens)}
     if g.parsed.prompt_logprobs is not None:
         out["prompt_logprobs"] = _vllm_prompt_logprobs(st, g.scores)
@@ -1221,7 +1200,7 @@ async def _stream(request: web.Request, gens: list[Generation], firsts: list, ki
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     created = schema.now()
-    model = st.config.served_model_name
+    model = g0.req.lora or st.config.served_model_name       # an adapter's request answers as that model
     include_usage = g0.parsed.include_usage
     want_lp = g0.parsed.logprobs is not None
     offsets = [0] * len(gens)

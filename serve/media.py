@@ -111,6 +111,7 @@ class MediaConfig:
     video_cache_bytes: int = 256 * 2**20    # prepared videos kept by content + frame plan
 
     def __post_init__(self) -> None:
+        self.allowed_domains = tuple(d.lower() for d in self.allowed_domains)
         for name in ("decode_workers", "decode_workers_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MediaConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -74,6 +74,14 @@ def qwen3_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen35_dirs(tmp_path_factory):
+    """Tiny Qwen3.5 checkpoints: {"dense": path, "moe": path} (see tiny_qwen35.build_qwen35)."""
+    from tiny_qwen35 import build_qwen35
+    root = tmp_path_factory.mktemp("qwen35")
+    return {k: build_qwen35(root / k, kind=k, seed=s) for k, s in (("dense", 0), ("moe", 0))}
+
+
+@pytest.fixture(scope="session")
 def gemma3_dirs(tmp_path_factory):
     """Tiny Gemma 3 checkpoints: {"window": path, "softcap": path} (see tiny_gemma.build_gemma3)."""
     from tiny_gemma import build_gemma3
@@ -121,6 +129,38 @@ def mllama_dirs(tmp_path_factory):
     from tiny_mllama import build_mllama
     root = tmp_path_factory.mktemp("mllama")
     return {v: build_mllama(root / v, variant=v, seed=i) for i, v in enumerate(("tiles4", "tiles2"))}
+
+
+@pytest.fixture(scope="session")
+def internvl_dirs(tmp_path_factory):
+    """Tiny InternVL checkpoints: {"qwen2": InternVL 3's layout, "qwen3": 3.5's} (see tiny_internvl.build_internvl)."""
+    from tiny_internvl import build_internvl
+    root = tmp_path_factory.mktemp("internvl")
+    return {v: build_internvl(root / v, variant=v, seed=i) for i, v in enumerate(("qwen2", "qwen3"))}
+
+
+@pytest.fixture(scope="session")
+def llama4_dirs(tmp_path_factory):
+    """Tiny Llama 4 checkpoints: {"qk", "plain"} (see tiny_llama4.build_llama4)."""
+    from tiny_llama4 import build_llama4
+    root = tmp_path_factory.mktemp("llama4")
+    return {v: build_llama4(root / v, variant=v, seed=i) for i, v in enumerate(("qk", "plain"))}
+
+
+@pytest.fixture(scope="session")
+def glm4v_dirs(tmp_path_factory):
+    """Tiny GLM-4.xV checkpoints: {"dense", "moe", "46v"} (see tiny_glm4v.build_glm4v)."""
+    from tiny_glm4v import build_glm4v
+    root = tmp_path_factory.mktemp("glm4v")
+    return {v: build_glm4v(root / v, kind=v, seed=i) for i, v in enumerate(("dense", "moe", "46v"))}
+
+
+@pytest.fixture(scope="session")
+def minicpmv_dirs(tmp_path_factory):
+    """Tiny MiniCPM-V checkpoints: {"4.6": path, "4.7": path} (see tiny_minicpmv.build_minicpmv)."""
+    from tiny_minicpmv import build_minicpmv
+    root = tmp_path_factory.mktemp("minicpmv")
+    return {v: build_minicpmv(root / v, version=v, seed=s) for v, s in (("4.6", 0), ("4.7", 1))}
 
 
 def noise_image(seed: int, width: int, height: int):

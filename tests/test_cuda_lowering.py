@@ -3,7 +3,8 @@
 For each family's tiny checkpoints (LLaVA GQA and MHA, Qwen2-VL, Qwen2.5-VL, Gemma 3 with and
 without tied embeddings / softcapping config, Gemma 4 dense and MoE, Idefics3, SmolVLM, Qwen3-VL dense
 and MoE, Mistral 3 with spatial merge 2 and 1, Llama 3.2 Vision with 4 and 2 tiles, LLaVA-NeXT,
-LLaVA-OneVision) and the shipped
+LLaVA-OneVision, InternVL with Qwen2 and Qwen3 text, Llama 4 with and without QK-norm,
+GLM-4.xV dense and MoE, Qwen3.5 dense and MoE, MiniCPM-V 4.7) and the shipped
 mmjax-shapes model, in bfloat16 (and float32 for one checkpoint per family), a runner built for platform "cuda" lists every
 compiled shape it can produce (`ModelRunner.step_signatures`: every encode bucket of the family's
 plan, every prefill chunk bucket (the packed prefill: up to 4 sequences per call),
@@ -27,14 +28,19 @@ TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 @pytest.fixture(scope="module")
 def checkpoints(llava_dirs, qwen_dirs, gemma3_dirs, gemma4_dirs, idefics3_dirs, qwen3_dirs, mistral3_dirs, mllama_dirs,
-                llava_next_dirs):
+                llava_next_dirs, internvl_dirs, llama4_dirs, glm4v_dirs, qwen35_dirs, minicpmv_dirs):
     return {"llava-gqa": llava_dirs["gqa"], "llava-mha": llava_dirs["mha"], "mmjax-shapes": None, **qwen_dirs,
             "gemma3-window": gemma3_dirs["window"], "gemma3-softcap": gemma3_dirs["softcap"],
             "gemma4-dense": gemma4_dirs["dense"], "gemma4-moe": gemma4_dirs["moe"], **idefics3_dirs,
             "qwen3-dense": qwen3_dirs["dense"], "qwen3-moe": qwen3_dirs["moe"],
             "mistral3-merge2": mistral3_dirs["merge2"], "mistral3-merge1": mistral3_dirs["merge1"],
             "mllama-tiles4": mllama_dirs["tiles4"], "mllama-tiles2": mllama_dirs["tiles2"],
-            "llava-next": llava_next_dirs["next"], "llava-onevision": llava_next_dirs["onevision"]}
+            "llava-next": llava_next_dirs["next"], "llava-onevision": llava_next_dirs["onevision"],
+            "internvl-qwen2": internvl_dirs["qwen2"], "internvl-qwen3": internvl_dirs["qwen3"],
+            "llama4-qk": llama4_dirs["qk"], "llama4-plain": llama4_dirs["plain"],
+            "glm4v-dense": glm4v_dirs["dense"], "glm4v-moe": glm4v_dirs["moe"],
+            "qwen35-dense": qwen35_dirs["dense"], "qwen35-moe": qwen35_dirs["moe"],
+            "minicpmv": minicpmv_dirs["4.7"]}     # 4.6's steps are the same graphs (positions are host-side)
 
 
 def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list | None = None,
@@ -57,10 +63,12 @@ def _export_all(path, dtype: str, kv_cache_dtype: str = "auto", runner_out: list
 
 CHECKPOINTS = ["llava-gqa", "llava-mha", "mmjax-shapes", "qwen2_vl", "qwen2_5_vl", "gemma3-window", "gemma3-softcap",
                "gemma4-dense", "gemma4-moe", "idefics3", "smolvlm", "qwen3-dense", "qwen3-moe",
-               "mistral3-merge2", "mistral3-merge1", "mllama-tiles4", "mllama-tiles2", "llava-next", "llava-onevision"]
+               "mistral3-merge2", "mistral3-merge1", "mllama-tiles4", "mllama-tiles2", "llava-next", "llava-onevision",
+               "internvl-qwen2", "internvl-qwen3", "llama4-qk", "llama4-plain", "glm4v-dense", "glm4v-moe",
+               "qwen35-dense", "qwen35-moe", "minicpmv"]
 # bfloat16 (what GPUs serve) for every checkpoint; float32 for one checkpoint of each family (CI time)
 FLOAT32 = ["llava-gqa", "qwen2_5_vl", "gemma3-window", "gemma4-dense", "idefics3", "qwen3-dense", "mistral3-merge2",
-           "mllama-tiles4", "llava-next"]
+           "mllama-tiles4", "llava-next", "internvl-qwen2", "llama4-qk", "glm4v-dense", "qwen35-dense", "minicpmv"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in CHECKPOINTS] + [(n, "float32") for n in FLOAT32])
@@ -72,7 +80,7 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     layers = runners[0].text_model.num_layers
     kinds = {k.split("[")[0].split("(")[0] for k in exported}
     # one FastV prefill (every decoder but DeepStack's per-layer image features and cross-attention)
-    fastv = set() if name.startswith(("qwen3", "mllama")) else {"prefill_pruned"}
+    fastv = set() if name.startswith(("qwen3", "mllama", "minicpmv")) else {"prefill_pruned"}
     cross = {"fill_cross"} if name.startswith("mllama") else set()      # the per-slot cross-attention K/V
     # copy_slot: n > 1 siblings copy the prompt's cache row; prefill_scores: prompt_logprobs
     want = {"encode", "prefill", "decode", "copy_slot"} | fastv | cross

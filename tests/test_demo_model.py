@@ -274,7 +274,8 @@ def test_generate_cli_red_circle(tmp_path):
     assert r.stdout.strip() == "circle", (r.stdout, r.stderr[-2000:])
 
 
-@pytest.mark.parametrize("name", ["shapes_ablation", "attention_maps", "saliency", "token_reduction", "module_ablation"])
+@pytest.mark.parametrize("name", ["shapes_ablation", "attention_maps", "saliency", "token_reduction", "module_ablation",
+                                  "lora_finetune"])
 def test_notebook_runs_top_to_bottom(name):
     import nbformat
     import nbclient

@@ -40,10 +40,10 @@ __all__ = ["attention", "reference_attention", "chunked_attention", "flash_atten
 IMPLS = ("auto", "reference", "chunked", "flash", "cudnn", "cpu")
 
 # Above this many bytes of float32 scores (B * H * Sq * Sk * 4) "auto" leaves the reference.
-# Measured on the 2-core CPU (benchmarks/attention.py, 4 heads, d=80): chunked ran 2x faster
-# than the reference already at N=256 and 5-10x at N=1024 (the reference streams several
-# N x N f32 arrays through memory), but compiles ~3x slower (nested while loops), so only
-# tiny problems (<= 1 MiB of scores, e.g. 16 heads x 128^2) stay on the reference.
+# On the CPU chunked runs faster than the reference from a few hundred tokens on (the reference
+# streams several N x N f32 arrays through memory; `mmjax bench attention`), but compiles slower
+# (nested while loops), so only tiny problems (<= 1 MiB of scores, e.g. 16 heads x 128^2) stay
+# on the reference.
 AUTO_REFERENCE_MAX_SCORE_BYTES = 2**20
 _DEFAULT_REFERENCE_MAX_SCORE_BYTES = AUTO_REFERENCE_MAX_SCORE_BYTES
 

@@ -1,7 +1,7 @@
 """Ragged decode attention: a Pallas (Triton) kernel for GPUs over a layer's whole segmented KV cache.
 
 Decode attends a few queries per row (one token's GQA group) over that row's own cached keys.
-The XLA path (models/text/llama.cache_attention) computes every segment for every row up to the
+The XLA path (models/nn/kv_cache.cache_attention) computes every segment for every row up to the
 batch's longest sequence and skips whole segments with a `lax.cond` on the traced kv_len; on a GPU
 each cond is a device-to-host sync per segment and layer. This kernel reads each row's visible
 key range [lo, hi) itself (one program per (row, KV head), a loop over key blocks from lo to hi),
@@ -9,9 +9,8 @@ so a short row costs its own length, a segment past a row's end costs an empty l
 syncs with the host.
 
 One call covers every segment of a layer (the kernel walks them in order with one running
-softmax), so a decode step launches one kernel per layer. With a kernel per segment, an H200
-step launched 216 of them plus their merges (24 layers x 9 segments) and took 9.3 ms at batch
-1 against a 0.8 ms weight-streaming floor (benchmarks/README.md, "GPU path"). It returns the
+softmax), so a decode step launches one kernel per layer, not one per segment plus their
+merges, which left a GPU step bound by its launches. It returns the
 partial the XLA path computes (running max, sum of exponentials, weighted sum of V, all
 float32). The cache layout is the engine's: K transposed [slots, kv_heads, head_dim, len] and
 V [slots, kv_heads, len, head_dim] (int8 / fp8 with per-(token, head) scales [slots, kv_heads,
@@ -31,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 _LOG2E = math.log2(math.e)
-# float32 operands: TF32 products, as in flash.py (see there: measured on an H200, and why)
+# float32 operands: TF32 products, as in flash.py (see there why)
 _MIN_TILE = 16
 
 

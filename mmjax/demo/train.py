@@ -30,15 +30,15 @@ language-prior plateau (chance accuracy on everything but color) for 600+ steps.
 Schedule: AdamW with a time-based warmup + cosine decay (`--minutes` is the budget; the LR is a
 function of elapsed wall time, so a busy machine only costs steps, not the decay shape). With
 `--vision-frac f`, the first f of the budget trains only the ViT + projector on the image aux
-losses (steps 2.7x cheaper than full ones; its own warmup + cosine), the rest the whole model
-(again warmup + cosine): in 30 CPU minutes, same seed, that took describe from 87% to 90%.
+losses (cheaper steps than full ones; its own warmup + cosine), the rest the whole model
+(again warmup + cosine): within the same budget that raises describe accuracy
+(mmjax/demo/README.md, "Training").
 
 Matmuls: with `bf16` (the CLI default; `--no-bf16` for plain f32) every matmul of the training
 steps, forward and backward, runs with bf16 operands and f32 accumulation
-(`mixed_precision.bf16_matmuls`; weights, optimizer, norms, softmax and losses stay f32): on this
-machine's AMX CPU the full step takes 0.17 s instead of 0.36, the image-only step 0.08 s instead
-of 0.14, so the 26-minute loop holds ~1.5-1.65x the steps (describe over 600: 88.0-91.8% at
-three seeds in f32, 92.3-95.5% at four in bf16).
+(`mixed_precision.bf16_matmuls`; weights, optimizer, norms, softmax and losses stay f32): on an
+AMX CPU a step costs about half, so the time budget holds more steps and the model ends more
+accurate (figures: mmjax/demo/README.md, "Training").
 Evaluation and export are f32.
 
 Held-out accuracy during training is teacher-forced greedy exact match (an answer counts when

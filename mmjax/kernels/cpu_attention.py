@@ -1,45 +1,29 @@
-"""Decode and prefill attention on the CPU in one kernel call per layer (cpu_attention.cc; issues 25 and 28).
+"""Decode and prefill attention on the CPU in one kernel call per layer (cpu_attention.cc).
 
-Why: XLA computes decode attention over the segmented KV cache segment by segment, each behind a
-`lax.cond`, as 6-10 small fusions per segment and layer: at batch 1 with 235 cached tokens that
-was 1.9 ms of a 14 ms int8 decode step for 7.7 MB of cache, and every row of a batch computes up
-to the batch's longest row. The kernel reads each row's own visible keys [lo, hi), in place.
-`decode_attention_write` first writes the step's new K / V into the cache, in place, so a decode
-layer's cache update is no longer a scatter into every segment (1 ms of a batch-1 bf16 decode
-step on the 2-core box, 1.8 ms of a 16-row f32 one). `prefill_attention` does the same for
-several new tokens per row, each query over its own causal (window) range: XLA's prefill path
-computed whole segments' score blocks behind the same per-segment conds, whose compilation was
-a third of the bench engine's warmup (137 -> 89 s with the kernel; a 230-token prompt's TTFT
-650 -> 632 ms).
+Why: XLA computes attention over the segmented KV cache segment by segment, each behind a
+`lax.cond`, as several small fusions per segment and layer, and every row of a batch computes up
+to the batch's longest row. The kernels read each row's own visible keys [lo, hi), in place.
 
-`dense_attention` is a vision tower's full attention (no cache: q, k, v [B, N, heads, hd] as
-they lie; `mmjax.attention` "auto" takes it where the kernels have a SIMD path): XLA ran CLIP-B/16's 12 x 197^2
-scores a layer as batched small dots around the chunked online softmax. The kernel puts 32
-queries of one (image, head) on the vector lanes: K and V rows are broadcast as they lie, a
-key's scores are two vectors and the softmax over keys needs no horizontal reductions. On the
-2-core SPR-class VM (nineteenth session), 11 CLIP-B layers at 197 patches: 1 image 15.1 -> 7.4
-ms, 8 images 147 -> 68 ms (chunked -> kernel; the reference 23 / 201 ms); in the bench model's
-encode (interleaved, two sides each traced under its choice) b1 133 -> 125 ms, b8 996 -> 915 ms.
-Its queries-on-lanes core (`Lanes` in the .cc; `Lanes8`, 16 queries a task, on the AVX2 path)
-also takes prefill over an f32 cache. The AVX2 path on the same machine (set_isa("avx2"), 12
-layers, distinct K / V; XLA there still uses AVX-512): 1 x 197 patches 12.9 ms against XLA's
-21.7, 8 x 197 98 against 187; a 240-token f32 prefill's attention 16.7 ms (the 6-query AVX2
-kernel: 24).
-
-`kv_write` writes a prefill's K / V into the segments in place (what `scatter_kv` calls on the
-CPU): XLA's scatter walked every update for every segment and transposed K for K^T first (64
-scatters of a 240-token prefill of the bench model, ~10 ms with their transposes); TTFT median
-435 -> 429 ms (two sides, interleaved).
+- `decode_attention`: one new token per row over its cached keys.
+- `decode_attention_write`: first writes the step's new K / V into the cache, in place, so a
+  decode layer's cache update is no scatter into every segment.
+- `prefill_attention`: several new tokens per row, each query over its own causal (window)
+  range; XLA's path computed whole segments' score blocks behind per-segment conds whose
+  compilation dominated the engine's warmup.
+- `dense_attention`: a vision tower's full attention (no cache: q, k, v [B, N, heads, hd] as
+  they lie; `mmjax.attention` "auto" takes it where the kernels have a SIMD path). The kernel
+  puts 32 queries of one (image, head) on the vector lanes (`Lanes` in the .cc; `Lanes8`, 16
+  queries a task, on the AVX2 path): K and V rows are broadcast as they lie, a key's scores are
+  two vectors and the softmax over keys needs no horizontal reductions. The same core takes
+  prefill over an f32 cache.
+- `kv_write`: a prefill's K / V written into the segments in place (what `scatter_kv` calls on
+  the CPU), where XLA's scatter walked every update for every segment and transposed K first.
 
 Built and registered with the other CPU kernels (mmjax/kernels/cpu_library.py); only on the CPU
-(`enabled()` at trace time: a CPU with one of the kernels' SIMD paths, AVX-512 or AVX2 + FMA).
-The AVX2 path (Haswell, Zen 1-3; the AVX-512 algorithm 8 lanes wide) on the 2-core Zen 3, 16
-layers of the bench model's attention (8 KV heads x 2 queries, head_dim 64), against the XLA
-path the model takes without the kernel (`python -m benchmarks.cpu_attention_paths`, medians of
-interleaved rounds), f32 / int8 cache, ms: decode 1 row x 300 keys 2.4 vs 4.0 / 1.4 vs 18.7, 16
-rows x 300 keys 23 vs 49 / 9.9 vs 55, 16 rows x 2000 keys 133 vs 188 / 45 vs 153; a 240-token
-causal prefill 33 vs 56 / 39 vs 62 (the plain C++ loops: 6.5, 81, 575, 478 ms in f32).
-Differentiable: derivatives go through `reference` (XLA ops).
+(`enabled()` at trace time: a CPU with one of the kernels' SIMD paths, AVX-512 or AVX2 + FMA;
+the AVX2 path is the AVX-512 algorithm 8 lanes wide). Timings against XLA per path:
+`python -m benchmarks.cpu_attention_paths`, benchmarks/README.md. Differentiable: derivatives go
+through `reference` (XLA ops).
 """
 from __future__ import annotations
 

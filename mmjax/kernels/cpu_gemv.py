@@ -4,8 +4,8 @@
 * row-major (`gemv_f32` / `gemv_bf16` / `gemv_s8`): M <= 16 rows of a weight stored [in, out],
   read as stored at memory bandwidth. Why: XLA:CPU's own one-row dot converts a bf16 / int8
   weight to f32 / s32 on every call, and YNNPACK's library dot (reached with two or more rows)
-  reads bf16 at ~7-15 GB/s and s8 at ~5 GB/s, against ~35 GB/s the machine can read; in f32,
-  XLA's dots at 2-16 rows read at 13-22 GB/s.
+  reads narrow weights far below the memory's bandwidth; in f32, XLA's dots at 2-16 rows read
+  below it too.
 * packed (`matmul_packed` for f32 / bf16, `qmatmul_s8p` for int8's whole W8A8 product): any M,
   over a weight re-laid at load into panels (`pack_panels`: 64 columns on an AVX-512 CPU, 16 on
   an AVX2 one; `pack_s8`: 64), applied by mmjax.packed_weights / mmjax.quant: one contiguous
@@ -14,8 +14,8 @@
 
 On AMX-BF16 CPUs the packed f32 / bf16 products give the rows their caller names (`amx_rows`:
 a prefill's prompt rows, encoders) to AMX tile dots (cpu_amx.cc; f32 split into three bf16 parts,
-six products, f32 accuracy), ~1.3-1.4x (f32) and ~3.5x (bf16) the encode / prefill rate of the
-FMA kernels on the 2-core Sapphire-Rapids-class VM.
+six products, f32 accuracy), several times the FMA units' rate for these compute-bound products
+(figures: benchmarks/README.md).
 
 Code paths (cpu_library.isa): AVX-512 FMA / BF16 / VNNI; AVX2 + FMA (the packed kernels only:
 bf16 widened by shifts, int8 through vpsignb + vpmaddubsw + vpmaddwd); plain C++ loops, which
@@ -81,10 +81,9 @@ def covers(x: jax.Array, w) -> bool:
     """Does the row-major kernel take x [..., K] @ w here? Trace-time answer: `enabled()` on the
     AVX-512 path (the row-major kernels have no AVX2 one: a CPU runner's weights are packed, and
     the packed kernels have both), 1..MAX_ROWS rows, and w a 2-D f32 / bf16 array with x of its
-    dtype, or a 2-D int8 `mmjax.quant.QArray` (the int8 dot inside qmatmul). Measured (2 cores, [1..16, 1024..2048] x [.., 8192..32000]): it beats
-    both XLA's one-row dot and YNNPACK's library dot at every such row count, in bf16 and int8;
-    in f32, on the bench model's layer shapes, 1.1-2.0x XLA's dot at 1-8 rows, level at 16
-    (benchmarks/README.md, "Decode matmuls in f32")."""
+    dtype, or a 2-D int8 `mmjax.quant.QArray` (the int8 dot inside qmatmul). At these row counts
+    it beats both XLA's one-row dot and YNNPACK's library dot in bf16 and int8, and XLA's f32
+    dot up to about 8 rows (`python -m benchmarks.gemv`)."""
     from mmjax.quant import QArray
     rows = 1
     for d in x.shape[:-1]:

@@ -18,6 +18,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "mmjax.models.qwen2_vl",
     "qwen3_vl": "mmjax.models.qwen3_vl",
     "qwen3_vl_moe": "mmjax.models.qwen3_vl",
+    "qwen3_5": "mmjax.models.qwen3_5", "qwen3_5_moe": "mmjax.models.qwen3_5",
     "gemma3": "mmjax.models.gemma3",
     "gemma4": "mmjax.models.gemma4",
     "llava_next": "mmjax.models.llava_next",
@@ -26,6 +27,10 @@ FAMILIES: dict[str, str] = {
     "smolvlm": "mmjax.models.idefics3",
     "mistral3": "mmjax.models.mistral3",
     "mllama": "mmjax.models.mllama",
+    "internvl": "mmjax.models.internvl",
+    "llama4": "mmjax.models.llama4",
+    **dict.fromkeys(("glm4v", "glm4v_moe", "glm46v"), "mmjax.models.glm4v"),
+    "minicpmv4_6": "mmjax.models.minicpmv", "minicpmv4_7": "mmjax.models.minicpmv",
 }
 
 

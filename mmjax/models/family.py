@@ -198,6 +198,13 @@ class Family(abc.ABC):
         """The prompt token id of a prepared input's tokens (its placeholder's id)."""
         return self.video_token_id if item.kind == "video" else self.image_token_id
 
+    def feature_token_id(self, item: ImageInput) -> int:
+        """The prompt token id whose positions take the item's features: its placeholder's
+        (`token_id_of`), unless the processor expands the placeholder into other tokens
+        (InternVL: a video's `<video>` becomes frames of image tokens; GLM-4.xV: a video's
+        `<|video|>` becomes frames of `<|image|>` tokens)."""
+        return self.token_id_of(item)
+
     # ---- host: videos --------------------------------------------------------------------------
     def plan_video(self, meta, opts: VideoOptions = VideoOptions()):
         """Container metadata (mmjax.video.VideoMeta) -> mmjax.video.VideoPlan: which frames to
@@ -273,6 +280,11 @@ class Family(abc.ABC):
         markers around the soft tokens). None: the placeholder token becomes `num_tokens` image
         tokens after tokenizing."""
         return None
+
+    def image_prompts(self, images: list[ImageInput]) -> list[str | None]:
+        """`image_prompt` of each input of one prompt, in order (families whose text numbers the
+        images, MiniCPM-V's `<image_id>`, override this)."""
+        return [self.image_prompt(im) for im in images]
 
     def token_grid(self, image: ImageInput) -> tuple[int, int, int]:
         """(frames or tiles, rows, cols) of the image's LLM tokens in feature order (heatmaps,

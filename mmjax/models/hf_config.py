@@ -23,7 +23,7 @@ def tie_word_embeddings(top: dict, text: dict | None, default: bool = False) -> 
     (LlavaConfig(..., tie_word_embeddings=True) saves it only there, with text_config saying
     false); a config without a top-level flag falls back to its text config, then `default`.
     Whether the checkpoint then really ties is decided at load: a file that holds its own
-    lm_head.weight is not tied (see models/text/llama.load_params)."""
+    lm_head.weight is not tied (the decoder's `hf_weights`)."""
     if top.get("tie_word_embeddings") is not None:
         return bool(top["tie_word_embeddings"])
     if text and text.get("tie_word_embeddings") is not None:

@@ -119,7 +119,7 @@ def _logprob_fn(vlm, calls: tuple, n_answer: int):
         t = ids.shape[0]
         cache = lm.init_cache(1, t, embeds.dtype, max_chunk=t, tp=runner.placement.tp)
         meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), t,
-                                 spans=step_spans(family, spans[None]))
+                                 spans=step_spans(family, spans[None]), valid=jnp.ones((1, t), bool))
         hidden, _ = lm(embeds, meta, cache, **extra)
         logits = lm.logits(hidden[0, t - n_answer - 1:t - 1])            # [n_answer, vocab]
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -43,7 +43,7 @@ def prompt_inputs(vlm, prompt: Any, images: Iterable[Any] = (), *, answer: str |
     inputs = vlm.prepare_images(images, image_options, intervention=intervention)
     family = vlm.family
     counts = [im.num_tokens for im in inputs]
-    ids = vlm.tokenizer.encode_prompt(prompt, counts, [family.image_prompt(im) for im in inputs],
+    ids = vlm.tokenizer.encode_prompt(prompt, counts, family.image_prompts(inputs),
                                       [family.token_id_of(im) for im in inputs])
     prompt_len = len(ids)
     if answer is not None:

@@ -35,6 +35,17 @@ def token_keys(ids: np.ndarray, images: list[ImageInput], image_pos: np.ndarray,
     return keys
 
 
+def salt_keys(keys: np.ndarray, salt: str) -> np.ndarray:
+    """Prefix-cache keys of a request whose KV also depends on `salt` (a LoRA adapter): the first
+    token's key mixed with it, so it shares no prefix with requests of another salt."""
+    if not len(keys):
+        return keys
+    keys = keys.copy()
+    h = int.from_bytes(hashlib.sha256(f"{salt}|{int(keys[0])}".encode()).digest()[:7], "little")
+    keys[0] = IMAGE_KEY_BIT | np.int64(h << 5) | np.int64(31)   # bit pattern no image token's key has
+    return keys
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])

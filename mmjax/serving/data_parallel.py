@@ -64,6 +64,9 @@ class DataParallelEngine:
             # the leader reads every step's sampled tokens from its own devices
             raise ValueError("multi-host data parallel: every replica must include devices of this process; "
                              "run one server per host instead (README, Scaling out)")
+        if engine_kw.get("max_loras"):
+            from mmjax.errors import UnsupportedModelError
+            raise UnsupportedModelError("LoRA adapters are not supported with data parallelism", param="max_loras")
         self.replicas = [Engine(model, mesh=m, primary=i == 0, **engine_kw) for i, m in enumerate(meshes)]
         first = self.replicas[0]
         self.grammars = first.grammars          # make_request (structured output) runs on replica 0
@@ -95,6 +98,15 @@ class DataParallelEngine:
     @property
     def slots(self) -> list[Request | None]:
         return [s for e in self.replicas for s in e.slots]
+
+    adapters = None         # no LoRA adapters (refused above)
+    lora_names: list[str] = []
+
+    def load_lora(self, name: str, path, adapter=None) -> int:
+        return self.replicas[0].load_lora(name, path, adapter)      # LoRAError: this engine serves none
+
+    def unload_lora(self, name: str) -> None:
+        self.replicas[0].unload_lora(name)
 
     def make_request(self, *args, **kw) -> Request:
         return self.replicas[0].make_request(*args, **kw)

@@ -41,7 +41,7 @@ import numpy as np
 
 from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError, UnsupportedModelError
 from mmjax.models.family import ImageInput, image_runs, run_spans
-from mmjax.serving.caches import EncoderCache, PrefixCache, token_keys
+from mmjax.serving.caches import EncoderCache, PrefixCache, salt_keys, token_keys
 from mmjax.serving import prompt_logprobs
 from mmjax.serving.output import append_token
 from mmjax.serving.pages import KVPages, page_hashes
@@ -75,7 +75,7 @@ class Engine:
                  vision_offload: bool = False, memory_budget: int | float | None = None,
                  kv_cache_dtype: str = "auto", overlap: bool = True, pack_prefill: bool = True,
                  decode_steps: int = 1, primary: bool = True, page_size: int | None = None,
-                 kv_cache_bytes: int | None = None):
+                 kv_cache_bytes: int | None = None, max_loras: int = 0, max_lora_rank: int = 16):
         """overlap: queue each step before reading the previous step's tokens (module docstring).
         primary: this engine's runner places the live module's weights (a data-parallel replica
         past the first places a copy on its own devices).
@@ -88,8 +88,21 @@ class Engine:
         step. page_size / kv_cache_bytes: the paged KV cache (`ModelRunner`; page_size 0: a
         cache row of max_model_len per slot): requests are admitted by free pages, share
         prompt prefixes by page, and the latest admitted is preempted (recomputed later) when a
-        running request needs a page and none is free."""
+        running request needs a page and none is free.
+        max_loras: LoRA adapters served at once (0: none), each of rank up to max_lora_rank
+        (mmjax.lora; `load_lora`)."""
         self.model = model
+        self.adapters = None
+        if max_loras:      # the decoder's adapter slots, before the runner places its weights
+            from mmjax.lora import Adapters
+            from mmjax.models.nn import lora
+            from mmjax.sharding import MODEL, axis_size
+            if mesh is not None and axis_size(mesh, MODEL) > 1:
+                raise UnsupportedModelError("LoRA adapters are not supported with tensor parallelism",
+                                            param="max_loras")
+            lm = model.module.language_model
+            lora.enable(lm, max_loras, max_lora_rank, lm.embed_tokens.embedding.get_value().dtype)
+            self.adapters = Adapters(lm, max_loras, max_lora_rank)
         self.overlap = overlap
         # dispatched calls whose sampled tokens the host has not read yet, in dispatch order:
         # (PendingOutput, [(request, output row)], steps); see _collect
@@ -160,10 +173,13 @@ class Engine:
 
     def make_request(self, prompt: str | list[int], images: list[ImageInput] = (),
                      sampling: SamplingParams | None = None, request_id: str | None = None,
-                     prune: tuple[int, int] | None = None) -> Request:
+                     prune: tuple[int, int] | None = None, lora: str | None = None) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread).
         prune (layer, keep): FastV, keep `keep` image tokens after decoder `layer` (see
-        mmjax.research.Prune)."""
+        mmjax.research.Prune). lora: the name of a loaded LoRA adapter (None: the base model)."""
+        adapter = self.lora_slot(lora)
+        if lora is not None and prune is not None:
+            raise InvalidRequestError("image-token pruning cannot be combined with a LoRA adapter", param="model")
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}",
@@ -183,7 +199,7 @@ class Engine:
                 raise ContextLengthError(f"prompt text is {n_bytes} bytes, more than any prompt that fits the "
                                          f"context of {self.max_model_len} tokens can hold "
                                          f"({self.max_prompt_bytes} bytes)", param="messages")
-            ids = self.tokenizer.encode_prompt(prompt, counts, [self.family.image_prompt(im) for im in images],
+            ids = self.tokenizer.encode_prompt(prompt, counts, self.family.image_prompts(images),
                                                [self.family.token_id_of(im) for im in images])
         else:
             ids = list(prompt)
@@ -195,7 +211,7 @@ class Engine:
                                      f"the context is {self.max_model_len} tokens", param="messages")
         starts = self.family.image_starts(ids, counts)
         for i, (im, st) in enumerate(zip(images, starts)):
-            if counts[i] and ids[st] != self.family.token_id_of(im):
+            if counts[i] and ids[st] != self.family.feature_token_id(im):
                 raise PromptError(f"input {i} is {'a video' if im.kind == 'video' else 'an image'} but its "
                                   "placeholder tokens are not", param="videos" if im.kind == "video" else "images")
         runs = None
@@ -217,11 +233,13 @@ class Engine:
         key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
         rid = request_id or f"req-{next(self._ids)}"
         vrow, constraints, allow = self._token_rules(sampling, ids)
+        keys = token_keys(ids, images, image_pos, all_images_first=cross is not None)
+        if lora is not None:           # the adapter's KV is not the base model's
+            keys = salt_keys(keys, self.adapters.salt(lora))
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
                        rope_delta=rope_delta, sampling=sampling, key=key,
                        detok=IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens),
-                       keys=token_keys(ids, images, image_pos, all_images_first=cross is not None),
-                       cross=cross,
+                       keys=keys, cross=cross, lora=lora, adapter=adapter,
                        logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
                        image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune),
                        vrow=vrow, constraints=constraints, allow=allow)
@@ -412,6 +430,9 @@ class Engine:
                                      f"tokens is over prefill_chunk={self.prefill_chunk}", param="intervention")
 
     def submit(self, req: Request) -> str:
+        if req.lora is not None and self.lora_slot(req.lora) != req.adapter:   # unloaded since it was made
+            from mmjax.errors import LoRANotFoundError
+            raise LoRANotFoundError(f"the adapter {req.lora!r} was unloaded", param="model")
         if req.id in self.requests:
             raise InvalidRequestError(f"duplicate request id {req.id!r}", param="request_id")
         self.requests[req.id] = req
@@ -457,6 +478,46 @@ class Engine:
     def replicas(self) -> list["Engine"]:
         """The engines serving this model's requests: this one (DataParallelEngine: one per replica)."""
         return [self]
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    def lora_slot(self, name: str | None) -> int:
+        """The adapter slot of a loaded adapter (None: -1, the base model); LoRANotFoundError."""
+        if name is None:
+            return -1
+        if self.adapters is None:
+            from mmjax.errors import LoRANotFoundError
+            raise LoRANotFoundError(f"the model {name!r} does not exist (this engine serves no LoRA adapters: "
+                                    "max_loras=0)", param="model")
+        return self.adapters.slot_of(name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        return [] if self.adapters is None else sorted(self.adapters.loaded)
+
+    def load_lora(self, name: str, path, adapter=None) -> int:
+        """Load a PEFT LoRA adapter (directory or hub id; or an already read `mmjax.lora.Adapter`)
+        into a free slot under `name`, between steps -> its slot. Writes arrays only: nothing
+        recompiles. LoRAError: malformed, unsupported, rank over max_lora_rank, no free slot."""
+        from mmjax.errors import LoRAError
+        from mmjax.lora import read_adapter
+        if self.adapters is None:
+            raise LoRAError("this engine serves no LoRA adapters (start it with max_loras > 0)", param="max_loras")
+        import jax
+        if jax.process_count() > 1:     # the followers' copies of the weights would not get it
+            raise LoRAError("LoRA adapters are not supported on a multi-host engine", param="max_loras")
+        adapter = adapter or read_adapter(path, name)       # off the step lock: reading may take a while
+        with self._step_lock:
+            busy = {r.adapter for r in self.requests.values() if r.finish_reason is None and r.adapter >= 0}
+            slot = self.adapters.load(name, adapter, busy)
+            self.runner.refresh()           # the changed leaves re-placed; same graph, no compile
+            return slot
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`; its slot is reused once the requests still using it end."""
+        with self._step_lock:
+            if self.adapters is None:
+                self.lora_slot(name)
+            self.adapters.unload(name)
 
     def refresh(self) -> set[str]:
         """Serve the edited live model (`vlm.model`): the runner re-splits and re-places what
@@ -723,7 +784,8 @@ class Engine:
             nxt = np.zeros(hi - lo, np.int32)
             nxt[:len(req.prompt_ids[lo + 1:hi + 1])] = req.prompt_ids[lo + 1:hi + 1]
         return PrefillChunk(req.slot, lo, req.seq_ids(lo, hi), emb, mask, req.seq_positions(lo, hi), req.rope_delta,
-                            SlotSampling.from_params(req.sampling), req.key, spans, req.vrow, bits, nxt)
+                            SlotSampling.from_params(req.sampling), req.key, spans, req.vrow, bits, nxt,
+                            req.adapter)
 
     @staticmethod
     def _scores_prompt(req: Request) -> bool:
@@ -790,6 +852,8 @@ class Engine:
                     req.resume_row = req.resume_ids = None
                     continue
                 first.append((req, row))
+            elif self.runner.text_model.state_layers:   # a recurrent state would take the garbage
+                self.runner.park(req.slot)               # token decode steps feed this row until its next chunk
         for req, _ in first:
             self._fork(req)
         if riders:      # the riders' rows come first in a mixed call's outputs

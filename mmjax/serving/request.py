@@ -95,6 +95,8 @@ class Request:
     resume_ids: np.ndarray | None = None
     resume_row: Any = None
     admitted_seq: int = 0            # admission order: the latest admitted is preempted first
+    lora: str | None = None          # the LoRA adapter's name (None: the base model)
+    adapter: int = -1                # its adapter slot (mmjax.lora.Adapters)
 
     def waits_for_parent(self) -> bool:
         """A sibling is admitted once its parent's prompt is in the cache (then copied), unless

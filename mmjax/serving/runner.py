@@ -50,7 +50,8 @@ class DecodeState:
     `ModelRunner.set_pages`; [slots, 0] for a cache with a row per slot);
     for rows whose image tokens were pruned (FastV), the layer after which `dropped` positions
     left the cache (`drop_after` = num_layers: never); `hist`: what penalties, logit_bias,
-    allowed tokens and min_tokens read (vocab-sized rows, see sampling.SlotHistory)."""
+    allowed tokens and min_tokens read (vocab-sized rows, see sampling.SlotHistory); `adapter`:
+    the slot's LoRA adapter slot (-1: the base model; models/nn/lora.py)."""
     tokens: jax.Array
     lengths: jax.Array
     rope_delta: jax.Array
@@ -60,6 +61,7 @@ class DecodeState:
     dropped: jax.Array
     hist: SlotHistory
     pages: jax.Array
+    adapter: jax.Array
 
     @classmethod
     def zeros(cls, num_slots: int, vocab: int, max_pages: int = 0, num_pages: int = 0) -> "DecodeState":
@@ -67,7 +69,7 @@ class DecodeState:
                    jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots, 2), jnp.uint32),
                    SlotSampling.zeros(num_slots), jnp.zeros((num_slots,), jnp.int32),
                    jnp.zeros((num_slots,), jnp.int32), SlotHistory.zeros(num_slots, vocab),
-                   jnp.full((num_slots, max_pages), num_pages, jnp.int32))
+                   jnp.full((num_slots, max_pages), num_pages, jnp.int32), jnp.full((num_slots,), -1, jnp.int32))
 
     @property
     def page_table(self) -> jax.Array | None:
@@ -204,7 +206,8 @@ class PrefillChunk:
     ids (-1 elsewhere; None: none); sampling: SlotSampling of scalars; key [2] uint32; vrow:
     the request's VocabRow (None: no penalties/bias/limits); bits [bit_words] uint32: the first
     token's allowed-token bitmask (None: all); next_ids [n] int32 (prompt_logprobs): each
-    position's next prompt token (such a chunk is prefilled alone, by the `prefill_scores` step)."""
+    position's next prompt token (such a chunk is prefilled alone, by the `prefill_scores` step);
+    adapter: the request's LoRA adapter slot (-1: none)."""
     slot: int
     start: int
     token_ids: np.ndarray
@@ -218,6 +221,7 @@ class PrefillChunk:
     vrow: VocabRow | None = None
     bits: np.ndarray | None = None
     next_ids: np.ndarray | None = None
+    adapter: int = -1
 
 
 @dataclass
@@ -225,7 +229,8 @@ class Segments:
     """The per-segment inputs of a packed prefill call, S rows each (a pytree): cache row `slot`
     (unused segments: the slot count, so their writes are dropped), first cache index `start`,
     `offset` in the packed row, `n_valid` tokens, `rope_delta`, sampling (SlotSampling [S]),
-    keys [S, 2] uint32, vrow (VocabRow [S, vocab]), bits [S, bit_words] uint32."""
+    keys [S, 2] uint32, vrow (VocabRow [S, vocab]), bits [S, bit_words] uint32, adapter [S] int32
+    (LoRA adapter slot, -1: none)."""
     slot: jax.Array
     start: jax.Array
     offset: jax.Array
@@ -235,6 +240,7 @@ class Segments:
     keys: jax.Array
     vrow: VocabRow
     bits: jax.Array
+    adapter: jax.Array
 
 
 jax.tree_util.register_dataclass(Segments, data_fields=[f.name for f in fields(Segments)], meta_fields=[])
@@ -284,11 +290,13 @@ def make_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None,
         lm = lm_of(lm_leaves)
         t, s, d = token_ids.shape[0], seg.slot.shape[0], riders.ride.shape[0]
         ride = None
+        adapters = seg.adapter[token_seg]       # each token's LoRA adapter slot
         if d:           # the riders' tokens, positions and cache indexes, from the decode state
             st = state.head(d)
             ride = DecodeRows(jnp.where(riders.ride, st.lengths, NO_INDEX),
                               jnp.where(riders.ride, riders.offset + jnp.cumsum(riders.ride) - 1, t))
             token_ids = token_ids.at[ride.position].set(st.tokens, mode="drop")
+            adapters = adapters.at[ride.position].set(st.adapter, mode="drop")
             positions = positions.at[:, ride.position].set(
                 jnp.broadcast_to(st.lengths + st.rope_delta, (positions.shape[0], d)), mode="drop")
         embeds, extra = lm.inputs(token_ids[None], image_embeds[None], image_mask[None])
@@ -297,8 +305,11 @@ def make_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None,
         used = jnp.max(seg.offset + seg.n_valid)
         if d:
             used = jnp.maximum(used, riders.offset + jnp.sum(riders.ride.astype(jnp.int32)))
+        valid = None
         if s == 1 and not d:    # one sequence: the row is its chunk (no gathers around attention)
             kv_len, packing = seg.start[0] + t, None
+            # its real tokens (positions cannot tell: canvas M-RoPE repeats a column inside an image)
+            valid = ((jnp.arange(t) >= seg.offset[0]) & (jnp.arange(t) < seg.offset[0] + seg.n_valid[0]))[None]
         else:
             if scores:
                 raise ValueError("prompt scores come from a one-sequence prefill")
@@ -306,6 +317,7 @@ def make_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None,
             kv_len = packing.kv_len if ride is None else jnp.maximum(packing.kv_len, ride.kv_len)
         meta = AttentionMetadata(positions[:, None, :], seg.start, kv_len, slots=seg.slot,
                                  spans=step_spans(family, spans[None]), packing=packing, pages=state.page_table,
+                                 valid=valid, adapters=adapters[None],
                                  reduce_small=tune.reduce_small_attention)
         # the prompt rows (before the riders) go to the packed matmuls' AMX path, the riders
         # and the LM heads to their FMAs as in a decode step: a row's bits depend on what it is,
@@ -342,7 +354,7 @@ def make_prefill_step(family: Family, tune: Tuning, lm_of, logits_sharding=None,
         res = sample(logits, split[:, 1], seg.sampling, hist, seg.bits)
         rows = DecodeState(res[0], seg.start + seg.n_valid, seg.rope_delta, split[:, 0], seg.sampling,
                            jnp.full((s,), lm.num_layers, jnp.int32), jnp.zeros((s,), jnp.int32), hist.after(res[0]),
-                           jnp.take(state.pages, seg.slot, axis=0, mode="clip"))
+                           jnp.take(state.pages, seg.slot, axis=0, mode="clip"), seg.adapter)
         if scores:
             return cache, state.set_slots(seg.slot, rows), res, prompt_scores(every, next_ids)
         if d:
@@ -373,7 +385,7 @@ def make_pruned_prefill_step(family: Family, tune: Tuning, lm_of, logits_shardin
                                                                   keepdims=True)), logits_sharding)
         key, res, hist = _first_token(logits, key, sampling, vrow, bits)
         row = DecodeState(res[0][0], n_valid, rope_delta, key, sampling, jnp.int32(layer), dropped, hist,
-                          state.pages[slot])
+                          state.pages[slot], jnp.int32(-1))
         return cache, state.set_slot(slot, row), res
     return prefill
 
@@ -395,6 +407,7 @@ def make_decode_step(tune: Tuning, lm_of, logits_sharding=None):
         pos = jnp.broadcast_to((st.lengths + st.rope_delta)[None, :, None], (lm.position_rows, rows, 1))
         dropped = Dropped(st.drop_after, st.dropped, kv_lens) if lm.supports_prune else None
         meta = AttentionMetadata(pos, st.lengths, kv_lens.max(), dropped=dropped, pages=st.page_table,
+                                 adapters=st.adapter[:, None],
                                  reduce_small=tune.reduce_small_attention)
         with packed_weights.fma_only():   # whatever the row count
             hidden, cache = lm(embeds, meta, cache, **extra)
@@ -447,7 +460,7 @@ def make_prompt_forward(family: Family, capture: Capture = Capture(), hidden: bo
         cache = lm.init_cache(1, t, image_embeds.dtype, max_chunk=t, tp=tp)
         meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), t,
                                  spans=None if spans is None else step_spans(family, spans[None]),
-                                 capture=tuple(capture.attn_layers))
+                                 capture=tuple(capture.attn_layers), valid=jnp.ones((1, t), bool))
         (out, _), inter = captured(lambda m, *a, **kw: m(*a, **kw), capture)(lm, embeds, meta, cache, **extra)
         return (out[0] if hidden else lm.logits(out[0])), inter
     return fn
@@ -465,7 +478,8 @@ def make_embed_forward(family: Family, tp: int = 1):
         embeds, extra = lm.inputs(ids, image_embeds, image_mask)
         cache = lm.init_cache(b, t, image_embeds.dtype, max_chunk=t, tp=tp)
         meta = AttentionMetadata(positions, jnp.zeros((b,), jnp.int32), t,
-                                 spans=None if spans is None else step_spans(family, spans))
+                                 spans=None if spans is None else step_spans(family, spans),
+                                 valid=jnp.arange(t)[None, :] < lengths[:, None])
         h = lm(embeds, meta, cache, **extra)[0].astype(jnp.float32)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         valid = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
@@ -984,6 +998,7 @@ class ModelRunner:
         token_seg = np.full(c_len, k - 1, np.int32)        # padding: the last chunk's (past its end)
         slot = np.full(s, self.num_slots, np.int32)          # unused segments: past the cache, dropped
         start, offset, n_valid, rope = (np.zeros(s, np.int32) for _ in range(4))
+        adapter = np.full(s, -1, np.int32)
         keys = np.zeros((s, 2), np.uint32)
         pad = s - k
         o = 0
@@ -995,6 +1010,7 @@ class ModelRunner:
                 spans[o:o + m] = c.spans
             token_seg[o:o + m] = i
             slot[i], start[i], offset[i], n_valid[i], rope[i], keys[i] = c.slot, c.start, o, m, c.rope_delta, c.key
+            adapter[i] = c.adapter
             o += m
         pos[:, o:] = pos[:, o - 1:o]        # padding repeats the last position (Gemma 3 reads it as padding)
         stack = lambda *x: np.stack(x)      # noqa: E731
@@ -1003,7 +1019,7 @@ class ModelRunner:
                        jax.tree.map(stack, *[c.vrow or self.default_row() for c in chunks],
                                     *[self.default_row()] * pad),
                        np.stack([self.all_allowed() if c.bits is None else np.asarray(c.bits, np.uint32)
-                                 for c in chunks] + [self.all_allowed()] * pad))
+                                 for c in chunks] + [self.all_allowed()] * pad), adapter)
         ride = np.zeros(d, bool)
         ride[list(riders)] = True
         return c_len, (ids, emb, mask, pos, spans, token_seg, seg, Riders(ride, np.int32(o)))
@@ -1223,7 +1239,7 @@ class ModelRunner:
                 per = shape((s,), jnp.int32)
                 seg = Segments(per, per, per, per, per, jax.tree.map(lambda x: shape((s,), x.dtype), samp),
                                shape((s, 2), jnp.uint32), jax.tree.map(lambda x: shape((s,) + x.shape, x.dtype), vrow),
-                               shape((s, self.bit_words), jnp.uint32))
+                               shape((s, self.bit_words), jnp.uint32), per)
                 return (lm, cache, state, *tokens, shape((c,), jnp.int32), shape((c,), jnp.int32), seg,
                         Riders(shape((d,), jnp.bool_), i32))
             for s in buckets.segments:

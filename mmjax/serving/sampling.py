@@ -286,7 +286,7 @@ def sample(logits: jax.Array, keys: jax.Array, sp: SlotSampling, hist: SlotHisto
     Returns (tokens [b] int32, chosen logprob [b], top logprobs [b, MAX_TOP_LOGPROBS] and their
     ids). Logprobs are of the raw model distribution (before penalties, masks, temperature and
     filters), as vLLM's default; they are computed only when some row asks for them (zeros
-    otherwise: the log-softmax and top-k over the vocab were ~1 ms of a 16-row CPU decode step)."""
+    otherwise: the log-softmax and top-k over the vocab are a visible share of a CPU decode step)."""
     raw = logits
     temperature = sp.temperature
 
@@ -312,8 +312,7 @@ def sample(logits: jax.Array, keys: jax.Array, sp: SlotSampling, hist: SlotHisto
         return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
 
     # On the CPU the rules' pass is skipped when no row has a rule (a plain row's VocabRow is
-    # zeros and its bits all ones): it reads ~4 vocab-sized arrays a row, 0.5 ms of a 16-row
-    # decode step; the cond returns tokens only (a [b, vocab] result would be one more copy of
+    # zeros and its bits all ones): it reads ~4 vocab-sized arrays a row; the cond returns tokens only (a [b, vocab] result would be one more copy of
     # the logits). Elsewhere the fused pass is cheap and a cond is a host sync: always applied.
     if hist is None:
         tokens = pick(logits)
@@ -344,8 +343,7 @@ def greedy_ids(logits: jax.Array, block: int = 128) -> jax.Array:
     a NaN, the first block holding the row's max (or its first NaN), then the first match inside
     that block, each "first" an index min. XLA:CPU runs argmax's (value, index) pair reduction
     unvectorized, and the whole row's max, compare and index min cost two more passes over
-    [b, vocab]: 16 x 32000 logits 865 / 580 us alone and ~1.2 ms inside the decode step, ~300 us
-    blocked. (NaNs are found with isnan: XLA:CPU's vectorized max reductions may drop them.)"""
+    [b, vocab]; blocked, the row is read about once. (NaNs are found with isnan: XLA:CPU's vectorized max reductions may drop them.)"""
     b, vocab = logits.shape
     nb = -(-vocab // block)
     x = jnp.pad(logits, ((0, 0), (0, nb * block - vocab)), constant_values=-jnp.inf).reshape(b, nb, block)

@@ -39,16 +39,19 @@ class Attention(nnx.Module):
     sliding_window: keys within the window only; ring: the window keeps a ring of window +
     max_chunk - 1 positions instead of the full-length cache (Gemma 3's sliding layers);
     spans: the layer reads the step's image spans (bidirectional image runs); window_over_spans:
-    the window bounds span keys too (Gemma 4's order: (causal | span) & window)."""
+    the window bounds span keys too (Gemma 4's order: (causal | span) & window); chunk: chunked
+    (local) attention, each query over its own `chunk`-position block of the sequence (Llama 4;
+    the segmented cache, a mask rather than a window: `MaskSpec.chunk`)."""
 
     def __init__(self, *, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None, norm_eps: float = 1e-6,
                  scale: float | None = None, softcap: float | None = None, sliding_window: int | None = None,
-                 ring: bool = False, spans: bool = True, window_over_spans: bool = False, dtype=jnp.float32):
+                 ring: bool = False, spans: bool = True, window_over_spans: bool = False, chunk: int | None = None,
+                 dtype=jnp.float32):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.softcap, self.sliding_window, self.ring = scale, softcap, sliding_window, ring
-        self.spans, self.window_over_spans = spans, window_over_spans
+        self.spans, self.window_over_spans, self.chunk = spans, window_over_spans, chunk
         self.qkv_proj = FusedLinear(hidden_size, (Part("q_proj", num_heads * head_dim, "heads", head_dim),
                                                   Part("k_proj", num_kv_heads * head_dim, "kv_heads", head_dim),
                                                   Part("v_proj", num_kv_heads * head_dim, "kv_heads", head_dim)),
@@ -109,7 +112,7 @@ class Attention(nnx.Module):
         return self._attend_segments(q, k, v, meta, kv)
 
     def _mask(self, meta: AttentionMetadata) -> MaskSpec | None:
-        return meta.mask(self.sliding_window, spans=self.spans)
+        return meta.mask(self.sliding_window, spans=self.spans, chunk=self.chunk)
 
     def _full(self, q, kts, vs, q_index, kv_len, slots, mask, starts, reduce_small, scales, pages=None):
         if self.softcap is None:
@@ -139,7 +142,8 @@ class Attention(nnx.Module):
                 scales, pages), q, mask)
             if packing.riders is not None:     # rows [0, D) as a decode step reads them (after the write)
                 ride = packing.riders
-                window = None if self.sliding_window is None else MaskSpec(sliding_window=self.sliding_window)
+                window = (None if self.sliding_window is None and self.chunk is None
+                          else MaskSpec(sliding_window=self.sliding_window, chunk=self.chunk))
                 attn = packing.with_riders(attn, self._full(
                     packing.rider_queries(q), kv["k"], kv["v"], ride.index[:, None], ride.kv_len, None, window,
                     ride.index, meta.reduce_small, scales, pages))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmjax.models.nn import lora
 from mmjax.models.nn.capture import sow
 from mmjax.models.nn.metadata import AttentionMetadata, Prune, prune_order, take_rows
 
@@ -99,6 +100,13 @@ class Decoder(nnx.Module):
             if isinstance(m, FusedLinear):
                 check_divisible(m.parts, tp, f" (in {'.'.join(map(str, path))})")
 
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Layers whose cache entry is a per-slot recurrent state, not KV (Qwen3.5's Gated DeltaNet):
+        every token fed to a row changes it for good, so the engine parks a row between its prompt's
+        chunks (no decode step's token lands in it); default none."""
+        return ()
+
     def min_resume(self, held_len: int, max_chunk: int) -> int:
         """The shortest prefix a cache row holding held_len positions can resume from (ring layers
         drop old positions); default any."""
@@ -142,6 +150,10 @@ class Decoder(nnx.Module):
 
     def run_layers(self, embeds, meta: AttentionMetadata, cache: Cache, prune: Prune | None, **inputs):
         """The layer loop every decoder shares -> (final-normed hidden, cache, dropped [b] or None)."""
+        with lora.adapter_rows(meta.adapters):     # each token's adapter, for the adapted linears
+            return self._run_layers(embeds, meta, cache, prune, **inputs)
+
+    def _run_layers(self, embeds, meta: AttentionMetadata, cache: Cache, prune: Prune | None, **inputs):
         per_token = self.per_token(embeds, **inputs)
         rope = self.rope(meta.positions)
         cache = list(cache)

@@ -110,6 +110,8 @@ def visible_keys(key_index: jax.Array, q_index: jax.Array, mask: MaskSpec | None
         vis |= (qspan >= 0) & (qspan == kspan[:, None, :])
     if mask.sliding_window is not None and window_over_spans:
         vis &= q_index[:, :, None] - key_index[None, None, :] < mask.sliding_window
+    if mask.chunk is not None:
+        vis &= key_index[None, None, :] >= (q_index[:, :, None] // mask.chunk) * mask.chunk
     return vis
 
 
@@ -262,9 +264,18 @@ def _visible_range(q_pos: jax.Array, kv_len, mask: MaskSpec | None) -> tuple[jax
     """(lo, hi), each q_pos's shape ([b] decode rows, [b, t] new tokens): the query at cache index
     q_pos reads keys (q_pos - window, q_pos], none if q_pos is at or past kv_len (a parked decode
     row's q_pos is max_len; a prefill bucket's padding tokens sit past the call's end)."""
-    window = mask.sliding_window if mask is not None else None
-    lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
-    return lo, jnp.where(q_pos < kv_len, q_pos + 1, 0)
+    return first_visible(q_pos, mask), jnp.where(q_pos < kv_len, q_pos + 1, 0)
+
+
+def first_visible(q_pos: jax.Array, mask: MaskSpec | None) -> jax.Array:
+    """The first cache index the query at q_pos may read: 0, q_pos - window + 1 (sliding window)
+    or the start of its attention chunk (chunked attention), whichever is later."""
+    lo = jnp.zeros_like(q_pos)
+    if mask is not None and mask.sliding_window is not None:
+        lo = q_pos - mask.sliding_window + 1
+    if mask is not None and mask.chunk is not None:
+        lo = jnp.maximum(lo, (q_pos // mask.chunk) * mask.chunk)
+    return lo
 
 
 def _cpu_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
@@ -304,8 +315,7 @@ def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len,
     cache's scale segments (the kernel applies them to scores and weights)."""
     from mmjax.attention.decode import ragged_decode_attention
     hd = qn.shape[-1]
-    window = mask.sliding_window if mask is not None else None
-    lo = jnp.zeros_like(q_pos) if window is None else q_pos - window + 1
+    lo = first_visible(q_pos, mask)
     if isinstance(kv_len, int):      # a static length: the segments from it on are not passed at all
         ends = np.cumsum([v.shape[2] for v in vs])
         keep = int(np.searchsorted(ends, kv_len)) + 1

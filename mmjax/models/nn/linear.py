@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from mmjax.backend import current_platform
+from mmjax.models.nn import lora
 
 
 def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
@@ -107,7 +108,7 @@ class Linear(nnx.Module):
         y = grouped_matmul(x, w) if w.ndim == 3 else matmul(x, w, out_dtype)
         if self.bias is not None:
             y = y + self.bias.get_value()
-        return y
+        return lora.apply(self, x, y)     # the adapters' part, where a step serves them (nn/lora.py)
 
     def hf_weights(self, w, name: str) -> None:
         """Read HF Linear `name` (weight [out, in], bias [out]) into this layer."""

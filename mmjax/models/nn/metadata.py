@@ -21,6 +21,9 @@ class MaskSpec:
     """Visibility of cached keys to new tokens, on top of causality (key index <= query index).
 
     sliding_window: a query at cache index i sees keys j with i - j < window (None: all).
+    chunk: chunked (local) attention, Llama 4's: a query at cache index i sees keys j in its own
+        chunk only, j >= (i // chunk) * chunk (None: all). Not a window: the first query of a
+        chunk sees itself alone, whatever came before.
     spans: [b, t] int32 per new token, -1 for none: tokens of one span in the same call see each
         other in both directions (a span must lie within one call: the caller keeps chunk
         boundaries outside spans). A traced array, so one compiled step serves every layout.
@@ -31,6 +34,7 @@ class MaskSpec:
     sliding_window: int | None = None
     spans: jax.Array | None = None
     key_spans: jax.Array | None = None
+    chunk: int | None = None
 
     @property
     def span_keys(self) -> jax.Array | None:
@@ -38,7 +42,7 @@ class MaskSpec:
         return self.spans if self.key_spans is None else self.key_spans
 
 
-jax.tree_util.register_dataclass(MaskSpec, data_fields=["spans", "key_spans"], meta_fields=["sliding_window"])
+jax.tree_util.register_dataclass(MaskSpec, data_fields=["spans", "key_spans"], meta_fields=["sliding_window", "chunk"])
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,8 @@ class AttentionMetadata:
     the real tokens (None: a position repeating its predecessor's is padding, as the runner pads
     bucketed chunks); pages [cache rows, max_pages] int32: the page table of paged layers (row r:
     cache row r's pages in cache-index order; entries past its pages = num_pages), None: every
-    layer holds a row per slot (serving/pages.py). Static: capture, the layers whose attention probabilities [b, heads, t,
+    layer holds a row per slot (serving/pages.py); adapters [b, t] int32: each token's LoRA adapter slot (-1: the base model;
+    None: no adapters; nn/lora.py). Static: capture, the layers whose attention probabilities [b, heads, t,
     kv_len] and per-head outputs are sown (`nnx.capture(..., nnx.Intermediate)`; kv_len must be a
     static int); reduce_small, the backend's few-query attention choice (mmjax.backend)."""
     positions: jax.Array
@@ -123,6 +128,7 @@ class AttentionMetadata:
     dropped: Dropped | None = None
     valid: jax.Array | None = None
     pages: jax.Array | None = None
+    adapters: jax.Array | None = None
     capture: tuple[int, ...] = field(default=())
     reduce_small: bool = False
 
@@ -158,12 +164,13 @@ class AttentionMetadata:
         pos = self.positions[0]
         return jnp.concatenate([jnp.ones_like(pos[:, :1], bool), pos[:, 1:] > pos[:, :-1]], axis=1)
 
-    def mask(self, sliding_window: int | None = None, spans: bool = True) -> MaskSpec | None:
-        """The MaskSpec of a layer with this window that does (spans=True) or does not read image spans."""
+    def mask(self, sliding_window: int | None = None, spans: bool = True, chunk: int | None = None) -> MaskSpec | None:
+        """The MaskSpec of a layer with this window (or attention chunk) that does (spans=True) or
+        does not read image spans."""
         s = self.spans if spans else None
-        if sliding_window is None and s is None:
+        if sliding_window is None and s is None and chunk is None:
             return None
-        return MaskSpec(sliding_window=sliding_window, spans=s)
+        return MaskSpec(sliding_window=sliding_window, spans=s, chunk=chunk)
 
     def layer(self, i: int) -> "AttentionMetadata":
         """The view of layer i: rows pruned after an earlier layer (`dropped`) index a shorter
@@ -188,5 +195,5 @@ class AttentionMetadata:
 
 jax.tree_util.register_dataclass(
     AttentionMetadata, data_fields=["positions", "starts", "kv_len", "slots", "spans", "packing", "dropped", "valid",
-                                    "pages"],
+                                    "pages", "adapters"],
     meta_fields=["capture", "reduce_small"])

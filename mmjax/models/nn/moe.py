@@ -70,7 +70,7 @@ def softmax_topk_route(router, x: jax.Array, top_k: int, normalize: bool = True
 
 
 def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """ragged_dot, bf16 x bf16 with an f32 result cast back (see layers.matmul); quantized
+    """ragged_dot, bf16 x bf16 with an f32 result cast back (see linear.matmul); quantized
     expert stacks (mmjax.quant.QArray) take their 8-bit ragged dot."""
     from mmjax.quant import QArray, qragged_dot
     if isinstance(w, QArray):
@@ -190,8 +190,16 @@ class Experts(nnx.Module):
 
     def hf_weights(self, w, name: str) -> None:
         """Hub files keep experts as [E, d, 2f] / [E, f, d]; transformers 5's in-memory layout is
-        transposed ([E, 2f, d] / [E, d, f]): both are read (the hub shape first)."""
+        transposed ([E, 2f, d] / [E, d, f]): both are read (the hub shape first), as is one
+        gate_proj / up_proj / down_proj Linear per expert (`{name}.{j}.*`)."""
         e, d, f = self.num_experts, self.hidden, self.intermediate
+        if w.has(f"{name}.0.gate_proj.weight"):   # one HF Linear per expert (Qwen3.5-MoE's saved layout)
+            def each(proj: str, shape: tuple) -> np.ndarray:
+                return np.stack([np.asarray(w.take(f"{name}.{j}.{proj}.weight", shape)).T for j in range(e)])
+            gate_up = np.concatenate([each("gate_proj", (f, d)), each("up_proj", (f, d))], axis=-1)
+            w.set(self.gate_up_proj, gate_up, matmul=True)
+            w.set(self.down_proj, each("down_proj", (d, f)), matmul=True)
+            return
 
         def take(n: str, hub: tuple, v5: tuple) -> np.ndarray:
             try:

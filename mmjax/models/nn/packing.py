@@ -19,30 +19,28 @@ than its attention); a segment's last block is padded instead. Attention so comp
 ceil(sum_i ceil(len_i / B) / G) * G * B query rows: one sequence about T (rounded up to 64),
 k sequences at most k - 1 blocks more (sum_i ceil(len_i / B) <= ceil(T / B) + k - 1); before
 this layout every used segment ran over the whole row (k x T). The static block count is
-ceil(T / B) + S - 1 rounded up to whole groups. B = 32 and G * B = 64 measured best on CPU
-(one layer's packed attention, 342M text shapes, contended box; B 16 / 32 / 64, groups of 64,
-128, 192 queries, one batch of every block, and the blocks that fit one sequence as one batch
-with the extra ones behind conds: the group loop was fastest, groups of 64 and 128 queries
-alike at T = 256 and 64 ahead at T = 144, where 128 pads more; it compiles one attention per
-layer).
+ceil(T / B) + S - 1 rounded up to whole groups. B = 32 and G * B = 64 were the fastest of the
+block and group sizes tried on the CPU (against one batch of every block, or the blocks of one
+sequence as a batch with the rest behind conds), and the group loop compiles one attention per
+layer.
 
 A call holding one sequence (every other segment unused: long prompts fill the budget alone)
 skips the block layout: one `lax.cond` runs the whole row as one block, as a one-sequence
-prefill does (a 230-token image prompt's TTFT 702 -> 652 ms on the 2-core box, level with the
-one-sequence shape), so packing costs a lone prompt nothing and no extra compiled shape.
+prefill does, so packing costs a lone prompt nothing and no extra compiled shape.
 
 Segments past the call's count are unused: length 0 (their rows are all padding) and a slot
 index past the cache (`num_slots`) so that every write aimed at them is dropped.
 
 Riders (`DecodeRows`, a mixed step): running sequences' next tokens may take padding positions
 of the row after the packed chunks, one token each. They go through every weight GEMM with the
-chunks (a decode step of their own reads every weight again: 34-64 ms of the bench model on the
-2-core box, against ~1.3 ms of compute per token riding along); their K / V are written with the
+chunks (a decode step of their own reads every weight again, while a token riding along costs
+only its share of the chunks' GEMMs); their K / V are written with the
 chunks' and their attention is a decode step's, over their own cache rows. The row is a prefill
 rung holding chunks + riders, so riding costs no compiled shape beyond the prefill ladder.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -149,7 +147,7 @@ class Packing:
         block is skipped (`lax.cond`)."""
         # one sequence in the call (the common case when prompts are long): the whole row as one
         # block, as a one-sequence prefill runs it (the block layout's gathers, group loop and
-        # per-group conds cost ~40 ms of a 230-token prompt's 660 ms on the 2-core box)
+        # per-group conds are pure overhead there)
         return jax.lax.cond((self.seg_len[1:] == 0).all(), lambda: self._attend_one(fn, q, mask),
                             lambda: self._attend_blocks(fn, q, mask))
 
@@ -159,7 +157,7 @@ class Packing:
         if mask is not None and mask.spans is not None:
             r = jnp.arange(t)
             spans = jnp.where(r < length[0], mask.spans[0], -1)[None]
-            mask = MaskSpec(sliding_window=mask.sliding_window, spans=spans, key_spans=spans)
+            mask = dataclasses.replace(mask, spans=spans, key_spans=spans)
         blk = Blocks(start[:, None] + jnp.arange(t)[None], self.seg_slot[:1], start, start + length,
                      jnp.ones((1,), bool), self.kv_len, mask)
         return fn(q, blk).astype(q.dtype)
@@ -206,7 +204,7 @@ class Packing:
             real = used[:, None] & (local < length[:, None])
             r = jnp.arange(t)[None, :]
             keys = jnp.where(r < length[:, None], spans[jnp.clip(self.seg_offset[seg][:, None] + r, 0, t - 1)], -1)
-            mask = MaskSpec(sliding_window=mask.sliding_window, spans=jnp.where(real, spans[take], -1), key_spans=keys)
+            mask = dataclasses.replace(mask, spans=jnp.where(real, spans[take], -1), key_spans=keys)
         return Blocks(start[:, None] + local, self.seg_slot[seg], start, start + length, used, self.kv_len,
                       mask), take
 

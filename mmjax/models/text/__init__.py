@@ -19,6 +19,10 @@ TEXT_MODELS = {
     "qwen2": "mmjax.models.text.llama",
     "gemma3_text": "mmjax.models.text.gemma3",
     "gemma4_text": "mmjax.models.text.gemma4",
+    "glm4v_text": "mmjax.models.text.glm4",
+    "glm4v_moe_text": "mmjax.models.text.glm4",
+    "qwen3_5_text": "mmjax.models.text.qwen3_5",
+    "qwen3_5_moe_text": "mmjax.models.text.qwen3_5",
 }
 
 

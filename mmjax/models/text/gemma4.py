@@ -237,7 +237,7 @@ class Gemma4Attention(Attention):
         self.num_heads, self.num_kv_heads, self.head_dim = h, spec.num_kv_heads, hd
         self.scale, self.softcap, self.ring = 1.0, None, False
         self.sliding_window = cfg.sliding_window if sliding else None
-        self.spans, self.window_over_spans = sliding and cfg.bidirectional_vision, True
+        self.spans, self.window_over_spans, self.chunk = sliding and cfg.bidirectional_vision, True, None
         self.owns_kv, self.k_eq_v = spec.kv_source == i, spec.k_eq_v
         parts = [Part("q_proj", h * hd, "heads", hd)]
         if self.owns_kv:

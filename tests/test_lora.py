@@ -1,0 +1,243 @@
+"""PEFT LoRA adapters: parity with transformers + peft, several adapters in one batch, errors, the server.
+
+Adapters are made with peft itself on the tiny checkpoints (tests/tiny_lora.py: B drawn at random,
+rank_pattern / alpha_pattern / rsLoRA exercised). Tolerances: greedy ids identical for 32 tokens;
+each step's logprobs (the chosen token and the top alternatives) within 1e-4 of transformers'
+log_softmax of the PEFT model's logits (float32). A batch mixing adapters and the base gives each
+row its ids exactly and its logprobs within 1e-5 of the row run alone.
+"""
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import mmjax
+from conftest import noise_image
+from mmjax.errors import LoRAError, LoRANotFoundError
+from mmjax.lora import LoRARequest
+from tiny_lora import hf_with_adapter, make_adapter
+
+PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+N = 32
+
+
+def hf_greedy(model, inputs: dict, n: int = N):
+    """transformers' greedy ids and per-step log-softmax (float64) for one prompt."""
+    with torch.no_grad():
+        gen = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    ids = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return ids, [torch.log_softmax(x[0].double(), -1).numpy() for x in gen.logits]
+
+
+def assert_parity(out, ids, lps, atol: float = 1e-4) -> None:
+    assert out.token_ids == ids and len(ids) == N
+    for tok, ours, theirs in zip(out.token_ids, out.logprobs, lps):
+        assert abs(ours[tok] - theirs[tok]) <= atol
+        for alt, v in ours.items():
+            assert abs(v - theirs[alt]) <= atol
+
+
+@pytest.fixture(scope="module")
+def llava(llava_dirs, tmp_path_factory):
+    """(base dir, {name: adapter dir}, a VLM serving two adapter slots of rank <= 8)."""
+    base = llava_dirs["gqa"]
+    root = tmp_path_factory.mktemp("lora_llava")
+    adapters = {
+        "a1": make_adapter(base, root / "a1", r=8, alpha=16, targets=("q_proj", "v_proj", "o_proj", "gate_proj",
+                                                                     "down_proj"),
+                           rank_pattern={"v_proj": 4}, alpha_pattern={"o_proj": 4.0}, seed=1, b_scale=0.05),
+        "a2": make_adapter(base, root / "a2", r=4, alpha=8, targets=ALL, rslora=True, seed=2, b_scale=0.05),
+    }
+    vlm = mmjax.load(base, max_num_seqs=4, max_model_len=256, prefill_chunk=64, max_loras=2, max_lora_rank=8)
+    return base, adapters, vlm
+
+
+def llava_inputs(base, img):
+    from transformers import AutoProcessor
+    return dict(AutoProcessor.from_pretrained(base)(text=PROMPT, images=img, return_tensors="pt"))
+
+
+def test_llava_parity_and_mixed_batch(llava):
+    base, adapters, vlm = llava
+    img = noise_image(4, 64, 48)
+    inputs = llava_inputs(base, img)
+    sp = mmjax.SamplingParams(max_tokens=N, logprobs=3, **GREEDY)
+    req = {"prompt": PROMPT, "images": [img]}
+    plain = vlm.generate([req], sp)[0]          # the base first: its KV must not serve an adapter's prompt
+    alone, runner = {}, vlm.engine.runner
+    for name, path in adapters.items():
+        ids, lps = hf_greedy(hf_with_adapter(base, path), inputs)
+        steps, compiled = (runner._prefill, runner._decode), runner.compiled_counts()
+        alone[name] = vlm.generate([req], sp, lora=LoRARequest(name, str(path)))[0]
+        # loading an adapter writes arrays: the same jitted steps, no new shape
+        assert (runner._prefill, runner._decode) == steps and runner.compiled_counts() == compiled
+        assert_parity(alone[name], ids, lps)
+        assert alone[name].token_ids != plain.token_ids            # the adapter matters
+    assert sorted(vlm.engine.lora_names) == ["a1", "a2"]
+    # one batch: both adapters, the base, and an adapter on a text-only prompt; each row as alone
+    text = {"prompt": "USER: Tell me a story. ASSISTANT:"}
+    text_alone = vlm.generate([text], sp, lora="a2")[0]
+    together = vlm.generate([req, req, req, text], sp, lora=["a1", "a2", None, "a2"])
+    for got, want in zip(together, [alone["a1"], alone["a2"], plain, text_alone]):
+        assert got.token_ids == want.token_ids
+        for x, y in zip(got.logprobs, want.logprobs):
+            assert max(abs(x[t] - y[t]) for t in x) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "qwen3_moe"])
+def test_decoder_parity(family, qwen_dirs, gemma3_dirs, qwen3_dirs, tmp_path):
+    """The adapter on other decoders (M-RoPE, Gemma's norms and tied head, an MoE decoder's
+    attention): greedy ids and logprobs of a text prompt match transformers + peft."""
+    base = {"qwen2_5_vl": qwen_dirs["qwen2_5_vl"], "gemma3": gemma3_dirs["window"], "qwen3_moe": qwen3_dirs["moe"]}[family]
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj") if family == "qwen3_moe" else ALL
+    path = make_adapter(base, tmp_path / "a", r=4, alpha=16, targets=targets, seed=3, b_scale=0.05)
+    ids = [int(x) for x in np.random.default_rng(0).integers(5, 200, 12)]
+    theirs, lps = hf_greedy(hf_with_adapter(base, path), {"input_ids": torch.tensor([ids])})
+    vlm = mmjax.load(base, max_num_seqs=2, max_model_len=128, prefill_chunk=32, max_loras=1, max_lora_rank=4)
+    out = vlm.generate([{"prompt": ids}], mmjax.SamplingParams(max_tokens=N, logprobs=3, **GREEDY),
+                       lora=LoRARequest("a", str(path)))[0]
+    assert_parity(out, theirs, lps)
+
+
+def test_int8_base_with_float_adapter(llava):
+    """An int8 base (mmjax.quant) with the float adapter: its logprobs within int8's error of the
+    float32 model with the same adapter (the base alone differs by as much), and the adapter matters."""
+    base, adapters, vlm = llava
+    req = {"prompt": PROMPT, "images": [noise_image(4, 64, 48)]}
+    sp = mmjax.SamplingParams(max_tokens=8, logprobs=1, **GREEDY)
+    a1 = LoRARequest("a1", str(adapters["a1"]))
+    ref = vlm.generate([req], sp, lora=a1)[0]
+    q = mmjax.load(base, max_num_seqs=2, max_model_len=128, prefill_chunk=64, max_loras=1, max_lora_rank=8,
+                   quantize="int8")
+    plain, out = q.generate([req, req], sp, lora=[None, a1])
+    assert out.token_ids != plain.token_ids
+    first = ref.token_ids[0]
+    assert out.token_ids[0] == first and abs(out.logprobs[0][first] - ref.logprobs[0][first]) <= 0.05
+
+
+def test_load_errors(llava, tmp_path):
+    base, adapters, vlm = llava
+    eng = vlm.engine
+    with pytest.raises(LoRANotFoundError) as e:
+        vlm.generate(["hi"], lora="nope")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    big = make_adapter(base, tmp_path / "big", r=16, alpha=16, seed=4)
+    with pytest.raises(LoRAError) as e:
+        eng.load_lora("big", big)
+    assert e.value.status == 400 and e.value.code == "lora_rank_too_large" and "16" in e.value.message
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoRAError, match="adapter_config.json"):
+        eng.load_lora("x", tmp_path / "empty")
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["a1"], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(LoRAError, match="use_dora"):
+        eng.load_lora("x", dora)
+    vision = make_adapter(base, tmp_path / "vision", seed=5, target_modules=r".*vision_tower.*\.q_proj")
+    with pytest.raises(LoRAError, match="vision_tower"):
+        eng.load_lora("x", vision)
+    with pytest.raises(LoRAError, match="slots"):           # both slots hold a1 and a2
+        eng.load_lora("a3", adapters["a1"])
+    assert sorted(eng.lora_names) == ["a1", "a2"]            # nothing else affected
+
+
+def test_cuda_lowering_with_adapters(llava):
+    """The steps with adapter slots lower for CUDA (bf16): one prefill and one decode shape."""
+    from mmjax.api import load_model
+    from mmjax.backend import compiling_for
+    from mmjax.models.nn import lora
+    from mmjax.serving.runner import ModelRunner
+    model = load_model(llava[0], "bfloat16")
+    lm = model.module.language_model
+    assert lora.enable(lm, 2, 8, lm.embed_tokens.embedding.get_value().dtype) == 4 * lm.num_layers
+    runner = ModelRunner(model.family, model.module, max_num_seqs=2, max_model_len=128, prefill_chunk=32,
+                         max_encode_batch=1, dtype=model.dtype, platform="cuda")
+    sigs = [s for s in runner.step_signatures() if s[0] in ("prefill[32,2]", "decode[2]")]
+    assert len(sigs) == 2
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with compiling_for("cuda"):
+        for name, fn, args, kw in sigs:
+            assert jax.export.export(fn, platforms=("cuda",), disabled_checks=[triton])(*args, **kw).mlir_module()
+
+
+def test_server(llava, tmp_path):
+    """--lora-modules, /v1/models, a request's model picking an adapter, runtime load / unload, errors."""
+    from serve.app import ServerConfig
+    from test_serve import Server, http_get
+    base, adapters, vlm = llava
+    for name in vlm.engine.lora_names:      # what the tests before left loaded
+        vlm.engine.unload_lora(name)
+    s = Server(vlm, ServerConfig(served_model_name="tiny", lora_modules={"a1": str(adapters["a1"])}))
+    try:
+        ids = [m["id"] for m in http_get(s.url + "/v1/models").json()["data"]]
+        assert ids == ["tiny", "a1"]
+        body = {"prompt": "USER: Tell me a story. ASSISTANT:", "max_tokens": 8, "temperature": 0.0,
+                "ignore_eos": True}
+        replies = {m: s.post("/v1/completions", {**body, "model": m}).json() for m in ("tiny", "a1")}
+        assert [r["model"] for r in replies.values()] == ["tiny", "a1"]
+        texts = {m: r["choices"][0]["text"] for m, r in replies.items()}
+        assert texts["tiny"] != texts["a1"]
+        r = s.post("/v1/completions", {**body, "model": "a2"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        big = make_adapter(base, tmp_path / "big", r=16, alpha=16, seed=4)
+        r = s.post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": str(big)})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "lora_rank_too_large"
+        r = s.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
+        assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+        assert s.post("/v1/load_lora_adapter", {"lora_name": "a2", "lora_path": str(adapters["a2"])}).status_code == 200
+        assert [m["id"] for m in http_get(s.url + "/v1/models").json()["data"]] == ["tiny", "a1", "a2"]
+        assert s.post("/v1/completions", {**body, "model": "a2"}).status_code == 200
+        assert s.post("/v1/unload_lora_adapter", {"lora_name": "a1"}).status_code == 200
+        r = s.post("/v1/completions", {**body, "model": "a1"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        # the base model answers as before
+        assert s.post("/v1/completions", {**body, "model": "tiny"}).json()["choices"][0]["text"] == texts["tiny"]
+    finally:
+        s.close()
+
+
+def test_bench_lora_smoke(llava):
+    """bench lora's run of one engine (mixed adapters) on the tiny checkpoint: it serves every token.
+    (The engine is configured as the `llava` fixture's, so its steps come from the compilation cache.)"""
+    from benchmarks.lora import run_variant
+    r = run_variant(str(llava[0]), "mixed", concurrency=[4], requests=6, new_tokens=4, rank=8, adapters=2,
+                    base_share=0.0, max_model_len=256, prefill_chunk=64, warmup=False)
+    assert r["max_loras"] == 2 and r["runs"][0]["tokens"] == 24 and r["runs"][0]["output_tok_s"] > 0
+    assert all(d["step_s"] > 0 for d in r["decode_steps"])
+
+
+def test_save_peft_loads_in_peft(llava, tmp_path):
+    """An adapter trained on mmjax's modules (mmjax.research.lora: nnx.LoRA) saved with save_peft is
+    what peft loads: every tensor lands in the PEFT model unchanged, and mmjax reads it back."""
+    from flax import nnx
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.numpy import load_file
+    from mmjax.api import load_model
+    from mmjax.lora import read_adapter
+    from mmjax.research.lora import LoRALinear, add_lora, save_peft
+    from tiny_lora import hf_model
+    base = llava[0]
+    lm = load_model(base, on_device=False).module.language_model
+    names = add_lora(lm, 4, 8.0, targets=("q_proj", "k_proj", "v_proj", "down_proj"), seed=0)
+    assert len(names) == 4 * lm.num_layers
+    rng = np.random.default_rng(0)
+    for _, m in nnx.iter_modules(lm):
+        if isinstance(m, LoRALinear):
+            for a in m.adapters:
+                a.lora_b[...] = rng.normal(0, 0.1, a.lora_b[...].shape).astype(np.float32)
+    path = save_peft(lm, tmp_path / "ours", base_model=base)
+    ours = load_file(str(path / "adapter_model.safetensors"))
+    peft = PeftModel.from_pretrained(hf_model(base), str(path))
+    theirs = {k: v.numpy() for k, v in get_peft_model_state_dict(peft).items()}
+    assert sorted(theirs) == sorted(ours)
+    assert all(np.array_equal(theirs[k], ours[k]) for k in ours)
+    back = read_adapter(path)
+    assert back.rank == 4 and len(back.modules) == len(names)
