@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mmjax.options import Options, memory_budget, mib_to_bytes, non_negative_int, option, positive_int
+from mmjax.options import memory_budget as bytes_or_fraction
 
 SHIPPED_MODEL = "mmjax-shapes"
 
@@ -72,7 +73,7 @@ class EngineArgs(Options):
              "--max-model-len per slot). Paged, requests hold pages for the tokens they have, share prompt "
              "prefixes by page, and are preempted (recomputed) when pages run out")
     kv_cache_bytes: int | float | None = option(
-        None, type=memory_budget,
+        None, type=bytes_or_fraction,       # (the field above shadows the name memory_budget)
         help="bytes of the paged KV cache per device (e.g. 8GiB; default: from --memory-budget, else as many "
              "pages as --max-num-seqs full-length sequences take)")
     max_model_len: int | None = option(None, type=int, help="context length (prompt + completion)")

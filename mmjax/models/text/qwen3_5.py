@@ -218,8 +218,18 @@ class Qwen35TextModel(Decoder):
         """The Gated DeltaNet layers (their cache entry is a per-slot recurrent state, not KV)."""
         return tuple(i for i, k in enumerate(self.config.layer_types) if k == LINEAR)
 
-    def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1):
+    def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1,
+                   pages: tuple[int, int] | None = None):
+        """A row per slot: recurrent states are per sequence and the decoder does not page
+        (`pages_kv`), so `pages` is always None here."""
+        assert pages is None, "a hybrid recurrent decoder keeps a row per slot"
         return [layer.init_cache(num_slots, max_len, dtype, max_chunk=max_chunk, tp=tp) for layer in self.layers]
+
+    @property
+    def pages_kv(self) -> bool:
+        """Not paged: a recurrent state is only valid at the end of the sequence that produced it,
+        so pages could not be shared or resumed part-way (prefix state snapshots are not built)."""
+        return False
 
     def min_resume(self, held_len: int, max_chunk: int) -> int:
         """Past every prefix a row holds: recurrent states cannot resume part-way (module docstring)."""
