@@ -5,38 +5,21 @@ bounds apply to t_bar * h * w with t = temporal_patch_size frames (an image coun
 so an image takes about half the tokens of Qwen's rule at the same `max_pixels`."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from mmjax.errors import ImageError
-from mmjax.image.processors import Qwen2VLImagePolicy
+from mmjax.image.processors import Qwen2VLImagePolicy, frames_smart_resize
 
 
 def glm_smart_resize(num_frames: int, height: int, width: int, *, temporal_factor: int, factor: int,
                      min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """transformers' glm4v smart_resize, line for line (Python's round(): half to even)."""
-    if height <= 0 or width <= 0:
-        raise ImageError(f"image has zero size ({width}x{height})", param="images")
-    if num_frames < temporal_factor:
+    """transformers' glm4v smart_resize (`frames_smart_resize`; fewer frames than the temporal
+    patch refused)."""
+    if height > 0 and width > 0 and num_frames < temporal_factor:
         raise ImageError(f"{num_frames} frames is fewer than the temporal patch {temporal_factor}", param="images")
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ImageError(f"image aspect ratio must be at most 200:1, got {width}x{height}", param="images")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return frames_smart_resize(num_frames, height, width, temporal_factor=temporal_factor, factor=factor,
+                               min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 @dataclass(frozen=True)

@@ -270,6 +270,33 @@ class ClipImagePolicy:
 # Qwen2-VL / Qwen2.5-VL: smart_resize to a multiple of patch*merge, then flattened patches
 # --------------------------------------------------------------------------------------------
 
+def frames_smart_resize(num_frames: int, height: int, width: int, *, temporal_factor: int, factor: int,
+                        min_pixels: int, max_pixels: int, error=ImageError, param: str = "images",
+                        subject: str = "image") -> tuple[int, int]:
+    """The smart_resize of frame stacks (transformers' glm4v and video_processing_qwen3_vl, line for
+    line; Python's round() is round-half-even): sides under one factor are scaled up first, and the
+    pixel bounds apply to t_bar * h * w. Bad sizes raise `error(..., param=param)` naming `subject`."""
+    if height <= 0 or width <= 0:
+        raise error(f"{subject} of zero size ({width}x{height})", param=param)
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise error(f"{subject} of {width}x{height}: aspect ratio must be at most 200:1", param=param)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen2-VL smart_resize, line for line (Python's round() is round-half-even).
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mmjax.errors import InvalidRequestError, UnsupportedModelError, VideoError
-from mmjax.image.processors import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, _channel_triple, smart_resize
+from mmjax.image.processors import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, _channel_triple, frames_smart_resize, smart_resize
 from mmjax.video.decode import PARAM, VideoMeta
 from mmjax.video.resample import resize_bicubic_aa
 
@@ -268,25 +268,8 @@ class Qwen3VLVideoPolicy(Qwen2VLVideoPolicy):
         if n_frames < tf:
             raise VideoError(f"a Qwen3-VL video needs at least {tf} sampled frames (temporal_patch_size), got "
                              f"{n_frames}", param=PARAM)
-        if height <= 0 or width <= 0:
-            raise VideoError(f"video frames have zero size ({width}x{height})", param=PARAM)
-        if height < factor or width < factor:
-            scale = max(factor / height, factor / width)
-            height, width = int(height * scale), int(width * scale)
-        if max(height, width) / min(height, width) > 200:
-            raise VideoError(f"video frames of {width}x{height}: aspect ratio must be at most 200:1", param=PARAM)
-        h_bar = round(height / factor) * factor
-        w_bar = round(width / factor) * factor
-        t_bar = round(n_frames / tf) * tf
-        if t_bar * h_bar * w_bar > hi:
-            beta = math.sqrt((n_frames * height * width) / hi)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif t_bar * h_bar * w_bar < lo:
-            beta = math.sqrt(lo / (n_frames * height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
-        return h_bar, w_bar
+        return frames_smart_resize(n_frames, height, width, temporal_factor=tf, factor=factor, min_pixels=lo,
+                                   max_pixels=hi, error=VideoError, param=PARAM, subject="video frames")
 
     def timestamps(self, indices, video_fps: float) -> tuple[float, ...]:
         """Qwen3VLProcessor._calculate_timestamps: frame index / fps, the indices padded with the
