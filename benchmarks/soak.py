@@ -48,14 +48,15 @@ abandoned kinds, so that they are still running when abandoned). Every request h
 Reported: requests by kind, HTTP status counts by kind, 5xx / SSE `error` events / client-side
 exceptions, latency p50 / p99 per kind, tokens received; then, once the server is idle (GET
 /metrics polled for up to `--idle-timeout` s), the engine's slot usage and running / waiting /
-in-flight counts ("leaked slots" = slots still used when nothing is in flight), the server's own
+in-flight counts ("leaked slots" = slots still used when nothing is in flight; with a paged KV
+cache "leaked pages" = pages still held by requests, and the preemptions for pages), the server's own
 status counts and abort / disconnect counters, and the server's resident memory (VmRSS of
 /proc/PID/status) after warm-up, at the end and the peak over samples every `--sample-interval` s.
 
 Output: a human table, then exactly one JSON line with every figure (the last line of stdout;
 progress goes to stderr). Exit status 1 when a valid request got a 5xx, a good stream carried an
 SSE error or ended without [DONE], a good request failed with a client-side exception, an invalid
-request got anything but a 4xx, a slot leaked, the server did not become idle, or the server died
+request got anything but a 4xx, a slot or a KV page leaked, the server did not become idle, or the server died
 (or exited non-zero on SIGTERM); 2 when the server could not be started / reached; else 0.
 """
 from __future__ import annotations
@@ -318,14 +319,16 @@ async def wait_idle(session: aiohttp.ClientSession, base: str, timeout: float) -
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             m = await get_metrics(session, base)
         g = {k: m.get(f"mmjax_{k}") for k in ("http_requests_in_flight", "num_requests_running",
-                                               "num_requests_waiting", "queue_depth", "slots_used", "slots_total")}
+                                               "num_requests_waiting", "queue_depth", "slots_used", "slots_total",
+                                               "kv_pages_used", "kv_pages_total")}
         idle = bool(m) and all((g[k] or 0) == 0 for k in ("http_requests_in_flight", "num_requests_waiting",
                                                          "queue_depth"))
         if (idle and not g["slots_used"] and not g["num_requests_running"]) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)
     return {"metrics": m, "gauges": g, "idle": idle,
-            "leaked_slots": int(g["slots_used"]) if g["slots_used"] is not None else None}
+            "leaked_slots": int(g["slots_used"]) if g["slots_used"] is not None else None,
+            "leaked_pages": int(g["kv_pages_used"]) if g["kv_pages_used"] is not None else None}
 
 
 # ---- request bodies ------------------------------------------------------------------------------------
@@ -1094,7 +1097,7 @@ async def soak(args: argparse.Namespace, base: str, pid: int | None, alive_fn) -
         ctx.first_round = first_round(args.seed)
         r["load_s"] = round(await run_load(ctx, args, watch), 2)
         idle = await wait_idle(session, base, args.idle_timeout) if watch.died_at is None else \
-            {"metrics": {}, "gauges": {}, "idle": False, "leaked_slots": None}
+            {"metrics": {}, "gauges": {}, "idle": False, "leaked_slots": None, "leaked_pages": None}
         rss_end = watch.sample()
         health_ok = await wait_health(session, base, 5, alive_fn)
     return {**r, "stats": ctx.stats, "watch": watch, "idle": idle, "rss_end_kb": rss_end,
@@ -1148,6 +1151,8 @@ def build_report(args: argparse.Namespace, res: dict, server: ServerProcess | No
         "latency_s": {k: _pct(s.latencies[k]) for k in KINDS},
         "idle": idle["idle"], "leaked_slots": idle["leaked_slots"],
         "slots_total": g.get("slots_total"), "slots_used": g.get("slots_used"),
+        "leaked_pages": idle["leaked_pages"], "kv_pages_total": g.get("kv_pages_total"),
+        "engine_preemptions": m.get("mmjax_engine_preemptions_total"),
         "requests_running": g.get("num_requests_running"), "requests_waiting": g.get("num_requests_waiting"),
         "http_in_flight": g.get("http_requests_in_flight"), "queue_depth": g.get("queue_depth"),
         "engine_requests_finished": m.get("mmjax_engine_requests_finished_total"),
@@ -1197,6 +1202,8 @@ def failures(r: dict) -> list[str]:
         out.append("/metrics has no mmjax_slots_used: leaked slots cannot be checked")
     elif r["server_alive"] and r["leaked_slots"] != 0:
         out.append(f"leaked slots: {r['leaked_slots']}")
+    if r["server_alive"] and r.get("leaked_pages"):      # None: the cache is not paged
+        out.append(f"leaked KV pages: {r['leaked_pages']} held by requests after the load")
     if r.get("server_exit_code") not in (None, 0):
         out.append(f"the server exited with code {r['server_exit_code']} on SIGTERM")
     return out
@@ -1225,7 +1232,9 @@ def format_table(r: dict) -> str:
         f"{r['server_client_disconnects']}, engine finished {r['engine_requests_finished']} / aborted "
         f"{r['engine_requests_aborted']}",
         f"after load: idle={r['idle']} slots used {r['slots_used']}/{r['slots_total']} (leaked {r['leaked_slots']}), "
-        f"running {r['requests_running']}, waiting {r['requests_waiting']}, in flight {r['http_in_flight']}",
+        f"running {r['requests_running']}, waiting {r['requests_waiting']}, in flight {r['http_in_flight']}"
+        + (f"; KV pages held {r['leaked_pages']}/{r['kv_pages_total']} (leaked), preemptions {r['engine_preemptions']}"
+           if r.get("kv_pages_total") else ""),
         f"server RSS MiB: start {r['rss_start_mib']}, end {r['rss_end_mib']}, peak {r['rss_peak_mib']} "
         f"(growth {r['rss_growth_mib']}, {r['rss_samples']} samples; encoder cache {r['encoder_cache_entries']} "
         f"images, {r['encoder_cache_mib']} MiB; grammar cache {r['grammar_cache_entries']} matchers, "
