@@ -10,8 +10,8 @@ compiled shape it can produce (`ModelRunner.step_signatures`: every encode bucke
 plan, every prefill chunk bucket (the packed prefill: up to 4 sequences per call),
 every decode row bucket) and each one is exported with
 `jax.export(..., platforms=("cuda",))` while tracing for CUDA (so impl="auto" attention picks the
-GPU kernels, decode attention the ragged Pallas kernel, and Pallas kernels take the Triton
-lowering, not the interpreter). Nothing runs; a step that uses an op or a kernel shape the CUDA lowering rejects
+GPU kernels, decode attention the ragged Pallas kernel, a paged cache's attention the paged
+Pallas kernel, and Pallas kernels take the Triton lowering, not the interpreter). Nothing runs; a step that uses an op or a kernel shape the CUDA lowering rejects
 fails here, on CPU.
 """
 import jax

@@ -114,14 +114,15 @@ def test_paged_kernel_checks_its_operands():
         paged_attention(q, kt, v, table, lo, hi, scale=1.0, block_k=48)
 
 
-@pytest.mark.parametrize("page,n", [(16, 4), (64, 4), (64, 200), (24, 20)])
-def test_paged_kernel_lowers_for_cuda(page, n):
+@pytest.mark.parametrize("page,n,hd", [(16, 4, 128), (64, 4, 128), (64, 200, 128), (24, 20, 128), (32, 8, 256)])
+def test_paged_kernel_lowers_for_cuda(page, n, hd):
     """The Triton lowering of both key-block forms (one page per block; a gather over pages)
-    for decode groups and prefill chunks of several query blocks, bf16 and int8."""
+    for decode groups and prefill chunks of several query blocks, bf16 and int8; head_dim 256
+    (key blocks of 32)."""
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for pool, scaled in ((jnp.bfloat16, False), (jnp.int8, True)):
         sds = jax.ShapeDtypeStruct
-        args = [sds((3, 2, n, 128), jnp.bfloat16), sds((40, 2, 128, page), pool), sds((40, 2, page, 128), pool),
+        args = [sds((3, 2, n, hd), jnp.bfloat16), sds((40, 2, hd, page), pool), sds((40, 2, page, hd), pool),
                 sds((3, 9), jnp.int32), sds((3, n), jnp.int32), sds((3, n), jnp.int32)]
         if scaled:
             args += [sds((40, 2, page), jnp.bfloat16)] * 2

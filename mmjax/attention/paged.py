@@ -19,7 +19,7 @@ scores in float32 in the log2 domain, int8 / fp8 blocks converted in registers w
 scales on the scores and the value scales on the weights, head_dim a power of two in [16, 256]
 (`decode.supported`), queries padded to at least 16 rows (Triton's smallest dot).
 
-Key blocks of block_k (64) positions: where block_k divides page_size a block lies in one page
+Key blocks of block_k positions (64; 32 at head_dim 256, flash.py's tile there): where block_k divides page_size a block lies in one page
 (one table entry, contiguous loads); otherwise (pages smaller than a block, or of another size)
 each key of the block looks up its own page (a gather: pages of 16 positions give 4 pages per
 block), so small pages do not shrink the tiles.
@@ -113,7 +113,7 @@ def _kernel(table_ref, lo_ref, hi_ref, q_ref, kt_ref, v_ref, *rest, scale_log2: 
 
 def paged_attention(q: jax.Array, kt: jax.Array, v: jax.Array, table: jax.Array, lo: jax.Array, hi: jax.Array,
                     *, scale: float, scales: tuple[jax.Array, jax.Array] | None = None, block_q: int = 64,
-                    block_k: int = 64, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+                    block_k: int | None = None, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
     """Attention of query rows over a paged cache, each row over its own range of cache indexes
     of its batch row's pages, in one kernel call.
 
@@ -122,10 +122,11 @@ def paged_attention(q: jax.Array, kt: jax.Array, v: jax.Array, table: jax.Array,
     pool); table [b, max_pages] int32: batch row i's pages (entries past the pool, e.g. the
     host's unused marker num_pages, are only ever read for masked keys); lo, hi [b, n] int32:
     query row (i, r) sees cache indexes [lo, hi) of row i (empty if hi <= lo: padding, a parked
-    decode row; lo may be negative, hi past the row's pages: both are clipped). scales: (k_scale, v_scale) [num_pages, kvh, P] of an int8 / fp8 pool. Scores
-    are scaled by `scale`. Returns [b, kvh, n, hd] float32, zeros where nothing is visible.
-    interpret=None: the compiled kernel when compiling for a GPU, the Pallas interpreter
-    elsewhere.
+    decode row; lo may be negative, hi past the row's pages: both are clipped). scales:
+    (k_scale, v_scale) [num_pages, kvh, P] of an int8 / fp8 pool. Scores are scaled by `scale`.
+    block_q / block_k: query rows / keys per tile (block_k None: 64, 32 at head_dim 256).
+    Returns [b, kvh, n, hd] float32, zeros where nothing is visible. interpret=None: the
+    compiled kernel when compiling for a GPU, the Pallas interpreter elsewhere.
     """
     b, kvh, n, hd = q.shape
     num_pages, _, page, _ = v.shape
@@ -135,6 +136,8 @@ def paged_attention(q: jax.Array, kt: jax.Array, v: jax.Array, table: jax.Array,
         raise ValueError(f"paged_attention: pool K {kt.shape} / V {v.shape} do not match q {q.shape}")
     if table.ndim != 2 or table.shape[0] != b or lo.shape != (b, n) or hi.shape != (b, n):
         raise ValueError(f"paged_attention: table {table.shape}, lo {lo.shape}, hi {hi.shape} for q {q.shape}")
+    if block_k is None:
+        block_k = 64 if hd <= 128 else 32
     for name, x in (("block_q", block_q), ("block_k", block_k)):
         if x < _MIN_TILE or x & (x - 1):
             raise ValueError(f"paged_attention: {name} must be a power of two >= {_MIN_TILE}, got {x}")
