@@ -19,10 +19,10 @@ scores in float32 in the log2 domain, int8 / fp8 blocks converted in registers w
 scales on the scores and the value scales on the weights, head_dim a power of two in [16, 256]
 (`decode.supported`), queries padded to at least 16 rows (Triton's smallest dot).
 
-Key blocks of block_k positions (64; 32 at head_dim 256, flash.py's tile there): where block_k divides page_size a block lies in one page
-(one table entry, contiguous loads); otherwise (pages smaller than a block, or of another size)
-each key of the block looks up its own page (a gather: pages of 16 positions give 4 pages per
-block), so small pages do not shrink the tiles.
+Key blocks of block_k positions (64; 32 at head_dim 256, flash.py's tile there): where block_k
+divides page_size a block lies in one page (one table entry, contiguous loads); otherwise (pages
+smaller than a block, or of another size) each key of the block looks up its own page (a gather:
+pages of 16 positions give 4 pages per block), so small pages do not shrink the tiles.
 
 jax ships a paged decode kernel (jax.experimental.pallas.ops.gpu.paged_attention) for another
 layout ([kv_heads, pages, page_size, head_dim] K and V, no windows, decode only) and tokamax no

@@ -163,8 +163,8 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
     kernel = attention_kernel(t, slots, mask, kts, vs, scales, pages)
     if kernel == "gpu_paged":
-        return _paged_gpu(qn, kts[0], vs[0], pages, slots, q_index, kv_len, mask, scale,
-                          scales).reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
+        out = _paged_gpu(qn, kts[0], vs[0], pages, slots, q_index, kv_len, mask, scale, scales)
+        return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
     if kernel == "gpu":
         return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
                               scales).reshape(b, 1, h, hd).astype(q.dtype)
