@@ -36,6 +36,7 @@ CASES = {   # page, t, group, window, chunk, cache dtype
     "decode-page64-window": (64, 1, 2, 37, None, jnp.float32),
     "decode-page16-int8": (16, 1, 4, None, None, jnp.int8),
     "prefill-page16-gqa2": (16, 7, 2, None, None, jnp.float32),
+    "prefill-page64-two-query-blocks": (64, 40, 2, 45, None, jnp.float32),     # 80 query rows: 2 blocks of 64
     "prefill-page128-window": (128, 20, 1, 50, None, jnp.float32),
     "prefill-page24-chunk": (24, 9, 2, None, 40, jnp.float32),
     "prefill-page32-bf16": (32, 5, 4, 33, None, jnp.bfloat16),
