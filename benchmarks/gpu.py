@@ -18,8 +18,9 @@ On a GPU (bfloat16):
   6. the peer: transformers on the same device and checkpoint (bf16, its own process): decode
      tok/s of a padded batch of 1 / 16 / 64, TTFT, and the engine's requests as padded batches;
   7. the kernels' accuracy as compiled on this device (flash and ragged decode against the test
-     suite's float64 oracles), and A/Bs: decode with XLA's attention instead of the ragged
-     kernel, with fp8 and with int8 weights.
+     suite's float64 oracles, the paged kernel against XLA's paged path), and A/Bs: decode with
+     XLA's attention instead of the ragged kernel, over a paged KV cache (pages of 64: the paged
+     kernel), with fp8 and with int8 weights.
 Sections run in that priority order (accuracy first), each timed; one that fails is reported
 and the rest still run; `--out` writes the JSON after every section and `--deadline-s` starts no
 section past a time limit, so a run on a lent GPU with a short lease keeps what it measured.
@@ -231,20 +232,22 @@ def engine_throughput(vlm, concurrency: list[int], new_tokens: int, size: int) -
 
 
 SECTIONS = ("accuracy", "decode", "ttft", "engine", "engine-steps", "hf", "qwen4k", "attention", "decode-xla",
-            "decode-fp8", "decode-int8")
+            "decode-paged", "decode-fp8", "decode-int8")
 
 
 def kernel_accuracy(smoke: bool, dtypes: list[str]) -> list[dict]:
     """mmjax's Pallas kernels as compiled on this device (interpreted off a GPU) against the
     float64 oracles of tests/test_attention.py (flash: every case, f32 and bf16) and
     tests/test_kv_cache.py (ragged decode: f32 / bf16 / int8 / fp8 caches, with its own
-    tolerance check). rel_err = max|out - ref| / max|ref|."""
+    tolerance check), and the paged kernel against XLA's paged path (tests/test_paged_pallas.py:
+    decode and prefill cases, its own tolerance check). rel_err = max|out - ref| / max|ref|."""
     import functools
 
     import jax
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import test_attention as ta
     import test_kv_cache as tk
+    import test_paged_pallas as tp
     from mmjax.attention.flash import flash_attention
     rows = []
     for case in (["len127_gqa2_causal_d80"] if smoke else list(ta.CASES)):
@@ -259,6 +262,15 @@ def kernel_accuracy(smoke: bool, dtypes: list[str]) -> list[dict]:
         row = {"kernel": "ragged_decode", "window": window, "group": group, "dtype": jax.numpy.dtype(dtype).name}
         try:
             tk.test_gpu_ragged_decode_kernel_matches_oracle(window, group, dtype)
+            row["within_test_tolerance"] = True
+        except AssertionError as e:
+            row["within_test_tolerance"] = False
+            row["error"] = str(e)[:400]
+        rows.append(row)
+    for case in (list(tp.CASES)[:1] if smoke else list(tp.CASES)):
+        row = {"kernel": "paged", "case": case}
+        try:
+            tp.test_paged_kernel_matches_xla_paged_path(case)
             row["within_test_tolerance"] = True
         except AssertionError as e:
             row["within_test_tolerance"] = False
@@ -322,9 +334,13 @@ def hf_peer(path: str, smoke: bool, batches: list[int], concurrency: list[int], 
 
 
 def decode_variant(path: str, dtype: str, batches: list[int], kv_len: int, bandwidth: float, repeats: int,
-                   max_model_len: int, *, quantize: str | None = None, pallas: bool = True) -> list[dict]:
-    """decode_rates on a fresh load: 8-bit weights (`quantize`), or XLA's decode attention
-    instead of the ragged Pallas kernel (`pallas=False`: the A/B behind the GPU choice)."""
+                   max_model_len: int, *, quantize: str | None = None, pallas: bool = True,
+                   page_size: int | None = None) -> list[dict]:
+    """decode_rates on a fresh load: 8-bit weights (`quantize`), XLA's decode attention instead
+    of the ragged Pallas kernel (`pallas=False`: the A/B behind the GPU choice), or a paged KV
+    cache of `page_size` positions a page (on a GPU the paged Pallas kernel: the A/B behind
+    `Tuning.page_size`), each row given pages of its own (the bench decodes without the
+    engine's page table)."""
     import mmjax
     from mmjax import backend
     saved = backend.Tuning.pallas_kernels
@@ -332,7 +348,10 @@ def decode_variant(path: str, dtype: str, batches: list[int], kv_len: int, bandw
         backend.Tuning.pallas_kernels = property(lambda self: False)
     try:
         vlm = mmjax.load(path, dtype=dtype, quantize=quantize, max_num_seqs=max(batches),
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, **({} if page_size is None else {"page_size": page_size}))
+        r = vlm.engine.runner
+        if r.paged:
+            r.set_pages(np.arange(r.num_slots * r.max_pages).reshape(r.num_slots, r.max_pages) % r.num_pages)
         return decode_rates(vlm, batches, kv_len, bandwidth, repeats)
     finally:
         backend.Tuning.pallas_kernels = saved
@@ -449,6 +468,9 @@ def main(argv=None) -> int:
         ("decode-xla", "decode_xla_attention",
          lambda: release() or decode_variant(path, dtype, args.decode_batches or batches, kv_len, bandwidth, repeats, max_model_len,
                                              pallas=False)),
+        ("decode-paged", "decode_paged_kv",
+         lambda: decode_variant(path, dtype, args.decode_batches or batches, kv_len, bandwidth, repeats, max_model_len,
+                                page_size=64)),
         ("decode-fp8", "decode_fp8_weights",
          lambda: decode_variant(path, dtype, args.decode_batches or batches, kv_len, bandwidth, repeats, max_model_len,
                                 quantize="fp8")),
@@ -489,13 +511,17 @@ def format_table(r: dict) -> str:
     for a in r.get("kernel_accuracy", []):
         if a["kernel"] == "flash":
             lines.append(f"accuracy flash {a['case']:<28} {a['dtype']:<8} rel_err {a['rel_err']:.2e}")
+        elif a["kernel"] == "paged":
+            lines.append(f"accuracy paged {a['case']:<28} "
+                         f"{'within' if a['within_test_tolerance'] else 'OUTSIDE'} the test's tolerance")
         else:
             lines.append(f"accuracy ragged decode window {a['window']} group {a['group']} {a['dtype']:<13} "
                          f"{'within' if a['within_test_tolerance'] else 'OUTSIDE'} the test's tolerance")
     hf = r.get("transformers", {})
     hf_decode = {d["batch"]: d for d in hf.get("decode", [])}
     for key, label in (("decode", "decode"), ("decode_xla_attention", "decode, XLA attention"),
-                       ("decode_fp8_weights", "decode, fp8 weights"), ("decode_int8_weights", "decode, int8 weights")):
+                       ("decode_paged_kv", "decode, paged KV (64)"), ("decode_fp8_weights", "decode, fp8 weights"),
+                       ("decode_int8_weights", "decode, int8 weights")):
         for d in r.get(key, []):
             peer = hf_decode.get(d["batch"]) if key == "decode" else None
             lines.append(f"{label} batch {d['batch']:>3} @ {d['kv_len']} positions: {d['step_ms']:8.2f} ms/step "

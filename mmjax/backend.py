@@ -75,10 +75,11 @@ class Tuning:
     @property
     def page_size(self) -> int:
         """Positions per KV page (serving/pages.py) by default: 0 (a cache row of max_model_len
-        per slot) on every platform for now: the CPU and Pallas decode kernels do not read page tables yet (a paged cache
-        takes XLA's attention: slower decode on the CPU, a host sync per segment and layer on a
-        GPU), and the families' tests count token-exact prefix hits. `page_size=64` (engine
-        kwarg, `--page-size 64`) turns paging on."""
+        per slot) on every platform for now: the CPU kernels do not read page tables yet (a paged
+        cache takes XLA's attention there: slower decode), a GPU's paged Pallas kernel
+        (mmjax.attention.paged) is not measured against the slot kernels yet, and the families'
+        tests count token-exact prefix hits. `page_size=64` (engine kwarg, `--page-size 64`)
+        turns paging on."""
         return 0
 
     @property
@@ -144,6 +145,14 @@ def _scoped(**values) -> Iterator[None]:
     finally:
         for k, v in prev.items():
             setattr(_target, k, v)
+
+
+@contextlib.contextmanager
+def pallas_kernels(enabled: bool) -> Iterator[None]:
+    """Trace with the Pallas GPU kernels allowed or not (what `Tuning.traced` sets per step; off
+    a GPU they run in the Pallas interpreter: tests compare them with XLA's path)."""
+    with _scoped(pallas=enabled):
+        yield
 
 
 def pallas_kernels_enabled() -> bool:

@@ -409,7 +409,7 @@ def test_gpu_bench_smoke(tmp_path):
     the transformers peer and the decode A/Bs load more models: skipped here for CI time)."""
     partial = tmp_path / "partial.json"
     out = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke", "--out", str(partial), "--skip",
-                          "engine", "qwen4k", "hf", "decode-xla", "decode-fp8", "decode-int8"],
+                          "engine", "qwen4k", "hf", "decode-xla", "decode-fp8", "decode-int8", "decode-paged"],
                          cwd=ROOT, env=_env(tmp_path),
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -417,8 +417,9 @@ def test_gpu_bench_smoke(tmp_path):
     assert json.loads(partial.read_text()) == r and "errors" not in r and "not_run" not in r
     assert r["smoke"] and _finite(r["copy_bw_bytes_s"]) and _finite(r["read_bw_bytes_s"])
     acc = r["kernel_accuracy"]
-    assert [a["kernel"] for a in acc] == ["flash", "flash", "ragged_decode"]
+    assert [a["kernel"] for a in acc] == ["flash", "flash", "ragged_decode", "paged"]
     assert acc[0]["rel_err"] < 1e-5 and acc[1]["rel_err"] < 2e-2 and acc[2]["within_test_tolerance"]
+    assert acc[3]["within_test_tolerance"]
     assert {row["impl"] for row in r["attention"]["rows"]} == {"reference", "chunked"}
     assert [d["batch"] for d in r["decode"]] == [1, 2] and all(_finite(d["tok_s"]) for d in r["decode"])
     # the step's time split: 16 steps in one call everywhere, kernel time from a trace on GPUs only

@@ -10,8 +10,8 @@ compiled shape it can produce (`ModelRunner.step_signatures`: every encode bucke
 plan, every prefill chunk bucket (the packed prefill: up to 4 sequences per call),
 every decode row bucket) and each one is exported with
 `jax.export(..., platforms=("cuda",))` while tracing for CUDA (so impl="auto" attention picks the
-GPU kernels, decode attention the ragged Pallas kernel, and Pallas kernels take the Triton
-lowering, not the interpreter). Nothing runs; a step that uses an op or a kernel shape the CUDA lowering rejects
+GPU kernels, decode attention the ragged Pallas kernel, a paged cache's attention the paged
+Pallas kernel, and Pallas kernels take the Triton lowering, not the interpreter). Nothing runs; a step that uses an op or a kernel shape the CUDA lowering rejects
 fails here, on CPU.
 """
 import jax
@@ -204,20 +204,32 @@ def test_multi_step_decode_lowers_for_cuda(checkpoints, name):
     assert tokens.shape == (4, 4), tokens
 
 
-def test_paged_steps_lower_for_cuda(checkpoints):
-    """A paged KV cache (serving/pages.py; GPUs default to slot rows until the ragged kernel reads
-    page tables): every step of a paged runner lowers for CUDA, attention through XLA's paged path
-    (the page table in the decode state), the cache a pool of pages."""
-    model = load_model(checkpoints["llava-gqa"], "bfloat16")
+@pytest.mark.parametrize("name,kv", [("llava-gqa", "auto"), ("qwen2_5_vl", "auto"), ("llava-gqa", "int8")])
+def test_paged_steps_lower_for_cuda(checkpoints, name, kv):
+    """A paged KV cache (serving/pages.py) in a bf16 model: every step of a paged runner lowers
+    for CUDA, the cache a pool of pages, the page table in the decode state, and attention
+    through the paged Pallas kernel (mmjax.attention.paged) in decode (one call per layer) and
+    in the packed prefill (per layer: the one-sequence row and the query-block groups), over
+    an int8 pool too (its scales applied inside the kernel)."""
+    model = load_model(checkpoints[name], "bfloat16")
     runner = ModelRunner(model.family, model.module, max_num_seqs=4, max_model_len=256, prefill_chunk=64,
-                         max_encode_batch=1, dtype=model.dtype, platform="cuda", page_size=16)
+                         max_encode_batch=1, dtype=model.dtype, platform="cuda", page_size=16, kv_cache_dtype=kv)
+    layers = runner.text_model.num_layers
     assert runner.paged and runner.state.pages.shape == (4, 16)
-    assert {layer["v"][0].shape[:1] + layer["v"][0].shape[2:3] for layer in runner.cache} == {(64, 16)}
+    assert {layer["v"][0].shape[:1] + layer["v"][0].shape[2:3] for layer in runner.cache} == {(runner.num_pages, 16)}
     kinds = set()
     with compiling_for("cuda"):
-        for name, fn, args, kw in runner.step_signatures():
-            if name.startswith(("encode", "prefill_scores")):
+        for step, fn, args, kw in runner.step_signatures():
+            if step.startswith(("encode", "prefill_scores")):
                 continue
-            jax.export.export(fn, platforms=("cuda",), disabled_checks=[TRITON])(*args, **kw)
-            kinds.add(name.split("[")[0].split("(")[0])
+            mlir = jax.export.export(fn, platforms=("cuda",), disabled_checks=[TRITON])(*args, **kw).mlir_module()
+            kind = step.split("[")[0].split("(")[0]
+            kinds.add(kind)
+            calls = mlir.count("__gpu$xla.gpu.triton")
+            if kind == "decode":
+                assert calls == layers, (step, calls)
+            elif kind == "prefill":
+                assert calls == 2 * layers, (step, calls)
+            if kv == "int8" and kind != "copy_slot":
+                assert "xi8>" in mlir, step                                 # the pool enters quantized
     assert kinds >= {"prefill", "decode", "copy_slot"}

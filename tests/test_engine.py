@@ -310,14 +310,16 @@ def test_incremental_detokenizer_never_splits_utf8(path):
     assert all("\ufffd" not in d for d in deltas)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,page_size", [("auto", 0), ("int8", 0), ("auto", 16)])
+def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch, kv_cache_dtype, page_size):
     """The GPU decode path end to end, here with its Pallas kernels interpreted: a runner whose
     tuning takes the ragged decode kernel (one call per layer over the GPU ladder's 512-position
     segments: 1024 positions are 2 segments) generates the CPU path's greedy tokens and logprobs
     under continuous batching: rows of different lengths, decode crossing the segment boundary,
     rows parked as their requests end while others go on; over an int8 cache too (the kernel
-    applies the per-key scales; the CPU path's kernel does the same with its own arithmetic)."""
+    applies the per-key scales; the CPU path's kernel does the same with its own arithmetic).
+    page_size 16: a paged cache, whose decode rows, packed prefill chunks and riders all take
+    the paged Pallas kernel (mmjax.attention.paged) over pages of 16 positions."""
     from mmjax import backend
     rng = np.random.default_rng(3)
     kw = dict(max_num_seqs=4, max_model_len=1024, prefill_chunk=128, kv_cache_dtype=kv_cache_dtype)
@@ -337,12 +339,13 @@ def test_gpu_decode_path_equals_the_cpu_one(path, monkeypatch, kv_cache_dtype):
     monkeypatch.setattr(backend.Tuning, "pallas_kernels", property(lambda self: True))
     monkeypatch.setattr(backend.Tuning, "cpu_kernels", property(lambda self: False))
     monkeypatch.setattr(backend.Tuning, "kv_segment_ladder", property(lambda self: (512, 1)))
-    gpu = mmjax.load(path, page_size=0, **kw)     # slot rows (GPUs' default; the CPU run above is paged)
-    assert {tuple(v.shape[2] for v in layer["v"]) for layer in gpu.engine.runner.cache} == {(512, 512)}
+    gpu = mmjax.load(path, page_size=page_size, **kw)     # slot rows: GPUs' default (the CPU run above is paged)
     r = gpu.engine.runner
+    assert {tuple(v.shape[2] for v in layer["v"]) for layer in r.cache} == {(16,) if page_size else (512, 512)}
     jaxpr = str(r._decode.trace(r.lm_leaves, r.cache, r.state, np.full(2, 5, np.int32), r.all_allowed(2),
                                 rows=2).jaxpr)
-    assert jaxpr.count("name=mmjax_ragged_decode_attention") == 2      # one per layer (2 layers)
+    kernel = "mmjax_paged_attention" if page_size else "mmjax_ragged_decode_attention"
+    assert jaxpr.count(f"name={kernel}") == 2      # one per layer (2 layers)
     for c, g in zip(cpu, generate(gpu)):
         assert c.token_ids == g.token_ids
         assert max(abs(x[i] - y[i]) for x, y, i in zip(c.logprobs, g.logprobs, c.token_ids)) <= 1e-4

@@ -150,8 +150,8 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     pages: the page table [cache rows, max_pages] of a paged layer (kts / vs then hold the one
     page pool, K [num_pages, kv_heads, hd, page_size], V [num_pages, kv_heads, page_size, hd]):
     the segments are runs of a row's pages (`page_cuts`), each gathered inside its lax.cond
-    branch, so only the pages below kv_len are read (the XLA path; the kernels take slot
-    layouts only: `attention_kernel`).
+    branch, so only the pages below kv_len are read (the XLA path); on a GPU the paged Pallas
+    kernel reads the pool in place instead (`attention_kernel`: "gpu_paged").
     """
     b, t, h, hd = q.shape
     kvh = kts[0].shape[1]
@@ -162,6 +162,9 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     small = reduce_small and n <= SMALL_N and (b * kvh >= SMALL_N_MIN_CALLS or scales is not None)
     qn = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n, hd)
     kernel = attention_kernel(t, slots, mask, kts, vs, scales, pages)
+    if kernel == "gpu_paged":
+        out = _paged_gpu(qn, kts[0], vs[0], pages, slots, q_index, kv_len, mask, scale, scales)
+        return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
     if kernel == "gpu":
         return _ragged_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
                               scales).reshape(b, 1, h, hd).astype(q.dtype)
@@ -241,18 +244,21 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
 def attention_kernel(t: int, slots, mask: MaskSpec | None, kts: list, vs: list, scales: tuple | None,
                      pages: jax.Array | None = None) -> str | None:
     """Which kernel takes this attention (trace time); image runs (spans) always take XLA's
-    per-segment path (None). One new token per row over rows [0, b) (decode) goes to "gpu", the
-    ragged Pallas kernel (mmjax.attention.decode: no per-segment lax.cond, which a GPU runs as a
-    host sync per segment and layer), or "cpu" (mmjax.kernels.cpu_attention) where one covers
-    it; any other (prefill: several tokens per row, rows in any slots) to "cpu_prefill", the CPU
-    kernel with each query over its own causal (window) range, where one covers it. A paged
-    cache (`pages`) always takes XLA's path (the kernels do not read page tables yet)."""
+    per-segment path (None). A paged cache (`pages`) where Pallas kernels may run goes to
+    "gpu_paged" (mmjax.attention.paged: decode and prefill chunks alike, each query over its
+    own causal / window / chunk range of its row's pages, read in place), else to XLA's path
+    (the CPU kernels read slot layouts). One new token per row over rows [0, b) (decode) of a
+    slot cache goes to "gpu", the ragged Pallas kernel (mmjax.attention.decode: no per-segment
+    lax.cond, which a GPU runs as a host sync per segment and layer), or "cpu"
+    (mmjax.kernels.cpu_attention) where one covers it; any other (prefill: several tokens per
+    row, rows in any slots) to "cpu_prefill", the CPU kernel with each query over its own
+    causal (window) range, where one covers it."""
     from mmjax.attention.decode import supported
     from mmjax.backend import pallas_kernels_enabled
-    if pages is not None:      # the kernels read slot layouts: a paged cache takes the XLA path
-        return None
     if mask is not None and mask.spans is not None:
         return None
+    if pages is not None:
+        return "gpu_paged" if pallas_kernels_enabled() and supported(kts[0].shape[2]) else None
     if t == 1 and slots is None:
         if pallas_kernels_enabled() and supported(kts[0].shape[2]):
             return "gpu"
@@ -325,6 +331,23 @@ def _ragged_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len,
     _, total, out = ragged_decode_attention(qn, kts, vs, lo, hi,
                                             scale=1 / np.sqrt(hd) if scale is None else scale, scales=scales)
     return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _paged_gpu(qn: jax.Array, kt: jax.Array, v: jax.Array, pages: jax.Array, slots: jax.Array | None,
+               q_index: jax.Array, kv_len, mask: MaskSpec | None, scale: float | None,
+               scales: tuple | None = None) -> jax.Array:
+    """qn [b, kvh, t * g, hd] (token-major query rows; q_index [b, t] their cache indexes) over
+    the pages of cache rows [0, b) (slots None: decode) or `slots` [b] of a paged layer (pool kt
+    [num_pages, kvh, hd, P], v [num_pages, kvh, P, hd], page table `pages`), each query over
+    `_visible_range` -> [b, kvh, t * g, hd] float32. scales: the pool's (K, V) scale segments."""
+    from mmjax.attention.paged import paged_attention
+    b, _, n, hd = qn.shape
+    g = n // q_index.shape[1]
+    table = pages[:b] if slots is None else jnp.take(pages, slots, axis=0, mode="clip")
+    lo, hi = _visible_range(q_index, kv_len, mask)                      # [b, t] each
+    return paged_attention(qn, kt, v, table, jnp.repeat(lo, g, axis=1), jnp.repeat(hi, g, axis=1),
+                           scale=1 / np.sqrt(hd) if scale is None else scale,
+                           scales=None if scales is None else (scales[0][0], scales[1][0]))
 
 
 def explicit_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_len: int,
