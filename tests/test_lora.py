@@ -140,9 +140,17 @@ def test_load_errors(llava, tmp_path):
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(LoRAError, match="use_dora"):
         eng.load_lora("x", dora)
-    vision = make_adapter(base, tmp_path / "vision", seed=5, target_modules=r".*vision_tower.*\.q_proj")
-    with pytest.raises(LoRAError, match="vision_tower"):
-        eng.load_lora("x", vision)
+    conv = make_adapter(base, tmp_path / "conv", seed=5, target_modules=r".*patch_embedding")
+    with pytest.raises(LoRAError, match="patch_embedding.*convolution"):
+        eng.load_lora("x", conv)
+    from safetensors.numpy import load_file, save_file       # a module mmjax does not adapt (a norm)
+    other = tmp_path / "other"
+    shutil.copytree(adapters["a1"], other)
+    t = load_file(str(other / "adapter_model.safetensors"))
+    save_file({k.replace("self_attn.q_proj", "input_layernorm"): v for k, v in t.items()},
+              str(other / "adapter_model.safetensors"))
+    with pytest.raises(LoRAError, match="targets '.*layers.0.input_layernorm'"):
+        eng.load_lora("x", other)
     with pytest.raises(LoRAError, match="slots"):           # both slots hold a1 and a2
         eng.load_lora("a3", adapters["a1"])
     assert sorted(eng.lora_names) == ["a1", "a2"]            # nothing else affected
@@ -241,3 +249,97 @@ def test_save_peft_loads_in_peft(llava, tmp_path):
     assert all(np.array_equal(theirs[k], ours[k]) for k in ours)
     back = read_adapter(path)
     assert back.rank == 4 and len(back.modules) == len(names)
+
+
+# ---- adapters on the vision tower and projector ---------------------------------------------------
+LLAVA_ENCODER = (r".*vision_tower.*\.(q_proj|v_proj|out_proj|fc1|fc2)|.*multi_modal_projector\.linear_1"
+                 r"|.*language_model.*\.(q_proj|down_proj)")
+QWEN_ENCODER = r".*visual.*\.(qkv|attn\.proj|gate_proj|down_proj|mlp\.0)|.*language_model.*\.(q_proj|o_proj|up_proj)"
+QWEN_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
+               "<|im_start|>assistant\n")
+
+
+def peft_features(peft, inputs: dict) -> list[np.ndarray]:
+    """transformers + peft image features, one [tokens, hidden] array per image."""
+    kw = {k: inputs[k] for k in ("pixel_values", "image_grid_thw") if k in inputs}
+    with torch.no_grad():
+        f = peft.base_model.model.model.get_image_features(**kw)
+    f = f.pooler_output if hasattr(f, "pooler_output") else f
+    return [x.reshape(-1, x.shape[-1]).numpy() for x in (f if isinstance(f, (list, tuple)) else list(f))]
+
+
+def peft_logits(peft, inputs: dict) -> np.ndarray:
+    with torch.no_grad():
+        return peft(**inputs).logits[0].numpy()
+
+
+def check_encoder_adapter(vlm, base, adapter, inputs, prompt, img, tol: float = 1e-4):
+    """An adapter on the encoder, the projector and the decoder, against transformers + peft:
+    image features and prompt logits (`vlm.logits(lora=)`) within `tol` (relative), greedy ids
+    identical and logprobs within 1e-4; loaded without a new compile; then one batch mixing it,
+    an adapter of the decoder alone and the base model gives each row what it gives alone."""
+    from conftest import rel_err
+    peft = hf_with_adapter(base, adapter)
+    eng, runner = vlm.engine, vlm.engine.runner
+    req = {"prompt": prompt, "images": [img]}
+    sp = mmjax.SamplingParams(max_tokens=N, logprobs=3, **GREEDY)
+    plain = vlm.generate([req], sp)[0]              # base first: its features and KV must serve no adapter
+    steps, compiled = (runner._encode, runner._prefill, runner._decode), runner.compiled_counts()
+    enc = vlm.generate([req], sp, lora=LoRARequest("enc", str(adapter)))[0]
+    assert (runner._encode, runner._prefill, runner._decode) == steps and runner.compiled_counts() == compiled
+    assert eng.adapters.encoder_salt("enc")                     # its features are its own
+    assert len(eng.encoder_cache) == 2                          # the base model's and the adapter's
+    ids, lps = hf_greedy(peft, inputs)
+    assert_parity(enc, ids, lps)
+    assert enc.token_ids != plain.token_ids
+    # features: the adapter's against peft's, the base model's unchanged
+    prepared = vlm.prepare_images([img])
+    ours = runner.encode_images(prepared, eng.lora_slot("enc"))
+    theirs = peft_features(peft, inputs)
+    assert rel_err(ours[0], theirs[0]) <= tol
+    base_feats = runner.encode_images(prepared)[0]
+    assert rel_err(base_feats, theirs[0]) > 100 * tol
+    with peft.disable_adapter():
+        assert rel_err(base_feats, peft_features(peft, inputs)[0]) <= tol
+    # logits over the prompt (the research path honours the adapter)
+    got = vlm.logits(prompt, [img], lora="enc")
+    want = peft_logits(peft, inputs)
+    assert got.shape == want.shape and rel_err(got, want) <= tol
+    assert rel_err(vlm.logits(prompt, [img]), want) > 100 * tol
+    from mmjax.research.trace import trace
+    t = trace(vlm, prompt, [img], layers=[0], what=("hidden",), lora="enc")
+    assert np.abs(t.logits - got).max() <= 1e-5 * np.abs(got).max()
+    # a batch: the encoder adapter, a decoder-only adapter (base image features), the base model
+    lm_only = make_adapter(base, adapter.parent / "lm_only", r=4, alpha=8, targets=ALL, seed=7, b_scale=0.05)
+    lm = vlm.generate([req], sp, lora=LoRARequest("lm", str(lm_only)))[0]
+    assert not eng.adapters.encoder_salt("lm")
+    together = vlm.generate([req, req, req], sp, lora=["enc", "lm", None])
+    for got_, want_ in zip(together, [enc, lm, plain]):
+        assert got_.token_ids == want_.token_ids
+        for x, y in zip(got_.logprobs, want_.logprobs):
+            assert max(abs(x[t] - y[t]) for t in x) <= 1e-5
+
+
+def test_llava_encoder_adapter(llava_dirs, tmp_path):
+    """LLaVA: LoRA on CLIP's attention and MLP (its last block, which LLaVA's feature layer -2 never
+    reads, dropped as transformers' output never sees it), the projector's linear_1 and the decoder."""
+    base = llava_dirs["gqa"]
+    path = make_adapter(base, tmp_path / "enc", r=8, alpha=16, seed=6, b_scale=0.05, target_modules=LLAVA_ENCODER,
+                        rank_pattern={"fc1": 4})
+    img = noise_image(8, 64, 48)
+    vlm = mmjax.load(base, max_num_seqs=4, max_model_len=256, prefill_chunk=64, max_loras=2, max_lora_rank=8)
+    check_encoder_adapter(vlm, base, path, llava_inputs(base, img), PROMPT, img)
+
+
+def test_qwen2_5_vl_encoder_adapter(qwen_dirs, tmp_path):
+    """Qwen2.5-VL: LoRA on the packed vision tower (fused qkv, proj, the gated MLP's gate / down),
+    the merger's first linear and the decoder."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+    from tiny_qwen import hf_processor_inputs
+    base = qwen_dirs["qwen2_5_vl"]
+    path = make_adapter(base, tmp_path / "enc", r=4, alpha=8, seed=6, b_scale=0.05, target_modules=QWEN_ENCODER)
+    img = noise_image(9, 150, 120)
+    inputs = hf_processor_inputs(AutoTokenizer.from_pretrained(base), Qwen2VLImageProcessorPil.from_pretrained(base),
+                                 QWEN_PROMPT, [img])
+    vlm = mmjax.load(base, max_num_seqs=4, max_model_len=512, prefill_chunk=256, max_loras=2, max_lora_rank=4)
+    check_encoder_adapter(vlm, base, path, inputs, QWEN_PROMPT, img)
