@@ -230,17 +230,19 @@ class VLM:
                                                                   cache=self.video_cache)
                 for v in videos]
 
-    def encode(self, images: Iterable[Any], *, with_deepstack: bool = False) -> list:
+    def encode(self, images: Iterable[Any], *, with_deepstack: bool = False, lora=None) -> list:
         """Images -> one np.ndarray [n_image_tokens, lm_hidden] per image: the embeddings the LLM
         takes for the image (Llama 3.2 Vision: the projected vision tokens of its real tiles,
         which the cross-attention layers read). with_deepstack=True: one
         `mmjax.models.family.EncodedImage(features, deepstack)` per image instead, `deepstack`
         [n_deepstack, n_image_tokens, lm_hidden] being Qwen3-VL's DeepStack features (block k
-        added after decoder layer k; empty for other families)."""
+        added after decoder layer k; empty for other families). lora: a LoRA adapter as `generate`
+        takes one (its vision-tower / projector tensors apply; None: the base model)."""
         # each image on its own: a list of images here is not one prompt (prompt_options)
         items = [self.prepare_images([im])[0] for im in images]
         d = self.model.language_model.hidden_size
-        out = [self.family.encoded(im, f, d) for im, f in zip(items, self.engine.runner.encode_images(items))]
+        feats = self.engine.runner.encode_images(items, self._adapter_slots(lora)[1])
+        out = [self.family.encoded(im, f, d) for im, f in zip(items, feats)]
         return out if with_deepstack else [e.features for e in out]
 
     # ---- generation ----------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Adapters are made with peft itself on the tiny checkpoints (tests/tiny_lora.py: 
 rank_pattern / alpha_pattern / rsLoRA exercised). Tolerances: greedy ids identical for 32 tokens;
 each step's logprobs (the chosen token and the top alternatives) within 1e-4 of transformers'
 log_softmax of the PEFT model's logits (float32). A batch mixing adapters and the base gives each
-row its ids exactly and its logprobs within 1e-5 of the row run alone.
+row its ids exactly and its logprobs within 1e-5 of the row run alone. Adapters on the vision tower
+and projector too (LLaVA, Qwen2.5-VL): image features and prompt logits within 1e-4 (relative, as
+the family parity tests) of transformers + peft.
 """
 import json
 import shutil
@@ -13,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import mmjax
 from conftest import noise_image
@@ -157,18 +160,21 @@ def test_load_errors(llava, tmp_path):
 
 
 def test_cuda_lowering_with_adapters(llava):
-    """The steps with adapter slots lower for CUDA (bf16): one prefill and one decode shape."""
+    """The steps with adapter slots (decoder and encoder) lower for CUDA (bf16): the encode step,
+    one prefill and one decode shape."""
     from mmjax.api import load_model
     from mmjax.backend import compiling_for
-    from mmjax.models.nn import lora
+    from mmjax.lora import Adapters
+    from mmjax.models.nn.lora import LoRASlots
     from mmjax.serving.runner import ModelRunner
     model = load_model(llava[0], "bfloat16")
-    lm = model.module.language_model
-    assert lora.enable(lm, 2, 8, lm.embed_tokens.embedding.get_value().dtype) == 4 * lm.num_layers
+    Adapters.enable(model.module, 2, 8)
+    vision = [m for path, m in nnx.iter_modules(model.module) if isinstance(m, LoRASlots) and path[0] != "language_model"]
+    assert len(vision) == 6 * len(model.module.vision_tower.encoder.layers) + 2    # q/k/v/out, fc1/fc2; projector
     runner = ModelRunner(model.family, model.module, max_num_seqs=2, max_model_len=128, prefill_chunk=32,
                          max_encode_batch=1, dtype=model.dtype, platform="cuda")
-    sigs = [s for s in runner.step_signatures() if s[0] in ("prefill[32,2]", "decode[2]")]
-    assert len(sigs) == 2
+    sigs = [s for s in runner.step_signatures() if s[0] in ("prefill[32,2]", "decode[2]") or s[0].startswith("encode")]
+    assert len(sigs) == 3
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     with compiling_for("cuda"):
         for name, fn, args, kw in sigs:
@@ -293,11 +299,10 @@ def check_encoder_adapter(vlm, base, adapter, inputs, prompt, img, tol: float = 
     assert_parity(enc, ids, lps)
     assert enc.token_ids != plain.token_ids
     # features: the adapter's against peft's, the base model's unchanged
-    prepared = vlm.prepare_images([img])
-    ours = runner.encode_images(prepared, eng.lora_slot("enc"))
+    ours = vlm.encode([img], lora="enc")
     theirs = peft_features(peft, inputs)
     assert rel_err(ours[0], theirs[0]) <= tol
-    base_feats = runner.encode_images(prepared)[0]
+    base_feats = vlm.encode([img])[0]
     assert rel_err(base_feats, theirs[0]) > 100 * tol
     with peft.disable_adapter():
         assert rel_err(base_feats, peft_features(peft, inputs)[0]) <= tol

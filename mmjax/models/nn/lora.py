@@ -133,14 +133,15 @@ def encoder_layers(model: nnx.Module) -> dict[str, tuple[object, int]]:
     """{module path in `model` as HF-like names (vision_tower.encoder.layers.0.self_attn.q_proj,
     multi_modal_projector.linear_1, visual.blocks.0.mlp.gate_proj): (its linear layer, the part
     index)} for every linear outside the language model that an adapter may target: all but those
-    not quantized as matmuls (patch embeddings: a convolution in HF, which LoRA adapts otherwise)."""
+    not quantized as matmuls (patch embeddings: a convolution in HF, which LoRA adapts otherwise)
+    and any whose kernel is not one [in, out] matrix (a stacked layout)."""
     from mmjax.models.nn.linear import Linear
     modules = dict(nnx.iter_modules(model))
     out = {}
     for path, m in modules.items():
         if not isinstance(m, Linear) or not path or path[0] == "language_model":
             continue
-        if m.kernel.get_metadata().get("quantize", True) is False:
+        if m.kernel.get_metadata().get("quantize", True) is False or len(m.kernel.get_value().shape) != 2:
             continue
         path = (*path[:-1], _hf_attr(modules[path[:-1]], path[-1]))
         for i, n in enumerate(hf_names(path, m)):
