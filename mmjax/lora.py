@@ -135,25 +135,44 @@ def read_adapter(path: str | os.PathLike, name: str | None = None) -> Adapter:
     return Adapter(name or d.name, str(d), rank, modules)
 
 
+def _align(want: list[str], have: list[str]) -> int | None:
+    """How many components PEFT name `want` and module path `have` leave unmatched when aligned in
+    order (equal components matched; any other skipped, on either side), or None where they do
+    not align: a number (a layer index) skipped on either side, or `have`'s first component (the
+    vision tower / projector attribute) or last (the layer's own name) unmatched."""
+    n, m = len(want), len(have)
+    neg = -1 << 20
+    best = [[neg] * (m + 1) for _ in range(n + 1)]      # best[i][j]: matched pairs of want[:i], have[:j]
+    best[0][0] = 0
+    for i in range(n + 1):
+        for j in range(m + 1):
+            b = best[i][j]
+            if b < 0:
+                continue
+            if i < n and not want[i].isdigit():
+                best[i + 1][j] = max(best[i + 1][j], b)
+            if j < m and j > 0 and j < m - 1 and not have[j].isdigit():
+                best[i][j + 1] = max(best[i][j + 1], b)
+            if i < n and j < m and want[i] == have[j]:
+                best[i + 1][j + 1] = max(best[i + 1][j + 1], b + 1)
+    matched = best[n][m]
+    if matched < 0 or want[-1] != have[-1]:
+        return None
+    return n + m - 2 * matched
+
+
 def _encoder_match(mod: str, index: dict[str, list[str]]) -> str | None:
     """The encoder layer name (`nn.lora.encoder_layers`, indexed by last component) PEFT module
-    `mod` names: the layer's path components appear in `mod` in order, from the end, where `mod`
-    may hold wrapper components the module tree does not (`model.`, CLIP's `vision_model.`) but
-    never skips a number (a layer index) -> that name, or None (no one match)."""
+    `mod` names: the one whose path aligns with `mod` leaving the fewest components unmatched
+    (`_align`: `mod` may hold wrappers the module tree does not, `model.`, CLIP's `vision_model.`;
+    the tree may hold a container HF does not, GLM's merger `mlp.`; layer indexes always match)
+    -> that name, or None (none, or a tie)."""
     want = mod.split(".")
-    hits = []
-    for name in index.get(want[-1], ()):
-        have, i = name.split("."), len(want) - 1
-        for part in reversed(have):
-            while i >= 0 and want[i] != part and not want[i].isdigit():
-                i -= 1
-            if i < 0 or want[i] != part:
-                break
-            i -= 1
-        else:
-            if not any(w.isdigit() for w in want[:i + 1]):
-                hits.append(name)
-    return hits[0] if len(hits) == 1 else None
+    scored = sorted((c, name) for name in index.get(want[-1], ())
+                    if (c := _align(want, name.split("."))) is not None)
+    if not scored or (len(scored) > 1 and scored[1][0] == scored[0][0]):
+        return None
+    return scored[0][1]
 
 
 def _unbuilt(mod: str, index: dict[str, list[str]]) -> bool:
@@ -246,17 +265,17 @@ class Adapters:
     def _layer_of(self, adapter: str, mod: str) -> tuple[object, int]:
         """(linear layer, part index) PEFT module `mod` names: a decoder projection, or a linear of
         the vision tower / projector; a LoRAError for anything else."""
+        name = _encoder_match(mod, self._encoder_index)
+        if name is not None:
+            return self._encoder[name]
         i = mod.find("layers.")
         prefix, rel = (mod[:i], mod[i:]) if i >= 0 else (mod, "")
-        vision = any(v in prefix for v in _VISION)
-        if not vision and rel in self._layers and ("language_model" in prefix or prefix in ("", "model.")):
+        lm = "language_model" in prefix or "text_model" in prefix or prefix in ("", "model.")
+        if lm and rel in self._layers and not any(v in prefix for v in _VISION):
             return self._layers[rel]
-        name = _encoder_match(mod, self._encoder_index) if vision or rel not in self._layers else None
-        if name is None:
-            raise LoRAError(f"adapter {adapter!r} targets {mod!r}: mmjax adapts the language model's attention and "
+        raise LoRAError(f"adapter {adapter!r} targets {mod!r}: mmjax adapts the language model's attention and "
                             "MLP projections (q/k/v/o_proj, gate/up/down_proj) and the linear layers of the vision "
                             "tower and projector (not the patch embedding)", param="lora_path")
-        return self._encoder[name]
 
     def load(self, name: str, adapter: Adapter, busy: set[int] = frozenset()) -> int:
         """Write `adapter` into a free slot (not in `busy`: slots live requests still use) under

@@ -348,3 +348,24 @@ def test_qwen2_5_vl_encoder_adapter(qwen_dirs, tmp_path):
                                  QWEN_PROMPT, [img])
     vlm = mmjax.load(base, max_num_seqs=4, max_model_len=512, prefill_chunk=256, max_loras=2, max_lora_rank=4)
     check_encoder_adapter(vlm, base, path, inputs, QWEN_PROMPT, img)
+
+
+def test_encoder_module_names():
+    """PEFT module names -> the encoder's linear layers: HF wrappers the module tree lacks (`model.`,
+    CLIP's `vision_model.`) and containers HF lacks (GLM's merger `mlp.`) are skipped, a layer index
+    never; a decoder module never lands on the encoder; two equally good layers are no match."""
+    from mmjax.lora import _encoder_match
+    names = ["vision_tower.encoder.layers.0.self_attn.q_proj", "vision_tower.encoder.layers.1.self_attn.q_proj",
+             "visual.blocks.0.mlp.down_proj", "visual.merger.mlp.down_proj", "multi_modal_projector.linear_1"]
+    index = {}
+    for n in names:
+        index.setdefault(n.rsplit(".", 1)[-1], []).append(n)
+    match = lambda mod: _encoder_match(mod, index)        # noqa: E731
+    assert match("model.vision_tower.vision_model.encoder.layers.1.self_attn.q_proj") == names[1]
+    assert match("model.visual.merger.down_proj") == names[3]
+    assert match("model.visual.blocks.0.mlp.down_proj") == names[2]
+    assert match("model.multi_modal_projector.linear_1") == names[4]
+    assert match("model.vision_tower.vision_model.encoder.layers.2.self_attn.q_proj") is None
+    assert match("model.language_model.layers.0.mlp.down_proj") is None
+    assert match("model.language_model.layers.0.self_attn.q_proj") is None
+    assert _encoder_match("visual.x.proj", {"proj": ["visual.a.x.proj", "visual.x.b.proj"]}) is None
