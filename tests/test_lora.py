@@ -93,13 +93,17 @@ def test_llava_parity_and_mixed_batch(llava):
             assert max(abs(x[t] - y[t]) for t in x) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "qwen3_moe"])
-def test_decoder_parity(family, qwen_dirs, gemma3_dirs, qwen3_dirs, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "qwen3_moe", "idefics3"])
+def test_decoder_parity(family, qwen_dirs, gemma3_dirs, qwen3_dirs, idefics3_dirs, tmp_path):
     """The adapter on other decoders (M-RoPE, Gemma's norms and tied head, an MoE decoder's
-    attention): greedy ids and logprobs of a text prompt match transformers + peft."""
-    base = {"qwen2_5_vl": qwen_dirs["qwen2_5_vl"], "gemma3": gemma3_dirs["window"], "qwen3_moe": qwen3_dirs["moe"]}[family]
+    attention, Idefics3's decoder named `text_model`): greedy ids and logprobs of a text prompt
+    match transformers + peft."""
+    base = {"qwen2_5_vl": qwen_dirs["qwen2_5_vl"], "gemma3": gemma3_dirs["window"], "qwen3_moe": qwen3_dirs["moe"],
+            "idefics3": idefics3_dirs["idefics3"]}[family]
     targets = ("q_proj", "k_proj", "v_proj", "o_proj") if family == "qwen3_moe" else ALL
-    path = make_adapter(base, tmp_path / "a", r=4, alpha=16, targets=targets, seed=3, b_scale=0.05)
+    where = rf".*text_model.*\.({'|'.join(targets)})" if family == "idefics3" else None
+    path = make_adapter(base, tmp_path / "a", r=4, alpha=16, targets=targets, seed=3, b_scale=0.05,
+                        target_modules=where)
     ids = [int(x) for x in np.random.default_rng(0).integers(5, 200, 12)]
     theirs, lps = hf_greedy(hf_with_adapter(base, path), {"input_ids": torch.tensor([ids])})
     vlm = mmjax.load(base, max_num_seqs=2, max_model_len=128, prefill_chunk=32, max_loras=1, max_lora_rank=4)
@@ -316,8 +320,10 @@ def check_encoder_adapter(vlm, base, adapter, inputs, prompt, img, tol: float = 
     assert np.abs(t.logits - got).max() <= 1e-5 * np.abs(got).max()
     # a batch: the encoder adapter, a decoder-only adapter (base image features), the base model
     lm_only = make_adapter(base, adapter.parent / "lm_only", r=4, alpha=8, targets=ALL, seed=7, b_scale=0.05)
+    hits = eng.encoder_cache.hits
     lm = vlm.generate([req], sp, lora=LoRARequest("lm", str(lm_only)))[0]
-    assert not eng.adapters.encoder_salt("lm")
+    assert not eng.adapters.encoder_salt("lm")                  # the base model's features serve it
+    assert len(eng.encoder_cache) == 2 and eng.encoder_cache.hits == hits + 1
     together = vlm.generate([req, req, req], sp, lora=["enc", "lm", None])
     for got_, want_ in zip(together, [enc, lm, plain]):
         assert got_.token_ids == want_.token_ids
