@@ -18,7 +18,7 @@ import torch
 from flax import nnx
 
 import mmjax
-from conftest import noise_image
+from conftest import noise_image, rel_err
 from mmjax.errors import LoRAError, LoRANotFoundError
 from mmjax.lora import LoRARequest
 from tiny_lora import hf_with_adapter, make_adapter
@@ -74,14 +74,19 @@ def test_llava_parity_and_mixed_batch(llava):
     req = {"prompt": PROMPT, "images": [img]}
     plain = vlm.generate([req], sp)[0]          # the base first: its KV must not serve an adapter's prompt
     alone, runner = {}, vlm.engine.runner
+    base_logits = vlm.logits(PROMPT, [img])
     for name, path in adapters.items():
-        ids, lps = hf_greedy(hf_with_adapter(base, path), inputs)
+        peft = hf_with_adapter(base, path)
+        ids, lps = hf_greedy(peft, inputs)
         steps, compiled = (runner._prefill, runner._decode), runner.compiled_counts()
         alone[name] = vlm.generate([req], sp, lora=LoRARequest(name, str(path)))[0]
         # loading an adapter writes arrays: the same jitted steps, no new shape
         assert (runner._prefill, runner._decode) == steps and runner.compiled_counts() == compiled
         assert_parity(alone[name], ids, lps)
         assert alone[name].token_ids != plain.token_ids            # the adapter matters
+        # the research path too: vlm.logits(lora=) is peft's, and not the base model's
+        got, want = vlm.logits(PROMPT, [img], lora=name), peft_logits(peft, inputs)
+        assert rel_err(got, want) <= 1e-4 and rel_err(base_logits, want) > 1e-2
     assert sorted(vlm.engine.lora_names) == ["a1", "a2"]
     # one batch: both adapters, the base, and an adapter on a text-only prompt; each row as alone
     text = {"prompt": "USER: Tell me a story. ASSISTANT:"}
@@ -288,7 +293,6 @@ def check_encoder_adapter(vlm, base, adapter, inputs, prompt, img, tol: float = 
     image features and prompt logits (`vlm.logits(lora=)`) within `tol` (relative), greedy ids
     identical and logprobs within 1e-4; loaded without a new compile; then one batch mixing it,
     an adapter of the decoder alone and the base model gives each row what it gives alone."""
-    from conftest import rel_err
     peft = hf_with_adapter(base, adapter)
     eng, runner = vlm.engine, vlm.engine.runner
     req = {"prompt": prompt, "images": [img]}
