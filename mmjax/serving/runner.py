@@ -1240,7 +1240,7 @@ class ModelRunner:
                 inputs = spec(inputs, self.placement.encode_input_sharding(inputs.shape))
             else:
                 inputs = jax.tree.map(spec, inputs)
-            out.append((f"encode{call.bucket}", self._encode, (vision, inputs, np.int32(-1)), {}))
+            out.append((f"encode{call.bucket}", self._encode, (vision, inputs, jax.ShapeDtypeStruct((), jnp.int32)), {}))
         rows = self.text_model.position_rows
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
