@@ -343,7 +343,18 @@ def test_llava_encoder_adapter(llava_dirs, tmp_path):
                         rank_pattern={"fc1": 4})
     img = noise_image(8, 64, 48)
     vlm = mmjax.load(base, max_num_seqs=4, max_model_len=256, prefill_chunk=64, max_loras=2, max_lora_rank=8)
-    check_encoder_adapter(vlm, base, path, llava_inputs(base, img), PROMPT, img)
+    inputs = llava_inputs(base, img)
+    check_encoder_adapter(vlm, base, path, inputs, PROMPT, img)
+    # another encoder adapter under the same name in the same slot: the features cached for the
+    # first one (and its KV) never serve it
+    eng = vlm.engine
+    slot = eng.lora_slot("enc")
+    eng.unload_lora("enc")
+    other = make_adapter(base, tmp_path / "other", r=8, alpha=16, seed=11, b_scale=0.05, target_modules=LLAVA_ENCODER)
+    assert eng.load_lora("enc", other) == slot
+    out = vlm.generate([{"prompt": PROMPT, "images": [img]}], mmjax.SamplingParams(max_tokens=N, logprobs=3, **GREEDY),
+                       lora="enc")[0]
+    assert_parity(out, *hf_greedy(hf_with_adapter(base, other), inputs))
 
 
 def test_qwen2_5_vl_encoder_adapter(qwen_dirs, tmp_path):
