@@ -230,17 +230,19 @@ class VLM:
                                                                   cache=self.video_cache)
                 for v in videos]
 
-    def encode(self, images: Iterable[Any], *, with_deepstack: bool = False) -> list:
+    def encode(self, images: Iterable[Any], *, with_deepstack: bool = False, lora=None) -> list:
         """Images -> one np.ndarray [n_image_tokens, lm_hidden] per image: the embeddings the LLM
         takes for the image (Llama 3.2 Vision: the projected vision tokens of its real tiles,
         which the cross-attention layers read). with_deepstack=True: one
         `mmjax.models.family.EncodedImage(features, deepstack)` per image instead, `deepstack`
         [n_deepstack, n_image_tokens, lm_hidden] being Qwen3-VL's DeepStack features (block k
-        added after decoder layer k; empty for other families)."""
+        added after decoder layer k; empty for other families). lora: a LoRA adapter as `generate`
+        takes one (its vision-tower / projector tensors apply; None: the base model)."""
         # each image on its own: a list of images here is not one prompt (prompt_options)
         items = [self.prepare_images([im])[0] for im in images]
         d = self.model.language_model.hidden_size
-        out = [self.family.encoded(im, f, d) for im, f in zip(items, self.engine.runner.encode_images(items))]
+        feats = self.engine.runner.encode_images(items, self._adapter_slots(lora)[1])
+        out = [self.family.encoded(im, f, d) for im, f in zip(items, feats)]
         return out if with_deepstack else [e.features for e in out]
 
     # ---- generation ----------------------------------------------------------------------------
@@ -388,33 +390,45 @@ class VLM:
         prompt = self.tokenizer.render_chat(norm, add_generation_prompt, **template_kw)
         return prompt, (images if with_kinds else [src for _, src in images])
 
-    def logits(self, prompt: str, images: Iterable[Any] = (), capture: Capture | None = None):
+    def logits(self, prompt: str, images: Iterable[Any] = (), capture: Capture | None = None, *, lora=None):
         """Logits [prompt_tokens, vocab] (float32) over a whole prompt (research / parity): a raw
         str (special-token strings parsed) or a ChatPrompt from `render_chat` (message text never
         makes special tokens), tokenized as `generate` does. With
         `capture` (models.text.Capture: per-layer hidden states, chosen layers' attention
-        probabilities), returns (logits, intermediates)."""
+        probabilities), returns (logits, intermediates). lora: a LoRA adapter as `generate`
+        takes one (a LoRARequest or a loaded adapter's name; None: the base model)."""
         from mmjax.research.prompt import prompt_inputs
 
         capture = capture or Capture()
-        logits, inter = self.prompt_forward(prompt_inputs(self, prompt, images), capture)
+        logits, inter = self.prompt_forward(prompt_inputs(self, prompt, images), capture, lora=lora)
         return (logits, inter) if capture.any else logits
 
-    def prompt_forward(self, p, capture: Capture = Capture()):
+    def prompt_forward(self, p, capture: Capture = Capture(), *, lora=None):
         """(logits [t, vocab] float32, intermediates) for `mmjax.research.prompt.PromptInputs`,
-        through the jitted whole-prompt forward (one compile per capture and length)."""
-        return self._prompt_run(p, capture, hidden=False)
+        through the jitted whole-prompt forward (one compile per capture and length; and per
+        with / without an adapter), under LoRA adapter `lora` (as `logits`)."""
+        return self._prompt_run(p, capture, hidden=False, lora=lora)
 
-    def _prompt_run(self, p, capture: Capture, hidden: bool, pad_to: int | None = None):
+    def _adapter_slots(self, lora) -> tuple[int | None, int]:
+        """A LoRA adapter (LoRARequest, name or None) -> (its slot for the decoder, None without
+        one; its slot for the encoder, -1 where it leaves the encoder alone)."""
+        name = self._lora_name(lora)
+        if name is None:
+            return None, -1
+        slot = self.engine.lora_slot(name)
+        return slot, slot if self.engine.adapters.encoder_salt(name) else -1
+
+    def _prompt_run(self, p, capture: Capture, hidden: bool, pad_to: int | None = None, lora=None):
         """(logits or hidden [t, ...], intermediates) of PromptInputs `p`, optionally padded to
-        `pad_to` tokens (outputs cut back to the prompt)."""
+        `pad_to` tokens (outputs cut back to the prompt), under LoRA adapter `lora`."""
         from mmjax.serving.runner import make_prompt_forward
 
+        adapter, encoder_adapter = self._adapter_slots(lora)
         emb = np.zeros((len(p.ids), self.engine.runner.feature_width), np.float32)
         if p.images:
             # the prompt's image tokens, in order, take the images' features in order
             todo = [im for im in p.images if im.embeds is None]
-            enc = iter(self.engine.runner.encode_images(todo) if todo else [])
+            enc = iter(self.engine.runner.encode_images(todo, encoder_adapter) if todo else [])
             emb[p.image_pos] = np.concatenate([im.embeds if im.embeds is not None else next(enc)
                                                for im in p.images])
         ids, pos, spans = p.ids, p.positions, p.spans
@@ -431,7 +445,8 @@ class VLM:
             lm_of = runner.weights.lm_of()
             self._forward[key] = jax.jit(runner.tuning.traced(lambda leaves, *a: fwd(lm_of(leaves), *a)))
         out, inter = self._forward[key](runner.lm_leaves, ids, emb.astype(self.loaded.dtype),
-                                        np.isin(ids, self.family.media_token_ids), pos, spans)
+                                        np.isin(ids, self.family.media_token_ids), pos, spans,
+                                        None if adapter is None else np.int32(adapter))
         return np.asarray(out)[:len(p.ids)], jax.tree.map(np.asarray, inter)
 
     def embed(self, inputs, pooling: str = "last", normalize: bool = True) -> np.ndarray:

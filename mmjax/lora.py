@@ -4,13 +4,14 @@
 r, lora_alpha, target_modules, rank_pattern / alpha_pattern, use_rslora, bias "none") into host
 arrays per HF module name (A [in, r], B [r, out] with PEFT's scaling folded in); anything else
 PEFT can save (DoRA, biases, modules_to_save, fan_in_fan_out, trainable tokens, ...) is refused
-with a `LoRAError` naming the option. Only the language model's linear layers are adapted: an
-adapter with tensors in the vision tower or projector is refused (so the encoder cache, which
-holds vision features, never depends on the adapter).
+with a `LoRAError` naming the option. Adapted: the language model's attention and MLP projections
+and every linear layer of the vision tower and projector (not the patch embedding, a conv in HF).
 
-`Adapters` is one engine's set of loaded adapters: name -> slot of the decoder's stacked adapter
-weights (models/nn/lora.py). Loading writes the slot's arrays (no recompile); requests carry
-the slot index, and their prefix-cache keys a salt derived from the adapter (`Adapters.salt`).
+`Adapters` is one engine's set of loaded adapters: name -> slot of the stacked adapter weights of
+the decoder and the encoder (models/nn/lora.py). Loading writes the slot's arrays (no recompile);
+requests carry the slot index, and their prefix-cache keys a salt derived from the adapter
+(`Adapters.salt`); an adapter with encoder tensors also keys its requests' image features in the
+encoder cache (`Adapters.encoder_salt`), since they are not the base model's.
 """
 from __future__ import annotations
 
@@ -118,7 +119,10 @@ def read_adapter(path: str | os.PathLike, name: str | None = None) -> Adapter:
         if b_key not in tensors:
             raise LoRAError(f"{weights}: {key!r} has no {b_key!r}", param="lora_path")
         a, b = np.asarray(tensors[key], np.float32), np.asarray(tensors[b_key], np.float32)
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+        if a.ndim != 2:
+            raise LoRAError(f"{weights}: {mod}: lora_A {a.shape} adapts a convolution (a patch embedding?); "
+                            "mmjax adapts linear layers only", param="lora_path")
+        if b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"{weights}: {mod}: lora_A {a.shape} and lora_B {b.shape} do not chain",
                             param="lora_path")
         mr = a.shape[0]
@@ -131,17 +135,96 @@ def read_adapter(path: str | os.PathLike, name: str | None = None) -> Adapter:
     return Adapter(name or d.name, str(d), rank, modules)
 
 
-class Adapters:
-    """The adapters one engine serves: up to `slots` at once in the decoder's adapter slots, rank
-    up to `max_rank` (models/nn/lora.enable must have given the decoder its slots)."""
+def _align(want: list[str], have: list[str]) -> int | None:
+    """How many components PEFT name `want` and module path `have` leave unmatched when aligned in
+    order (equal components matched; any other skipped, on either side), or None where they do
+    not align: a number (a layer index) skipped on either side, or `have`'s first component (the
+    vision tower / projector attribute) or last (the layer's own name) unmatched."""
+    n, m = len(want), len(have)
+    neg = -1 << 20
+    best = [[neg] * (m + 1) for _ in range(n + 1)]      # best[i][j]: matched pairs of want[:i], have[:j]
+    best[0][0] = 0
+    for i in range(n + 1):
+        for j in range(m + 1):
+            b = best[i][j]
+            if b < 0:
+                continue
+            if i < n and not want[i].isdigit():
+                best[i + 1][j] = max(best[i + 1][j], b)
+            if j < m and j > 0 and j < m - 1 and not have[j].isdigit():
+                best[i][j + 1] = max(best[i][j + 1], b)
+            if i < n and j < m and want[i] == have[j]:
+                best[i + 1][j + 1] = max(best[i + 1][j + 1], b + 1)
+    matched = best[n][m]
+    if matched < 0 or want[-1] != have[-1]:
+        return None
+    return n + m - 2 * matched
 
-    def __init__(self, decoder, slots: int, max_rank: int):
-        from mmjax.models.nn.lora import adapted_layers
-        self.decoder, self.slots, self.max_rank = decoder, slots, max_rank
-        self._layers = adapted_layers(decoder)
+
+def _encoder_match(mod: str, index: dict[str, list[str]]) -> str | None:
+    """The encoder layer name (`nn.lora.encoder_layers`, indexed by last component) PEFT module
+    `mod` names: the one whose path aligns with `mod` leaving the fewest components unmatched
+    (`_align`: `mod` may hold wrappers the module tree does not, `model.`, CLIP's `vision_model.`;
+    the tree may hold a container HF does not, GLM's merger `mlp.`; layer indexes always match)
+    -> that name, or None (none, or a tie)."""
+    want = mod.split(".")
+    scored = sorted((c, name) for name in index.get(want[-1], ())
+                    if (c := _align(want, name.split("."))) is not None)
+    if not scored or (len(scored) > 1 and scored[1][0] == scored[0][0]):
+        return None
+    return scored[0][1]
+
+
+def _unbuilt(mod: str, index: dict[str, list[str]]) -> bool:
+    """Does PEFT module `mod` sit in a block past the last one the model builds (a tower cut after
+    its deepest feature layer, `llava.vision_layers_needed`: that block never reaches the output,
+    in transformers either)? True where the same module of block 0 exists and the block's index is
+    past every built block's."""
+    if _encoder_match(mod, index) is not None:
+        return False
+    want = mod.split(".")
+    for j, w in enumerate(want):
+        block = lambda n: ".".join([*want[:j], str(n), *want[j + 1:]])     # noqa: E731
+        if not w.isdigit() or _encoder_match(block(0), index) is None:
+            continue
+        built = 0
+        while _encoder_match(block(built), index) is not None:
+            built += 1
+        return int(w) >= built
+    return False
+
+
+class Adapters:
+    """The adapters one engine serves: up to `slots` at once in the adapter slots of `model`'s
+    decoder and encoder, rank up to `max_rank` (`Adapters.enable` gives the modules their slots)."""
+
+    def __init__(self, model, slots: int, max_rank: int):
+        from mmjax.models.nn.lora import adapted_layers, encoder_layers
+        self.model, self.slots, self.max_rank = model, slots, max_rank
+        self._layers = adapted_layers(model.language_model)
+        self._encoder = encoder_layers(model)
+        self._encoder_index: dict[str, list[str]] = {}
+        for n in self._encoder:
+            self._encoder_index.setdefault(n.rsplit(".", 1)[-1], []).append(n)
         self.loaded: dict[str, tuple[int, Adapter]] = {}
         self._loads = 0
         self._salts: dict[str, str] = {}
+        self._touches_encoder: dict[str, bool] = {}
+
+    @classmethod
+    def enable(cls, model, slots: int, max_rank: int, mesh=None) -> "Adapters":
+        """Give `model` (a family's top module, before the runner places it) its adapter slots:
+        the decoder's projections and the encoder's linears -> its (empty) Adapters."""
+        from mmjax.errors import UnsupportedModelError
+        from mmjax.models.nn import lora
+        from mmjax.sharding import MODEL, axis_size
+        if mesh is not None and axis_size(mesh, MODEL) > 1:
+            raise UnsupportedModelError("LoRA adapters are not supported with tensor parallelism", param="max_loras")
+        lm = model.language_model
+        dtype = lm.embed_tokens.embedding.get_value().dtype
+        lora.enable(lm, slots, max_rank, dtype)
+        lora.enable_encoder(model, slots, max_rank, dtype)
+        return cls(model, slots, max_rank)
 
     def slot_of(self, name: str) -> int:
         if name not in self.loaded:
@@ -155,24 +238,44 @@ class Adapters:
         self.slot_of(name)
         return self._salts[name]
 
+    def encoder_salt(self, name: str | None) -> str:
+        """The encoder-cache salt of requests using adapter `name`: its `salt` if the adapter has
+        vision-tower or projector tensors (their image features are its own), else "" (the base
+        model's features, shared with every request whose adapter leaves the encoder alone)."""
+        if name is None:
+            return ""
+        self.slot_of(name)
+        return self._salts[name] if self._touches_encoder[name] else ""
+
     def _place(self, adapter: Adapter) -> dict[int, tuple[object, dict]]:
         """The adapter's arrays per adapted layer: {id: (layer, {part: (A, B)})}; a LoRAError names a
         module mmjax does not adapt or a shape that does not fit."""
         out: dict[int, tuple[object, dict]] = {}
         for mod, (a, b) in adapter.modules.items():
-            i = mod.find("layers.")
-            prefix, rel = (mod[:i], mod[i:]) if i >= 0 else (mod, "")
-            vision = any(v in prefix for v in _VISION)
-            if vision or rel not in self._layers or not ("language_model" in prefix or prefix in ("", "model.")):
-                raise LoRAError(f"adapter {adapter.name!r} targets {mod!r}: mmjax adapts only the language model's "
-                                "attention and MLP projections (q/k/v/o_proj, gate/up/down_proj)", param="lora_path")
-            layer, part = self._layers[rel]
+            if _unbuilt(mod, self._encoder_index):
+                continue
+            layer, part = self._layer_of(adapter.name, mod)
             width = layer.lora.widths[part]
             if a.shape[0] != layer.d_in or b.shape[1] != width:
                 raise LoRAError(f"adapter {adapter.name!r}: {mod} is [{a.shape[0]} -> {b.shape[1]}], the model's "
                                 f"[{layer.d_in} -> {width}] (an adapter of another base model?)", param="lora_path")
             out.setdefault(id(layer), (layer, {}))[1][part] = (a, b)
         return out
+
+    def _layer_of(self, adapter: str, mod: str) -> tuple[object, int]:
+        """(linear layer, part index) PEFT module `mod` names: a decoder projection, or a linear of
+        the vision tower / projector; a LoRAError for anything else."""
+        name = _encoder_match(mod, self._encoder_index)
+        if name is not None:
+            return self._encoder[name]
+        i = mod.find("layers.")
+        prefix, rel = (mod[:i], mod[i:]) if i >= 0 else (mod, "")
+        lm = "language_model" in prefix or "text_model" in prefix or prefix in ("", "model.")
+        if lm and rel in self._layers and not any(v in prefix for v in _VISION):
+            return self._layers[rel]
+        raise LoRAError(f"adapter {adapter!r} targets {mod!r}: mmjax adapts the language model's attention and "
+                            "MLP projections (q/k/v/o_proj, gate/up/down_proj) and the linear layers of the vision "
+                            "tower and projector (not the patch embedding)", param="lora_path")
 
     def load(self, name: str, adapter: Adapter, busy: set[int] = frozenset()) -> int:
         """Write `adapter` into a free slot (not in `busy`: slots live requests still use) under
@@ -189,12 +292,14 @@ class Adapters:
             raise LoRAError(f"all {self.slots} adapter slots (--max-loras) are in use; unload one first",
                             param="lora_name", code="lora_slots_full")
         slot = free[0]
-        layers = {id(m): m for m, _ in self._layers.values()}
+        layers = {id(m): m for m, _ in (*self._layers.values(), *self._encoder.values())}
         for key, layer in layers.items():
             layer.lora.write(slot, placed.get(key, (None, {}))[1])
         self.loaded[name] = (slot, adapter)
         self._loads += 1
         self._salts[name] = f"lora:{name}#{self._loads}"
+        encoder = {id(m) for m, _ in self._encoder.values()}
+        self._touches_encoder[name] = any(key in encoder for key in placed)
         return slot
 
     def unload(self, name: str) -> int:

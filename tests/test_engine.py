@@ -480,10 +480,10 @@ def test_an_image_that_fails_to_encode_fails_only_its_request(path):
     poisoned = imgs[1][0].key
     real = eng.runner.encode_images
 
-    def encode_images(images):
+    def encode_images(images, adapter=-1):
         if any(im.key == poisoned for im in images):
             raise RuntimeError("simulated encoder failure")
-        return real(images)
+        return real(images, adapter)
     eng.runner.encode_images = encode_images
     ids = [eng.add_request(prompt, im, sp) for im in imgs]
     seen = _step_all(eng, ids)

@@ -557,7 +557,7 @@ def test_queue_full_and_engine_failure(open_server):
     eng = st.engine
     orig = eng.runner.encode_images
 
-    def boom(images):
+    def boom(images, adapter=-1):
         raise RuntimeError("simulated device failure")
     eng.runner.encode_images = boom
     try:

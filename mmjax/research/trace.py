@@ -64,13 +64,14 @@ class Trace:
 
 def trace(vlm, prompt: Any, images: Iterable[Any] = (), *, layers: Iterable[int] | None = None,
           what: Iterable[str] = ("hidden", "attn"), heads: str = "all", image_options: dict | None = None,
-          intervention=None, answer: str | None = None) -> Trace:
+          intervention=None, answer: str | None = None, lora=None) -> Trace:
     """Trace one prompt (raw / ChatPrompt with placeholders, or OpenAI-style messages).
 
     layers: decoder layers whose attention (and hidden state after them) to keep; None: all.
     what: any of "hidden", "attn". heads: "all" ([heads, t, t]) or "mean" ([1, t, t]).
     answer: text appended after the prompt (e.g. the model's reply), so its tokens' attention
-    rows are traced too (`Trace.answer_positions`)."""
+    rows are traced too (`Trace.answer_positions`). lora: a LoRA adapter as `vlm.generate` takes
+    one (a `mmjax.lora.LoRARequest` or a loaded adapter's name; None: the base model)."""
     from mmjax.research.prompt import prompt_inputs
 
     what = set(what)
@@ -85,7 +86,7 @@ def trace(vlm, prompt: Any, images: Iterable[Any] = (), *, layers: Iterable[int]
         raise InvalidRequestError(f"layers must lie in [0, {n_layers})", param="layers")
     p = prompt_inputs(vlm, prompt, images, image_options=image_options, intervention=intervention, answer=answer)
     capture = Capture(hidden="hidden" in what, attn_layers=layers if "attn" in what else ())
-    logits, inter = vlm.prompt_forward(p, capture)
+    logits, inter = vlm.prompt_forward(p, capture, lora=lora)
     hidden = {}
     if "hidden" in what:
         keep = set(range(n_layers + 1)) if len(layers) == n_layers else {0, *(i + 1 for i in layers)}

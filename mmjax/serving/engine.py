@@ -93,16 +93,9 @@ class Engine:
         (mmjax.lora; `load_lora`)."""
         self.model = model
         self.adapters = None
-        if max_loras:      # the decoder's adapter slots, before the runner places its weights
+        if max_loras:      # the adapter slots, before the runner places the weights
             from mmjax.lora import Adapters
-            from mmjax.models.nn import lora
-            from mmjax.sharding import MODEL, axis_size
-            if mesh is not None and axis_size(mesh, MODEL) > 1:
-                raise UnsupportedModelError("LoRA adapters are not supported with tensor parallelism",
-                                            param="max_loras")
-            lm = model.module.language_model
-            lora.enable(lm, max_loras, max_lora_rank, lm.embed_tokens.embedding.get_value().dtype)
-            self.adapters = Adapters(lm, max_loras, max_lora_rank)
+            self.adapters = Adapters.enable(model.module, max_loras, max_lora_rank, mesh)
         self.overlap = overlap
         # dispatched calls whose sampled tokens the host has not read yet, in dispatch order:
         # (PendingOutput, [(request, output row)], steps); see _collect
@@ -240,6 +233,7 @@ class Engine:
                        rope_delta=rope_delta, sampling=sampling, key=key,
                        detok=IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens),
                        keys=keys, cross=cross, lora=lora, adapter=adapter,
+                       encoder_salt=self.adapters.encoder_salt(lora) if lora is not None else "",
                        logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
                        image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune),
                        vrow=vrow, constraints=constraints, allow=allow)
@@ -692,47 +686,60 @@ class Engine:
 
     def _encode_missing(self, reqs: list[Request], deltas: list[Delta]) -> None:
         """Give every prefilling request its image features: from the encoder cache, or by
-        encoding all missing images of all these requests together (deduplicated by key). If
-        the joint encode fails, each request's images are encoded alone so that only the
-        request whose image fails is failed."""
-        todo: dict[str, ImageInput] = {}
+        encoding all missing images of all these requests together (deduplicated by key: the
+        image's, with the request's adapter where the adapter changes the encoder). If the joint
+        encode fails, each request's images are encoded alone so that only the request whose
+        image fails is failed."""
+        todo: dict[str, tuple[ImageInput, int]] = {}
         for r in reqs:
             for i, im in enumerate(r.images):
                 # cross-attention: every image is needed by the request's first chunk
                 done = r.image_end(i) <= r.prefilled and not self.family.cross_attention
-                if r.feats[i] is not None or im.key in todo or done:
+                key = r.feature_key(im)
+                if r.feats[i] is not None or key in todo or done:
                     continue
-                cached = self.encoder_cache.get(im.key)
+                cached = self.encoder_cache.get(key)
                 if cached is not None:
                     self.encoder_cache.hits += 1
                     r.feats[i] = cached
                 else:
                     self.encoder_cache.misses += 1
-                    todo[im.key] = im
+                    todo[key] = (im, r.encoder_adapter)
         if not todo:
             return
         try:
-            feats = self._encode(list(todo.values()))
+            feats = self._encode_keyed(todo)
         except Exception as e:  # find the culprit(s): one request at a time
             log.warning("joint encode of %d images failed (%s: %s); encoding per request", len(todo),
                         type(e).__name__, e)
             feats = {}
             for r in reqs:
-                mine = [im for im in r.images if im.key in todo and im.key not in feats]
+                mine = {k: todo[k] for k in map(r.feature_key, r.images) if k in todo and k not in feats}
                 try:
-                    feats.update(self._encode(mine))
+                    feats.update(self._encode_keyed(mine))
                 except Exception as e:
                     self.fail_request(r, _as_error(e, "encoding the request's images"), deltas)
         for key, f in feats.items():
             self.encoder_cache.put(key, f)
         for r in reqs:
             for i, im in enumerate(r.images):
-                if r.feats[i] is None and im.key in feats:
-                    r.feats[i] = feats[im.key]
+                key = r.feature_key(im)
+                if r.feats[i] is None and key in feats:
+                    r.feats[i] = feats[key]
 
-    def _encode(self, images: list[ImageInput]) -> dict[str, np.ndarray]:
+    def _encode_keyed(self, todo: dict[str, tuple[ImageInput, int]]) -> dict[str, np.ndarray]:
+        """{feature key: (image, encoder adapter slot)} -> {feature key: features}: one encode per
+        adapter slot (the encode step runs one adapter per call)."""
+        out: dict[str, np.ndarray] = {}
+        for slot in sorted({s for _, s in todo.values()}):
+            keys = [k for k, (_, s) in todo.items() if s == slot]
+            feats = self._encode([todo[k][0] for k in keys], slot)
+            out.update((k, feats[todo[k][0].key]) for k in keys)
+        return out
+
+    def _encode(self, images: list[ImageInput], adapter: int = -1) -> dict[str, np.ndarray]:
         """Encode in groups of at most `max_encode_tokens` image tokens (an image larger than the
-        budget goes alone) -> {image key: features}."""
+        budget goes alone) under LoRA adapter slot `adapter` (-1: none) -> {image key: features}."""
         feats: dict[str, np.ndarray] = {}
         groups, cur, n = [], [], 0
         for im in images:
@@ -742,7 +749,7 @@ class Engine:
             cur.append(im)
             n += im.num_tokens
         for group in groups + ([cur] if cur else []):
-            feats.update(zip((im.key for im in group), self.runner.encode_images(group)))
+            feats.update(zip((im.key for im in group), self.runner.encode_images(group, adapter)))
             self.counters["images_encoded"] += sum(im.kind != "video" for im in group)
             self.counters["videos_encoded"] += sum(im.kind == "video" for im in group)
         return feats

@@ -97,6 +97,17 @@ class Request:
     admitted_seq: int = 0            # admission order: the latest admitted is preempted first
     lora: str | None = None          # the LoRA adapter's name (None: the base model)
     adapter: int = -1                # its adapter slot (mmjax.lora.Adapters)
+    encoder_salt: str = ""           # its adapter's salt if the adapter changes the encoder (else "")
+
+    @property
+    def encoder_adapter(self) -> int:
+        """The adapter slot its images are encoded under (-1: the base encoder)."""
+        return self.adapter if self.encoder_salt else -1
+
+    def feature_key(self, image) -> str:
+        """The encoder-cache key of one of its images: the image's, salted by the adapter where
+        the adapter changes the encoder (its features are not the base model's)."""
+        return f"{image.key}|{self.encoder_salt}" if self.encoder_salt else image.key
 
     def waits_for_parent(self) -> bool:
         """A sibling is admitted once its parent's prompt is in the cache (then copied), unless

@@ -446,21 +446,35 @@ def device_memory_bytes(x) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def make_encode_step(family: Family, model_of):
+    """A jittable (vision leaves, one EncodeCall's inputs, adapter int32 scalar) -> features: the
+    family's encode with every image of the call under LoRA adapter slot `adapter` (-1: none;
+    nn/lora.py; a model without encoder adapter slots ignores it)."""
+    from mmjax.models.nn import lora
+
+    def encode(leaves, inputs, adapter):
+        with lora.adapter_rows(adapter):
+            return family.encode(model_of(leaves), inputs)
+    return encode
+
+
 def make_prompt_forward(family: Family, capture: Capture = Capture(), hidden: bool = False, tp: int = 1):
     """A jittable (lm, ids [t], image_embeds [t, d], image_mask [t], positions [rows, t], spans [t]
     int32 (image-token run ids, see models.family.run_spans; None: no runs)) -> (logits [t, vocab]
     float32, intermediates) over a whole prompt with a private one-slot cache (research / parity
     use; `capture` picks the intermediates, nn/capture.Capture; `lm`: the decoder module).
     hidden=True: the final (normed) hidden states [t, hidden] instead of the logits (embeddings).
-    tp: the tensor-parallel shards the decoder's weights are laid out for (its cache's KV heads)."""
+    tp: the tensor-parallel shards the decoder's weights are laid out for (its cache's KV heads).
+    adapter: an int32 scalar, the LoRA adapter slot of every token (None: no adapter)."""
 
-    def fn(lm, ids, image_embeds, image_mask, positions, spans=None):
+    def fn(lm, ids, image_embeds, image_mask, positions, spans=None, adapter=None):
         t = ids.shape[0]
         embeds, extra = lm.inputs(ids[None], image_embeds[None], image_mask[None])
         cache = lm.init_cache(1, t, image_embeds.dtype, max_chunk=t, tp=tp)
         meta = AttentionMetadata(positions[:, None, :], jnp.zeros((1,), jnp.int32), t,
                                  spans=None if spans is None else step_spans(family, spans[None]),
-                                 capture=tuple(capture.attn_layers), valid=jnp.ones((1, t), bool))
+                                 capture=tuple(capture.attn_layers), valid=jnp.ones((1, t), bool),
+                                 adapters=None if adapter is None else jnp.full((1, t), adapter, jnp.int32))
         (out, _), inter = captured(lambda m, *a, **kw: m(*a, **kw), capture)(lm, embeds, meta, cache, **extra)
         return (out[0] if hidden else lm.logits(out[0])), inter
     return fn
@@ -730,7 +744,7 @@ class ModelRunner:
         family, p, t = self.family, self.placement, self.tuning
         model_of = self.weights.model_of()
         self._encode_of = model_of
-        self._encode = jax.jit(t.traced(lambda leaves, inputs: family.encode(model_of(leaves), inputs)),
+        self._encode = jax.jit(t.traced(make_encode_step(family, model_of)),
                                out_shardings=p.sharding("outputs"), compiler_options=t.compiler_options("encode"))
 
     def _jit_lm_steps(self) -> None:
@@ -880,13 +894,14 @@ class ModelRunner:
             self.step_seconds[kind] += dt
         return result
 
-    def encode(self, calls: list[EncodeCall]) -> list[np.ndarray]:
-        """Run a family's encode plan -> one feature array [num_tokens, hidden] per image, in order."""
+    def encode(self, calls: list[EncodeCall], adapter: int = -1) -> list[np.ndarray]:
+        """Run a family's encode plan -> one feature array [num_tokens, hidden] per image, in order.
+        adapter: the LoRA adapter slot every call runs under (-1: none; `make_encode_step`)."""
         if self._announce is not None:
             return self._announce("encode", [(c.bucket, c.inputs) for c in calls], lambda: self._encode_calls(calls))
-        return self._encode_calls(calls)
+        return self._encode_calls(calls, adapter)
 
-    def _encode_calls(self, calls: list[EncodeCall]) -> list[np.ndarray]:
+    def _encode_calls(self, calls: list[EncodeCall], adapter: int = -1) -> list[np.ndarray]:
         out: list[np.ndarray] = []
         for call in calls:
             inputs = call.inputs
@@ -895,7 +910,7 @@ class ModelRunner:
                 # groups, one per device) split over the replica's devices
                 inputs = jax.tree.map(self._encode_input, inputs)
             feats = np.asarray(self._track("encode", call.bucket, self._encode, self.weights.split.vision_leaves,
-                                           inputs))
+                                           inputs, np.int32(adapter)))
             out.extend(call.split(feats))
         return out
 
@@ -910,10 +925,11 @@ class ModelRunner:
     def warmup_plan(self) -> list[EncodeCall]:
         return self.family.warmup_plan(self.max_encode_batch, shards=self.encode_shards)
 
-    def encode_images(self, images: list) -> list[np.ndarray]:
-        """Prepared images -> features [num_tokens, hidden] (the family's plan, then `encode`, then
-        each image's host `post` transform, if an intervention set one)."""
-        feats = self.encode(self.encode_plan(images))
+    def encode_images(self, images: list, adapter: int = -1) -> list[np.ndarray]:
+        """Prepared images -> features [num_tokens, hidden] (the family's plan, then `encode` under
+        LoRA adapter slot `adapter`, then each image's host `post` transform, if an intervention
+        set one)."""
+        feats = self.encode(self.encode_plan(images), adapter)
         return [f if im.post is None else im.post(f) for im, f in zip(images, feats)]
 
     def rider_rows(self, buckets: Buckets | None = None) -> int:
@@ -1224,7 +1240,7 @@ class ModelRunner:
                 inputs = spec(inputs, self.placement.encode_input_sharding(inputs.shape))
             else:
                 inputs = jax.tree.map(spec, inputs)
-            out.append((f"encode{call.bucket}", self._encode, (vision, inputs), {}))
+            out.append((f"encode{call.bucket}", self._encode, (vision, inputs, jax.ShapeDtypeStruct((), jnp.int32)), {}))
         rows = self.text_model.position_rows
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         samp = jax.tree.map(spec, SlotSampling.from_params(SamplingParams(temperature=0.0)))
