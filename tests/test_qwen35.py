@@ -13,10 +13,14 @@ Checked:
   (measured ~1e-6 dense, ~3e-5 MoE); other images change them;
 - 32 greedy tokens identical to transformers' generate and logprobs within 1e-4 through the engine
   with 16-token prefill chunks (every prompt spans several calls); one batch (packed prefill calls,
-  the first request's decode riding in the second's prefill) == one at a time ==
-  caches off; a repeat in a reused slot is identical (its states reset) and reuses no prefix
-  (cached_tokens 0: recurrent states cannot resume part-way, text/qwen3_5.py); a prompt prefilled
-  in chunks while decode steps run over its row is unaffected (the row is parked between chunks);
+  the first request's decode riding in the second's prefill) == one at a time (reused slots) ==
+  caches off; an n = 2 sibling forked from its parent's row and a state snapshot gives the same
+  ids; a prompt prefilled in chunks while decode steps run over its row is unaffected (the row is
+  parked between chunks);
+- prefix caching (serving/state_snapshots.py): two requests with the same system prompt and image
+  and different questions (several chunks each): the second resumes at the last chunk boundary
+  inside the shared prefix (cached_tokens exactly that), greedy ids and logprobs (1e-5) equal to
+  the caches off; a third with another image in the reused slot equals its cold run too;
 - a video prompt: ids, positions, logits (rel <= 1e-4) and 32 greedy tokens;
 - the server through the openai client (tests/conformance.py).
 """
@@ -143,7 +147,8 @@ def test_config_and_errors(pair):
     text = fam.cfg.text
     assert text.layer_types == tuple(hf.config.text_config.layer_types) and lm.state_layers == (0, 1, 2)
     assert text.rotary_dim == 8 and vlm.engine.runner.feature_width == 64       # no DeepStack
-    assert not lm.supports_prune and lm.supports_riders and lm.min_resume(40, CHUNK) > 40
+    assert not lm.supports_prune and lm.supports_riders
+    assert vlm.engine.snapshots.rows == 2 * ENGINE["max_num_seqs"]     # SNAPSHOTS_PER_SLOT
     assert (text.moe is not None) == (kind == "moe") and text.tie_word_embeddings == (kind == "moe")
     cfg = hf.config.to_dict()
     cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 3, 3]
@@ -177,7 +182,7 @@ def test_pixels_features_positions_and_logits(pair):
     assert rel_err(other, got) > 1e-3
 
 
-def test_generation_chunks_batching_and_no_prefix_reuse(pair):
+def test_generation_chunks_and_batching(pair):
     _, hf, proc, vlm = pair
     a, b = noise_image(40, 260, 190), noise_image(41, 230, 75)
     reqs = [{"prompt": ONE, "images": [a]}, {"prompt": TWO, "images": [b, a]}]
@@ -189,15 +194,16 @@ def test_generation_chunks_batching_and_no_prefix_reuse(pair):
     with caches_off(vlm):       # the two-image request (its features encoder-cached above)
         cold = vlm.generate([reqs[1]], sp)
     assert [o.token_ids for o in together] == [o.token_ids for o in alone] and cold[0].token_ids == alone[1].token_ids
-    assert all(o.cached_tokens == 0 for o in together + alone + cold)
+    assert cold[0].cached_tokens == 0
     for x, y in zip(together + alone[1:], alone + cold):
         np.testing.assert_allclose([x.logprobs[i][t] for i, t in enumerate(x.token_ids)],
                                    [y.logprobs[i][t] for i, t in enumerate(y.token_ids)], atol=1e-5)
     assert all(len(o.prompt_token_ids) > 2 * CHUNK for o in together)
-    # n > 1: the sibling prefills itself (no fork from the parent's row), same greedy ids
+    # n > 1: the sibling copies its parent's row and the states of the prompt's last chunk boundary
     two = vlm.generate([reqs[0]], mmjax.SamplingParams(max_tokens=8, n=2, **GREEDY))[0]
     assert two.token_ids == two.siblings[0].token_ids == together[0].token_ids[:8]
-    assert two.siblings[0].cached_tokens == 0
+    n = len(two.prompt_token_ids)
+    assert two.siblings[0].cached_tokens == (n - 1) // CHUNK * CHUNK > 0
     for r, o in zip(reqs, together):
         x = proc(text=[r["prompt"]], images=r["images"], return_tensors="pt")
         assert x["input_ids"][0].tolist() == list(o.prompt_token_ids)
@@ -225,6 +231,45 @@ def test_decode_steps_leave_a_prefilling_row_alone(pair):
     assert eng.counters["decode_steps"] - steps > len(o.prompt_token_ids) // CHUNK
     assert o.token_ids == alone.token_ids
     assert max(abs(x[t] - y[t]) for x, y in zip(o.logprobs, alone.logprobs) for t in x) <= 1e-5
+
+
+SYSTEM = "<|im_start|>system\nYou are a careful assistant who looks at every picture closely.<|im_end|>\n"
+
+
+def _shared(question: str) -> str:
+    return (f"{SYSTEM}<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+
+
+def test_prefix_cache_resumes_a_shared_image_prompt(pair):
+    """Same system prompt and image, different questions, one after the other: the second
+    request's slot holds the first's KV and the snapshot pool its states at each 16-token chunk
+    end, so it resumes at the last chunk boundary inside the shared prefix; ids and logprobs equal
+    the caches off. A third request with another image then reuses a slot (what it resumes, if
+    anything, is the text before the image) and equals its cold run."""
+    _, _, _, vlm = pair
+    eng = vlm.engine
+    img, other = noise_image(60, 260, 190), noise_image(61, 260, 190)
+    reqs = [{"prompt": _shared("Describe this image."), "images": [img]},
+            {"prompt": _shared("What colours are in the picture, and where?"), "images": [img]},
+            {"prompt": _shared("Describe this image."), "images": [other]}]
+    sp = mmjax.SamplingParams(max_tokens=16, logprobs=2, **GREEDY)
+    hits, cached = eng.snapshots.hits, eng.counters["tokens_cached"]
+    hot = [vlm.generate([r], sp)[0] for r in reqs]
+    with caches_off(vlm):
+        cold = [vlm.generate([r], sp)[0] for r in reqs]
+    a, b = (np.asarray(o.prompt_token_ids) for o in hot[:2])
+    shared = int(np.flatnonzero(a[:len(b)] != b[:len(a)])[0])
+    assert len(a) > 4 * CHUNK and shared > 3 * CHUNK       # the image is inside the shared prefix
+    assert hot[0].cached_tokens == 0 and hot[1].cached_tokens == shared // CHUNK * CHUNK
+    assert eng.snapshots.hits > hits and eng.counters["tokens_cached"] - cached >= hot[1].cached_tokens
+    assert hot[2].cached_tokens % CHUNK == 0 and hot[2].cached_tokens < a.tolist().index(
+        vlm.family.image_token_id)
+    assert all(o.cached_tokens == 0 for o in cold)
+    for x, y in zip(hot, cold):
+        assert x.token_ids == y.token_ids
+        np.testing.assert_allclose([x.logprobs[i][t] for i, t in enumerate(x.token_ids)],
+                                   [y.logprobs[i][t] for i, t in enumerate(y.token_ids)], atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -567,6 +567,9 @@ class ModelRunner:
                                          "copy_slot": set(), "prefill_scores": set()}
         if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
             self.compiled["fill_cross"] = set()
+        if lm.state_layers:     # recurrent-state snapshots to / from the pool (`init_state_pool`)
+            self.compiled["copy_state"] = set()
+        self.state_pool = None
         # mixed steps: running requests' decode step riding in packed prefill calls (Riders)
         self.mixes = self.tuning.mixed_steps and self.max_prefill_seqs > 1 and lm.supports_riders
         self._memory_plan: dict | None = None
@@ -637,7 +640,7 @@ class ModelRunner:
         after = self.weights.split
         if "language_model" in changed and after.lm_graphdef != before.lm_graphdef:
             for kind in self.compiled:
-                if kind not in ("encode", "copy_slot"):
+                if kind not in ("encode", "copy_slot", "copy_state"):
                     self.compiled[kind] = set()
             self._aot = {k: v for k, v in self._aot.items() if k[0] == "encode"}
             self._jit_lm_steps()
@@ -786,6 +789,8 @@ class ModelRunner:
     def _reset(self) -> None:
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
+        if self.state_pool is not None:     # a failed snapshot copy may have consumed it
+            self.init_state_pool(self.state_pool.rows)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy cache row `src` into row `dst` (n > 1 siblings share their prompt's KV). Every
@@ -797,6 +802,30 @@ class ModelRunner:
 
     def _copy_slot(self, src: int, dst: int) -> None:
         self.cache = self._track("copy_slot", 0, self._copy, self.cache, np.int32(src), np.int32(dst))
+
+    def init_state_pool(self, rows: int) -> None:
+        """A pool of `rows` snapshots of the recurrent decoder's per-slot states (a hybrid
+        decoder's `state_layers`) beside the cache: serving/state_snapshots.py."""
+        from mmjax.serving.state_snapshots import StatePool
+        self.state_pool = StatePool(self.cache, self.text_model.state_layers, rows, self.cache_shardings)
+
+    def save_state(self, slot: int, row: int) -> None:
+        """Snapshot slot `slot`'s recurrent states into pool row `row`."""
+        if self._announce is not None:
+            return self._announce("save_state", (slot, row), lambda: self._save_state(slot, row))
+        self._save_state(slot, row)
+
+    def _save_state(self, slot: int, row: int) -> None:
+        self._track("copy_state", "save", self.state_pool.save, self.cache, slot, row, wait=False)
+
+    def load_state(self, row: int, slot: int) -> None:
+        """Slot `slot`'s recurrent states <- pool row `row` (a prefix resumed from its snapshot)."""
+        if self._announce is not None:
+            return self._announce("load_state", (row, slot), lambda: self._load_state(row, slot))
+        self._load_state(row, slot)
+
+    def _load_state(self, row: int, slot: int) -> None:
+        self.cache = self._track("copy_state", "load", self.state_pool.load, self.cache, row, slot, wait=False)
 
     def set_pages(self, table: np.ndarray) -> None:
         """The host page table [slots, max_pages] int32 (`pages.KVPages.table`) into the decode
@@ -1374,7 +1403,7 @@ class ModelRunner:
         "prefill_scores" once a prompt_logprobs request or warmup did: FastV shapes are not part
         of warmup, they compile in the background, `ready`)."""
         return {k: len(v) for k, v in self.compiled.items()
-                if v or k not in ("prefill_pruned", "copy_slot", "prefill_scores")}
+                if v or k not in ("prefill_pruned", "copy_slot", "prefill_scores", "copy_state")}
 
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
@@ -1382,4 +1411,5 @@ class ModelRunner:
                 "prefill": len(self.buckets.prefill) * len(self.buckets.segments),
                 "decode": len(self.buckets.decode) * len(self._decode_step_counts), "copy_slot": 1,
                 "prefill_scores": len(self.score_buckets),
-                **({"fill_cross": 1} if self.family.cross_attention else {})}
+                **({"fill_cross": 1} if self.family.cross_attention else {}),
+                **({"copy_state": 2} if "copy_state" in self.compiled else {})}
