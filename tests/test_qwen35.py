@@ -254,7 +254,7 @@ def test_prefix_cache_resumes_a_shared_image_prompt(pair):
             {"prompt": _shared("What colours are in the picture, and where?"), "images": [img]},
             {"prompt": _shared("Describe this image."), "images": [other]}]
     sp = mmjax.SamplingParams(max_tokens=16, logprobs=2, **GREEDY)
-    hits, cached = eng.snapshots.hits, eng.counters["tokens_cached"]
+    hits, cached = eng.stats()["state_snapshot_hits"], eng.counters["tokens_cached"]
     hot = [vlm.generate([r], sp)[0] for r in reqs]
     with caches_off(vlm):
         cold = [vlm.generate([r], sp)[0] for r in reqs]
@@ -262,7 +262,7 @@ def test_prefix_cache_resumes_a_shared_image_prompt(pair):
     shared = int(np.flatnonzero(a[:len(b)] != b[:len(a)])[0])
     assert len(a) > 4 * CHUNK and shared > 3 * CHUNK       # the image is inside the shared prefix
     assert hot[0].cached_tokens == 0 and hot[1].cached_tokens == shared // CHUNK * CHUNK
-    assert eng.snapshots.hits > hits and eng.counters["tokens_cached"] - cached >= hot[1].cached_tokens
+    assert eng.stats()["state_snapshot_hits"] > hits and eng.counters["tokens_cached"] - cached >= hot[1].cached_tokens
     assert hot[2].cached_tokens % CHUNK == 0 and hot[2].cached_tokens < a.tolist().index(
         vlm.family.image_token_id)
     assert all(o.cached_tokens == 0 for o in cold)

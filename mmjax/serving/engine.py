@@ -1055,6 +1055,8 @@ class Engine:
                 **({"cross_attention_cache_bytes": r.text_model.cross_cache_bytes(r.num_slots, r.kv_cache_dtype),
                     "cross_attention_slots": int(sum(1 for q in self.scheduler.active() if q.images))}
                    if self.family.cross_attention else {}),
+                **({"state_snapshots": len(self.snapshots), "state_snapshot_hits": self.snapshots.hits}
+                   if self.snapshots is not None else {}),
                 **self.grammars.stats(),
                 "compile_seconds": round(r.compile_seconds, 3),
                 "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()},
