@@ -1288,6 +1288,13 @@ class ModelRunner:
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
                             {"layer": 0, "keep": 1, "out_len": buckets.prefill[0]}))
         out.append(("copy_slot", self._copy, (cache, i32, i32), {}))
+        if self.text_model.state_layers:    # a hybrid decoder's state snapshots (serving/state_snapshots.py)
+            from mmjax.serving.state_snapshots import StatePool
+            sp = self.state_pool or StatePool(cache, self.text_model.state_layers, 1, self.cache_shardings,
+                                              allocate=False)
+            pool, states = jax.tree.map(spec, sp.pool), [cache[i] for i in sp.layers]
+            out += [("copy_state(save)", sp._save, (pool, states, i32, i32), {}),
+                    ("copy_state(load)", sp._load, (states, pool, i32, i32), {})]
         for r in buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
             for steps in self._decode_step_counts:

@@ -77,12 +77,16 @@ class StatePool:
     pool row. cache: the decoder's cache (a list, an entry per layer); layers: the state
     layers' indexes; shardings: the cache's shardings (the same list; None: one device)."""
 
-    def __init__(self, cache: list, layers: tuple[int, ...], rows: int, shardings: list):
+    def __init__(self, cache: list, layers: tuple[int, ...], rows: int, shardings: list | None,
+                 allocate: bool = True):
+        """allocate=False: the pool's shapes only (`ModelRunner.step_signatures` of a runner with
+        no pool, e.g. one built to lower the steps for another platform); `cache` may be abstract."""
         self.layers, self.rows = layers, rows
-        entries = [jax.eval_shape(lambda x=cache[i]: x) for i in layers]
+        entries = [jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows,) + x.shape[1:], x.dtype), cache[i])
+                   for i in layers]
         shard = None if shardings is None else [shardings[i] for i in layers]
-        self.pool = jax.jit(lambda: [jax.tree.map(lambda s: jnp.zeros((rows,) + s.shape[1:], s.dtype), e)
-                                     for e in entries], out_shardings=shard)()
+        self.pool = entries if not allocate else jax.jit(
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), entries), out_shardings=shard)()
         # pool[row] <- states[slot] (the pool donated; the cache only read)
         self._save = jax.jit(lambda pool, states, slot, row: jax.tree.map(
             lambda p, s: p.at[row].set(s[slot]), pool, states), donate_argnums=(0,), out_shardings=shard)
