@@ -38,6 +38,7 @@ from mmjax.models import qwen3_5 as Q35
 from mmjax.models.nn.gated_delta import chunk_gated_delta, l2norm, recurrent_gated_delta
 from mmjax.models.nn.metadata import AttentionMetadata
 from mmjax.models.nn.packing import NO_INDEX, DecodeRows, Packing
+from mmjax.serving.state_snapshots import ROWS_PER_SLOT
 from tiny_qwen35 import hf_processor, torchvision_stand_in
 from tiny_video import write_video
 
@@ -148,7 +149,9 @@ def test_config_and_errors(pair):
     assert text.layer_types == tuple(hf.config.text_config.layer_types) and lm.state_layers == (0, 1, 2)
     assert text.rotary_dim == 8 and vlm.engine.runner.feature_width == 64       # no DeepStack
     assert not lm.supports_prune and lm.supports_riders
-    assert vlm.engine.snapshots.rows == 2 * ENGINE["max_num_seqs"]     # SNAPSHOTS_PER_SLOT
+    r = vlm.engine.runner          # the state-snapshot pool: ROWS_PER_SLOT rows a slot, in the memory plan
+    assert vlm.engine.snapshots.rows == ROWS_PER_SLOT * r.num_slots
+    assert r._plan_for(r.num_slots, {})["state_snapshots"] == r.state_pool.nbytes() > 0
     assert (text.moe is not None) == (kind == "moe") and text.tie_word_embeddings == (kind == "moe")
     cfg = hf.config.to_dict()
     cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 3, 3]

@@ -50,7 +50,7 @@ from mmjax.serving.runner import ModelRunner, PrefillChunk
 from mmjax.serving.constraints import BadWords, bad_word_ids
 from mmjax.serving.sampling import SamplingParams, SlotSampling, vocab_row
 from mmjax.serving.scheduler import Scheduler
-from mmjax.serving.state_snapshots import SnapshotIndex
+from mmjax.serving.state_snapshots import ROWS_PER_SLOT, SnapshotIndex
 from mmjax.serving.structured import Grammar, GrammarCompiler, GrammarError, allowed_bits, grammar_constraint
 from mmjax.tokenizer import IncrementalDetokenizer
 
@@ -60,9 +60,6 @@ log = logging.getLogger("mmjax.engine")
 # each sequence past the first may add one 32-query attention block (an unaligned segment end);
 # the compiled block layout holds S - 1 such blocks, skipped at run time while unneeded
 MAX_PREFILL_SEQS = 8
-# a hybrid recurrent decoder's prefix cache: rows of state snapshots per decode slot
-# (serving/state_snapshots.py; each row is one sequence's recurrent + conv states)
-SNAPSHOTS_PER_SLOT = 2
 
 
 def _as_error(exc: BaseException, what: str) -> MMJaxError:
@@ -151,11 +148,11 @@ class Engine:
 
     def _state_snapshots(self, enabled: bool) -> SnapshotIndex | None:
         """A hybrid decoder's (`state_layers`) prefix cache of recurrent states: the host index of
-        a pool of SNAPSHOTS_PER_SLOT rows a slot (none when prefix caching is off: nothing then
+        a pool of ROWS_PER_SLOT rows a slot (none when prefix caching is off: nothing then
         resumes); None for decoders without recurrent states."""
         if not self.runner.text_model.state_layers:
             return None
-        rows = SNAPSHOTS_PER_SLOT * self.runner.num_slots if enabled else 0
+        rows = ROWS_PER_SLOT * self.runner.num_slots if enabled else 0
         if rows:
             self.runner.init_state_pool(rows)
         return SnapshotIndex(rows)

@@ -1344,11 +1344,16 @@ class ModelRunner:
         cache, state, _ = self._abstract_device_state(num_slots)
         kv = sum(_shard_bytes(x) for x in jax.tree.leaves(cache))
         st = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
-        resident = text + vision - host + kv + st
+        # a hybrid decoder's state-snapshot pool: ROWS_PER_SLOT copies of each slot's states
+        from mmjax.serving.state_snapshots import ROWS_PER_SLOT
+        snaps = ROWS_PER_SLOT * sum(_shard_bytes(x) for i in self.text_model.state_layers
+                                    for x in jax.tree.leaves(cache[i]))
+        resident = text + vision - host + kv + st + snaps
         step = max(temp.get("encode", 0) + host, temp.get("prefill", 0), temp.get("decode", 0))
         return {"slots": num_slots, **({"pages": self.num_pages, "page_size": self.page_size} if self.paged else {}),
                 "weights_text": text, "weights_vision": vision,
                 "vision_offloaded": self.weights.offload, "kv_cache": kv, "decode_state": st,
+                **({"state_snapshots": snaps} if snaps else {}),
                 "kv_cache_dtype": kv_quant.dtype_name(self.kv_cache_dtype),
                 "temp_encode": temp.get("encode", 0), "temp_prefill": temp.get("prefill", 0),
                 "temp_decode": temp.get("decode", 0), "peak": resident + step}

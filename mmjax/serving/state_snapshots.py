@@ -22,6 +22,9 @@ import numpy as np
 
 from mmjax.serving.caches import common_prefix
 
+# snapshot rows per decode slot (the engine's pool; the runner's memory plan counts them)
+ROWS_PER_SLOT = 2
+
 
 class SnapshotIndex:
     """Host side: which pool row holds the states at the end of which key prefix (LRU)."""
