@@ -10,7 +10,7 @@ minutes on a small CPU): hidden 1024, 8 layers (6 Gated DeltaNet + 2 full attent
 intermediate 3072, vocab 32000: ~220M decoder parameters hybrid, ~200M dense (the JSON's
 `params`); `--smoke`: the tests' tiny shape.
 
-Decode: one engine per model with 16 slots; text-only prompts of ~64 tokens; the figure is
+Decode: one engine per model with 16 slots; text-only prompts of ~60 tokens; the figure is
 batch / median wall time of an `engine.step()` holding only a decode step with every request of
 the batch running (as `bench kernel`).
 
@@ -84,7 +84,7 @@ def decode_rate(vlm, batch: int, new_tokens: int) -> float:
     eng = vlm.engine
     sp = mmjax.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     words = "please describe the picture in detail what is shown here and why".split()
-    ids = [eng.add_request(" ".join(words[(i + j) % len(words)] for j in range(48)), [], sp) for i in range(batch)]
+    ids = [eng.add_request(" ".join(words[(i + j) % len(words)] for j in range(24)), [], sp) for i in range(batch)]
     steps = []
     while any(eng.requests[i].finish_reason is None for i in ids):
         running = sum(1 for r in eng.slots if r is not None and r.prefilled >= r.prompt_len
