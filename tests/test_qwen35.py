@@ -21,6 +21,7 @@ Checked:
   and different questions (several chunks each): the second resumes at the last chunk boundary
   inside the shared prefix (cached_tokens exactly that), greedy ids and logprobs (1e-5) equal to
   the caches off; a third with another image in the reused slot equals its cold run too;
+  the snapshot index's LRU and longest-prefix lookup on their own;
 - a video prompt: ids, positions, logits (rel <= 1e-4) and 32 greedy tokens;
 - the server through the openai client (tests/conformance.py).
 """
@@ -273,6 +274,23 @@ def test_prefix_cache_resumes_a_shared_image_prompt(pair):
         assert x.token_ids == y.token_ids
         np.testing.assert_allclose([x.logprobs[i][t] for i, t in enumerate(x.token_ids)],
                                    [y.logprobs[i][t] for i, t in enumerate(y.token_ids)], atol=1e-5)
+
+
+def test_snapshot_index_lru():
+    """SnapshotIndex (host side of the state snapshots): a row per distinct prefix, the least
+    recently used row reused when full, `longest` the longest held prefix of the keys within n."""
+    from mmjax.serving.state_snapshots import SnapshotIndex
+    keys = np.arange(100, dtype=np.int64)
+    idx = SnapshotIndex(2)
+    assert idx.claim(keys[:16]) == 0 and idx.claim(keys[:32]) == 1 and idx.claim(keys[:16]) is None
+    assert idx.longest(keys, 99) == 32 and idx.longest(keys, 31) == 16 and idx.longest(keys, 15) == 0
+    other = keys.copy()
+    other[20] = -1                  # diverges inside the 32-token prefix
+    assert idx.longest(other, 99) == 16
+    assert idx.row(keys[:32]) == 1  # 32 used last: 16 is evicted next
+    assert idx.claim(keys[:48]) == 0 and idx.longest(keys, 40) == 32 and idx.longest(keys, 31) == 0
+    assert idx.hits == 1 and len(idx) == 2
+    assert SnapshotIndex(0).claim(keys[:16]) is None
 
 
 @pytest.fixture(scope="module")
