@@ -23,7 +23,8 @@ Checked:
   the caches off; a third with another image in the reused slot equals its cold run too;
   the snapshot index's LRU and longest-prefix lookup on their own;
 - a video prompt: ids, positions, logits (rel <= 1e-4) and 32 greedy tokens;
-- the server through the openai client (tests/conformance.py).
+- the server through the openai client (tests/conformance.py);
+- benchmarks/qwen35_hybrid.py at its smoke size (cache bytes per sequence from shapes, tok/s).
 """
 import jax
 import jax.numpy as jnp
@@ -324,3 +325,17 @@ def test_served_through_openai(pair):
     buf = io.BytesIO()
     noise_image(50, 120, 90).save(buf, format="PNG")
     assert isinstance(served_through_openai(vlm, buf.getvalue(), "Describe it."), str)
+
+
+def test_hybrid_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/qwen35_hybrid.py at its smoke size: the table and JSON line; the hybrid's KV is
+    its one full-attention layer's of the dense peer's four, plus the linear layers' states."""
+    import json
+
+    from benchmarks.qwen35_hybrid import main
+    assert main(["--smoke", "--new-tokens", "8", "--out-dir", str(tmp_path)]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    h, d = r["models"]["hybrid"], r["models"]["dense"]
+    assert h["kv_bytes"] * 4 == d["kv_bytes"] and h["state_bytes"] > 0 == d["state_bytes"]
+    assert r["memory_ratio"] == h["total_bytes"] / d["total_bytes"] < 0.26
+    assert all(m[f"decode_tok_s_b{b}"] > 0 for m in (h, d) for b in r["batches"])
