@@ -4,11 +4,13 @@ the cache memory one sequence holds at 32k context.
 Both checkpoints are built offline (tests/tiny_qwen35.build_qwen35, random weights): the hybrid
 one with the default layer pattern (three Gated DeltaNet layers, then full attention), the dense
 peer the same config with every layer full attention (same hidden size, heads, MLPs, vocab), so
-the only difference is the token mixer. Default size: hidden 1024, 16 layers, 8 heads of 256 (2
-KV heads, partial RoPE 0.25), linear attention 16 key / 16 value heads of 128, intermediate 3584,
-vocab 32000; `--smoke`: the tests' tiny shape.
+the only difference is the token mixer. Default size (bounded so that the whole run takes
+minutes on a small CPU): hidden 1024, 8 layers (6 Gated DeltaNet + 2 full attention in the hybrid),
+8 heads of 256 (2 KV heads, partial RoPE 0.25), linear attention 16 key / 16 value heads of 128,
+intermediate 3072, vocab 32000: ~220M decoder parameters hybrid, ~200M dense (the JSON's
+`params`); `--smoke`: the tests' tiny shape.
 
-Decode: one engine per model with 16 slots; text-only prompts of ~64 tokens; the figure is
+Decode: one engine per model with 16 slots; text-only prompts of ~60 tokens; the figure is
 batch / median wall time of an `engine.step()` holding only a decode step with every request of
 the batch running (as `bench kernel`).
 
@@ -34,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 SIZES = {
-    "default": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=16, num_attention_heads=8,
+    "default": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
                     num_key_value_heads=2, head_dim=256, vocab_size=32000, linear_num_key_heads=16,
                     linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
                     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [11, 11, 10],
@@ -70,12 +72,19 @@ def cache_bytes_per_sequence(vlm, context: int) -> dict:
     return {"kv_bytes": kv, "state_bytes": state, "total_bytes": kv + state}
 
 
+def decoder_params(vlm) -> int:
+    """Parameters of the decoder (embeddings and LM head included)."""
+    import jax
+    from flax import nnx
+    return int(sum(x.size for x in jax.tree.leaves(nnx.state(vlm.engine.runner.text_model, nnx.Param))))
+
+
 def decode_rate(vlm, batch: int, new_tokens: int) -> float:
     import mmjax
     eng = vlm.engine
     sp = mmjax.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     words = "please describe the picture in detail what is shown here and why".split()
-    ids = [eng.add_request(" ".join(words[(i + j) % len(words)] for j in range(48)), [], sp) for i in range(batch)]
+    ids = [eng.add_request(" ".join(words[(i + j) % len(words)] for j in range(24)), [], sp) for i in range(batch)]
     steps = []
     while any(eng.requests[i].finish_reason is None for i in ids):
         running = sum(1 for r in eng.slots if r is not None and r.prefilled >= r.prompt_len
@@ -100,6 +109,7 @@ def run(args) -> dict:
     for name, path in paths.items():
         vlm = mmjax.load(path, dtype=args.dtype, max_num_seqs=max(batches), max_model_len=512, prefill_chunk=64)
         rec = cache_bytes_per_sequence(vlm, CONTEXT)
+        rec["params"] = decoder_params(vlm)
         for b in batches:
             decode_rate(vlm, b, 4)                      # compile this batch's shapes
             rec[f"decode_tok_s_b{b}"] = decode_rate(vlm, b, args.new_tokens)
@@ -113,10 +123,10 @@ def run(args) -> dict:
 
 
 def format_table(r: dict) -> str:
-    rows = [f"{'model':8} {'KV MiB':>10} {'state MiB':>10} {'total MiB':>10} " +
+    rows = [f"{'model':8} {'params M':>9} {'KV MiB':>10} {'state MiB':>10} {'total MiB':>10} " +
             " ".join(f"{'tok/s b' + str(b):>10}" for b in r["batches"])]
     for name, m in r["models"].items():
-        rows.append(f"{name:8} {m['kv_bytes'] / 2**20:10.1f} {m['state_bytes'] / 2**20:10.2f} "
+        rows.append(f"{name:8} {m['params'] / 1e6:9.1f} {m['kv_bytes'] / 2**20:10.1f} {m['state_bytes'] / 2**20:10.2f} "
                     f"{m['total_bytes'] / 2**20:10.1f} " +
                     " ".join(f"{m[f'decode_tok_s_b{b}']:10.1f}" for b in r["batches"]))
     rows.append(f"cache per sequence at {r['context']} positions: hybrid / dense = {r['memory_ratio']:.3f}")

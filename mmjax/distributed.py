@@ -162,6 +162,10 @@ def follow() -> int:
             runner.set_pages(*args)
         elif op == "restore_row":
             runner.restore_row(*args)
+        elif op == "save_state":
+            runner.save_state(*args)
+        elif op == "load_state":
+            runner.load_state(*args)
         else:
             raise RuntimeError(f"unknown step {op!r} from the leader")
         n += 1

@@ -44,7 +44,9 @@ def chat_request(vlm, images: list, text: str) -> dict:
 def engine_invariants(vlm, requests: list[dict], *, max_tokens: int = 16, atol: float = 1e-4) -> dict:
     """requests (at least two, the first with an image): greedy ids and logprobs of one batch ==
     one request at a time == the caches off; the first request again resumes from the prefix
-    cache with the same ids (decoders that cannot resume part-way, min_resume: none cached); replacing its image changes its first logprob. The engine's
+    cache with the same ids (decoders that cannot resume part-way, min_resume: none cached;
+    hybrid recurrent decoders: repeated once more, so that the snapshots of its states the repeat
+    took are the pool's newest); replacing its image changes its first logprob. The engine's
     prefill chunk should be shorter than the image prompts (chunked prefill across an image).
     -> figures for the caller's report."""
     sp = mmjax.SamplingParams(max_tokens=max_tokens, logprobs=1, **GREEDY)
@@ -61,8 +63,11 @@ def engine_invariants(vlm, requests: list[dict], *, max_tokens: int = 16, atol: 
     chunk = vlm.engine.prefill_chunk
     assert max(len(o.prompt_token_ids) for o in together) > chunk, "no prompt is chunked across its image"
     again = vlm.generate([requests[0]], sp)[0]
+    if vlm.engine.snapshots is not None:        # recurrent states resume where a snapshot ends
+        assert again.token_ids == together[0].token_ids
+        again = vlm.generate([requests[0]], sp)[0]
     held = len(together[0].prompt_token_ids)
-    resumes = vlm.engine.scheduler.min_resume(held) <= held     # hybrid decoders' states do not
+    resumes = vlm.engine.scheduler.min_resume(held) <= held     # ring-buffer layers may not
     assert again.token_ids == together[0].token_ids and (again.cached_tokens > 0) == resumes
     first = requests[0]
     other = dict(first, images=[noise_input(vlm, im) for im in first["images"]])

@@ -8,7 +8,8 @@ GLM-4.xV dense and MoE, Qwen3.5 dense and MoE, MiniCPM-V 4.7) and the shipped
 mmjax-shapes model, in bfloat16 (and float32 for one checkpoint per family), a runner built for platform "cuda" lists every
 compiled shape it can produce (`ModelRunner.step_signatures`: every encode bucket of the family's
 plan, every prefill chunk bucket (the packed prefill: up to 4 sequences per call),
-every decode row bucket) and each one is exported with
+every decode row bucket, the cache-row copy, and the hybrid decoders' state-snapshot copies) and
+each one is exported with
 `jax.export(..., platforms=("cuda",))` while tracing for CUDA (so impl="auto" attention picks the
 GPU kernels, decode attention the ragged Pallas kernel, a paged cache's attention the paged
 Pallas kernel, and Pallas kernels take the Triton lowering, not the interpreter). Nothing runs; a step that uses an op or a kernel shape the CUDA lowering rejects
@@ -82,8 +83,10 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     # one FastV prefill (every decoder but DeepStack's per-layer image features and cross-attention)
     fastv = set() if name.startswith(("qwen3", "mllama", "minicpmv")) else {"prefill_pruned"}
     cross = {"fill_cross"} if name.startswith("mllama") else set()      # the per-slot cross-attention K/V
+    # hybrid recurrent decoders: their states to / from the snapshot pool (serving/state_snapshots.py)
+    states = {"copy_state"} if name.startswith(("qwen35", "minicpmv")) else set()
     # copy_slot: n > 1 siblings copy the prompt's cache row; prefill_scores: prompt_logprobs
-    want = {"encode", "prefill", "decode", "copy_slot"} | fastv | cross
+    want = {"encode", "prefill", "decode", "copy_slot"} | fastv | cross | states
     assert kinds == (want | {"prefill_scores"} if scores else want)
     assert sum(k.startswith("decode") for k in exported) == 3          # rows 1, 2, 4
     # chunks 16, 32, 64 (packed: 4 sequences per call, the slot count; every family, Mllama included)
@@ -91,7 +94,7 @@ def test_every_step_lowers_for_cuda(checkpoints, name, dtype):
     assert all(k.endswith(",4]") for k in exported if k.startswith("prefill["))
     for step, exp in exported.items():
         assert exp.platforms == ("cuda",), step
-        if step == "copy_slot":                                          # a cache-row copy: no matmul
+        if step.startswith(("copy_slot", "copy_state")):                 # a cache-row copy: no matmul
             continue
         if step.startswith("decode"):   # decode attention: the ragged Pallas kernel on GPUs, except
             # for head_dim 12 (llava-mha), no Triton tile: the XLA segments there

@@ -194,14 +194,15 @@ def test_marker_ids_from_the_tokenizer(minicpmv_dirs):
 
 
 def test_engine_and_server(pair):
-    """tests/conformance.py: batched == alone == caches off across chunked image prompts (no
-    prefix resumed: the decoder's recurrent states), the image matters; the openai client."""
+    """tests/conformance.py: batched == alone == caches off across chunked image prompts, a
+    repeat resumes from a snapshot of the decoder's recurrent states (serving/state_snapshots.py)
+    at a chunk boundary, the image matters; the openai client."""
     _, _, _, vlm = pair
     imgs = [noise_image(60, 300, 140), noise_image(61, 90, 60)]
     reqs = [{"prompt": TWO, "images": vlm.prepare_images(imgs)},
             {"prompt": ONE, "images": vlm.prepare_images([noise_image(62, 250, 230)])}]
     figures = engine_invariants(vlm, reqs)
-    assert figures["cached_tokens"] == 0
+    assert figures["cached_tokens"] > 0
     import io
     buf = io.BytesIO()
     imgs[0].save(buf, format="PNG")

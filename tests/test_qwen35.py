@@ -13,12 +13,18 @@ Checked:
   (measured ~1e-6 dense, ~3e-5 MoE); other images change them;
 - 32 greedy tokens identical to transformers' generate and logprobs within 1e-4 through the engine
   with 16-token prefill chunks (every prompt spans several calls); one batch (packed prefill calls,
-  the first request's decode riding in the second's prefill) == one at a time ==
-  caches off; a repeat in a reused slot is identical (its states reset) and reuses no prefix
-  (cached_tokens 0: recurrent states cannot resume part-way, text/qwen3_5.py); a prompt prefilled
-  in chunks while decode steps run over its row is unaffected (the row is parked between chunks);
+  the first request's decode riding in the second's prefill) == one at a time (reused slots) ==
+  caches off; an n = 2 sibling forked from its parent's row and a state snapshot gives the same
+  ids; a prompt prefilled in chunks while decode steps run over its row is unaffected (the row is
+  parked between chunks);
+- prefix caching (serving/state_snapshots.py): two requests with the same system prompt and image
+  and different questions (several chunks each): the second resumes at the last chunk boundary
+  inside the shared prefix (cached_tokens exactly that), greedy ids and logprobs (1e-5) equal to
+  the caches off; a third with another image in the reused slot equals its cold run too;
+  the snapshot index's LRU and longest-prefix lookup on their own;
 - a video prompt: ids, positions, logits (rel <= 1e-4) and 32 greedy tokens;
-- the server through the openai client (tests/conformance.py).
+- the server through the openai client (tests/conformance.py);
+- benchmarks/qwen35_hybrid.py at its smoke size (cache bytes per sequence from shapes, tok/s).
 """
 import jax
 import jax.numpy as jnp
@@ -34,6 +40,7 @@ from mmjax.models import qwen3_5 as Q35
 from mmjax.models.nn.gated_delta import chunk_gated_delta, l2norm, recurrent_gated_delta
 from mmjax.models.nn.metadata import AttentionMetadata
 from mmjax.models.nn.packing import NO_INDEX, DecodeRows, Packing
+from mmjax.serving.state_snapshots import ROWS_PER_SLOT
 from tiny_qwen35 import hf_processor, torchvision_stand_in
 from tiny_video import write_video
 
@@ -143,7 +150,10 @@ def test_config_and_errors(pair):
     text = fam.cfg.text
     assert text.layer_types == tuple(hf.config.text_config.layer_types) and lm.state_layers == (0, 1, 2)
     assert text.rotary_dim == 8 and vlm.engine.runner.feature_width == 64       # no DeepStack
-    assert not lm.supports_prune and lm.supports_riders and lm.min_resume(40, CHUNK) > 40
+    assert not lm.supports_prune and lm.supports_riders
+    r = vlm.engine.runner          # the state-snapshot pool: ROWS_PER_SLOT rows a slot, in the memory plan
+    assert vlm.engine.snapshots.rows == ROWS_PER_SLOT * r.num_slots
+    assert r._plan_for(r.num_slots, {})["state_snapshots"] == r.state_pool.nbytes() > 0
     assert (text.moe is not None) == (kind == "moe") and text.tie_word_embeddings == (kind == "moe")
     cfg = hf.config.to_dict()
     cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 3, 3]
@@ -177,7 +187,7 @@ def test_pixels_features_positions_and_logits(pair):
     assert rel_err(other, got) > 1e-3
 
 
-def test_generation_chunks_batching_and_no_prefix_reuse(pair):
+def test_generation_chunks_and_batching(pair):
     _, hf, proc, vlm = pair
     a, b = noise_image(40, 260, 190), noise_image(41, 230, 75)
     reqs = [{"prompt": ONE, "images": [a]}, {"prompt": TWO, "images": [b, a]}]
@@ -189,15 +199,16 @@ def test_generation_chunks_batching_and_no_prefix_reuse(pair):
     with caches_off(vlm):       # the two-image request (its features encoder-cached above)
         cold = vlm.generate([reqs[1]], sp)
     assert [o.token_ids for o in together] == [o.token_ids for o in alone] and cold[0].token_ids == alone[1].token_ids
-    assert all(o.cached_tokens == 0 for o in together + alone + cold)
+    assert cold[0].cached_tokens == 0
     for x, y in zip(together + alone[1:], alone + cold):
         np.testing.assert_allclose([x.logprobs[i][t] for i, t in enumerate(x.token_ids)],
                                    [y.logprobs[i][t] for i, t in enumerate(y.token_ids)], atol=1e-5)
     assert all(len(o.prompt_token_ids) > 2 * CHUNK for o in together)
-    # n > 1: the sibling prefills itself (no fork from the parent's row), same greedy ids
+    # n > 1: the sibling copies its parent's row and the states of the prompt's last chunk boundary
     two = vlm.generate([reqs[0]], mmjax.SamplingParams(max_tokens=8, n=2, **GREEDY))[0]
     assert two.token_ids == two.siblings[0].token_ids == together[0].token_ids[:8]
-    assert two.siblings[0].cached_tokens == 0
+    n = len(two.prompt_token_ids)
+    assert two.siblings[0].cached_tokens == (n - 1) // CHUNK * CHUNK > 0
     for r, o in zip(reqs, together):
         x = proc(text=[r["prompt"]], images=r["images"], return_tensors="pt")
         assert x["input_ids"][0].tolist() == list(o.prompt_token_ids)
@@ -225,6 +236,62 @@ def test_decode_steps_leave_a_prefilling_row_alone(pair):
     assert eng.counters["decode_steps"] - steps > len(o.prompt_token_ids) // CHUNK
     assert o.token_ids == alone.token_ids
     assert max(abs(x[t] - y[t]) for x, y in zip(o.logprobs, alone.logprobs) for t in x) <= 1e-5
+
+
+SYSTEM = "<|im_start|>system\nYou are a careful assistant who looks at every picture closely.<|im_end|>\n"
+
+
+def _shared(question: str) -> str:
+    return (f"{SYSTEM}<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+
+
+def test_prefix_cache_resumes_a_shared_image_prompt(pair):
+    """Same system prompt and image, different questions, one after the other: the second
+    request's slot holds the first's KV and the snapshot pool its states at each 16-token chunk
+    end, so it resumes at the last chunk boundary inside the shared prefix; ids and logprobs equal
+    the caches off. A third request with another image then reuses a slot (what it resumes, if
+    anything, is the text before the image) and equals its cold run."""
+    _, _, _, vlm = pair
+    eng = vlm.engine
+    img, other = noise_image(60, 260, 190), noise_image(61, 260, 190)
+    reqs = [{"prompt": _shared("Describe this image."), "images": [img]},
+            {"prompt": _shared("What colours are in the picture, and where?"), "images": [img]},
+            {"prompt": _shared("Describe this image."), "images": [other]}]
+    sp = mmjax.SamplingParams(max_tokens=16, logprobs=2, **GREEDY)
+    hits, cached = eng.stats()["state_snapshot_hits"], eng.counters["tokens_cached"]
+    hot = [vlm.generate([r], sp)[0] for r in reqs]
+    with caches_off(vlm):
+        cold = [vlm.generate([r], sp)[0] for r in reqs]
+    a, b = (np.asarray(o.prompt_token_ids) for o in hot[:2])
+    shared = int(np.flatnonzero(a[:len(b)] != b[:len(a)])[0])
+    assert len(a) > 4 * CHUNK and shared > 3 * CHUNK       # the image is inside the shared prefix
+    assert hot[0].cached_tokens == 0 and hot[1].cached_tokens == shared // CHUNK * CHUNK
+    assert eng.stats()["state_snapshot_hits"] > hits and eng.counters["tokens_cached"] - cached >= hot[1].cached_tokens
+    assert hot[2].cached_tokens % CHUNK == 0 and hot[2].cached_tokens < a.tolist().index(
+        vlm.family.image_token_id)
+    assert all(o.cached_tokens == 0 for o in cold)
+    for x, y in zip(hot, cold):
+        assert x.token_ids == y.token_ids
+        np.testing.assert_allclose([x.logprobs[i][t] for i, t in enumerate(x.token_ids)],
+                                   [y.logprobs[i][t] for i, t in enumerate(y.token_ids)], atol=1e-5)
+
+
+def test_snapshot_index_lru():
+    """SnapshotIndex (host side of the state snapshots): a row per distinct prefix, the least
+    recently used row reused when full, `longest` the longest held prefix of the keys within n."""
+    from mmjax.serving.state_snapshots import SnapshotIndex
+    keys = np.arange(100, dtype=np.int64)
+    idx = SnapshotIndex(2)
+    assert idx.claim(keys[:16]) == 0 and idx.claim(keys[:32]) == 1 and idx.claim(keys[:16]) is None
+    assert idx.longest(keys, 99) == 32 and idx.longest(keys, 31) == 16 and idx.longest(keys, 15) == 0
+    other = keys.copy()
+    other[20] = -1                  # diverges inside the 32-token prefix
+    assert idx.longest(other, 99) == 16
+    assert idx.row(keys[:32]) == 1  # 32 used last: 16 is evicted next
+    assert idx.claim(keys[:48]) == 0 and idx.longest(keys, 40) == 32 and idx.longest(keys, 31) == 0
+    assert idx.hits == 1 and len(idx) == 2
+    assert SnapshotIndex(0).claim(keys[:16]) is None
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +325,17 @@ def test_served_through_openai(pair):
     buf = io.BytesIO()
     noise_image(50, 120, 90).save(buf, format="PNG")
     assert isinstance(served_through_openai(vlm, buf.getvalue(), "Describe it."), str)
+
+
+def test_hybrid_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/qwen35_hybrid.py at its smoke size: the table and JSON line; the hybrid's KV is
+    its one full-attention layer's of the dense peer's four, plus the linear layers' states."""
+    import json
+
+    from benchmarks.qwen35_hybrid import main
+    assert main(["--smoke", "--new-tokens", "8", "--out-dir", str(tmp_path)]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    h, d = r["models"]["hybrid"], r["models"]["dense"]
+    assert h["kv_bytes"] * 4 == d["kv_bytes"] and h["state_bytes"] > 0 == d["state_bytes"]
+    assert r["memory_ratio"] == h["total_bytes"] / d["total_bytes"] < 0.26
+    assert all(m[f"decode_tok_s_b{b}"] > 0 for m in (h, d) for b in r["batches"])

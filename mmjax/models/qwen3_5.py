@@ -6,7 +6,8 @@ text per temporal patch, the same get_rope_index); what differs:
 - the tower has no DeepStack (Qwen3_5VisionModel drops deepstack_visual_indexes and its
   mergers): image features are [tokens, hidden], the merger's output only;
 - the decoder is the hybrid Gated DeltaNet / gated full attention model (text/qwen3_5.py), whose
-  per-slot recurrent states live beside the KV cache and which never resumes a cached prefix.
+  per-slot recurrent states live beside the KV cache; a cached prefix resumes where a snapshot
+  of those states ends (serving/state_snapshots.py).
 
 Hub checkpoints may carry multi-token-prediction weights (`mtp.*`): not used for serving, read
 past.

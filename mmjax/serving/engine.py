@@ -50,6 +50,7 @@ from mmjax.serving.runner import ModelRunner, PrefillChunk
 from mmjax.serving.constraints import BadWords, bad_word_ids
 from mmjax.serving.sampling import SamplingParams, SlotSampling, vocab_row
 from mmjax.serving.scheduler import Scheduler
+from mmjax.serving.state_snapshots import ROWS_PER_SLOT, SnapshotIndex
 from mmjax.serving.structured import Grammar, GrammarCompiler, GrammarError, allowed_bits, grammar_constraint
 from mmjax.tokenizer import IncrementalDetokenizer
 
@@ -123,9 +124,10 @@ class Engine:
         self.pages = KVPages(r.num_pages, r.page_size, max_num_seqs, max_model_len,
                              enable_cache=enable_prefix_cache) if r.paged else None
         self.prefix_cache = PrefixCache(max_num_seqs, enable_prefix_cache and not r.paged)
+        self.snapshots = self._state_snapshots(enable_prefix_cache)
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
                                    min_resume=self._min_resume(), max_segments=self.runner.buckets.segments[-1],
-                                   pages=self.pages)
+                                   pages=self.pages, resume_at=None if self.snapshots is None else self.snapshots.longest)
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._step_lock = threading.RLock()     # one step, or a refresh, at a time
@@ -136,6 +138,39 @@ class Engine:
                          "images_encoded": 0, "videos_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
                          "prefill_chunks": 0, "mixed_steps": 0,
                          "tokens_pruned": 0, "preemptions": 0}
+
+    def _state_snapshots(self, enabled: bool) -> SnapshotIndex | None:
+        """A hybrid decoder's (`state_layers`) prefix cache of recurrent states: the host index of
+        a pool of ROWS_PER_SLOT rows a slot (none when prefix caching is off: nothing then
+        resumes); None for decoders without recurrent states."""
+        if not self.runner.text_model.state_layers:
+            return None
+        rows = ROWS_PER_SLOT * self.runner.num_slots if enabled else 0
+        if rows:
+            self.runner.init_state_pool(rows)
+        return SnapshotIndex(rows)
+
+    def _snapshot_states(self, reqs: list[Request]) -> None:
+        """After a prefill call: a hybrid decoder's states at the end of each of its chunks (the
+        slot's row holds exactly them now, before any decode step) into the snapshot pool, keyed
+        by the prompt prefix they end."""
+        if self.snapshots is None or not self.prefix_cache.enabled:
+            return
+        try:
+            for req in reqs:
+                if req.prefilled <= req.prompt_len and req.prune is None:
+                    row = self.snapshots.claim(req.keys[:req.prefilled])
+                    if row is not None:
+                        self.runner.save_state(req.slot, row)
+        except Exception as e:
+            self.snapshots.clear()
+            self._device_failure(None, _as_error(e, "snapshotting recurrent states"), [])
+
+    def _resume_states(self, req: Request, keys: np.ndarray, slot: int) -> None:
+        """A hybrid decoder's request resuming after the prefix `keys` (from the prefix cache, or a
+        forked sibling): slot `slot`'s recurrent states from the snapshot that ends it."""
+        if self.snapshots is not None and len(keys):
+            self.runner.load_state(self.snapshots.row(keys), slot)
 
     def _min_resume(self):
         """The decoder's prefix-reuse floor for this engine's caches."""
@@ -261,10 +296,12 @@ class Engine:
         """`parent`'s prompt is now in its cache row: waiting siblings take free slots holding a
         copy of that row (all but the last prompt token count as cached)."""
         n = parent.prompt_len - 1
+        if self.snapshots is not None:      # recurrent states: from the last snapshot of the prompt
+            n = self.snapshots.longest(parent.keys, n)
         # a pruned row is compacted, a ring-buffer row may not resume that late, a last token
         # that is an image token needs its features again: those siblings prefill themselves
         if (parent.prune is not None or n < self.scheduler.min_resume(parent.prompt_len)
-                or parent.prompt_ids[-1] in self.family.media_token_ids):
+                or parent.prompt_ids[-1] in self.family.media_token_ids or (self.snapshots is not None and not n)):
             return
         for sib in [r for r in self.scheduler.waiting if r.parent is parent]:
             slot = self.scheduler.fork_slot()
@@ -276,6 +313,7 @@ class Engine:
                 continue
             try:
                 self.runner.copy_slot(parent.slot, slot)
+                self._resume_states(sib, parent.keys[:n], slot)
             except Exception as e:
                 self._device_failure(None, _as_error(e, "copying a prompt's cache row"), [])
                 return
@@ -525,6 +563,8 @@ class Engine:
                 self.encoder_cache.clear()
             if changed:
                 self.prefix_cache.clear()
+                if self.snapshots is not None:
+                    self.snapshots.clear()
                 if self.pages is not None:
                     self.pages.pool.clear_cache()
             return changed
@@ -535,6 +575,8 @@ class Engine:
         self._drop_pending()
         self.runner.reset_device_state()
         self.prefix_cache.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         if self.pages is not None:
             self.pages.reset()
 
@@ -554,6 +596,10 @@ class Engine:
         for req in self.scheduler.admit():
             if not req.preemptions:
                 self.counters["tokens_cached"] += req.cached_tokens
+            try:
+                self._resume_states(req, req.keys[:req.prefilled], req.slot)
+            except Exception as e:
+                self._device_failure(req, _as_error(e, "restoring a prefix's recurrent states"), deltas)
         for req in self.scheduler.active():      # their step compiled in the background: take part again
             if req.compile_wait is not None and self.runner.compile_done(req.compile_wait):
                 req.compile_wait = None
@@ -861,6 +907,7 @@ class Engine:
                 first.append((req, row))
             elif self.runner.text_model.state_layers:   # a recurrent state would take the garbage
                 self.runner.park(req.slot)               # token decode steps feed this row until its next chunk
+        self._snapshot_states([req for req, _ in todo])
         for req, _ in first:
             self._fork(req)
         if riders:      # the riders' rows come first in a mixed call's outputs
@@ -1012,6 +1059,8 @@ class Engine:
                 **({"cross_attention_cache_bytes": r.text_model.cross_cache_bytes(r.num_slots, r.kv_cache_dtype),
                     "cross_attention_slots": int(sum(1 for q in self.scheduler.active() if q.images))}
                    if self.family.cross_attention else {}),
+                **({"state_snapshots": len(self.snapshots), "state_snapshot_hits": self.snapshots.hits}
+                   if self.snapshots is not None else {}),
                 **self.grammars.stats(),
                 "compile_seconds": round(r.compile_seconds, 3),
                 "step_seconds": {k: round(v, 3) for k, v in r.step_seconds.items()},

@@ -581,6 +581,9 @@ class ModelRunner:
                                          "copy_slot": set(), "prefill_scores": set()}
         if family.cross_attention:       # the per-slot cross-attention K/V fill (Mllama)
             self.compiled["fill_cross"] = set()
+        if lm.state_layers:     # recurrent-state snapshots to / from the pool (`init_state_pool`)
+            self.compiled["copy_state"] = set()
+        self.state_pool = None
         # mixed steps: running requests' decode step riding in packed prefill calls (Riders)
         self.mixes = self.tuning.mixed_steps and self.max_prefill_seqs > 1 and lm.supports_riders
         self._memory_plan: dict | None = None
@@ -651,7 +654,7 @@ class ModelRunner:
         after = self.weights.split
         if "language_model" in changed and after.lm_graphdef != before.lm_graphdef:
             for kind in self.compiled:
-                if kind not in ("encode", "copy_slot"):
+                if kind not in ("encode", "copy_slot", "copy_state"):
                     self.compiled[kind] = set()
             self._aot = {k: v for k, v in self._aot.items() if k[0] == "encode"}
             self._jit_lm_steps()
@@ -800,6 +803,8 @@ class ModelRunner:
     def _reset(self) -> None:
         self.cache = self.fresh_cache()
         self.state = self.fresh_state()
+        if self.state_pool is not None:     # a failed snapshot copy may have consumed it
+            self.init_state_pool(self.state_pool.rows)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy cache row `src` into row `dst` (n > 1 siblings share their prompt's KV). Every
@@ -811,6 +816,30 @@ class ModelRunner:
 
     def _copy_slot(self, src: int, dst: int) -> None:
         self.cache = self._track("copy_slot", 0, self._copy, self.cache, np.int32(src), np.int32(dst))
+
+    def init_state_pool(self, rows: int) -> None:
+        """A pool of `rows` snapshots of the recurrent decoder's per-slot states (a hybrid
+        decoder's `state_layers`) beside the cache: serving/state_snapshots.py."""
+        from mmjax.serving.state_snapshots import StatePool
+        self.state_pool = StatePool(self.cache, self.text_model.state_layers, rows, self.cache_shardings)
+
+    def save_state(self, slot: int, row: int) -> None:
+        """Snapshot slot `slot`'s recurrent states into pool row `row`."""
+        if self._announce is not None:
+            return self._announce("save_state", (slot, row), lambda: self._save_state(slot, row))
+        self._save_state(slot, row)
+
+    def _save_state(self, slot: int, row: int) -> None:
+        self._track("copy_state", "save", self.state_pool.save, self.cache, slot, row, wait=False)
+
+    def load_state(self, row: int, slot: int) -> None:
+        """Slot `slot`'s recurrent states <- pool row `row` (a prefix resumed from its snapshot)."""
+        if self._announce is not None:
+            return self._announce("load_state", (row, slot), lambda: self._load_state(row, slot))
+        self._load_state(row, slot)
+
+    def _load_state(self, row: int, slot: int) -> None:
+        self.cache = self._track("copy_state", "load", self.state_pool.load, self.cache, row, slot, wait=False)
 
     def set_pages(self, table: np.ndarray) -> None:
         """The host page table [slots, max_pages] int32 (`pages.KVPages.table`) into the decode
@@ -1275,6 +1304,13 @@ class ModelRunner:
                 out.append((f"prefill_pruned[{c}]", self._prefill_pruned, pruned,
                             {"layer": 0, "keep": 1, "out_len": buckets.prefill[0]}))
         out.append(("copy_slot", self._copy, (cache, i32, i32), {}))
+        if self.text_model.state_layers:    # a hybrid decoder's state snapshots (serving/state_snapshots.py)
+            from mmjax.serving.state_snapshots import StatePool
+            sp = self.state_pool or StatePool(cache, self.text_model.state_layers, 1, self.cache_shardings,
+                                              allocate=False)
+            pool, states = jax.tree.map(spec, sp.pool), [cache[i] for i in sp.layers]
+            out += [("copy_state(save)", sp._save, (pool, states, i32, i32), {}),
+                    ("copy_state(load)", sp._load, (states, pool, i32, i32), {})]
         for r in buckets.decode:
             lens = jax.ShapeDtypeStruct((self.text_model.num_layers,), jnp.int32)
             for steps in self._decode_step_counts:
@@ -1324,11 +1360,16 @@ class ModelRunner:
         cache, state, _ = self._abstract_device_state(num_slots)
         kv = sum(_shard_bytes(x) for x in jax.tree.leaves(cache))
         st = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
-        resident = text + vision - host + kv + st
+        # a hybrid decoder's state-snapshot pool: ROWS_PER_SLOT copies of each slot's states
+        from mmjax.serving.state_snapshots import ROWS_PER_SLOT
+        snaps = ROWS_PER_SLOT * sum(_shard_bytes(x) for i in self.text_model.state_layers
+                                    for x in jax.tree.leaves(cache[i]))
+        resident = text + vision - host + kv + st + snaps
         step = max(temp.get("encode", 0) + host, temp.get("prefill", 0), temp.get("decode", 0))
         return {"slots": num_slots, **({"pages": self.num_pages, "page_size": self.page_size} if self.paged else {}),
                 "weights_text": text, "weights_vision": vision,
                 "vision_offloaded": self.weights.offload, "kv_cache": kv, "decode_state": st,
+                **({"state_snapshots": snaps} if snaps else {}),
                 "kv_cache_dtype": kv_quant.dtype_name(self.kv_cache_dtype),
                 "temp_encode": temp.get("encode", 0), "temp_prefill": temp.get("prefill", 0),
                 "temp_decode": temp.get("decode", 0), "peak": resident + step}
@@ -1390,7 +1431,7 @@ class ModelRunner:
         "prefill_scores" once a prompt_logprobs request or warmup did: FastV shapes are not part
         of warmup, they compile in the background, `ready`)."""
         return {k: len(v) for k, v in self.compiled.items()
-                if v or k not in ("prefill_pruned", "copy_slot", "prefill_scores")}
+                if v or k not in ("prefill_pruned", "copy_slot", "prefill_scores", "copy_state")}
 
     def max_compilations(self) -> dict[str, int]:
         """Upper bound on distinct compiled shapes per step kind (encode: the family's buckets)."""
@@ -1398,4 +1439,5 @@ class ModelRunner:
                 "prefill": len(self.buckets.prefill) * len(self.buckets.segments),
                 "decode": len(self.buckets.decode) * len(self._decode_step_counts), "copy_slot": 1,
                 "prefill_scores": len(self.score_buckets),
-                **({"fill_cross": 1} if self.family.cross_attention else {})}
+                **({"fill_cross": 1} if self.family.cross_attention else {}),
+                **({"copy_state": 2} if "copy_state" in self.compiled else {})}

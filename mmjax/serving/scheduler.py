@@ -18,9 +18,12 @@ MIN_PREFIX_HIT = 16
 class Scheduler:
     def __init__(self, num_slots: int, decode_ladder: tuple[int, ...], prefill_chunk: int,
                  prefix_cache: PrefixCache, min_resume: Callable[[int], int] | None = None,
-                 max_segments: int = 1, pages=None):
+                 max_segments: int = 1, pages=None, resume_at: Callable[[np.ndarray, int], int] | None = None):
         """min_resume(held) (the text model's, optional): the shortest prefix a cache row holding
         `held` positions can resume from (ring-buffer sliding-window layers drop old positions).
+        resume_at(keys, n) (optional): the longest prefix of `keys`, at most n tokens, that the
+        engine can resume the decoder's recurrent states at (a hybrid decoder's state
+        snapshots: serving/state_snapshots.py); None: any.
         max_segments: the most requests one (packed) prefill call takes; 1: one call each.
         pages: the paged cache's `pages.KVPages` (None: a cache row per slot): admission by free
         pages, prefix sharing by page, preemption (`preempt`)."""
@@ -30,6 +33,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix_cache
         self.min_resume = min_resume or (lambda held: 0)
+        self.resume_at = resume_at
         self.max_segments = max_segments
         self.pages = pages
         self._admissions = 0
@@ -131,6 +135,8 @@ class Scheduler:
         if req.sampling.prompt_logprobs is not None:   # every prompt position's logits are computed
             return 0
         n = min(self.prefix.match(slot, req.keys), req.prompt_len - 1)
+        if n and self.resume_at is not None:     # the row's KV, and recurrent states from a snapshot
+            n = self.resume_at(req.keys, n)
         return n if n >= self.min_resume(len(self.prefix.keys[slot])) else 0
 
     def prefill_plan(self, reserve: int = 0) -> list[tuple[Request, int]]:

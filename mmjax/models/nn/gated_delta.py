@@ -28,8 +28,8 @@ Every token fed to a row changes its state for good, so two things the KV cache 
 here: a decode step over a row whose prompt is between chunks (the engine parks such rows,
 `Decoder.state_layers`), and resuming a prefix short of the state's end (a state is only valid at
 the exact end of what produced it, and a released row may have taken tokens from decode calls in
-flight when its request finished): decoders with these layers forbid prefix reuse
-(text/qwen3_5.py `Qwen35TextModel.min_resume`).
+flight when its request finished): the engine resumes such decoders' prefixes only from snapshots
+of the states taken at prefill-chunk ends (serving/state_snapshots.py).
 """
 from __future__ import annotations
 

@@ -11,13 +11,13 @@ Differences from Qwen3 (text/llama.py) besides the linear layers:
 - every RMSNorm (layers, q/k norms, final) is zero-centred: x * (1 + weight) in float32.
 
 The cache: full-attention layers own KV (nn/kv_cache.py), linear layers their per-slot conv and
-recurrent states (`GatedDeltaNet.init_cache`), one entry per layer in layer order. A recurrent
-state is only valid at the exact end of the sequence that produced it, not at any earlier
-position a prefix match would resume from, so `min_resume` forbids resuming a slot's prefix (the
-prefix cache and forking hold nothing for this decoder; every prompt prefills from 0, which also
-resets a reused slot's states; besides, a released row may have taken a token from a decode call
-in flight when its request finished). `state_layers` names the linear layers: the engine parks a
-row between its prompt's chunks so the decode steps in between feed it nothing. FastV is off
+recurrent states (`GatedDeltaNet.init_cache`), one entry per layer in layer order.
+`state_layers` names the linear layers, and the engine treats their entries apart: it parks a row
+between its prompt's chunks so the decode steps in between feed it nothing, and, since a
+recurrent state is only valid at the exact end of the sequence that produced it (not at an
+earlier position a prefix match would resume from), it snapshots them at prefill-chunk
+boundaries and resumes a cached prefix only where a snapshot ends (serving/state_snapshots.py;
+the full-attention layers' KV comes from the slot's row as for every decoder). FastV is off
 (`supports_prune`).
 
 Module tree (HF's, `model.language_model`): `embed_tokens`, `layers[i]` (`input_layernorm`,
@@ -227,13 +227,9 @@ class Qwen35TextModel(Decoder):
 
     @property
     def pages_kv(self) -> bool:
-        """Not paged: a recurrent state is only valid at the end of the sequence that produced it,
-        so pages could not be shared or resumed part-way (prefix state snapshots are not built)."""
+        """Not paged: the recurrent states are a row per slot anyway, and prefixes resume through
+        the slot's row and a state snapshot (serving/state_snapshots.py), not shared pages."""
         return False
-
-    def min_resume(self, held_len: int, max_chunk: int) -> int:
-        """Past every prefix a row holds: recurrent states cannot resume part-way (module docstring)."""
-        return held_len + 1
 
     def rope(self, positions: jax.Array):
         r = self.config.rope
