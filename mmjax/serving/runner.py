@@ -541,7 +541,7 @@ class ModelRunner:
         any other runner, e.g. one for another platform or a data-parallel replica past the
         first, keeps what it places to itself). page_size: positions per KV page (None: the
         backend's, `Tuning.page_size`; 0: a cache row of max_model_len per slot, as decoders
-        whose layers keep a ring have anyway: `Decoder.pages_kv`). kv_cache_bytes: the paged
+        whose cache is not K/V per position have anyway: `Decoder.pages_kv`). kv_cache_bytes: the paged
         cache's size per device (None: from memory_budget when given, else as many pages as
         max_num_seqs full-length rows would take)."""
         if decode_steps < 1:

@@ -86,10 +86,11 @@ class Decoder(nnx.Module):
 
     @property
     def pages_kv(self) -> bool:
-        """Can this decoder's cache be paged (serving/pages.py)? Every cache layer's KV grows with
-        the sequence (no ring: a sliding-window ring recycles its own positions per slot, and
-        the copy-based prefix reuse stays for those decoders)."""
-        return not any(getattr(self.layers[i].self_attn, "ring", False) for i in self.cache_layers())
+        """Can this decoder's cache be paged (serving/pages.py)? Every cache layer keeps K/V per
+        cache index (a sliding-window ring becomes pages read under the window mask: `Attention.
+        init_cache`); False where a cache entry is something else (a recurrent state, a
+        cross-attention cache)."""
+        return True
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Can the decoder be split over tp shards? Every fused projection's parts (heads, KV
