@@ -92,6 +92,12 @@ class Decoder(nnx.Module):
         cross-attention cache)."""
         return True
 
+    def copy_pages(self, cache: Cache, src: jax.Array, dst: jax.Array) -> Cache:
+        """A paged cache with page src copied into page dst (a forked sibling's partial page):
+        every leaf of a paged cache has the page axis first (default); a decoder whose cache
+        also holds rows per slot copies only its paged part."""
+        return jax.tree.map(lambda x: x.at[dst].set(x[src]), cache)
+
     def check_tensor_parallel(self, tp: int) -> None:
         """Can the decoder be split over tp shards? Every fused projection's parts (heads, KV
         heads, MLP widths) must divide evenly (fewer KV heads than shards replicate); an
