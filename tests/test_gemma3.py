@@ -253,8 +253,8 @@ def test_paged_engine_matches_the_slot_layout(gemma3_dirs, variant):
 
 def test_paged_preemption_recomputes_the_same_outputs(gemma3_dirs):
     """Pages for one max_model_len sequence and a few more (56 of 8) under two requests of ~300
-    tokens each (prompt and decode): one is preempted mid-decode and recomputed, sliding layers included, with the slot
-    layout's greedy ids; none fails; no page leaked."""
+    tokens each (prompt and decode): one is preempted mid-decode and recomputed, sliding layers
+    included, with the slot layout's greedy ids; none fails; no page leaked."""
     path = gemma3_dirs["window"]
     slots = vlm_for(path)
     page = vlm_for(path, page_size=8).engine.runner.page_bytes()
