@@ -210,6 +210,72 @@ def test_engine_chunks_prefix_and_encoder_caches(gemma3_dirs):
         assert seq[0, inputs["input_ids"].shape[1]:].tolist() == o.token_ids
 
 
+@pytest.mark.parametrize("variant", ["window", "softcap"])
+def test_paged_engine_matches_the_slot_layout(gemma3_dirs, variant):
+    """page_size 8 (the sliding layers' rings become pages read under the window mask): two-image
+    prompts with crops and a long text prompt over many windows, batched == one at a time ==
+    caches off == the ring / slot layout (greedy ids, logprobs within 1e-4); a repeat shares its
+    prompt's pages; no page leaked."""
+    path = gemma3_dirs[variant]
+    slots = vlm_for(path)
+    vlm = vlm_for(path, page_size=8)
+    off = vlm_for(path, page_size=8, enable_prefix_cache=False, encoder_cache_bytes=0)
+    assert vlm.engine.runner.paged and slots.engine.runner.paged is False
+    tm = vlm.model.language_model
+    w = tm.config.sliding_window
+    assert all(len(kv["v"]) == 1 and kv["v"][0].shape[0] == vlm.engine.runner.num_pages
+               for kv in vlm.engine.runner.cache)       # every layer, sliding ones too, is a page pool
+    imgs = [noise_image(61, 70, 60), noise_image(62, 160, 50)]
+    long = " ".join(["the blue car and the red house"] * 30)
+    reqs = [{"prompt": chat("what is it?"), "images": imgs, "image_options": {"pan_and_scan": True}},
+            {"prompt": [{"role": "user", "content": long}], "images": []},
+            {"prompt": chat("what is it?"), "images": imgs, "image_options": {"pan_and_scan": True}},
+            {"prompt": chat("how many?", 1), "images": imgs[1:]}]
+    for r in reqs:
+        r["prompt"], _ = vlm.render_chat(with_images(r["prompt"], r["images"]))
+    sp = mmjax.SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
+    together = vlm.generate(reqs, sp)
+    alone = [vlm.generate([r], sp)[0] for r in reqs]
+    cold = [off.generate([r], sp)[0] for r in reqs]
+    ref = [slots.generate([r], sp)[0] for r in reqs]
+    assert len(ref[1].prompt_token_ids) > 10 * w            # the long prompt spans many windows
+    for outs in (together, alone, cold):
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        for a, b in zip(outs, ref):
+            np.testing.assert_allclose([a.logprobs[i][t] for i, t in enumerate(a.token_ids)],
+                                       [b.logprobs[i][t] for i, t in enumerate(b.token_ids)], atol=1e-4)
+    assert alone[2].cached_tokens >= (len(alone[2].prompt_token_ids) - 1) // 8 * 8 > 32     # shared by page
+    assert all(o.cached_tokens == 0 for o in cold)
+    for v in (vlm, off):
+        v.engine.pages.check()
+        assert not v.engine.pages.holders and v.engine.pages.pool.num_used == 0
+
+
+def test_paged_preemption_recomputes_the_same_outputs(gemma3_dirs):
+    """Pages for one max_model_len sequence and a few more (56 of 8) under two requests of ~300
+    tokens each (prompt and decode): one is preempted mid-decode and recomputed, sliding layers
+    included, with the slot layout's greedy ids; none fails; no page leaked."""
+    path = gemma3_dirs["window"]
+    slots = vlm_for(path)
+    page = vlm_for(path, page_size=8).engine.runner.page_bytes()
+    vlm = mmjax.load(path, **{**ENGINE, "page_size": 8, "kv_cache_bytes": 56 * page})
+    eng = vlm.engine
+    assert eng.runner.num_pages == 56
+    texts = [" ".join(["the blue car and the red house"] * 8), " ".join(["a small dog runs over the green hill"] * 5)]
+    reqs = [{"prompt": t, "images": []} for t in texts]
+    sp = mmjax.SamplingParams(max_tokens=200, logprobs=1, **GREEDY)
+    outs = vlm.generate(reqs, sp)
+    ref = [slots.generate([r], sp)[0] for r in reqs]
+    assert all(90 < len(o.prompt_token_ids) < 384 - 200 for o in outs)     # admitted together, ~75 pages at the end
+    assert eng.stats()["preemptions"] > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    for a, b in zip(outs, ref):
+        np.testing.assert_allclose([a.logprobs[i][t] for i, t in enumerate(a.token_ids)],
+                                   [b.logprobs[i][t] for i, t in enumerate(b.token_ids)], atol=1e-4)
+    eng.pages.check()
+    assert not eng.pages.holders and eng.pages.pool.num_used == 0
+
+
 def test_ring_cache_is_window_sized(gemma3_dirs):
     from mmjax.models.text.gemma3 import FULL, SLIDING
     vlm = vlm_for(gemma3_dirs["window"])

@@ -170,6 +170,55 @@ def test_engine_greedy_batched_and_caches(pair):
         vlm.logits(PROMPTS[0], imgs[:1])
 
 
+def test_paged_engine_matches_transformers(mllama_dirs):
+    """page_size 8 (the self-attention layers in pages, the cross-attention K/V a row per slot):
+    image, two-image and text-only requests give transformers' greedy tokens batched == one at a
+    time == caches off; a repeat resumes from its shared prefix pages into another slot and
+    refills that slot's cross row; n = 2 siblings forked by page (their partial page copied,
+    the cross rows untouched) agree; no page leaked."""
+    from transformers import MllamaForConditionalGeneration
+    path = mllama_dirs["tiles4"]
+    hf = MllamaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    proc = hf_processor(path)
+    vlm = mmjax.load(path, page_size=8, **ENGINE)
+    eng = vlm.engine
+    assert eng.runner.paged and eng.pages is not None
+    assert all(kv["v"][0].shape[0] == eng.runner.num_pages for kv in eng.runner.cache["self"])
+    assert eng.runner.cache["cross"]["has"].shape == (ENGINE["max_num_seqs"],)
+    imgs = [noise_image(60 + j, *SIZES[j]) for j in range(3)]
+    cases = [(PROMPTS[0], imgs[:1]), (PROMPTS[1], imgs[1:3]), (PROMPTS[2], [])]
+    refs = [hf_generate(hf, proc, p, i, n=16) for p, i in cases]
+    reqs = [{"prompt": ids, "images": i} for (ids, _, _), (_, i) in zip(refs, cases)]
+    sp = mmjax.SamplingParams(max_tokens=16, logprobs=2, **GREEDY)
+    together = vlm.generate(reqs, sp)
+    alone = [vlm.generate([r], sp)[0] for r in reqs]
+    with caches_off(vlm):
+        eng.pages.pool.enable_cache = False
+        cold = [vlm.generate([r], sp)[0] for r in reqs]
+        eng.pages.pool.enable_cache = True
+    for (_, exp, lps), a, b, c in zip(refs, together, alone, cold):
+        assert a.token_ids == b.token_ids == c.token_ids == exp
+        assert max(abs(v - ref[t]) for ours, ref in zip(a.logprobs, lps) for t, v in ours.items()) <= 1e-4
+    assert all(o.cached_tokens == 0 for o in cold)
+    # a text-only request fills slot 0's cross row with "no images" while the repeat of the
+    # image prompt resumes from its pages in slot 1: its cross row must be its own images'
+    again = vlm.generate([reqs[2], reqs[0]], sp)[1]
+    assert again.cached_tokens >= (len(again.prompt_token_ids) - 1) // 8 * 8 > 0 and again.token_ids == refs[0][1]
+    twins = vlm.generate([reqs[1]], mmjax.SamplingParams(max_tokens=16, n=2, **GREEDY))[0]
+    assert [twins.token_ids] + [s.token_ids for s in twins.siblings] == [refs[1][1]] * 2
+    assert eng.stats()["tokens_cached"] > 0
+    eng.pages.check()
+    assert not eng.pages.holders and eng.pages.pool.num_used == 0
+    # a page copy (a fork's partial page) moves self-attention pages only, never a slot's cross row
+    vlm.generate([reqs[2], reqs[0]], mmjax.SamplingParams(max_tokens=2, **GREEDY))     # two unlike rows
+    cross = jax.tree.map(np.asarray, eng.runner.cache["cross"])
+    src = np.asarray(eng.runner.cache["self"][0]["k"][0][3])
+    eng.runner.copy_pages([(3, 0)])
+    np.testing.assert_array_equal(np.asarray(eng.runner.cache["self"][0]["k"][0][0]), src)
+    assert cross["has"].tolist() in ([True, False], [False, True])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, eng.runner.cache["cross"]), cross)
+
+
 def test_serve_multiturn_stream_and_metrics(mllama_dirs):
     import urllib.request
 

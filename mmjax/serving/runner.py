@@ -541,7 +541,7 @@ class ModelRunner:
         any other runner, e.g. one for another platform or a data-parallel replica past the
         first, keeps what it places to itself). page_size: positions per KV page (None: the
         backend's, `Tuning.page_size`; 0: a cache row of max_model_len per slot, as decoders
-        whose layers keep a ring have anyway: `Decoder.pages_kv`). kv_cache_bytes: the paged
+        whose cache is not K/V per position have anyway: `Decoder.pages_kv`). kv_cache_bytes: the paged
         cache's size per device (None: from memory_budget when given, else as many pages as
         max_num_seqs full-length rows would take)."""
         if decode_steps < 1:
@@ -734,8 +734,11 @@ class ModelRunner:
         p = self.placement
         self._jit_encode()
         self._jit_lm_steps()
-        self._copy = jax.jit(lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache),
-                             donate_argnums=(0,), out_shardings=self.cache_shardings)
+        # a row per slot: every leaf's row; paged: the page of the paged leaves (`Decoder.copy_pages`)
+        tm = self.text_model
+        copy = ((lambda cache, src, dst: tm.copy_pages(cache, src, dst)) if self.paged
+                else lambda cache, src, dst: jax.tree.map(lambda x: x.at[dst].set(x[src]), cache))
+        self._copy = jax.jit(copy, donate_argnums=(0,), out_shardings=self.cache_shardings)
         self._restore = jax.jit(lambda state, slot, row: state.set_slot(
             slot, dataclasses.replace(row, pages=state.pages[slot])), donate_argnums=(0,))
         # jitted, not an eager .at[].set: right after a step the eager op took ~10 ms a park
@@ -809,7 +812,8 @@ class ModelRunner:
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy cache row `src` into row `dst` (n > 1 siblings share their prompt's KV). Every
         text model's cache leaves have the slot axis first (models/text TextModel.init_cache);
-        a paged cache's rows are pages (`copy_pages`)."""
+        a paged cache's rows are pages, its per-slot leaves (Mllama's cross cache) left alone
+        (`copy_pages`)."""
         if self._announce is not None:
             return self._announce("copy_slot", (src, dst), lambda: self._copy_slot(src, dst))
         self._copy_slot(src, dst)
@@ -858,7 +862,7 @@ class ModelRunner:
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV page src into page dst for each (src, dst) (a forked sibling's partial last
-        page); every leaf of a paged cache has the page axis first."""
+        page): a paged cache's `copy_slot` copies pages of its paged part (`Decoder.copy_pages`)."""
         for src, dst in pairs:
             self.copy_slot(src, dst)
 

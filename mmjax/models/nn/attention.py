@@ -36,8 +36,9 @@ class Attention(nnx.Module):
     optional per-head `q_norm` / `k_norm` (RMSNorm over head_dim, before RoPE).
 
     scale: score scale (None: 1 / sqrt(head_dim)); softcap: Gemma's attn_logit_softcapping;
-    sliding_window: keys within the window only; ring: the window keeps a ring of window +
-    max_chunk - 1 positions instead of the full-length cache (Gemma 3's sliding layers);
+    sliding_window: keys within the window only; ring: in the slot layout the window keeps a ring
+    of window + max_chunk - 1 positions instead of the full-length cache (Gemma 3's sliding
+    layers; a paged cache pages it as any other layer, the window a mask);
     spans: the layer reads the step's image spans (bidirectional image runs); window_over_spans:
     the window bounds span keys too (Gemma 4's order: (causal | span) & window); chunk: chunked
     (local) attention, each query over its own `chunk`-position block of the sequence (Llama 4;
@@ -76,10 +77,11 @@ class Attention(nnx.Module):
         """This layer's zero cache: a ring of `ring_len` positions, or segments over max_len
         (`kv_segments`); KV heads replicated to tp when fewer (`cache_kv_heads`). pages
         (num_pages, page_size): a pool of pages instead (rows = pages, one segment of page_size
-        positions; the step's `AttentionMetadata.pages` maps cache rows to them); a ring keeps
-        its rows per slot."""
+        positions; the step's `AttentionMetadata.pages` maps cache rows to them), for a ring
+        layer too: paged, a sliding layer reads its row's pages under the window mask, as a
+        windowed layer of the segmented cache does (the ring is the slot layout's)."""
         heads = cache_kv_heads(self.num_kv_heads, tp)
-        if pages is not None and not self.ring:
+        if pages is not None:
             return kv_layer(pages[0], heads, self.head_dim, [pages[1]], dtype)
         cuts = [ring_len(self.sliding_window, max_len, max_chunk)] if self.ring else kv_segments(max_len)
         return kv_layer(num_slots, heads, self.head_dim, cuts, dtype)
@@ -107,7 +109,7 @@ class Attention(nnx.Module):
                kv: dict) -> tuple[jax.Array, dict]:
         """Write k, v (None: a layer reading another layer's cache, written already) and attend
         q over the cache -> (out [b, t, heads, hd], the cache)."""
-        if self.ring:
+        if self.ring and meta.pages is None:
             return self._attend_ring(q, k, v, meta, kv)
         return self._attend_segments(q, k, v, meta, kv)
 

@@ -86,10 +86,17 @@ class Decoder(nnx.Module):
 
     @property
     def pages_kv(self) -> bool:
-        """Can this decoder's cache be paged (serving/pages.py)? Every cache layer's KV grows with
-        the sequence (no ring: a sliding-window ring recycles its own positions per slot, and
-        the copy-based prefix reuse stays for those decoders)."""
-        return not any(getattr(self.layers[i].self_attn, "ring", False) for i in self.cache_layers())
+        """Can this decoder's cache be paged (serving/pages.py)? Every cache layer keeps K/V per
+        cache index (a sliding-window ring becomes pages read under the window mask: `Attention.
+        init_cache`); False where a cache entry is something else (a recurrent state, a
+        cross-attention cache)."""
+        return True
+
+    def copy_pages(self, cache: Cache, src: jax.Array, dst: jax.Array) -> Cache:
+        """A paged cache with page src copied into page dst (a forked sibling's partial page):
+        every leaf of a paged cache has the page axis first (default); a decoder whose cache
+        also holds rows per slot copies only its paged part."""
+        return jax.tree.map(lambda x: x.at[dst].set(x[src]), cache)
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Can the decoder be split over tp shards? Every fused projection's parts (heads, KV

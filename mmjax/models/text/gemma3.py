@@ -19,6 +19,9 @@ KV cache, one entry per layer (nn/kv_cache.py):
   tokens at cache index >= kv_len (the decode rows of free slots, parked at max_model_len) are
   not written, so a retained row keeps exactly its last R positions and can resume from any
   prefix within max_chunk of its end (`min_resume`).
+- paged (serving/pages.py, `page_size`): every layer is a page pool read through the step's page
+  table; sliding layers read their row's pages under the window mask, as Gemma 4's do (memory
+  grows with the tokens held, not O(window): the pages below the window are not recycled yet).
 
 Masks (transformers' Gemma 3 vision masks): full layers see causal OR same-image-run keys;
 sliding layers see (causal OR same run) AND inside the window (kv > q - window), so an image's
@@ -151,7 +154,8 @@ class Gemma3DecoderLayer(nnx.Module):
                                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, qkv_bias=cfg.attention_bias,
                                    o_bias=cfg.attention_bias, qk_norm="gemma", norm_eps=eps, scale=cfg.scale,
                                    softcap=cfg.attn_logit_softcapping,
-                                   sliding_window=cfg.sliding_window if sliding else None, ring=sliding, dtype=dtype)
+                                   sliding_window=cfg.sliding_window if sliding else None, ring=sliding,
+                                   window_over_spans=sliding, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(d, eps, kind="gemma", dtype=dtype)
         self.pre_feedforward_layernorm = RMSNorm(d, eps, kind="gemma", dtype=dtype)
         self.mlp = GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, dtype=dtype)

@@ -29,6 +29,10 @@ writes a request's image K/V into its slot once; prefill gets each token's packe
 in `AttentionMetadata.spans` (lo * RANGE_SHIFT + hi, from the prompt on the host), decode uses
 the slot's `dec`. A packed prefill row runs the cross attention in the packing's query blocks,
 each block over its own sequence's slot. n_vis = max_images * vision tokens per image.
+Paged (serving/pages.py, `page_size`): the self-attention layers are page pools like any
+decoder's; the cross part stays a row per slot (n_vis positions whatever max_model_len), filled
+by `fill_cross` before a request's first chunk in its slot, so a request resuming from shared
+prefix pages or forked from its parent refills its own (`copy_pages` leaves it alone).
 
 Tensor parallel like every decoder: heads / kv_heads / mlp axes on the weights (q_proj by heads,
 the fused kv_proj by KV heads in per-shard blocks, o_proj row parallel), the cross cache by KV
@@ -286,11 +290,10 @@ class MllamaTextModel(Decoder):
             tp = kernel.shape[1] if len(kernel.shape) == 3 else 1
         return cache_kv_heads(self.config.base.num_kv_heads, tp)
 
-    @property
-    def pages_kv(self) -> bool:
-        """The cross-attention K/V is a row per slot that n > 1 siblings copy with the prompt:
-        this decoder keeps slot rows (and the copy-based prefix reuse) for now."""
-        return False
+    def copy_pages(self, cache: dict, src: jax.Array, dst: jax.Array) -> dict:
+        """Paged, only the self-attention layers are pages; the cross-attention rows stay per
+        slot (a forked sibling fills its own: `fill_cross`)."""
+        return {"self": super().copy_pages(cache["self"], src, dst), "cross": cache["cross"]}
 
     def init_cache(self, num_slots: int, max_len: int, dtype, *, max_chunk: int | None = None, tp: int = 1,
                    pages: tuple[int, int] | None = None) -> dict:
