@@ -222,8 +222,8 @@ class ModelRunner(HostBatching, MemoryPlanning, AheadOfTime):
                              donate_argnums=(0,), out_shardings=self.cache_shardings)
         self._restore = jax.jit(lambda state, slot, row: state.set_slot(
             slot, dataclasses.replace(row, pages=state.pages[slot])), donate_argnums=(0,))
-        # jitted, not an eager .at[].set: right after a step the eager op took ~10 ms a park
-        # (inside generate()'s time to first token on the 2-core box), this 3-4 ms
+        # jitted, not an eager .at[].set: right after a step the eager op is slower, and a park
+        # lies inside generate()'s time to first token
         self._park_lengths = jax.jit(lambda lengths, slot: lengths.at[slot].set(self.max_model_len),
                                      out_shardings=p.sharding("state"))
 
@@ -289,7 +289,7 @@ class ModelRunner(HostBatching, MemoryPlanning, AheadOfTime):
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy cache row `src` into row `dst` (n > 1 siblings share their prompt's KV). Every
-        text model's cache leaves have the slot axis first (models/text TextModel.init_cache);
+        text model's cache leaves have the slot axis first (models/nn/decoder.py Decoder.init_cache);
         a paged cache's rows are pages (`copy_pages`)."""
         return self._everywhere("copy_slot", (src, dst), lambda: self._copy_slot(src, dst))
 

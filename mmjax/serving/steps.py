@@ -67,7 +67,7 @@ class DecodeState:
         """After a decode step of the first rows = len(tokens) slots: their sampled tokens [rows],
         one more cached position, their next PRNG keys [rows, 2] and the penalties' history.
         Nothing else is written: rewriting the unchanged leaves (the vocab-sized sampling rows
-        among them) made XLA copy them, twice, every step (1 ms of a batch-1 bf16 step)."""
+        among them) makes XLA copy them, twice, every step."""
         rows = tokens.shape[0]
         return dataclasses.replace(self, tokens=self.tokens.at[:rows].set(tokens),
                                    lengths=self.lengths.at[:rows].add(1), keys=self.keys.at[:rows].set(keys),
@@ -159,7 +159,7 @@ jax.tree_util.register_dataclass(Segments, data_fields=[f.name for f in fields(S
 @dataclass
 class Riders:
     """The running requests whose next token a packed prefill call computes too (a mixed step;
-    models/text/packing.DecodeRows): ride [D] bool, slot j's next token rides; offset (int32
+    models/nn/packing.DecodeRows): ride [D] bool, slot j's next token rides; offset (int32
     scalar), the row position of the first rider, the others after it in slot order. D is
     static: 0 (no mixed steps: the graph is the plain prefill) or the slot count."""
     ride: jax.Array
