@@ -759,7 +759,7 @@ class MediaFetcher:
 
     def _caller_group(self) -> ImageGroup:
         """The group of the request calling `load`: every `load` called from one task within one
-        step of the event loop (the way `serve.app._load_images` starts all images of a request)
+        step of the event loop (the way `serve.inputs.load_images` starts all images of a request)
         joins one group; it is sealed at the next step."""
         try:
             loop = asyncio.get_running_loop()

@@ -209,7 +209,7 @@ def test_chat_prompt_object():
 
 @pytest.mark.parametrize("which", ["llava", "qwen"])
 def test_server_and_offline_paths_use_the_policy(which, llava_dirs, qwen_dirs):
-    """/v1/chat/completions: serve/app.py `_build_request` renders with vlm.tokenizer.render_chat
+    """/v1/chat/completions: serve/inputs.py `build_request` renders with vlm.tokenizer.render_chat
     (messages as serve/schema.py normalises them) and passes the prompt to Engine.make_request;
     /v1/completions passes the string prompt itself. VLM.render_chat (offline chat) likewise."""
     path = llava_dirs["gqa"] if which == "llava" else qwen_dirs["qwen2_vl"]
@@ -219,7 +219,7 @@ def test_server_and_offline_paths_use_the_policy(which, llava_dirs, qwen_dirs):
     images = vlm.prepare_images([noise_image(7, 40, 30)])
     n_img = images[0].num_tokens
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": attack}]}]
-    prompt = tok.render_chat(msgs, add_generation_prompt=True)     # as serve/app.py does
+    prompt = tok.render_chat(msgs, add_generation_prompt=True)     # as serve/inputs.py does
     req = eng.make_request(prompt, images, mmjax.SamplingParams())
     ids = req.prompt_ids.tolist()
     image_id = vlm.family.image_token_id

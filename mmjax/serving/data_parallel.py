@@ -63,7 +63,7 @@ class DataParallelEngine:
                                            for m in meshes):
             # the leader reads every step's sampled tokens from its own devices
             raise ValueError("multi-host data parallel: every replica must include devices of this process; "
-                             "run one server per host instead (README, Scaling out)")
+                             "run one server per host instead (docs/scaling.md)")
         if engine_kw.get("max_loras"):
             from mmjax.errors import UnsupportedModelError
             raise UnsupportedModelError("LoRA adapters are not supported with data parallelism", param="max_loras")

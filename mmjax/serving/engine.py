@@ -56,7 +56,7 @@ from mmjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("mmjax.engine")
 
-# requests whose chunks one prefill call packs at most (pack_prefill; models/text/packing.py):
+# requests whose chunks one prefill call packs at most (pack_prefill; models/nn/packing.py):
 # each sequence past the first may add one 32-query attention block (an unaligned segment end);
 # the compiled block layout holds S - 1 such blocks, skipped at run time while unneeded
 MAX_PREFILL_SEQS = 8

@@ -146,8 +146,7 @@ class Scheduler:
         chunked); after it, a prompt is only started if the rest of it fits. A head chunk in
         the budget's remainder would give no first token this step and lengthen the call every
         token of this step waits for, and its prompt's first token would still need a second
-        call: measured at concurrency 16 (230-token prompts, chunk 256), filling the budget with
-        head chunks gave TTFT p50 7.8 s against 7.0 s one call per prompt. Packed
+        call (benchmarks/README.md, "Figures behind code choices"). Packed
         (max_segments > 1): up to max_segments whole prompts that fit share the call (short
         prompts behind a long one go first); one call per request (max_segments = 1): the
         first that does not fit ends the plan. A chunk never ends inside a bidirectional image

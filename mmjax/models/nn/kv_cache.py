@@ -138,7 +138,7 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
     both products become broadcast-multiply-reduce over a non-minor axis (scores sum K^T [hd,
     len] rows, out sums V [len, hd] rows), which the CPU decode step hands to YNN's reductions,
     where a batched dot makes one small matmul call per (row, KV head): 128 per segment at 16
-    rows, 1.6x slower (benchmarks/README.md, "K^T decode attention"). Below SMALL_N_MIN_CALLS
+    rows, slower (benchmarks/README.md, "Figures behind code choices"). Below SMALL_N_MIN_CALLS
     such calls the dots stay (a reduction call has the larger fixed cost). Otherwise dots on the
     same layouts: scores [n, len] = q K^T and out [n, hd] = P V, both plain row-major operands.
 

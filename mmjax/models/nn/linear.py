@@ -1,7 +1,8 @@
 """Linear layers, embeddings and the precision policy every weight matmul goes through.
 
 A `Linear` keeps its weight as `kernel` [in, out] (HF's [out, in] transposed once at load:
-XLA:CPU streams `x @ W` with W [in, out] ~14x faster than `x @ W.T`). What the weight *is* decides
+XLA:CPU streams `x @ W` with W [in, out] much faster than `x @ W.T`; benchmarks/README.md,
+"Figures behind code choices"). What the weight *is* decides
 how it multiplies (`matmul`), nothing ambient: a float array takes XLA's dot (bf16 x bf16 with an
 f32 result), a `mmjax.packed_weights.PackedWeight` (f32 / bf16 in the CPU kernels' panels) and a
 `mmjax.quant.QArray` (int8 / fp8, packed or not) take their kernels. The runner sets those value
