@@ -46,12 +46,12 @@ class FeatureEncoder:
                 # cross-attention: every image is needed by the request's first chunk
                 done = r.image_end(i) <= r.prefilled and not self.family.cross_attention
                 key = r.feature_key(im)
-                if r.feats[i] is not None or key in todo or done:
+                if r.features[i] is not None or key in todo or done:
                     continue
                 cached = self.encoder_cache.get(key)
                 if cached is not None:
                     self.encoder_cache.hits += 1
-                    r.feats[i] = cached
+                    r.features[i] = cached
                 else:
                     self.encoder_cache.misses += 1
                     todo[key] = (im, r.encoder_adapter)
@@ -74,8 +74,8 @@ class FeatureEncoder:
         for r in reqs:
             for i, im in enumerate(r.images):
                 key = r.feature_key(im)
-                if r.feats[i] is None and key in feats:
-                    r.feats[i] = feats[key]
+                if r.features[i] is None and key in feats:
+                    r.features[i] = feats[key]
 
     def _encode_keyed(self, todo: dict[str, tuple[ImageInput, int]]) -> dict[str, np.ndarray]:
         """{feature key: (image, encoder adapter slot)} -> {feature key: features}: one encode per
@@ -113,7 +113,7 @@ class FeatureEncoder:
         emb = np.zeros((hi - lo, self.runner.feature_width), np.float32)
         first, last = np.searchsorted(req.image_pos, [lo, hi])   # image tokens [first, last) are here
         offset = 0
-        for feats, im in zip(req.feats, req.images):
+        for feats, im in zip(req.features, req.images):
             a, b = max(offset, first), min(offset + im.num_tokens, last)
             if a < b:
                 emb[req.image_pos[a:b] - lo] = feats[a - offset:b - offset]

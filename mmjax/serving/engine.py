@@ -53,7 +53,7 @@ from mmjax.serving.state_snapshots import ROWS_PER_SLOT, SnapshotIndex
 
 log = logging.getLogger("mmjax.engine")
 
-# requests whose chunks one prefill call packs at most (pack_prefill; models/text/packing.py):
+# requests whose chunks one prefill call packs at most (pack_prefill; models/nn/packing.py):
 # each sequence past the first may add one 32-query attention block (an unaligned segment end);
 # the compiled block layout holds S - 1 such blocks, skipped at run time while unneeded
 MAX_PREFILL_SEQS = 8
@@ -150,7 +150,7 @@ class Engine:
         try:
             for req in reqs:
                 if req.prefilled <= req.prompt_len and req.prune is None:
-                    row = self.snapshots.claim(req.keys[:req.prefilled])
+                    row = self.snapshots.claim(req.prefix_keys[:req.prefilled])
                     if row is not None:
                         self.runner.save_state(req.slot, row)
         except Exception as e:
@@ -207,13 +207,13 @@ class Engine:
         copy of that row (all but the last prompt token count as cached)."""
         n = parent.prompt_len - 1
         if self.snapshots is not None:      # recurrent states: from the last snapshot of the prompt
-            n = self.snapshots.longest(parent.keys, n)
+            n = self.snapshots.longest(parent.prefix_keys, n)
         # a pruned row is compacted, a ring-buffer row may not resume that late, a last token
         # that is an image token needs its features again: those siblings prefill themselves
         if (parent.prune is not None or n < self.scheduler.min_resume(parent.prompt_len)
                 or parent.prompt_ids[-1] in self.family.media_token_ids or (self.snapshots is not None and not n)):
             return
-        for sib in [r for r in self.scheduler.waiting if r.parent is parent]:
+        for sib in self.scheduler.siblings_waiting(parent):
             slot = self.scheduler.fork_slot()
             if slot is None:
                 return
@@ -223,13 +223,12 @@ class Engine:
                 continue
             try:
                 self.runner.copy_slot(parent.slot, slot)
-                self._resume_states(sib, parent.keys[:n], slot)
+                self._resume_states(sib, parent.prefix_keys[:n], slot)
             except Exception as e:
                 self._device_failure(None, as_error(e, "copying a prompt's cache row"), [])
                 return
-            self.scheduler.waiting.remove(sib)
-            self.scheduler.place(sib, slot, n)
-            self.prefix_cache.retain(slot, parent.keys[:n])
+            self.scheduler.place_waiting(sib, slot, n)
+            self.prefix_cache.retain(slot, parent.prefix_keys[:n])
             self.counters["tokens_cached"] += n
 
     def _fork_pages(self, parent: Request, sib: Request, slot: int, n: int) -> bool:
@@ -252,8 +251,7 @@ class Engine:
             kv.release(sib)
             self._device_failure(None, as_error(e, "copying a prompt's cache page"), [])
             return False
-        self.scheduler.waiting.remove(sib)
-        self.scheduler.place(sib, slot, n)
+        self.scheduler.place_waiting(sib, slot, n)
         self.counters["tokens_cached"] += n
         return True
 
@@ -299,7 +297,7 @@ class Engine:
             req.page_hashes = page_hashes(req.seq_keys(), self.pages.page_size, req.cache_salt)
         elif req.resume_ids is None:
             req.prompt_scores = None        # recomputed with the prompt
-        req.feats = [im.embeds for im in req.images]
+        req.features = [im.embeds for im in req.images]
         req.cross_filled = False
         self.runner.park(req.slot)
         self.scheduler.preempt(req)
@@ -315,7 +313,7 @@ class Engine:
         self.requests[req.id] = req
         if self.pages is not None:
             req.pages = []
-            req.page_hashes = page_hashes(req.keys, self.pages.page_size, req.cache_salt)
+            req.page_hashes = page_hashes(req.prefix_keys, self.pages.page_size, req.cache_salt)
         self.scheduler.add(req)
         return req.id
 
@@ -436,7 +434,7 @@ class Engine:
             if not req.preemptions:
                 self.counters["tokens_cached"] += req.cached_tokens
             try:
-                self._resume_states(req, req.keys[:req.prefilled], req.slot)
+                self._resume_states(req, req.prefix_keys[:req.prefilled], req.slot)
             except Exception as e:
                 self._device_failure(req, as_error(e, "restoring a prefix's recurrent states"), deltas)
         for req in self.scheduler.active():      # their step compiled in the background: take part again
@@ -577,7 +575,7 @@ class Engine:
         spans = None if req.runs is None else run_spans(req.seq_ids(lo, hi), self.family.image_token_id)
         if req.cross is not None:
             if not req.cross_filled:   # the request's images' K/V, once, before its first chunk
-                self.runner.fill_cross(req.slot, list(req.feats), [im.grid[0] for im in req.images],
+                self.runner.fill_cross(req.slot, list(req.features), [im.grid[0] for im in req.images],
                                        int(req.cross[-1]))
                 req.cross_filled = True
             spans = req.cross[lo:hi]
@@ -590,7 +588,7 @@ class Engine:
             nxt = np.zeros(hi - lo, np.int32)
             nxt[:len(req.prompt_ids[lo + 1:hi + 1])] = req.prompt_ids[lo + 1:hi + 1]
         return PrefillChunk(req.slot, lo, req.seq_ids(lo, hi), emb, mask, req.seq_positions(lo, hi), req.rope_delta,
-                            SlotSampling.from_params(req.sampling), req.key, spans, req.vrow, bits, nxt,
+                            SlotSampling.from_params(req.sampling), req.rng_key, spans, req.vrow, bits, nxt,
                             req.adapter)
 
     @staticmethod
@@ -652,7 +650,7 @@ class Engine:
             if self.pages is not None:
                 self.pages.written(req, req.prefilled)
             if not req.prefilling:
-                req.feats = []  # the KV cache holds them now
+                req.features = []  # the KV cache holds them now
                 if req.resume_row is not None:      # a preempted request's KV is back: decode on
                     self.runner.restore_row(req.slot, req.resume_row)
                     req.resume_row = req.resume_ids = None
@@ -748,15 +746,14 @@ class Engine:
                 self.fail_request(r, err if r is culprit or culprit is None else MMJaxError(
                     f"internal error: the device state was lost while running request {culprit.id}"), deltas)
             else:
-                self.scheduler.slots[r.slot] = None
-                r.slot, r.prefilled, r.cached_tokens, r.cross_filled = None, 0, 0, False
-                r.feats = [im.embeds for im in r.images]
-                self.scheduler.waiting.appendleft(r)
+                self.scheduler.requeue(r)
+                r.cached_tokens, r.cross_filled = 0, False
+                r.features = [im.embeds for im in r.images]
         self.reset_device_state()
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
-        if req.slot is not None and self.scheduler.slots[req.slot] is req:
+        if self.scheduler.holds(req):
             self.runner.park(req.slot)
         self.scheduler.release(req)
         if reason not in ("abort", "error"):

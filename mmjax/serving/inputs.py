@@ -115,37 +115,37 @@ class InputProcessor:
                 raise InvalidRequestError("prompt_logprobs cannot be combined with image-token pruning",
                                           param="prompt_logprobs")
         seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
-        key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
+        rng_key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
         rid = request_id or f"req-{next(self._ids)}"
         vrow, constraints, allow = self.token_rules(sampling, ids)
-        keys = token_keys(ids, images, image_pos, all_images_first=cross is not None)
+        prefix_keys = token_keys(ids, images, image_pos, all_images_first=cross is not None)
         if lora is not None:           # the adapter's KV is not the base model's
-            keys = salt_keys(keys, self.adapters.salt(lora))
+            prefix_keys = salt_keys(prefix_keys, self.adapters.salt(lora))
         return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
-                       rope_delta=rope_delta, sampling=sampling, key=key,
+                       rope_delta=rope_delta, sampling=sampling, rng_key=rng_key,
                        detok=IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens),
-                       keys=keys, cross=cross, lora=lora, adapter=adapter,
+                       prefix_keys=prefix_keys, cross=cross, lora=lora, adapter=adapter,
                        encoder_salt=self.adapters.encoder_salt(lora) if lora is not None else "",
-                       logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
+                       logprobs=[] if sampling.logprobs is not None else None, features=[im.embeds for im in images],
                        image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune),
                        vrow=vrow, constraints=constraints, allow=allow)
 
     def siblings(self, req: Request, n: int) -> list[Request]:
         """n > 1: `req` and n - 1 copies sampling the same prompt (ids `{id}-1` ...), each with its
         own PRNG stream (with a seed: (i, seed), so the same seed gives the same choices; request
-        0 keeps the key a lone request with that seed has). The copies wait until `req`'s prompt
+        0 keeps the PRNG key a lone request with that seed has). The copies wait until `req`'s prompt
         is in the cache, then copy its cache row and recompute only the last prompt token."""
         out = [req]
         seed = req.sampling.seed
         for i in range(1, n):
             sp = dataclasses.replace(req.sampling, prompt_logprobs=None)   # choice 0 carries the prompt's
-            key = (np.asarray([i, seed & 0xFFFFFFFF], np.uint32) if seed is not None
+            rng_key = (np.asarray([i, seed & 0xFFFFFFFF], np.uint32) if seed is not None
                    else np.asarray([0, int(self._seed_rng.integers(2**31))], np.uint32))
             vrow, constraints, allow = self.token_rules(sp, req.prompt_ids)
             out.append(dataclasses.replace(
-                req, id=f"{req.id}-{i}", sampling=sp, key=key,
+                req, id=f"{req.id}-{i}", sampling=sp, rng_key=rng_key,
                 detok=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens),
-                logprobs=[] if sp.logprobs is not None else None, feats=list(req.feats), vrow=vrow,
+                logprobs=[] if sp.logprobs is not None else None, features=list(req.features), vrow=vrow,
                 constraints=constraints, allow=allow, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
         return out
 
