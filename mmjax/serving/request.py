@@ -178,8 +178,8 @@ class Request:
     def seq_keys(self) -> np.ndarray:
         """Prefix-cache keys of the prefilled sequence (`prefix_keys`, then the resumed output ids)."""
         if self.resume_ids is None:
-            return self.keys
-        return np.concatenate([self.keys, self.resume_ids.astype(np.int64)])
+            return self.prefix_keys
+        return np.concatenate([self.prefix_keys, self.resume_ids.astype(np.int64)])
 
     @property
     def prefilling(self) -> bool:
