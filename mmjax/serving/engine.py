@@ -30,8 +30,6 @@ that had produced nothing yet go back to the queue.
 """
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -39,20 +37,19 @@ from typing import Any
 
 import numpy as np
 
-from mmjax.errors import ContextLengthError, InvalidRequestError, MMJaxError, PromptError, UnsupportedModelError
-from mmjax.models.family import ImageInput, image_runs, run_spans
-from mmjax.serving.caches import EncoderCache, PrefixCache, salt_keys, token_keys
+from mmjax.errors import InvalidRequestError, MMJaxError
+from mmjax.models.family import ImageInput, run_spans
+from mmjax.serving.caches import EncoderCache, PrefixCache
 from mmjax.serving import prompt_logprobs
+from mmjax.serving.encoding import FeatureEncoder, as_error
+from mmjax.serving.inputs import InputProcessor, fill_bits
 from mmjax.serving.output import append_token
 from mmjax.serving.pages import KVPages, page_hashes
 from mmjax.serving.request import Delta, Request, RequestOutput
 from mmjax.serving.runner import ModelRunner, PrefillChunk
-from mmjax.serving.constraints import BadWords, bad_word_ids
-from mmjax.serving.sampling import SamplingParams, SlotSampling, vocab_row
+from mmjax.serving.sampling import SamplingParams, SlotSampling
 from mmjax.serving.scheduler import Scheduler
 from mmjax.serving.state_snapshots import ROWS_PER_SLOT, SnapshotIndex
-from mmjax.serving.structured import Grammar, GrammarCompiler, GrammarError, allowed_bits, grammar_constraint
-from mmjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("mmjax.engine")
 
@@ -60,12 +57,6 @@ log = logging.getLogger("mmjax.engine")
 # each sequence past the first may add one 32-query attention block (an unaligned segment end);
 # the compiled block layout holds S - 1 such blocks, skipped at run time while unneeded
 MAX_PREFILL_SEQS = 8
-
-
-def _as_error(exc: BaseException, what: str) -> MMJaxError:
-    if isinstance(exc, MMJaxError):
-        return exc
-    return MMJaxError(f"internal error while {what}: {type(exc).__name__}: {exc}")
 
 
 class Engine:
@@ -106,7 +97,6 @@ class Engine:
         max_model_len = max_model_len or min(model.module.language_model.max_position_embeddings, 4096)
         self.max_model_len = max_model_len
         self.prefill_chunk = prefill_chunk
-        self.max_encode_tokens = max_encode_tokens
         self.max_images_per_request = max_images_per_request
         self.runner = ModelRunner(model.family, model.module, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, prefill_chunk=prefill_chunk,
@@ -128,16 +118,17 @@ class Engine:
         self.scheduler = Scheduler(max_num_seqs, self.runner.buckets.decode, prefill_chunk, self.prefix_cache,
                                    min_resume=self._min_resume(), max_segments=self.runner.buckets.segments[-1],
                                    pages=self.pages, resume_at=None if self.snapshots is None else self.snapshots.longest)
-        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, model.eos_token_ids)
+        self.inputs = InputProcessor(model, self.runner, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
+                                     max_images_per_request=max_images_per_request, adapters=self.adapters)
+        self.grammars = self.inputs.grammars
         self.requests: dict[str, Request] = {}
         self._step_lock = threading.RLock()     # one step, or a refresh, at a time
-        self._ids = itertools.count()
-        self._seed_rng = np.random.default_rng()
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                          "tokens_prefilled": 0, "tokens_decoded": 0, "tokens_cached": 0,
                          "images_encoded": 0, "videos_encoded": 0, "decode_steps": 0, "prefill_calls": 0,
                          "prefill_chunks": 0, "mixed_steps": 0,
                          "tokens_pruned": 0, "preemptions": 0}
+        self.features = FeatureEncoder(self.runner, self.family, self.encoder_cache, max_encode_tokens, self.counters)
 
     def _state_snapshots(self, enabled: bool) -> SnapshotIndex | None:
         """A hybrid decoder's (`state_layers`) prefix cache of recurrent states: the host index of
@@ -159,12 +150,12 @@ class Engine:
         try:
             for req in reqs:
                 if req.prefilled <= req.prompt_len and req.prune is None:
-                    row = self.snapshots.claim(req.keys[:req.prefilled])
+                    row = self.snapshots.claim(req.prefix_keys[:req.prefilled])
                     if row is not None:
                         self.runner.save_state(req.slot, row)
         except Exception as e:
             self.snapshots.clear()
-            self._device_failure(None, _as_error(e, "snapshotting recurrent states"), [])
+            self._device_failure(None, as_error(e, "snapshotting recurrent states"), [])
 
     def _resume_states(self, req: Request, keys: np.ndarray, slot: int) -> None:
         """A hybrid decoder's request resuming after the prefix `keys` (from the prefix cache, or a
@@ -180,9 +171,8 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
     @property
     def max_prompt_bytes(self) -> int:
-        """Longest prompt text (UTF-8 bytes) that could still fit the context: anything longer is
-        rejected before the tokenizer runs (tokenizing 100 MiB of text costs seconds and GBs)."""
-        return self.max_model_len * self.tokenizer.max_token_bytes
+        """Longest prompt text (UTF-8 bytes) that could still fit the context (`InputProcessor`)."""
+        return self.inputs.max_prompt_bytes
 
     @property
     def waiting(self):
@@ -205,105 +195,25 @@ class Engine:
         """Validate and tokenize a request without touching engine state (safe from any thread).
         prune (layer, keep): FastV, keep `keep` image tokens after decoder `layer` (see
         mmjax.research.Prune). lora: the name of a loaded LoRA adapter (None: the base model)."""
-        adapter = self.lora_slot(lora)
-        if lora is not None and prune is not None:
-            raise InvalidRequestError("image-token pruning cannot be combined with a LoRA adapter", param="model")
-        sampling = sampling or SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}",
-                                      param="sampling")
-        images = list(images)
-        if len(images) > self.max_images_per_request:
-            raise InvalidRequestError(f"{len(images)} images in one request exceeds the limit of "
-                                      f"{self.max_images_per_request}", param="images", code="too_many_images")
-        counts = [im.num_tokens for im in images]
-        if isinstance(prompt, str):
-            try:
-                n_bytes = len(prompt.encode("utf-8"))
-            except UnicodeEncodeError as e:  # a lone surrogate (e.g. JSON "\ud800") is not text
-                raise InvalidRequestError(f"prompt text is not valid Unicode: {e.reason} at character {e.start}",
-                                          param="messages", code="invalid_text") from None
-            if n_bytes > self.max_prompt_bytes:
-                raise ContextLengthError(f"prompt text is {n_bytes} bytes, more than any prompt that fits the "
-                                         f"context of {self.max_model_len} tokens can hold "
-                                         f"({self.max_prompt_bytes} bytes)", param="messages")
-            ids = self.tokenizer.encode_prompt(prompt, counts, self.family.image_prompts(images),
-                                               [self.family.token_id_of(im) for im in images])
-        else:
-            ids = list(prompt)
-        ids = np.asarray(ids, np.int32)
-        if len(ids) == 0:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(f"prompt is {len(ids)} tokens (including {sum(counts)} image tokens); "
-                                     f"the context is {self.max_model_len} tokens", param="messages")
-        starts = self.family.image_starts(ids, counts)
-        for i, (im, st) in enumerate(zip(images, starts)):
-            if counts[i] and ids[st] != self.family.feature_token_id(im):
-                raise PromptError(f"input {i} is {'a video' if im.kind == 'video' else 'an image'} but its "
-                                  "placeholder tokens are not", param="videos" if im.kind == "video" else "images")
-        runs = None
-        if self.family.bidirectional_images:
-            runs = image_runs(ids, self.family.image_token_id)
-            longest = int((runs[:, 1] - runs[:, 0]).max(initial=0))
-            if longest > self.prefill_chunk:
-                raise ContextLengthError(f"an image of {longest} tokens must be prefilled in one chunk, but "
-                                         f"prefill_chunk is {self.prefill_chunk}", param="images")
-        positions, rope_delta = self.family.positions(ids, images, starts)
-        cross = self.family.cross_ranges(ids, images) if self.family.cross_attention else None
-        image_pos = np.flatnonzero(np.isin(ids, self.family.media_token_ids))
-        if prune is not None:
-            self._check_prune(prune, len(ids), len(image_pos))
-            if sampling.prompt_logprobs is not None:
-                raise InvalidRequestError("prompt_logprobs cannot be combined with image-token pruning",
-                                          param="prompt_logprobs")
-        seed = sampling.seed if sampling.seed is not None else int(self._seed_rng.integers(2**31))
-        key = np.asarray([0, seed & 0xFFFFFFFF], np.uint32)  # == jax.random.PRNGKey(seed) for 32-bit seeds
-        rid = request_id or f"req-{next(self._ids)}"
-        vrow, constraints, allow = self._token_rules(sampling, ids)
-        keys = token_keys(ids, images, image_pos, all_images_first=cross is not None)
-        if lora is not None:           # the adapter's KV is not the base model's
-            keys = salt_keys(keys, self.adapters.salt(lora))
-        return Request(id=rid, prompt_ids=ids, images=images, image_starts=starts, positions=positions,
-                       rope_delta=rope_delta, sampling=sampling, key=key,
-                       detok=IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens),
-                       keys=keys, cross=cross, lora=lora, adapter=adapter,
-                       encoder_salt=self.adapters.encoder_salt(lora) if lora is not None else "",
-                       logprobs=[] if sampling.logprobs is not None else None, feats=[im.embeds for im in images],
-                       image_pos=image_pos, runs=runs, prune=None if prune is None else tuple(prune),
-                       vrow=vrow, constraints=constraints, allow=allow)
+        return self.inputs.make_request(prompt, images, sampling, request_id, prune, lora)
 
     def siblings(self, req: Request, n: int) -> list[Request]:
-        """n > 1: `req` and n - 1 copies sampling the same prompt (ids `{id}-1` ...), each with its
-        own PRNG stream (with a seed: (i, seed), so the same seed gives the same choices; request
-        0 keeps the key a lone request with that seed has). The copies wait until `req`'s prompt
-        is in the cache, then copy its cache row and recompute only the last prompt token."""
-        out = [req]
-        seed = req.sampling.seed
-        for i in range(1, n):
-            sp = dataclasses.replace(req.sampling, prompt_logprobs=None)   # choice 0 carries the prompt's
-            key = (np.asarray([i, seed & 0xFFFFFFFF], np.uint32) if seed is not None
-                   else np.asarray([0, int(self._seed_rng.integers(2**31))], np.uint32))
-            vrow, constraints, allow = self._token_rules(sp, req.prompt_ids)
-            out.append(dataclasses.replace(
-                req, id=f"{req.id}-{i}", sampling=sp, key=key,
-                detok=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens),
-                logprobs=[] if sp.logprobs is not None else None, feats=list(req.feats), vrow=vrow,
-                constraints=constraints, allow=allow, parent=req, index=i, output_ids=[], arrival=time.monotonic()))
-        return out
+        """n > 1: `req` and n - 1 copies sampling the same prompt (`InputProcessor.siblings`); the
+        copies wait until `req`'s prompt is in the cache, then copy it (`_fork`)."""
+        return self.inputs.siblings(req, n)
 
     def _fork(self, parent: Request) -> None:
         """`parent`'s prompt is now in its cache row: waiting siblings take free slots holding a
         copy of that row (all but the last prompt token count as cached)."""
         n = parent.prompt_len - 1
         if self.snapshots is not None:      # recurrent states: from the last snapshot of the prompt
-            n = self.snapshots.longest(parent.keys, n)
+            n = self.snapshots.longest(parent.prefix_keys, n)
         # a pruned row is compacted, a ring-buffer row may not resume that late, a last token
         # that is an image token needs its features again: those siblings prefill themselves
         if (parent.prune is not None or n < self.scheduler.min_resume(parent.prompt_len)
                 or parent.prompt_ids[-1] in self.family.media_token_ids or (self.snapshots is not None and not n)):
             return
-        for sib in [r for r in self.scheduler.waiting if r.parent is parent]:
+        for sib in self.scheduler.siblings_waiting(parent):
             slot = self.scheduler.fork_slot()
             if slot is None:
                 return
@@ -313,13 +223,12 @@ class Engine:
                 continue
             try:
                 self.runner.copy_slot(parent.slot, slot)
-                self._resume_states(sib, parent.keys[:n], slot)
+                self._resume_states(sib, parent.prefix_keys[:n], slot)
             except Exception as e:
-                self._device_failure(None, _as_error(e, "copying a prompt's cache row"), [])
+                self._device_failure(None, as_error(e, "copying a prompt's cache row"), [])
                 return
-            self.scheduler.waiting.remove(sib)
-            self.scheduler.place(sib, slot, n)
-            self.prefix_cache.retain(slot, parent.keys[:n])
+            self.scheduler.place_waiting(sib, slot, n)
+            self.prefix_cache.retain(slot, parent.prefix_keys[:n])
             self.counters["tokens_cached"] += n
 
     def _fork_pages(self, parent: Request, sib: Request, slot: int, n: int) -> bool:
@@ -340,10 +249,9 @@ class Engine:
             self.runner.copy_pages(copies)
         except Exception as e:
             kv.release(sib)
-            self._device_failure(None, _as_error(e, "copying a prompt's cache page"), [])
+            self._device_failure(None, as_error(e, "copying a prompt's cache page"), [])
             return False
-        self.scheduler.waiting.remove(sib)
-        self.scheduler.place(sib, slot, n)
+        self.scheduler.place_waiting(sib, slot, n)
         self.counters["tokens_cached"] += n
         return True
 
@@ -389,77 +297,12 @@ class Engine:
             req.page_hashes = page_hashes(req.seq_keys(), self.pages.page_size, req.cache_salt)
         elif req.resume_ids is None:
             req.prompt_scores = None        # recomputed with the prompt
-        req.feats = [im.embeds for im in req.images]
+        req.features = [im.embeds for im in req.images]
         req.cross_filled = False
         self.runner.park(req.slot)
         self.scheduler.preempt(req)
         self.counters["preemptions"] += 1
         log.info("preempted request %s (%d tokens produced)", req.id, len(req.output_ids))
-
-    def _token_rules(self, sp: SamplingParams, prompt_ids: np.ndarray):
-        """(VocabRow or None, host constraints, allowed-token bitmask or None) of a request:
-        penalties, logit_bias, allowed_token_ids, min_tokens and bad words (token ids checked
-        against the vocabulary), and its structured-output grammar, if any (refused up front
-        when it cannot be satisfied, within allowed_token_ids / bad words too). The bitmask
-        holds the tokens allowed_token_ids and one-token bad words leave (None: all), for the
-        per-step check that a constrained request still has a token to sample (`_bits`)."""
-        vocab = self.runner.vocab_size
-        for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("allowed_token_ids", sp.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError(f"{name} holds token id {bad[0]}, out of the vocabulary (size {vocab})",
-                                          param=name)
-        constraints: list = []
-        single: list[int] = []
-        if sp.bad_words:
-            seqs = bad_word_ids(self.tokenizer, sp.bad_words)
-            single = [s[0] for s in seqs if len(s) == 1]
-            if any(len(s) > 1 for s in seqs):
-                constraints.append(BadWords(seqs))
-        allow = allowed_bits(self.runner.bit_words, vocab, sp.allowed_token_ids, single)
-        if allow is not None and not allow.any():
-            raise InvalidRequestError("no token is left to sample: bad_words ban every one of allowed_token_ids",
-                                      param="bad_words")
-        if sp.structured is not None:
-            constraints.append(grammar_constraint(self, sp.structured, allow))
-        vrow = None
-        if sp.needs_vocab_row:
-            vrow = vocab_row(sp, vocab, prompt_ids, self.model.eos_token_ids, single)
-        return vrow, constraints, (allow if constraints else None)
-
-    def _bits(self, req: Request, out: np.ndarray) -> None:
-        """AND `req`'s host constraints into its bitmask row out [bit_words]. Raises (the request's
-        error: GrammarError for an output constraint) when its grammar's matcher fails or no
-        token is left to sample (within allowed_token_ids / one-token bad words too)."""
-        for c in req.constraints:
-            c.fill(out, req.output_ids)
-        left = out if req.allow is None else out & req.allow
-        if not left.any():
-            g = next((c for c in req.constraints if isinstance(c, Grammar)), None)
-            if g is not None:
-                raise GrammarError(f"the output constraint '{g.param}' cannot go on after {len(req.output_ids)} "
-                                   "generated token(s): no token it allows is left"
-                                   + (" within allowed_token_ids / bad_words" if req.allow is not None else ""),
-                                   param=g.param)
-            raise InvalidRequestError(f"no token is left to sample after {len(req.output_ids)} generated token(s): "
-                                      "bad_words ban every token allowed_token_ids leaves", param="bad_words")
-
-    def _check_prune(self, prune, prompt_len: int, n_image: int) -> None:
-        tm = self.runner.text_model
-        if not tm.supports_prune:
-            raise UnsupportedModelError(f"token pruning is not implemented for {type(tm).__name__}",
-                                        param="intervention")
-        layer, keep = prune
-        last = tm.max_prune_layer     # a later layer must remain
-        if not 0 <= layer <= last:
-            raise InvalidRequestError(f"Prune.layer must lie in [0, {last}] for this model, got {layer}",
-                                      param="intervention.layer")
-        if not 1 <= keep <= n_image:
-            raise InvalidRequestError(f"Prune.keep must lie in [1, {n_image}] (the prompt's image tokens), "
-                                      f"got {keep}", param="intervention.keep")
-        if prompt_len > self.prefill_chunk:
-            raise ContextLengthError(f"a pruned request is prefilled in one call: its prompt of {prompt_len} "
-                                     f"tokens is over prefill_chunk={self.prefill_chunk}", param="intervention")
 
     def submit(self, req: Request) -> str:
         if req.lora is not None and self.lora_slot(req.lora) != req.adapter:   # unloaded since it was made
@@ -470,7 +313,7 @@ class Engine:
         self.requests[req.id] = req
         if self.pages is not None:
             req.pages = []
-            req.page_hashes = page_hashes(req.keys, self.pages.page_size, req.cache_salt)
+            req.page_hashes = page_hashes(req.prefix_keys, self.pages.page_size, req.cache_salt)
         self.scheduler.add(req)
         return req.id
 
@@ -514,13 +357,7 @@ class Engine:
     # ---- LoRA adapters ----------------------------------------------------------------------
     def lora_slot(self, name: str | None) -> int:
         """The adapter slot of a loaded adapter (None: -1, the base model); LoRANotFoundError."""
-        if name is None:
-            return -1
-        if self.adapters is None:
-            from mmjax.errors import LoRANotFoundError
-            raise LoRANotFoundError(f"the model {name!r} does not exist (this engine serves no LoRA adapters: "
-                                    "max_loras=0)", param="model")
-        return self.adapters.slot_of(name)
+        return self.inputs.lora_slot(name)
 
     @property
     def lora_names(self) -> list[str]:
@@ -597,9 +434,9 @@ class Engine:
             if not req.preemptions:
                 self.counters["tokens_cached"] += req.cached_tokens
             try:
-                self._resume_states(req, req.keys[:req.prefilled], req.slot)
+                self._resume_states(req, req.prefix_keys[:req.prefilled], req.slot)
             except Exception as e:
-                self._device_failure(req, _as_error(e, "restoring a prefix's recurrent states"), deltas)
+                self._device_failure(req, as_error(e, "restoring a prefix's recurrent states"), deltas)
         for req in self.scheduler.active():      # their step compiled in the background: take part again
             if req.compile_wait is not None and self.runner.compile_done(req.compile_wait):
                 req.compile_wait = None
@@ -607,7 +444,7 @@ class Engine:
         plan = self.scheduler.prefill_plan(reserve=len(self._riders([])))
         # only the images this step's prefill chunks need: encoding every admitted request's
         # images up front would put all of them before the first request's first token
-        self._encode_missing([r for r, _ in plan], deltas)
+        self.features.encode_missing([r for r, _ in plan], lambda r, e: self.fail_request(r, e, deltas))
         plan = [(r, n) for r, n in plan if r.finish_reason is None]
         # FastV (a whole prompt) and prompt_logprobs (the one-sequence scores step, which waits)
         # take a call of their own; the rest is packed, one call per step (scheduler budget)
@@ -656,7 +493,7 @@ class Engine:
             if self.runner.ready([chunk], req.prune):
                 return False
         except Exception as e:
-            self.fail_request(req, _as_error(e, "compiling the request's step"), deltas)
+            self.fail_request(req, as_error(e, "compiling the request's step"), deltas)
             return True
         req.compile_wait = self.runner.compile_key([chunk], req.prune)
         return True
@@ -692,7 +529,7 @@ class Engine:
             try:
                 outs = pending.result().steps()
             except Exception as e:
-                self._device_failure(None, _as_error(e, "running a step"), deltas)
+                self._device_failure(None, as_error(e, "running a step"), deltas)
                 return
             for out in outs:
                 for req, row in rows:
@@ -730,114 +567,28 @@ class Engine:
         self.reset_device_state()
         return out
 
-    def _encode_missing(self, reqs: list[Request], deltas: list[Delta]) -> None:
-        """Give every prefilling request its image features: from the encoder cache, or by
-        encoding all missing images of all these requests together (deduplicated by key: the
-        image's, with the request's adapter where the adapter changes the encoder). If the joint
-        encode fails, each request's images are encoded alone so that only the request whose
-        image fails is failed."""
-        todo: dict[str, tuple[ImageInput, int]] = {}
-        for r in reqs:
-            for i, im in enumerate(r.images):
-                # cross-attention: every image is needed by the request's first chunk
-                done = r.image_end(i) <= r.prefilled and not self.family.cross_attention
-                key = r.feature_key(im)
-                if r.feats[i] is not None or key in todo or done:
-                    continue
-                cached = self.encoder_cache.get(key)
-                if cached is not None:
-                    self.encoder_cache.hits += 1
-                    r.feats[i] = cached
-                else:
-                    self.encoder_cache.misses += 1
-                    todo[key] = (im, r.encoder_adapter)
-        if not todo:
-            return
-        try:
-            feats = self._encode_keyed(todo)
-        except Exception as e:  # find the culprit(s): one request at a time
-            log.warning("joint encode of %d images failed (%s: %s); encoding per request", len(todo),
-                        type(e).__name__, e)
-            feats = {}
-            for r in reqs:
-                mine = {k: todo[k] for k in map(r.feature_key, r.images) if k in todo and k not in feats}
-                try:
-                    feats.update(self._encode_keyed(mine))
-                except Exception as e:
-                    self.fail_request(r, _as_error(e, "encoding the request's images"), deltas)
-        for key, f in feats.items():
-            self.encoder_cache.put(key, f)
-        for r in reqs:
-            for i, im in enumerate(r.images):
-                key = r.feature_key(im)
-                if r.feats[i] is None and key in feats:
-                    r.feats[i] = feats[key]
-
-    def _encode_keyed(self, todo: dict[str, tuple[ImageInput, int]]) -> dict[str, np.ndarray]:
-        """{feature key: (image, encoder adapter slot)} -> {feature key: features}: one encode per
-        adapter slot (the encode step runs one adapter per call)."""
-        out: dict[str, np.ndarray] = {}
-        for slot in sorted({s for _, s in todo.values()}):
-            keys = [k for k, (_, s) in todo.items() if s == slot]
-            feats = self._encode([todo[k][0] for k in keys], slot)
-            out.update((k, feats[todo[k][0].key]) for k in keys)
-        return out
-
-    def _encode(self, images: list[ImageInput], adapter: int = -1) -> dict[str, np.ndarray]:
-        """Encode in groups of at most `max_encode_tokens` image tokens (an image larger than the
-        budget goes alone) under LoRA adapter slot `adapter` (-1: none) -> {image key: features}."""
-        feats: dict[str, np.ndarray] = {}
-        groups, cur, n = [], [], 0
-        for im in images:
-            if cur and n + im.num_tokens > self.max_encode_tokens:
-                groups.append(cur)
-                cur, n = [], 0
-            cur.append(im)
-            n += im.num_tokens
-        for group in groups + ([cur] if cur else []):
-            feats.update(zip((im.key for im in group), self.runner.encode_images(group, adapter)))
-            self.counters["images_encoded"] += sum(im.kind != "video" for im in group)
-            self.counters["videos_encoded"] += sum(im.kind == "video" for im in group)
-        return feats
-
-    def _image_embeds(self, req: Request, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray]:
-        """Rows [lo, hi) of the prompt's image embeddings [hi - lo, feature width] and mask [hi - lo]."""
-        mask = np.isin(req.seq_ids(lo, hi), self.family.media_token_ids)
-        if not mask.any() or self.family.cross_attention:  # cross-attention: <|image|> keeps its embedding
-            mask[:] = False
-            return None, mask
-        emb = np.zeros((hi - lo, self.runner.feature_width), np.float32)
-        first, last = np.searchsorted(req.image_pos, [lo, hi])   # image tokens [first, last) are here
-        offset = 0
-        for feats, im in zip(req.feats, req.images):
-            a, b = max(offset, first), min(offset + im.num_tokens, last)
-            if a < b:
-                emb[req.image_pos[a:b] - lo] = feats[a - offset:b - offset]
-            offset += im.num_tokens
-        return emb, mask
-
     def _prefill_chunk(self, req: Request, n: int) -> PrefillChunk:
         """The runner's input for prompt tokens [prefilled, prefilled + n) of `req` (cross-attention
         families: its images' K/V are written into its slot first, once)."""
         lo, hi = req.prefilled, req.prefilled + n
-        emb, mask = self._image_embeds(req, lo, hi)
+        emb, mask = self.features.embeds(req, lo, hi)
         spans = None if req.runs is None else run_spans(req.seq_ids(lo, hi), self.family.image_token_id)
         if req.cross is not None:
             if not req.cross_filled:   # the request's images' K/V, once, before its first chunk
-                self.runner.fill_cross(req.slot, list(req.feats), [im.grid[0] for im in req.images],
+                self.runner.fill_cross(req.slot, list(req.features), [im.grid[0] for im in req.images],
                                        int(req.cross[-1]))
                 req.cross_filled = True
             spans = req.cross[lo:hi]
         bits = None
         if req.constraints and hi == req.prompt_len and req.resume_ids is None:   # the first token's mask
             bits = self.runner.all_allowed()
-            self._bits(req, bits)
+            fill_bits(req, bits)
         nxt = None
         if self._scores_prompt(req):    # prompt_logprobs: each position's next prompt token (0 past the end)
             nxt = np.zeros(hi - lo, np.int32)
             nxt[:len(req.prompt_ids[lo + 1:hi + 1])] = req.prompt_ids[lo + 1:hi + 1]
         return PrefillChunk(req.slot, lo, req.seq_ids(lo, hi), emb, mask, req.seq_positions(lo, hi), req.rope_delta,
-                            SlotSampling.from_params(req.sampling), req.key, spans, req.vrow, bits, nxt,
+                            SlotSampling.from_params(req.sampling), req.rng_key, spans, req.vrow, bits, nxt,
                             req.adapter)
 
     @staticmethod
@@ -864,7 +615,7 @@ class Engine:
             except InvalidRequestError as e:     # its first token's constraint (a grammar) failed
                 self.fail_request(req, e, deltas)
             except Exception as e:
-                self._device_failure(req, _as_error(e, "prefilling the request"), deltas)
+                self._device_failure(req, as_error(e, "prefilling the request"), deltas)
         if not todo:
             return False
         try:
@@ -886,7 +637,7 @@ class Engine:
                 for item in todo:
                     self._prefill([item], deltas)
                 return False
-            self._device_failure(todo[0][0] if len(todo) == 1 else None, _as_error(e, "prefilling the request"),
+            self._device_failure(todo[0][0] if len(todo) == 1 else None, as_error(e, "prefilling the request"),
                                  deltas)
             return False
         self.counters["prefill_calls"] += 1
@@ -899,7 +650,7 @@ class Engine:
             if self.pages is not None:
                 self.pages.written(req, req.prefilled)
             if not req.prefilling:
-                req.feats = []  # the KV cache holds them now
+                req.features = []  # the KV cache holds them now
                 if req.resume_row is not None:      # a preempted request's KV is back: decode on
                     self.runner.restore_row(req.slot, req.resume_row)
                     req.resume_row = req.resume_ids = None
@@ -930,7 +681,7 @@ class Engine:
             for r in running:
                 if r.constraints:
                     try:
-                        self._bits(r, bits[r.slot])
+                        fill_bits(r, bits[r.slot])
                     except InvalidRequestError as e:
                         self.fail_request(r, e, deltas)
             running = [r for r in running if r.finish_reason is None]
@@ -961,7 +712,7 @@ class Engine:
         try:
             out = self.runner.decode(lens, rows, bits, wait=False, steps=steps)
         except Exception as e:
-            self._device_failure(None, _as_error(e, "decoding"), deltas)
+            self._device_failure(None, as_error(e, "decoding"), deltas)
             return False
         self.counters["decode_steps"] += steps
         self._dispatched(out, [(r, r.slot) for r in running], steps)
@@ -971,7 +722,7 @@ class Engine:
         try:
             d = append_token(req, out, row, self.model.eos_token_ids, self.max_model_len)
         except Exception as e:
-            self.fail_request(req, _as_error(e, "detokenizing"), deltas)
+            self.fail_request(req, as_error(e, "detokenizing"), deltas)
             return
         self.counters["tokens_decoded"] += 1
         deltas.append(d)
@@ -995,15 +746,14 @@ class Engine:
                 self.fail_request(r, err if r is culprit or culprit is None else MMJaxError(
                     f"internal error: the device state was lost while running request {culprit.id}"), deltas)
             else:
-                self.scheduler.slots[r.slot] = None
-                r.slot, r.prefilled, r.cached_tokens, r.cross_filled = None, 0, 0, False
-                r.feats = [im.embeds for im in r.images]
-                self.scheduler.waiting.appendleft(r)
+                self.scheduler.requeue(r)
+                r.cached_tokens, r.cross_filled = 0, False
+                r.features = [im.embeds for im in r.images]
         self.reset_device_state()
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
-        if req.slot is not None and self.scheduler.slots[req.slot] is req:
+        if self.scheduler.holds(req):
             self.runner.park(req.slot)
         self.scheduler.release(req)
         if reason not in ("abort", "error"):

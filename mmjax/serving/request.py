@@ -1,5 +1,6 @@
-"""Request types: what a client submits (`Request`, built and validated by `Engine.make_request`),
-what each step streams back (`Delta`) and what a finished request returns (`RequestOutput`)."""
+"""Request types: what a client submits and the engine's state of it (`Request`, built and
+validated by `InputProcessor.make_request`), what each step streams back (`Delta`) and what a
+finished request returns (`RequestOutput`)."""
 from __future__ import annotations
 
 import time
@@ -46,58 +47,67 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Request:
+    """One request: what the client asked for, fixed once `InputProcessor.make_request` built it
+    (n > 1 copies differ in `id`, `sampling`, `rng_key` and its token rules), and the state the
+    engine keeps while it runs (written only by the engine thread)."""
+    # ---- the input: the tokenized prompt and how to sample it ---------------------------------
     id: str
     prompt_ids: np.ndarray           # [prompt_len] with image tokens expanded
-    images: list[ImageInput]
+    images: list[ImageInput]         # its images and videos (ImageInput.kind), in prompt order
     image_starts: list[int]          # prompt index of each image's first token
-    positions: np.ndarray            # [position_rows, prompt_len]
-    rope_delta: int
-    sampling: SamplingParams
-    key: np.ndarray                  # [2] uint32 PRNG key
-    detok: IncrementalDetokenizer
-    keys: np.ndarray                 # [prompt_len] int64 prefix-cache key of each prompt token
     image_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # prompt index of
     #                                  each image token, in order (image i owns the next num_tokens)
+    positions: np.ndarray            # [position_rows, prompt_len]
+    rope_delta: int
     runs: np.ndarray | None = None   # [n, 2] bidirectional image-token runs (start, end), if any
     cross: np.ndarray | None = None  # [prompt_len] packed image ranges (cross-attention families)
-    cross_filled: bool = False       # its images' cross-attention K/V are in its slot
-    prune: tuple[int, int] | None = None   # FastV (layer, keep): image tokens kept after `layer`
-    arrival: float = field(default_factory=time.monotonic)
-    slot: int | None = None
-    prefilled: int = 0
-    cached_tokens: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    text: str = ""                   # text after stop-string handling
-    emitted: int = 0                 # chars of `text` already streamed
-    finish_reason: str | None = None
-    error: MMJaxError | None = None
-    first_token_time: float | None = None
-    inflight: int = 0                # tokens sampled by dispatched steps the host has not read yet
-    feats: list = field(default_factory=list)  # per image: np.ndarray [tokens, hidden] once encoded
+    prefix_keys: np.ndarray          # [prompt_len] int64 prefix-cache key of each prompt token
+    sampling: SamplingParams
+    rng_key: np.ndarray              # [2] uint32 PRNG key of its sampling stream
     vrow: Any = None                 # sampling.VocabRow of penalties / bias / token limits (None: none)
-    prompt_scores: list | None = None  # prompt_logprobs: per prefill chunk, runner.prompt_scores arrays
     constraints: list = field(default_factory=list)  # host TokenConstraints (bad words, grammar)
     allow: np.ndarray | None = None  # with constraints: [bit words] uint32, the tokens allowed_token_ids and
     #                                  one-token bad words leave (None: all), checked against each step's mask
+    prune: tuple[int, int] | None = None   # FastV (layer, keep): image tokens kept after `layer`
+    lora: str | None = None          # the LoRA adapter's name (None: the base model)
+    adapter: int = -1                # its adapter slot (mmjax.lora.Adapters)
+    encoder_salt: str = ""           # its adapter's salt if the adapter changes the encoder (else "")
+    cache_salt: str = ""             # folded into its page hashes (e.g. a LoRA adapter's name)
     parent: "Request | None" = None  # n > 1: the sibling whose prompt KV this one copies (see Engine.siblings)
-    compile_wait: Any = None         # (kind, shape) of its step compiling in the background: not prefilled until done
     index: int = 0                   # choice index among its siblings
+    arrival: float = field(default_factory=time.monotonic)
+
+    # ---- scheduling: where it runs and how far its prefill got -------------------------------
+    slot: int | None = None
+    prefilled: int = 0
+    cached_tokens: int = 0
+    admitted_seq: int = 0            # admission order: the latest admitted is preempted first
+    inflight: int = 0                # tokens sampled by dispatched steps the host has not read yet
+    compile_wait: Any = None         # (kind, shape) of its step compiling in the background: not prefilled until done
+    features: list = field(default_factory=list)  # per image: its features [tokens, hidden] once encoded
+    #                                  (None before; dropped once its prompt is in the KV cache)
+    cross_filled: bool = False       # its images' cross-attention K/V are in its slot
     # the paged KV cache (serving/pages.py): its pages in cache-index order, the chain hash of each
     # full page of its prompt (prefix sharing), and preemption (recompute: `resume_ids`, the output
     # tokens whose KV is recomputed after the prompt, and `resume_row`, its saved decode-state row)
-    cache_salt: str = ""             # folded into its page hashes (e.g. a LoRA adapter's name)
     pages: list = field(default_factory=list)
     page_hashes: list = field(default_factory=list)
     preemptions: int = 0
     resume_ids: np.ndarray | None = None
     resume_row: Any = None
-    admitted_seq: int = 0            # admission order: the latest admitted is preempted first
-    lora: str | None = None          # the LoRA adapter's name (None: the base model)
-    adapter: int = -1                # its adapter slot (mmjax.lora.Adapters)
-    encoder_salt: str = ""           # its adapter's salt if the adapter changes the encoder (else "")
+
+    # ---- output: what it produced ------------------------------------------------------------
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    prompt_scores: list | None = None  # prompt_logprobs: per prefill chunk, runner.prompt_scores arrays
+    text: str = ""                   # text after stop-string handling
+    emitted: int = 0                 # chars of `text` already streamed
+    finish_reason: str | None = None
+    error: MMJaxError | None = None
+    first_token_time: float | None = None
 
     @property
     def encoder_adapter(self) -> int:
@@ -166,10 +176,10 @@ class Request:
         return both[:, lo:hi]
 
     def seq_keys(self) -> np.ndarray:
-        """Prefix-cache keys of the prefilled sequence (`keys`, then the resumed output ids)."""
+        """Prefix-cache keys of the prefilled sequence (`prefix_keys`, then the resumed output ids)."""
         if self.resume_ids is None:
-            return self.keys
-        return np.concatenate([self.keys, self.resume_ids.astype(np.int64)])
+            return self.prefix_keys
+        return np.concatenate([self.prefix_keys, self.resume_ids.astype(np.int64)])
 
     @property
     def prefilling(self) -> bool:

@@ -123,6 +123,26 @@ class Scheduler:
         req.preemptions += 1
         self.waiting.appendleft(req)
 
+    def place_waiting(self, req: Request, slot: int, cached: int) -> None:
+        """Take waiting `req` (a forked sibling) out of the queue into free `slot`, whose row holds
+        the KV of its first `cached` prompt tokens."""
+        self.waiting.remove(req)
+        self.place(req, slot, cached)
+
+    def siblings_waiting(self, parent: Request) -> list[Request]:
+        """The n > 1 copies of `parent` still in the queue."""
+        return [r for r in self.waiting if r.parent is parent]
+
+    def holds(self, req: Request) -> bool:
+        """Is `req` in a slot (and not yet released)?"""
+        return req.slot is not None and self.slots[req.slot] is req
+
+    def requeue(self, req: Request) -> None:
+        """Put `req`, whose slot's KV was lost, first in the queue: it restarts from its prompt."""
+        self.slots[req.slot] = None
+        req.slot, req.prefilled = None, 0
+        self.waiting.appendleft(req)
+
     def fork_slot(self) -> int | None:
         """A free slot for a sibling (the lowest: the decode step's row count grows least)."""
         return next((i for i, s in enumerate(self.slots) if s is None), None)
@@ -134,9 +154,9 @@ class Scheduler:
             return 0
         if req.sampling.prompt_logprobs is not None:   # every prompt position's logits are computed
             return 0
-        n = min(self.prefix.match(slot, req.keys), req.prompt_len - 1)
+        n = min(self.prefix.match(slot, req.prefix_keys), req.prompt_len - 1)
         if n and self.resume_at is not None:     # the row's KV, and recurrent states from a snapshot
-            n = self.resume_at(req.keys, n)
+            n = self.resume_at(req.prefix_keys, n)
         return n if n >= self.min_resume(len(self.prefix.keys[slot])) else 0
 
     def prefill_plan(self, reserve: int = 0) -> list[tuple[Request, int]]:
@@ -201,7 +221,7 @@ class Scheduler:
             self.slots[req.slot] = None
             # The cache row holds the prompt (as far as prefilled) and every output token but the
             # last (sampled, never fed back).
-            held = req.keys[:req.prefilled]
+            held = req.prefix_keys[:req.prefilled]
             if not req.prefilling and len(req.output_ids) > 1:
                 held = np.concatenate([held, np.asarray(req.output_ids[:-1], np.int64)])
             if req.prune is not None:   # later layers hold a compacted sequence: nothing to reuse
