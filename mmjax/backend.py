@@ -74,13 +74,16 @@ class Tuning:
 
     @property
     def page_size(self) -> int:
-        """Positions per KV page (serving/pages.py) by default: 0 (a cache row of max_model_len
-        per slot) on every platform for now: the CPU kernels do not read page tables yet (a paged
-        cache takes XLA's attention there: slower decode), a GPU's paged Pallas kernel
-        (mmjax.attention.paged) is not measured against the slot kernels yet, and the families'
-        tests count token-exact prefix hits. `page_size=64` (engine kwarg, `--page-size 64`)
-        turns paging on."""
-        return 0
+        """Positions per KV page (serving/pages.py) by default: 64 on the CPU, whose attention
+        kernels read page tables (mmjax/kernels/cpu_attention: each row's pages in place), so a
+        paged cache costs no more per step than a row per slot while holding only the pages a
+        request's tokens need and sharing prompt prefixes by page. 0 (a cache row of
+        max_model_len per slot) elsewhere for now: a GPU's paged Pallas kernel
+        (mmjax.attention.paged) is not measured against the slot kernels yet. Decoders whose
+        cache cannot be paged (`Decoder.pages_kv` False: sliding-window rings, recurrent states,
+        Mllama's cross-attention) keep slot rows whatever this says. `page_size=0` (engine
+        kwarg, `--page-size 0`) turns paging off."""
+        return 64 if self.platform == "cpu" else 0
 
     @property
     def kv_segment_ladder(self) -> tuple[int, int]:

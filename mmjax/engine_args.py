@@ -69,9 +69,9 @@ class EngineArgs(Options):
              "sizes the decode slots (at most --max-num-seqs) from the compiled steps' memory analysis")
     page_size: int | None = option(
         None, type=int,
-        help="positions per KV-cache page, e.g. 64 (default: the backend's, 0 today: a cache row of "
-             "--max-model-len per slot). Paged, requests hold pages for the tokens they have, share prompt "
-             "prefixes by page, and are preempted (recomputed) when pages run out")
+        help="positions per KV-cache page (default: the backend's, 64 on the CPU, 0 on GPUs for now; 0: a "
+             "cache row of --max-model-len per slot). Paged, requests hold pages for the tokens they have, "
+             "share prompt prefixes by page, and are preempted (recomputed) when pages run out")
     kv_cache_bytes: int | float | None = option(
         None, type=bytes_or_fraction,       # (the field above shadows the name memory_budget)
         help="bytes of the paged KV cache per device (e.g. 8GiB; default: from --memory-budget, else as many "

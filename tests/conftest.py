@@ -170,6 +170,14 @@ def noise_image(seed: int, width: int, height: int):
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
+def page_floor(vlm, n: int) -> int:
+    """The cached tokens a prefix hit of n tokens gives on vlm's engine: n on a cache with a row
+    per slot (the token-exact prefix cache), its whole pages on a paged cache (prefixes are
+    shared by page, serving/pages.py)."""
+    r = vlm.engine.runner
+    return n // r.page_size * r.page_size if r.paged else n
+
+
 def rel_err(a, b) -> float:
     """max |a - b| / max |b|: the relative error used throughout the parity tests."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

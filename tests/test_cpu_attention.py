@@ -15,7 +15,11 @@
 * the vision towers' full attention (`dense_attention`) against float64 on every code path, and
   `mmjax.attention`'s "auto" taking it only for full attention on a CPU the kernels run on;
 * a prefill's K / V written into the cache by `kv_write`, bit for bit XLA's scatter, for every
-  cache dtype, and `scatter_kv` taking it on the CPU.
+  cache dtype, and `scatter_kv` taking it on the CPU;
+* a paged cache (page pool + page table): the decode, fused write + decode and prefill kernels
+  against float64 over the rows the table names (page sizes 7-128, ragged rows, windows, every
+  cache dtype), `cache_attention` / `cpu_decode_write` taking them with the outputs of XLA's
+  paged path, derivatives equal to the references'.
 """
 from __future__ import annotations
 
@@ -541,3 +545,227 @@ def test_kv_write_differentiates():
     got, want = grad(kts, vs, k, v), jax.jit(jax.grad(ref, argnums=(0, 1, 2, 3)))(kts, vs, k, v)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert rel_err(g, w) < 1e-6
+
+
+# ---- the paged cache (page pool + page table: mmjax/models/nn/kv_cache.py) -------------------------
+
+# page size, kvh, n (queries per KV head), hd, each row's keys (ragged; 0: a row that sees
+# nothing), window (None: causal)
+PAGED_CASES = [
+    (16, 2, 4, 64, [40, 77, 1, 0], None),
+    (64, 1, 7, 80, [200, 64, 3], None),             # one page exactly full; 7 queries
+    (7, 4, 2, 36, [50, 13, 30], 9),                  # a page of 7: not whole vectors; a window
+    (128, 2, 1, 64, [300, 129], 100),                # > a key block in one page; a window
+]
+
+
+def _paged(rng, dtype, ps, kvh, hd, lengths, spare=3):
+    """A page pool of `dtype` (and bf16 scales) with each row's pages (enough for `lengths` + 1
+    positions) scattered over the pool in a random order, unused entries num_pages; `spare` pages
+    no row holds -> (kts, vs, scales) of one pool segment, table int32 [rows, max_pages]."""
+    lengths = np.asarray(lengths)
+    max_pages = -(-(int(lengths.max()) + 1) // ps) + 1
+    need = -(-(lengths + 1) // ps)
+    num_pages = int(need.sum()) + spare
+    order = iter(rng.permutation(num_pages))
+    table = np.full((len(lengths), max_pages), num_pages, np.int32)
+    for r, n in enumerate(need):
+        table[r, :n] = [next(order) for _ in range(n)]
+    kts, vs, scales = _cache(rng, dtype, num_pages, kvh, hd, [ps])
+    return kts, vs, scales, jnp.asarray(table)
+
+
+def _rows(kts, vs, scales, table):
+    """The paged cache as dense cache rows (one segment each, `kv_cache.read_pages`: a copy)."""
+    from mmjax.models.nn.kv_cache import dense_rows
+    kv = {"k": kts, "v": vs} if scales is None else {"k": kts, "v": vs, "k_scale": scales[0], "v_scale": scales[1]}
+    return dense_rows(kv, table, None, table.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn],
+                         ids=["f32", "bf16", "int8", "fp8"])
+def test_paged_kernels_equal_reference(dtype):
+    """The decode, fused write + decode and prefill kernels over a paged cache (rows' pages
+    scattered over the pool, page sizes 7-128, ragged rows, windows, int8 / fp8 with their
+    scales) against float64 over the rows the page table names, on every code path; the XLA
+    reference (`reference`, `write_reference` with pages) agrees; the fused write lands bit for
+    bit where `write_reference` puts it (a parked row, past its pages, writes nothing)."""
+    rng = np.random.default_rng(21)
+    cases = []
+    for ps, kvh, n, hd, lengths, window in PAGED_CASES:
+        kts, vs, scales, table = _paged(rng, dtype, ps, kvh, hd, lengths)
+        b, scale = len(lengths), hd ** -0.5
+        hi = np.asarray(lengths, np.int32)
+        lo = np.zeros_like(hi) if window is None else (hi - window).astype(np.int32)
+        q = jnp.asarray(rng.standard_normal((b, kvh, n, hd)), jnp.float32)
+        dk, dv, dsc = _rows(kts, vs, scales, table)
+        want = _want(q, dk, dv, lo, hi, scale, dsc)
+        assert rel_err(cpu_attention.reference(q, kts, vs, jnp.asarray(lo), jnp.asarray(hi), scale, scales,
+                                               pages=table), want) < 4e-6
+        # the fused write: row i's new token at index hi_i - 1 (its last key), the last row parked
+        new_k, new_v, new_sc = _cache(rng, dtype, b, kvh, hd, [1])
+        k, v = new_k[0][..., 0], new_v[0][:, :, 0]
+        ns = None if new_sc is None else (new_sc[0][0][..., 0], new_sc[1][0][..., 0])
+        pos = np.maximum(hi - 1, 0)
+        pos[-1] = table.shape[1] * ps                                   # parked past the row's pages
+        pos = jnp.asarray(pos, jnp.int32)
+        wk, wv, wsc = cpu_attention.write_reference(kts, vs, scales, k, v, ns, pos, table)
+        assert sum(int((np.asarray(a.astype(jnp.float32)) != np.asarray(c.astype(jnp.float32))).any())
+                   for a, c in zip(kts + vs, wk + wv)) == 1 + 1       # K and V pools written
+        want_w = _want(q, *_rows(wk, wv, wsc, table)[:2], lo, hi, scale, _rows(wk, wv, wsc, table)[2])
+        # prefill: t tokens ending at each row's length, rows in another order, one past the table
+        t, g = 5, max(n // 2, 1)
+        slots = np.asarray(list(rng.permutation(b))[:max(b - 1, 1)] + [b], np.int32)
+        start = np.maximum(hi[np.minimum(slots, b - 1)] - t + 2, 0)         # the last 2 tokens past kv_len
+        kv_len = int(start.max()) + t - 2
+        plo, phi = _prefill_ranges(start, t, kv_len, window)
+        phi = np.minimum(phi, hi[np.minimum(slots, b - 1)][:, None])         # within each row's pages
+        pq = jnp.asarray(rng.standard_normal((len(slots), kvh, t * g, hd)), jnp.float32)
+        pwant = _want_prefill(np.asarray(pq), dk, dv, plo, phi, slots, scale, dsc)
+        assert rel_err(cpu_attention.reference(pq, kts, vs, jnp.asarray(plo), jnp.asarray(phi), scale, scales,
+                                               jnp.asarray(slots), table), pwant) < 4e-6
+        cases.append((ps, q, kts, vs, scales, table, lo, hi, want, k, v, ns, pos, (wk, wv, wsc), want_w,
+                      pq, plo, phi, slots, pwant, scale))
+    decode = jax.jit(lambda q, kts, vs, lo, hi, scale, scales, table: cpu_attention.decode_attention(
+        q, kts, vs, lo, hi, scale=scale, scales=scales, pages=table), static_argnums=5)
+    write = jax.jit(lambda q, k, v, kts, vs, lo, hi, pos, scale, scales, ns, table: cpu_attention.decode_attention_write(
+        q, k, v, kts, vs, lo, hi, pos, scale=scale, scales=scales, new_scales=ns, pages=table), static_argnums=8)
+    prefill = jax.jit(lambda q, kts, vs, lo, hi, slots, scale, scales, table: cpu_attention.prefill_attention(
+        q, kts, vs, lo, hi, slots, scale=scale, scales=scales, pages=table), static_argnums=6)
+    for path in cpu_library.isas():
+        with kernel_path(path):
+            for (ps, q, kts, vs, scales, table, lo, hi, want, k, v, ns, pos, written, want_w,
+                 pq, plo, phi, slots, pwant, scale) in cases:
+                lo_, hi_ = jnp.asarray(lo), jnp.asarray(hi)
+                got = decode(q, kts, vs, lo_, hi_, scale, scales, table)
+                assert rel_err(got, want) < 4e-6, (path, ps)
+                assert not np.asarray(got[hi == 0]).any()                      # nothing visible: zeros
+                out, *pools = write(q, k, v, kts, vs, lo_, hi_, pos, scale, scales, ns, table)
+                for g, w in zip(jax.tree.leaves(pools), jax.tree.leaves(written)):
+                    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+                assert rel_err(out, want_w) < 4e-6, (path, ps)
+                got = prefill(pq, kts, vs, jnp.asarray(plo), jnp.asarray(phi), jnp.asarray(slots), scale, scales, table)
+                assert rel_err(got, pwant) < 4e-6, (path, ps)
+                assert not np.asarray(got[-1]).any()                          # a row past the page table
+
+
+def _paged_layer(rng, dtype, ps, lengths, kvh=2, hd=64):
+    """A paged layer dict ({"k", "v"(, scales)}: kv_cache.kv_layer over the pool) holding random
+    K / V at each row's first `lengths` positions (written by scatter_kv, quantized for int8),
+    and its page table."""
+    from mmjax.models.nn.kv_cache import kv_layer, scatter_kv
+    _, _, _, table = _paged(rng, jnp.float32, ps, kvh, hd, lengths)
+    num_pages, max_len = int(table.max()) + 1, table.shape[1] * ps
+    layer = kv_layer(num_pages, kvh, hd, [ps], dtype)
+    k, v = (jnp.asarray(rng.standard_normal((len(lengths), max_len, kvh, hd)), jnp.float32) for _ in range(2))
+    idx = np.arange(max_len)[None].repeat(len(lengths), 0)
+    idx = jnp.asarray(np.where(idx < np.asarray(lengths)[:, None], idx, -1), jnp.int32)
+    return scatter_kv(layer, k, v, idx, jnp.arange(len(lengths)), table), table
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=["f32", "int8"])
+def test_paged_cache_attention_takes_the_kernels_with_the_xla_paths_outputs(dtype):
+    """On the CPU a paged layer's decode (`cache_attention`, and the fused `cpu_decode_write`)
+    and prefill (rows in any cache rows) take the kernels, without a per-segment cond, with the
+    outputs (and for the write the pool, bit for bit) of XLA's paged path; page sizes 16 and 64,
+    ragged rows, a sliding window, an int8 pool."""
+    from mmjax.models.nn.kv_cache import cpu_decode_write, layer_scales, scatter_kv
+    rng = np.random.default_rng(22)
+    lengths = [70, 5, 130]
+    for ps in (16, 64):
+        layer, table = _paged_layer(rng, dtype, ps, lengths)
+        scales = layer_scales(layer)
+        target = "mmjax_decode_attention_" + {jnp.float32: "f32", jnp.int8: "s8"}[dtype]
+        # decode: each row's token at its length
+        q = jnp.asarray(rng.standard_normal((3, 1, 8, 64)), jnp.float32)
+        q_index = jnp.asarray(lengths, jnp.int32)[:, None]
+
+        def decode(q, layer, kv_len, window):
+            return cache_attention(q, layer["k"], layer["v"], q_index, kv_len, reduce_small=True,
+                                   mask=None if window is None else MaskSpec(window), scales=layer_scales(layer),
+                                   pages=table)
+
+        def fused(q, layer, kv_len, window):
+            k, v = q[:, :, :2] * 0.5, q[:, :, 2:4]
+            mask = None if window is None else MaskSpec(window)
+            if cpu_library.enabled():
+                return cpu_decode_write(q, k, v, layer, q_index[:, 0], kv_len, mask, pages=table)
+            layer = scatter_kv(layer, k, v, q_index, jnp.arange(3), table)
+            return decode(q, layer, kv_len, window), layer
+        for kv_len in (131, jnp.int32(131)):
+            for window in (None, 24):
+                for fn in (decode, fused):
+                    step = jax.jit(fn, static_argnums=3)
+                    text = step.lower(q, layer, kv_len, window).as_text()
+                    want_call = target if fn is decode else target.replace("attention_", "attention_write_")
+                    assert want_call in text and "stablehlo.case" not in text, (fn.__name__, ps)
+                    got = step(q, layer, kv_len, window)
+                    with cpu_kernels(False):
+                        xla = jax.jit(lambda *a, fn=fn: fn(*a), static_argnums=3)     # a fresh trace
+                        assert "mmjax_decode_attention" not in xla.lower(q, layer, kv_len, window).as_text()
+                        want = xla(q, layer, kv_len, window)
+                    if fn is fused:
+                        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+                            np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
+                                                          np.asarray(w.astype(jnp.float32)))
+                        got, want = got[0], want[0]
+                    assert rel_err(got, want) < 2e-6, (ps, kv_len, window, fn.__name__)
+        # prefill: 9 new tokens of rows 2 and 0 (cache rows in another order) ending at their lengths
+        slots = jnp.asarray([2, 0], jnp.int32)
+        starts = jnp.asarray([121, 61], jnp.int32)
+        pq_index = starts[:, None] + jnp.arange(9)[None]
+        pq = jnp.asarray(rng.standard_normal((2, 9, 8, 64)), jnp.float32)
+
+        def prefill(q, layer, window):
+            return cache_attention(q, layer["k"], layer["v"], pq_index, jnp.int32(130), slots,
+                                   mask=None if window is None else MaskSpec(window), starts=starts,
+                                   scales=layer_scales(layer), pages=table)
+        for window in (None, 24):
+            step = jax.jit(prefill, static_argnums=2)
+            text = step.lower(pq, layer, window).as_text()
+            assert target.replace("decode", "prefill") in text and "stablehlo.case" not in text
+            got = step(pq, layer, window)
+            with cpu_kernels(False):
+                xla = jax.jit(lambda *a: prefill(*a), static_argnums=2)           # a fresh trace
+                assert "mmjax_prefill_attention" not in xla.lower(pq, layer, window).as_text()
+                want = xla(pq, layer, window)
+            assert rel_err(got, want) < 2e-6, (ps, window)
+
+
+def test_paged_kernel_calls_differentiate():
+    """Gradients through the paged decode, fused write + decode and prefill kernels equal those
+    through their XLA references with the same page table."""
+    rng = np.random.default_rng(23)
+    kts, vs, _, table = _paged(rng, jnp.float32, 8, 2, 16, [20, 9])
+    q = jnp.asarray(rng.standard_normal((2, 2, 3, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 2, 16)), jnp.float32) for _ in range(2))
+    lo, hi, pos = jnp.asarray([0, 2], jnp.int32), jnp.asarray([20, 9], jnp.int32), jnp.asarray([19, 8], jnp.int32)
+    plo, phi = (jnp.asarray(x) for x in _prefill_ranges([15, 3], 2, 17, None))
+    slots = jnp.asarray([1, 0], jnp.int32)
+    pq = jnp.asarray(rng.standard_normal((2, 2, 6, 16)), jnp.float32)
+
+    def loss(fused, kernel):
+        def f(q, k, v, kts, vs, pq):
+            if kernel:
+                out = cpu_attention.decode_attention(q, kts, vs, lo, hi, scale=0.3, pages=table)
+                wout, wk, wv, _ = (cpu_attention.decode_attention_write(q, k, v, kts, vs, lo, hi, pos, scale=0.3,
+                                                                        pages=table) if fused else (0.0, [], [], None))
+                pout = cpu_attention.prefill_attention(pq, kts, vs, plo, phi, slots, scale=0.3, pages=table)
+            else:
+                out = cpu_attention.reference(q, kts, vs, lo, hi, 0.3, pages=table)
+                wout, wk, wv = 0.0, [], []
+                if fused:
+                    wk, wv, _ = cpu_attention.write_reference(kts, vs, None, k, v, None, pos, table)
+                    wout = cpu_attention.reference(q, wk, wv, lo, hi, 0.3, pages=table)
+                pout = cpu_attention.reference(pq, kts, vs, plo, phi, 0.3, None, slots, table)
+            return (jnp.sin(out).sum() + jnp.sin(wout).sum() + jnp.cos(pout).sum()
+                    + sum(jnp.cos(x).sum() for x in wk + wv) * 1e-3)
+        return f
+    grad = jax.jit(jax.grad(loss(True, True), argnums=range(6)))
+    text = grad.lower(q, k, v, kts, vs, pq).as_text()
+    assert all(t in text for t in ("mmjax_decode_attention_f32", "mmjax_decode_attention_write_f32",
+                                   "mmjax_prefill_attention_f32"))
+    got = grad(q, k, v, kts, vs, pq)
+    want = jax.jit(jax.grad(loss(True, False), argnums=range(6)))(q, k, v, kts, vs, pq)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(g, w) < 1e-5

@@ -40,7 +40,8 @@ from tiny_video import write_video
 KINDS = ("dense", "moe")
 SIZES = [(150, 110), (90, 200), (230, 75)]   # (width, height), non-square
 CHUNK = 16
-ENGINE = dict(max_num_seqs=2, max_model_len=512, prefill_chunk=CHUNK)
+# pages of 16: the tiny prompts' prefix hits are whole pages (of the default 64, often none)
+ENGINE = dict(max_num_seqs=2, max_model_len=512, prefill_chunk=CHUNK, page_size=16)
 ARCH = {"dense": "Glm4vForConditionalGeneration", "moe": "Glm4vMoeForConditionalGeneration",
         "46v": "Glm46VForConditionalGeneration"}
 

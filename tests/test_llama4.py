@@ -21,7 +21,8 @@ from mmjax.models.nn.metadata import MaskSpec
 from tiny_llama4 import hf_processor, torchvision_stand_in
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-ENGINE = dict(max_num_seqs=2, max_model_len=256, prefill_chunk=16)
+# pages of 16: the tiny prompts' prefix hits are whole pages (of the default 64, often none)
+ENGINE = dict(max_num_seqs=2, max_model_len=256, prefill_chunk=16, page_size=16)
 SIZES = [(70, 41), (33, 120), (20, 20), (300, 20)]     # (width, height): 2x2 / 4x1 / one tile / 1xN grids
 _VLMS: dict = {}
 

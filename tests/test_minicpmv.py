@@ -28,7 +28,8 @@ from tiny_minicpmv import hf_processor
 from tiny_qwen3 import torchvision_stand_in
 from tiny_video import write_video
 
-ENGINE = dict(max_num_seqs=2, max_model_len=512, prefill_chunk=32)
+# pages of 16: the tiny prompts' prefix hits are whole pages (of the default 64, often none)
+ENGINE = dict(max_num_seqs=2, max_model_len=512, prefill_chunk=32, page_size=16)
 ONE = "<|im_start|>user\n<unk>Describe this image .<|im_end|>\n<|im_start|>assistant\n"
 TWO = "<|im_start|>user\nLook at <unk> and then <unk> which one is red ?<|im_end|>\n<|im_start|>assistant\n"
 VID = "<|im_start|>user\n<unk> and <|video_pad|> Compare the two .<|im_end|>\n<|im_start|>assistant\n"

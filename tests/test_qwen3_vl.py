@@ -33,7 +33,7 @@ import torch
 from flax import nnx
 
 import mmjax
-from conftest import noise_image, rel_err
+from conftest import noise_image, page_floor, rel_err
 from mmjax.errors import CheckpointError, PromptError, UnsupportedModelError, VideoError
 from mmjax.models import qwen3_vl as Q3
 from mmjax.models.family import image_runs
@@ -51,7 +51,8 @@ TWO = ("<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>
        "<|vision_start|><|image_pad|><|vision_end|>Compare the two images.<|im_end|>\n<|im_start|>assistant\n")
 SIZES = [(150, 110), (90, 200), (230, 75)]   # (width, height), non-square
 CHUNK = 16
-ENGINE = dict(max_num_seqs=2, max_model_len=512, prefill_chunk=CHUNK)
+# pages of 16: the tiny prompts' prefix hits are whole pages (of the default 64, often none)
+ENGINE = dict(max_num_seqs=2, max_model_len=512, prefill_chunk=CHUNK, page_size=16)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -173,20 +174,30 @@ def test_generation_chunks_batching_and_caches(pair):
     together = vlm.generate(reqs[:2], sp)
     hits = engine.stats()["encoder_cache_hits"]
     alone = [vlm.generate([r], sp)[0] for r in reqs]            # caches hot
-    assert engine.stats()["encoder_cache_hits"] - hits == 2      # the third request's images
+    # the third request's images, and (paged: the repeats resume at a page boundary) each image of a
+    # repeat that ends past its cached pages
+    def past_cache(o):
+        runs = image_runs(np.asarray(o.prompt_token_ids), vlm.family.image_token_id)
+        return int((runs[:, 1] > page_floor(vlm, len(o.prompt_token_ids) - 1)).sum())
+    assert engine.stats()["encoder_cache_hits"] - hits == 2 + past_cache(alone[0]) + past_cache(alone[1])
     # the repeats resume from the prefix cache; the third request resumes its shared text prefix
     # (up to its first image), then prefills its images from encoder-cached features
-    assert [o.cached_tokens == len(o.prompt_token_ids) - 1 for o in alone] == [True, True, False]
-    assert 0 < alone[2].cached_tokens <= image_runs(np.asarray(alone[2].prompt_token_ids),
-                                                     vlm.family.image_token_id)[0, 0], alone[2].cached_tokens
+    assert [o.cached_tokens == page_floor(vlm, len(o.prompt_token_ids) - 1) > 0 for o in alone] == [True, True, False]
+    # (whole pages of it: none when the text before the first image is shorter than a page)
+    first_image = image_runs(np.asarray(alone[2].prompt_token_ids), vlm.family.image_token_id)[0, 0]
+    assert alone[2].cached_tokens == page_floor(vlm, first_image), alone[2].cached_tokens
     saved = engine.encoder_cache, engine.prefix_cache.enabled
     try:                                                         # both caches off
         engine.encoder_cache, engine.prefix_cache.enabled = EncoderCache(0), False
         engine.prefix_cache.clear()
+        if engine.pages is not None:                             # a paged engine's page sharing
+            engine.pages.pool.enable_cache = False
         cold = [vlm.generate([r], sp)[0] for r in reqs]
         assert engine.stats()["encoder_cache_hits"] == 0 and all(o.cached_tokens == 0 for o in cold)
     finally:
         engine.encoder_cache, engine.prefix_cache.enabled = saved
+        if engine.pages is not None:
+            engine.pages.pool.enable_cache = True
     assert [o.token_ids for o in together] == [o.token_ids for o in alone[:2]]
     assert [o.token_ids for o in alone] == [o.token_ids for o in cold]
     for x, y in zip(together + alone, alone[:2] + cold):

@@ -13,6 +13,10 @@
 //     HD] of the cache's dtype, an int8 / fp8 cache's scales [B, KVH]) at its cache index pos_b,
 //     in place (the segments are results aliased to their operands): the decode step's cache
 //     update without XLA's scatter into every segment of every layer.
+//   Paged caches (all three): a page table s32 [rows, max_pages] just before the segments, then
+//     one K^T pool [num_pages, KVH, HD, page_size] and one V pool [num_pages, KVH, page_size, HD]
+//     (, their scale pools): row b's cache index i is at page table[b, i / page_size], offset
+//     i % page_size (CacheView); each page is one of the task's segments.
 //   mmjax_dense_attention_f32: a vision tower's full attention (no cache), below.
 //   mmjax_kv_write: a prefill's new K / V into the cache in place, any cache dtype, below.
 //
@@ -1171,7 +1175,12 @@ struct NewKV {
 };
 
 // The cache operands of one layer: S K^T segments, S V segments (, S K scale, S V scale segments
-// for an int8 / fp8 cache), each segment's length and base pointers.
+// for an int8 / fp8 cache), each segment's length and base pointers. The paged layout: a page
+// table s32 [rows, max_pages] ahead of them and one segment, the page pool (its slots are pages
+// of L_0 = page_size positions): cache row r's index i lives at offset i % page_size of page
+// table[r, i / page_size] (an entry outside the pool, an unused one, is read as the pool's last
+// page, as XLA's gather with mode="clip": only masked positions map there; a write to it is
+// dropped).
 template <ffi::DataType DT>
 struct CacheView {
   using T = CacheT<DT>;
@@ -1181,10 +1190,25 @@ struct CacheView {
   std::vector<int64_t> lens;
   std::vector<T*> kbase, vbase;
   std::vector<uint16_t*> ksbase, vsbase;
+  const int32_t* table = nullptr;          // paged: [table_rows, max_pages]
+  int64_t table_rows = 0, max_pages = 0;
 
-  // checks every segment against KVH / HD (and one slot count) -> an error message, or null
-  const char* Parse(const std::vector<ffi::AnyBuffer>& cache, int64_t KVH, int64_t HD) {
+  // cache rows a caller may name: the page table's rows, or the segments' slots
+  int64_t Rows() const { return table ? table_rows : slots; }
+
+  // checks the page table (if any) and every segment against KVH / HD (and one slot count) -> an
+  // error message, or null
+  const char* Parse(const std::vector<ffi::AnyBuffer>& operands, int64_t KVH, int64_t HD) {
     constexpr size_t kGroups = kScaled ? 4 : 2;
+    std::vector<ffi::AnyBuffer> cache = operands;
+    if (!cache.empty() && cache[0].element_type() == ffi::DataType::S32) {
+      const auto td = cache[0].dimensions();
+      if (td.size() != 2 || cache.size() != kGroups + 1)
+        return "a page table s32 [rows, max_pages], then one K^T and one V pool (int8 / fp8: and their scales)";
+      table = static_cast<const int32_t*>(cache[0].untyped_data());
+      table_rows = td[0], max_pages = td[1];
+      cache.erase(cache.begin());
+    }
     if (cache.empty() || cache.size() % kGroups) return "K^T and V segments (int8 / fp8: and their scales) expected";
     S = cache.size() / kGroups;
     lens.assign(S, 0), kbase.assign(S, nullptr), vbase.assign(S, nullptr);
@@ -1194,7 +1218,7 @@ struct CacheView {
       const auto kd = kt.dimensions(), vd = v.dimensions();
       if (kt.element_type() != DT || v.element_type() != DT || kd.size() != 4 || vd.size() != 4 ||
           vd[0] != kd[0] || kd[1] != KVH || vd[1] != KVH || kd[2] != HD || vd[3] != HD || vd[2] != kd[3] ||
-          (i && kd[0] != slots))
+          (i && kd[0] != slots) || (table && kd[0] == 0))
         return "segment i is K^T [slots, KVH, HD, L_i] and V [slots, KVH, L_i, HD] of the kernel's dtype";
       slots = kd[0];
       lens[i] = kd[3];
@@ -1214,17 +1238,50 @@ struct CacheView {
     return nullptr;
   }
 
-  // cache row `slot`, KV head h as one task's segments
-  std::vector<Segment<T>> Row(int64_t slot, int64_t h, int64_t KVH, int64_t HD) const {
-    std::vector<Segment<T>> segs(S);
-    for (size_t i = 0; i < S; ++i) {
-      segs[i] = {kbase[i] + (slot * KVH + h) * HD * lens[i], vbase[i] + (slot * KVH + h) * lens[i] * HD, lens[i]};
-      if (kScaled) {
-        segs[i].ks = ksbase[i] + (slot * KVH + h) * lens[i];
-        segs[i].vs = vsbase[i] + (slot * KVH + h) * lens[i];
-      }
+  // the segment (slot, head) block of segment i as a task's Segment
+  Segment<T> Block(size_t i, int64_t slot, int64_t h, int64_t KVH, int64_t HD) const {
+    Segment<T> seg{kbase[i] + (slot * KVH + h) * HD * lens[i], vbase[i] + (slot * KVH + h) * lens[i] * HD, lens[i]};
+    if (kScaled) {
+      seg.ks = ksbase[i] + (slot * KVH + h) * lens[i];
+      seg.vs = vsbase[i] + (slot * KVH + h) * lens[i];
     }
+    return seg;
+  }
+
+  // cache row `row`, KV head h as one task's segments, covering at least cache indexes [0, hi)
+  // (paged: the row's pages up to the one holding index hi - 1, each a segment)
+  std::vector<Segment<T>> Row(int64_t row, int64_t h, int64_t KVH, int64_t HD, int64_t hi) const {
+    std::vector<Segment<T>> segs;
+    if (!table) {
+      for (size_t i = 0; i < S; ++i) segs.push_back(Block(i, row, h, KVH, HD));
+      return segs;
+    }
+    const int64_t P = lens[0], n = std::min(max_pages, std::max<int64_t>(0, (hi + P - 1) / P));
+    const int32_t* pages = table + row * max_pages;
+    segs.reserve(n);
+    for (int64_t p = 0; p < n; ++p)
+      segs.push_back(Block(0, std::min<int64_t>(std::max<int32_t>(pages[p], 0), slots - 1), h, KVH, HD));
     return segs;
+  }
+
+  // where cache index `pos` of cache row `row` is stored: (segment, slot, offset) -> false if
+  // nowhere (outside the segments, past the row's pages, an unused page table entry)
+  bool Locate(int64_t row, int64_t pos, size_t* seg, int64_t* slot, int64_t* j) const {
+    if (pos < 0) return false;
+    if (table) {
+      const int64_t P = lens[0], p = pos / P;
+      if (p >= max_pages) return false;
+      const int64_t page = table[row * max_pages + p];
+      if (page < 0 || page >= slots) return false;
+      *seg = 0, *slot = page, *j = pos % P;
+      return true;
+    }
+    for (size_t i = 0; i < S; pos -= lens[i], ++i)
+      if (pos < lens[i]) {
+        *seg = i, *slot = row, *j = pos;
+        return true;
+      }
+    return false;
   }
 };
 
@@ -1242,8 +1299,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   CacheView<DT> cv;
   if (const char* err = cv.Parse(cache, KVH, HD))
     return ffi::Error::InvalidArgument(std::string("mmjax_decode_attention: ") + err);
-  if (cv.slots < B) return ffi::Error::InvalidArgument("mmjax_decode_attention: a cache row per row of q expected");
-  const size_t S = cv.S;
+  if (cv.Rows() < B) return ffi::Error::InvalidArgument("mmjax_decode_attention: a cache row per row of q expected");
   const auto& lens = cv.lens;
   const auto &kbase = cv.kbase, &vbase = cv.vbase;
   const auto &ksbase = cv.ksbase, &vsbase = cv.vsbase;
@@ -1257,19 +1313,17 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   // row b, head h's new token into its segment (a task per (row, head) writes its own, before
   // it reads; with several query groups per head, every write comes first)
   auto write = [&](int64_t b, int64_t h) {
-    int64_t j = nw.pos[b];
-    for (size_t i = 0; i < S; j -= lens[i], ++i) {
-      if (j < 0 || j >= lens[i]) continue;
-      const int64_t L = lens[i], bh = b * KVH + h;
-      T* kt = kbase[i] + bh * HD * L;
-      T* v = vbase[i] + (bh * L + j) * HD;
-      for (int64_t d = 0; d < HD; ++d) kt[d * L + j] = nw.k[bh * HD + d];
-      std::memcpy(v, nw.v + bh * HD, sizeof(T) * HD);
-      if (kScaled) {
-        ksbase[i][bh * L + j] = nw.ks[bh];
-        vsbase[i][bh * L + j] = nw.vs[bh];
-      }
-      return;
+    size_t i;
+    int64_t slot, j;
+    if (!cv.Locate(b, nw.pos[b], &i, &slot, &j)) return;
+    const int64_t L = lens[i], sh = slot * KVH + h, bh = b * KVH + h;
+    T* kt = kbase[i] + sh * HD * L;
+    T* v = vbase[i] + (sh * L + j) * HD;
+    for (int64_t d = 0; d < HD; ++d) kt[d * L + j] = nw.k[bh * HD + d];
+    std::memcpy(v, nw.v + bh * HD, sizeof(T) * HD);
+    if (kScaled) {
+      ksbase[i][sh * L + j] = nw.ks[bh];
+      vsbase[i][sh * L + j] = nw.vs[bh];
     }
   };
   if (nw.pos && groups > 1)
@@ -1279,11 +1333,11 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   ParallelFor(pool, threads, static_cast<int>(tasks), [&](int t) {
     const int64_t bh = t / groups, g = t % groups, b = bh / KVH, h = bh % KVH;
     if (nw.pos && groups == 1) write(b, h);
-    const std::vector<Segment<T>> segs = cv.Row(b, h, KVH, HD);
     const int n0 = static_cast<int>(g * kGroup), nq = static_cast<int>(std::min<int64_t>(kGroup, N - n0));
     const float* qh = qp + (bh * N + n0) * HD;
     float* oh = op + (bh * N + n0) * HD;
     const int64_t a = std::max<int64_t>(0, lop[b]), e = hip[b];
+    const std::vector<Segment<T>> segs = cv.Row(b, h, KVH, HD, e);
 #if defined(__x86_64__)
     if (simd) {
       const int Q = nq <= 1 ? 1 : nq <= 2 ? 2 : nq <= 4 ? 4 : nq <= 8 ? 8 : 16;
@@ -1356,9 +1410,14 @@ ffi::Error DecodeAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   constexpr size_t kNew = kScaled ? 4 : 2;
   using T = CacheT<DT>;
   const auto qd = q.dimensions();
-  if (qd.size() != 4 || pos.element_count() != qd[0] || args.size() < kNew || rets.size() != args.size() - kNew + 1)
+  // a paged cache: its page table (s32) between the new K / V and the pool, not a result
+  auto first = args.get<ffi::AnyBuffer>(kNew);
+  const size_t paged = first.has_value() && first->element_type() == ffi::DataType::S32 ? 1 : 0;
+  if (qd.size() != 4 || pos.element_count() != qd[0] || args.size() < kNew + paged ||
+      rets.size() != args.size() - kNew - paged + 1)
     return ffi::Error::InvalidArgument(
-        "mmjax_decode_attention_write: q, lo, hi, pos [B], the new K, V (, scales), the segments; results: out, the segments");
+        "mmjax_decode_attention_write: q, lo, hi, pos [B], the new K, V (, scales), (the page table,) the segments; "
+        "results: out, the segments");
   const int64_t B = qd[0], KVH = qd[1], HD = qd[3];
   std::vector<ffi::AnyBuffer> news;
   for (size_t i = 0; i < kNew; ++i) {
@@ -1374,9 +1433,10 @@ ffi::Error DecodeAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   if (!o.has_value() || (*o)->element_type() != ffi::DataType::F32 || (*o)->element_count() != q.element_count())
     return ffi::Error::InvalidArgument("mmjax_decode_attention_write: out f32 [B, KVH, N, HD]");
   std::vector<ffi::AnyBuffer> segs;
+  if (paged) segs.push_back(*first);
   for (size_t i = 1; i < rets.size(); ++i) {
     auto x = rets.get<ffi::AnyBuffer>(i);
-    auto a = args.get<ffi::AnyBuffer>(kNew + i - 1);
+    auto a = args.get<ffi::AnyBuffer>(kNew + paged + i - 1);
     if (!x.has_value() || !a.has_value() || (*x)->element_count() != a->element_count())
       return ffi::Error::InvalidArgument("mmjax_decode_attention_write: result i is segment i");
     // aliased: the same buffer; were it not, the result starts as the operand's copy
@@ -1399,7 +1459,8 @@ ffi::Error DecodeAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
 // mmjax_prefill_attention_*: several new tokens per row, each query over its own visible keys.
 // Operands: q f32 [B, KVH, N, HD] (N = T * G: query n is token n / G's), lo, hi s32 [B, T]
 // (token t of row b sees cache indexes [lo, hi) of cache row slots_b), slots s32 [B] (a row whose
-// slot is outside the cache gets zeros), then the segments as above; attribute scale
+// slot is outside the cache, or the page table, gets zeros), then the segments (or the page
+// table and the pools) as above; attribute scale
 // -> out f32 [B, KVH, N, HD]. One task per (row, KV head, 8 queries; AVX2: 6 queries).
 template <ffi::DataType DT>
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo,
@@ -1441,16 +1502,16 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     const float* qh = qp + (bh * N + n0) * HD;
     float* oh = op + (bh * N + n0) * HD;
     const int64_t slot = slotp[b];
-    if (slot < 0 || slot >= cv.slots) {
+    if (slot < 0 || slot >= cv.Rows()) {
       std::fill(oh, oh + int64_t(nq) * HD, 0.f);
       return;
     }
-    int64_t qlo[kDenseQ], qhi[kDenseQ];
+    int64_t qlo[kDenseQ], qhi[kDenseQ], last = 0;
     for (int i = 0; i < nq; ++i) {
       const int64_t tok = b * tokens + (n0 + i) / G;
-      qlo[i] = std::max<int64_t>(0, lop[tok]), qhi[i] = hip[tok];
+      qlo[i] = std::max<int64_t>(0, lop[tok]), qhi[i] = hip[tok], last = std::max(last, qhi[i]);
     }
-    const std::vector<Segment<T>> segs = cv.Row(slot, h, KVH, HD);
+    const std::vector<Segment<T>> segs = cv.Row(slot, h, KVH, HD, last);
 #if defined(__x86_64__)
     if constexpr (kF32) {
       if (lanes) {

@@ -19,6 +19,11 @@ to the batch's longest row. The kernels read each row's own visible keys [lo, hi
 - `kv_write`: a prefill's K / V written into the segments in place (what `scatter_kv` calls on
   the CPU), where XLA's scatter walked every update for every segment and transposed K first.
 
+The attention calls also read a paged cache (`pages`: the page table [cache rows, max_pages],
+the segments then the one page pool, K [num_pages, kvh, hd, page_size], V [num_pages, kvh,
+page_size, hd], mmjax/models/nn/kv_cache.py): each row's pages are its segments. `kv_write`
+needs no table: its caller names (page, offset) for each token (`kv_cache.page_slots`).
+
 Built and registered with the other CPU kernels (mmjax/kernels/cpu_library.py); only on the CPU
 (`enabled()` at trace time: a CPU with one of the kernels' SIMD paths, AVX-512 or AVX2 + FMA;
 the AVX2 path is the AVX-512 algorithm 8 lanes wide). Timings against XLA per path:
@@ -57,20 +62,29 @@ def covers(kts: list, vs: list, scales: tuple | None = None) -> bool:
 
 
 def reference(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, scale: float,
-              scales: tuple | None = None, slots: jax.Array | None = None) -> jax.Array:
+              scales: tuple | None = None, slots: jax.Array | None = None, pages: jax.Array | None = None) -> jax.Array:
     """What the kernels compute, in XLA ops (their derivative rule, and the tests' reference):
     qn [b, kvh, n, hd]; kts K^T segments [slots, kvh, hd, L_i]; vs V segments [slots, kvh, L_i, hd];
     scales (an int8 / fp8 cache): (K scale segments, V scale segments) [slots, kvh, L_i], x ~= q * scale;
     row i reads cache row i, or slots[i] (a slot outside the cache: zeros); lo, hi [b]: row i's
     queries see the cache indexes [lo_i, hi_i), or [b, t] (prefill): query j of row i, of token
-    j // (n / t), sees [lo_it, hi_it) -> f32 [b, kvh, n, hd] (zeros for a query that sees nothing)."""
+    j // (n / t), sees [lo_it, hi_it) -> f32 [b, kvh, n, hd] (zeros for a query that sees nothing).
+    pages: a paged cache's page table [cache rows, max_pages] (kts / vs / scales: the one pool
+    segment): cache row r is the pool's pages pages[r] in order (`kv_cache.read_pages`)."""
     b, _, n, _ = qn.shape
     ok = jnp.ones((b,), bool)
+    rows_of = kts[0].shape[0] if pages is None else pages.shape[0]
     if slots is None:
         rows = lambda x: x[:b]                                                    # noqa: E731
     else:
-        ok = (slots >= 0) & (slots < kts[0].shape[0])
+        ok = (slots >= 0) & (slots < rows_of)
         rows = lambda x: x[jnp.clip(slots, 0, x.shape[0] - 1)]                  # noqa: E731
+    if pages is not None:
+        from mmjax.models.nn.kv_cache import read_pages
+        sc = None if scales is None else (scales[0][0], scales[1][0])
+        kt, v, sc = read_pages(kts[0], vs[0], sc, rows(pages))
+        kts, vs, scales = [kt], [v], None if sc is None else ([sc[0]], [sc[1]])
+        rows = lambda x: x                                                        # noqa: E731
     kt = jnp.concatenate([rows(k) for k in kts], axis=3).astype(jnp.float32)    # [b, kvh, hd, T]
     v = jnp.concatenate([rows(x) for x in vs], axis=2).astype(jnp.float32)      # [b, kvh, T, hd]
     if scales is not None:
@@ -90,24 +104,36 @@ def reference(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, 
     return jnp.einsum("bknt,bktd->bknd", w, v) / jnp.where(total > 0, total, 1.0)
 
 
+def _table(pages: jax.Array | None) -> list:
+    """The page table operand a paged call passes ahead of its pool ([] for the slot layout)."""
+    return [] if pages is None else [pages.astype(jnp.int32)]
+
+
+def _check_paged(kts: list, pages: jax.Array | None) -> None:
+    if pages is not None and (len(kts) != 1 or pages.ndim != 2):
+        raise ValueError("a paged cache is one pool segment and a page table [cache rows, max_pages]")
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def _attend(qn, kts, vs, lo, hi, scale, scales):
+def _attend(qn, kts, vs, lo, hi, scale, scales, pages):
     target = _TARGETS[jnp.dtype(kts[0].dtype)]
     extra = [] if scales is None else [*scales[0], *scales[1]]
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(qn.shape, jnp.float32), vmap_method=VMAP)(
-        qn.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), *kts, *vs, *extra, scale=np.float32(scale))
+        qn.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), *_table(pages), *kts, *vs, *extra,
+        scale=np.float32(scale))
 
 
 @_attend.defjvp
 def _attend_jvp(scale, primals, tangents):
-    qn, kts, vs, lo, hi, scales = primals
-    _, tangent = jax.jvp(lambda qn, kts, vs, lo, hi, scales: reference(qn, kts, vs, lo, hi, scale, scales),
+    qn, kts, vs, lo, hi, scales, pages = primals
+    _, tangent = jax.jvp(lambda qn, kts, vs, lo, hi, scales, pages: reference(qn, kts, vs, lo, hi, scale, scales,
+                                                                              pages=pages),
                          primals, tangents)
-    return _attend(qn, kts, vs, lo, hi, scale, scales), tangent
+    return _attend(qn, kts, vs, lo, hi, scale, scales, pages), tangent
 
 
 def decode_attention(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, *, scale: float,
-                     scales: tuple | None = None) -> jax.Array:
+                     scales: tuple | None = None, pages: jax.Array | None = None) -> jax.Array:
     """Attention of one token per row over rows [0, b) of a segmented cache, each row over its own
     keys. qn [b, kvh, n, hd] (n queries per KV head: the GQA group); kts: K^T segments [slots,
     kvh, hd, L_i]; vs: V segments [slots, kvh, L_i, hd] (f32, bf16, int8 or fp8 e4m3, slots >= b),
@@ -115,94 +141,106 @@ def decode_attention(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.
     bf16 [slots, kvh, L_i] (`mmjax.models.text.kv_quant`: scores times the key scales, softmax
     weights times the value scales); lo, hi [b] int32: row i sees indexes [lo_i, hi_i) (clipped
     to the cache). Returns f32 [b, kvh, n, hd] = softmax(scale q K^T) V over those keys; zeros
-    for a row that sees nothing."""
+    for a row that sees nothing. pages: a paged cache's page table [cache rows >= b, max_pages]
+    int32 (kts / vs / scales then one pool segment each, [num_pages, ..., page_size, ...]; an
+    entry outside the pool reads its last page: only masked positions may map there)."""
     if not available():
         raise RuntimeError("mmjax's CPU kernels are unavailable (see the warning); use covers() first")
+    _check_paged(kts, pages)
     scales = None if scales is None else (list(scales[0]), list(scales[1]))
-    return _attend(qn, list(kts), list(vs), lo, hi, float(scale), scales)
+    return _attend(qn, list(kts), list(vs), lo, hi, float(scale), scales, pages)
 
 
 def write_reference(kts: list, vs: list, scales: tuple | None, k: jax.Array, v: jax.Array, new_scales: tuple | None,
-                    pos: jax.Array) -> tuple[list, list, tuple | None]:
+                    pos: jax.Array, pages: jax.Array | None = None) -> tuple[list, list, tuple | None]:
     """The cache after row i's new token is written at index pos_i of cache row i, in XLA ops
     (what `decode_attention_write` writes; its derivative rule and the tests' reference): k, v
     [b, kvh, hd] in the cache's dtype, new_scales (K, V) bf16 [b, kvh] for an int8 / fp8 cache;
-    an index outside the segments writes nothing. Returns (kts, vs, scales) as given."""
-    rows = jnp.arange(pos.shape[0])[:, None]
+    an index outside the segments writes nothing; pages: a paged cache's table, the token going
+    to (page, offset) `kv_cache.page_slots` (none: dropped). Returns (kts, vs, scales) as given."""
+    rows, pos = jnp.arange(pos.shape[0])[:, None], pos[:, None]
+    if pages is not None:
+        from mmjax.models.nn.kv_cache import page_slots
+        rows, pos = page_slots(pages, rows[:, 0], pos, vs[0].shape[2], vs[0].shape[0])
     one = lambda x: None if x is None else tuple(s[:, None] for s in x)          # noqa: E731
-    return kv_write_reference(kts, vs, scales, k[:, None], v[:, None], one(new_scales), rows, pos[:, None])
+    return kv_write_reference(kts, vs, scales, k[:, None], v[:, None], one(new_scales), rows, pos)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(9,))
-def _write_attend(qn, k, v, new_scales, kts, vs, scales, lo, hi, scale, pos):
+def _write_attend(qn, k, v, new_scales, kts, vs, scales, lo, hi, scale, pos, pages):
     target = _WRITE_TARGETS[jnp.dtype(kts[0].dtype)]
     segments = [*kts, *vs] + ([] if scales is None else [*scales[0], *scales[1]])
     news = [k, v] + ([] if new_scales is None else list(new_scales))
-    first = 4 + len(news)             # operand index of the first segment
+    table = _table(pages)
+    first = 4 + len(news) + len(table)             # operand index of the first segment
     out, *segs = jax.ffi.ffi_call(
         target, [jax.ShapeDtypeStruct(qn.shape, jnp.float32)] + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in segments],
         input_output_aliases={first + i: 1 + i for i in range(len(segments))}, vmap_method=VMAP)(
-        qn.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), pos.astype(jnp.int32), *news, *segments,
-        scale=np.float32(scale))
+        qn.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), pos.astype(jnp.int32), *news, *table,
+        *segments, scale=np.float32(scale))
     n = len(kts)
     return out, segs[:n], segs[n:2 * n], None if scales is None else (segs[2 * n:3 * n], segs[3 * n:])
 
 
 @_write_attend.defjvp
 def _write_attend_jvp(scale, primals, tangents):
-    def unfused(qn, k, v, new_scales, kts, vs, scales, lo, hi, pos):
-        kts, vs, scales = write_reference(kts, vs, scales, k, v, new_scales, pos)
-        return reference(qn, kts, vs, lo, hi, scale, scales), kts, vs, scales
+    def unfused(qn, k, v, new_scales, kts, vs, scales, lo, hi, pos, pages):
+        kts, vs, scales = write_reference(kts, vs, scales, k, v, new_scales, pos, pages)
+        return reference(qn, kts, vs, lo, hi, scale, scales, pages=pages), kts, vs, scales
     _, tangent = jax.jvp(unfused, primals, tangents)
-    return _write_attend(*primals[:9], scale, primals[9]), tangent
+    return _write_attend(*primals[:9], scale, *primals[9:]), tangent
 
 
 def decode_attention_write(qn: jax.Array, k: jax.Array, v: jax.Array, kts: list, vs: list, lo: jax.Array,
                            hi: jax.Array, pos: jax.Array, *, scale: float, scales: tuple | None = None,
-                           new_scales: tuple | None = None) -> tuple[jax.Array, list, list, tuple | None]:
+                           new_scales: tuple | None = None,
+                           pages: jax.Array | None = None) -> tuple[jax.Array, list, list, tuple | None]:
     """`decode_attention` after writing each row's new token into the cache, in the same call:
     k, v [b, kvh, hd] (the cache's dtype; an int8 / fp8 cache's new_scales: (K, V) bf16 [b, kvh])
-    go to cache index pos_i [b] of cache row i (nothing where pos_i is outside the segments), in
-    place: the segments are aliased to the results (a donated cache is updated without a copy).
-    Returns (out f32 [b, kvh, n, hd], kts, vs, scales) with the written segments. On the CPU this
-    replaces the step's scatter of every segment (a handful of small XLA ops per segment and
-    layer) with a store of the one position."""
+    go to cache index pos_i [b] of cache row i (nothing where pos_i is outside the segments, or
+    with `pages` outside the row's pages or on an unused entry), in place: the segments are aliased to the
+    results (a donated cache is updated without a copy). Returns (out f32 [b, kvh, n, hd], kts,
+    vs, scales) with the written segments. On the CPU this replaces the step's scatter of every
+    segment (a handful of small XLA ops per segment and layer) with a store of the one position."""
     if not available():
         raise RuntimeError("mmjax's CPU kernels are unavailable (see the warning); use covers() first")
+    _check_paged(kts, pages)
     scales = None if scales is None else (list(scales[0]), list(scales[1]))
     new_scales = None if new_scales is None else (new_scales[0], new_scales[1])
-    return _write_attend(qn, k, v, new_scales, list(kts), list(vs), scales, lo, hi, float(scale), pos)
+    return _write_attend(qn, k, v, new_scales, list(kts), list(vs), scales, lo, hi, float(scale), pos, pages)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
-def _prefill_attend(qn, kts, vs, lo, hi, slots, scale, scales):
+def _prefill_attend(qn, kts, vs, lo, hi, slots, scale, scales, pages):
     target = _PREFILL_TARGETS[jnp.dtype(kts[0].dtype)]
     extra = [] if scales is None else [*scales[0], *scales[1]]
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(qn.shape, jnp.float32), vmap_method=VMAP)(
-        qn.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), slots.astype(jnp.int32), *kts, *vs,
-        *extra, scale=np.float32(scale))
+        qn.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), slots.astype(jnp.int32), *_table(pages),
+        *kts, *vs, *extra, scale=np.float32(scale))
 
 
 @_prefill_attend.defjvp
 def _prefill_attend_jvp(scale, primals, tangents):
-    qn, kts, vs, lo, hi, slots, scales = primals
-    _, tangent = jax.jvp(lambda qn, kts, vs, scales: reference(qn, kts, vs, lo, hi, scale, scales, slots),
+    qn, kts, vs, lo, hi, slots, scales, pages = primals
+    _, tangent = jax.jvp(lambda qn, kts, vs, scales: reference(qn, kts, vs, lo, hi, scale, scales, slots, pages),
                          (qn, kts, vs, scales), (tangents[0], tangents[1], tangents[2], tangents[6]))
-    return _prefill_attend(qn, kts, vs, lo, hi, slots, scale, scales), tangent
+    return _prefill_attend(qn, kts, vs, lo, hi, slots, scale, scales, pages), tangent
 
 
 def prefill_attention(qn: jax.Array, kts: list, vs: list, lo: jax.Array, hi: jax.Array, slots: jax.Array, *,
-                      scale: float, scales: tuple | None = None) -> jax.Array:
+                      scale: float, scales: tuple | None = None, pages: jax.Array | None = None) -> jax.Array:
     """Attention of t new tokens per row, each query over its own keys of cache row slots_i:
     qn [b, kvh, t * g, hd] (query j is token j // g's), lo, hi [b, t] int32 (token j sees cache
-    indexes [lo_ij, hi_ij): causal, a sliding window), slots [b] int32 (outside the cache:
-    zeros); segments and scales as `decode_attention`. Returns f32 [b, kvh, t * g, hd]. One task
-    per (row, KV head, 8 queries; 6 on the AVX2 path): the prefill's attention without XLA's
-    per-segment conds, masks over the whole segment and full (non-causal) score blocks."""
+    indexes [lo_ij, hi_ij): causal, a sliding window), slots [b] int32 (outside the cache, or the
+    page table: zeros); segments, scales and pages as `decode_attention`. Returns f32 [b, kvh,
+    t * g, hd]. One task per (row, KV head, 8 queries; 6 on the AVX2 path): the prefill's
+    attention without XLA's per-segment conds, masks over the whole segment and full
+    (non-causal) score blocks."""
     if not available():
         raise RuntimeError("mmjax's CPU kernels are unavailable (see the warning); use covers() first")
+    _check_paged(kts, pages)
     scales = None if scales is None else (list(scales[0]), list(scales[1]))
-    return _prefill_attend(qn, list(kts), list(vs), lo, hi, slots, float(scale), scales)
+    return _prefill_attend(qn, list(kts), list(vs), lo, hi, slots, float(scale), scales, pages)
 
 
 def dense_covers(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:

@@ -134,7 +134,7 @@ class Attention(nnx.Module):
         # every segment: a handful of small XLA ops per segment and layer)
         if (k is not None and packing is None and not capture and self.softcap is None
                 and attention_kernel(q.shape[1], meta.slots, mask, kv["k"], kv["v"], layer_scales(kv), pages) == "cpu"):
-            return cpu_decode_write(q, k, v, kv, q_index[:, 0], meta.kv_len, mask, self.scale)
+            return cpu_decode_write(q, k, v, kv, q_index[:, 0], meta.kv_len, mask, self.scale, pages)
         if k is not None:
             kv = scatter_kv(kv, k, v, q_index, meta.write_rows, pages)
         scales = layer_scales(kv)

@@ -1,6 +1,6 @@
 """The KV cache and the attention over it (the code under `Attention`; nothing else reads it).
 
-Two layouts, one entry per layer that owns K/V:
+Three layouts, one entry per layer that owns K/V:
 
 - segments (full-attention and windowed layers): a {"k", "v"} dict holding the sequence axis cut
   into segments (`kv_segments`: on the CPU 256 positions each up to 1024, then doubling), K
@@ -16,6 +16,12 @@ Two layouts, one entry per layer that owns K/V:
   max_chunk - 1 positions (cache index i lives at i mod R), so a call writing max_chunk tokens
   still leaves every query its full window: memory O(window), not O(max_len) (`ring_key_index`,
   `ring_visible`, `ring_attention`).
+- paged (full-attention and windowed layers of a paged engine, serving/pages.py): the segments
+  layout with one segment whose rows are pages, K `[num_pages, kv_heads, head_dim, page_size]`,
+  V `[num_pages, kv_heads, page_size, head_dim]`, and the step's page table `[cache rows,
+  max_pages]` (AttentionMetadata.pages) saying which pages hold each cache row (`page_slots`,
+  `read_pages`). The CPU kernels read the table in place; XLA's path gathers runs of pages
+  (`page_cuts`).
 
 int8 / fp8 caches add per-(token, KV head) scales "k_scale" / "v_scale" (nn/kv_quant.py).
 """
@@ -149,9 +155,10 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
 
     pages: the page table [cache rows, max_pages] of a paged layer (kts / vs then hold the one
     page pool, K [num_pages, kv_heads, hd, page_size], V [num_pages, kv_heads, page_size, hd]):
-    the segments are runs of a row's pages (`page_cuts`), each gathered inside its lax.cond
-    branch, so only the pages below kv_len are read (the XLA path); on a GPU the paged Pallas
-    kernel reads the pool in place instead (`attention_kernel`: "gpu_paged").
+    the CPU kernels read each row's pages in place (`attention_kernel`: "cpu", "cpu_prefill"),
+    on a GPU the paged Pallas kernel ("gpu_paged"); XLA's path (the oracle) reads runs of a row's
+    pages (`page_cuts`), each gathered inside its lax.cond branch, so only the pages below kv_len
+    are read.
     """
     b, t, h, hd = q.shape
     kvh = kts[0].shape[1]
@@ -170,11 +177,12 @@ def cache_attention(q: jax.Array, kts: list, vs: list, q_index: jax.Array, kv_le
                               scales).reshape(b, 1, h, hd).astype(q.dtype)
     if kernel == "cpu":
         return _cpu_decode(qn, kts, vs, q_index[:, 0], kv_len, mask, scale,
-                           scales).reshape(b, 1, h, hd).astype(q.dtype)
+                           scales, pages).reshape(b, 1, h, hd).astype(q.dtype)
     if kernel == "cpu_prefill":
         lo, hi = _visible_range(q_index, kv_len, mask)
         out = cpu_attention.prefill_attention(qn, kts, vs, lo, hi, jnp.arange(b) if slots is None else slots,
-                                              scale=1 / np.sqrt(hd) if scale is None else scale, scales=scales)
+                                              scale=1 / np.sqrt(hd) if scale is None else scale, scales=scales,
+                                              pages=pages)
         return out.reshape(b, kvh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd).astype(q.dtype)
     if starts is None:
         starts = q_index[:, 0]
@@ -246,21 +254,21 @@ def attention_kernel(t: int, slots, mask: MaskSpec | None, kts: list, vs: list, 
     """Which kernel takes this attention (trace time); image runs (spans) always take XLA's
     per-segment path (None). A paged cache (`pages`) where Pallas kernels may run goes to
     "gpu_paged" (mmjax.attention.paged: decode and prefill chunks alike, each query over its
-    own causal / window / chunk range of its row's pages, read in place), else to XLA's path
-    (the CPU kernels read slot layouts). One new token per row over rows [0, b) (decode) of a
-    slot cache goes to "gpu", the ragged Pallas kernel (mmjax.attention.decode: no per-segment
-    lax.cond, which a GPU runs as a host sync per segment and layer), or "cpu"
-    (mmjax.kernels.cpu_attention) where one covers it; any other (prefill: several tokens per
-    row, rows in any slots) to "cpu_prefill", the CPU kernel with each query over its own
-    causal (window) range, where one covers it."""
+    own causal / window / chunk range of its row's pages, read in place). One new token per row
+    over rows [0, b) (decode) of a slot cache goes to "gpu", the ragged Pallas kernel
+    (mmjax.attention.decode: no per-segment lax.cond, which a GPU runs as a host sync per
+    segment and layer), or "cpu" (mmjax.kernels.cpu_attention) where one covers it; any other
+    (prefill: several tokens per row, rows in any slots) to "cpu_prefill", the CPU kernel with
+    each query over its own causal (window) range, where one covers it. On the CPU a paged
+    cache takes "cpu" / "cpu_prefill" the same way (the CPU kernels read the page table)."""
     from mmjax.attention.decode import supported
     from mmjax.backend import pallas_kernels_enabled
     if mask is not None and mask.spans is not None:
         return None
-    if pages is not None:
-        return "gpu_paged" if pallas_kernels_enabled() and supported(kts[0].shape[2]) else None
+    if pages is not None and pallas_kernels_enabled() and supported(kts[0].shape[2]):
+        return "gpu_paged"
     if t == 1 and slots is None:
-        if pallas_kernels_enabled() and supported(kts[0].shape[2]):
+        if pages is None and pallas_kernels_enabled() and supported(kts[0].shape[2]):
             return "gpu"
         return "cpu" if cpu_attention.covers(kts, vs, scales) else None
     return "cpu_prefill" if cpu_attention.covers(kts, vs, scales) else None
@@ -285,21 +293,23 @@ def first_visible(q_pos: jax.Array, mask: MaskSpec | None) -> jax.Array:
 
 
 def _cpu_decode(qn: jax.Array, kts: list, vs: list, q_pos: jax.Array, kv_len, mask: MaskSpec | None,
-                scale: float | None, scales: tuple | None = None) -> jax.Array:
-    """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented cache through the
-    CPU kernel (mmjax.kernels.cpu_attention), each row over `_visible_range` -> [b, kvh, g, hd]
-    float32. scales: an int8 / fp8 cache's (K, V) scale segments."""
+                scale: float | None, scales: tuple | None = None, pages: jax.Array | None = None) -> jax.Array:
+    """qn [b, kvh, g, hd] (one token per row) over rows [0, b) of the segmented (or paged: the
+    page table `pages`) cache through the CPU kernel (mmjax.kernels.cpu_attention), each row over
+    `_visible_range` -> [b, kvh, g, hd] float32. scales: an int8 / fp8 cache's (K, V) scale segments."""
     lo, hi = _visible_range(q_pos, kv_len, mask)
     return cpu_attention.decode_attention(qn, kts, vs, lo, hi, scale=1 / np.sqrt(qn.shape[-1]) if scale is None else scale,
-                                          scales=scales)
+                                          scales=scales, pages=pages)
 
 
 def cpu_decode_write(q: jax.Array, k: jax.Array, v: jax.Array, kv: dict, q_pos: jax.Array, kv_len,
-                     mask: MaskSpec | None, scale: float | None = None) -> tuple[jax.Array, dict]:
+                     mask: MaskSpec | None, scale: float | None = None,
+                     pages: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """A decode layer's cache write and attention in one CPU kernel call: q [b, 1, h, hd], the
     new k, v [b, 1, kv_heads, hd] written at cache index q_pos [b] of cache rows [0, b) (as
-    `scatter_kv`: quantized on write for an int8 / fp8 cache), then attended as `_cpu_decode`
-    -> (attention [b, 1, h, hd] in q's dtype, the layer's updated cache dict)."""
+    `scatter_kv`: quantized on write for an int8 / fp8 cache; a paged layer's through its page
+    table `pages`), then attended as `_cpu_decode` -> (attention [b, 1, h, hd] in q's dtype, the
+    layer's updated cache dict)."""
     b, _, h, hd = q.shape
     kvh = kv["k"][0].shape[1]
     kq, vq, ks, vs = quantize_kv(kv, k, v)
@@ -307,7 +317,7 @@ def cpu_decode_write(q: jax.Array, k: jax.Array, v: jax.Array, kv: dict, q_pos: 
     out, kts, vss, scales = cpu_attention.decode_attention_write(
         q.reshape(b, kvh, h // kvh, hd), kq[:, 0], vq[:, 0], kv["k"], kv["v"], lo, hi, q_pos,
         scale=1 / np.sqrt(hd) if scale is None else scale,
-        scales=layer_scales(kv), new_scales=None if ks is None else (ks[:, 0], vs[:, 0]))
+        scales=layer_scales(kv), new_scales=None if ks is None else (ks[:, 0], vs[:, 0]), pages=pages)
     new = {"k": kts, "v": vss}
     if scales is not None:
         new["k_scale"], new["v_scale"] = scales
