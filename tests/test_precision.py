@@ -394,11 +394,11 @@ def test_cpu_decode_step_writes_the_cache_in_the_attention_kernel(llava_dirs):
     # kernel), then the attention kernel
     from mmjax.models.nn import attention, kv_cache
 
-    def scatter_then_attend(q, k, v, kv, q_pos, kv_len, mask, scale=None):
+    def scatter_then_attend(q, k, v, kv, q_pos, kv_len, mask, scale=None, pages=None):
         with patch.object(kv_cache.cpu_library, "enabled", lambda: False):
-            kv = kv_cache.scatter_kv(kv, k, v, q_pos[:, None], jnp.arange(q.shape[0]))
+            kv = kv_cache.scatter_kv(kv, k, v, q_pos[:, None], jnp.arange(q.shape[0]), pages)
         return kv_cache.cache_attention(q, kv["k"], kv["v"], q_pos[:, None], kv_len, mask=mask, reduce_small=True,
-                                        scale=scale), kv
+                                        scale=scale, pages=pages), kv
     runner = _runner(load_model(llava_dirs["gqa"], "float32"))
     seg_shapes = {tuple(x.shape) for x in jax.tree.leaves(runner.cache)}
     with patch.object(attention, "cpu_decode_write", scatter_then_attend):

@@ -118,7 +118,7 @@ class ModelRunner(HostBatching, MemoryPlanning, AheadOfTime):
         # the paged cache: a pool of num_pages pages of page_size positions for the layers that
         # grow with the sequence, each slot's pages in the decode state's page table
         if page_size is None:
-            page_size = self.tuning.page_size
+            page_size = self.tuning.page_size if lm.pages_by_default else 0
         self.paged = bool(page_size) and lm.pages_kv
         self.page_size = min(page_size, max_model_len) if self.paged else 0
         self.max_pages = -(-max_model_len // self.page_size) if self.paged else 0

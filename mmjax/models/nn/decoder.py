@@ -92,6 +92,14 @@ class Decoder(nnx.Module):
         cross-attention cache)."""
         return True
 
+    @property
+    def pages_by_default(self) -> bool:
+        """Page this decoder's cache when the backend pages by default (`Tuning.page_size`), not
+        only when asked (`page_size=N`). False where pages do not yet save memory over the slot
+        layout: a sliding-window ring is window-sized while paged sliding layers keep their pages
+        below the window (no recycling yet); Mllama's cross-attention K/V stays a row per slot."""
+        return self.pages_kv
+
     def copy_pages(self, cache: Cache, src: jax.Array, dst: jax.Array) -> Cache:
         """A paged cache with page src copied into page dst (a forked sibling's partial page):
         every leaf of a paged cache has the page axis first (default); a decoder whose cache

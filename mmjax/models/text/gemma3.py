@@ -201,6 +201,12 @@ class Gemma3TextModel(Decoder):
     def layer_rope(self, i: int, rope: dict):
         return rope[self.config.layer_types[i]]
 
+    @property
+    def pages_by_default(self) -> bool:
+        """Slot rows unless asked: the sliding layers' ring is window-sized, their pages are not
+        recycled below the window yet (`Decoder.pages_by_default`)."""
+        return False
+
     def min_resume(self, held_len: int, max_chunk: int) -> int:
         """A row holding `held_len` positions of a cache built for `max_chunk` keeps, in each ring,
         the window before any prefix p >= held_len - max_chunk (later writes reach back at most

@@ -278,6 +278,12 @@ class MllamaTextModel(Decoder):
         return self.embed(ids), {}
 
     # ---- the cache -----------------------------------------------------------------------------
+    @property
+    def pages_by_default(self) -> bool:
+        """Slot rows unless asked: the cross-attention K/V stays a row per slot
+        (`Decoder.pages_by_default`)."""
+        return False
+
     def cache_layers(self) -> tuple[int, ...]:
         """The self-attention layers (the "self" cache entries, in order)."""
         return tuple(i for i in range(self.num_layers) if i not in self.cross_layers)
